@@ -1,0 +1,140 @@
+// The memory layer: a counting CPU allocator with a budget, and CUDA cache/stats through
+// c10's device-allocator interface (so no CUDA headers are needed to build).
+#include "oomguard.h"
+
+#include <c10/core/AllocatorConfig.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/util/Exception.h>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <mutex>
+#include <string>
+
+namespace {
+
+using oomguard::guarded;
+
+std::atomic<int64_t> g_live{0};
+std::atomic<int64_t> g_peak{0};
+std::atomic<int64_t> g_budget{-1};
+std::atomic<int64_t> g_ooms{0};
+
+// The size lives in a header before the data. The header keeps the base allocator's
+// 64-byte alignment, and data doubles as the DataPtr's context: oneDNN's raw_allocate
+// requires data == context.
+constexpr size_t kHeader = 64;
+
+class CountingAllocator final : public c10::Allocator {
+ public:
+  explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
+
+  c10::DataPtr allocate(size_t n) override {
+    const int64_t want = static_cast<int64_t>(n);
+    int64_t live = g_live.load();
+    for (;;) {
+      const int64_t budget = g_budget.load();
+      if (budget >= 0 && live + want > budget) {
+        g_ooms.fetch_add(1);
+        TORCH_CHECK_WITH(OutOfMemoryError, false,
+                         "oomguard memory budget exceeded: tried to allocate ", n,
+                         " bytes with ", live, " bytes in use of a budget of ", budget,
+                         " bytes (", budget - live, " bytes free)");
+      }
+      if (g_live.compare_exchange_weak(live, live + want)) break;
+    }
+    int64_t peak = g_peak.load();
+    while (live + want > peak && !g_peak.compare_exchange_weak(peak, live + want)) {
+    }
+    void* base = base_->raw_allocate(n + kHeader);
+    *static_cast<size_t*>(base) = n;
+    void* data = static_cast<char*>(base) + kHeader;
+    return {data, data, &CountingAllocator::free, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &CountingAllocator::free; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+ private:
+  static void free(void* data) {
+    if (!data) return;
+    void* base = static_cast<char*>(data) - kHeader;
+    g_live.fetch_sub(static_cast<int64_t>(*static_cast<size_t*>(base)));
+    instance_base()->raw_deallocate(base);
+  }
+  static c10::Allocator*& instance_base() {
+    static c10::Allocator* base = nullptr;
+    return base;
+  }
+  c10::Allocator* base_;
+  friend void install_counting();
+};
+
+void install_counting() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    c10::Allocator* base = c10::GetCPUAllocator();
+    CountingAllocator::instance_base() = base;
+    static CountingAllocator counting(base);
+    c10::SetCPUAllocator(&counting, /*priority=*/100);
+  });
+}
+
+c10::DeviceAllocator* cuda_allocator() {
+  return c10::getDeviceAllocator(c10::DeviceType::CUDA);
+}
+
+}  // namespace
+
+extern "C" {
+
+void og_free(char* msg) { std::free(msg); }
+
+void og_cpu_install() { install_counting(); }
+void og_cpu_set_budget(int64_t bytes) { g_budget.store(bytes); }
+int64_t og_cpu_budget() { return g_budget.load(); }
+int64_t og_cpu_live_bytes() { return g_live.load(); }
+int64_t og_cpu_peak_bytes() { return g_peak.load(); }
+void og_cpu_reset_peak() { g_peak.store(g_live.load()); }
+int64_t og_cpu_num_ooms() { return g_ooms.load(); }
+
+void og_clear_grad(void* tensor) {
+  static_cast<torch::Tensor*>(tensor)->mutable_grad().reset();
+}
+
+int og_cuda_available() { return torch::cuda::is_available() ? 1 : 0; }
+
+char* og_cuda_empty_cache() {
+  return guarded([] { cuda_allocator()->emptyCache(); });
+}
+
+char* og_cuda_stats(int device, int64_t* out) {
+  return guarded([&] {
+    auto* a = cuda_allocator();
+    const auto idx = static_cast<c10::DeviceIndex>(device);
+    const auto s = a->getDeviceStats(idx);
+    constexpr size_t agg = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    const auto [free, total] = a->getMemoryInfo(idx);
+    out[0] = s.allocated_bytes[agg].current;
+    out[1] = s.reserved_bytes[agg].current;
+    out[2] = s.allocated_bytes[agg].peak;
+    out[3] = s.num_alloc_retries;
+    out[4] = s.num_ooms;
+    out[5] = static_cast<int64_t>(free);
+    out[6] = static_cast<int64_t>(total);
+  });
+}
+
+char* og_cuda_reset_peak(int device) {
+  return guarded([&] { cuda_allocator()->resetPeakStats(static_cast<c10::DeviceIndex>(device)); });
+}
+
+char* og_set_allocator_settings(const char* settings) {
+  return guarded([&] { c10::CachingAllocator::setAllocatorSettings(settings); });
+}
+
+}  // extern "C"

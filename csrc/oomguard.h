@@ -1,0 +1,58 @@
+// C ABI between csrc/ and src/memory, src/optim. Tensors are tch's C_tensor, a torch::Tensor*.
+// Functions that can fail return NULL on success or a malloc'd message (free with og_free).
+#pragma once
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+
+extern "C" {
+void og_free(char* msg);
+
+// Counting CPU allocator with an optional budget (bytes; < 0 means none).
+void og_cpu_install();
+void og_cpu_set_budget(int64_t bytes);
+int64_t og_cpu_budget();
+int64_t og_cpu_live_bytes();
+int64_t og_cpu_peak_bytes();
+void og_cpu_reset_peak();
+int64_t og_cpu_num_ooms();
+
+// Gradients: drop them (grad = undefined), so a failed step's memory goes back.
+void og_clear_grad(void* tensor);
+
+// CUDA, through c10's device-allocator interface (no CUDA headers needed).
+int og_cuda_available();
+char* og_cuda_empty_cache();
+// out: allocated, reserved, peak_allocated, num_alloc_retries, num_ooms, free, total
+char* og_cuda_stats(int device, int64_t* out);
+char* og_cuda_reset_peak(int device);
+char* og_cuda_set_memory_fraction(int device, double fraction);
+char* og_set_allocator_settings(const char* settings);
+
+// Optimiser (csrc/optim.cpp): one fused AdamW update over a parameter group.
+char* og_adamw_step(void** params, void** exp_avgs, void** exp_avg_sqs, void** steps, int n,
+                    double lr, double beta1, double beta2, double weight_decay, double eps);
+char* og_clip_grad_norm(void** params, int n, double max_norm, double* total_norm);
+}
+
+namespace oomguard {
+// Runs f, turning a C++ exception (c10::OutOfMemoryError included) into a message for Rust.
+template <typename F>
+char* guarded(F&& f) {
+  auto dup = [](const char* m) {
+    size_t n = std::strlen(m) + 1;
+    char* out = static_cast<char*>(std::malloc(n));
+    if (out) std::memcpy(out, m, n);
+    return out;
+  };
+  try {
+    f();
+    return nullptr;
+  } catch (const std::exception& e) {
+    return dup(e.what());
+  } catch (...) {
+    return dup("unknown C++ exception");
+  }
+}
+}  // namespace oomguard

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs what oomguard needs to build, once per machine, into a cache keyed by version:
+# PyTorch from PyPI (the only source of libtorch 2.13 here) in its own venv, and the Debian
+# packages the build needs. Links the cache's torch into ./.libtorch for .cargo/config.toml.
+set -euo pipefail
+
+TORCH_VERSION=2.13.0
+CACHE="${OOMGUARD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/oomguard}"
+VENV="$CACHE/torch-$TORCH_VERSION"
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+
+say() { echo "setup: $*" >&2; }
+
+apt_install() {  # apt_install PACKAGE CHECK_PATH
+  [ -e "$2" ] && return 0
+  say "installing Debian package $1"
+  local sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
+  $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$1" >/dev/null
+}
+
+install_torch() {
+  mkdir -p "$CACHE"
+  exec 9>"$CACHE/.lock"
+  flock 9  # two clones setting up at once share one install
+  [ -f "$VENV/.complete" ] && return 0
+  rm -rf "$VENV"
+  say "installing torch==$TORCH_VERSION from PyPI into $VENV (about 5 GB, once per machine)"
+  python3 -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir "torch==$TORCH_VERSION" numpy
+  touch "$VENV/.complete"
+}
+
+install_torch
+TORCH_DIR="$("$VENV/bin/python" -c 'import torch, os; print(os.path.dirname(torch.__file__))')"
+ln -sfn "$TORCH_DIR" "$ROOT/.libtorch"
+ln -sfn "$VENV" "$ROOT/.venv"
+say "libtorch $TORCH_VERSION at $TORCH_DIR"

@@ -1,0 +1,196 @@
+//! Configuration in two stages: `RawConfig` is what the YAML says (serde, unknown keys
+//! refused); `Config` is the validated runtime config the trainer uses. Each component owns
+//! its section's struct and its checks.
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use crate::checkpoint::CheckpointConfig;
+use crate::data::DataConfig;
+use crate::memory::MemoryConfig;
+use crate::metrics::LogConfig;
+use crate::model::GptConfig;
+use crate::optim::OptimConfig;
+use crate::train::TrainConfig;
+
+/// A config file exactly as written: every section optional, every key known.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawConfig {
+    pub model: GptConfig,
+    pub data: DataConfig,
+    pub optim: OptimConfig,
+    pub train: TrainConfig,
+    pub memory: MemoryConfig,
+    pub checkpoint: CheckpointConfig,
+    pub log: LogConfig,
+}
+
+/// The validated configuration of a run.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub raw: RawConfig,
+    /// The file it came from (relative data paths are resolved against its folder).
+    pub path: PathBuf,
+}
+
+/// A bad config: where it is, which key, and what would be valid.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub struct ConfigError {
+    /// The file, or `--set ...` for an override.
+    pub origin: String,
+    pub line_col: Option<(usize, usize)>,
+    pub key: String,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.origin)?;
+        if let Some((l, c)) = self.line_col {
+            write!(f, ":{l}:{c}")?;
+        }
+        if self.key.is_empty() {
+            write!(f, ": {}", self.message)
+        } else {
+            write!(f, ": {}: {}", self.key, self.message)
+        }
+    }
+}
+
+impl ConfigError {
+    /// An invalid value for `key` (a section-qualified path such as `train.max_steps`).
+    pub fn invalid(key: &str, message: impl Into<String>) -> Self {
+        ConfigError { origin: String::new(), line_col: None, key: key.into(), message: message.into() }
+    }
+}
+
+/// Reads, overrides (`key.path=value`) and validates a config file.
+pub fn load(path: &Path, overrides: &[String]) -> Result<Config, ConfigError> {
+    let origin = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+        origin: origin.clone(),
+        line_col: None,
+        key: String::new(),
+        message: format!("cannot read the config file: {e}"),
+    })?;
+    // The file alone first, so that its errors point at its lines.
+    let mut value: serde_yaml::Value = serde_yaml::from_str(&text).map_err(|e| yaml_error(&origin, e))?;
+    if value.is_null() {
+        value = serde_yaml::Value::Mapping(Default::default());
+    }
+    let _: RawConfig = serde_yaml::from_value(value.clone()).map_err(|e| yaml_error(&origin, e))?;
+    for o in overrides {
+        let set_origin = format!("--set {o}");
+        apply_override(&mut value, o).map_err(|m| ConfigError {
+            origin: set_origin.clone(), line_col: None, key: String::new(), message: m,
+        })?;
+        let _: RawConfig = serde_yaml::from_value(value.clone()).map_err(|e| yaml_error(&set_origin, e))?;
+    }
+    let raw: RawConfig = serde_yaml::from_value(value).map_err(|e| yaml_error(&origin, e))?;
+    raw.validate().map_err(|e| ConfigError { origin, ..e })?;
+    Ok(Config { raw, path: path.to_path_buf() })
+}
+
+impl RawConfig {
+    /// Checks that span sections, then each section's own.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.model.validate()?;
+        self.data.validate()?;
+        self.optim.validate()?;
+        self.train.validate()?;
+        self.memory.validate()?;
+        self.checkpoint.validate()?;
+        self.log.validate()?;
+        if self.data.source == crate::data::DataSource::Text && self.model.vocab_size < 256 {
+            return Err(ConfigError::invalid(
+                "model.vocab_size",
+                format!("is {} but byte-level text needs 256; set model.vocab_size: 256", self.model.vocab_size),
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn yaml_error(origin: &str, e: serde_yaml::Error) -> ConfigError {
+    let line_col = e.location().map(|l| (l.line(), l.column()));
+    let mut message = e.to_string().replace("unknown field", "unknown key");
+    if let Some(i) = message.rfind(" at line ") {
+        message.truncate(i);
+    }
+    // serde_yaml prefixes the path (`model: ...`); keep it as the key.
+    let (key, message) = match message.split_once(": ") {
+        Some((k, m)) if !k.contains(' ') => (k.to_string(), m.to_string()),
+        _ => (String::new(), message),
+    };
+    ConfigError { origin: origin.to_string(), line_col, key, message }
+}
+
+/// Sets `a.b.c` to `value`, parsed as a YAML scalar (`10` is a number, `true` a bool).
+fn apply_override(root: &mut serde_yaml::Value, assignment: &str) -> Result<(), String> {
+    let (path, raw_value) = assignment
+        .split_once('=')
+        .ok_or_else(|| "expected key.path=value, e.g. --set train.max_steps=100".to_string())?;
+    let parsed: serde_yaml::Value = serde_yaml::from_str(raw_value)
+        .unwrap_or_else(|_| serde_yaml::Value::String(raw_value.to_string()));
+    let mut node = root;
+    let parts: Vec<&str> = path.trim().split('.').collect();
+    if parts.iter().any(|p| p.is_empty()) {
+        return Err(format!("`{path}` is not a key path; expected e.g. model.n_layer"));
+    }
+    for (i, part) in parts.iter().enumerate() {
+        let map = node
+            .as_mapping_mut()
+            .ok_or_else(|| format!("`{}` is not a section", parts[..i].join(".")))?;
+        let key = serde_yaml::Value::String(part.to_string());
+        if i + 1 == parts.len() {
+            map.insert(key, parsed);
+            return Ok(());
+        }
+        node = map.entry(key).or_insert_with(|| serde_yaml::Value::Mapping(Default::default()));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load_str(yaml: &str, overrides: &[&str]) -> Result<Config, ConfigError> {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.yaml");
+        std::fs::write(&p, yaml).unwrap();
+        let o: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        load(&p, &o)
+    }
+
+    #[test]
+    fn unknown_key_names_file_line_key_and_choices() {
+        let e = load_str("model:\n  n_layer: 2\n  n_layerz: 3\n", &[]).unwrap_err();
+        assert_eq!(e.line_col.map(|l| l.0), Some(3));
+        assert_eq!(e.key, "model");
+        assert!(e.message.contains("unknown key `n_layerz`, expected one of"), "{e}");
+        assert!(e.message.contains("`n_head`"), "{e}");
+    }
+
+    #[test]
+    fn wrong_type_and_bad_value() {
+        let e = load_str("train:\n  max_steps: lots\n", &[]).unwrap_err();
+        assert_eq!(e.key, "train.max_steps");
+        assert!(e.message.contains("invalid type"), "{e}");
+        let e = load_str("model:\n  n_embd: 100\n  n_head: 3\n", &[]).unwrap_err();
+        assert_eq!(e.key, "model.n_embd");
+    }
+
+    #[test]
+    fn overrides_are_typed_and_validated() {
+        let c = load_str("train:\n  max_steps: 5\n", &["train.max_steps=7", "model.bias=false"]).unwrap();
+        assert_eq!(c.raw.train.max_steps, 7);
+        assert!(!c.raw.model.bias);
+        let e = load_str("", &["model.n_layerz=3"]).unwrap_err();
+        assert_eq!(e.origin, "--set model.n_layerz=3");
+        assert!(e.message.contains("unknown key `n_layerz`"), "{e}");
+        let e = load_str("", &["train.micro_batch_size=0"]).unwrap_err();
+        assert_eq!(e.key, "train.micro_batch_size");
+    }
+}

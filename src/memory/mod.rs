@@ -1,0 +1,198 @@
+//! Safe API over csrc/memory.cpp: the counting CPU allocator and its budget, CUDA cache and
+//! statistics, and byte sizes as users write them.
+use std::ffi::{c_char, c_void, CStr};
+use tch::{Device, TchError, Tensor};
+
+mod config;
+pub use config::MemoryConfig;
+
+mod ffi {
+    use std::ffi::{c_char, c_int, c_void};
+    extern "C" {
+        pub fn og_free(msg: *mut c_char);
+        pub fn og_cpu_install();
+        pub fn og_cpu_set_budget(bytes: i64);
+        pub fn og_cpu_budget() -> i64;
+        pub fn og_cpu_live_bytes() -> i64;
+        pub fn og_cpu_peak_bytes() -> i64;
+        pub fn og_cpu_reset_peak();
+        pub fn og_clear_grad(tensor: *mut c_void);
+        pub fn og_cuda_available() -> c_int;
+        pub fn og_cuda_empty_cache() -> *mut c_char;
+        pub fn og_cuda_stats(device: c_int, out: *mut i64) -> *mut c_char;
+        pub fn og_cuda_reset_peak(device: c_int) -> *mut c_char;
+        pub fn og_set_allocator_settings(settings: *const c_char) -> *mut c_char;
+    }
+}
+
+/// Turns a message returned by csrc/ into a `TchError`, so that OOM classification sees
+/// errors from our C++ exactly as it sees tch's.
+pub(crate) fn check(msg: *mut c_char) -> Result<(), TchError> {
+    if msg.is_null() {
+        return Ok(());
+    }
+    // SAFETY: a non-null return is a NUL-terminated string malloc'd by csrc/, ours to free.
+    let text = unsafe { CStr::from_ptr(msg) }.to_string_lossy().into_owned();
+    unsafe { ffi::og_free(msg) };
+    Err(TchError::Torch(text))
+}
+
+/// Routes every CPU tensor allocation through the counting allocator. Call it before the
+/// first allocation that should be counted; later calls do nothing.
+pub fn install_cpu_allocator() {
+    unsafe { ffi::og_cpu_install() }
+}
+
+/// Sets (or with `None` removes) the CPU memory budget in bytes. Allocations that would
+/// cross it fail with an out-of-memory error.
+pub fn set_cpu_budget(bytes: Option<u64>) {
+    unsafe { ffi::og_cpu_set_budget(bytes.map_or(-1, |b| b.min(i64::MAX as u64) as i64)) }
+}
+
+pub fn cpu_budget() -> Option<u64> {
+    u64::try_from(unsafe { ffi::og_cpu_budget() }).ok()
+}
+
+/// Bytes of CPU tensor memory alive now (counted since `install_cpu_allocator`).
+pub fn cpu_live_bytes() -> u64 {
+    unsafe { ffi::og_cpu_live_bytes() }.max(0) as u64
+}
+
+pub fn cpu_peak_bytes() -> u64 {
+    unsafe { ffi::og_cpu_peak_bytes() }.max(0) as u64
+}
+
+pub fn reset_cpu_peak() {
+    unsafe { ffi::og_cpu_reset_peak() }
+}
+
+/// Drops a tensor's gradient (grad = None), returning its memory.
+pub fn clear_grad(t: &Tensor) {
+    // SAFETY: tch's C_tensor is a torch::Tensor*, which og_clear_grad takes.
+    unsafe { ffi::og_clear_grad(t.as_ptr() as *mut c_void) }
+}
+
+pub fn cuda_available() -> bool {
+    unsafe { ffi::og_cuda_available() != 0 }
+}
+
+/// Releases the CUDA caching allocator's unused blocks. Nothing to do on the CPU.
+pub fn empty_cache(device: Device) -> Result<(), TchError> {
+    match device {
+        Device::Cuda(_) => check(unsafe { ffi::og_cuda_empty_cache() }),
+        _ => Ok(()),
+    }
+}
+
+/// Applies caching-allocator settings (`key:value,...`) inside libtorch.
+pub fn set_allocator_settings(settings: &str) -> Result<(), TchError> {
+    let c = std::ffi::CString::new(settings).map_err(|e| TchError::Convert(e.to_string()))?;
+    check(unsafe { ffi::og_set_allocator_settings(c.as_ptr()) })
+}
+
+/// Memory figures for one device, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct MemoryStats {
+    /// Tensor memory alive now.
+    pub live_bytes: u64,
+    /// Highest `live_bytes` since the last reset.
+    pub peak_bytes: u64,
+    /// Held by the caching allocator (CUDA), or the budget's size (CPU), if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reserved_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub limit_bytes: Option<u64>,
+    /// CUDA allocator retries (cache flushes after a failed cudaMalloc), cumulative.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub alloc_retries: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_free_bytes: Option<u64>,
+}
+
+pub fn stats(device: Device) -> MemoryStats {
+    match device {
+        Device::Cuda(i) => cuda_stats(i).unwrap_or_default(),
+        _ => MemoryStats {
+            live_bytes: cpu_live_bytes(),
+            peak_bytes: cpu_peak_bytes(),
+            limit_bytes: cpu_budget(),
+            ..Default::default()
+        },
+    }
+}
+
+fn cuda_stats(index: usize) -> Result<MemoryStats, TchError> {
+    let mut out = [0i64; 7];
+    check(unsafe { ffi::og_cuda_stats(index as i32, out.as_mut_ptr()) })?;
+    let u = |v: i64| v.max(0) as u64;
+    Ok(MemoryStats {
+        live_bytes: u(out[0]),
+        reserved_bytes: Some(u(out[1])),
+        peak_bytes: u(out[2]),
+        alloc_retries: Some(u(out[3])),
+        device_free_bytes: Some(u(out[5])),
+        limit_bytes: Some(u(out[6])),
+    })
+}
+
+pub fn reset_peak(device: Device) {
+    match device {
+        Device::Cuda(i) => {
+            let _ = check(unsafe { ffi::og_cuda_reset_peak(i as i32) });
+        }
+        _ => reset_cpu_peak(),
+    }
+}
+
+/// Bytes per unit: `B`, `KB`/`KiB`, `MB`/`MiB`, `GB`/`GiB`, `TB`/`TiB` (case-insensitive;
+/// both spellings are binary, as in libtorch's messages).
+pub fn unit_multiplier(unit: &str) -> Option<u64> {
+    let shift = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        _ => return None,
+    };
+    Some(1u64 << shift)
+}
+
+/// Parses a size such as `2GiB`, `512 MiB`, `1.5G` or `1048576`.
+pub fn parse_size(text: &str) -> Option<u64> {
+    let t = text.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let value: f64 = t[..split].parse().ok()?;
+    let bytes = value * unit_multiplier(t[split..].trim())? as f64;
+    (bytes.is_finite() && bytes >= 0.0).then_some(bytes.round() as u64)
+}
+
+/// `1.5 GiB`-style text for logs.
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < UNITS.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 { format!("{bytes} B") } else { format!("{v:.1} {}", UNITS[i]) }
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("2GiB"), Some(2 << 30));
+        assert_eq!(parse_size("512 MiB"), Some(512 << 20));
+        assert_eq!(parse_size("1.5G"), Some(3 << 29));
+        assert_eq!(parse_size("4096"), Some(4096));
+        assert_eq!(parse_size("12 parsecs"), None);
+        assert_eq!(parse_size("-1GiB"), None);
+        assert_eq!(human_bytes(3 << 29), "1.5 GiB");
+    }
+}

@@ -1,0 +1,117 @@
+//! metrics.jsonl (one JSON object per line, flushed as written, so a crash loses nothing
+//! already recorded), the `log` section, and the run's log file.
+use serde::{Deserialize, Serialize};
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+use std::sync::Mutex;
+
+use crate::config::ConfigError;
+use crate::error::{Error, Result};
+use crate::memory::MemoryStats;
+
+/// The `log` section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogConfig {
+    /// A progress line every this many steps.
+    pub every: u64,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig { every: 10 }
+    }
+}
+
+impl LogConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.every == 0 {
+            return Err(ConfigError::invalid("log.every", "is 0; it must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+/// `{"event":"step", ...}`: one per optimizer step.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StepRecord {
+    pub step: u64,
+    pub loss: f64,
+    pub lr: f64,
+    pub grad_norm: f64,
+    pub tokens_per_s: f64,
+    pub micro_batch_size: usize,
+    pub grad_accum_steps: usize,
+    pub step_time_s: f64,
+    pub elapsed_s: f64,
+    pub memory: MemoryStats,
+}
+
+/// `{"event":"eval", ...}`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EvalRecord {
+    pub step: u64,
+    pub val_loss: f64,
+    pub eval_batch_size: usize,
+}
+
+/// Every line of metrics.jsonl, tagged by `event`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Record {
+    Step(StepRecord),
+    Eval(EvalRecord),
+}
+
+pub struct MetricsWriter {
+    out: BufWriter<File>,
+    path: String,
+}
+
+impl MetricsWriter {
+    /// Appends to `dir/metrics.jsonl`.
+    pub fn open(dir: &Path) -> Result<MetricsWriter> {
+        let path = dir.join("metrics.jsonl");
+        let file = std::fs::OpenOptions::new().create(true).append(true).open(&path);
+        let file = file.map_err(|e| Error::io(format!("cannot open {}", path.display()), e))?;
+        Ok(MetricsWriter { out: BufWriter::new(file), path: path.display().to_string() })
+    }
+
+    pub fn write(&mut self, record: &Record) -> Result<()> {
+        let line = serde_json::to_string(record).map_err(|e| Error::Data(format!("cannot encode a metrics record: {e}")))?;
+        writeln!(self.out, "{line}")
+            .and_then(|_| self.out.flush())
+            .map_err(|e| Error::io(format!("cannot write {}", self.path), e))
+    }
+}
+
+/// The run's log file, set once the run directory is known; tracing writes to it.
+static LOG_FILE: Mutex<Option<File>> = Mutex::new(None);
+
+pub fn set_log_file(path: &Path) -> Result<()> {
+    let f = std::fs::OpenOptions::new().create(true).append(true).open(path);
+    let f = f.map_err(|e| Error::io(format!("cannot open log file {}", path.display()), e))?;
+    if let Ok(mut slot) = LOG_FILE.lock() {
+        *slot = Some(f);
+    }
+    Ok(())
+}
+
+/// A `tracing_subscriber` writer into the run's log file (a sink until one is set).
+pub struct LogFileWriter;
+
+impl Write for LogFileWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match LOG_FILE.lock().ok().as_mut().and_then(|s| s.as_mut()) {
+            Some(f) => f.write(buf),
+            None => Ok(buf.len()),
+        }
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        match LOG_FILE.lock().ok().as_mut().and_then(|s| s.as_mut()) {
+            Some(f) => f.flush(),
+            None => Ok(()),
+        }
+    }
+}

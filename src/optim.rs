@@ -1,0 +1,168 @@
+//! AdamW with parameter groups (no weight decay on biases, norms and embeddings), the LR
+//! schedule and gradient clipping. The update is one fused libtorch kernel per group
+//! (csrc/optim.cpp) and every call is fallible: an OOM in the optimiser is an `Err`.
+use serde::{Deserialize, Serialize};
+use std::ffi::{c_char, c_void};
+use tch::{nn::VarStore, Kind, TchError, Tensor};
+
+use crate::config::ConfigError;
+use crate::memory::{check, clear_grad};
+
+extern "C" {
+    fn og_adamw_step(
+        params: *const *mut c_void, exp_avgs: *const *mut c_void, exp_avg_sqs: *const *mut c_void,
+        steps: *const *mut c_void, n: i32, lr: f64, beta1: f64, beta2: f64, weight_decay: f64, eps: f64,
+    ) -> *mut c_char;
+    fn og_clip_grad_norm(params: *const *mut c_void, n: i32, max_norm: f64, total_norm: *mut f64) -> *mut c_char;
+}
+
+/// The `optim` section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OptimConfig {
+    pub lr: f64,
+    pub min_lr: f64,
+    pub warmup_steps: u64,
+    /// Steps of cosine decay from `lr` to `min_lr`; defaults to `train.max_steps`.
+    pub decay_steps: Option<u64>,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// Clip the global gradient norm to this (0 disables).
+    pub grad_clip: f64,
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        OptimConfig {
+            lr: 1e-3, min_lr: 1e-4, warmup_steps: 20, decay_steps: None, weight_decay: 0.1,
+            beta1: 0.9, beta2: 0.95, eps: 1e-8, grad_clip: 1.0,
+        }
+    }
+}
+
+impl OptimConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let positive = [("optim.lr", self.lr), ("optim.eps", self.eps)];
+        for (k, v) in positive {
+            if !(v > 0.0 && v.is_finite()) {
+                return Err(ConfigError::invalid(k, format!("is {v}; it must be a positive number")));
+            }
+        }
+        if !(0.0..=self.lr).contains(&self.min_lr) {
+            return Err(ConfigError::invalid("optim.min_lr", format!("is {}; it must be in [0, optim.lr = {}]", self.min_lr, self.lr)));
+        }
+        for (k, v) in [("optim.beta1", self.beta1), ("optim.beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&v) {
+                return Err(ConfigError::invalid(k, format!("is {v}; it must be in [0, 1)")));
+            }
+        }
+        for (k, v) in [("optim.weight_decay", self.weight_decay), ("optim.grad_clip", self.grad_clip)] {
+            if v < 0.0 || !v.is_finite() {
+                return Err(ConfigError::invalid(k, format!("is {v}; it must be 0 or more")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Linear warmup to `lr`, then cosine decay to `min_lr` over `decay_steps`.
+    pub fn lr_at(&self, step: u64, max_steps: u64) -> f64 {
+        if step < self.warmup_steps {
+            return self.lr * (step + 1) as f64 / self.warmup_steps as f64;
+        }
+        let decay = self.decay_steps.unwrap_or(max_steps).max(self.warmup_steps + 1);
+        if step >= decay {
+            return self.min_lr;
+        }
+        let progress = (step - self.warmup_steps) as f64 / (decay - self.warmup_steps) as f64;
+        self.min_lr + 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()) * (self.lr - self.min_lr)
+    }
+}
+
+struct Group {
+    params: Vec<Tensor>,
+    exp_avg: Vec<Tensor>,
+    exp_avg_sq: Vec<Tensor>,
+    steps: Vec<Tensor>,
+    weight_decay: f64,
+}
+
+fn ptrs(ts: &[Tensor]) -> Vec<*mut c_void> {
+    ts.iter().map(|t| t.as_ptr() as *mut c_void).collect()
+}
+
+/// AdamW over a VarStore's trainable variables.
+pub struct AdamW {
+    groups: Vec<Group>,
+    cfg: OptimConfig,
+}
+
+impl AdamW {
+    /// Groups the variables by `no_decay(name)`; allocates the moment buffers up front, so
+    /// that memory is stable from the first step.
+    pub fn new(vs: &VarStore, cfg: &OptimConfig, no_decay: impl Fn(&str) -> bool) -> Result<AdamW, TchError> {
+        let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().filter(|(_, t)| t.requires_grad()).collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0)); // a stable order for reproducible kernels
+        let mut groups = Vec::new();
+        for (decay, wd) in [(true, cfg.weight_decay), (false, 0.0)] {
+            let params: Vec<Tensor> = named.iter().filter(|(n, _)| no_decay(n) != decay).map(|(_, t)| t.shallow_clone()).collect();
+            let zeros = |p: &Tensor| -> Result<Tensor, TchError> { p.f_zeros_like() };
+            groups.push(Group {
+                exp_avg: params.iter().map(zeros).collect::<Result<_, _>>()?,
+                exp_avg_sq: params.iter().map(zeros).collect::<Result<_, _>>()?,
+                steps: params.iter().map(|p| Tensor::f_zeros([], (Kind::Float, p.device()))).collect::<Result<_, _>>()?,
+                params,
+                weight_decay: wd,
+            });
+        }
+        Ok(AdamW { groups, cfg: cfg.clone() })
+    }
+
+    fn all_params(&self) -> impl Iterator<Item = &Tensor> {
+        self.groups.iter().flat_map(|g| g.params.iter())
+    }
+
+    /// Scales gradients so their global norm is at most `max_norm`; returns the norm before.
+    pub fn clip_grad_norm(&self, max_norm: f64) -> Result<f64, TchError> {
+        let params: Vec<Tensor> = self.all_params().filter(|p| p.grad().defined()).map(|p| p.shallow_clone()).collect();
+        let mut norm = 0.0;
+        let max = if max_norm > 0.0 { max_norm } else { f64::INFINITY };
+        check(unsafe { og_clip_grad_norm(ptrs(&params).as_ptr(), params.len() as i32, max, &mut norm) })?;
+        Ok(norm)
+    }
+
+    pub fn step(&mut self, lr: f64) -> Result<(), TchError> {
+        for g in &self.groups {
+            let n = g.params.len() as i32;
+            let (p, m, v, s) = (ptrs(&g.params), ptrs(&g.exp_avg), ptrs(&g.exp_avg_sq), ptrs(&g.steps));
+            check(unsafe {
+                og_adamw_step(p.as_ptr(), m.as_ptr(), v.as_ptr(), s.as_ptr(), n, lr, self.cfg.beta1, self.cfg.beta2, g.weight_decay, self.cfg.eps)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Drops every gradient (grad = None): between steps, and after a failed attempt.
+    pub fn clear_grads(&self) {
+        self.all_params().for_each(clear_grad);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn warmup_then_cosine() {
+        let c = OptimConfig { lr: 1.0, min_lr: 0.1, warmup_steps: 10, decay_steps: Some(110), ..Default::default() };
+        assert!((c.lr_at(0, 0) - 0.1).abs() < 1e-12);
+        assert!((c.lr_at(9, 0) - 1.0).abs() < 1e-12);
+        assert!((c.lr_at(10, 0) - 1.0).abs() < 1e-12);
+        assert!((c.lr_at(60, 0) - 0.55).abs() < 1e-12);
+        assert_eq!(c.lr_at(110, 0), 0.1);
+        assert_eq!(c.lr_at(5000, 0), 0.1);
+        let d = OptimConfig { decay_steps: None, ..c };
+        assert!((d.lr_at(60, 110) - 0.55).abs() < 1e-12);
+    }
+}

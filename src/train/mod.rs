@@ -1,0 +1,105 @@
+//! Training: the config section, what a trainable model and its data must provide, one
+//! optimizer step, and the loop.
+mod step;
+mod trainer;
+
+pub use step::{micro_batches, train_step, StepStats};
+pub use trainer::{train, Summary};
+
+use serde::{Deserialize, Serialize};
+use std::ops::Range;
+use tch::{Device, TchError, Tensor};
+
+use crate::config::ConfigError;
+use crate::error::Result;
+
+/// A model the trainer (and the guard) can drive: anything whose loss on a batch is
+/// fallible. The loss is the mean over the batch's samples.
+pub trait TrainModel {
+    fn loss(&self, inputs: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor, TchError>;
+}
+
+impl TrainModel for crate::model::Gpt {
+    fn loss(&self, inputs: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor, TchError> {
+        crate::model::Gpt::loss(self, inputs, targets, train)
+    }
+}
+
+/// The samples of each optimizer step. `micro_batch(step, r)` must return the same samples
+/// for the same (step, index) whatever the ranges asked for: that is what lets the guard
+/// re-split a step without skipping or repeating a sample.
+pub trait StepBatches {
+    fn global_batch_size(&self) -> usize;
+    /// Tokens (or other units the loss averages over) in one sample, for throughput.
+    fn tokens_per_sample(&self) -> usize;
+    fn micro_batch(&self, step: u64, samples: Range<usize>) -> Result<(Tensor, Tensor)>;
+}
+
+/// The `train` section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainConfig {
+    pub micro_batch_size: usize,
+    pub grad_accum_steps: usize,
+    pub max_steps: u64,
+    /// Evaluate every this many steps (0: only at the end).
+    pub eval_every: u64,
+    pub eval_batch_size: usize,
+    pub eval_batches: usize,
+    pub seed: u64,
+    /// `auto` (CUDA when present), `cpu`, `cuda` or `cuda:N`.
+    pub device: String,
+    /// Intra-op threads; unset: libtorch's default, which honours OMP_NUM_THREADS.
+    pub num_threads: Option<usize>,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            micro_batch_size: 8, grad_accum_steps: 1, max_steps: 100, eval_every: 50,
+            eval_batch_size: 16, eval_batches: 4, seed: 1337, device: "auto".into(), num_threads: None,
+        }
+    }
+}
+
+impl TrainConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (k, v) in [
+            ("train.micro_batch_size", self.micro_batch_size),
+            ("train.grad_accum_steps", self.grad_accum_steps),
+            ("train.eval_batch_size", self.eval_batch_size),
+            ("train.eval_batches", self.eval_batches),
+        ] {
+            if v == 0 {
+                return Err(ConfigError::invalid(k, "is 0; it must be at least 1"));
+            }
+        }
+        if self.max_steps == 0 {
+            return Err(ConfigError::invalid("train.max_steps", "is 0; it must be at least 1"));
+        }
+        if self.num_threads == Some(0) {
+            return Err(ConfigError::invalid("train.num_threads", "is 0; leave it unset for libtorch's default"));
+        }
+        parse_device(&self.device)?;
+        Ok(())
+    }
+
+    /// The global batch: `micro_batch_size` x `grad_accum_steps` samples per step.
+    pub fn global_batch_size(&self) -> usize {
+        self.micro_batch_size * self.grad_accum_steps
+    }
+
+    pub fn device(&self) -> Device {
+        parse_device(&self.device).unwrap_or(Device::Cpu)
+    }
+}
+
+fn parse_device(s: &str) -> Result<Device, ConfigError> {
+    let bad = || ConfigError::invalid("train.device", format!("`{s}` is not a device; use auto, cpu, cuda or cuda:N"));
+    Ok(match s {
+        "auto" => if crate::memory::cuda_available() { Device::Cuda(0) } else { Device::Cpu },
+        "cpu" => Device::Cpu,
+        "cuda" => Device::Cuda(0),
+        _ => Device::Cuda(s.strip_prefix("cuda:").and_then(|i| i.parse().ok()).ok_or_else(bad)?),
+    })
+}
