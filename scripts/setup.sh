@@ -25,13 +25,14 @@ install_torch() {
   [ -f "$VENV/.complete" ] && return 0
   rm -rf "$VENV"
   say "installing torch==$TORCH_VERSION from PyPI into $VENV (about 5 GB, once per machine)"
+  python3 -c 'import ensurepip' 2>/dev/null || apt_install python3-venv /usr/lib/python3/dist-packages/ensurepip
   python3 -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir "torch==$TORCH_VERSION" numpy
   touch "$VENV/.complete"
 }
 
 install_torch
-TORCH_DIR="$("$VENV/bin/python" -c 'import torch, os; print(os.path.dirname(torch.__file__))')"
+TORCH_DIR="$(ls -d "$VENV"/lib/python3*/site-packages/torch | head -n 1)"
 ln -sfn "$TORCH_DIR" "$ROOT/.libtorch"
 ln -sfn "$VENV" "$ROOT/.venv"
 say "libtorch $TORCH_VERSION at $TORCH_DIR"

@@ -2,6 +2,7 @@
 mod cli;
 
 use clap::Parser;
+use std::io::IsTerminal;
 use tracing_subscriber::{fmt, prelude::*, EnvFilter};
 
 fn main() {
@@ -20,7 +21,8 @@ fn init_tracing(format: cli::LogFormat) {
     let filter = || EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let file = fmt::layer().with_ansi(false).with_target(false).with_writer(|| oomguard::metrics::LogFileWriter);
     let registry = tracing_subscriber::registry().with(file.with_filter(filter()));
-    let stderr = fmt::layer().with_writer(std::io::stderr).with_target(false);
+    let ansi = std::io::stderr().is_terminal();
+    let stderr = fmt::layer().with_writer(std::io::stderr).with_target(false).with_ansi(ansi);
     match format {
         cli::LogFormat::Human => registry.with(stderr.with_filter(filter())).init(),
         cli::LogFormat::Json => registry.with(stderr.json().with_filter(filter())).init(),

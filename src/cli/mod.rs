@@ -29,7 +29,7 @@ pub enum Command {
 /// paths), 3 does not fit in memory even at micro-batch 1, 130/143 stopped by SIGINT/SIGTERM.
 pub fn exit_code(err: &anyhow::Error) -> i32 {
     match err.downcast_ref::<oomguard::Error>() {
-        Some(oomguard::Error::Config(_)) => 2,
+        Some(oomguard::Error::Config(_) | oomguard::Error::Data(_)) => 2,
         Some(oomguard::Error::Infeasible(_)) => 3,
         _ => 1,
     }

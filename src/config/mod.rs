@@ -74,21 +74,30 @@ pub fn load(path: &Path, overrides: &[String]) -> Result<Config, ConfigError> {
         key: String::new(),
         message: format!("cannot read the config file: {e}"),
     })?;
-    // The file alone first, so that its errors point at its lines.
+    // The file alone first, from its text, so that its errors point at its lines.
+    if !text.trim().is_empty() {
+        let _: RawConfig = serde_yaml::from_str(&text).map_err(|e| yaml_error(&origin, e))?;
+    }
     let mut value: serde_yaml::Value = serde_yaml::from_str(&text).map_err(|e| yaml_error(&origin, e))?;
     if value.is_null() {
         value = serde_yaml::Value::Mapping(Default::default());
     }
-    let _: RawConfig = serde_yaml::from_value(value.clone()).map_err(|e| yaml_error(&origin, e))?;
     for o in overrides {
         let set_origin = format!("--set {o}");
         apply_override(&mut value, o).map_err(|m| ConfigError {
             origin: set_origin.clone(), line_col: None, key: String::new(), message: m,
         })?;
-        let _: RawConfig = serde_yaml::from_value(value.clone()).map_err(|e| yaml_error(&set_origin, e))?;
+        let _: RawConfig = serde_yaml::from_value(value.clone()).map_err(|e| {
+            let err = yaml_error(&set_origin, e);
+            // from_value does not track paths; the override names its own key.
+            let key = if err.key.is_empty() { o.split('=').next().unwrap_or_default().to_string() } else { err.key };
+            ConfigError { key, ..err }
+        })?;
     }
     let raw: RawConfig = serde_yaml::from_value(value).map_err(|e| yaml_error(&origin, e))?;
-    raw.validate().map_err(|e| ConfigError { origin, ..e })?;
+    raw.validate().map_err(|e| ConfigError { origin: origin.clone(), ..e })?;
+    let base = path.parent().unwrap_or(Path::new("."));
+    raw.data.check_files(base).map_err(|e| ConfigError { origin, ..e })?;
     Ok(Config { raw, path: path.to_path_buf() })
 }
 

@@ -59,6 +59,29 @@ impl DataConfig {
         }
         Ok(())
     }
+
+    /// `data.path` resolved against `base` (the config file's folder).
+    pub fn resolved_path(&self, base: &Path) -> Option<PathBuf> {
+        self.path.as_ref().map(|p| if p.is_absolute() { p.clone() } else { base.join(p) })
+    }
+
+    /// Checks that the files the source needs exist, before any run starts.
+    pub fn check_files(&self, base: &Path) -> Result<(), ConfigError> {
+        let Some(path) = self.resolved_path(base) else { return Ok(()) };
+        let needed = match self.source {
+            DataSource::Embedded => vec![],
+            DataSource::Text => vec![path],
+            DataSource::Tokens => vec![path.join("train.bin"), path.join("val.bin")],
+        };
+        match needed.iter().find(|p| !p.is_file()) {
+            Some(p) => Err(ConfigError::invalid(
+                "data.path",
+                format!("{} does not exist; for source {:?} point data.path at {}", p.display(), self.source,
+                    if self.source == DataSource::Text { "a UTF-8 text file" } else { "a folder with train.bin and val.bin" }),
+            )),
+            None => Ok(()),
+        }
+    }
 }
 
 enum Storage {
@@ -132,19 +155,17 @@ pub struct Dataset {
 impl Dataset {
     /// Opens the data a config names; `base` is the config file's folder.
     pub fn open(cfg: &DataConfig, base: &Path, block_size: usize) -> Result<Dataset> {
-        let resolve = |p: &Path| if p.is_absolute() { p.to_path_buf() } else { base.join(p) };
+        let path = cfg.resolved_path(base).unwrap_or_default();
         let ds = match cfg.source {
             DataSource::Embedded => {
                 Self::split_one(Storage::Owned(embedded::corpus(cfg.embedded_bytes)), 1, cfg.val_fraction, "embedded corpus")
             }
             DataSource::Text => {
-                let path = resolve(cfg.path.as_deref().unwrap_or(Path::new("")));
                 Self::split_one(map(&path)?, 1, cfg.val_fraction, &path.display().to_string())
             }
             DataSource::Tokens => {
-                let dir = resolve(cfg.path.as_deref().unwrap_or(Path::new("")));
                 let open = |name: &str| -> Result<Split> {
-                    let path = dir.join(name);
+                    let path = path.join(name);
                     let s = map(&path)?;
                     let n = s.bytes().len();
                     if n % 2 != 0 {
@@ -179,13 +200,13 @@ impl Dataset {
 }
 
 fn map(path: &Path) -> Result<Storage> {
-    let file = std::fs::File::open(path).map_err(|e| Error::io(format!("cannot open data file {}", path.display()), e))?;
+    let file = std::fs::File::open(path).map_err(|e| Error::Data(format!("cannot open data file {}: {e}", path.display())))?;
     if file.metadata().map(|m| m.len()).unwrap_or(0) == 0 {
         return Err(Error::Data(format!("{}: the file is empty", path.display())));
     }
     // SAFETY: read-only map of a file we do not modify; a concurrent writer would only
     // change token values, not memory safety of the slice bounds we check.
-    let m = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(format!("cannot map {}", path.display()), e))?;
+    let m = unsafe { Mmap::map(&file) }.map_err(|e| Error::Data(format!("cannot map data file {}: {e}", path.display())))?;
     Ok(Storage::Mapped(m))
 }
 

@@ -1,0 +1,74 @@
+//! Helpers shared by the integration tests: they drive the real binary in temp dirs.
+#![allow(dead_code)] // each test file uses a different subset
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// A tiny GPT on the embedded corpus: fast enough for many runs on 2 cores.
+pub const TINY: &str = "
+model: {n_layer: 2, n_head: 2, n_embd: 32, block_size: 32, vocab_size: 256}
+data: {source: embedded, embedded_bytes: 65536}
+optim: {lr: 3.0e-3, min_lr: 3.0e-4, warmup_steps: 2}
+train: {micro_batch_size: 8, grad_accum_steps: 2, max_steps: 6, eval_every: 0, eval_batch_size: 8, eval_batches: 2, seed: 7, device: cpu, num_threads: 1}
+log: {every: 1}
+";
+
+pub fn write_config(dir: &Path, name: &str, yaml: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, yaml).unwrap();
+    p
+}
+
+pub fn oomguard(args: &[&str], cwd: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_oomguard"))
+        .args(args)
+        .current_dir(cwd)
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .expect("the oomguard binary runs")
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Trains `config` into `dir/run`, asserting success; returns the run directory.
+pub fn train_ok(dir: &Path, config: &Path, extra: &[&str]) -> PathBuf {
+    let run = dir.join("run");
+    let mut args = vec!["train", config.to_str().unwrap(), "--run-dir", run.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let o = oomguard(&args, dir);
+    assert!(o.status.success(), "oomguard train failed: {}", stderr(&o));
+    run
+}
+
+/// The records of metrics.jsonl with the given `event`.
+pub fn records(run: &Path, event: &str) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    text.lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["event"] == event)
+        .collect()
+}
+
+pub fn losses(run: &Path) -> Vec<f64> {
+    records(run, "step").iter().map(|r| r["loss"].as_f64().unwrap()).collect()
+}
+
+/// The run's final parameters, by name.
+pub fn weights(run: &Path) -> Vec<(String, tch::Tensor)> {
+    let mut w = tch::Tensor::read_safetensors(run.join("model.safetensors")).unwrap();
+    w.sort_by(|a, b| a.0.cmp(&b.0));
+    w
+}
+
+pub fn max_abs_diff(a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|((na, ta), (nb, tb))| {
+            assert_eq!(na, nb);
+            (ta - tb).abs().max().double_value(&[])
+        })
+        .fold(0.0, f64::max)
+}

@@ -1,0 +1,54 @@
+//! Bad configs exit with code 2 and a message naming the file, line, key and the fix.
+mod common;
+use common::*;
+
+fn fails_with(yaml: &str, extra: &[&str], wants: &[&str]) {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "bad.yaml", yaml);
+    let mut args = vec!["train", cfg.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let o = oomguard(&args, dir.path());
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    for w in wants {
+        assert!(err.contains(w), "expected {w:?} in:\n{err}");
+    }
+    assert!(!dir.path().join("runs").exists(), "a bad config must not start a run");
+}
+
+#[test]
+fn unknown_key() {
+    fails_with(
+        "model:\n  n_layer: 2\n  n_layerz: 3\n",
+        &[],
+        &["bad.yaml:3:3", "model: unknown key `n_layerz`, expected one of `n_layer`, `n_head`"],
+    );
+}
+
+#[test]
+fn unknown_section() {
+    fails_with("trian:\n  max_steps: 3\n", &[], &["bad.yaml:1:1", "unknown key `trian`", "`train`"]);
+}
+
+#[test]
+fn wrong_type() {
+    fails_with("train:\n  max_steps: lots\n", &[], &["bad.yaml:2:14", "train.max_steps: invalid type: string \"lots\""]);
+}
+
+#[test]
+fn bad_value() {
+    fails_with("model:\n  n_embd: 100\n  n_head: 3\n", &[], &["bad.yaml", "model.n_embd: 100 is not divisible by model.n_head 3"]);
+    fails_with("train:\n  device: tpu\n", &[], &["train.device: `tpu` is not a device; use auto, cpu, cuda or cuda:N"]);
+}
+
+#[test]
+fn bad_override() {
+    fails_with("", &["--set", "train.max_stepz=3"], &["--set train.max_stepz=3", "unknown key `max_stepz`"]);
+    fails_with("", &["--set", "train.max_steps=-1"], &["--set train.max_steps=-1", "train.max_steps: invalid value"]);
+    fails_with("", &["--set", "nonsense"], &["expected key.path=value"]);
+}
+
+#[test]
+fn missing_file() {
+    fails_with("", &["--set", "data.source=text", "--set", "data.path=nope.txt"], &["nope.txt"]);
+}
