@@ -25,9 +25,24 @@ impl Error {
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         Error::Io { context: context.into(), source }
     }
-    pub fn is_oom(&self) -> bool {
-        matches!(self, Error::Oom(_))
+    /// Tags an OOM with the phase of the step it happened in.
+    pub fn in_phase(self, phase: Phase) -> Self {
+        match self {
+            Error::Oom(o) => Error::Oom(OomError { phase: Some(phase), ..o }),
+            e => e,
+        }
     }
+}
+
+/// Where in a step an error happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    Data,
+    Forward,
+    Backward,
+    Optimizer,
+    Eval,
 }
 
 impl From<TchError> for Error {
@@ -44,7 +59,7 @@ impl From<TchError> for Error {
 }
 
 /// Where an out-of-memory error came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OomSource {
     /// The CUDA caching allocator (`CUDA out of memory. Tried to allocate ...`).
@@ -64,6 +79,7 @@ pub struct OomError {
     pub requested_bytes: Option<u64>,
     pub capacity_bytes: Option<u64>,
     pub free_bytes: Option<u64>,
+    pub phase: Option<Phase>,
     /// The first line of libtorch's message (the rest is a C++ backtrace).
     pub message: String,
 }
@@ -112,6 +128,7 @@ pub fn classify_oom(msg: &str) -> Option<OomError> {
         requested_bytes: requested,
         capacity_bytes: capacity,
         free_bytes: free,
+        phase: None,
         message: first_line.to_string(),
     })
 }

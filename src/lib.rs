@@ -7,6 +7,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod error;
+pub mod guard;
 pub mod memory;
 pub mod metrics;
 pub mod model;

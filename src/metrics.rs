@@ -8,6 +8,7 @@ use std::sync::Mutex;
 
 use crate::config::ConfigError;
 use crate::error::{Error, Result};
+use crate::guard::{GuardEvent, LeakEvent, OomEvent, ResizeEvent};
 use crate::memory::MemoryStats;
 
 /// The `log` section.
@@ -43,6 +44,8 @@ pub struct StepRecord {
     pub tokens_per_s: f64,
     pub micro_batch_size: usize,
     pub grad_accum_steps: usize,
+    /// Samples trained on in this step (the global batch).
+    pub num_samples: usize,
     pub step_time_s: f64,
     pub elapsed_s: f64,
     pub memory: MemoryStats,
@@ -62,6 +65,21 @@ pub struct EvalRecord {
 pub enum Record {
     Step(StepRecord),
     Eval(EvalRecord),
+    Oom(OomEvent),
+    Grow(ResizeEvent),
+    Shrink(ResizeEvent),
+    LeakWarning(LeakEvent),
+}
+
+impl From<GuardEvent> for Record {
+    fn from(e: GuardEvent) -> Record {
+        match e {
+            GuardEvent::Oom(o) => Record::Oom(o),
+            GuardEvent::Grow(r) => Record::Grow(r),
+            GuardEvent::Shrink(r) => Record::Shrink(r),
+            GuardEvent::Leak(l) => Record::LeakWarning(l),
+        }
+    }
 }
 
 pub struct MetricsWriter {

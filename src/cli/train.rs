@@ -3,7 +3,10 @@ use anyhow::Context;
 use clap::Args;
 use std::path::{Path, PathBuf};
 
+use std::os::unix::process::CommandExt;
+
 use oomguard::config::{self, ConfigError};
+use oomguard::memory::allocator;
 use oomguard::{metrics, train};
 
 #[derive(Debug, Args)]
@@ -19,6 +22,9 @@ pub struct TrainArgs {
     /// Shorthand for --set train.max_steps=N.
     #[arg(long)]
     pub max_steps: Option<u64>,
+    /// CPU memory budget (auto, none, or a size like 2GiB); shorthand for --set memory.budget=SIZE.
+    #[arg(long, value_name = "SIZE")]
+    pub memory_budget: Option<String>,
 }
 
 pub fn exec(args: TrainArgs) -> anyhow::Result<()> {
@@ -26,7 +32,11 @@ pub fn exec(args: TrainArgs) -> anyhow::Result<()> {
     if let Some(n) = args.max_steps {
         overrides.push(format!("train.max_steps={n}"));
     }
+    if let Some(b) = &args.memory_budget {
+        overrides.push(format!("memory.budget={b}"));
+    }
     let cfg = config::load(&args.config, &overrides).map_err(oomguard::Error::from)?;
+    let settings = allocator_settings(&cfg)?;
     let run_dir = match args.run_dir {
         Some(d) => d,
         None => next_run_dir(&args.config)?,
@@ -37,15 +47,40 @@ pub fn exec(args: TrainArgs) -> anyhow::Result<()> {
     metrics::set_log_file(&run_dir.join("train.log"))?;
     tracing::info!("run directory {}", run_dir.display());
 
-    let s = train::train(&cfg, &run_dir)?;
+    let s = train::train(&cfg, &run_dir, &settings)?;
     tracing::info!(
-        "done: {} steps in {:.1}s | loss {:.4} -> {:.4}{} | {:.0} tok/s | peak memory {}",
+        "done: {} steps in {:.1}s | loss {:.4} -> {:.4}{} | {:.0} tok/s | peak memory {} | {} OOMs recovered, micro-batch {} at the end",
         s.steps, s.wall_s, s.first_loss, s.final_loss,
         s.val_loss.map(|v| format!(" | val loss {v:.4}")).unwrap_or_default(),
-        s.tokens_per_s, oomguard::memory::human_bytes(s.peak_bytes)
+        s.tokens_per_s, oomguard::memory::human_bytes(s.peak_bytes), s.num_ooms, s.final_micro_batch_size
     );
     Ok(())
 }
+
+/// The allocator settings in force (config merged with the environment). Settings libtorch
+/// reads only at load time (`backend`) re-execute this process with them in the environment.
+fn allocator_settings(cfg: &config::Config) -> anyhow::Result<allocator::AllocatorSettings> {
+    let from_config = cfg.raw.memory.allocator_settings().map_err(|e| ConfigError { origin: cfg.path.display().to_string(), ..e });
+    let settings = allocator::effective(&from_config.map_err(oomguard::Error::from)?, |v| std::env::var(v).ok())
+        .map_err(oomguard::Error::from)?;
+    let started_with = allocator::ENV_VARS.iter().rev().find_map(|v| std::env::var(v).ok());
+    if allocator::startup(&settings, started_with.as_deref()) == allocator::Startup::Reexec {
+        if std::env::var_os(REEXEC).is_some() {
+            anyhow::bail!("allocator backend `{}` was not in effect after restarting with it in the environment", settings.get("backend").unwrap_or("native"));
+        }
+        tracing::info!("restarting so that libtorch loads with allocator settings `{}`", settings.render());
+        let exe = std::env::current_exe().context("locating this executable to restart it")?;
+        let err = std::process::Command::new(exe)
+            .args(std::env::args_os().skip(1))
+            .envs(allocator::ENV_VARS.map(|v| (v, settings.render())))
+            .env(REEXEC, "1")
+            .exec();
+        return Err(err).context("restarting with the allocator settings");
+    }
+    Ok(settings)
+}
+
+const REEXEC: &str = "OOMGUARD_REEXECUTED";
 
 /// `runs/<config stem>/NNN`, the first number not taken.
 fn next_run_dir(config: &Path) -> anyhow::Result<PathBuf> {

@@ -3,8 +3,12 @@
 use std::ffi::{c_char, c_void, CStr};
 use tch::{Device, TchError, Tensor};
 
+pub mod allocator;
+pub mod budget;
 mod config;
-pub use config::MemoryConfig;
+mod pressure;
+pub use config::{Budget, MemoryConfig, Pressure};
+pub use pressure::PressureSchedule;
 
 mod ffi {
     use std::ffi::{c_char, c_int, c_void};
@@ -88,6 +92,32 @@ pub fn empty_cache(device: Device) -> Result<(), TchError> {
 pub fn set_allocator_settings(settings: &str) -> Result<(), TchError> {
     let c = std::ffi::CString::new(settings).map_err(|e| TchError::Convert(e.to_string()))?;
     check(unsafe { ffi::og_set_allocator_settings(c.as_ptr()) })
+}
+
+/// Prepares memory before the first allocation of a run: the counting CPU allocator, the
+/// CPU budget (CPU runs only) and the allocator settings (`settings`, already merged with
+/// the environment), which are also exported for child processes. Returns the budget.
+pub fn prepare(cfg: &MemoryConfig, settings: &allocator::AllocatorSettings, device: Device) -> Result<Option<u64>, crate::Error> {
+    install_cpu_allocator();
+    if !settings.is_empty() {
+        let text = settings.render();
+        for var in allocator::ENV_VARS {
+            std::env::set_var(var, &text);
+        }
+        if let Err(e) = set_allocator_settings(&text) {
+            tracing::warn!("libtorch did not take allocator settings `{text}`: {e}");
+        }
+        tracing::info!("allocator settings: {text}");
+    }
+    let budget = match device {
+        Device::Cpu => budget::resolve(cfg.budget()?, cpu_live_bytes(), budget::available_bytes()),
+        _ => None,
+    };
+    set_cpu_budget(budget);
+    if let Some(b) = budget {
+        tracing::info!("CPU memory budget {} (memory.budget: {})", human_bytes(b), cfg.budget);
+    }
+    Ok(budget)
 }
 
 /// Memory figures for one device, in bytes.

@@ -4,7 +4,7 @@
 use std::ops::Range;
 
 use super::{StepBatches, TrainModel};
-use crate::error::Result;
+use crate::error::{Error, Phase, Result};
 use crate::optim::AdamW;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -12,7 +12,10 @@ pub struct StepStats {
     /// Mean loss over the global batch.
     pub loss: f64,
     pub grad_norm: f64,
+    pub micro_batch_size: usize,
     pub num_micro_batches: usize,
+    /// Samples the step trained on: always the global batch, whatever the split.
+    pub num_samples: usize,
 }
 
 /// Splits `global` samples into micro-batches of at most `micro` (the last may be smaller:
@@ -35,18 +38,21 @@ pub fn train_step(
 ) -> Result<StepStats> {
     let global = data.global_batch_size();
     let parts = micro_batches(global, micro_batch_size);
-    let mut loss_sum = 0.0;
+    let (mut loss_sum, mut num_samples) = (0.0, 0);
     for part in &parts {
         let weight = part.len() as f64 / global as f64;
-        let (x, y) = data.micro_batch(step, part.clone())?;
-        let loss = model.loss(&x, &y, true)?.f_mul_scalar(weight)?;
-        loss.f_backward()?;
+        let (x, y) = data.micro_batch(step, part.clone()).map_err(|e| e.in_phase(Phase::Data))?;
+        let loss = model.loss(&x, &y, true).and_then(|l| l.f_mul_scalar(weight)).map_err(|e| Error::from(e).in_phase(Phase::Forward))?;
+        loss.f_backward().map_err(|e| Error::from(e).in_phase(Phase::Backward))?;
         loss_sum += loss.f_double_value(&[])?;
+        num_samples += part.len();
     }
-    let grad_norm = opt.clip_grad_norm(grad_clip)?;
-    opt.step(lr)?;
+    assert_eq!(num_samples, global, "global-batch invariant: every sample exactly once");
+    let in_opt = |e: tch::TchError| Error::from(e).in_phase(Phase::Optimizer);
+    let grad_norm = opt.clip_grad_norm(grad_clip).map_err(in_opt)?;
+    opt.step(lr).map_err(in_opt)?;
     opt.clear_grads();
-    Ok(StepStats { loss: loss_sum, grad_norm, num_micro_batches: parts.len() })
+    Ok(StepStats { loss: loss_sum, grad_norm, micro_batch_size, num_micro_batches: parts.len(), num_samples })
 }
 
 #[cfg(test)]

@@ -1,0 +1,215 @@
+//! The allocation guard. Every optimizer step (and every evaluation batch) runs inside
+//! `Guard::run`. On an OOM it drops the failed attempt's tensors and gradients, empties the
+//! cache, checks that live memory is back to where the step started, asks the policy for a
+//! smaller micro-batch and redoes the step on exactly the same samples. The global batch
+//! never changes; only how it is split.
+pub mod policy;
+
+use serde::{Deserialize, Serialize};
+use std::time::Instant;
+use tch::Device;
+
+pub use policy::{Adjust, LeakWatch, Observation, OnOom, Policy, PolicyConfig};
+
+use crate::error::{Error, OomError, OomSource, Phase, Result};
+use crate::memory::{self, human_bytes, MemoryConfig};
+
+/// `{"event":"oom", ...}`: one per out-of-memory error the guard recovered from (or not).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct OomEvent {
+    pub step: u64,
+    pub phase: Option<Phase>,
+    pub source: OomSource,
+    pub requested_bytes: Option<u64>,
+    /// Live bytes when the step started.
+    pub memory_before: u64,
+    /// Live bytes after cleanup (should equal `memory_before`).
+    pub memory_after_cleanup: u64,
+    pub limit_bytes: Option<u64>,
+    pub old_micro_batch_size: usize,
+    /// 0 when the guard gave up.
+    pub new_micro_batch_size: usize,
+    /// Wall time of the failed attempt and its cleanup.
+    pub time_lost_s: f64,
+    pub message: String,
+}
+
+/// `{"event":"grow", ...}` and `{"event":"shrink", ...}`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ResizeEvent {
+    pub step: u64,
+    pub old_micro_batch_size: usize,
+    pub new_micro_batch_size: usize,
+    pub reason: String,
+}
+
+/// `{"event":"leak_warning", ...}`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LeakEvent {
+    pub step: u64,
+    pub live_bytes: u64,
+    pub growth_bytes_per_step: u64,
+}
+
+#[derive(Debug, Clone)]
+pub enum GuardEvent {
+    Oom(OomEvent),
+    Grow(ResizeEvent),
+    Shrink(ResizeEvent),
+    Leak(LeakEvent),
+}
+
+pub struct Guard {
+    pub policy: Policy,
+    cfg: PolicyConfig,
+    enabled: bool,
+    device: Device,
+    leak: LeakWatch,
+    leak_steps: u32,
+    /// `Phase::Eval` for the evaluation guard: OOMs are tagged so, and it never grows.
+    eval: bool,
+    events: Vec<GuardEvent>,
+}
+
+impl Guard {
+    pub fn new(cfg: &MemoryConfig, micro_batch_size: usize, device: Device) -> Guard {
+        Guard {
+            policy: Policy::new(micro_batch_size),
+            cfg: PolicyConfig {
+                grow_after_steps: cfg.grow_after_steps,
+                grow_headroom: cfg.grow_headroom,
+                cooldown_steps: cfg.cooldown_steps,
+                thrash_steps: cfg.thrash_steps,
+            },
+            enabled: cfg.guard,
+            device,
+            leak: LeakWatch::default(),
+            leak_steps: cfg.leak_steps,
+            eval: false,
+            events: Vec::new(),
+        }
+    }
+
+    /// A guard for evaluation batches: halves on OOM, never grows, leaves training alone.
+    pub fn for_eval(cfg: &MemoryConfig, eval_batch_size: usize, device: Device) -> Guard {
+        let mut g = Guard::new(&MemoryConfig { grow_after_steps: u64::MAX, thrash_steps: 0, leak_steps: 0, ..cfg.clone() }, eval_batch_size, device);
+        g.eval = true;
+        g
+    }
+
+    pub fn micro_batch_size(&self) -> usize {
+        self.policy.current
+    }
+
+    /// Events since the last call, for metrics.jsonl.
+    pub fn drain_events(&mut self) -> Vec<GuardEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// Runs `attempt(ctx, micro_batch_size)` until it succeeds, shrinking on OOM.
+    /// `cleanup(ctx)` must drop what a failed attempt left behind (gradients). Errors other
+    /// than OOM pass through; an OOM at micro-batch 1 is `Error::Infeasible`.
+    pub fn run<C, T>(
+        &mut self,
+        step: u64,
+        ctx: &mut C,
+        mut attempt: impl FnMut(&mut C, usize) -> Result<T>,
+        mut cleanup: impl FnMut(&mut C),
+    ) -> Result<T> {
+        let baseline = memory::stats(self.device).live_bytes;
+        if let Some(growth) = self.leak.observe(step, baseline, self.leak_steps) {
+            tracing::warn!(
+                "live memory at step start has grown {} steps in a row, by {} per step (now {}): is a tensor or graph kept across steps?",
+                self.leak_steps, human_bytes(growth), human_bytes(baseline)
+            );
+            self.events.push(GuardEvent::Leak(LeakEvent { step, live_bytes: baseline, growth_bytes_per_step: growth }));
+        }
+        loop {
+            let mb = self.policy.current;
+            memory::reset_peak(self.device);
+            let t0 = Instant::now();
+            let oom = match attempt(ctx, mb) {
+                Ok(out) => {
+                    self.observe(step, baseline);
+                    return Ok(out);
+                }
+                Err(Error::Oom(oom)) if self.enabled => oom,
+                Err(e) => return Err(e),
+            };
+            // Every tensor of the attempt is dropped by now (it returned); gradients are not.
+            cleanup(ctx);
+            memory::empty_cache(self.device)?;
+            let after = memory::stats(self.device).live_bytes;
+            let leftover = after.saturating_sub(baseline);
+            if leftover > 0 {
+                tracing::warn!("after cleanup {} more is live than at step start; shrinking harder", human_bytes(leftover));
+            }
+            let decision = self.policy.on_oom(step, leftover > 0);
+            let new = match decision {
+                OnOom::Retry { micro_batch_size } => micro_batch_size,
+                OnOom::GiveUp => 0,
+            };
+            let event = self.oom_event(step, &oom, baseline, after, mb, new, t0.elapsed().as_secs_f64());
+            tracing::warn!(
+                "OOM at step {step} ({} phase): {}; micro-batch {mb} -> {}",
+                event.phase.map_or("unknown".into(), |p| format!("{p:?}").to_lowercase()), oom.message,
+                if new == 0 { "none left".to_string() } else { new.to_string() }
+            );
+            self.events.push(GuardEvent::Oom(event));
+            if decision == OnOom::GiveUp {
+                return Err(Error::Infeasible(infeasible_message(step, &oom, baseline, self.eval)));
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn oom_event(&self, step: u64, oom: &OomError, before: u64, after: u64, old: usize, new: usize, lost: f64) -> OomEvent {
+        OomEvent {
+            step,
+            phase: if self.eval { Some(Phase::Eval) } else { oom.phase },
+            source: oom.source,
+            requested_bytes: oom.requested_bytes,
+            memory_before: before,
+            memory_after_cleanup: after,
+            limit_bytes: oom.capacity_bytes.or(memory::stats(self.device).limit_bytes),
+            old_micro_batch_size: old,
+            new_micro_batch_size: new,
+            time_lost_s: lost,
+            message: oom.message.clone(),
+        }
+    }
+
+    fn observe(&mut self, step: u64, baseline: u64) {
+        let mem = memory::stats(self.device);
+        let obs = Observation {
+            baseline_bytes: baseline,
+            peak_bytes: mem.peak_bytes,
+            limit_bytes: mem.limit_bytes,
+            alloc_retries: mem.alloc_retries,
+        };
+        let old = self.policy.current;
+        match self.policy.after_step(step, obs, &self.cfg) {
+            Adjust::Keep => {}
+            Adjust::Grow { micro_batch_size } => {
+                tracing::info!("memory allows: micro-batch {old} -> {micro_batch_size} from step {}", step + 1);
+                self.events.push(GuardEvent::Grow(ResizeEvent { step, old_micro_batch_size: old, new_micro_batch_size: micro_batch_size, reason: "headroom".into() }));
+            }
+            Adjust::Shrink { micro_batch_size } => {
+                tracing::warn!("allocator retries rising: micro-batch {old} -> {micro_batch_size} before a hard OOM");
+                self.events.push(GuardEvent::Shrink(ResizeEvent { step, old_micro_batch_size: old, new_micro_batch_size: micro_batch_size, reason: "alloc_retries".into() }));
+            }
+        }
+    }
+}
+
+fn infeasible_message(step: u64, oom: &OomError, baseline: u64, eval: bool) -> String {
+    let what = if eval { "an evaluation batch" } else { "a training step" };
+    let limit = oom.capacity_bytes.map(|c| format!(" of {}", human_bytes(c))).unwrap_or_default();
+    let wanted = oom.requested_bytes.map(|r| format!(", the failed allocation wanted {}", human_bytes(r))).unwrap_or_default();
+    format!(
+        "step {step}: {what} does not fit in memory even at micro-batch 1: {} is in use before the step (model, gradients, optimizer state){limit}{wanted}. \
+         To fit: raise memory.budget or use a device with more memory, shorten model.block_size, \
+         or shrink the model (model.n_layer, model.n_embd, model.vocab_size). libtorch said: {}",
+        human_bytes(baseline), oom.message
+    )
+}

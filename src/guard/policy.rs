@@ -1,0 +1,237 @@
+//! The guard's decisions, as pure state machines: when to shrink, when to grow back, which
+//! sizes are cooling down, when allocator thrash calls for a shrink, and when live memory
+//! looks like a leak. No I/O here; everything is unit-tested below.
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PolicyConfig {
+    pub grow_after_steps: u64,
+    pub grow_headroom: f64,
+    pub cooldown_steps: u64,
+    pub thrash_steps: u32,
+}
+
+/// What a successful step showed about memory.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Observation {
+    /// Live bytes when the step started.
+    pub baseline_bytes: u64,
+    /// Peak live bytes during the step.
+    pub peak_bytes: u64,
+    /// The budget or device capacity, if known.
+    pub limit_bytes: Option<u64>,
+    /// CUDA allocator retries so far (cumulative), if known.
+    pub alloc_retries: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnOom {
+    Retry { micro_batch_size: usize },
+    /// Already at micro-batch 1.
+    GiveUp,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Adjust {
+    Keep,
+    Grow { micro_batch_size: usize },
+    /// Allocator thrash: shrink before a hard OOM.
+    Shrink { micro_batch_size: usize },
+}
+
+/// The micro-batch size and its history (saved with checkpoints).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Policy {
+    pub configured: usize,
+    pub current: usize,
+    pub clean_steps: u64,
+    /// (size, step) of each failure still cooling down.
+    pub failed: Vec<(usize, u64)>,
+    pub retry_streak: u32,
+    pub last_retries: Option<u64>,
+    pub num_ooms: u64,
+}
+
+impl Policy {
+    pub fn new(configured: usize) -> Policy {
+        Policy { configured, current: configured, clean_steps: 0, failed: Vec::new(), retry_streak: 0, last_retries: None, num_ooms: 0 }
+    }
+
+    /// An OOM at the current size: halve (quarter when cleanup left memory behind).
+    pub fn on_oom(&mut self, step: u64, severe: bool) -> OnOom {
+        self.num_ooms += 1;
+        self.failed.push((self.current, step));
+        self.clean_steps = 0;
+        if self.current == 1 {
+            return OnOom::GiveUp;
+        }
+        let divisor = if severe { 4 } else { 2 };
+        self.current = self.current.div_ceil(divisor).max(1);
+        OnOom::Retry { micro_batch_size: self.current }
+    }
+
+    /// After a successful step: grow back, shrink on thrash, or keep.
+    pub fn after_step(&mut self, step: u64, obs: Observation, cfg: &PolicyConfig) -> Adjust {
+        self.failed.retain(|&(_, at)| step.saturating_sub(at) < cfg.cooldown_steps);
+        self.clean_steps += 1;
+        if self.thrashing(obs.alloc_retries, cfg.thrash_steps) && self.current > 1 {
+            self.failed.push((self.current, step));
+            self.current = self.current.div_ceil(2);
+            self.clean_steps = 0;
+            return Adjust::Shrink { micro_batch_size: self.current };
+        }
+        let next = (self.current * 2).min(self.configured);
+        let grow = next > self.current
+            && self.clean_steps >= cfg.grow_after_steps
+            && !self.failed.iter().any(|&(size, _)| next >= size)
+            && fits(&obs, self.current, next, cfg.grow_headroom);
+        if grow {
+            self.current = next;
+            self.clean_steps = 0;
+            return Adjust::Grow { micro_batch_size: next };
+        }
+        Adjust::Keep
+    }
+
+    fn thrashing(&mut self, retries: Option<u64>, thrash_steps: u32) -> bool {
+        let Some(r) = retries else { return false };
+        let rising = self.last_retries.is_some_and(|last| r > last);
+        self.last_retries = Some(r);
+        self.retry_streak = if rising { self.retry_streak + 1 } else { 0 };
+        if thrash_steps > 0 && self.retry_streak >= thrash_steps {
+            self.retry_streak = 0;
+            return true;
+        }
+        false
+    }
+}
+
+/// Whether `next` is predicted to fit: the step's own memory (peak over baseline) scales
+/// with the micro-batch, and must leave `headroom` of the limit free.
+pub fn fits(obs: &Observation, current: usize, next: usize, headroom: f64) -> bool {
+    let Some(limit) = obs.limit_bytes else { return true };
+    let step_bytes = obs.peak_bytes.saturating_sub(obs.baseline_bytes) as f64;
+    let predicted = obs.baseline_bytes as f64 + step_bytes * next as f64 / current as f64;
+    predicted <= limit as f64 * (1.0 - headroom)
+}
+
+/// Live memory at step starts growing step after step: a graph or tensor kept alive
+/// across steps.
+#[derive(Debug, Clone, Default)]
+pub struct LeakWatch {
+    first: Option<(u64, u64)>,
+    last: Option<u64>,
+    streak: u32,
+}
+
+impl LeakWatch {
+    /// Feeds the live bytes at the start of `step`; returns the mean growth per step when
+    /// it has grown for `steps` steps in a row (then every `steps` steps while it goes on).
+    pub fn observe(&mut self, step: u64, live: u64, steps: u32) -> Option<u64> {
+        let grew = self.last.is_some_and(|l| live > l);
+        self.last = Some(live);
+        if !grew {
+            self.first = Some((step, live));
+            self.streak = 0;
+            return None;
+        }
+        self.streak += 1;
+        let (s0, l0) = self.first?;
+        (steps > 0 && self.streak % steps == 0).then(|| (live - l0) / (step - s0).max(1))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CFG: PolicyConfig = PolicyConfig { grow_after_steps: 3, grow_headroom: 0.1, cooldown_steps: 10, thrash_steps: 2 };
+
+    fn obs(baseline: u64, peak: u64, limit: u64) -> Observation {
+        Observation { baseline_bytes: baseline, peak_bytes: peak, limit_bytes: Some(limit), alloc_retries: None }
+    }
+
+    #[test]
+    fn halves_down_to_one_then_gives_up() {
+        let mut p = Policy::new(24);
+        let sizes: Vec<OnOom> = (0..6).map(|s| p.on_oom(s, false)).collect();
+        assert_eq!(
+            sizes,
+            [12, 6, 3, 2, 1].iter().map(|&m| OnOom::Retry { micro_batch_size: m }).chain([OnOom::GiveUp]).collect::<Vec<_>>()
+        );
+        assert_eq!(p.num_ooms, 6);
+    }
+
+    #[test]
+    fn severe_oom_quarters() {
+        let mut p = Policy::new(16);
+        assert_eq!(p.on_oom(0, true), OnOom::Retry { micro_batch_size: 4 });
+    }
+
+    #[test]
+    fn grows_back_after_clean_steps_with_headroom_and_cooldown() {
+        let mut p = Policy::new(16);
+        p.on_oom(0, false); // 16 failed at step 0 -> 8
+        let roomy = obs(100, 200, 10_000);
+        // Clean steps 1..=3 are enough, but 16 is cooling down until step 10.
+        for s in 1..10 {
+            assert_eq!(p.after_step(s, roomy, &CFG), Adjust::Keep, "step {s}");
+        }
+        assert_eq!(p.after_step(10, roomy, &CFG), Adjust::Grow { micro_batch_size: 16 });
+        assert_eq!(p.current, 16);
+        // Never above the configured size.
+        for s in 11..30 {
+            assert_eq!(p.after_step(s, roomy, &CFG), Adjust::Keep);
+        }
+    }
+
+    #[test]
+    fn does_not_grow_without_headroom() {
+        let mut p = Policy::new(16);
+        p.on_oom(0, false);
+        // Step memory 600 at 8 predicts 100 + 1200 at 16: over 90% of 1400.
+        for s in 1..40 {
+            assert_eq!(p.after_step(s, obs(100, 700, 1400), &CFG), Adjust::Keep);
+        }
+        assert_eq!(p.after_step(40, obs(100, 500, 1400), &CFG), Adjust::Grow { micro_batch_size: 16 });
+    }
+
+    #[test]
+    fn grows_in_doublings_capped_at_configured() {
+        let mut p = Policy::new(12);
+        for s in 0..3 {
+            p.on_oom(s, false); // 6, 3, 2
+        }
+        let roomy = obs(0, 1, u64::MAX);
+        let mut sizes = vec![];
+        for s in 100..130 {
+            if let Adjust::Grow { micro_batch_size } = p.after_step(s, roomy, &CFG) {
+                sizes.push(micro_batch_size);
+            }
+        }
+        assert_eq!(sizes, vec![4, 8, 12]);
+    }
+
+    #[test]
+    fn rising_alloc_retries_shrink() {
+        let mut p = Policy::new(8);
+        let with = |r| Observation { alloc_retries: Some(r), ..obs(0, 1, u64::MAX) };
+        assert_eq!(p.after_step(0, with(0), &CFG), Adjust::Keep);
+        assert_eq!(p.after_step(1, with(2), &CFG), Adjust::Keep);
+        assert_eq!(p.after_step(2, with(5), &CFG), Adjust::Shrink { micro_batch_size: 4 });
+        assert_eq!(p.after_step(3, with(5), &CFG), Adjust::Keep);
+    }
+
+    #[test]
+    fn leak_watch_reports_growth_per_step() {
+        let mut w = LeakWatch::default();
+        assert_eq!(w.observe(0, 1000, 3), None);
+        assert_eq!(w.observe(1, 1100, 3), None);
+        assert_eq!(w.observe(2, 1200, 3), None);
+        assert_eq!(w.observe(3, 1300, 3), Some(100));
+        assert_eq!(w.observe(4, 1300, 3), None); // flat: streak over
+        for s in 5..8 {
+            assert_eq!(w.observe(s, 1300 + (s - 4) * 10, 3), if s == 7 { Some(10) } else { None });
+        }
+    }
+}
