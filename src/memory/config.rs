@@ -10,7 +10,8 @@ use crate::config::ConfigError;
 #[serde(default, deny_unknown_fields)]
 pub struct MemoryConfig {
     /// CPU memory budget for tensors: `auto` (a share of the memory available to the
-    /// process, cgroup limits included), `none`, or a size such as `2GiB`.
+    /// process, cgroup limits included), `none`, or a size such as `2GiB` (or bytes).
+    #[serde(deserialize_with = "size_text")]
     pub budget: String,
     /// The share of available memory `auto` takes.
     pub budget_fraction: f64,
@@ -39,7 +40,22 @@ pub struct MemoryConfig {
 pub struct Pressure {
     pub from_step: u64,
     pub to_step: u64,
+    #[serde(deserialize_with = "size_text")]
     pub size: String,
+}
+
+/// A size as text: `2GiB`, or a plain number of bytes.
+fn size_text<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Size {
+        Bytes(u64),
+        Text(String),
+    }
+    Ok(match Size::deserialize(d)? {
+        Size::Bytes(b) => b.to_string(),
+        Size::Text(t) => t,
+    })
 }
 
 impl Default for MemoryConfig {

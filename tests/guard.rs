@@ -1,0 +1,163 @@
+//! The allocation guard, end to end through the binary, with real libtorch allocation
+//! failures under a CPU memory budget.
+mod common;
+use common::*;
+use serde_json::Value;
+use std::path::Path;
+
+/// (live bytes at step start, peak bytes) of a tiny run at `micro` with no budget.
+fn measure(dir: &Path, cfg: &Path, micro: usize) -> (u64, u64) {
+    let run = dir.join(format!("measure{micro}"));
+    let o = oomguard(
+        &["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--max-steps", "1", "--memory-budget", "none",
+          "--set", &format!("train.micro_batch_size={micro}"), "--set", &format!("train.grad_accum_steps={}", 16 / micro)],
+        dir,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r = &records(&run, "step")[0];
+    (r["memory"]["live_bytes"].as_u64().unwrap(), r["memory"]["peak_bytes"].as_u64().unwrap())
+}
+
+fn oom_events(run: &Path) -> Vec<Value> {
+    records(run, "oom")
+}
+
+/// Forced through two halvings (8 -> 4 -> 2), the run ends with the parameters and the
+/// evaluation of a run without a budget, every step on the full global batch, and every
+/// recovery back to the step's starting memory.
+#[test]
+fn equivalence_no_leak_and_eval_guard() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "tiny.yaml", &TINY.replace("eval_batch_size: 8", "eval_batch_size: 16"));
+    let (_, p2) = measure(dir.path(), &cfg, 2);
+    let (_, p4) = measure(dir.path(), &cfg, 4);
+    let budget = ((p2 + p4) / 2).to_string();
+
+    let free = train_ok(dir.path(), &cfg, &["--memory-budget", "none"]);
+    std::fs::rename(&free, dir.path().join("free")).unwrap();
+    let free = dir.path().join("free");
+    let guarded = train_ok(dir.path(), &cfg, &["--memory-budget", &budget, "--set", "memory.cooldown_steps=1000"]);
+
+    let ooms = oom_events(&guarded);
+    let train_ooms: Vec<&Value> = ooms.iter().filter(|e| e["phase"] != "eval").collect();
+    assert_eq!(train_ooms.len(), 2, "{ooms:?}");
+    assert_eq!((train_ooms[0]["old_micro_batch_size"].as_u64(), train_ooms[0]["new_micro_batch_size"].as_u64()), (Some(8), Some(4)));
+    assert_eq!((train_ooms[1]["old_micro_batch_size"].as_u64(), train_ooms[1]["new_micro_batch_size"].as_u64()), (Some(4), Some(2)));
+    for e in &ooms {
+        assert_eq!(e["source"], "budget");
+        assert!(e["requested_bytes"].as_u64().unwrap() > 0);
+        assert!(e["time_lost_s"].as_f64().unwrap() >= 0.0);
+        // No leak: cleanup returns live memory exactly to the step's starting level.
+        assert_eq!(e["memory_before"], e["memory_after_cleanup"], "{e}");
+    }
+    // The evaluation shrank under its own guard without touching training's size.
+    assert!(ooms.iter().any(|e| e["phase"] == "eval"), "{ooms:?}");
+
+    let steps = records(&guarded, "step");
+    assert_eq!(steps.len(), 6);
+    for s in &steps {
+        assert_eq!(s["num_samples"], 16);
+        assert_eq!((s["micro_batch_size"].as_u64(), s["grad_accum_steps"].as_u64()), (Some(2), Some(8)));
+    }
+    let d = max_abs_diff(&weights(&free), &weights(&guarded));
+    assert!(d < 1e-5, "parameters differ by {d}");
+    let (a, b) = (losses(&free), losses(&guarded));
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() < 1e-5, "{a:?} vs {b:?}");
+    }
+    let val = |run: &Path| records(run, "eval")[0]["val_loss"].as_f64().unwrap();
+    assert!((val(&free) - val(&guarded)).abs() < 1e-5);
+}
+
+/// Under transient pressure the micro-batch shrinks, then grows back once it lifts.
+#[test]
+fn grows_back_when_pressure_lifts() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "tiny.yaml", TINY);
+    let (_, p4) = measure(dir.path(), &cfg, 4);
+    let (_, p8) = measure(dir.path(), &cfg, 8);
+    let delta = p8 - p4;
+    let budget = p8 + delta;
+    let pressure = delta * 3 / 2; // 8 + pressure > budget; 4 + pressure fits
+    let yaml = TINY.replace("max_steps: 6", "max_steps: 14")
+        + &format!("memory: {{grow_after_steps: 2, cooldown_steps: 4, grow_headroom: 0.0, pressure: [{{from_step: 0, to_step: 6, size: '{pressure}'}}]}}\n");
+    let cfg = write_config(dir.path(), "pressure.yaml", &yaml);
+    let run = train_ok(dir.path(), &cfg, &["--memory-budget", &budget.to_string()]);
+
+    let ooms = oom_events(&run);
+    assert_eq!(ooms.len(), 1, "{ooms:?}");
+    assert_eq!(ooms[0]["step"], 0);
+    let grows = records(&run, "grow");
+    assert_eq!(grows.len(), 1, "{grows:?}");
+    assert_eq!((grows[0]["old_micro_batch_size"].as_u64(), grows[0]["new_micro_batch_size"].as_u64()), (Some(4), Some(8)));
+    let grew_at = grows[0]["step"].as_u64().unwrap();
+    assert!(grew_at >= 6, "grew at step {grew_at}, while the pressure was still on");
+    let sizes: Vec<u64> = records(&run, "step").iter().map(|s| s["micro_batch_size"].as_u64().unwrap()).collect();
+    assert_eq!(sizes[..6], [4; 6]);
+    assert_eq!(*sizes.last().unwrap(), 8, "{sizes:?}");
+}
+
+/// A step that does not fit even at micro-batch 1: exit code 3, a message saying what to
+/// change, the OOM history in metrics.jsonl, and the weights kept.
+#[test]
+fn infeasible_exits_3_with_message_and_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "tiny.yaml", TINY);
+    let (base, p1) = measure(dir.path(), &cfg, 1);
+    let budget = (base + (p1 - base) / 2).to_string();
+    let run = dir.path().join("run");
+    let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--memory-budget", &budget], dir.path());
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    assert!(err.contains("does not fit in memory even at micro-batch 1"), "{err}");
+    assert!(err.contains("raise memory.budget") && err.contains("model.block_size"), "{err}");
+    let sizes: Vec<u64> = oom_events(&run).iter().map(|e| e["new_micro_batch_size"].as_u64().unwrap()).collect();
+    assert_eq!(sizes, vec![4, 2, 1, 0]);
+    assert!(run.join("model.safetensors").is_file());
+    assert!(!weights(&run).is_empty());
+}
+
+#[test]
+fn allocator_settings_are_validated() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "a.yaml", &(TINY.to_string() + "memory: {allocator: {expandable_segments: yes}}\n"));
+    let o = oomguard(&["train", cfg.to_str().unwrap()], dir.path());
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("memory.allocator.expandable_segments: `yes` is not a bool libtorch reads; write True or False"), "{}", stderr(&o));
+
+    let cfg = write_config(dir.path(), "b.yaml", &(TINY.to_string() + "memory: {allocator: {max_split_size: 128}}\n"));
+    let o = oomguard(&["train", cfg.to_str().unwrap()], dir.path());
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("unknown allocator setting `max_split_size`"), "{}", stderr(&o));
+
+    let cfg = write_config(dir.path(), "c.yaml", TINY);
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_oomguard"))
+        .args(["train", cfg.to_str().unwrap()])
+        .current_dir(dir.path())
+        .env("PYTORCH_ALLOC_CONF", "expandable_segments:true")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("PYTORCH_ALLOC_CONF: expandable_segments: `true` is not a bool"), "{}", stderr(&o));
+}
+
+/// backend:cudaMallocAsync is read when libtorch loads: the process restarts itself with
+/// the merged settings in its environment, and the run proceeds.
+#[test]
+fn load_time_allocator_backend_restarts_the_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "a.yaml", &(TINY.to_string() + "memory: {allocator: {backend: cudaMallocAsync, max_split_size_mb: 64}}\n"));
+    let run = dir.path().join("run");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_oomguard"))
+        .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--max-steps", "1"])
+        .current_dir(dir.path())
+        .env("PYTORCH_ALLOC_CONF", "max_split_size_mb:128")
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("restarting so that libtorch loads with allocator settings `backend:cudaMallocAsync,max_split_size_mb:128`"), "{err}");
+    assert!(err.contains("allocator settings: backend:cudaMallocAsync,max_split_size_mb:128"), "{err}");
+    assert_eq!(records(&run, "step").len(), 1);
+}
