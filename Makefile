@@ -14,7 +14,7 @@ test: setup
 	cargo test --release
 
 bench: setup
-	cargo bench --bench throughput
+	cargo bench --bench throughput --bench guard
 
 clean:
 	cargo clean
