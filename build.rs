@@ -24,9 +24,10 @@ fn main() {
         .opt_level(2)
         .file("csrc/memory.cpp")
         .file("csrc/optim.cpp")
+        .file("csrc/rng.cpp")
         .compile("oomguard_csrc");
 
-    for f in ["csrc/memory.cpp", "csrc/optim.cpp", "csrc/oomguard.h"] {
+    for f in ["csrc/memory.cpp", "csrc/optim.cpp", "csrc/rng.cpp", "csrc/oomguard.h"] {
         println!("cargo:rerun-if-changed={f}");
     }
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib_dir.display());

@@ -44,7 +44,7 @@ fn hand_loop(c: &RawConfig) -> f64 {
 fn oomguard_loop(c: &RawConfig) -> f64 {
     let dir = tempfile::tempdir().unwrap();
     let cfg = Config { raw: c.clone(), path: dir.path().join("bench.yaml") };
-    oomguard::train::train(&cfg, dir.path(), &Default::default()).unwrap().tokens_per_s
+    oomguard::train::train(&cfg, dir.path(), &Default::default(), Default::default()).unwrap().tokens_per_s
 }
 
 fn main() {

@@ -34,6 +34,11 @@ char* og_set_allocator_settings(const char* settings);
 char* og_adamw_step(void** params, void** exp_avgs, void** exp_avg_sqs, void** steps, int n,
                     double lr, double beta1, double beta2, double weight_decay, double eps);
 char* og_clip_grad_norm(void** params, int n, double max_norm, double* total_norm);
+
+// Default generator state (csrc/rng.cpp); cuda_index < 0 means the CPU generator.
+// get_state returns a new torch::Tensor* the caller owns.
+char* og_rng_get_state(int cuda_index, void** out);
+char* og_rng_set_state(int cuda_index, void* state);
 }
 
 namespace oomguard {

@@ -17,6 +17,12 @@ pub enum Error {
     /// The step does not fit even at micro-batch 1 (exit code 3).
     #[error("{0}")]
     Infeasible(String),
+    /// A checkpoint that cannot be used (missing, corrupt, truncated, another model).
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
+    /// Stopped by a signal after checkpointing (exit code 130 or 143).
+    #[error("stopped by {} at step {step}; resume with --resume", signal.name())]
+    Interrupted { signal: crate::signals::Signal, step: u64 },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

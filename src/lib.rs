@@ -12,6 +12,7 @@ pub mod memory;
 pub mod metrics;
 pub mod model;
 pub mod optim;
+pub mod signals;
 pub mod train;
 
 pub use error::{Error, Result};

@@ -64,6 +64,10 @@ pub struct EvalRecord {
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum Record {
     Step(StepRecord),
+    /// The run stopped on a signal (after its checkpoint).
+    Stopped { step: u64, signal: String },
+    /// The run resumed from a checkpoint.
+    Resumed { step: u64, checkpoint: String },
     Eval(EvalRecord),
     Oom(OomEvent),
     Grow(ResizeEvent),
@@ -88,6 +92,29 @@ pub struct MetricsWriter {
 }
 
 impl MetricsWriter {
+    /// For a run resuming at `next_step`: records of later steps (work the resumed run
+    /// redoes) and any torn last line move to metrics.replaced.jsonl, so metrics.jsonl
+    /// reads as one uninterrupted run and nothing written is lost.
+    pub fn resume(dir: &Path, next_step: u64) -> Result<MetricsWriter> {
+        let path = dir.join("metrics.jsonl");
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        let (mut keep, mut replaced) = (String::new(), String::new());
+        for line in text.lines() {
+            let step = serde_json::from_str::<serde_json::Value>(line).ok().and_then(|v| v.get("step").and_then(|s| s.as_u64()));
+            let out = if step.is_some_and(|s| s < next_step) { &mut keep } else { &mut replaced };
+            out.push_str(line);
+            out.push('\n');
+        }
+        if !replaced.is_empty() {
+            let r = dir.join("metrics.replaced.jsonl");
+            let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&r).map_err(|e| Error::io(format!("cannot open {}", r.display()), e))?;
+            f.write_all(replaced.as_bytes()).and_then(|_| f.sync_all()).map_err(|e| Error::io(format!("cannot write {}", r.display()), e))?;
+            let tmp = dir.join("metrics.jsonl.tmp");
+            std::fs::write(&tmp, keep).and_then(|_| std::fs::rename(&tmp, &path)).map_err(|e| Error::io(format!("cannot rewrite {}", path.display()), e))?;
+        }
+        Self::open(dir)
+    }
+
     /// Appends to `dir/metrics.jsonl`.
     pub fn open(dir: &Path) -> Result<MetricsWriter> {
         let path = dir.join("metrics.jsonl");

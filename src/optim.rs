@@ -81,6 +81,7 @@ impl OptimConfig {
 }
 
 struct Group {
+    names: Vec<String>,
     params: Vec<Tensor>,
     exp_avg: Vec<Tensor>,
     exp_avg_sq: Vec<Tensor>,
@@ -106,12 +107,14 @@ impl AdamW {
         named.sort_by(|a, b| a.0.cmp(&b.0)); // a stable order for reproducible kernels
         let mut groups = Vec::new();
         for (decay, wd) in [(true, cfg.weight_decay), (false, 0.0)] {
-            let params: Vec<Tensor> = named.iter().filter(|(n, _)| no_decay(n) != decay).map(|(_, t)| t.shallow_clone()).collect();
+            let members: Vec<&(String, Tensor)> = named.iter().filter(|(n, _)| no_decay(n) != decay).collect();
+            let params: Vec<Tensor> = members.iter().map(|(_, t)| t.shallow_clone()).collect();
             let zeros = |p: &Tensor| -> Result<Tensor, TchError> { p.f_zeros_like() };
             groups.push(Group {
                 exp_avg: params.iter().map(zeros).collect::<Result<_, _>>()?,
                 exp_avg_sq: params.iter().map(zeros).collect::<Result<_, _>>()?,
                 steps: params.iter().map(|p| Tensor::f_zeros([], (Kind::Float, p.device()))).collect::<Result<_, _>>()?,
+                names: members.iter().map(|(n, _)| n.clone()).collect(),
                 params,
                 weight_decay: wd,
             });
@@ -146,6 +149,33 @@ impl AdamW {
     /// Drops every gradient (grad = None): between steps, and after a failed attempt.
     pub fn clear_grads(&self) {
         self.all_params().for_each(clear_grad);
+    }
+
+    /// The moment buffers and step counts, named `<parameter>.exp_avg|exp_avg_sq|step`.
+    pub fn state(&self) -> Vec<(String, &Tensor)> {
+        let mut out = Vec::new();
+        for g in &self.groups {
+            for (i, name) in g.names.iter().enumerate() {
+                out.push((format!("{name}.exp_avg"), &g.exp_avg[i]));
+                out.push((format!("{name}.exp_avg_sq"), &g.exp_avg_sq[i]));
+                out.push((format!("{name}.step"), &g.steps[i]));
+            }
+        }
+        out
+    }
+
+    /// Copies a saved `state()` back in; every entry must be present with its shape.
+    pub fn load_state(&mut self, saved: &[(String, Tensor)]) -> Result<(), TchError> {
+        let saved: std::collections::HashMap<&str, &Tensor> = saved.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let _no_grad = tch::no_grad_guard();
+        for (name, t) in self.state() {
+            let src = saved.get(name.as_str()).ok_or_else(|| TchError::FileFormat(format!("optimizer state has no `{name}`")))?;
+            if src.size() != t.size() {
+                return Err(TchError::Shape(format!("optimizer state `{name}` has shape {:?}, expected {:?}", src.size(), t.size())));
+            }
+            t.shallow_clone().f_copy_(src)?;
+        }
+        Ok(())
     }
 }
 

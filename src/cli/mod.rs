@@ -26,11 +26,12 @@ pub enum Command {
 }
 
 /// Exit codes (a contract): 0 success, 1 other failure, 2 bad input (config, flags, data
-/// paths), 3 does not fit in memory even at micro-batch 1, 130/143 stopped by SIGINT/SIGTERM.
+/// paths, checkpoints), 3 does not fit in memory even at micro-batch 1, 130/143 stopped by SIGINT/SIGTERM.
 pub fn exit_code(err: &anyhow::Error) -> i32 {
     match err.downcast_ref::<oomguard::Error>() {
-        Some(oomguard::Error::Config(_) | oomguard::Error::Data(_)) => 2,
+        Some(oomguard::Error::Config(_) | oomguard::Error::Data(_) | oomguard::Error::Checkpoint(_)) => 2,
         Some(oomguard::Error::Infeasible(_)) => 3,
+        Some(oomguard::Error::Interrupted { signal, .. }) => signal.exit_code(),
         _ => 1,
     }
 }

@@ -22,6 +22,12 @@ pub struct TrainArgs {
     /// Shorthand for --set train.max_steps=N.
     #[arg(long)]
     pub max_steps: Option<u64>,
+    /// Continue from the newest valid checkpoint in --run-dir.
+    #[arg(long, requires = "run_dir", conflicts_with = "resume_from")]
+    pub resume: bool,
+    /// Continue from this checkpoint folder (run_dir/checkpoints/step-N).
+    #[arg(long, value_name = "PATH")]
+    pub resume_from: Option<PathBuf>,
     /// CPU memory budget (auto, none, or a size like 2GiB); shorthand for --set memory.budget=SIZE.
     #[arg(long, value_name = "SIZE")]
     pub memory_budget: Option<String>,
@@ -37,17 +43,27 @@ pub fn exec(args: TrainArgs) -> anyhow::Result<()> {
     }
     let cfg = config::load(&args.config, &overrides).map_err(oomguard::Error::from)?;
     let settings = allocator_settings(&cfg)?;
-    let run_dir = match args.run_dir {
-        Some(d) => d,
-        None => next_run_dir(&args.config)?,
+    let resume = match (&args.resume_from, args.resume) {
+        (Some(p), _) => train::Resume::From(p.clone()),
+        (None, true) => train::Resume::Newest,
+        (None, false) => train::Resume::Fresh,
     };
-    prepare_run_dir(&run_dir)?;
+    let run_dir = match (args.run_dir, &args.resume_from) {
+        (Some(d), _) => d,
+        // run_dir/checkpoints/step-N
+        (None, Some(p)) => p.parent().and_then(Path::parent).map(Path::to_path_buf).context("--resume-from needs a path like RUN_DIR/checkpoints/step-N")?,
+        (None, None) => next_run_dir(&args.config)?,
+    };
+    if matches!(resume, train::Resume::Fresh) {
+        prepare_run_dir(&run_dir)?;
+    }
+    oomguard::signals::install().context("installing the SIGINT/SIGTERM handlers")?;
     let resolved = serde_yaml::to_string(&cfg.raw).context("encoding the resolved config")?;
     std::fs::write(run_dir.join("config.yaml"), resolved).with_context(|| format!("writing {}/config.yaml", run_dir.display()))?;
     metrics::set_log_file(&run_dir.join("train.log"))?;
     tracing::info!("run directory {}", run_dir.display());
 
-    let s = train::train(&cfg, &run_dir, &settings)?;
+    let s = train::train(&cfg, &run_dir, &settings, resume)?;
     tracing::info!(
         "done: {} steps in {:.1}s | loss {:.4} -> {:.4}{} | {:.0} tok/s | peak memory {} | {} OOMs recovered, micro-batch {} at the end",
         s.steps, s.wall_s, s.first_loss, s.final_loss,
@@ -92,14 +108,14 @@ fn next_run_dir(config: &Path) -> anyhow::Result<PathBuf> {
         .context("no free run directory under runs/")
 }
 
-/// A run directory must be new or empty of metrics: a finished run is never overwritten.
+/// A fresh run's directory must be new or empty of metrics: a run is never overwritten.
 fn prepare_run_dir(dir: &Path) -> anyhow::Result<()> {
     if dir.join("metrics.jsonl").exists() {
         return Err(oomguard::Error::Config(ConfigError {
             origin: "--run-dir".into(),
             line_col: None,
             key: dir.display().to_string(),
-            message: "already holds a run (metrics.jsonl); choose a new --run-dir".into(),
+            message: "already holds a run (metrics.jsonl); continue it with --resume, or choose a new --run-dir".into(),
         })
         .into());
     }

@@ -57,6 +57,11 @@ impl Policy {
         Policy { configured, current: configured, clean_steps: 0, failed: Vec::new(), retry_streak: 0, last_retries: None, num_ooms: 0 }
     }
 
+    /// A saved policy, continued under a configured size that may have changed since.
+    pub fn resumed(saved: Policy, configured: usize) -> Policy {
+        Policy { configured, current: saved.current.min(configured), ..saved }
+    }
+
     /// An OOM at the current size: halve (quarter when cleanup left memory behind).
     pub fn on_oom(&mut self, step: u64, severe: bool) -> OnOom {
         self.num_ooms += 1;

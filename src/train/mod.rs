@@ -4,7 +4,7 @@ mod step;
 mod trainer;
 
 pub use step::{micro_batches, train_step, StepStats};
-pub use trainer::{evaluate, train, GptBatches, Summary};
+pub use trainer::{evaluate, train, GptBatches, Resume, Summary};
 
 use serde::{Deserialize, Serialize};
 use std::ops::Range;

@@ -1,20 +1,34 @@
-//! The training loop: reads top to bottom.
-use std::path::Path;
+//! The training loop (`train`) reads top to bottom; `Run` holds what it works with.
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tch::{nn::VarStore, Device, Tensor};
 
-use super::{micro_batches, train_step, StepBatches, TrainModel};
+use super::{micro_batches, train_step, StepBatches, StepStats, TrainModel};
+use crate::checkpoint::{self, TrainState};
 use crate::config::Config;
 use crate::data::{sample_offsets, splitmix64, Dataset, Split};
 use crate::error::{Error, Phase, Result};
-use crate::guard::Guard;
+use crate::guard::{Guard, Policy};
 use crate::memory::{self, allocator, human_bytes, PressureSchedule};
 use crate::metrics::{EvalRecord, MetricsWriter, Record, StepRecord};
 use crate::model::{no_weight_decay, Gpt};
 use crate::optim::AdamW;
+use crate::signals;
+
+/// Where a run starts.
+#[derive(Debug, Clone, Default)]
+pub enum Resume {
+    #[default]
+    Fresh,
+    /// The newest valid checkpoint in the run directory.
+    Newest,
+    /// This checkpoint folder.
+    From(PathBuf),
+}
 
 /// What a finished run reports.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Summary {
     pub steps: u64,
     pub first_loss: f64,
@@ -26,6 +40,42 @@ pub struct Summary {
     pub peak_bytes: u64,
     pub num_ooms: u64,
     pub final_micro_batch_size: usize,
+}
+
+/// Trains the config's GPT into `run_dir`. `settings` are the allocator settings in force.
+pub fn train(cfg: &Config, run_dir: &Path, settings: &allocator::AllocatorSettings, resume: Resume) -> Result<Summary> {
+    let c = &cfg.raw;
+    let data = Dataset::open(&c.data, cfg.path.parent().unwrap_or(Path::new(".")), c.model.block_size as usize)?;
+    let mut run = Run::start(cfg, run_dir, settings, &data, resume)?;
+    let start = Instant::now();
+    let mut eval_s = 0.0;
+    for step in run.next_step..c.train.max_steps {
+        if let Some(signal) = signals::requested() {
+            run.checkpoint(step)?;
+            run.metrics.write(&Record::Stopped { step: step.saturating_sub(1), signal: signal.name().into() })?;
+            return Err(Error::Interrupted { signal, step });
+        }
+        run.pressure.update(step);
+        let stats = run.step(step)?;
+        run.summary.first_loss = if step == run.first_step { stats.loss } else { run.summary.first_loss };
+        run.summary.final_loss = stats.loss;
+        if step + 1 == c.train.max_steps || (c.train.eval_every > 0 && (step + 1) % c.train.eval_every == 0) {
+            let t = Instant::now();
+            run.evaluate(step)?;
+            eval_s += t.elapsed().as_secs_f64();
+        }
+        if c.checkpoint.every_steps > 0 && (step + 1) % c.checkpoint.every_steps == 0 {
+            run.checkpoint(step + 1)?;
+        }
+    }
+    run.checkpoint(c.train.max_steps)?;
+    run.save_weights()?;
+    let s = &mut run.summary;
+    s.wall_s = start.elapsed().as_secs_f64();
+    s.tokens_per_s = (c.train.max_steps.saturating_sub(run.first_step) as usize * run.tokens_per_step) as f64 / (s.wall_s - eval_s);
+    s.num_ooms = run.guard.policy.num_ooms + run.eval_guard.policy.num_ooms;
+    s.final_micro_batch_size = run.guard.micro_batch_size();
+    Ok(run.summary)
 }
 
 /// A GPT's samples: `sample_offsets(seed, step)` into a split, cut into micro-batches.
@@ -51,92 +101,152 @@ impl StepBatches for GptBatches<'_> {
     }
 }
 
-/// Trains the config's GPT, writing metrics into `run_dir`. Memory must be prepared with
-/// `settings` (the allocator settings in force) before anything is allocated.
-pub fn train(cfg: &Config, run_dir: &Path, settings: &allocator::AllocatorSettings) -> Result<Summary> {
-    let c = &cfg.raw;
-    let device = c.train.device();
-    memory::prepare(&c.memory, settings, device)?;
-    if let Some(n) = c.train.num_threads {
-        tch::set_num_threads(n as i32);
-    }
-    tch::manual_seed(c.train.seed as i64);
-    let block = c.model.block_size as usize;
-    let data = Dataset::open(&c.data, cfg.path.parent().unwrap_or(Path::new(".")), block)?;
-    let vs = VarStore::new(device);
-    let model = Gpt::new(&vs.root(), &c.model)?;
-    let mut opt = AdamW::new(&vs, &c.optim, no_weight_decay)?;
-    let mut metrics = MetricsWriter::open(run_dir)?;
-    let global = c.train.global_batch_size();
-    let batches = GptBatches { split: &data.train, seed: c.train.seed, global_batch: global, block, vocab: c.model.vocab_size, device };
-    let mut guard = Guard::new(&c.memory, c.train.micro_batch_size, device);
-    let mut eval_guard = Guard::for_eval(&c.memory, c.train.eval_batch_size, device);
-    let mut pressure = PressureSchedule::new(&c.memory.pressure, device);
-    tracing::info!(
-        "training {:.2}M parameters on {device:?} ({} threads): global batch {global} = {} x {}, {} steps",
-        c.model.num_params() as f64 / 1e6, tch::get_num_threads(), c.train.micro_batch_size, c.train.grad_accum_steps, c.train.max_steps
-    );
+/// The state of a run between steps.
+struct Run<'a> {
+    cfg: &'a Config,
+    run_dir: PathBuf,
+    device: Device,
+    vs: VarStore,
+    model: Gpt,
+    opt: AdamW,
+    batches: GptBatches<'a>,
+    val: &'a Split,
+    guard: Guard,
+    eval_guard: Guard,
+    pressure: PressureSchedule,
+    metrics: MetricsWriter,
+    next_step: u64,
+    first_step: u64,
+    tokens_per_step: usize,
+    val_losses: BTreeMap<u64, f64>,
+    summary: Summary,
+    start: Instant,
+}
 
-    let start = Instant::now();
-    let mut s = Summary { steps: c.train.max_steps, first_loss: f64::NAN, final_loss: f64::NAN, val_loss: None, wall_s: 0.0, tokens_per_s: 0.0, peak_bytes: 0, num_ooms: 0, final_micro_batch_size: 0 };
-    let mut eval_s = 0.0;
-    for step in 0..c.train.max_steps {
-        pressure.update(step);
+impl<'a> Run<'a> {
+    fn start(cfg: &'a Config, run_dir: &Path, settings: &allocator::AllocatorSettings, data: &'a Dataset, resume: Resume) -> Result<Run<'a>> {
+        let c = &cfg.raw;
+        let device = c.train.device();
+        memory::prepare(&c.memory, settings, device)?;
+        if let Some(n) = c.train.num_threads {
+            tch::set_num_threads(n as i32);
+        }
+        tch::manual_seed(c.train.seed as i64);
+        let mut vs = VarStore::new(device);
+        let model = Gpt::new(&vs.root(), &c.model)?;
+        let mut opt = AdamW::new(&vs, &c.optim, no_weight_decay)?;
+        let global = c.train.global_batch_size();
+        let block = c.model.block_size as usize;
+        let mut guard = Guard::new(&c.memory, c.train.micro_batch_size, device);
+        let mut eval_guard = Guard::for_eval(&c.memory, c.train.eval_batch_size, device);
+        checkpoint::clean_partial(run_dir);
+        let (next_step, metrics) = match resolve(run_dir, resume)? {
+            None => (0, MetricsWriter::open(run_dir)?),
+            Some((dir, state)) => {
+                let changes = checkpoint::shape_changes(&state.model, &c.model);
+                if !changes.is_empty() {
+                    return Err(Error::Checkpoint(format!("{}: the model's shape changed since this checkpoint: {}", dir.display(), changes.join("; "))));
+                }
+                checkpoint::restore(&dir, &mut vs, &mut opt)?;
+                guard.policy = Policy::resumed(state.policy, c.train.micro_batch_size);
+                eval_guard.policy = Policy::resumed(state.eval_policy, c.train.eval_batch_size);
+                let mut metrics = MetricsWriter::resume(run_dir, state.next_step)?;
+                metrics.write(&Record::Resumed { step: state.next_step, checkpoint: dir.display().to_string() })?;
+                tracing::info!("resumed from {} at step {} (micro-batch {})", dir.display(), state.next_step, guard.micro_batch_size());
+                (state.next_step, metrics)
+            }
+        };
+        tracing::info!(
+            "training {:.2}M parameters on {device:?} ({} threads): global batch {global} = {} x {}, {} steps",
+            c.model.num_params() as f64 / 1e6, tch::get_num_threads(), c.train.micro_batch_size, c.train.grad_accum_steps, c.train.max_steps
+        );
+        Ok(Run {
+            cfg, run_dir: run_dir.to_path_buf(), device, model, opt,
+            batches: GptBatches { split: &data.train, seed: c.train.seed, global_batch: global, block, vocab: c.model.vocab_size, device },
+            val: &data.val, guard, eval_guard, pressure: PressureSchedule::new(&c.memory.pressure, device), metrics,
+            next_step, first_step: next_step, tokens_per_step: global * block, val_losses: BTreeMap::new(),
+            summary: Summary { steps: c.train.max_steps, first_loss: f64::NAN, ..Default::default() }, start: Instant::now(), vs,
+        })
+    }
+
+    /// One optimizer step under the guard, recorded and logged.
+    fn step(&mut self, step: u64) -> Result<StepStats> {
+        let c = &self.cfg.raw;
         let lr = c.optim.lr_at(step, c.train.max_steps);
         let t0 = Instant::now();
-        let result = guard.run(step, &mut opt, |opt, mb| train_step(&model, opt, &batches, step, mb, lr, c.optim.grad_clip), |opt| opt.clear_grads());
-        write_events(&mut metrics, &mut guard)?;
-        let stats = result.inspect_err(|e| save_on_infeasible(e, &vs, run_dir))?;
+        let (model, batches) = (&self.model, &self.batches);
+        let result = self.guard.run(step, &mut self.opt, |opt, mb| train_step(model, opt, batches, step, mb, lr, c.optim.grad_clip), |opt| opt.clear_grads());
+        let stats = self.after_guarded(result, step)?;
         let dt = t0.elapsed().as_secs_f64();
-        let mem = memory::stats(device);
-        let mb = stats.micro_batch_size;
+        let mem = memory::stats(self.device);
         let rec = StepRecord {
-            step, loss: stats.loss, lr, grad_norm: stats.grad_norm, tokens_per_s: (global * block) as f64 / dt,
-            micro_batch_size: mb, grad_accum_steps: stats.num_micro_batches, num_samples: stats.num_samples, step_time_s: dt, elapsed_s: start.elapsed().as_secs_f64(), memory: mem,
+            step, loss: stats.loss, lr, grad_norm: stats.grad_norm, tokens_per_s: self.tokens_per_step as f64 / dt,
+            micro_batch_size: stats.micro_batch_size, grad_accum_steps: stats.num_micro_batches, num_samples: stats.num_samples,
+            step_time_s: dt, elapsed_s: self.start.elapsed().as_secs_f64(), memory: mem,
         };
         if step % c.log.every == 0 || step + 1 == c.train.max_steps {
             tracing::info!(
                 "step {:>5}/{} | loss {:.4} | lr {:.2e} | {:>7.0} tok/s | mb {}x{} | mem {} (peak {})",
-                step + 1, c.train.max_steps, rec.loss, lr, rec.tokens_per_s, mb, rec.grad_accum_steps, human_bytes(mem.live_bytes), human_bytes(mem.peak_bytes)
+                step + 1, c.train.max_steps, rec.loss, lr, rec.tokens_per_s, rec.micro_batch_size, rec.grad_accum_steps,
+                human_bytes(mem.live_bytes), human_bytes(mem.peak_bytes)
             );
         }
-        metrics.write(&Record::Step(rec))?;
-        (s.first_loss, s.final_loss, s.peak_bytes) = (if step == 0 { stats.loss } else { s.first_loss }, stats.loss, s.peak_bytes.max(mem.peak_bytes));
-        if step + 1 == c.train.max_steps || (c.train.eval_every > 0 && (step + 1) % c.train.eval_every == 0) {
-            let t_eval = Instant::now();
-            let ev = evaluate(&model, &data.val, c.train.seed, c.train.eval_batch_size, c.train.eval_batches, &batches, &mut eval_guard, step);
-            write_events(&mut metrics, &mut eval_guard)?;
-            let v = ev.inspect_err(|e| save_on_infeasible(e, &vs, run_dir))?;
-            tracing::info!("eval  {:>5} | val loss {v:.4}", step + 1);
-            metrics.write(&Record::Eval(EvalRecord { step, val_loss: v, eval_batch_size: c.train.eval_batch_size }))?;
-            s.val_loss = Some(v);
-            eval_s += t_eval.elapsed().as_secs_f64();
-        }
+        self.metrics.write(&Record::Step(rec))?;
+        self.summary.peak_bytes = self.summary.peak_bytes.max(mem.peak_bytes);
+        self.next_step = step + 1;
+        Ok(stats)
     }
-    s.wall_s = start.elapsed().as_secs_f64();
-    s.tokens_per_s = (c.train.max_steps as usize * global * block) as f64 / (s.wall_s - eval_s);
-    s.num_ooms = guard.policy.num_ooms + eval_guard.policy.num_ooms;
-    s.final_micro_batch_size = guard.micro_batch_size();
-    save_weights(&vs, run_dir)?;
-    Ok(s)
-}
 
-fn write_events(metrics: &mut MetricsWriter, guard: &mut Guard) -> Result<()> {
-    guard.drain_events().into_iter().try_for_each(|e| metrics.write(&Record::from(e)))
-}
-
-fn save_weights(vs: &VarStore, run_dir: &Path) -> Result<()> {
-    let path = run_dir.join("model.safetensors");
-    vs.save(&path).map_err(|e| Error::io(format!("cannot write {}", path.display()), std::io::Error::other(e.to_string())))
-}
-
-/// Before exiting with code 3, keep the weights trained so far.
-fn save_on_infeasible(e: &Error, vs: &VarStore, run_dir: &Path) {
-    if matches!(e, Error::Infeasible(_)) {
-        match save_weights(vs, run_dir) {
-            Ok(()) => tracing::info!("saved the weights trained so far to {}", run_dir.join("model.safetensors").display()),
-            Err(err) => tracing::error!("{err}"),
+    /// Records the guard's events; on an infeasible step, checkpoints before failing.
+    fn after_guarded<T>(&mut self, result: Result<T>, step: u64) -> Result<T> {
+        for guard in [&mut self.guard, &mut self.eval_guard] {
+            for e in guard.drain_events() {
+                self.metrics.write(&Record::from(e))?;
+            }
         }
+        if let Err(Error::Infeasible(_)) = &result {
+            self.checkpoint(step)?;
+            self.save_weights()?;
+        }
+        result
+    }
+
+    fn evaluate(&mut self, step: u64) -> Result<()> {
+        let c = &self.cfg.raw;
+        let v = evaluate(&self.model, self.val, c.train.seed, c.train.eval_batch_size, c.train.eval_batches, &self.batches, &mut self.eval_guard, step);
+        let v = self.after_guarded(v, step)?;
+        tracing::info!("eval  {:>5} | val loss {v:.4}", step + 1);
+        self.metrics.write(&Record::Eval(EvalRecord { step, val_loss: v, eval_batch_size: c.train.eval_batch_size }))?;
+        self.val_losses.insert(step + 1, v);
+        self.summary.val_loss = Some(v);
+        Ok(())
+    }
+
+    /// A checkpoint from which the run resumes at `next_step`; old ones are pruned.
+    fn checkpoint(&mut self, next_step: u64) -> Result<()> {
+        let c = &self.cfg.raw;
+        let state = TrainState {
+            format: 1, next_step, samples_seen: next_step * c.train.global_batch_size() as u64,
+            policy: self.guard.policy.clone(), eval_policy: self.eval_guard.policy.clone(),
+            val_loss: self.summary.val_loss, model: c.model.clone(), files: Default::default(),
+        };
+        let dir = checkpoint::save(&self.run_dir, &state, &self.vs, &self.opt)?;
+        tracing::info!("checkpoint {}", dir.display());
+        checkpoint::prune(&self.run_dir, &c.checkpoint, &self.val_losses);
+        Ok(())
+    }
+
+    fn save_weights(&self) -> Result<()> {
+        let path = self.run_dir.join("model.safetensors");
+        self.vs.save(&path).map_err(|e| Error::io(format!("cannot write {}", path.display()), std::io::Error::other(e.to_string())))
+    }
+}
+
+fn resolve(run_dir: &Path, resume: Resume) -> Result<Option<(PathBuf, TrainState)>> {
+    match resume {
+        Resume::Fresh => Ok(None),
+        Resume::Newest => checkpoint::newest_valid(run_dir).map(Some),
+        Resume::From(dir) => checkpoint::verify(&dir).map(|s| Some((dir, s))),
     }
 }
 

@@ -1,0 +1,42 @@
+//! libtorch's default generators (CPU, and the CUDA device's), saved with checkpoints so
+//! dropout resumes exactly.
+use std::ffi::{c_char, c_void};
+use tch::{Device, Tensor};
+
+use crate::error::{Error, Result};
+use crate::memory::check;
+
+extern "C" {
+    fn og_rng_get_state(cuda_index: i32, out: *mut *mut c_void) -> *mut c_char;
+    fn og_rng_set_state(cuda_index: i32, state: *mut c_void) -> *mut c_char;
+}
+
+fn generators(device: Device) -> Vec<(String, i32)> {
+    let mut g = vec![("cpu".to_string(), -1)];
+    if let Device::Cuda(i) = device {
+        g.push((format!("cuda:{i}"), i as i32));
+    }
+    g
+}
+
+pub fn get_states(device: Device) -> Result<Vec<(String, Tensor)>> {
+    generators(device)
+        .into_iter()
+        .map(|(name, index)| {
+            let mut out: *mut c_void = std::ptr::null_mut();
+            check(unsafe { og_rng_get_state(index, &mut out) })?;
+            // SAFETY: on success og_rng_get_state returns a new torch::Tensor* we now own.
+            Ok((name, unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) }))
+        })
+        .collect()
+}
+
+pub fn set_states(saved: &[(String, Tensor)], device: Device) -> Result<()> {
+    for (name, index) in generators(device) {
+        let Some((_, t)) = saved.iter().find(|(n, _)| *n == name) else {
+            return Err(Error::Checkpoint(format!("rng.safetensors has no `{name}` generator state")));
+        };
+        check(unsafe { og_rng_set_state(index, t.as_ptr() as *mut c_void) })?;
+    }
+    Ok(())
+}
