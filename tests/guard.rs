@@ -98,7 +98,7 @@ fn grows_back_when_pressure_lifts() {
 }
 
 /// A step that does not fit even at micro-batch 1: exit code 3, a message saying what to
-/// change, the OOM history in metrics.jsonl, and the weights kept.
+/// change, the OOM history in metrics.jsonl, and a checkpoint to resume from.
 #[test]
 fn infeasible_exits_3_with_message_and_weights() {
     let dir = tempfile::tempdir().unwrap();
@@ -115,6 +115,10 @@ fn infeasible_exits_3_with_message_and_weights() {
     assert_eq!(sizes, vec![4, 2, 1, 0]);
     assert!(run.join("model.safetensors").is_file());
     assert!(!weights(&run).is_empty());
+    // A checkpoint at the step that did not fit, from which a run with more memory resumes.
+    assert!(run.join("checkpoints/step-00000000/state.json").is_file());
+    let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--resume", "--memory-budget", "none"], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
 }
 
 #[test]

@@ -1,0 +1,204 @@
+//! Checkpoints, exact resume and signals, through the binary: real processes, real files,
+//! real signals.
+mod common;
+use common::*;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn spawn(args: &[&str], cwd: &Path) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_oomguard"))
+        .args(args)
+        .current_dir(cwd)
+        .env("OMP_NUM_THREADS", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn signal(child: &Child, sig: &str) {
+    assert!(Command::new("kill").args([sig, &child.id().to_string()]).status().unwrap().success());
+}
+
+fn wait_for_steps(run: &Path, n: usize, child: &mut Child) {
+    let t = Instant::now();
+    while std::fs::read_to_string(run.join("metrics.jsonl")).map(|m| m.matches("\"event\":\"step\"").count()).unwrap_or(0) < n {
+        assert!(child.try_wait().unwrap().is_none(), "the run ended early");
+        assert!(t.elapsed() < Duration::from_secs(60), "no progress");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn checkpoints(run: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(run.join("checkpoints")).unwrap().flatten().map(|e| e.path())
+        .filter(|p| p.file_name().unwrap().to_str().unwrap().starts_with("step-")).collect();
+    v.sort();
+    v
+}
+
+/// The fields of step records that must match between runs (not the timings).
+fn step_fields(run: &Path) -> Vec<Value> {
+    records(run, "step").into_iter()
+        .map(|r| serde_json::json!([r["step"], r["loss"], r["lr"], r["grad_norm"], r["micro_batch_size"], r["grad_accum_steps"], r["num_samples"]]))
+        .collect()
+}
+
+fn assert_same_weights(a: &Path, b: &Path) {
+    assert_eq!(max_abs_diff(&weights(a), &weights(b)), 0.0, "parameters differ");
+}
+
+/// N steps, and N/2 steps resumed for N/2 more, end bitwise identical with identical
+/// metrics. Dropout is on, so the random generator's state must resume too.
+#[test]
+fn exact_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    // decay_steps fixed: the 4-step run must follow the 8-step run's LR schedule.
+    let yaml = TINY.replace("vocab_size: 256}", "vocab_size: 256, dropout: 0.1}").replace("max_steps: 6", "max_steps: 8").replace("warmup_steps: 2}", "warmup_steps: 2, decay_steps: 8}");
+    let cfg = write_config(dir.path(), "tiny.yaml", &yaml);
+    let full = train_ok(dir.path(), &cfg, &[]);
+    std::fs::rename(&full, dir.path().join("full")).unwrap();
+    let full = dir.path().join("full");
+    let half = train_ok(dir.path(), &cfg, &["--max-steps", "4"]);
+    assert_eq!(checkpoints(&half).last().unwrap().file_name().unwrap(), "step-00000004");
+    let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", half.to_str().unwrap(), "--resume"], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("resumed from"), "{}", stderr(&o));
+    assert_same_weights(&full, &half);
+    assert_eq!(step_fields(&full), step_fields(&half));
+    assert_eq!(records(&full, "eval").last().unwrap()["val_loss"], records(&half, "eval").last().unwrap()["val_loss"]);
+}
+
+/// SIGTERM mid-run: a checkpoint at the next step boundary, metrics flushed, exit 143;
+/// resuming finishes with exactly the parameters of an uninterrupted run.
+#[test]
+fn sigterm_then_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "tiny.yaml", &TINY.replace("max_steps: 6", "max_steps: 300"));
+    let run = dir.path().join("run");
+    let mut child = spawn(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()], dir.path());
+    wait_for_steps(&run, 20, &mut child);
+    signal(&child, "-TERM");
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(143), "{err}");
+    assert!(err.contains("stopped by SIGTERM"), "{err}");
+    let stopped = records(&run, "stopped");
+    assert_eq!(stopped.len(), 1);
+    assert_eq!(checkpoints(&run).len(), 1);
+    let steps_done = records(&run, "step").len();
+    assert!(steps_done < 300);
+    assert_eq!(stopped[0]["step"].as_u64().unwrap() as usize, steps_done - 1);
+
+    let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--resume"], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    std::fs::rename(&run, dir.path().join("stopped")).unwrap();
+    let run = dir.path().join("stopped");
+    let whole = train_ok(dir.path(), &cfg, &[]);
+    assert_same_weights(&whole, &run);
+    assert_eq!(step_fields(&whole), step_fields(&run));
+}
+
+/// A second signal exits at once (no checkpoint, no "stopped" record), and what was on disk
+/// is intact: the run resumes from its last periodic checkpoint.
+#[test]
+fn second_signal_exits_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    // Steps of about a second, so the second signal lands inside one.
+    let yaml = TINY.replace("n_embd: 32, block_size: 32", "n_embd: 256, block_size: 256").replace("embedded_bytes: 65536", "embedded_bytes: 262144")
+        .replace("max_steps: 6", "max_steps: 100").replace("micro_batch_size: 8, grad_accum_steps: 2", "micro_batch_size: 16, grad_accum_steps: 4")
+        + "checkpoint: {every_steps: 1}\n";
+    let cfg = write_config(dir.path(), "slow.yaml", &yaml);
+    let run = dir.path().join("run");
+    let mut child = spawn(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()], dir.path());
+    wait_for_steps(&run, 2, &mut child);
+    std::thread::sleep(Duration::from_millis(300)); // past step 2's checkpoint, inside step 3
+    signal(&child, "-INT");
+    std::thread::sleep(Duration::from_millis(50));
+    signal(&child, "-INT");
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(records(&run, "stopped").is_empty(), "the second signal should not wait for the checkpoint");
+    let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--resume", "--max-steps", "3"], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// kill -9 at 20 random instants while checkpoints are being written (every step) never
+/// leaves the run unresumable: each kill is followed by a resume that must start.
+#[test]
+fn kill_9_during_checkpoint_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "tiny.yaml", &(TINY.replace("max_steps: 6", "max_steps: 100000") + "checkpoint: {every_steps: 1, keep: 2}\n"));
+    let run = dir.path().join("run");
+    let mut child = spawn(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()], dir.path());
+    wait_for_steps(&run, 3, &mut child);
+    let mut rng = 0x5EEDu64;
+    for i in 0..20 {
+        rng = oomguard::data::splitmix64(rng);
+        std::thread::sleep(Duration::from_millis(20 + rng % 180));
+        assert!(child.try_wait().unwrap().is_none(), "kill {i}: the resumed run had already exited: {:?}", child.wait_with_output().map(|o| String::from_utf8_lossy(&o.stderr).into_owned()));
+        signal(&child, "-KILL");
+        child.wait().unwrap();
+        child = spawn(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--resume"], dir.path());
+        // It must get through start-up (checkpoint verified and loaded) to training again.
+        let before = records(&run, "resumed").len();
+        let t = Instant::now();
+        while records(&run, "resumed").len() == before {
+            if let Some(status) = child.try_wait().unwrap() {
+                panic!("kill {i}: resume failed ({status}): {}", String::from_utf8_lossy(&child.wait_with_output().unwrap().stderr));
+            }
+            assert!(t.elapsed() < Duration::from_secs(30));
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    signal(&child, "-KILL");
+    child.wait().unwrap();
+    assert!(checkpoints(&run).len() <= 3);
+}
+
+/// A corrupt or truncated checkpoint is named; --resume falls back to the newest valid one.
+#[test]
+fn corrupt_and_truncated_checkpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "tiny.yaml", &(TINY.to_string() + "checkpoint: {every_steps: 2, keep: 3}\n"));
+    let run = train_ok(dir.path(), &cfg, &[]);
+    let ckpts = checkpoints(&run);
+    assert_eq!(ckpts.iter().map(|p| p.file_name().unwrap().to_str().unwrap().to_string()).collect::<Vec<_>>(), ["step-00000002", "step-00000004", "step-00000006"]);
+
+    // Flip a byte in the newest optimizer state; truncate the next one's weights.
+    let opt = ckpts[2].join("optimizer.safetensors");
+    let mut bytes = std::fs::read(&opt).unwrap();
+    let n = bytes.len();
+    bytes[n - 10] ^= 0xFF;
+    std::fs::write(&opt, bytes).unwrap();
+    let model = ckpts[1].join("model.safetensors");
+    let len = std::fs::metadata(&model).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&model).unwrap().set_len(len / 2).unwrap();
+
+    let o = oomguard(&["train", cfg.to_str().unwrap(), "--resume-from", ckpts[2].to_str().unwrap(), "--max-steps", "8"], dir.path());
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("step-00000006/optimizer.safetensors: corrupt"), "{}", stderr(&o));
+    let o = oomguard(&["train", cfg.to_str().unwrap(), "--resume-from", ckpts[1].to_str().unwrap(), "--max-steps", "8"], dir.path());
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("step-00000004/model.safetensors: truncated"), "{}", stderr(&o));
+
+    let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--resume", "--max-steps", "8"], dir.path());
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("skipping checkpoint") && err.contains("resumed from") && err.contains("step-00000002 at step 2"), "{err}");
+    // The resumed run replaced steps 2.. and kept the earlier records.
+    assert_eq!(records(&run, "step").iter().map(|r| r["step"].as_u64().unwrap()).collect::<Vec<_>>(), (0..8).collect::<Vec<_>>());
+    assert!(run.join("metrics.replaced.jsonl").is_file());
+}
+
+#[test]
+fn changed_model_shape_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "tiny.yaml", TINY);
+    let run = train_ok(dir.path(), &cfg, &["--max-steps", "2"]);
+    let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--resume", "--set", "model.n_layer=3", "--set", "model.n_embd=64"], dir.path());
+    assert_eq!(o.status.code(), Some(2));
+    let err = stderr(&o);
+    assert!(err.contains("the model's shape changed since this checkpoint: model.n_layer: 2 in the checkpoint, 3 in the config; model.n_embd: 32 in the checkpoint, 64 in the config"), "{err}");
+}
