@@ -11,7 +11,7 @@ run: build
 	./target/release/oomguard train configs/demo.yaml
 
 test: setup
-	cargo test --release
+	cargo test --release --workspace
 
 bench: setup
 	cargo bench --bench throughput --bench guard

@@ -30,12 +30,16 @@ fn main() {
     for f in ["csrc/memory.cpp", "csrc/optim.cpp", "csrc/rng.cpp", "csrc/oomguard.h"] {
         println!("cargo:rerun-if-changed={f}");
     }
+    // An rpath makes nothing load: harmless for the libtorch-free `oomguard` binary.
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib_dir.display());
     // rustc links with --as-needed, which drops libtorch_cuda.so (nothing references it by
-    // symbol); without it CUDA goes undetected on a GPU machine.
+    // symbol); without it CUDA goes undetected on a GPU machine. Only for what runs
+    // libtorch: `oomguard` itself must not load it (it starts the launcher in milliseconds).
     if lib_dir.join("libtorch_cuda.so").exists() {
-        println!("cargo:rustc-link-arg=-Wl,--no-as-needed,-ltorch_cuda,--as-needed");
+        let arg = "-Wl,--no-as-needed,-ltorch_cuda,--as-needed";
+        println!("cargo:rustc-link-arg-bin=oomguard-torch={arg}");
+        for kind in ["tests", "benches", "examples"] {
+            println!("cargo:rustc-link-arg-{kind}={arg}");
+        }
     }
-    println!("cargo:rustc-link-lib=dylib=torch_cpu");
-    println!("cargo:rustc-link-lib=dylib=c10");
 }

@@ -4,6 +4,7 @@
 //! samples → `train::train_step` splits them into micro-batches, runs the model's fallible
 //! forward and backward and the fused AdamW update → `metrics` records it.
 pub mod checkpoint;
+pub mod cli;
 pub mod config;
 pub mod data;
 pub mod error;

@@ -1,30 +1,16 @@
-//! The oomguard binary: parse, set up logging, dispatch, map errors to exit codes.
-mod cli;
-
+//! `oomguard`: runs `launch` here (no libtorch is loaded) and hands every other command to
+//! oomguard-torch beside it.
 use clap::Parser;
-use std::io::IsTerminal;
-use tracing_subscriber::{fmt, prelude::*, EnvFilter};
+use oomguard_launch::cli::{self, Cli, Command};
 
 fn main() {
-    let args = cli::Cli::parse();
-    init_tracing(args.log_format);
+    let args = Cli::parse();
     let result = match args.command {
-        cli::Command::Train(a) => cli::train::exec(a),
+        Command::Launch(a) => {
+            cli::init_tracing(args.log_format);
+            cli::launch(a)
+        }
+        _ => Err(cli::exec_torch_binary()),
     };
-    if let Err(err) = result {
-        tracing::error!("{err:#}");
-        std::process::exit(cli::exit_code(&err));
-    }
-}
-
-fn init_tracing(format: cli::LogFormat) {
-    let filter = || EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let file = fmt::layer().with_ansi(false).with_target(false).with_writer(|| oomguard::metrics::LogFileWriter);
-    let registry = tracing_subscriber::registry().with(file.with_filter(filter()));
-    let ansi = std::io::stderr().is_terminal();
-    let stderr = fmt::layer().with_writer(std::io::stderr).with_target(false).with_ansi(ansi);
-    match format {
-        cli::LogFormat::Human => registry.with(stderr.with_filter(filter())).init(),
-        cli::LogFormat::Json => registry.with(stderr.json().with_filter(filter())).init(),
-    }
+    std::process::exit(cli::finish(result, |e| cli::exit_code(e).unwrap_or(1)));
 }

@@ -4,7 +4,8 @@ use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
-use std::sync::Mutex;
+
+pub use oomguard_launch::logfile::{set_log_file, LogFileWriter};
 
 use crate::config::ConfigError;
 use crate::error::{Error, Result};
@@ -128,35 +129,5 @@ impl MetricsWriter {
         writeln!(self.out, "{line}")
             .and_then(|_| self.out.flush())
             .map_err(|e| Error::io(format!("cannot write {}", self.path), e))
-    }
-}
-
-/// The run's log file, set once the run directory is known; tracing writes to it.
-static LOG_FILE: Mutex<Option<File>> = Mutex::new(None);
-
-pub fn set_log_file(path: &Path) -> Result<()> {
-    let f = std::fs::OpenOptions::new().create(true).append(true).open(path);
-    let f = f.map_err(|e| Error::io(format!("cannot open log file {}", path.display()), e))?;
-    if let Ok(mut slot) = LOG_FILE.lock() {
-        *slot = Some(f);
-    }
-    Ok(())
-}
-
-/// A `tracing_subscriber` writer into the run's log file (a sink until one is set).
-pub struct LogFileWriter;
-
-impl Write for LogFileWriter {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        match LOG_FILE.lock().ok().as_mut().and_then(|s| s.as_mut()) {
-            Some(f) => f.write(buf),
-            None => Ok(buf.len()),
-        }
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        match LOG_FILE.lock().ok().as_mut().and_then(|s| s.as_mut()) {
-            Some(f) => f.flush(),
-            None => Ok(()),
-        }
     }
 }

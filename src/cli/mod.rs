@@ -1,37 +1,31 @@
-//! Command-line interface: one subcommand, one file. Each `exec` calls the library.
+//! The libtorch side of the command line: `oomguard-torch` runs every command; the
+//! definitions (and `launch`) live in the oomguard-launch crate, which `oomguard` links alone.
 pub mod train;
 
-use clap::{Parser, Subcommand, ValueEnum};
+pub use oomguard_launch::cli::{exec_torch_binary, init_tracing, Cli, Command, ExitCode, LogFormat};
 
-#[derive(Debug, Parser)]
-#[command(name = "oomguard", version, about = "A training runtime that never dies of an out-of-memory error")]
-pub struct Cli {
-    /// Format of the logs on stderr.
-    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Human)]
-    pub log_format: LogFormat,
-    #[command(subcommand)]
-    pub command: Command,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    Human,
-    Json,
-}
-
-#[derive(Debug, Subcommand)]
-pub enum Command {
-    /// Train a GPT from a YAML config.
-    Train(train::TrainArgs),
+/// Runs a command in the libtorch binary (every command is available there).
+pub fn run_torch(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Train(a) => train::exec(a),
+        Command::Launch(a) => oomguard_launch::cli::launch(a),
+    }
 }
 
 /// Exit codes (a contract): 0 success, 1 other failure, 2 bad input (config, flags, data
-/// paths, checkpoints), 3 does not fit in memory even at micro-batch 1, 130/143 stopped by SIGINT/SIGTERM.
+/// paths, checkpoints), 3 does not fit in memory even at micro-batch 1, 130/143 stopped by
+/// SIGINT/SIGTERM; `launch` passes a failed worker's code through.
 pub fn exit_code(err: &anyhow::Error) -> i32 {
-    match err.downcast_ref::<oomguard::Error>() {
-        Some(oomguard::Error::Config(_) | oomguard::Error::Data(_) | oomguard::Error::Checkpoint(_)) => 2,
-        Some(oomguard::Error::Infeasible(_)) => 3,
-        Some(oomguard::Error::Interrupted { signal, .. }) => signal.exit_code(),
-        _ => 1,
+    match err.downcast_ref::<crate::Error>() {
+        Some(crate::Error::Config(_) | crate::Error::Data(_) | crate::Error::Checkpoint(_)) => 2,
+        Some(crate::Error::Infeasible(_)) => 3,
+        Some(crate::Error::Interrupted { signal, .. }) => signal.exit_code(),
+        Some(_) => 1,
+        None => oomguard_launch::cli::exit_code(err).unwrap_or(1),
     }
+}
+
+/// Logs a failure and returns the process's exit code.
+pub fn finish(result: anyhow::Result<()>) -> i32 {
+    oomguard_launch::cli::finish(result, exit_code)
 }

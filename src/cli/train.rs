@@ -1,37 +1,14 @@
 //! `oomguard train CONFIG`
 use anyhow::Context;
-use clap::Args;
 use std::path::{Path, PathBuf};
 
 use std::os::unix::process::CommandExt;
 
-use oomguard::config::{self, ConfigError};
-use oomguard::memory::allocator;
-use oomguard::{metrics, train};
+pub use oomguard_launch::cli::TrainArgs;
 
-#[derive(Debug, Args)]
-pub struct TrainArgs {
-    /// The YAML config (see configs/).
-    pub config: PathBuf,
-    /// Override a config key, typed and validated like the file: --set train.max_steps=50
-    #[arg(long = "set", value_name = "KEY.PATH=VALUE")]
-    pub set: Vec<String>,
-    /// Where the resolved config, metrics.jsonl and train.log go [default: runs/<config name>/NNN].
-    #[arg(long)]
-    pub run_dir: Option<PathBuf>,
-    /// Shorthand for --set train.max_steps=N.
-    #[arg(long)]
-    pub max_steps: Option<u64>,
-    /// Continue from the newest valid checkpoint in --run-dir.
-    #[arg(long, requires = "run_dir", conflicts_with = "resume_from")]
-    pub resume: bool,
-    /// Continue from this checkpoint folder (run_dir/checkpoints/step-N).
-    #[arg(long, value_name = "PATH")]
-    pub resume_from: Option<PathBuf>,
-    /// CPU memory budget (auto, none, or a size like 2GiB); shorthand for --set memory.budget=SIZE.
-    #[arg(long, value_name = "SIZE")]
-    pub memory_budget: Option<String>,
-}
+use crate::config::{self, ConfigError};
+use crate::memory::allocator;
+use crate::{metrics, train};
 
 pub fn exec(args: TrainArgs) -> anyhow::Result<()> {
     let mut overrides = args.set.clone();
@@ -41,7 +18,7 @@ pub fn exec(args: TrainArgs) -> anyhow::Result<()> {
     if let Some(b) = &args.memory_budget {
         overrides.push(format!("memory.budget={b}"));
     }
-    let cfg = config::load(&args.config, &overrides).map_err(oomguard::Error::from)?;
+    let cfg = config::load(&args.config, &overrides).map_err(crate::Error::from)?;
     let settings = allocator_settings(&cfg)?;
     let resume = match (&args.resume_from, args.resume) {
         (Some(p), _) => train::Resume::From(p.clone()),
@@ -57,7 +34,7 @@ pub fn exec(args: TrainArgs) -> anyhow::Result<()> {
     if matches!(resume, train::Resume::Fresh) {
         prepare_run_dir(&run_dir)?;
     }
-    oomguard::signals::install().context("installing the SIGINT/SIGTERM handlers")?;
+    crate::signals::install().context("installing the SIGINT/SIGTERM handlers")?;
     let resolved = serde_yaml::to_string(&cfg.raw).context("encoding the resolved config")?;
     std::fs::write(run_dir.join("config.yaml"), resolved).with_context(|| format!("writing {}/config.yaml", run_dir.display()))?;
     metrics::set_log_file(&run_dir.join("train.log"))?;
@@ -68,7 +45,7 @@ pub fn exec(args: TrainArgs) -> anyhow::Result<()> {
         "done: {} steps in {:.1}s | loss {:.4} -> {:.4}{} | {:.0} tok/s | peak memory {} | {} OOMs recovered, micro-batch {} at the end",
         s.steps, s.wall_s, s.first_loss, s.final_loss,
         s.val_loss.map(|v| format!(" | val loss {v:.4}")).unwrap_or_default(),
-        s.tokens_per_s, oomguard::memory::human_bytes(s.peak_bytes), s.num_ooms, s.final_micro_batch_size
+        s.tokens_per_s, crate::memory::human_bytes(s.peak_bytes), s.num_ooms, s.final_micro_batch_size
     );
     Ok(())
 }
@@ -77,8 +54,8 @@ pub fn exec(args: TrainArgs) -> anyhow::Result<()> {
 /// reads only at load time (`backend`) re-execute this process with them in the environment.
 fn allocator_settings(cfg: &config::Config) -> anyhow::Result<allocator::AllocatorSettings> {
     let from_config = cfg.raw.memory.allocator_settings().map_err(|e| ConfigError { origin: cfg.path.display().to_string(), ..e });
-    let settings = allocator::effective(&from_config.map_err(oomguard::Error::from)?, |v| std::env::var(v).ok())
-        .map_err(oomguard::Error::from)?;
+    let settings = allocator::effective(&from_config.map_err(crate::Error::from)?, |v| std::env::var(v).ok())
+        .map_err(crate::Error::from)?;
     let started_with = allocator::ENV_VARS.iter().rev().find_map(|v| std::env::var(v).ok());
     if allocator::startup(&settings, started_with.as_deref()) == allocator::Startup::Reexec {
         if std::env::var_os(REEXEC).is_some() {
@@ -111,7 +88,7 @@ fn next_run_dir(config: &Path) -> anyhow::Result<PathBuf> {
 /// A fresh run's directory must be new or empty of metrics: a run is never overwritten.
 fn prepare_run_dir(dir: &Path) -> anyhow::Result<()> {
     if dir.join("metrics.jsonl").exists() {
-        return Err(oomguard::Error::Config(ConfigError {
+        return Err(crate::Error::Config(ConfigError {
             origin: "--run-dir".into(),
             line_col: None,
             key: dir.display().to_string(),

@@ -2,8 +2,9 @@
 //! refused); `Config` is the validated runtime config the trainer uses. Each component owns
 //! its section's struct and its checks.
 use serde::{Deserialize, Serialize};
-use std::fmt;
 use std::path::{Path, PathBuf};
+
+pub use oomguard_launch::ConfigError;
 
 use crate::checkpoint::CheckpointConfig;
 use crate::data::DataConfig;
@@ -32,37 +33,6 @@ pub struct Config {
     pub raw: RawConfig,
     /// The file it came from (relative data paths are resolved against its folder).
     pub path: PathBuf,
-}
-
-/// A bad config: where it is, which key, and what would be valid.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub struct ConfigError {
-    /// The file, or `--set ...` for an override.
-    pub origin: String,
-    pub line_col: Option<(usize, usize)>,
-    pub key: String,
-    pub message: String,
-}
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.origin)?;
-        if let Some((l, c)) = self.line_col {
-            write!(f, ":{l}:{c}")?;
-        }
-        if self.key.is_empty() {
-            write!(f, ": {}", self.message)
-        } else {
-            write!(f, ": {}: {}", self.key, self.message)
-        }
-    }
-}
-
-impl ConfigError {
-    /// An invalid value for `key` (a section-qualified path such as `train.max_steps`).
-    pub fn invalid(key: &str, message: impl Into<String>) -> Self {
-        ConfigError { origin: String::new(), line_col: None, key: key.into(), message: message.into() }
-    }
 }
 
 /// Reads, overrides (`key.path=value`) and validates a config file.

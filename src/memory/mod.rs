@@ -3,7 +3,8 @@
 use std::ffi::{c_char, c_void, CStr};
 use tch::{Device, TchError, Tensor};
 
-pub mod allocator;
+pub use oomguard_launch::allocator;
+pub use oomguard_launch::oom::unit_multiplier;
 pub mod budget;
 mod config;
 mod pressure;
@@ -173,20 +174,6 @@ pub fn reset_peak(device: Device) {
         }
         _ => reset_cpu_peak(),
     }
-}
-
-/// Bytes per unit: `B`, `KB`/`KiB`, `MB`/`MiB`, `GB`/`GiB`, `TB`/`TiB` (case-insensitive;
-/// both spellings are binary, as in libtorch's messages).
-pub fn unit_multiplier(unit: &str) -> Option<u64> {
-    let shift = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kb" | "kib" => 10,
-        "m" | "mb" | "mib" => 20,
-        "g" | "gb" | "gib" => 30,
-        "t" | "tb" | "tib" => 40,
-        _ => return None,
-    };
-    Some(1u64 << shift)
 }
 
 /// Parses a size such as `2GiB`, `512 MiB`, `1.5G` or `1048576`.

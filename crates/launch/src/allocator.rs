@@ -3,7 +3,7 @@
 //! runs, applied inside libtorch and exported to child processes.
 use std::collections::BTreeMap;
 
-use crate::config::ConfigError;
+use crate::ConfigError;
 
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Kind {

@@ -1,0 +1,191 @@
+//! The command line, shared by both binaries: `oomguard` (this crate only: it starts in
+//! milliseconds and runs `launch` itself) and `oomguard-torch` (links libtorch; `oomguard`
+//! hands it every other command by exec, so signals and exit codes pass straight through).
+use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use tracing_subscriber::{fmt, prelude::*, EnvFilter};
+
+use crate::launch::{self, LaunchSpec};
+
+#[derive(Debug, Parser)]
+#[command(name = "oomguard", version, about = "A training runtime that never dies of an out-of-memory error")]
+pub struct Cli {
+    /// Format of the logs on stderr.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Human)]
+    pub log_format: LogFormat,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Human,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Train a GPT from a YAML config.
+    Train(TrainArgs),
+    /// Launch a distributed job: a drop-in for torchrun.
+    Launch(LaunchArgs),
+}
+
+/// `oomguard train`
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    /// The YAML config (see configs/).
+    pub config: PathBuf,
+    /// Override a config key, typed and validated like the file: --set train.max_steps=50
+    #[arg(long = "set", value_name = "KEY.PATH=VALUE")]
+    pub set: Vec<String>,
+    /// Where the resolved config, metrics.jsonl and train.log go [default: runs/<config name>/NNN].
+    #[arg(long)]
+    pub run_dir: Option<PathBuf>,
+    /// Shorthand for --set train.max_steps=N.
+    #[arg(long)]
+    pub max_steps: Option<u64>,
+    /// Continue from the newest valid checkpoint in --run-dir.
+    #[arg(long, requires = "run_dir", conflicts_with = "resume_from")]
+    pub resume: bool,
+    /// Continue from this checkpoint folder (run_dir/checkpoints/step-N).
+    #[arg(long, value_name = "PATH")]
+    pub resume_from: Option<PathBuf>,
+    /// CPU memory budget (auto, none, or a size like 2GiB); shorthand for --set memory.budget=SIZE.
+    #[arg(long, value_name = "SIZE")]
+    pub memory_budget: Option<String>,
+}
+
+/// `oomguard launch`: torchrun's options, spelled with hyphens or underscores, or set through
+/// their PET_* environment variables.
+#[derive(Debug, Args)]
+pub struct LaunchArgs {
+    /// Nodes: N (or N:N; elastic MIN:MAX is refused).
+    #[arg(long, env = "PET_NNODES", default_value = "1")]
+    pub nnodes: String,
+    /// Workers per node: N, auto, cpu or gpu.
+    #[arg(long = "nproc-per-node", alias = "nproc_per_node", env = "PET_NPROC_PER_NODE", default_value = "1")]
+    pub nproc_per_node: String,
+    /// This node's rank among the nodes.
+    #[arg(long = "node-rank", alias = "node_rank", env = "PET_NODE_RANK", default_value_t = 0)]
+    pub node_rank: usize,
+    /// Address of the rank-0 node (static rendezvous).
+    #[arg(long = "master-addr", alias = "master_addr", env = "PET_MASTER_ADDR", default_value = "127.0.0.1")]
+    pub master_addr: String,
+    /// Port on the rank-0 node (static rendezvous).
+    #[arg(long = "master-port", alias = "master_port", env = "PET_MASTER_PORT", default_value_t = 29500)]
+    pub master_port: u16,
+    /// Rendezvous backend: static or c10d.
+    #[arg(long = "rdzv-backend", alias = "rdzv_backend", env = "PET_RDZV_BACKEND", default_value = "static")]
+    pub rdzv_backend: String,
+    /// Rendezvous endpoint HOST[:PORT] (c10d; overrides --master-addr/--master-port).
+    #[arg(long = "rdzv-endpoint", alias = "rdzv_endpoint", env = "PET_RDZV_ENDPOINT", default_value = "")]
+    pub rdzv_endpoint: String,
+    /// The job's id, shared by its nodes.
+    #[arg(long = "rdzv-id", alias = "rdzv_id", env = "PET_RDZV_ID", default_value = "none")]
+    pub rdzv_id: String,
+    /// Extra rendezvous settings (accepted for compatibility).
+    #[arg(long = "rdzv-conf", alias = "rdzv_conf", env = "PET_RDZV_CONF", default_value = "")]
+    pub rdzv_conf: String,
+    /// Single node on a free local port (c10d on localhost:0).
+    #[arg(long, env = "PET_STANDALONE", action = ArgAction::SetTrue)]
+    pub standalone: bool,
+    /// Restarts of the worker group before giving up.
+    #[arg(long = "max-restarts", alias = "max_restarts", env = "PET_MAX_RESTARTS", default_value_t = 0)]
+    pub max_restarts: u32,
+    /// Seconds between checks of the workers.
+    #[arg(long = "monitor-interval", alias = "monitor_interval", env = "PET_MONITOR_INTERVAL", default_value_t = 0.1)]
+    pub monitor_interval: f64,
+    /// Folder for the workers' log and error files.
+    #[arg(long = "log-dir", alias = "log_dir", env = "PET_LOG_DIR")]
+    pub log_dir: Option<std::path::PathBuf>,
+    /// Streams to files only: 0 none, 1 stdout, 2 stderr, 3 both; or per rank, e.g. 0:1,1:2.
+    #[arg(short = 'r', long, env = "PET_REDIRECTS", default_value = "0")]
+    pub redirects: String,
+    /// Streams to files and the console, same values as --redirects.
+    #[arg(short = 't', long, env = "PET_TEE", default_value = "0")]
+    pub tee: String,
+    /// Show only these local ranks' output on the console, e.g. 0 or 0,2.
+    #[arg(long = "local-ranks-filter", alias = "local_ranks_filter", env = "PET_LOCAL_RANKS_FILTER", default_value = "")]
+    pub local_ranks_filter: String,
+    /// The workers' role name.
+    #[arg(long, env = "PET_ROLE", default_value = "default")]
+    pub role: String,
+    /// Run the script as a program, not under python3.
+    #[arg(long = "no-python", alias = "no_python", env = "PET_NO_PYTHON", action = ArgAction::SetTrue, conflicts_with = "module")]
+    pub no_python: bool,
+    /// Run the script as a Python module (python3 -m).
+    #[arg(short = 'm', long = "module", env = "PET_MODULE", action = ArgAction::SetTrue)]
+    pub module: bool,
+    /// Run the script with runpy.run_path.
+    #[arg(long = "run-path", alias = "run_path", env = "PET_RUN_PATH", action = ArgAction::SetTrue)]
+    pub run_path: bool,
+    /// The training script (or program, or module) and its arguments.
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "SCRIPT_OR_CMD [ARGS]...")]
+    pub command: Vec<String>,
+}
+
+/// A worker failure's exit code, passed through as the launcher's (the summary is printed).
+#[derive(Debug, thiserror::Error)]
+#[error("exit code {0}")]
+pub struct ExitCode(pub i32);
+
+/// Runs `oomguard launch`.
+pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
+    let spec = LaunchSpec::from_args(&args)?;
+    match launch::run(&spec)? {
+        0 => Ok(()),
+        code => Err(ExitCode(code).into()),
+    }
+}
+
+/// Exit codes for this crate's errors: 2 for bad input, a worker's own code for a failed job.
+pub fn exit_code(err: &anyhow::Error) -> Option<i32> {
+    if let Some(code) = err.downcast_ref::<ExitCode>() {
+        return Some(code.0);
+    }
+    match err.downcast_ref::<launch::LaunchError>() {
+        Some(launch::LaunchError::Config(_) | launch::LaunchError::Start(_)) => Some(2),
+        Some(launch::LaunchError::Io { .. }) => Some(1),
+        None => err.downcast_ref::<crate::ConfigError>().map(|_| 2),
+    }
+}
+
+/// Logs a failure (not a worker's exit code: its summary is printed) and returns the code.
+pub fn finish(result: anyhow::Result<()>, code_of: impl Fn(&anyhow::Error) -> i32) -> i32 {
+    match result {
+        Ok(()) => 0,
+        Err(err) => {
+            if err.downcast_ref::<ExitCode>().is_none() {
+                tracing::error!("{err:#}");
+            }
+            code_of(&err)
+        }
+    }
+}
+
+/// Replaces this process with `oomguard-torch` from the same folder, same arguments.
+pub fn exec_torch_binary() -> anyhow::Error {
+    use anyhow::Context;
+    use std::os::unix::process::CommandExt;
+    let exe = match std::env::current_exe().context("locating this executable") {
+        Ok(e) => e.with_file_name("oomguard-torch"),
+        Err(e) => return e,
+    };
+    let err = std::process::Command::new(&exe).args(std::env::args_os().skip(1)).exec();
+    anyhow::Error::new(err).context(format!("cannot run {} (install it beside oomguard)", exe.display()))
+}
+
+/// Logs to stderr (human or JSON) and, once a run directory is known, to its log file.
+pub fn init_tracing(format: LogFormat) {
+    let filter = || EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let file = fmt::layer().with_ansi(false).with_target(false).with_writer(|| crate::logfile::LogFileWriter);
+    let registry = tracing_subscriber::registry().with(file.with_filter(filter()));
+    let ansi = std::io::stderr().is_terminal();
+    let stderr = fmt::layer().with_writer(std::io::stderr).with_target(false).with_ansi(ansi);
+    match format {
+        LogFormat::Human => registry.with(stderr.with_filter(filter())).init(),
+        LogFormat::Json => registry.with(stderr.json().with_filter(filter())).init(),
+    }
+}

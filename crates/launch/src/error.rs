@@ -1,0 +1,33 @@
+//! Errors in what a user wrote: a config file, an override, a flag.
+use std::fmt;
+
+/// A bad config: where it is, which key, and what would be valid.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub struct ConfigError {
+    /// The file, or `--set ...` for an override.
+    pub origin: String,
+    pub line_col: Option<(usize, usize)>,
+    pub key: String,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.origin)?;
+        if let Some((l, c)) = self.line_col {
+            write!(f, ":{l}:{c}")?;
+        }
+        if self.key.is_empty() {
+            write!(f, ": {}", self.message)
+        } else {
+            write!(f, ": {}: {}", self.key, self.message)
+        }
+    }
+}
+
+impl ConfigError {
+    /// An invalid value for `key` (a section-qualified path such as `train.max_steps`).
+    pub fn invalid(key: &str, message: impl Into<String>) -> Self {
+        ConfigError { origin: String::new(), line_col: None, key: key.into(), message: message.into() }
+    }
+}

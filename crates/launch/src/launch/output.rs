@@ -1,0 +1,58 @@
+//! A worker's stdout and stderr: each line prefixed with `[<role><local rank>]:` on the
+//! console (unless filtered or redirected), copied to its log file when asked, and its last
+//! lines kept for the failure summary and for spotting an out-of-memory death.
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+const TAIL_LINES: usize = 50;
+
+/// Where one stream goes.
+pub struct Sink {
+    pub prefix: String,
+    pub console: bool,
+    pub is_stderr: bool,
+    pub file: Option<PathBuf>,
+}
+
+/// The last lines of a stream.
+#[derive(Clone, Default)]
+pub struct Tail(Arc<Mutex<VecDeque<String>>>);
+
+impl Tail {
+    pub fn lines(&self) -> Vec<String> {
+        self.0.lock().map(|t| t.iter().cloned().collect()).unwrap_or_default()
+    }
+}
+
+/// Copies `stream` to its sink on a thread until the worker closes it.
+pub fn pump(stream: impl Read + Send + 'static, sink: Sink, tail: Tail) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut file = sink.file.as_ref().and_then(|p| {
+            p.parent().map(std::fs::create_dir_all);
+            File::create(p).map_err(|e| eprintln!("oomguard launch: cannot create {}: {e}", p.display())).ok()
+        });
+        for line in BufReader::new(stream).lines().map_while(Result::ok) {
+            if sink.console {
+                let out = format!("{}{line}\n", sink.prefix);
+                // A closed console (e.g. a pipe reader gone) must not stop the worker's output.
+                let _ = if sink.is_stderr { std::io::stderr().write_all(out.as_bytes()) } else { std::io::stdout().write_all(out.as_bytes()) };
+            }
+            if let Some(f) = file.as_mut() {
+                let _ = writeln!(f, "{line}");
+            }
+            if let Ok(mut t) = tail.0.lock() {
+                if t.len() == TAIL_LINES {
+                    t.pop_front();
+                }
+                t.push_back(line);
+            }
+        }
+        if let Some(f) = file.as_mut() {
+            let _ = f.flush();
+        }
+    })
+}

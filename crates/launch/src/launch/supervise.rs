@@ -1,0 +1,334 @@
+//! Running the worker group: spawn, watch, stop, restart, summarise. No worker outlives the
+//! launcher: each leads its own process group (killed as a group), dies with the launcher
+//! (PR_SET_PDEATHSIG), and is always waited for.
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime};
+
+use super::output::{pump, Sink, Tail};
+use super::{worker_env, LaunchSpec, Streams};
+use super::LaunchError as Error;
+use crate::oom::classify_oom;
+
+/// How long workers get to exit after SIGTERM before SIGKILL.
+const GRACE: Duration = Duration::from_secs(10);
+
+/// What to do after the group failed: a pure decision.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Next {
+    Restart { micro_batch_size: Option<usize> },
+    GiveUp,
+}
+
+/// Restart while restarts remain; after an out-of-memory death, with half the micro-batch.
+pub fn after_failure(restarts_done: u32, max_restarts: u32, oom: bool, micro: Option<usize>) -> Next {
+    if restarts_done >= max_restarts {
+        return Next::GiveUp;
+    }
+    let micro_batch_size = match (oom, micro) {
+        (true, Some(m)) => Some((m / 2).max(1)),
+        (_, m) => m,
+    };
+    Next::Restart { micro_batch_size }
+}
+
+struct Worker {
+    local_rank: usize,
+    rank: usize,
+    child: Child,
+    done: bool,
+    pumps: Vec<JoinHandle<()>>,
+    stderr: Tail,
+    error_file: PathBuf,
+}
+
+#[derive(Debug, Clone)]
+struct Failure {
+    local_rank: usize,
+    rank: usize,
+    pid: u32,
+    /// Exit code, or the negated signal number (as torchrun prints it).
+    exitcode: i32,
+    time: SystemTime,
+    error_file: PathBuf,
+    error_message: Option<String>,
+    stderr: Vec<String>,
+}
+
+impl Failure {
+    fn exit_code(&self) -> i32 {
+        if self.exitcode < 0 { 128 - self.exitcode } else { self.exitcode }
+    }
+    fn is_oom(&self) -> bool {
+        let text = self.error_message.iter().chain(self.stderr.iter()).cloned().collect::<Vec<_>>().join("\n");
+        classify_oom(&text).is_some() || text.contains("MemoryError")
+    }
+    /// The micro-batch the worker reported (`micro_batch_size=N`, last mention).
+    fn reported_micro_batch(&self) -> Option<usize> {
+        self.stderr.iter().rev().find_map(|l| {
+            let at = l.find("micro_batch_size=")? + "micro_batch_size=".len();
+            l[at..].chars().take_while(char::is_ascii_digit).collect::<String>().parse().ok()
+        })
+    }
+}
+
+enum Outcome {
+    Succeeded,
+    Failed(Failure),
+    Signaled(i32),
+}
+
+/// Signals to the launcher: the last one's number, and how many arrived.
+struct Signals {
+    last: Arc<AtomicUsize>,
+    count: Arc<AtomicUsize>,
+}
+
+impl Signals {
+    fn install() -> Result<Signals, Error> {
+        let s = Signals { last: Arc::default(), count: Arc::default() };
+        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+            let (last, count) = (Arc::clone(&s.last), Arc::clone(&s.count));
+            // SAFETY: the handler only stores to atomics, which is async-signal-safe.
+            unsafe {
+                signal_hook::low_level::register(sig, move || {
+                    last.store(sig as usize, Ordering::SeqCst);
+                    count.fetch_add(1, Ordering::SeqCst);
+                })
+            }
+            .map_err(|e| Error::Io { context: "installing signal handlers".into(), source: e })?;
+        }
+        Ok(s)
+    }
+    fn received(&self) -> Option<i32> {
+        (self.count.load(Ordering::SeqCst) > 0).then(|| self.last.load(Ordering::SeqCst) as i32)
+    }
+}
+
+/// Runs the job; returns the launcher's exit code.
+pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
+    let signals = Signals::install()?;
+    if spec.set_omp_threads {
+        tracing::warn!("OMP_NUM_THREADS is unset: setting it to 1 for each of the {} workers, to avoid oversubscribing the CPU; set it yourself to tune", spec.nproc_per_node);
+    }
+    let temp = spec.log_dir.is_none().then(|| std::env::temp_dir().join(format!("oomguard-launch-{}", std::process::id())));
+    let base = spec.log_dir.clone().or(temp.clone()).unwrap_or_default().join(&spec.run_id);
+    let mut micro = spec.micro_batch_size;
+    for attempt in 0..=spec.max_restarts {
+        let port = if spec.master_port == 0 { free_port()? } else { spec.master_port };
+        let dir = base.join(format!("attempt_{attempt}"));
+        let mut workers = (0..spec.nproc_per_node).map(|r| spawn(spec, r, port, attempt, &dir, micro)).collect::<Vec<_>>();
+        if let Some(Err(e)) = workers.iter().find(|w| w.is_err()) {
+            let msg = e.to_string();
+            let mut started: Vec<Worker> = workers.into_iter().flatten().collect();
+            stop(&mut started, libc::SIGKILL, &signals);
+            return Err(Error::Start(msg));
+        }
+        let mut workers: Vec<Worker> = workers.drain(..).flatten().collect();
+        tracing::info!(
+            "attempt {attempt}: {} workers (ranks {}..{}), master {}:{port}{}",
+            workers.len(), workers[0].rank, workers[workers.len() - 1].rank, spec.master_addr,
+            micro.map(|m| format!(", micro-batch {m}")).unwrap_or_default()
+        );
+        match watch(&mut workers, spec.monitor_interval, &signals) {
+            Outcome::Succeeded => {
+                temp.map(std::fs::remove_dir_all);
+                return Ok(0);
+            }
+            Outcome::Signaled(sig) => {
+                tracing::warn!("received signal {sig}: stopped the workers");
+                return Ok(128 + sig);
+            }
+            Outcome::Failed(f) => {
+                let oom = f.is_oom();
+                let known = micro.or(f.reported_micro_batch());
+                match after_failure(attempt, spec.max_restarts, oom, known) {
+                    Next::Restart { micro_batch_size } => {
+                        tracing::warn!(
+                            "worker rank {} failed (exit code {}){}; restarting the group ({}/{})",
+                            f.rank, f.exitcode, if oom { " out of memory" } else { "" }, attempt + 1, spec.max_restarts
+                        );
+                        if oom {
+                            match micro_batch_size {
+                                Some(m) => tracing::warn!("relaunching with {}={m}", super::MICRO_BATCH_VAR),
+                                None => tracing::warn!("cannot halve the micro-batch: its size is unknown (set {} or have the worker print micro_batch_size=N)", super::MICRO_BATCH_VAR),
+                            }
+                        }
+                        micro = micro_batch_size;
+                    }
+                    Next::GiveUp => {
+                        eprint!("{}", summary(&f, spec));
+                        return Ok(f.exit_code());
+                    }
+                }
+            }
+        }
+    }
+    unreachable_restarts()
+}
+
+/// The loop above returns on its last attempt; reaching here would be a logic error.
+fn unreachable_restarts() -> Result<i32, Error> {
+    Err(Error::Start("internal error: restarts exhausted without a verdict".into()))
+}
+
+fn free_port() -> Result<u16, Error> {
+    let io = |e| Error::Io { context: "finding a free port".into(), source: e };
+    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(io)?;
+    l.local_addr().map(|a| a.port()).map_err(io)
+}
+
+fn streams_of(map: &std::collections::BTreeMap<usize, Streams>, rank: usize) -> Streams {
+    map.get(&rank).copied().unwrap_or_default()
+}
+
+fn spawn(spec: &LaunchSpec, local_rank: usize, port: u16, attempt: u32, dir: &Path, micro: Option<usize>) -> Result<Worker, Error> {
+    let rank_dir = dir.join(local_rank.to_string());
+    std::fs::create_dir_all(&rank_dir).map_err(|e| Error::Io { context: format!("creating {}", rank_dir.display()), source: e })?;
+    let error_file = rank_dir.join("error.json");
+    let parent = std::process::id() as i32;
+    let mut cmd = Command::new(&spec.program[0]);
+    cmd.args(&spec.program[1..])
+        .envs(worker_env(spec, local_rank, port, attempt, &error_file, micro))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            if libc::getppid() != parent {
+                libc::_exit(1); // the launcher died before prctl took effect
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().map_err(|e| Error::Start(format!("cannot start worker `{}`: {e}", spec.program[0])))?;
+    let (redirect, tee) = (streams_of(&spec.redirects, local_rank), streams_of(&spec.tee, local_rank));
+    let shown = spec.console_ranks.as_ref().is_none_or(|r| r.contains(&local_rank));
+    let prefix = format!("[{}{local_rank}]:", spec.role);
+    let stderr = Tail::default();
+    let mut pumps = Vec::new();
+    if let Some(out) = child.stdout.take() {
+        let to_file = redirect.stdout || tee.stdout;
+        let sink = Sink { prefix: prefix.clone(), console: shown && !redirect.stdout, is_stderr: false, file: to_file.then(|| rank_dir.join("stdout.log")) };
+        pumps.push(pump(out, sink, Tail::default()));
+    }
+    if let Some(err) = child.stderr.take() {
+        let to_file = redirect.stderr || tee.stderr;
+        let sink = Sink { prefix, console: shown && !redirect.stderr, is_stderr: true, file: to_file.then(|| rank_dir.join("stderr.log")) };
+        pumps.push(pump(err, sink, stderr.clone()));
+    }
+    Ok(Worker { local_rank, rank: spec.node_rank * spec.nproc_per_node + local_rank, child, done: false, pumps, stderr, error_file })
+}
+
+fn watch(workers: &mut [Worker], interval: Duration, signals: &Signals) -> Outcome {
+    loop {
+        if let Some(sig) = signals.received() {
+            stop(workers, sig, signals);
+            return Outcome::Signaled(sig);
+        }
+        let mut failure = None;
+        for w in workers.iter_mut().filter(|w| !w.done) {
+            let Ok(Some(status)) = w.child.try_wait() else { continue };
+            w.done = true;
+            if !status.success() && failure.is_none() {
+                use std::os::unix::process::ExitStatusExt;
+                let exitcode = status.code().unwrap_or_else(|| -status.signal().unwrap_or(0));
+                failure = Some((w.local_rank, exitcode, SystemTime::now()));
+            }
+        }
+        if let Some((local_rank, exitcode, time)) = failure {
+            stop(workers, libc::SIGTERM, signals);
+            let w = &workers[local_rank];
+            return Outcome::Failed(Failure {
+                local_rank, rank: w.rank, pid: w.child.id(), exitcode, time,
+                error_message: read_error_file(&w.error_file), error_file: w.error_file.clone(), stderr: w.stderr.lines(),
+            });
+        }
+        if workers.iter().all(|w| w.done) {
+            stop(workers, libc::SIGKILL, signals); // their process groups: no stray children
+            return Outcome::Succeeded;
+        }
+        std::thread::sleep(interval);
+    }
+}
+
+/// Sends `sig` to every worker's process group, waits up to GRACE (a further signal to the
+/// launcher cuts it short), then kills what is left; reaps everything and drains output.
+fn stop(workers: &mut [Worker], sig: i32, signals: &Signals) {
+    let group = |w: &Worker, s: i32| unsafe { libc::killpg(w.child.id() as i32, s) };
+    for w in workers.iter() {
+        group(w, sig);
+    }
+    let seen = signals.count.load(Ordering::SeqCst);
+    let t = Instant::now();
+    while t.elapsed() < GRACE && signals.count.load(Ordering::SeqCst) == seen {
+        if workers.iter_mut().all(|w| w.done || matches!(w.child.try_wait(), Ok(Some(_)))) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for w in workers.iter_mut() {
+        group(w, libc::SIGKILL);
+        let _ = w.child.wait();
+        w.done = true;
+        for p in w.pumps.drain(..) {
+            let _ = p.join();
+        }
+    }
+}
+
+/// torchelastic's error file: `{"message": {"message": "...", "extraInfo": {...}}}` or
+/// `{"message": "..."}`.
+fn read_error_file(path: &Path) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()?;
+    let m = &v["message"];
+    m["message"].as_str().or(m.as_str()).map(str::to_string)
+}
+
+fn summary(f: &Failure, spec: &LaunchSpec) -> String {
+    let line = "=".repeat(60);
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let exit = if f.exitcode < 0 {
+        let name = match -f.exitcode { 9 => "SIGKILL", 15 => "SIGTERM", 2 => "SIGINT", 6 => "SIGABRT", 11 => "SIGSEGV", _ => "signal" };
+        format!("{} ({name}) (pid: {})", f.exitcode, f.pid)
+    } else {
+        format!("{} (pid: {})", f.exitcode, f.pid)
+    };
+    let mut s = format!(
+        "{line}\n{} FAILED\n{}\nRoot Cause (first observed failure):\n[0]:\n  time      : {}\n  host      : {}\n  rank      : {} (local_rank: {})\n  exitcode  : {exit}\n  error_file: {}\n  traceback : {}\n",
+        spec.program.join(" "), "-".repeat(60), humantime::format_rfc3339_seconds(f.time), host.trim(), f.rank, f.local_rank,
+        if f.error_message.is_some() { f.error_file.display().to_string() } else { "<N/A>".into() },
+        f.error_message.clone().unwrap_or_else(|| "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html".into()),
+    );
+    if !f.stderr.is_empty() {
+        s.push_str("  stderr (last lines):\n");
+        for l in f.stderr.iter().rev().take(15).rev() {
+            s.push_str(&format!("    {l}\n"));
+        }
+    }
+    s.push_str(&line);
+    s.push('\n');
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn restart_policy() {
+        assert_eq!(after_failure(0, 0, false, None), Next::GiveUp);
+        assert_eq!(after_failure(0, 2, false, Some(8)), Next::Restart { micro_batch_size: Some(8) });
+        assert_eq!(after_failure(1, 2, true, Some(8)), Next::Restart { micro_batch_size: Some(4) });
+        assert_eq!(after_failure(1, 2, true, Some(1)), Next::Restart { micro_batch_size: Some(1) });
+        assert_eq!(after_failure(1, 2, true, None), Next::Restart { micro_batch_size: None });
+        assert_eq!(after_failure(2, 2, true, Some(8)), Next::GiveUp);
+    }
+}

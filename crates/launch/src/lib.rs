@@ -1,0 +1,12 @@
+//! The parts of oomguard that need no libtorch: the command line, the torchrun-compatible
+//! launcher, allocator settings, config errors and OOM classification. The `oomguard`
+//! binary links this crate alone, so it starts in milliseconds; the `oomguard` library
+//! (with libtorch) builds on it.
+pub mod allocator;
+pub mod cli;
+mod error;
+pub mod launch;
+pub mod logfile;
+pub mod oom;
+
+pub use error::ConfigError;

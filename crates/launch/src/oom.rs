@@ -1,0 +1,182 @@
+//! Out-of-memory errors: one function knows libtorch's messages (CUDA caching allocator,
+//! CUDA runtime and libraries, the CPU allocator, oomguard's budget) and parses what it can.
+use std::fmt;
+
+/// Where in a step an error happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    Data,
+    Forward,
+    Backward,
+    Optimizer,
+    Eval,
+}
+
+/// Where an out-of-memory error came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OomSource {
+    /// The CUDA caching allocator (`CUDA out of memory. Tried to allocate ...`).
+    Cuda,
+    /// A CUDA runtime or library call (`CUDA error: out of memory`, cuBLAS, cuDNN).
+    CudaRuntime,
+    /// libtorch's default CPU allocator (`can't allocate memory`).
+    Cpu,
+    /// oomguard's own CPU memory budget.
+    Budget,
+}
+
+/// An out-of-memory error with what could be parsed from libtorch's message.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OomError {
+    pub source: OomSource,
+    pub requested_bytes: Option<u64>,
+    pub capacity_bytes: Option<u64>,
+    pub free_bytes: Option<u64>,
+    pub phase: Option<Phase>,
+    /// The first line of libtorch's message (the rest is a C++ backtrace).
+    pub message: String,
+}
+
+impl fmt::Display for OomError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "out of memory ({:?}): {}", self.source, self.message)
+    }
+}
+
+/// Classifies a libtorch error message: `Some` if it is an out-of-memory error.
+pub fn classify_oom(msg: &str) -> Option<OomError> {
+    let lower = msg.to_ascii_lowercase();
+    let source = if lower.contains("oomguard memory budget exceeded") {
+        OomSource::Budget
+    } else if lower.contains("cuda out of memory") || lower.contains("outofmemoryerror") {
+        OomSource::Cuda
+    } else if lower.contains("cuda error: out of memory")
+        || lower.contains("cublas_status_alloc_failed")
+        || lower.contains("cudnn_status_alloc_failed")
+        || lower.contains("cudnn_status_not_enough_workspace")
+        || lower.contains("cudaerrormemoryallocation")
+    {
+        OomSource::CudaRuntime
+    } else if lower.contains("can't allocate memory") || lower.contains("cannot allocate memory") {
+        OomSource::Cpu
+    } else {
+        return None;
+    };
+    let first_line = msg.lines().find(|l| !l.trim().is_empty()).unwrap_or(msg).trim();
+    let (requested, capacity, free) = match source {
+        OomSource::Budget => (
+            number_after(&lower, "tried to allocate "),
+            number_after(&lower, "budget of "),
+            number_after(&lower, "bytes ("),
+        ),
+        OomSource::Cpu => (number_after(&lower, "you tried to allocate "), None, None),
+        _ => (
+            size_after(&lower, "tried to allocate "),
+            size_after(&lower, "total capacity of "),
+            size_after(&lower, " of which "),
+        ),
+    };
+    Some(OomError {
+        source,
+        requested_bytes: requested,
+        capacity_bytes: capacity,
+        free_bytes: free,
+        phase: None,
+        message: first_line.to_string(),
+    })
+}
+
+/// A plain byte count right after `key` (`... allocate 123 bytes`).
+fn number_after(text: &str, key: &str) -> Option<u64> {
+    let rest = &text[text.find(key)? + key.len()..];
+    let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
+    digits.parse().ok()
+}
+
+/// A size with a unit right after `key` (`... allocate 32.00 MiB`), in bytes.
+fn size_after(text: &str, key: &str) -> Option<u64> {
+    let rest = text[text.find(key)? + key.len()..].trim_start();
+    let num_len = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(rest.len());
+    let value: f64 = rest[..num_len].parse().ok()?;
+    let unit = rest[num_len..].trim_start().split(|c: char| !c.is_ascii_alphabetic()).next()?;
+    unit_multiplier(unit).map(|m| (value * m as f64).round() as u64)
+}
+
+
+/// Bytes per unit: `B`, `KB`/`KiB`, `MB`/`MiB`, `GB`/`GiB`, `TB`/`TiB` (case-insensitive;
+/// both spellings are binary, as in libtorch's messages).
+pub fn unit_multiplier(unit: &str) -> Option<u64> {
+    let shift = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        _ => return None,
+    };
+    Some(1u64 << shift)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+    const GIB: u64 = 1 << 30;
+
+    // Messages as quoted in ../shared/seeds/ and as libtorch 2.13 prints them.
+    #[test]
+    fn cuda_caching_allocator_messages_from_the_seeds() {
+        let m = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 32.00 MiB. \nGPU 0 has a total capacity of 14.74 GiB of which 4.19 MiB is free. \nProcess has 14.73 GiB memory in use.";
+        let o = classify_oom(m).unwrap();
+        assert_eq!(o.source, OomSource::Cuda);
+        assert_eq!(o.requested_bytes, Some(32 * MIB));
+        assert_eq!(o.capacity_bytes, Some((14.74 * GIB as f64).round() as u64));
+        assert_eq!(o.free_bytes, Some((4.19 * MIB as f64).round() as u64));
+
+        let m = "OutOfMemoryError: CUDA out of memory.\nTried to allocate 2.00 MiB. GPU 0 has a total capacity of 15.57 GiB";
+        let o = classify_oom(m).unwrap();
+        assert_eq!(o.requested_bytes, Some(2 * MIB));
+        assert_eq!(o.capacity_bytes, Some((15.57 * GIB as f64).round() as u64));
+
+        let o = classify_oom("OutOfMemoryError: CUDA out of memory.\nTried to allocate 7.45 GiB. ").unwrap();
+        assert_eq!(o.requested_bytes, Some((7.45 * GIB as f64).round() as u64));
+    }
+
+    #[test]
+    fn cuda_runtime_and_library_failures() {
+        for m in [
+            "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported",
+            "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+            "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+        ] {
+            assert_eq!(classify_oom(m).unwrap().source, OomSource::CudaRuntime, "{m}");
+        }
+    }
+
+    #[test]
+    fn cpu_allocator_and_budget() {
+        let m = "[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes. Error code 12 (Cannot allocate memory)";
+        let o = classify_oom(m).unwrap();
+        assert_eq!(o.source, OomSource::Cpu);
+        assert_eq!(o.requested_bytes, Some(1 << 40));
+
+        let m = "oomguard memory budget exceeded: tried to allocate 4096 bytes with 1000 bytes in use of a budget of 2000 bytes (1000 bytes free)";
+        let o = classify_oom(m).unwrap();
+        assert_eq!((o.source, o.requested_bytes, o.capacity_bytes, o.free_bytes),
+                   (OomSource::Budget, Some(4096), Some(2000), Some(1000)));
+    }
+
+    #[test]
+    fn other_errors_are_not_oom() {
+        for m in [
+            "shape '[2, 3]' is invalid for input of size 7",
+            "CUDA error: device-side assert triggered",
+            "Expected all tensors to be on the same device",
+        ] {
+            assert!(classify_oom(m).is_none(), "{m}");
+        }
+    }
+}
