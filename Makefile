@@ -14,7 +14,7 @@ test: setup
 	cargo test --release --workspace
 
 bench: setup
-	cargo bench --bench throughput --bench guard
+	cargo bench --bench throughput --bench guard --bench launch
 
 clean:
 	cargo clean

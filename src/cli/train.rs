@@ -33,6 +33,8 @@ pub fn exec(args: TrainArgs) -> anyhow::Result<()> {
     };
     if matches!(resume, train::Resume::Fresh) {
         prepare_run_dir(&run_dir)?;
+    } else {
+        std::fs::create_dir_all(&run_dir).with_context(|| format!("creating run directory {}", run_dir.display()))?;
     }
     crate::signals::install().context("installing the SIGINT/SIGTERM handlers")?;
     let resolved = serde_yaml::to_string(&cfg.raw).context("encoding the resolved config")?;

@@ -15,6 +15,7 @@ use crate::metrics::{EvalRecord, MetricsWriter, Record, StepRecord};
 use crate::model::{no_weight_decay, Gpt};
 use crate::optim::AdamW;
 use crate::signals;
+use oomguard_launch::launch::MICRO_BATCH_VAR;
 
 /// Where a run starts.
 #[derive(Debug, Clone, Default)]
@@ -141,7 +142,7 @@ impl<'a> Run<'a> {
         let mut eval_guard = Guard::for_eval(&c.memory, c.train.eval_batch_size, device);
         checkpoint::clean_partial(run_dir);
         let (next_step, metrics) = match resolve(run_dir, resume)? {
-            None => (0, MetricsWriter::open(run_dir)?),
+            None => (0, MetricsWriter::resume(run_dir, 0)?),
             Some((dir, state)) => {
                 let changes = checkpoint::shape_changes(&state.model, &c.model);
                 if !changes.is_empty() {
@@ -156,6 +157,10 @@ impl<'a> Run<'a> {
                 (state.next_step, metrics)
             }
         };
+        if let Some(mb) = launcher_micro_batch()? {
+            guard.policy.current = mb.min(c.train.micro_batch_size);
+            tracing::info!("{MICRO_BATCH_VAR}={mb}: starting at micro-batch {}", guard.policy.current);
+        }
         tracing::info!(
             "training {:.2}M parameters on {device:?} ({} threads): global batch {global} = {} x {}, {} steps",
             c.model.num_params() as f64 / 1e6, tch::get_num_threads(), c.train.micro_batch_size, c.train.grad_accum_steps, c.train.max_steps
@@ -204,6 +209,10 @@ impl<'a> Run<'a> {
                 self.metrics.write(&Record::from(e))?;
             }
         }
+        if let Err(Error::Oom(_)) = &result {
+            // Unrecovered (guard off): `oomguard launch` reads this to relaunch at half.
+            tracing::error!("step {step} ran out of memory at micro_batch_size={}", self.guard.micro_batch_size());
+        }
         if let Err(Error::Infeasible(_)) = &result {
             self.checkpoint(step)?;
             self.save_weights()?;
@@ -242,9 +251,25 @@ impl<'a> Run<'a> {
     }
 }
 
+/// A micro-batch set by `oomguard launch` after a worker died of an OOM.
+fn launcher_micro_batch() -> Result<Option<usize>> {
+    match std::env::var(MICRO_BATCH_VAR) {
+        Err(_) => Ok(None),
+        Ok(v) => v.trim().parse().ok().filter(|&m: &usize| m >= 1).map(Some).ok_or_else(|| {
+            Error::Config(crate::config::ConfigError::invalid(MICRO_BATCH_VAR, format!("`{v}` is not a micro-batch size (a whole number, at least 1)")))
+        }),
+    }
+}
+
 fn resolve(run_dir: &Path, resume: Resume) -> Result<Option<(PathBuf, TrainState)>> {
     match resume {
         Resume::Fresh => Ok(None),
+        // Nothing saved yet (e.g. a relaunch after a death before the first checkpoint):
+        // start over, keeping the earlier attempt's metrics in metrics.replaced.jsonl.
+        Resume::Newest if checkpoint::list(run_dir).is_empty() => {
+            tracing::info!("--resume: no checkpoint in {} yet; starting from step 0", run_dir.display());
+            Ok(None)
+        }
         Resume::Newest => checkpoint::newest_valid(run_dir).map(Some),
         Resume::From(dir) => checkpoint::verify(&dir).map(|s| Some((dir, s))),
     }

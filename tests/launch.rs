@@ -1,0 +1,169 @@
+//! `oomguard launch` with real processes: a real torch.distributed job exactly as under
+//! torchrun, crashes and restarts, signals, and relaunch after an out-of-memory death.
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn script(name: &str) -> String {
+    root().join("tests/scripts").join(name).display().to_string()
+}
+
+/// PATH with the set-up's venv (python3 with torch, torchrun) first.
+fn path_with_venv() -> String {
+    let venv = root().join(".venv/bin");
+    assert!(venv.join("python3").exists(), "{} is missing: run `make setup`", venv.display());
+    format!("{}:{}", venv.display(), std::env::var("PATH").unwrap_or_default())
+}
+
+fn launcher(args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_oomguard"));
+    c.arg("launch").args(args).env("PATH", path_with_venv()).env_remove("OMP_NUM_THREADS").stdin(Stdio::null());
+    c
+}
+
+fn text(o: &Output) -> (String, String) {
+    (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+/// The RESULT lines, without the launchers' line prefixes, run-specific fields dropped.
+fn results(stdout: &str) -> BTreeSet<String> {
+    stdout.lines().filter_map(|l| l.find("RESULT ").map(|i| l[i + 7..].to_string())).collect()
+}
+
+#[test]
+fn ddp_script_runs_exactly_as_under_torchrun() {
+    let args = ["--nproc-per-node", "2", "--rdzv-id", "job1", &script("ddp.py")];
+    let ours = launcher(&["--master-port", "29533"]).args(args).output().unwrap();
+    let (out, err) = text(&ours);
+    assert!(ours.status.success(), "{out}\n{err}");
+    assert!(out.contains("[default0]:RESULT") && out.contains("[default1]:RESULT"), "per-rank prefixes: {out}");
+    assert!(err.contains("OMP_NUM_THREADS is unset: setting it to 1"), "{err}");
+
+    let torchrun = Command::new(root().join(".venv/bin/python3"))
+        .args(["-m", "torch.distributed.run", "--master-port", "29534"]).args(args)
+        .env("PATH", path_with_venv()).env_remove("OMP_NUM_THREADS").output().unwrap();
+    let (tout, terr) = text(&torchrun);
+    assert!(torchrun.status.success(), "{tout}\n{terr}");
+    let (a, b) = (results(&out), results(&tout));
+    assert_eq!(a.len(), 2, "{out}");
+    assert_eq!(a, b, "oomguard launch and torchrun gave the workers different results");
+}
+
+#[test]
+fn crash_restarts_then_summary_with_first_failure() {
+    let logs = tempfile::tempdir().unwrap();
+    let o = launcher(&["--nproc-per-node", "2", "--max-restarts", "2", "--monitor-interval", "0.05", "--log-dir", logs.path().to_str().unwrap(), "--tee", "3", &script("crash.py")])
+        .output().unwrap();
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(7), "{out}\n{err}");
+    for attempt in 0..3 {
+        assert!(out.contains(&format!("attempt {attempt} rank 1")), "{out}");
+    }
+    assert!(err.contains("restarting the group (1/2)") && err.contains("restarting the group (2/2)"), "{err}");
+    assert!(err.contains("Root Cause (first observed failure)"), "{err}");
+    assert!(err.contains("rank      : 1 (local_rank: 1)") && err.contains("exitcode  : 7"), "{err}");
+    assert!(err.contains("traceback : ValueError: rank 1 is broken"), "{err}");
+    assert!(err.contains("about to fail"), "stderr tail in the summary: {err}");
+    // Per-rank log files under --log-dir, one folder per attempt.
+    let log = logs.path().join("none/attempt_2/1/stderr.log");
+    assert!(std::fs::read_to_string(&log).unwrap().contains("about to fail"));
+    assert!(logs.path().join("none/attempt_0/0/stdout.log").is_file());
+}
+
+#[test]
+fn oom_death_relaunches_with_half_the_micro_batch() {
+    let o = launcher(&["--nproc-per-node", "2", "--max-restarts", "3", "--monitor-interval", "0.05", &script("oom.py")])
+        .env("OOMGUARD_MICRO_BATCH_SIZE", "16").output().unwrap();
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    for mb in [16, 8, 4] {
+        assert!(out.contains(&format!("rank 0 micro-batch {mb}")), "{out}");
+    }
+    assert!(!out.contains("micro-batch 2"), "{out}");
+    assert!(err.contains("relaunching with OOMGUARD_MICRO_BATCH_SIZE=8") && err.contains("OOMGUARD_MICRO_BATCH_SIZE=4"), "{err}");
+}
+
+/// Processes whose environment holds OOMGUARD_TEST_MARKER=`marker` (inherited by the
+/// launcher, its workers and theirs).
+fn processes_with(marker: &str) -> Vec<u32> {
+    let needle = format!("OOMGUARD_TEST_MARKER={marker}");
+    std::fs::read_dir("/proc").unwrap().flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| std::fs::read(format!("/proc/{pid}/environ")).map(|c| String::from_utf8_lossy(&c).contains(&needle)).unwrap_or(false))
+        .collect()
+}
+
+fn wait_until(what: &str, f: impl Fn() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < Duration::from_secs(20), "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Workers that each start a grandchild; the launcher is signalled (or killed).
+fn leaves_nothing_behind(signal: &str, marker: &str, grandchildren: bool) {
+    let body = if grandchildren { "sleep 300 & sleep 301; wait" } else { "exec sleep 301" };
+    let mut child = launcher(&["--nproc-per-node", "2", "--no-python", "sh", "-c", body])
+        .env("OOMGUARD_TEST_MARKER", marker).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let expected = 1 + if grandchildren { 2 * 3 } else { 2 }; // the launcher, workers, theirs
+    wait_until("the workers", || processes_with(marker).len() >= expected);
+    Command::new("kill").args([signal, &child.id().to_string()]).status().unwrap();
+    let status = child.wait().unwrap();
+    if signal == "-TERM" {
+        assert_eq!(status.code(), Some(143));
+    }
+    wait_until("every worker to be gone", || processes_with(marker).is_empty());
+}
+
+#[test]
+fn killing_the_launcher_leaves_no_process_behind() {
+    leaves_nothing_behind("-TERM", "oomguard-test-marker-term", true);
+    leaves_nothing_behind("-INT", "oomguard-test-marker-int", true);
+    // Even SIGKILL, which the launcher cannot handle: its workers die with it.
+    leaves_nothing_behind("-KILL", "oomguard-test-marker-kill", false);
+}
+
+#[test]
+fn python_script_and_module_modes() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("hello.py"), "import os; print('hello', os.environ['RANK'])").unwrap();
+    let o = launcher(&["--nproc_per_node=2", "hello.py"]).current_dir(dir.path()).output().unwrap();
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(out.contains("[default0]:hello 0") && out.contains("[default1]:hello 1"), "{out}");
+    let o = launcher(&["-m", "hello"]).current_dir(dir.path()).env("PYTHONPATH", dir.path()).env("PET_NPROC_PER_NODE", "1").output().unwrap();
+    assert!(text(&o).0.contains("[default0]:hello 0"), "{:?}", text(&o));
+    assert!(!Path::new("/nonexistent").exists());
+}
+
+/// `oomguard train` with the guard off dies of a real OOM under its budget; the launcher
+/// relaunches it with half the micro-batch, which it honours, and the run completes.
+#[test]
+fn oomguard_train_relaunched_at_half_after_an_unrecovered_oom() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("tiny.yaml");
+    std::fs::write(&cfg, "
+model: {n_layer: 2, n_head: 2, n_embd: 32, block_size: 32, vocab_size: 256}
+data: {source: embedded, embedded_bytes: 65536}
+train: {micro_batch_size: 8, grad_accum_steps: 2, max_steps: 4, eval_every: 0, eval_batch_size: 2, eval_batches: 1, seed: 7, device: cpu, num_threads: 1}
+memory: {guard: false, budget: 1275000}
+").unwrap();
+    let run = dir.path().join("run");
+    let torch_bin = PathBuf::from(env!("CARGO_BIN_EXE_oomguard"));
+    let o = launcher(&["--max-restarts", "3", "--monitor-interval", "0.05", "--no-python", torch_bin.to_str().unwrap(), "train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--resume"])
+        .output().unwrap();
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(err.contains("ran out of memory at micro_batch_size=8"), "{err}");
+    assert!(err.contains("relaunching with OOMGUARD_MICRO_BATCH_SIZE=4"), "{err}");
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let steps: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).filter(|v: &serde_json::Value| v["event"] == "step").collect();
+    assert_eq!(steps.len(), 4);
+    assert!(steps.iter().all(|s| s["micro_batch_size"].as_u64().unwrap() <= 4 && s["num_samples"] == 16));
+}
