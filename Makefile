@@ -14,7 +14,7 @@ test: setup
 	cargo test --release --workspace
 
 bench: setup
-	cargo bench --bench throughput --bench guard --bench launch
+	cargo bench --bench throughput --bench guard --bench launch --bench auto
 
 clean:
 	cargo clean

@@ -1,4 +1,6 @@
-//! The crate's error type. OOM is a typed error, classified here and nowhere else.
+//! The crate's error type. OOM is typed: every libtorch error passes through `From<TchError>`
+//! below, which asks `classify_oom` (oomguard-launch's oom.rs, the one place that knows
+//! libtorch's messages).
 use tch::TchError;
 
 pub use oomguard_launch::oom::{classify_oom, OomError, OomSource, Phase};
@@ -31,6 +33,9 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 impl Error {
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         Error::Io { context: context.into(), source }
+    }
+    pub fn is_oom(&self) -> bool {
+        matches!(self, Error::Oom(_))
     }
     /// Tags an OOM with the phase of the step it happened in.
     pub fn in_phase(self, phase: Phase) -> Self {

@@ -13,6 +13,7 @@ pub mod memory;
 pub mod metrics;
 pub mod model;
 pub mod optim;
+pub mod plan;
 pub mod signals;
 pub mod train;
 

@@ -67,6 +67,8 @@ pub enum Record {
     Step(StepRecord),
     /// The run stopped on a signal (after its checkpoint).
     Stopped { step: u64, signal: String },
+    /// `micro_batch_size: auto` resolved (searched or cached).
+    AutoMicroBatch(crate::plan::AutoResult),
     /// The run resumed from a checkpoint.
     Resumed { step: u64, checkpoint: String },
     Eval(EvalRecord),

@@ -1,5 +1,6 @@
 //! The libtorch side of the command line: `oomguard-torch` runs every command; the
 //! definitions (and `launch`) live in the oomguard-launch crate, which `oomguard` links alone.
+pub mod plan;
 pub mod train;
 
 pub use oomguard_launch::cli::{exec_torch_binary, init_tracing, Cli, Command, ExitCode, LogFormat};
@@ -9,6 +10,7 @@ pub fn run_torch(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Train(a) => train::exec(a),
         Command::Launch(a) => oomguard_launch::cli::launch(a),
+        Command::Plan(a) => plan::exec(a),
     }
 }
 
@@ -19,6 +21,7 @@ pub fn exit_code(err: &anyhow::Error) -> i32 {
     match err.downcast_ref::<crate::Error>() {
         Some(crate::Error::Config(_) | crate::Error::Data(_) | crate::Error::Checkpoint(_)) => 2,
         Some(crate::Error::Infeasible(_)) => 3,
+        None if err.downcast_ref::<plan::NothingFits>().is_some() => 3,
         Some(crate::Error::Interrupted { signal, .. }) => signal.exit_code(),
         Some(_) => 1,
         None => oomguard_launch::cli::exit_code(err).unwrap_or(1),

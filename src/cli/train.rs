@@ -19,6 +19,7 @@ pub fn exec(args: TrainArgs) -> anyhow::Result<()> {
         overrides.push(format!("memory.budget={b}"));
     }
     let cfg = config::load(&args.config, &overrides).map_err(crate::Error::from)?;
+    cfg.check_data_files().map_err(crate::Error::from)?;
     let settings = allocator_settings(&cfg)?;
     let resume = match (&args.resume_from, args.resume) {
         (Some(p), _) => train::Resume::From(p.clone()),

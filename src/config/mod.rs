@@ -65,10 +65,16 @@ pub fn load(path: &Path, overrides: &[String]) -> Result<Config, ConfigError> {
         })?;
     }
     let raw: RawConfig = serde_yaml::from_value(value).map_err(|e| yaml_error(&origin, e))?;
-    raw.validate().map_err(|e| ConfigError { origin: origin.clone(), ..e })?;
-    let base = path.parent().unwrap_or(Path::new("."));
-    raw.data.check_files(base).map_err(|e| ConfigError { origin, ..e })?;
+    raw.validate().map_err(|e| ConfigError { origin, ..e })?;
     Ok(Config { raw, path: path.to_path_buf() })
+}
+
+impl Config {
+    /// Checks that the data files exist (training needs them; planning does not).
+    pub fn check_data_files(&self) -> Result<(), ConfigError> {
+        let base = self.path.parent().unwrap_or(Path::new("."));
+        self.raw.data.check_files(base).map_err(|e| ConfigError { origin: self.path.display().to_string(), ..e })
+    }
 }
 
 impl RawConfig {

@@ -30,6 +30,8 @@ pub struct MemoryConfig {
     pub thrash_steps: u32,
     /// Live memory growing this many steps in a row is reported as a likely leak.
     pub leak_steps: u32,
+    /// `micro_batch_size: auto` trains at the largest size found less this share.
+    pub auto_margin: f64,
     /// Simulated memory pressure: real allocations held during a range of steps, as another
     /// tenant would (for demos and tests).
     pub pressure: Vec<Pressure>,
@@ -72,6 +74,7 @@ impl Default for MemoryConfig {
             cooldown_steps: 100,
             thrash_steps: 3,
             leak_steps: 10,
+            auto_margin: 0.1,
             pressure: Vec::new(),
         }
     }
@@ -91,6 +94,9 @@ impl MemoryConfig {
         self.allocator_settings()?;
         if !(self.budget_fraction > 0.0 && self.budget_fraction <= 1.0) {
             return Err(ConfigError::invalid("memory.budget_fraction", format!("is {}; it must be in (0, 1]", self.budget_fraction)));
+        }
+        if !(0.0..1.0).contains(&self.auto_margin) {
+            return Err(ConfigError::invalid("memory.auto_margin", format!("is {}; it must be in [0, 1)", self.auto_margin)));
         }
         if !(0.0..1.0).contains(&self.grow_headroom) {
             return Err(ConfigError::invalid("memory.grow_headroom", format!("is {}; it must be in [0, 1)", self.grow_headroom)));

@@ -35,12 +35,47 @@ pub trait StepBatches {
     fn micro_batch(&self, step: u64, samples: Range<usize>) -> Result<(Tensor, Tensor)>;
 }
 
+/// `train.micro_batch_size`: a number, or `auto` (the largest that fits, found at start).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MicroBatch {
+    Auto,
+    Size(usize),
+}
+
+impl Serialize for MicroBatch {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            MicroBatch::Auto => s.serialize_str("auto"),
+            MicroBatch::Size(n) => s.serialize_u64(*n as u64),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for MicroBatch {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Size(usize),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Size(n) => Ok(MicroBatch::Size(n)),
+            Raw::Text(t) if t == "auto" => Ok(MicroBatch::Auto),
+            Raw::Text(t) => Err(serde::de::Error::custom(format!("`{t}` is not a micro-batch size; use a number or auto"))),
+        }
+    }
+}
+
 /// The `train` section.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TrainConfig {
-    pub micro_batch_size: usize,
+    pub micro_batch_size: MicroBatch,
     pub grad_accum_steps: usize,
+    /// Samples per optimizer step. Required with `micro_batch_size: auto`; otherwise it
+    /// defaults to micro_batch_size x grad_accum_steps (and must equal it if given).
+    pub global_batch_size: Option<usize>,
     pub max_steps: u64,
     /// Evaluate every this many steps (0: only at the end).
     pub eval_every: u64,
@@ -56,7 +91,7 @@ pub struct TrainConfig {
 impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
-            micro_batch_size: 8, grad_accum_steps: 1, max_steps: 100, eval_every: 50,
+            micro_batch_size: MicroBatch::Size(8), grad_accum_steps: 1, global_batch_size: None, max_steps: 100, eval_every: 50,
             eval_batch_size: 16, eval_batches: 4, seed: 1337, device: "auto".into(), num_threads: None,
         }
     }
@@ -64,9 +99,22 @@ impl Default for TrainConfig {
 
 impl TrainConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
+        match (self.micro_batch_size, self.global_batch_size) {
+            (MicroBatch::Auto, None) => {
+                return Err(ConfigError::invalid("train.global_batch_size", "is required with micro_batch_size: auto (the samples per optimizer step)"));
+            }
+            (MicroBatch::Size(m), Some(g)) if m * self.grad_accum_steps != g => {
+                return Err(ConfigError::invalid(
+                    "train.global_batch_size",
+                    format!("is {g} but micro_batch_size x grad_accum_steps is {m} x {} = {}; make them agree, or use micro_batch_size: auto", self.grad_accum_steps, m * self.grad_accum_steps),
+                ));
+            }
+            _ => {}
+        }
         for (k, v) in [
-            ("train.micro_batch_size", self.micro_batch_size),
+            ("train.micro_batch_size", if let MicroBatch::Size(m) = self.micro_batch_size { m } else { 1 }),
             ("train.grad_accum_steps", self.grad_accum_steps),
+            ("train.global_batch_size", self.global_batch_size.unwrap_or(1)),
             ("train.eval_batch_size", self.eval_batch_size),
             ("train.eval_batches", self.eval_batches),
         ] {
@@ -84,9 +132,13 @@ impl TrainConfig {
         Ok(())
     }
 
-    /// The global batch: `micro_batch_size` x `grad_accum_steps` samples per step.
+    /// The global batch: samples per optimizer step, whatever the micro-batch.
     pub fn global_batch_size(&self) -> usize {
-        self.micro_batch_size * self.grad_accum_steps
+        match (self.global_batch_size, self.micro_batch_size) {
+            (Some(g), _) => g,
+            (None, MicroBatch::Size(m)) => m * self.grad_accum_steps,
+            (None, MicroBatch::Auto) => self.grad_accum_steps, // refused by validate()
+        }
     }
 
     pub fn device(&self) -> Device {

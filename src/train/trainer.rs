@@ -14,6 +14,8 @@ use crate::memory::{self, allocator, human_bytes, PressureSchedule};
 use crate::metrics::{EvalRecord, MetricsWriter, Record, StepRecord};
 use crate::model::{no_weight_decay, Gpt};
 use crate::optim::AdamW;
+use crate::plan::{auto_micro_batch, AutoResult, Estimate, Precision};
+use super::MicroBatch;
 use crate::signals;
 use oomguard_launch::launch::MICRO_BATCH_VAR;
 
@@ -138,37 +140,53 @@ impl<'a> Run<'a> {
         let mut opt = AdamW::new(&vs, &c.optim, no_weight_decay)?;
         let global = c.train.global_batch_size();
         let block = c.model.block_size as usize;
-        let mut guard = Guard::new(&c.memory, c.train.micro_batch_size, device);
+        let batches = GptBatches { split: &data.train, seed: c.train.seed, global_batch: global, block, vocab: c.model.vocab_size, device };
         let mut eval_guard = Guard::for_eval(&c.memory, c.train.eval_batch_size, device);
         checkpoint::clean_partial(run_dir);
-        let (next_step, metrics) = match resolve(run_dir, resume)? {
-            None => (0, MetricsWriter::resume(run_dir, 0)?),
+        let (next_step, metrics, mut guard) = match resolve(run_dir, resume)? {
+            None => {
+                let mut metrics = MetricsWriter::resume(run_dir, 0)?;
+                let micro = match c.train.micro_batch_size {
+                    MicroBatch::Size(m) => m,
+                    MicroBatch::Auto => {
+                        let r = auto_search(c, &model, &opt, &batches, device)?;
+                        metrics.write(&Record::AutoMicroBatch(r.clone()))?;
+                        r.micro_batch_size
+                    }
+                };
+                (0, metrics, Guard::new(&c.memory, micro, device))
+            }
             Some((dir, state)) => {
                 let changes = checkpoint::shape_changes(&state.model, &c.model);
                 if !changes.is_empty() {
                     return Err(Error::Checkpoint(format!("{}: the model's shape changed since this checkpoint: {}", dir.display(), changes.join("; "))));
                 }
                 checkpoint::restore(&dir, &mut vs, &mut opt)?;
-                guard.policy = Policy::resumed(state.policy, c.train.micro_batch_size);
+                let configured = match c.train.micro_batch_size {
+                    MicroBatch::Size(m) => m,
+                    MicroBatch::Auto => state.policy.configured,
+                };
+                let mut guard = Guard::new(&c.memory, configured, device);
+                guard.policy = Policy::resumed(state.policy, configured);
                 eval_guard.policy = Policy::resumed(state.eval_policy, c.train.eval_batch_size);
                 let mut metrics = MetricsWriter::resume(run_dir, state.next_step)?;
                 metrics.write(&Record::Resumed { step: state.next_step, checkpoint: dir.display().to_string() })?;
                 tracing::info!("resumed from {} at step {} (micro-batch {})", dir.display(), state.next_step, guard.micro_batch_size());
-                (state.next_step, metrics)
+                (state.next_step, metrics, guard)
             }
         };
         if let Some(mb) = launcher_micro_batch()? {
-            guard.policy.current = mb.min(c.train.micro_batch_size);
+            guard.policy.current = mb.min(guard.policy.configured);
             tracing::info!("{MICRO_BATCH_VAR}={mb}: starting at micro-batch {}", guard.policy.current);
         }
+        let mb = guard.micro_batch_size();
         tracing::info!(
-            "training {:.2}M parameters on {device:?} ({} threads): global batch {global} = {} x {}, {} steps",
-            c.model.num_params() as f64 / 1e6, tch::get_num_threads(), c.train.micro_batch_size, c.train.grad_accum_steps, c.train.max_steps
+            "training {:.2}M parameters on {device:?} ({} threads): global batch {global} = {mb} x {}, {} steps",
+            c.model.num_params() as f64 / 1e6, tch::get_num_threads(), global.div_ceil(mb), c.train.max_steps
         );
         Ok(Run {
             cfg, run_dir: run_dir.to_path_buf(), device, model, opt,
-            batches: GptBatches { split: &data.train, seed: c.train.seed, global_batch: global, block, vocab: c.model.vocab_size, device },
-            val: &data.val, guard, eval_guard, pressure: PressureSchedule::new(&c.memory.pressure, device), metrics,
+            batches, val: &data.val, guard, eval_guard, pressure: PressureSchedule::new(&c.memory.pressure, device), metrics,
             next_step, first_step: next_step, tokens_per_step: global * block, val_losses: BTreeMap::new(),
             summary: Summary { steps: c.train.max_steps, first_loss: f64::NAN, ..Default::default() }, start: Instant::now(), vs,
         })
@@ -249,6 +267,29 @@ impl<'a> Run<'a> {
         let path = self.run_dir.join("model.safetensors");
         self.vs.save(&path).map_err(|e| Error::io(format!("cannot write {}", path.display()), std::io::Error::other(e.to_string())))
     }
+}
+
+/// `micro_batch_size: auto`: the cache, or a search from the planner's estimate.
+fn auto_search(c: &crate::config::RawConfig, model: &Gpt, opt: &AdamW, batches: &GptBatches, device: Device) -> Result<AutoResult> {
+    let limit = memory::stats(device).limit_bytes;
+    let global = c.train.global_batch_size();
+    let estimate = Estimate::new(&c.model, Precision::Fp32, device.is_cuda());
+    let start = limit.map_or(global, |l| estimate.largest_fitting(l, global).max(1));
+    let m = &c.model;
+    let key = format!(
+        "gpt-L{}-H{}-C{}-V{}-bias{}|T{}|fp32|{device:?}|{}",
+        m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.bias, m.block_size, limit.unwrap_or(0)
+    );
+    let r = auto_micro_batch(model, batches, || opt.clear_grads(), device, key, start, global, c.memory.auto_margin)?;
+    if r.from_cache {
+        tracing::info!("micro_batch_size auto: {} (cached: {} fits; {} margin)", r.micro_batch_size, r.largest_fitting, c.memory.auto_margin);
+    } else {
+        tracing::info!(
+            "micro_batch_size auto: {} ({} fits, found in {} trial steps, {:.2}s, starting from the planner's {start}; {} margin)",
+            r.micro_batch_size, r.largest_fitting, r.trials, r.search_s, c.memory.auto_margin
+        );
+    }
+    Ok(r)
 }
 
 /// A micro-batch set by `oomguard launch` after a worker died of an OOM.

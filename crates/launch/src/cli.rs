@@ -30,6 +30,28 @@ pub enum Command {
     Train(TrainArgs),
     /// Launch a distributed job: a drop-in for torchrun.
     Launch(LaunchArgs),
+    /// Print the memory a config needs and the largest micro-batch that fits.
+    Plan(PlanArgs),
+}
+
+/// `oomguard plan`
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    /// The YAML config.
+    pub config: PathBuf,
+    /// Override a config key: --set model.block_size=512
+    #[arg(long = "set", value_name = "KEY.PATH=VALUE")]
+    pub set: Vec<String>,
+    /// Memory to fit: a size (24GiB) or a card: T4 (16GiB), L4 (24GiB), A100-40GB, A100 /
+    /// A100-80GB, H100 (80GiB). Default: the CPU memory budget for CPU configs.
+    #[arg(long, value_name = "SIZE|CARD")]
+    pub device_memory: Option<String>,
+    /// Precision to plan for: fp32 (what oomguard train runs) or bf16 (bf16 activations).
+    #[arg(long, default_value = "fp32", value_parser = ["fp32", "bf16"])]
+    pub precision: String,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `oomguard train`

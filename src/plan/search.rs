@@ -1,0 +1,135 @@
+//! `train.micro_batch_size: auto`: find the largest micro-batch that fits by real trial
+//! steps (forward and backward on real samples under the real allocator), starting from the
+//! planner's estimate, then remember it.
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use crate::error::{Error, Result};
+use crate::memory;
+use crate::train::{StepBatches, TrainModel};
+
+/// Largest `m` in 1..=max with `fits(m)`, probing from `start`: doubling up (or halving
+/// down) to bracket it, then bisecting until within 1/16. Returns (size or 0, trials).
+pub fn search(start: usize, max: usize, mut fits: impl FnMut(usize) -> Result<bool>) -> Result<(usize, u32)> {
+    let mut trials = 0;
+    let mut probe = |m: usize| {
+        trials += 1;
+        fits(m)
+    };
+    let (mut lo, mut hi) = (0usize, max + 1); // lo fits, hi fails
+    let first = start.clamp(1, max);
+    if probe(first)? {
+        lo = first;
+        while lo < max {
+            let m = (lo * 2).min(max);
+            if probe(m)? {
+                lo = m;
+            } else {
+                hi = m;
+                break;
+            }
+        }
+    } else {
+        hi = first;
+        while hi > 1 {
+            let m = hi / 2;
+            if probe(m)? {
+                lo = m;
+                break;
+            }
+            hi = m;
+        }
+    }
+    while lo > 0 && hi - lo > (lo / 16).max(1) {
+        let mid = lo + (hi - lo) / 2;
+        if probe(mid)? { lo = mid } else { hi = mid }
+    }
+    Ok((lo, trials))
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AutoResult {
+    /// What training starts with: the largest size found, less the safety margin.
+    pub micro_batch_size: usize,
+    pub largest_fitting: usize,
+    pub trials: u32,
+    pub from_cache: bool,
+    pub search_s: f64,
+    pub cache_key: String,
+}
+
+fn cache_path() -> Option<PathBuf> {
+    let base = std::env::var_os("OOMGUARD_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|c| PathBuf::from(c).join("oomguard")))
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/oomguard")))?;
+    Some(base.join("micro_batch.json"))
+}
+
+fn read_cache() -> BTreeMap<String, usize> {
+    cache_path().and_then(|p| std::fs::read_to_string(p).ok()).and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default()
+}
+
+fn write_cache(key: &str, size: usize) {
+    let Some(path) = cache_path() else { return };
+    let mut all = read_cache();
+    all.insert(key.to_string(), size);
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    let written = path.parent().map(std::fs::create_dir_all).transpose().and_then(|_| {
+        std::fs::write(&tmp, serde_json::to_string_pretty(&all).unwrap_or_default())?;
+        std::fs::rename(&tmp, &path)
+    });
+    if let Err(e) = written {
+        tracing::warn!("cannot write the micro-batch cache {}: {e}", path.display());
+    }
+}
+
+/// Resolves `auto`: the cache if it knows `key`, else a search by trial steps on step 0's
+/// samples. `start` is the planner's estimate; `max` the global batch.
+pub fn auto_micro_batch(
+    model: &impl TrainModel, data: &impl StepBatches, clear_grads: impl Fn(), device: tch::Device,
+    key: String, start: usize, max: usize, margin: f64,
+) -> Result<AutoResult> {
+    let with_margin = |m: usize| (((m as f64) * (1.0 - margin)).floor() as usize).max(1);
+    if let Some(&found) = read_cache().get(&key) {
+        return Ok(AutoResult { micro_batch_size: with_margin(found.min(max)), largest_fitting: found, trials: 0, from_cache: true, search_s: 0.0, cache_key: key });
+    }
+    let t = Instant::now();
+    let (found, trials) = search(start, max, |m| {
+        let outcome = (|| -> Result<()> {
+            let (x, y) = data.micro_batch(0, 0..m)?;
+            model.loss(&x, &y, true)?.f_backward()?;
+            Ok(())
+        })();
+        clear_grads();
+        memory::empty_cache(device)?;
+        match outcome {
+            Ok(()) => Ok(true),
+            Err(Error::Oom(_)) => Ok(false),
+            Err(e) => Err(e),
+        }
+    })?;
+    if found == 0 {
+        return Err(Error::Infeasible("micro_batch_size: auto found no size that fits: even one sample runs out of memory. Run `oomguard plan` on this config for what would fit".into()));
+    }
+    write_cache(&key, found);
+    Ok(AutoResult { micro_batch_size: with_margin(found), largest_fitting: found, trials, from_cache: false, search_s: t.elapsed().as_secs_f64(), cache_key: key })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::search;
+
+    #[test]
+    fn finds_the_largest_within_a_sixteenth_in_few_trials() {
+        for (start, truth, max) in [(1, 37, 64), (64, 37, 64), (8, 8, 64), (100, 1, 256), (3, 200, 256), (16, 256, 256), (5, 1000, 1024)] {
+            let (found, trials) = search(start, max, |m| Ok(m <= truth)).unwrap();
+            assert!(found <= truth && found as f64 >= truth as f64 * (1.0 - 1.0 / 16.0) - 1.0, "truth {truth}: found {found}");
+            let bound = 2.0 * (truth.max(2) as f64).log2().ceil() + 2.0;
+            assert!(trials as f64 <= bound, "truth {truth}: {trials} trials > {bound}");
+        }
+        assert_eq!(search(8, 64, |_| Ok(false)).unwrap().0, 0);
+    }
+}
