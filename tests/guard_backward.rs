@@ -1,24 +1,16 @@
 //! An OOM raised inside autograd's backward pass is recovered in-process, through the
 //! library API. Alone in its file: the CPU budget is process-wide.
-use oomguard::data::{DataConfig, Dataset};
+mod common;
 use oomguard::error::Phase;
 use oomguard::guard::{Guard, GuardEvent};
 use oomguard::memory::{self, MemoryConfig};
-use oomguard::model::{no_weight_decay, Gpt, GptConfig};
-use oomguard::optim::{AdamW, OptimConfig};
-use oomguard::train::{train_step, GptBatches, StepBatches};
-use tch::{nn::VarStore, Device};
+use oomguard::train::{train_step, StepBatches};
+use tch::Device;
 
 #[test]
 fn oom_inside_backward_is_recovered() {
-    memory::install_cpu_allocator();
-    tch::manual_seed(0);
-    let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 32, block_size: 32, vocab_size: 256, dropout: 0.0, bias: true };
-    let data = Dataset::open(&DataConfig { embedded_bytes: 65536, ..Default::default() }, std::path::Path::new("."), 32).unwrap();
-    let vs = VarStore::new(Device::Cpu);
-    let model = Gpt::new(&vs.root(), &cfg).unwrap();
-    let mut opt = AdamW::new(&vs, &OptimConfig::default(), no_weight_decay).unwrap();
-    let batches = GptBatches { split: &data.train, seed: 1, global_batch: 16, block: 32, vocab: 256, device: Device::Cpu };
+    let common::TinyGpt { data, vs: _vs, model, mut opt } = common::tiny_gpt();
+    let batches = common::tiny_batches(&data, 16);
 
     // Measure the forward's and the backward's peaks for one micro-batch of 16.
     memory::reset_cpu_peak();

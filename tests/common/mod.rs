@@ -72,3 +72,28 @@ pub fn max_abs_diff(a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)]) ->
         })
         .fold(0.0, f64::max)
 }
+
+/// The tiny GPT in-process, with its data and optimizer, counting CPU memory from the start.
+pub struct TinyGpt {
+    pub data: oomguard::data::Dataset,
+    pub vs: tch::nn::VarStore,
+    pub model: oomguard::model::Gpt,
+    pub opt: oomguard::optim::AdamW,
+}
+
+pub fn tiny_gpt() -> TinyGpt {
+    use oomguard::{data, model, optim};
+    oomguard::memory::install_cpu_allocator();
+    tch::manual_seed(0);
+    let cfg = model::GptConfig { n_layer: 2, n_head: 2, n_embd: 32, block_size: 32, vocab_size: 256, dropout: 0.0, bias: true };
+    let data = data::Dataset::open(&data::DataConfig { embedded_bytes: 65536, ..Default::default() }, Path::new("."), 32).unwrap();
+    let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    let model = model::Gpt::new(&vs.root(), &cfg).unwrap();
+    let opt = optim::AdamW::new(&vs, &optim::OptimConfig::default(), model::no_weight_decay).unwrap();
+    TinyGpt { data, vs, model, opt }
+}
+
+/// The tiny GPT's training samples, `global_batch` a step.
+pub fn tiny_batches(data: &oomguard::data::Dataset, global_batch: usize) -> oomguard::train::GptBatches<'_> {
+    oomguard::train::GptBatches { split: &data.train, seed: 1, global_batch, block: 32, vocab: 256, device: tch::Device::Cpu }
+}
