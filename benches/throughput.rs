@@ -11,8 +11,10 @@ use oomguard::model::{GptConfig, Gpt};
 const STEPS: u64 = 30;
 
 fn config() -> RawConfig {
-    let mut c = RawConfig::default();
-    c.model = GptConfig { n_layer: 4, n_head: 4, n_embd: 256, block_size: 128, vocab_size: 256, dropout: 0.0, bias: true };
+    let mut c = RawConfig {
+        model: GptConfig { n_layer: 4, n_head: 4, n_embd: 256, block_size: 128, vocab_size: 256, dropout: 0.0, bias: true },
+        ..Default::default()
+    };
     c.train.micro_batch_size = oomguard::train::MicroBatch::Size(16);
     c.train.grad_accum_steps = 1;
     c.train.max_steps = STEPS;

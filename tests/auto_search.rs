@@ -3,7 +3,7 @@
 //! the CPU budget is process-wide.
 mod common;
 use oomguard::memory;
-use oomguard::plan::auto_micro_batch;
+use oomguard::plan::{auto_micro_batch, AutoSearch};
 use oomguard::train::train_step;
 use tch::Device;
 
@@ -30,7 +30,8 @@ fn search_lands_within_10_percent_of_brute_force() {
     }
     assert!(truth > 4 && truth < GLOBAL, "the budget should cut somewhere inside: {truth}");
 
-    let r = auto_micro_batch(&model, &batches, || opt.clear_grads(), Device::Cpu, "test".into(), 2, GLOBAL, 0.1).unwrap();
+    let spec = AutoSearch { key: "test".into(), start: 2, max: GLOBAL, margin: 0.1 };
+    let r = auto_micro_batch(&model, &batches, || opt.clear_grads(), Device::Cpu, spec).unwrap();
     memory::set_cpu_budget(None);
     let found = r.largest_fitting;
     assert!(found <= truth + truth / 10 && found as f64 >= 0.9 * truth as f64, "found {found}, truth {truth}");

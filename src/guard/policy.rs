@@ -142,7 +142,7 @@ impl LeakWatch {
         }
         self.streak += 1;
         let (s0, l0) = self.first?;
-        (steps > 0 && self.streak % steps == 0).then(|| (live - l0) / (step - s0).max(1))
+        (steps > 0 && self.streak.is_multiple_of(steps)).then(|| (live - l0) / (step - s0).max(1))
     }
 }
 

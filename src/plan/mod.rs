@@ -9,7 +9,7 @@
 //! state. tests/plan.rs keeps the estimate within 20% of measurement on several shapes.
 mod search;
 
-pub use search::{auto_micro_batch, search, AutoResult};
+pub use search::{auto_micro_batch, search, AutoResult, AutoSearch};
 
 use serde::Serialize;
 
@@ -193,9 +193,15 @@ mod tests {
 
     #[test]
     fn suggestions_when_nothing_fits() {
-        let s = suggestions(&gpt2(), Precision::Fp32, true, 3 << 30);
-        assert!(s.iter().any(|x| x.starts_with("a shorter sequence: model.block_size")), "{s:?}");
-        assert!(s.iter().any(|x| x.starts_with("fewer layers")), "{s:?}");
+        // Weights, gradients and AdamW state alone exceed 2 GiB: only a smaller model helps.
+        let s = suggestions(&gpt2(), Precision::Fp32, true, 2 << 30);
+        assert_eq!(Estimate::new(&gpt2(), Precision::Fp32, true).largest_fitting(2 << 30, 512), 0);
+        assert!(s.iter().any(|x| x.starts_with("fewer layers")) && s.iter().any(|x| x.starts_with("a smaller vocabulary")), "{s:?}");
+        assert!(!s.iter().any(|x| x.starts_with("a shorter sequence")), "{s:?}");
+        // A long sequence: its activations and logits are what does not fit.
+        let long = GptConfig { block_size: 8192, ..gpt2() };
+        let s = suggestions(&long, Precision::Fp32, true, 4 << 30);
+        assert!(s.iter().any(|x| x.starts_with("a shorter sequence: model.block_size 1024")), "{s:?}");
         assert_eq!(device_memory("t4"), Some(16 << 30));
         assert_eq!(device_memory("24GiB"), Some(24 << 30));
     }

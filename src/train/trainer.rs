@@ -14,7 +14,7 @@ use crate::memory::{self, allocator, human_bytes, PressureSchedule};
 use crate::metrics::{EvalRecord, MetricsWriter, Record, StepRecord};
 use crate::model::{no_weight_decay, Gpt};
 use crate::optim::AdamW;
-use crate::plan::{auto_micro_batch, AutoResult, Estimate, Precision};
+use crate::plan::{auto_micro_batch, AutoResult, AutoSearch, Estimate, Precision};
 use super::MicroBatch;
 use crate::signals;
 use oomguard_launch::launch::MICRO_BATCH_VAR;
@@ -62,12 +62,12 @@ pub fn train(cfg: &Config, run_dir: &Path, settings: &allocator::AllocatorSettin
         let stats = run.step(step)?;
         run.summary.first_loss = if step == run.first_step { stats.loss } else { run.summary.first_loss };
         run.summary.final_loss = stats.loss;
-        if step + 1 == c.train.max_steps || (c.train.eval_every > 0 && (step + 1) % c.train.eval_every == 0) {
+        if step + 1 == c.train.max_steps || (c.train.eval_every > 0 && (step + 1).is_multiple_of(c.train.eval_every)) {
             let t = Instant::now();
             run.evaluate(step)?;
             eval_s += t.elapsed().as_secs_f64();
         }
-        if c.checkpoint.every_steps > 0 && (step + 1) % c.checkpoint.every_steps == 0 {
+        if c.checkpoint.every_steps > 0 && (step + 1).is_multiple_of(c.checkpoint.every_steps) {
             run.checkpoint(step + 1)?;
         }
     }
@@ -207,7 +207,7 @@ impl<'a> Run<'a> {
             micro_batch_size: stats.micro_batch_size, grad_accum_steps: stats.num_micro_batches, num_samples: stats.num_samples,
             step_time_s: dt, elapsed_s: self.start.elapsed().as_secs_f64(), memory: mem,
         };
-        if step % c.log.every == 0 || step + 1 == c.train.max_steps {
+        if step.is_multiple_of(c.log.every) || step + 1 == c.train.max_steps {
             tracing::info!(
                 "step {:>5}/{} | loss {:.4} | lr {:.2e} | {:>7.0} tok/s | mb {}x{} | mem {} (peak {})",
                 step + 1, c.train.max_steps, rec.loss, lr, rec.tokens_per_s, rec.micro_batch_size, rec.grad_accum_steps,
@@ -280,7 +280,8 @@ fn auto_search(c: &crate::config::RawConfig, model: &Gpt, opt: &AdamW, batches: 
         "gpt-L{}-H{}-C{}-V{}-bias{}|T{}|fp32|{device:?}|{}",
         m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.bias, m.block_size, limit.unwrap_or(0)
     );
-    let r = auto_micro_batch(model, batches, || opt.clear_grads(), device, key, start, global, c.memory.auto_margin)?;
+    let spec = AutoSearch { key, start, max: global, margin: c.memory.auto_margin };
+    let r = auto_micro_batch(model, batches, || opt.clear_grads(), device, spec)?;
     if r.from_cache {
         tracing::info!("micro_batch_size auto: {} (cached: {} fits; {} margin)", r.micro_batch_size, r.largest_fitting, c.memory.auto_margin);
     } else {
