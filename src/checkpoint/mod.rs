@@ -49,7 +49,8 @@ impl CheckpointConfig {
     }
 }
 
-const FORMAT: u32 = 1;
+/// The version of state.json this build writes and reads.
+pub const FORMAT: u32 = 1;
 const FILES: [&str; 3] = ["model.safetensors", "optimizer.safetensors", "rng.safetensors"];
 
 /// Everything besides tensors that exact resume needs.

@@ -141,17 +141,24 @@ impl TrainConfig {
         }
     }
 
+    /// The device to train on; `auto` asks whether CUDA is present, so call it when the run
+    /// starts (after the allocator settings), not while validating.
     pub fn device(&self) -> Device {
-        parse_device(&self.device).unwrap_or(Device::Cpu)
+        match parse_device(&self.device) {
+            Ok(Some(d)) => d,
+            Ok(None) if crate::memory::cuda_available() => Device::Cuda(0),
+            _ => Device::Cpu,
+        }
     }
 }
 
-fn parse_device(s: &str) -> Result<Device, ConfigError> {
+/// A device name: `None` for `auto`.
+fn parse_device(s: &str) -> Result<Option<Device>, ConfigError> {
     let bad = || ConfigError::invalid("train.device", format!("`{s}` is not a device; use auto, cpu, cuda or cuda:N"));
     Ok(match s {
-        "auto" => if crate::memory::cuda_available() { Device::Cuda(0) } else { Device::Cpu },
-        "cpu" => Device::Cpu,
-        "cuda" => Device::Cuda(0),
-        _ => Device::Cuda(s.strip_prefix("cuda:").and_then(|i| i.parse().ok()).ok_or_else(bad)?),
+        "auto" => None,
+        "cpu" => Some(Device::Cpu),
+        "cuda" => Some(Device::Cuda(0)),
+        _ => Some(Device::Cuda(s.strip_prefix("cuda:").and_then(|i| i.parse().ok()).ok_or_else(bad)?)),
     })
 }

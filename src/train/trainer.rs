@@ -253,7 +253,7 @@ impl<'a> Run<'a> {
     fn checkpoint(&mut self, next_step: u64) -> Result<()> {
         let c = &self.cfg.raw;
         let state = TrainState {
-            format: 1, next_step, samples_seen: next_step * c.train.global_batch_size() as u64,
+            format: checkpoint::FORMAT, next_step, samples_seen: next_step * c.train.global_batch_size() as u64,
             policy: self.guard.policy.clone(), eval_policy: self.eval_guard.policy.clone(),
             val_loss: self.summary.val_loss, model: c.model.clone(), files: Default::default(),
         };
@@ -298,7 +298,8 @@ fn launcher_micro_batch() -> Result<Option<usize>> {
     match std::env::var(MICRO_BATCH_VAR) {
         Err(_) => Ok(None),
         Ok(v) => v.trim().parse().ok().filter(|&m: &usize| m >= 1).map(Some).ok_or_else(|| {
-            Error::Config(crate::config::ConfigError::invalid(MICRO_BATCH_VAR, format!("`{v}` is not a micro-batch size (a whole number, at least 1)")))
+            let e = crate::config::ConfigError::invalid(MICRO_BATCH_VAR, format!("`{v}` is not a micro-batch size (a whole number, at least 1)"));
+            Error::Config(crate::config::ConfigError { origin: "environment".into(), ..e })
         }),
     }
 }

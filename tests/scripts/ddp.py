@@ -23,4 +23,5 @@ print("RESULT " + json.dumps({
     "rank": rank, "world": world, "all_reduce": t.item(),
     "weight": [round(v, 6) for v in model.module.weight.detach().flatten().tolist()],
 }, sort_keys=True), flush=True)
+dist.barrier()  # both ranks done before gloo tears down
 dist.destroy_process_group()

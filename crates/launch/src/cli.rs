@@ -89,9 +89,9 @@ pub struct LaunchArgs {
     /// Workers per node: N, auto, cpu or gpu.
     #[arg(long = "nproc-per-node", alias = "nproc_per_node", env = "PET_NPROC_PER_NODE", default_value = "1")]
     pub nproc_per_node: String,
-    /// This node's rank among the nodes.
-    #[arg(long = "node-rank", alias = "node_rank", env = "PET_NODE_RANK", default_value_t = 0)]
-    pub node_rank: usize,
+    /// This node's rank among the nodes [default: 0].
+    #[arg(long = "node-rank", alias = "node_rank", env = "PET_NODE_RANK")]
+    pub node_rank: Option<usize>,
     /// Address of the rank-0 node (static rendezvous).
     #[arg(long = "master-addr", alias = "master_addr", env = "PET_MASTER_ADDR", default_value = "127.0.0.1")]
     pub master_addr: String,

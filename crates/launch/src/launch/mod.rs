@@ -68,8 +68,9 @@ impl LaunchSpec {
     pub fn from_args(a: &LaunchArgs) -> Result<LaunchSpec, Error> {
         let nnodes = parse_nnodes(if a.standalone { "1" } else { &a.nnodes })?;
         let nproc_per_node = parse_nproc(&a.nproc_per_node)?;
-        if a.node_rank >= nnodes {
-            return Err(bad("--node-rank", format!("{} is not below --nnodes {nnodes}", a.node_rank)));
+        let node_rank = a.node_rank.unwrap_or(0);
+        if node_rank >= nnodes {
+            return Err(bad("--node-rank", format!("{node_rank} is not below --nnodes {nnodes}")));
         }
         let (mut master_addr, mut master_port) = (a.master_addr.clone(), a.master_port);
         if a.standalone {
@@ -83,7 +84,7 @@ impl LaunchSpec {
         }
         match a.rdzv_backend.as_str() {
             "static" => {}
-            "c10d" if nnodes == 1 || std::env::var_os("PET_NODE_RANK").is_some() || a.node_rank > 0 => {}
+            "c10d" if nnodes == 1 || a.node_rank.is_some() => {}
             "c10d" => {
                 return Err(bad("--rdzv-backend", "c10d over several nodes needs --node-rank here: oomguard assigns ranks statically".into()));
             }
@@ -96,7 +97,7 @@ impl LaunchSpec {
         Ok(LaunchSpec {
             nnodes,
             nproc_per_node,
-            node_rank: a.node_rank,
+            node_rank,
             master_addr,
             master_port,
             run_id: a.rdzv_id.clone(),

@@ -118,7 +118,8 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
     let temp = spec.log_dir.is_none().then(|| std::env::temp_dir().join(format!("oomguard-launch-{}", std::process::id())));
     let base = spec.log_dir.clone().or(temp.clone()).unwrap_or_default().join(&spec.run_id);
     let mut micro = spec.micro_batch_size;
-    for attempt in 0..=spec.max_restarts {
+    let mut attempt = 0;
+    loop {
         let port = if spec.master_port == 0 { free_port()? } else { spec.master_port };
         let dir = base.join(format!("attempt_{attempt}"));
         let mut workers = (0..spec.nproc_per_node).map(|r| spawn(spec, r, port, attempt, &dir, micro)).collect::<Vec<_>>();
@@ -159,6 +160,7 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
                             }
                         }
                         micro = micro_batch_size;
+                        attempt += 1;
                     }
                     Next::GiveUp => {
                         eprint!("{}", summary(&f, spec));
@@ -168,12 +170,6 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
             }
         }
     }
-    unreachable_restarts()
-}
-
-/// The loop above returns on its last attempt; reaching here would be a logic error.
-fn unreachable_restarts() -> Result<i32, Error> {
-    Err(Error::Start("internal error: restarts exhausted without a verdict".into()))
 }
 
 fn free_port() -> Result<u16, Error> {
