@@ -30,9 +30,13 @@ fn text(o: &Output) -> (String, String) {
     (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
 }
 
-/// The RESULT lines, without the launchers' line prefixes, run-specific fields dropped.
+/// The workers' RESULT objects, wherever they fall: without prefixes (torchrun) two workers'
+/// writes can share a line.
 fn results(stdout: &str) -> BTreeSet<String> {
-    stdout.lines().filter_map(|l| l.find("RESULT ").map(|i| l[i + 7..].to_string())).collect()
+    stdout.split("RESULT ").skip(1).filter_map(|r| r.find("\"world\": ").map(|i| &r[..i]).and_then(|head| {
+        let tail = &r[head.len()..];
+        tail.find('}').map(|j| format!("{head}{}", &tail[..=j]))
+    })).collect()
 }
 
 #[test]

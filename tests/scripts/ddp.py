@@ -17,11 +17,13 @@ torch.optim.SGD(model.parameters(), lr=0.1).step()
 keys = ["RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
         "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RESTART_COUNT",
         "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS"]
-print("RESULT " + json.dumps({
+import sys
+sys.stdout.write("RESULT " + json.dumps({
     "env": {k: os.environ.get(k) for k in keys},
     "has_error_file": bool(os.environ.get("TORCHELASTIC_ERROR_FILE")),
     "rank": rank, "world": world, "all_reduce": t.item(),
     "weight": [round(v, 6) for v in model.module.weight.detach().flatten().tolist()],
-}, sort_keys=True), flush=True)
+}, sort_keys=True) + "\n")  # one write: less interleaving
+sys.stdout.flush()
 dist.barrier()  # both ranks done before gloo tears down
 dist.destroy_process_group()
