@@ -12,7 +12,7 @@ use tch::Device;
 pub use policy::{Adjust, LeakWatch, Observation, OnOom, Policy, PolicyConfig};
 
 use crate::error::{Error, OomError, OomSource, Phase, Result};
-use crate::memory::{self, human_bytes, MemoryConfig};
+use crate::memory::{self, human_bytes, MemoryConfig, MemoryStats};
 
 /// `{"event":"oom", ...}`: one per out-of-memory error the guard recovered from (or not).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -69,6 +69,9 @@ pub struct Guard {
     /// `Phase::Eval` for the evaluation guard: OOMs are tagged so, and it never grows.
     eval: bool,
     events: Vec<GuardEvent>,
+    /// Memory right after the last successful attempt (read once, for the policy and the
+    /// caller's step record).
+    last_memory: MemoryStats,
 }
 
 impl Guard {
@@ -87,6 +90,7 @@ impl Guard {
             leak_steps: cfg.leak_steps,
             eval: false,
             events: Vec::new(),
+            last_memory: MemoryStats::default(),
         }
     }
 
@@ -99,6 +103,11 @@ impl Guard {
 
     pub fn micro_batch_size(&self) -> usize {
         self.policy.current
+    }
+
+    /// Memory as it stood right after the last successful attempt.
+    pub fn last_memory(&self) -> MemoryStats {
+        self.last_memory
     }
 
     /// Events since the last call, for metrics.jsonl.
@@ -181,6 +190,7 @@ impl Guard {
 
     fn observe(&mut self, step: u64, baseline: u64) {
         let mem = memory::stats(self.device);
+        self.last_memory = mem;
         let obs = Observation {
             baseline_bytes: baseline,
             peak_bytes: mem.peak_bytes,

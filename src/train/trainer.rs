@@ -108,7 +108,6 @@ impl StepBatches for GptBatches<'_> {
 struct Run<'a> {
     cfg: &'a Config,
     run_dir: PathBuf,
-    device: Device,
     vs: VarStore,
     model: Gpt,
     opt: AdamW,
@@ -185,7 +184,7 @@ impl<'a> Run<'a> {
             c.model.num_params() as f64 / 1e6, tch::get_num_threads(), global.div_ceil(mb), c.train.max_steps
         );
         Ok(Run {
-            cfg, run_dir: run_dir.to_path_buf(), device, model, opt,
+            cfg, run_dir: run_dir.to_path_buf(), model, opt,
             batches, val: &data.val, guard, eval_guard, pressure: PressureSchedule::new(&c.memory.pressure, device), metrics,
             next_step, first_step: next_step, tokens_per_step: global * block, val_losses: BTreeMap::new(),
             summary: Summary { steps: c.train.max_steps, first_loss: f64::NAN, ..Default::default() }, start: Instant::now(), vs,
@@ -201,7 +200,7 @@ impl<'a> Run<'a> {
         let result = self.guard.run(step, &mut self.opt, |opt, mb| train_step(model, opt, batches, step, mb, lr, c.optim.grad_clip), |opt| opt.clear_grads());
         let stats = self.after_guarded(result, step)?;
         let dt = t0.elapsed().as_secs_f64();
-        let mem = memory::stats(self.device);
+        let mem = self.guard.last_memory();
         let rec = StepRecord {
             step, loss: stats.loss, lr, grad_norm: stats.grad_norm, tokens_per_s: self.tokens_per_step as f64 / dt,
             micro_batch_size: stats.micro_batch_size, grad_accum_steps: stats.num_micro_batches, num_samples: stats.num_samples,
