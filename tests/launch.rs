@@ -85,8 +85,9 @@ fn oom_death_relaunches_with_half_the_micro_batch() {
         .env("OOMGUARD_MICRO_BATCH_SIZE", "16").output().unwrap();
     let (out, err) = text(&o);
     assert!(o.status.success(), "{out}\n{err}");
+    // Whichever rank dies first stops the other, maybe before it printed: either will do.
     for mb in [16, 8, 4] {
-        assert!(out.contains(&format!("rank 0 micro-batch {mb}")), "{out}");
+        assert!(out.contains(&format!(" micro-batch {mb}\n")), "{out}");
     }
     assert!(!out.contains("micro-batch 2"), "{out}");
     assert!(err.contains("relaunching with OOMGUARD_MICRO_BATCH_SIZE=8") && err.contains("OOMGUARD_MICRO_BATCH_SIZE=4"), "{err}");
