@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn spawn(args: &[&str], cwd: &Path) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_oomguard"))
+    dies_with_test(&mut Command::new(env!("CARGO_BIN_EXE_oomguard")))
         .args(args)
         .current_dir(cwd)
         .env("OMP_NUM_THREADS", "1")

@@ -1,5 +1,7 @@
 //! `oomguard launch` with real processes: a real torch.distributed job exactly as under
 //! torchrun, crashes and restarts, signals, and relaunch after an out-of-memory death.
+mod common;
+use common::dies_with_test;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -22,6 +24,7 @@ fn path_with_venv() -> String {
 
 fn launcher(args: &[&str]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_oomguard"));
+    dies_with_test(&mut c);
     c.arg("launch").args(args).env("PATH", path_with_venv()).env_remove("OMP_NUM_THREADS").stdin(Stdio::null());
     c
 }

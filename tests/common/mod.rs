@@ -19,6 +19,19 @@ pub fn write_config(dir: &Path, name: &str, yaml: &str) -> PathBuf {
     p
 }
 
+/// Makes a spawned process die when the test's thread ends, so a failing test leaves no
+/// training run (or launcher) behind.
+pub fn dies_with_test(cmd: &mut Command) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: prctl is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        })
+    }
+}
+
 pub fn oomguard(args: &[&str], cwd: &Path) -> Output {
     Command::new(env!("CARGO_BIN_EXE_oomguard"))
         .args(args)
