@@ -4,10 +4,11 @@
 # packages the build needs. Links the cache's torch into ./.libtorch for .cargo/config.toml.
 set -euo pipefail
 
-TORCH_VERSION=2.13.0
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+# shellcheck source=versions.env
+. "$ROOT/scripts/versions.env"
 CACHE="${OOMGUARD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/oomguard}"
 VENV="$CACHE/torch-$TORCH_VERSION"
-ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 
 say() { echo "setup: $*" >&2; }
 
