@@ -25,9 +25,10 @@ fn main() {
         .file("csrc/memory.cpp")
         .file("csrc/optim.cpp")
         .file("csrc/rng.cpp")
+        .file("csrc/torchscript.cpp")
         .compile("oomguard_csrc");
 
-    for f in ["csrc/memory.cpp", "csrc/optim.cpp", "csrc/rng.cpp", "csrc/oomguard.h"] {
+    for f in ["csrc/memory.cpp", "csrc/optim.cpp", "csrc/rng.cpp", "csrc/torchscript.cpp", "csrc/oomguard.h"] {
         println!("cargo:rerun-if-changed={f}");
     }
     // An rpath makes nothing load: harmless for the libtorch-free `oomguard` binary.

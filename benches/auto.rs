@@ -1,7 +1,7 @@
 //! `make bench` (auto): the time `micro_batch_size: auto` spends searching, as a fraction of
 //! a 100-step run of the demo model under a 60 MiB budget (cache off: a fresh search).
 use oomguard::config::{Config, RawConfig};
-use oomguard::train::{train, MicroBatch, Resume};
+use oomguard::train::{train, MicroBatch};
 
 fn main() {
     let dir = tempfile::tempdir().unwrap();
@@ -18,7 +18,7 @@ fn main() {
     let cfg = Config { raw: c, path: dir.path().join("auto.yaml") };
     let run = dir.path().join("run");
     std::fs::create_dir_all(&run).unwrap();
-    let s = train(&cfg, &run, &Default::default(), Resume::Fresh).unwrap();
+    let s = train(&cfg, &run, &Default::default(), Default::default()).unwrap();
     let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
     let auto: serde_json::Value = text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()).find(|v| v["event"] == "auto_micro_batch").unwrap();
     let search = auto["search_s"].as_f64().unwrap();

@@ -5,14 +5,15 @@
 //!    time at the size it falls back to (floor: at most 1.5 steps), with the budget placed so
 //!    that the failure comes early (mid-forward) and late (just under the full step's peak).
 use std::time::Instant;
-use tch::{nn::VarStore, Device};
+use tch::Device;
 
-use oomguard::data::{DataConfig, Dataset};
+use oomguard::data::{DataConfig, Dataset, StepSamples, TokenShape};
 use oomguard::guard::{Guard, GuardEvent};
 use oomguard::memory::{self, MemoryConfig};
-use oomguard::model::{no_weight_decay, Gpt, GptConfig};
+use oomguard::model::GptConfig;
 use oomguard::optim::{AdamW, OptimConfig};
-use oomguard::train::{train_step, GptBatches};
+use oomguard::task::{gpt::GptTask, Task};
+use oomguard::train::train_step;
 
 const GLOBAL: usize = 16;
 
@@ -20,16 +21,16 @@ fn main() {
     memory::install_cpu_allocator();
     tch::manual_seed(0);
     let cfg = GptConfig { n_layer: 4, n_head: 4, n_embd: 256, block_size: 128, vocab_size: 256, dropout: 0.0, bias: true };
-    let data = Dataset::open(&DataConfig::default(), std::path::Path::new("."), 128).unwrap();
-    let vs = VarStore::new(Device::Cpu);
-    let model = Gpt::new(&vs.root(), &cfg).unwrap();
-    let mut opt = AdamW::new(&vs, &OptimConfig::default(), no_weight_decay).unwrap();
-    let batches = GptBatches { split: &data.train, seed: 1, global_batch: GLOBAL, block: 128, vocab: 256, device: Device::Cpu };
+    let shape = TokenShape { block_size: 128, vocab_size: Some(256) };
+    let data = Dataset::open(&DataConfig::default(), std::path::Path::new("."), Some(shape)).unwrap();
+    let task = GptTask::new(&cfg, Device::Cpu).unwrap();
+    let mut opt = AdamW::new(task.parameters(), &OptimConfig::default(), |n, t| task.no_weight_decay(n, t)).unwrap();
+    let batches = StepSamples::new(data.train.as_ref(), 1, GLOBAL, Device::Cpu);
     let mem_cfg = MemoryConfig::default();
     let mut step_no = 0u64;
     let mut step = |opt: &mut AdamW, mb: usize| {
         step_no += 1;
-        train_step(&model, opt, &batches, step_no, mb, 1e-4, 1.0)
+        train_step(&task, opt, &batches, step_no, mb, 1e-4, 1.0)
     };
     println!("GPT n_layer 4, n_head 4, n_embd 256, block 128, vocab 256, global batch {GLOBAL}, {} threads", tch::get_num_threads());
 

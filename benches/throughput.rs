@@ -5,16 +5,14 @@ use std::time::Instant;
 use tch::nn::{self, OptimizerConfig};
 
 use oomguard::config::{Config, RawConfig};
-use oomguard::data::{sample_offsets, Dataset};
-use oomguard::model::{GptConfig, Gpt};
+use oomguard::data::{Dataset, StepBatches, StepSamples, TokenShape};
+use oomguard::model::{Gpt, ModelConfig};
 
 const STEPS: u64 = 30;
 
 fn config() -> RawConfig {
-    let mut c = RawConfig {
-        model: GptConfig { n_layer: 4, n_head: 4, n_embd: 256, block_size: 128, vocab_size: 256, dropout: 0.0, bias: true },
-        ..Default::default()
-    };
+    let model = ModelConfig { n_layer: Some(4), n_head: Some(4), n_embd: Some(256), block_size: Some(128), vocab_size: Some(256), ..Default::default() };
+    let mut c = RawConfig { model, ..Default::default() };
     c.train.micro_batch_size = oomguard::train::MicroBatch::Size(16);
     c.train.grad_accum_steps = 1;
     c.train.max_steps = STEPS;
@@ -27,16 +25,17 @@ fn config() -> RawConfig {
 
 fn hand_loop(c: &RawConfig) -> f64 {
     tch::manual_seed(c.train.seed as i64);
-    let block = c.model.block_size as usize;
-    let data = Dataset::open(&c.data, std::path::Path::new("."), block).unwrap();
+    let block = 128;
+    let shape = TokenShape { block_size: block, vocab_size: Some(256) };
+    let data = Dataset::open(&c.data, std::path::Path::new("."), Some(shape)).unwrap();
     let vs = nn::VarStore::new(tch::Device::Cpu);
-    let model = Gpt::new(&vs.root(), &c.model).unwrap();
+    let model = Gpt::new(&vs.root(), &c.model.gpt()).unwrap();
     let mut opt = nn::AdamW::default().build(&vs, c.optim.lr).unwrap();
     let batch = c.train.global_batch_size();
+    let batches = StepSamples::new(data.train.as_ref(), c.train.seed, batch, tch::Device::Cpu);
     let start = Instant::now();
     for step in 0..STEPS {
-        let offsets = sample_offsets(c.train.seed, step, batch, data.train.num_tokens(), block);
-        let (x, y) = data.train.batch(&offsets, block, 256, tch::Device::Cpu).unwrap();
+        let (x, y) = batches.micro_batch(step, 0..batch).unwrap();
         let loss = model.loss(&x, &y, true).unwrap();
         opt.backward_step(&loss);
     }

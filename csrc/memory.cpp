@@ -8,9 +8,11 @@
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -20,6 +22,12 @@ std::atomic<int64_t> g_live{0};
 std::atomic<int64_t> g_peak{0};
 std::atomic<int64_t> g_budget{-1};
 std::atomic<int64_t> g_ooms{0};
+// Every allocation asked of the counting allocator, numbered from 0 (the fault injector's
+// clock), and the allocations the injector fails: sorted, written only while armed from a
+// quiet point between steps, read concurrently.
+std::atomic<uint64_t> g_allocs{0};
+std::vector<uint64_t> g_inject_at;
+std::atomic<int64_t> g_injected{0};
 
 // The size lives in a header before the data. The header keeps the base allocator's
 // 64-byte alignment, and data doubles as the DataPtr's context: oneDNN's raw_allocate
@@ -32,7 +40,21 @@ class CountingAllocator final : public c10::Allocator {
 
   c10::DataPtr allocate(size_t n) override {
     const int64_t want = static_cast<int64_t>(n);
+    const uint64_t index = g_allocs.fetch_add(1);
     int64_t live = g_live.load();
+    if (!g_inject_at.empty() && std::binary_search(g_inject_at.begin(), g_inject_at.end(), index)) {
+      g_injected.fetch_add(1);
+      g_ooms.fetch_add(1);
+      const int64_t budget = g_budget.load();
+      // The same error, and the same message shape, as a real budget overrun.
+      if (budget >= 0) {
+        TORCH_CHECK_WITH(OutOfMemoryError, false, "oomguard memory budget exceeded: tried to allocate ", n,
+                         " bytes with ", live, " bytes in use of a budget of ", budget, " bytes (",
+                         budget - live, " bytes free); injected by --inject-oom");
+      }
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "oomguard memory budget exceeded: tried to allocate ", n,
+                       " bytes with ", live, " bytes in use; injected by --inject-oom");
+    }
     for (;;) {
       const int64_t budget = g_budget.load();
       if (budget >= 0 && live + want > budget) {
@@ -47,7 +69,13 @@ class CountingAllocator final : public c10::Allocator {
     int64_t peak = g_peak.load();
     while (live + want > peak && !g_peak.compare_exchange_weak(peak, live + want)) {
     }
-    void* base = base_->raw_allocate(n + kHeader);
+    void* base = nullptr;
+    try {
+      base = base_->raw_allocate(n + kHeader);
+    } catch (...) {
+      g_live.fetch_sub(want);  // the bytes were never handed out
+      throw;
+    }
     *static_cast<size_t*>(base) = n;
     void* data = static_cast<char*>(base) + kHeader;
     return {data, data, &CountingAllocator::free, c10::Device(c10::DeviceType::CPU)};
@@ -101,6 +129,14 @@ int64_t og_cpu_live_bytes() { return g_live.load(); }
 int64_t og_cpu_peak_bytes() { return g_peak.load(); }
 void og_cpu_reset_peak() { g_peak.store(g_live.load()); }
 int64_t og_cpu_num_ooms() { return g_ooms.load(); }
+uint64_t og_cpu_alloc_count() { return g_allocs.load(); }
+
+void og_inject_arm(const uint64_t* at, int n) {
+  std::vector<uint64_t> v(at, at + (n > 0 ? n : 0));
+  std::sort(v.begin(), v.end());
+  g_inject_at.swap(v);
+}
+int64_t og_inject_fired() { return g_injected.load(); }
 
 void og_clear_grad(void* tensor) {
   static_cast<torch::Tensor*>(tensor)->mutable_grad().reset();

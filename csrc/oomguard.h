@@ -17,6 +17,12 @@ int64_t og_cpu_live_bytes();
 int64_t og_cpu_peak_bytes();
 void og_cpu_reset_peak();
 int64_t og_cpu_num_ooms();
+// Allocations asked of the counting allocator so far (the fault injector's clock).
+uint64_t og_cpu_alloc_count();
+// Fault injection: the allocations numbered `at` (by og_cpu_alloc_count's clock) fail with
+// c10::OutOfMemoryError, as a real budget overrun does. n = 0 disarms.
+void og_inject_arm(const uint64_t* at, int n);
+int64_t og_inject_fired();
 
 // Gradients: drop them (grad = undefined), so a failed step's memory goes back.
 void og_clear_grad(void* tensor);
@@ -30,10 +36,21 @@ char* og_cuda_reset_peak(int device);
 char* og_cuda_set_memory_fraction(int device, double fraction);
 char* og_set_allocator_settings(const char* settings);
 
-// Optimiser (csrc/optim.cpp): one fused AdamW update over a parameter group.
-char* og_adamw_step(void** params, void** exp_avgs, void** exp_avg_sqs, void** steps, int n,
-                    double lr, double beta1, double beta2, double weight_decay, double eps);
+// Optimiser (csrc/optim.cpp): the allocation-free commit of a fused AdamW update over a
+// parameter group (next_steps: the step counts after it, allocated beforehand).
+char* og_adamw_commit(void** params, void** exp_avgs, void** exp_avg_sqs, void** steps,
+                      void** next_steps, int n, double lr, double beta1, double beta2,
+                      double weight_decay, double eps);
 char* og_clip_grad_norm(void** params, int n, double max_norm, double* total_norm);
+
+// TorchScript (csrc/torchscript.cpp). cuda_index < 0 loads onto the CPU.
+typedef void (*og_named_cb)(void* ctx, const char* name, void* tensor);
+char* og_ts_load(const char* path, int cuda_index, void** out);
+void og_ts_free(void* module);
+char* og_ts_list(void* module, int what, void* ctx, og_named_cb cb);
+int og_ts_has_method(void* module, const char* name);
+char* og_ts_train(void* module, int on);
+char* og_ts_call(void* module, const char* method, void* inputs, void* targets, void** out);
 
 // Default generator state (csrc/rng.cpp); cuda_index < 0 means the CPU generator.
 // get_state returns a new torch::Tensor* the caller owns.

@@ -17,8 +17,13 @@ std::vector<at::Tensor> tensors(void** ptrs, int n) {
 
 extern "C" {
 
-char* og_adamw_step(void** params, void** exp_avgs, void** exp_avg_sqs, void** steps, int n,
-                    double lr, double beta1, double beta2, double weight_decay, double eps) {
+// The commit half of a transactional AdamW step: `next_steps` (the step counts after this
+// update, allocated by the caller beforehand) are copied in and the fused kernel updates
+// parameters and moments in place. Neither allocates, so once this starts it completes;
+// every allocation of the step happened before, while nothing had changed yet.
+char* og_adamw_commit(void** params, void** exp_avgs, void** exp_avg_sqs, void** steps,
+                      void** next_steps, int n, double lr, double beta1, double beta2,
+                      double weight_decay, double eps) {
   return oomguard::guarded([&] {
     torch::NoGradGuard no_grad;
     std::vector<at::Tensor> p, g, m, v, s;
@@ -30,10 +35,10 @@ char* og_adamw_step(void** params, void** exp_avgs, void** exp_avg_sqs, void** s
       m.push_back(*static_cast<at::Tensor*>(exp_avgs[i]));
       v.push_back(*static_cast<at::Tensor*>(exp_avg_sqs[i]));
       s.push_back(*static_cast<at::Tensor*>(steps[i]));
+      s.back().copy_(*static_cast<at::Tensor*>(next_steps[i]));
     }
     if (p.empty()) return;
     // Like torch.optim.AdamW(fused=True): the kernel reads the already-incremented step.
-    at::_foreach_add_(s, 1);
     at::_fused_adamw_(p, g, m, v, {}, s, lr, beta1, beta2, weight_decay, eps,
                       /*amsgrad=*/false, /*maximize=*/false);
   });

@@ -1,96 +1,101 @@
-//! A model of your own under the allocation guard: an MLP classifying synthetic points,
-//! trained with a CPU memory budget so small that the guard must shrink the micro-batch.
+//! A model of your own, trained by oomguard: an MLP classifying points on two interleaved
+//! spirals. It gets everything `oomguard train` gives the built-in GPT: the allocation
+//! guard, checkpoints and exact resume, SIGINT/SIGTERM handling, metrics.jsonl, evaluation,
+//! `micro_batch_size: auto` and the exit codes.
 //!
-//! `cargo run --release --example mlp`
-use oomguard::guard::Guard;
-use oomguard::memory::{self, MemoryConfig};
-use oomguard::optim::{AdamW, OptimConfig};
-use oomguard::train::{train_step, StepBatches, TrainModel};
+//! `cargo run --release --example mlp -- examples/mlp.yaml --run-dir runs/mlp`
+//! (then `--resume` continues from its newest checkpoint).
+use oomguard::data::{Dataset, Samples};
+use oomguard::task::{BuildContext, Built, Task};
+use serde::Deserialize;
 use tch::{nn, Device, Kind, Reduction, TchError, Tensor};
 
-/// Any model works: implement `TrainModel::loss` with fallible calls only (`f_*`). tch's
-/// `Module::forward` and plain ops panic on an allocation failure instead of returning it.
-struct Mlp {
-    layers: Vec<nn::Linear>,
+/// The model's own settings, `model.settings` in the config.
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MlpSettings {
+    pub hidden: i64,
+    pub layers: usize,
 }
 
-impl TrainModel for Mlp {
+impl Default for MlpSettings {
+    fn default() -> Self {
+        MlpSettings { hidden: 256, layers: 2 }
+    }
+}
+
+/// Implement `Task` with fallible calls only (`f_*`): tch's `Module::forward`, plain
+/// operators and `nn::linear`'s initialisation panic when an allocation fails.
+pub struct Mlp {
+    vs: nn::VarStore,
+    layers: Vec<(Tensor, Tensor)>,
+}
+
+impl Task for Mlp {
+    fn parameters(&self) -> Vec<(String, Tensor)> {
+        let mut named: Vec<(String, Tensor)> = self.vs.variables().into_iter().collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        named
+    }
     fn loss(&self, x: &Tensor, y: &Tensor, _train: bool) -> Result<Tensor, TchError> {
         let mut h = x.shallow_clone();
-        for (i, l) in self.layers.iter().enumerate() {
-            h = h.f_linear(&l.ws, l.bs.as_ref())?;
+        for (i, (w, b)) in self.layers.iter().enumerate() {
+            h = h.f_linear(w, Some(b))?;
             if i + 1 < self.layers.len() {
                 h = h.f_relu()?;
             }
         }
         h.f_cross_entropy_loss(y, None::<Tensor>, Reduction::Mean, -100, 0.0)
     }
+    fn describe(&self) -> String {
+        format!("an MLP of {} layers", self.layers.len())
+    }
 }
 
-/// Step `s` is a fixed set of points (a pure function of s), whatever the micro-batch.
-struct Points {
-    global_batch: usize,
+/// Points on two interleaved spirals: sample `p` is a pure function of `p` (the trainer picks
+/// positions per step from (seed, step), so resume and re-splitting stay exact).
+pub struct Spirals {
+    from: usize,
+    len: usize,
 }
 
-impl StepBatches for Points {
-    fn global_batch_size(&self) -> usize {
-        self.global_batch
+impl Samples for Spirals {
+    fn num_positions(&self) -> usize {
+        self.len
     }
-    fn tokens_per_sample(&self) -> usize {
-        1
-    }
-    fn micro_batch(&self, step: u64, samples: std::ops::Range<usize>) -> oomguard::Result<(Tensor, Tensor)> {
-        let n = samples.len() as i64;
-        let idx = Tensor::f_arange_start(samples.start as i64, samples.end as i64, (Kind::Float, Device::Cpu))?;
-        // Points on two interleaved spirals; label = which spiral.
-        let t = idx.f_mul_scalar(0.37)?.f_add_scalar(step as f64 * 0.11)?.f_remainder(12.0)?;
+    fn batch(&self, positions: &[usize], device: Device) -> oomguard::Result<(Tensor, Tensor)> {
+        let idx: Vec<f32> = positions.iter().map(|&p| (p + self.from) as f32).collect();
+        let idx = Tensor::f_from_slice(&idx)?;
+        let t = idx.f_mul_scalar(0.0137)?.f_remainder(12.0)?;
         let label = idx.f_remainder(2.0)?;
         let angle = t.f_add(&label.f_mul_scalar(std::f64::consts::PI)?)?;
         let x = Tensor::f_stack(&[angle.f_cos()?.f_mul(&t)?, angle.f_sin()?.f_mul(&t)?], 1)?.f_div_scalar(12.0)?;
-        Ok((x.f_view([n, 2])?, label.f_to_kind(Kind::Int64)?))
+        Ok((x.f_to_device(device)?, label.f_to_kind(Kind::Int64)?.f_to_device(device)?))
+    }
+    fn name(&self) -> String {
+        "spirals".into()
     }
 }
 
-pub struct Report {
-    pub first_loss: f64,
-    pub last_loss: f64,
-    pub num_ooms: u64,
-    pub final_micro_batch_size: usize,
-}
-
-/// Trains `steps` steps of global batch 512 under `budget` bytes of CPU memory.
-pub fn run(steps: u64, budget: Option<u64>) -> oomguard::Result<Report> {
-    memory::install_cpu_allocator();
-    tch::manual_seed(0);
-    let vs = nn::VarStore::new(Device::Cpu);
+/// Builds the model (after oomguard has set up memory and the device) and its data.
+pub fn build(ctx: &BuildContext) -> oomguard::Result<Built> {
+    let s: MlpSettings = ctx.settings()?;
+    let vs = nn::VarStore::new(ctx.device);
     let p = vs.root();
-    let dims = [2, 256, 256, 2];
-    let layers = (0..3).map(|i| nn::linear(&p / format!("l{i}"), dims[i], dims[i + 1], Default::default())).collect();
-    let model = Mlp { layers };
-    let mut opt = AdamW::new(&vs, &OptimConfig { lr: 3e-3, weight_decay: 0.0, ..Default::default() }, |_| false)?;
-    let data = Points { global_batch: 512 };
-    memory::set_cpu_budget(budget.map(|b| b + memory::cpu_live_bytes()));
-    let mut guard = Guard::new(&MemoryConfig::default(), 512, Device::Cpu);
-    let (mut first, mut last) = (f64::NAN, f64::NAN);
-    for step in 0..steps {
-        let stats = guard.run(step, &mut opt, |opt, mb| train_step(&model, opt, &data, step, mb, 3e-3, 1.0), |opt| opt.clear_grads())?;
-        if step == 0 {
-            first = stats.loss;
-        }
-        last = stats.loss;
+    let dims: Vec<i64> = std::iter::once(2).chain(std::iter::repeat_n(s.hidden, s.layers)).chain([2]).collect();
+    let mut layers = Vec::new();
+    for (i, w) in dims.windows(2).enumerate() {
+        let bound = 1.0 / (w[0] as f64).sqrt();
+        let weight = Tensor::f_empty([w[1], w[0]], (Kind::Float, ctx.device))?.f_uniform_(-bound, bound)?;
+        let bias = Tensor::f_zeros([w[1]], (Kind::Float, ctx.device))?;
+        let layer = &p / format!("l{i}");
+        layers.push((layer.add("weight", weight, true), layer.add("bias", bias, true)));
     }
-    memory::set_cpu_budget(None);
-    Ok(Report { first_loss: first, last_loss: last, num_ooms: guard.policy.num_ooms, final_micro_batch_size: guard.micro_batch_size() })
+    let data = Dataset { train: Box::new(Spirals { from: 0, len: 1 << 20 }), val: Box::new(Spirals { from: 1 << 20, len: 4096 }) };
+    Ok(Built::new(Mlp { vs, layers }).with_data(data))
 }
 
-#[allow(dead_code)] // the test includes this file as a module and calls `run`
-fn main() -> oomguard::Result<()> {
-    // 1 MiB above the model: 512 points with 256-wide activations need more, so the guard
-    // halves the micro-batch until a step fits.
-    let r = run(200, Some(1 << 20))?;
-    println!(
-        "loss {:.3} -> {:.3}; {} OOMs recovered; micro-batch 512 -> {}",
-        r.first_loss, r.last_loss, r.num_ooms, r.final_micro_batch_size
-    );
-    Ok(())
+#[allow(dead_code)] // tests/example_mlp.rs includes this file as a module
+fn main() {
+    std::process::exit(oomguard::cli::train::main_with(&build));
 }

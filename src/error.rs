@@ -4,11 +4,14 @@
 use tch::TchError;
 
 pub use oomguard_launch::oom::{classify_oom, OomError, OomSource, Phase};
+/// Config errors live in this leaf module's reach (the torch-free crate), so that the
+/// component sections and config/ never import each other.
+pub use oomguard_launch::ConfigError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error(transparent)]
-    Config(#[from] crate::config::ConfigError),
+    Config(#[from] ConfigError),
     #[error("{0}")]
     Oom(OomError),
     #[error("libtorch: {0}")]
@@ -20,6 +23,9 @@ pub enum Error {
     /// The step does not fit even at micro-batch 1 (exit code 3).
     #[error("{0}")]
     Infeasible(String),
+    /// The optimizer's commit failed after it began (never an OOM: it allocates nothing).
+    #[error("{0}")]
+    PartialUpdate(String),
     /// A checkpoint that cannot be used (missing, corrupt, truncated, another model).
     #[error("checkpoint: {0}")]
     Checkpoint(String),

@@ -1,8 +1,10 @@
 //! oomguard: a tch (libtorch) training runtime that never dies of an out-of-memory error.
 //!
-//! The flow of one optimizer step: `config` → `data::sample_offsets(seed, step)` picks the
-//! samples → `train::train_step` splits them into micro-batches, runs the model's fallible
-//! forward and backward and the fused AdamW update → `metrics` records it.
+//! The flow of one optimizer step: `config` → a `task::Task` (the GPT, a TorchScript module or
+//! a Rust program's own model) → `data::sample_positions(seed, step)` picks the samples →
+//! `train::train_step` splits them into micro-batches, runs the task's fallible forward and
+//! backward and the transactional fused AdamW update, inside `guard::Guard::run` → `metrics`
+//! records it.
 pub mod checkpoint;
 pub mod cli;
 pub mod config;
@@ -15,6 +17,7 @@ pub mod model;
 pub mod optim;
 pub mod plan;
 pub mod signals;
+pub mod task;
 pub mod train;
 
 pub use error::{Error, Result};

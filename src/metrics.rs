@@ -7,7 +7,7 @@ use std::path::Path;
 
 pub use oomguard_launch::logfile::{set_log_file, LogFileWriter};
 
-use crate::config::ConfigError;
+use crate::error::ConfigError;
 use crate::error::{Error, Result};
 use crate::guard::{GuardEvent, LeakEvent, OomEvent, ResizeEvent};
 use crate::memory::MemoryStats;
@@ -45,8 +45,10 @@ pub struct StepRecord {
     pub tokens_per_s: f64,
     pub micro_batch_size: usize,
     pub grad_accum_steps: usize,
-    /// Samples trained on in this step (the global batch).
+    /// Samples trained on in this step (the global batch, over all ranks).
     pub num_samples: usize,
+    /// Data-parallel processes that trained the step together (1: a single process).
+    pub world_size: usize,
     pub step_time_s: f64,
     pub elapsed_s: f64,
     pub memory: MemoryStats,
@@ -103,8 +105,11 @@ impl MetricsWriter {
         let text = std::fs::read_to_string(&path).unwrap_or_default();
         let (mut keep, mut replaced) = (String::new(), String::new());
         for line in text.lines() {
-            let step = serde_json::from_str::<serde_json::Value>(line).ok().and_then(|v| v.get("step").and_then(|s| s.as_u64()));
-            let out = if step.is_some_and(|s| s < next_step) { &mut keep } else { &mut replaced };
+            let v = serde_json::from_str::<serde_json::Value>(line).ok();
+            let step = v.as_ref().and_then(|v| v.get("step").and_then(|s| s.as_u64()));
+            // The micro-batch search ran before its step; the resumed run does not redo it.
+            let before = v.as_ref().is_some_and(|v| v["event"] == "auto_micro_batch");
+            let out = if step.is_some_and(|s| s < next_step || (before && s <= next_step)) { &mut keep } else { &mut replaced };
             out.push_str(line);
             out.push('\n');
         }

@@ -1,17 +1,20 @@
-//! AdamW with parameter groups (no weight decay on biases, norms and embeddings), the LR
-//! schedule and gradient clipping. The update is one fused libtorch kernel per group
-//! (csrc/optim.cpp) and every call is fallible: an OOM in the optimiser is an `Err`.
+//! AdamW with parameter groups (no weight decay where the model says so), the LR schedule
+//! and gradient clipping. The update is one fused libtorch kernel per group (csrc/optim.cpp)
+//! and every call is fallible. It is transactional: every allocation happens before
+//! anything changes, so an OOM leaves parameters, moments and step counts as they were, and
+//! a retried step updates each group exactly once.
 use serde::{Deserialize, Serialize};
 use std::ffi::{c_char, c_void};
-use tch::{nn::VarStore, Kind, TchError, Tensor};
+use tch::{Kind, TchError, Tensor};
 
-use crate::config::ConfigError;
+use crate::error::{ConfigError, Error, Result as OgResult};
 use crate::memory::{check, clear_grad};
 
 extern "C" {
-    fn og_adamw_step(
+    fn og_adamw_commit(
         params: *const *mut c_void, exp_avgs: *const *mut c_void, exp_avg_sqs: *const *mut c_void,
-        steps: *const *mut c_void, n: i32, lr: f64, beta1: f64, beta2: f64, weight_decay: f64, eps: f64,
+        steps: *const *mut c_void, next_steps: *const *mut c_void, n: i32, lr: f64, beta1: f64, beta2: f64,
+        weight_decay: f64, eps: f64,
     ) -> *mut c_char;
     fn og_clip_grad_norm(params: *const *mut c_void, n: i32, max_norm: f64, total_norm: *mut f64) -> *mut c_char;
 }
@@ -93,21 +96,23 @@ fn ptrs(ts: &[Tensor]) -> Vec<*mut c_void> {
     ts.iter().map(|t| t.as_ptr() as *mut c_void).collect()
 }
 
-/// AdamW over a VarStore's trainable variables.
+/// AdamW over a model's trainable parameters.
 pub struct AdamW {
     groups: Vec<Group>,
     cfg: OptimConfig,
+    /// The last step applied: a step is never applied twice.
+    last_step: Option<u64>,
 }
 
 impl AdamW {
-    /// Groups the variables by `no_decay(name)`; allocates the moment buffers up front, so
-    /// that memory is stable from the first step.
-    pub fn new(vs: &VarStore, cfg: &OptimConfig, no_decay: impl Fn(&str) -> bool) -> Result<AdamW, TchError> {
-        let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().filter(|(_, t)| t.requires_grad()).collect();
+    /// Groups the parameters by `no_decay(name, tensor)`; allocates the moment buffers up
+    /// front, so that memory is stable from the first step.
+    pub fn new(params: Vec<(String, Tensor)>, cfg: &OptimConfig, no_decay: impl Fn(&str, &Tensor) -> bool) -> Result<AdamW, TchError> {
+        let mut named: Vec<(String, Tensor)> = params.into_iter().filter(|(_, t)| t.requires_grad()).collect();
         named.sort_by(|a, b| a.0.cmp(&b.0)); // a stable order for reproducible kernels
         let mut groups = Vec::new();
         for (decay, wd) in [(true, cfg.weight_decay), (false, 0.0)] {
-            let members: Vec<&(String, Tensor)> = named.iter().filter(|(n, _)| no_decay(n) != decay).collect();
+            let members: Vec<&(String, Tensor)> = named.iter().filter(|(n, t)| no_decay(n, t) != decay).collect();
             let params: Vec<Tensor> = members.iter().map(|(_, t)| t.shallow_clone()).collect();
             let zeros = |p: &Tensor| -> Result<Tensor, TchError> { p.f_zeros_like() };
             groups.push(Group {
@@ -119,7 +124,7 @@ impl AdamW {
                 weight_decay: wd,
             });
         }
-        Ok(AdamW { groups, cfg: cfg.clone() })
+        Ok(AdamW { groups, cfg: cfg.clone(), last_step: None })
     }
 
     fn all_params(&self) -> impl Iterator<Item = &Tensor> {
@@ -135,14 +140,33 @@ impl AdamW {
         Ok(norm)
     }
 
-    pub fn step(&mut self, lr: f64) -> Result<(), TchError> {
-        for g in &self.groups {
-            let n = g.params.len() as i32;
-            let (p, m, v, s) = (ptrs(&g.params), ptrs(&g.exp_avg), ptrs(&g.exp_avg_sq), ptrs(&g.steps));
-            check(unsafe {
-                og_adamw_step(p.as_ptr(), m.as_ptr(), v.as_ptr(), s.as_ptr(), n, lr, self.cfg.beta1, self.cfg.beta2, g.weight_decay, self.cfg.eps)
-            })?;
+    /// Applies optimizer step `step` (once: a second call for the same step is refused).
+    /// Prepare, then commit: the step counts after the update are allocated first, while
+    /// nothing has changed, so an OOM here leaves the optimizer exactly as it was; the
+    /// commit (copying them in, the fused kernels) allocates nothing.
+    pub fn step(&mut self, step: u64, lr: f64) -> OgResult<()> {
+        if self.last_step.is_some_and(|last| step <= last) {
+            return Err(Error::Torch(TchError::Kind(format!("optimizer step {step} was already applied (last: {:?})", self.last_step))));
         }
+        let next: Vec<Vec<Tensor>> = self
+            .groups
+            .iter()
+            .map(|g| g.steps.iter().map(|s| s.f_add_scalar(1.0)).collect::<Result<_, _>>())
+            .collect::<Result<_, TchError>>()?;
+        for (g, next) in self.groups.iter().zip(&next) {
+            let n = g.params.len() as i32;
+            let (p, m, v, s, ns) = (ptrs(&g.params), ptrs(&g.exp_avg), ptrs(&g.exp_avg_sq), ptrs(&g.steps), ptrs(next));
+            let done = check(unsafe {
+                og_adamw_commit(p.as_ptr(), m.as_ptr(), v.as_ptr(), s.as_ptr(), ns.as_ptr(), n, lr, self.cfg.beta1, self.cfg.beta2, g.weight_decay, self.cfg.eps)
+            });
+            if let Err(e) = done {
+                // Never retried (it is not an OOM to the guard): a group may be half updated.
+                return Err(Error::PartialUpdate(format!(
+                    "the optimizer update of step {step} failed part-way ({e}); the parameters may be partly updated, so the run stops here: resume from the last checkpoint"
+                )));
+            }
+        }
+        self.last_step = Some(step);
         Ok(())
     }
 
@@ -166,6 +190,7 @@ impl AdamW {
 
     /// Copies a saved `state()` back in; every entry must be present with its shape.
     pub fn load_state(&mut self, saved: &[(String, Tensor)]) -> Result<(), TchError> {
+        self.last_step = None;
         let saved: std::collections::HashMap<&str, &Tensor> = saved.iter().map(|(n, t)| (n.as_str(), t)).collect();
         let _no_grad = tch::no_grad_guard();
         for (name, t) in self.state() {

@@ -21,7 +21,7 @@ fn unknown_key() {
     fails_with(
         "model:\n  n_layer: 2\n  n_layerz: 3\n",
         &[],
-        &["bad.yaml:3:3", "model: unknown key `n_layerz`, expected one of `n_layer`, `n_head`"],
+        &["bad.yaml:3:3", "model: unknown key `n_layerz`, expected one of `kind`, `n_layer`, `n_head`"],
     );
 }
 

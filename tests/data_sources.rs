@@ -1,7 +1,12 @@
-//! The three data sources on small real files.
+//! The data sources on small real files.
 mod common;
 use common::*;
-use oomguard::data::{sample_offsets, DataConfig, DataSource, Dataset};
+use oomguard::data::{sample_offsets, DataConfig, DataSource, Dataset, TokenShape};
+use tch::{Device, Kind, Tensor};
+
+fn shape(block_size: usize, vocab: i64) -> Option<TokenShape> {
+    Some(TokenShape { block_size, vocab_size: Some(vocab) })
+}
 use std::path::Path;
 
 #[test]
@@ -10,11 +15,13 @@ fn text_file_is_byte_level() {
     let text: String = (0..400).map(|i| format!("line {i}: héllo wörld\n")).collect();
     std::fs::write(dir.path().join("in.txt"), &text).unwrap();
     let cfg = DataConfig { source: DataSource::Text, path: Some("in.txt".into()), val_fraction: 0.25, ..Default::default() };
-    let ds = Dataset::open(&cfg, dir.path(), 16).unwrap();
+    let ds = Dataset::open(&cfg, dir.path(), shape(16, 256)).unwrap();
     let n = text.len();
-    assert_eq!(ds.train.num_tokens() + ds.val.num_tokens(), n);
-    assert_eq!(ds.val.num_tokens(), (n as f64 * 0.25).round() as usize);
-    let (x, y) = ds.train.batch(&[5, 100], 16, 256, tch::Device::Cpu).unwrap();
+    let n_val = (n as f64 * 0.25).round() as usize;
+    // Windows of 16 tokens and their next-token targets start at 0..tokens - 17.
+    assert_eq!((ds.train.num_positions(), ds.val.num_positions()), (n - n_val - 17, n_val - 17));
+    assert_eq!(ds.train.units_per_sample(), 16);
+    let (x, y) = ds.train.batch(&[5, 100], Device::Cpu).unwrap();
     assert_eq!(x.size(), [2, 16]);
     let x0: Vec<i64> = x.get(0).try_into().unwrap();
     let y1: Vec<i64> = y.get(1).try_into().unwrap();
@@ -35,15 +42,16 @@ fn nanogpt_token_files_are_memory_mapped_u16() {
     write_tokens(&dir.path().join("train.bin"), &train);
     write_tokens(&dir.path().join("val.bin"), &train[..200]);
     let cfg = DataConfig { source: DataSource::Tokens, path: Some(dir.path().to_path_buf()), ..Default::default() };
-    let ds = Dataset::open(&cfg, Path::new("/"), 8).unwrap();
-    assert_eq!((ds.train.num_tokens(), ds.val.num_tokens()), (1000, 200));
-    let (x, y) = ds.train.batch(&[990 - 8], 8, 50_304, tch::Device::Cpu).unwrap();
+    let ds = Dataset::open(&cfg, Path::new("/"), shape(8, 50_304)).unwrap();
+    assert_eq!((ds.train.num_positions(), ds.val.num_positions()), (1000 - 9, 200 - 9));
+    let (x, y) = ds.train.batch(&[990 - 8], Device::Cpu).unwrap();
     let x: Vec<i64> = x.get(0).try_into().unwrap();
     let y: Vec<i64> = y.get(0).try_into().unwrap();
     assert_eq!(x, train[982..990].iter().map(|&t| t as i64).collect::<Vec<_>>());
     assert_eq!(y, train[983..991].iter().map(|&t| t as i64).collect::<Vec<_>>());
     // A token outside the vocabulary is an error naming the file, not a crash.
-    let err = ds.train.batch(&[0], 8, 100, tch::Device::Cpu).unwrap_err().to_string();
+    let small = Dataset::open(&cfg, Path::new("/"), shape(8, 100)).unwrap();
+    let err = small.train.batch(&[0], Device::Cpu).unwrap_err().to_string();
     assert!(err.contains("train.bin") && err.contains("model.vocab_size 100"), "{err}");
 }
 
@@ -53,7 +61,7 @@ fn odd_sized_token_file_is_refused() {
     std::fs::write(dir.path().join("train.bin"), [1u8; 301]).unwrap();
     write_tokens(&dir.path().join("val.bin"), &[1; 100]);
     let cfg = DataConfig { source: DataSource::Tokens, path: Some(dir.path().to_path_buf()), ..Default::default() };
-    let err = Dataset::open(&cfg, Path::new("/"), 8).err().unwrap().to_string();
+    let err = Dataset::open(&cfg, Path::new("/"), shape(8, 256)).err().unwrap().to_string();
     assert!(err.contains("train.bin") && err.contains("whole number of u16"), "{err}");
 }
 
@@ -74,4 +82,30 @@ fn trains_on_a_text_file_through_the_binary() {
     let cfg = write_config(dir.path(), "t.yaml", &TINY.replace("{source: embedded, embedded_bytes: 65536}", "{source: text, path: beer.txt}"));
     let run = train_ok(dir.path(), &cfg, &["--max-steps", "2"]);
     assert_eq!(records(&run, "step").len(), 2);
+}
+
+/// `data.source: tensors`: rows of `inputs` and `targets`, the last val_fraction held out,
+/// a sample's position its row; bad files name what is wrong.
+#[test]
+fn tensor_files_hold_samples_along_dim_0() {
+    let dir = tempfile::tempdir().unwrap();
+    let inputs = Tensor::arange(40 * 3, (Kind::Float, Device::Cpu)).view([40, 3]);
+    let targets = Tensor::arange(40, (Kind::Int64, Device::Cpu));
+    let path = dir.path().join("d.safetensors");
+    Tensor::write_safetensors(&[("inputs", &inputs), ("targets", &targets)], &path).unwrap();
+    let cfg = DataConfig { source: DataSource::Tensors, path: Some("d.safetensors".into()), val_fraction: 0.25, ..Default::default() };
+    let ds = Dataset::open(&cfg, dir.path(), None).unwrap();
+    assert_eq!((ds.train.num_positions(), ds.val.num_positions()), (30, 10));
+    let (x, y) = ds.train.batch(&[2, 29], Device::Cpu).unwrap();
+    assert_eq!(Vec::<f32>::try_from(x.view([-1])).unwrap(), vec![6.0, 7.0, 8.0, 87.0, 88.0, 89.0]);
+    assert_eq!(Vec::<i64>::try_from(y).unwrap(), vec![2, 29]);
+    let (_, y) = ds.val.batch(&[0], Device::Cpu).unwrap();
+    assert_eq!(Vec::<i64>::try_from(y).unwrap(), vec![30]);
+
+    Tensor::write_safetensors(&[("inputs", &inputs)], &path).unwrap();
+    let err = Dataset::open(&cfg, dir.path(), None).err().unwrap().to_string();
+    assert!(err.contains("d.safetensors") && err.contains("has no tensor `targets`"), "{err}");
+    Tensor::write_safetensors(&[("inputs", &inputs), ("targets", &targets.narrow(0, 0, 7))], &path).unwrap();
+    let err = Dataset::open(&cfg, dir.path(), None).err().unwrap().to_string();
+    assert!(err.contains("same number of samples along dim 0"), "{err}");
 }

@@ -112,7 +112,8 @@ fn infeasible_exits_3_with_message_and_weights() {
     assert!(err.contains("does not fit in memory even at micro-batch 1"), "{err}");
     assert!(err.contains("raise memory.budget") && err.contains("model.block_size"), "{err}");
     let sizes: Vec<u64> = oom_events(&run).iter().map(|e| e["new_micro_batch_size"].as_u64().unwrap()).collect();
-    assert_eq!(sizes, vec![4, 2, 1, 0]);
+    // Halvings to 1, one retry at 1 (memory.retries_at_one), then it gives up.
+    assert_eq!(sizes, vec![4, 2, 1, 1, 0]);
     assert!(run.join("model.safetensors").is_file());
     assert!(!weights(&run).is_empty());
     // A checkpoint at the step that did not fit, from which a run with more memory resumes.
@@ -135,7 +136,7 @@ fn allocator_settings_are_validated() {
     assert!(stderr(&o).contains("unknown allocator setting `max_split_size`"), "{}", stderr(&o));
 
     let cfg = write_config(dir.path(), "c.yaml", TINY);
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_oomguard"))
+    let o = isolated(&mut std::process::Command::new(env!("CARGO_BIN_EXE_oomguard")), dir.path())
         .args(["train", cfg.to_str().unwrap()])
         .current_dir(dir.path())
         .env("PYTORCH_ALLOC_CONF", "expandable_segments:true")
@@ -152,7 +153,7 @@ fn load_time_allocator_backend_restarts_the_process() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = write_config(dir.path(), "a.yaml", &(TINY.to_string() + "memory: {allocator: {backend: cudaMallocAsync, max_split_size_mb: 64}}\n"));
     let run = dir.path().join("run");
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_oomguard"))
+    let o = isolated(&mut std::process::Command::new(env!("CARGO_BIN_EXE_oomguard")), dir.path())
         .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--max-steps", "1"])
         .current_dir(dir.path())
         .env("PYTORCH_ALLOC_CONF", "max_split_size_mb:128")

@@ -4,18 +4,20 @@ mod common;
 use oomguard::error::Phase;
 use oomguard::guard::{Guard, GuardEvent};
 use oomguard::memory::{self, MemoryConfig};
-use oomguard::train::{train_step, StepBatches};
+use oomguard::data::StepBatches;
+use oomguard::task::Task;
+use oomguard::train::train_step;
 use tch::Device;
 
 #[test]
 fn oom_inside_backward_is_recovered() {
-    let common::TinyGpt { data, vs: _vs, model, mut opt } = common::tiny_gpt();
+    let common::TinyGpt { data, task, mut opt } = common::tiny_gpt();
     let batches = common::tiny_batches(&data, 16);
 
     // Measure the forward's and the backward's peaks for one micro-batch of 16.
     memory::reset_cpu_peak();
     let (x, y) = batches.micro_batch(0, 0..16).unwrap();
-    let loss = model.loss(&x, &y, true).unwrap();
+    let loss = task.loss(&x, &y, true).unwrap();
     let forward_peak = memory::cpu_peak_bytes();
     loss.f_backward().unwrap();
     let backward_peak = memory::cpu_peak_bytes();
@@ -26,7 +28,7 @@ fn oom_inside_backward_is_recovered() {
     // A budget the forward fits in and the backward does not.
     memory::set_cpu_budget(Some((forward_peak + backward_peak) / 2));
     let mut guard = Guard::new(&MemoryConfig::default(), 16, Device::Cpu);
-    let stats = guard.run(0, &mut opt, |opt, mb| train_step(&model, opt, &batches, 0, mb, 1e-3, 1.0), |opt| opt.clear_grads());
+    let stats = guard.run(0, &mut opt, |opt, mb| train_step(&task, opt, &batches, 0, mb, 1e-3, 1.0), |opt| opt.clear_grads());
     memory::set_cpu_budget(None);
     let stats = stats.unwrap();
 

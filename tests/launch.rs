@@ -165,11 +165,14 @@ memory: {guard: false, budget: 1275000}
     let run = dir.path().join("run");
     let torch_bin = PathBuf::from(env!("CARGO_BIN_EXE_oomguard"));
     let o = launcher(&["--max-restarts", "3", "--monitor-interval", "0.05", "--no-python", torch_bin.to_str().unwrap(), "train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--resume"])
+        .env("OOMGUARD_CACHE", dir.path().join(".cache"))
         .output().unwrap();
     let (out, err) = text(&o);
     assert!(o.status.success(), "{out}\n{err}");
     assert!(err.contains("ran out of memory at micro_batch_size=8"), "{err}");
     assert!(err.contains("relaunching with OOMGUARD_MICRO_BATCH_SIZE=4"), "{err}");
+    // The relaunched run knows which size killed its predecessor, and lets it cool down.
+    assert!(err.contains("starting at micro-batch 4 (8 ran out of memory before the relaunch: it cools down)"), "{err}");
     let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
     let steps: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).filter(|v: &serde_json::Value| v["event"] == "step").collect();
     assert_eq!(steps.len(), 4);

@@ -6,20 +6,19 @@
 mod retention;
 mod rng;
 
-pub use retention::retention;
+pub use retention::{retention, Candidate};
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use tch::{nn::VarStore, Tensor};
 
-use crate::config::ConfigError;
+use crate::error::ConfigError;
 use crate::error::{Error, Result};
 use crate::guard::Policy;
-use crate::model::GptConfig;
 use crate::optim::AdamW;
+use crate::task::{tensors, Fingerprint, Task};
 
 /// The `checkpoint` section.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -49,8 +48,9 @@ impl CheckpointConfig {
     }
 }
 
-/// The version of state.json this build writes and reads.
-pub const FORMAT: u32 = 1;
+/// The version of state.json this build writes and reads (2: any model kind, by
+/// fingerprint; the evaluation history).
+pub const FORMAT: u32 = 2;
 const FILES: [&str; 3] = ["model.safetensors", "optimizer.safetensors", "rng.safetensors"];
 
 /// Everything besides tensors that exact resume needs.
@@ -65,7 +65,15 @@ pub struct TrainState {
     pub policy: Policy,
     pub eval_policy: Policy,
     pub val_loss: Option<f64>,
-    pub model: GptConfig,
+    /// Evaluation losses by the step a checkpoint taken right after would resume at, for
+    /// `keep_best` across resumes.
+    #[serde(default)]
+    pub eval_history: BTreeMap<u64, f64>,
+    /// The model's shape: a config whose model differs is refused, naming each difference.
+    pub model: Fingerprint,
+    /// State a run's own components keep (the fp16 loss scale, ...), by name.
+    #[serde(default)]
+    pub extra: BTreeMap<String, serde_json::Value>,
     #[serde(default)]
     pub files: BTreeMap<String, FileSum>,
 }
@@ -80,23 +88,27 @@ pub fn checkpoints_dir(run_dir: &Path) -> PathBuf {
     run_dir.join("checkpoints")
 }
 
-/// Writes a checkpoint of `state` atomically; returns its folder.
-pub fn save(run_dir: &Path, state: &TrainState, vs: &VarStore, opt: &AdamW) -> Result<PathBuf> {
+/// Writes a checkpoint of `state` atomically; returns its folder. A valid checkpoint of the
+/// same step is kept as it is; a corrupt one is replaced (the new one is complete before the
+/// old one goes).
+pub fn save(run_dir: &Path, state: &TrainState, task: &dyn Task, opt: &AdamW, device: tch::Device) -> Result<PathBuf> {
     let parent = checkpoints_dir(run_dir);
     let final_dir = parent.join(format!("step-{:08}", state.next_step));
-    if final_dir.exists() {
-        return Ok(final_dir); // this step is already saved
-    }
+    let replaces = match final_dir.exists().then(|| verify(&final_dir)) {
+        Some(Ok(_)) => return Ok(final_dir), // this step is already saved
+        Some(Err(e)) => {
+            tracing::warn!("replacing a corrupt checkpoint: {e}");
+            true
+        }
+        None => false,
+    };
     let tmp = parent.join(format!(".tmp-step-{:08}-{}", state.next_step, std::process::id()));
     let io = |what: &str, p: &Path| { let m = format!("{what} {}", p.display()); move |e: std::io::Error| Error::io(m, e) };
+    let _ = std::fs::remove_dir_all(&tmp); // a failed attempt's leftovers
     std::fs::create_dir_all(&tmp).map_err(io("cannot create", &tmp))?;
-    let torch = |p: &Path| { let m = format!("cannot write {}", p.display()); move |e: tch::TchError| Error::io(m, std::io::Error::other(e.to_string())) };
-    let model = tmp.join(FILES[0]);
-    vs.save(&model).map_err(torch(&model))?;
-    let optim = tmp.join(FILES[1]);
-    Tensor::write_safetensors(&opt.state(), &optim).map_err(torch(&optim))?;
-    let rng_path = tmp.join(FILES[2]);
-    Tensor::write_safetensors(&rng::get_states(vs.device())?, &rng_path).map_err(torch(&rng_path))?;
+    tensors::save(&task.state(), &tmp.join(FILES[0]))?;
+    tensors::save(&opt.state().into_iter().map(|(n, t)| (n, t.shallow_clone())).collect::<Vec<_>>(), &tmp.join(FILES[1]))?;
+    tensors::save(&rng::get_states(device)?, &tmp.join(FILES[2]))?;
 
     let mut state = state.clone();
     for f in FILES {
@@ -109,8 +121,17 @@ pub fn save(run_dir: &Path, state: &TrainState, vs: &VarStore, opt: &AdamW) -> R
     std::fs::write(&manifest, text).map_err(io("cannot write", &manifest))?;
     File::open(&manifest).and_then(|f| f.sync_all()).map_err(io("cannot fsync", &manifest))?;
     File::open(&tmp).and_then(|f| f.sync_all()).map_err(io("cannot fsync", &tmp))?;
+    // A directory cannot be renamed over a non-empty one: the corrupt one steps aside first
+    // (a kill between the two renames leaves the new one complete under its .tmp- name).
+    let aside = parent.join(format!(".tmp-corrupt-step-{:08}-{}", state.next_step, std::process::id()));
+    if replaces {
+        std::fs::rename(&final_dir, &aside).map_err(io("cannot move aside", &final_dir))?;
+    }
     std::fs::rename(&tmp, &final_dir).map_err(io("cannot rename into", &final_dir))?;
     File::open(&parent).and_then(|f| f.sync_all()).map_err(io("cannot fsync", &parent))?;
+    if replaces {
+        let _ = std::fs::remove_dir_all(&aside);
+    }
     Ok(final_dir)
 }
 
@@ -184,38 +205,38 @@ pub fn newest_valid(run_dir: &Path) -> Result<(PathBuf, TrainState)> {
     )))
 }
 
-/// Loads a verified checkpoint's tensors into the model and optimizer.
-pub fn restore(dir: &Path, vs: &mut VarStore, opt: &mut AdamW) -> Result<()> {
-    let named = |f: &str| {
-        let p = dir.join(f);
-        Tensor::read_safetensors(&p).map_err(|e| Error::Checkpoint(format!("{}: {e}", p.display())))
-    };
-    let model = dir.join(FILES[0]);
-    vs.load(&model).map_err(|e| Error::Checkpoint(format!("{}: {e}", model.display())))?;
-    opt.load_state(&named(FILES[1])?).map_err(|e| Error::Checkpoint(format!("{}: {e}", dir.join(FILES[1]).display())))?;
-    rng::set_states(&named(FILES[2])?, vs.device())
+/// Loads a verified checkpoint's tensors into the model and optimizer. An OOM while
+/// loading comes back as `Error::Oom`; anything else names the file.
+pub fn restore(dir: &Path, task: &dyn Task, opt: &mut AdamW, device: tch::Device) -> Result<()> {
+    let bad = |f: &str, why: String| Error::Checkpoint(format!("{}: {why}", dir.join(f).display()));
+    let read = |f: &str| tensors::read(&dir.join(f)).map_err(|why| oom_or(why, |w| bad(f, w)));
+    tensors::copy_into(&read(FILES[0])?, &task.state()).map_err(|why| oom_or(why, |w| bad(FILES[0], w)))?;
+    opt.load_state(&read(FILES[1])?).map_err(|e| match Error::from(e) {
+        Error::Oom(o) => Error::Oom(o),
+        e => bad(FILES[1], e.to_string()),
+    })?;
+    rng::set_states(&read(FILES[2])?, device)
 }
 
-/// Differences in shape between a checkpoint's model and a config's, e.g.
-/// `model.n_layer: 2 in the checkpoint, 3 in the config`.
-pub fn shape_changes(saved: &GptConfig, now: &GptConfig) -> Vec<String> {
-    let fields: [(&str, String, String); 6] = [
-        ("n_layer", saved.n_layer.to_string(), now.n_layer.to_string()),
-        ("n_head", saved.n_head.to_string(), now.n_head.to_string()),
-        ("n_embd", saved.n_embd.to_string(), now.n_embd.to_string()),
-        ("block_size", saved.block_size.to_string(), now.block_size.to_string()),
-        ("vocab_size", saved.vocab_size.to_string(), now.vocab_size.to_string()),
-        ("bias", saved.bias.to_string(), now.bias.to_string()),
-    ];
-    fields.into_iter().filter(|(_, a, b)| a != b).map(|(k, a, b)| format!("model.{k}: {a} in the checkpoint, {b} in the config")).collect()
+/// An OOM message stays an OOM (the caller decides); other failures become `other(why)`.
+fn oom_or(why: String, other: impl Fn(String) -> Error) -> Error {
+    match crate::error::classify_oom(&why) {
+        Some(o) => Error::Oom(o),
+        None => other(why),
+    }
 }
 
-/// Deletes what the retention policy no longer keeps, and stale temporary folders.
-pub fn prune(run_dir: &Path, cfg: &CheckpointConfig, val_losses: &BTreeMap<u64, f64>) {
+/// Deletes what the retention policy no longer keeps. `valid(step)` says whether a
+/// checkpoint verifies (the caller caches it: verifying reads every byte).
+pub fn prune(run_dir: &Path, cfg: &CheckpointConfig, eval_history: &BTreeMap<u64, f64>, mut valid: impl FnMut(u64, &Path) -> bool) {
     let all = list(run_dir);
-    let steps: Vec<(u64, Option<f64>)> = all.iter().map(|(s, _)| (*s, val_losses.get(s).copied())).collect();
-    for step in retention(&steps, cfg.keep, cfg.keep_best) {
+    let candidates: Vec<retention::Candidate> =
+        all.iter().map(|(s, dir)| retention::Candidate { step: *s, loss: eval_history.get(s).copied(), valid: valid(*s, dir) }).collect();
+    for step in retention(&candidates, cfg.keep, cfg.keep_best) {
         if let Some((_, dir)) = all.iter().find(|(s, _)| *s == step) {
+            if !candidates.iter().any(|c| c.step == step && c.valid) {
+                tracing::warn!("removing corrupt checkpoint {}", dir.display());
+            }
             if let Err(e) = std::fs::remove_dir_all(dir) {
                 tracing::warn!("cannot remove old checkpoint {}: {e}", dir.display());
             }

@@ -22,8 +22,9 @@ pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
                 origin: "--device-memory".into(), line_col: None, key: String::new(),
                 message: format!("`{text}` is not a size (24GiB) or a known card (T4, L4, A100-40GB, A100-80GB, H100)"),
             }))?;
-            let is_card = text.chars().next().is_some_and(|ch| ch.is_ascii_alphabetic());
-            (bytes, is_card || cuda_config, text.clone())
+            // A device's memory, by card name or by size alike: its caching allocator's overhead
+            // applies either way.
+            (bytes, true, text.clone())
         }
         None if !cuda_config => {
             let b = budget::resolve(c.memory.budget()?, 0, budget::available_bytes())
@@ -32,7 +33,8 @@ pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
         }
         None => anyhow::bail!("train.device is {}: give --device-memory (a size or a card such as A100)", c.train.device),
     };
-    let estimate = Estimate::new(&c.model, precision, cuda);
+    let model = c.model.gpt();
+    let estimate = Estimate::new(&model, precision, cuda);
     let global = c.train.global_batch_size();
     let fit = estimate.largest_fitting(memory, global);
     let shown = fit.max(1);
@@ -46,7 +48,7 @@ pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
             "largest_micro_batch_size": fit, "grad_accum_steps": if fit > 0 { Some(global.div_ceil(fit)) } else { None },
             "peak_bytes_at": shown, "peak_bytes": estimate.peak(shown), "estimate": estimate,
             "configured_peak_bytes": configured.map(|m| estimate.peak(m)),
-            "suggestions": if fit == 0 { suggestions(&c.model, precision, cuda, memory) } else { vec![] },
+            "suggestions": if fit == 0 { suggestions(&model, precision, cuda, memory) } else { vec![] },
         });
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
@@ -61,7 +63,7 @@ pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
             );
         } else {
             println!("nothing fits: even micro-batch 1 needs {} of {}. What would fit:", human_bytes(estimate.peak(1)), human_bytes(memory));
-            for s in suggestions(&c.model, precision, cuda, memory) {
+            for s in suggestions(&model, precision, cuda, memory) {
                 println!("  - {s}");
             }
         }

@@ -1,5 +1,8 @@
-//! `oomguard train CONFIG`
+//! `oomguard train CONFIG`, and the same command for a Rust program's own model
+//! (`main_with`).
 use anyhow::Context;
+use clap::Parser;
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use std::os::unix::process::CommandExt;
@@ -8,9 +11,52 @@ pub use oomguard_launch::cli::TrainArgs;
 
 use crate::config::{self, ConfigError};
 use crate::memory::allocator;
+use crate::task::build_from_config;
+use crate::train::Builder;
 use crate::{metrics, train};
 
 pub fn exec(args: TrainArgs) -> anyhow::Result<()> {
+    exec_with(args, &build_from_config)
+}
+
+/// `oomguard train` for a Rust program's own model: the same command line (`CONFIG
+/// [--run-dir DIR] [--resume] [--set k=v] ...`), run directory, checkpoints, resume, signals,
+/// metrics and exit codes, for the model `build` makes. Returns the exit code.
+///
+/// ```no_run
+/// # use oomguard::task::{Built, BuildContext};
+/// # fn my_model(ctx: &BuildContext) -> oomguard::Result<Built> { unimplemented!() }
+/// fn main() {
+///     std::process::exit(oomguard::cli::train::main_with(&my_model));
+/// }
+/// ```
+pub fn main_with(build: Builder) -> i32 {
+    run_with(std::env::args_os(), build)
+}
+
+/// `main_with` on given arguments (the first is the program's name).
+pub fn run_with(args: impl IntoIterator<Item = impl Into<OsString> + Clone>, build: Builder) -> i32 {
+    #[derive(Parser)]
+    #[command(about = "Train a model under oomguard's allocation guard")]
+    struct Program {
+        /// Format of the logs on stderr.
+        #[arg(long, value_enum, default_value_t = super::LogFormat::Human)]
+        log_format: super::LogFormat,
+        #[command(flatten)]
+        train: TrainArgs,
+    }
+    let program = match Program::try_parse_from(args) {
+        Ok(p) => p,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { 2 } else { 0 };
+        }
+    };
+    super::init_tracing(program.log_format);
+    super::finish(exec_with(program.train, build))
+}
+
+pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
     let mut overrides = args.set.clone();
     if let Some(n) = args.max_steps {
         overrides.push(format!("train.max_steps={n}"));
@@ -38,18 +84,24 @@ pub fn exec(args: TrainArgs) -> anyhow::Result<()> {
         std::fs::create_dir_all(&run_dir).with_context(|| format!("creating run directory {}", run_dir.display()))?;
     }
     crate::signals::install().context("installing the SIGINT/SIGTERM handlers")?;
-    let resolved = serde_yaml::to_string(&cfg.raw).context("encoding the resolved config")?;
+    let inject_oom = args.inject_oom.as_deref().map(str::parse).transpose().map_err(|e: String| {
+        crate::Error::Config(ConfigError { origin: "--inject-oom".into(), line_col: None, key: String::new(), message: e })
+    })?;
+    let resolved = serde_yaml::to_string(&cfg.resolved()).context("encoding the resolved config")?;
     std::fs::write(run_dir.join("config.yaml"), resolved).with_context(|| format!("writing {}/config.yaml", run_dir.display()))?;
     metrics::set_log_file(&run_dir.join("train.log"))?;
     tracing::info!("run directory {}", run_dir.display());
 
-    let s = train::train(&cfg, &run_dir, &settings, resume)?;
+    let s = train::train_with(&cfg, &run_dir, &settings, train::Options { resume, inject_oom }, build)?;
     tracing::info!(
         "done: {} steps in {:.1}s | loss {:.4} -> {:.4}{} | {:.0} tok/s | peak memory {} | {} OOMs recovered, micro-batch {} at the end",
         s.steps, s.wall_s, s.first_loss, s.final_loss,
         s.val_loss.map(|v| format!(" | val loss {v:.4}")).unwrap_or_default(),
         s.tokens_per_s, crate::memory::human_bytes(s.peak_bytes), s.num_ooms, s.final_micro_batch_size
     );
+    if let Some((fired, asked)) = s.injected {
+        tracing::info!("--inject-oom: {fired} of {asked} allocation failures injected, all recovered");
+    }
     Ok(())
 }
 

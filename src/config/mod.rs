@@ -4,13 +4,13 @@
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
-pub use oomguard_launch::ConfigError;
+pub use crate::error::ConfigError;
 
 use crate::checkpoint::CheckpointConfig;
 use crate::data::DataConfig;
 use crate::memory::MemoryConfig;
 use crate::metrics::LogConfig;
-use crate::model::GptConfig;
+use crate::model::{ModelConfig, ModelKind};
 use crate::optim::OptimConfig;
 use crate::train::TrainConfig;
 
@@ -18,7 +18,7 @@ use crate::train::TrainConfig;
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RawConfig {
-    pub model: GptConfig,
+    pub model: ModelConfig,
     pub data: DataConfig,
     pub optim: OptimConfig,
     pub train: TrainConfig,
@@ -70,6 +70,16 @@ pub fn load(path: &Path, overrides: &[String]) -> Result<Config, ConfigError> {
 }
 
 impl Config {
+    /// The config file's folder: relative paths in it (data, model files) start there.
+    pub fn base_dir(&self) -> PathBuf {
+        self.path.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
+    }
+
+    /// The config as it takes effect, every default written out (the run's config.yaml).
+    pub fn resolved(&self) -> RawConfig {
+        RawConfig { model: self.raw.model.resolved(), ..self.raw.clone() }
+    }
+
     /// Checks that the data files exist (training needs them; planning does not).
     pub fn check_data_files(&self) -> Result<(), ConfigError> {
         let base = self.path.parent().unwrap_or(Path::new("."));
@@ -87,10 +97,17 @@ impl RawConfig {
         self.memory.validate()?;
         self.checkpoint.validate()?;
         self.log.validate()?;
-        if self.data.source == crate::data::DataSource::Text && self.model.vocab_size < 256 {
+        let gpt = self.model.kind == ModelKind::Gpt;
+        if gpt && self.data.source == crate::data::DataSource::Text && self.model.gpt().vocab_size < 256 {
             return Err(ConfigError::invalid(
                 "model.vocab_size",
-                format!("is {} but byte-level text needs 256; set model.vocab_size: 256", self.model.vocab_size),
+                format!("is {} but byte-level text needs 256; set model.vocab_size: 256", self.model.gpt().vocab_size),
+            ));
+        }
+        if self.model.kind == ModelKind::Torchscript && self.data.is_tokens() && self.model.block_size.is_none() {
+            return Err(ConfigError::invalid(
+                "model.block_size",
+                format!("is required: data.source {} cuts a token stream into samples of model.block_size tokens for the model", self.data.source.name()),
             ));
         }
         Ok(())
@@ -171,7 +188,7 @@ mod tests {
     fn overrides_are_typed_and_validated() {
         let c = load_str("train:\n  max_steps: 5\n", &["train.max_steps=7", "model.bias=false"]).unwrap();
         assert_eq!(c.raw.train.max_steps, 7);
-        assert!(!c.raw.model.bias);
+        assert_eq!(c.raw.model.bias, Some(false));
         let e = load_str("", &["model.n_layerz=3"]).unwrap_err();
         assert_eq!(e.origin, "--set model.n_layerz=3");
         assert!(e.message.contains("unknown key `n_layerz`"), "{e}");

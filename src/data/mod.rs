@@ -1,19 +1,23 @@
 //! Training data: an embedded synthetic language (the default, no download), a UTF-8 text
-//! file read byte by byte, or nanoGPT token files (train.bin/val.bin, little-endian u16).
+//! file read byte by byte, nanoGPT token files (train.bin/val.bin, little-endian u16), or a
+//! safetensors file of `inputs` and `targets` for models that are not language models.
+//! A user's Rust model may bring its own `Samples`.
 //!
-//! Which samples make up step `s` is `sample_offsets(seed, s, ...)`, a pure function that
-//! knows nothing of the micro-batch size: the guard may split a step any way it likes and
-//! the step still sees exactly the same samples.
+//! Which samples make up step `s` is `sample_positions(seed, s, ...)`, a pure function that
+//! knows nothing of the micro-batch size or of data-parallel ranks: the guard may split a
+//! step any way it likes and the step still sees exactly the same samples.
 mod embedded;
+mod tensors;
+mod tokens;
 
-use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use tch::{Device, Tensor};
 
-use crate::config::ConfigError;
-use crate::error::{Error, Result};
+pub use tokens::{Split, TokenSamples};
+
+use crate::error::{ConfigError, Result};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -21,6 +25,7 @@ pub enum DataSource {
     Embedded,
     Text,
     Tokens,
+    Tensors,
 }
 
 /// The `data` section.
@@ -28,10 +33,10 @@ pub enum DataSource {
 #[serde(default, deny_unknown_fields)]
 pub struct DataConfig {
     pub source: DataSource,
-    /// `text`: the file; `tokens`: the folder holding train.bin and val.bin. Relative paths
-    /// are taken from the config file's folder.
+    /// `text`: the file; `tokens`: the folder holding train.bin and val.bin; `tensors`: a
+    /// safetensors file with `inputs` and `targets`. Relative to the config file's folder.
     pub path: Option<PathBuf>,
-    /// Share held out for evaluation (`embedded` and `text`).
+    /// Share held out for evaluation (`embedded`, `text` and `tensors`).
     pub val_fraction: f64,
     /// Size of the embedded corpus in bytes.
     pub embedded_bytes: usize,
@@ -46,10 +51,7 @@ impl Default for DataConfig {
 impl DataConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.source != DataSource::Embedded && self.path.is_none() {
-            return Err(ConfigError::invalid(
-                "data.path",
-                format!("is required for source {:?}: a text file, or a folder with train.bin and val.bin", self.source),
-            ));
+            return Err(ConfigError::invalid("data.path", format!("is required for source {}: {}", self.source.name(), self.source.wants())));
         }
         if !(self.val_fraction > 0.0 && self.val_fraction < 1.0) {
             return Err(ConfigError::invalid("data.val_fraction", format!("is {}; it must be in (0, 1)", self.val_fraction)));
@@ -70,144 +72,86 @@ impl DataConfig {
         let Some(path) = self.resolved_path(base) else { return Ok(()) };
         let needed = match self.source {
             DataSource::Embedded => vec![],
-            DataSource::Text => vec![path],
+            DataSource::Text | DataSource::Tensors => vec![path],
             DataSource::Tokens => vec![path.join("train.bin"), path.join("val.bin")],
         };
         match needed.iter().find(|p| !p.is_file()) {
             Some(p) => Err(ConfigError::invalid(
                 "data.path",
-                format!("{} does not exist; for source {:?} point data.path at {}", p.display(), self.source,
-                    if self.source == DataSource::Text { "a UTF-8 text file" } else { "a folder with train.bin and val.bin" }),
+                format!("{} does not exist; for source {} point data.path at {}", p.display(), self.source.name(), self.source.wants()),
             )),
             None => Ok(()),
         }
     }
+
+    /// Whether samples are windows of a token stream (which need `model.block_size`).
+    pub fn is_tokens(&self) -> bool {
+        self.source != DataSource::Tensors
+    }
 }
 
-enum Storage {
-    Owned(Vec<u8>),
-    Mapped(Mmap),
-}
-
-impl Storage {
-    fn bytes(&self) -> &[u8] {
+impl DataSource {
+    pub fn name(self) -> &'static str {
         match self {
-            Storage::Owned(v) => v,
-            Storage::Mapped(m) => m,
+            DataSource::Embedded => "embedded",
+            DataSource::Text => "text",
+            DataSource::Tokens => "tokens",
+            DataSource::Tensors => "tensors",
+        }
+    }
+    fn wants(self) -> &'static str {
+        match self {
+            DataSource::Embedded => "nothing",
+            DataSource::Text => "a UTF-8 text file",
+            DataSource::Tokens => "a folder with train.bin and val.bin",
+            DataSource::Tensors => "a safetensors file with `inputs` and `targets` (samples along dim 0)",
         }
     }
 }
 
-/// A contiguous run of tokens (1 or 2 bytes each), owned or memory-mapped.
-#[derive(Clone)]
-pub struct Split {
-    storage: Arc<Storage>,
-    start: usize,
-    len: usize,
-    width: usize,
-    name: String,
+/// A set of samples addressed by position: a token window's start, a row of a tensor file,
+/// or whatever a user's data numbers its samples by.
+pub trait Samples {
+    /// How many distinct positions there are (samples are drawn from `0..num_positions`).
+    fn num_positions(&self) -> usize;
+    /// Inputs and targets for the samples at `positions`, stacked along dim 0, on `device`.
+    fn batch(&self, positions: &[usize], device: Device) -> Result<(Tensor, Tensor)>;
+    /// Units the loss averages over in one sample (tokens for a language model), for
+    /// throughput figures.
+    fn units_per_sample(&self) -> usize {
+        1
+    }
+    /// Where the samples come from, for messages.
+    fn name(&self) -> String;
 }
 
-impl Split {
-    fn new(storage: Arc<Storage>, width: usize, start: usize, len: usize, name: String) -> Split {
-        Split { storage, start, len, width, name }
-    }
-
-    pub fn num_tokens(&self) -> usize {
-        self.len
-    }
-
-    fn token(&self, i: usize) -> i64 {
-        let b = self.storage.bytes();
-        let at = (self.start + i) * self.width;
-        if self.width == 1 { b[at] as i64 } else { u16::from_le_bytes([b[at], b[at + 1]]) as i64 }
-    }
-
-    /// Inputs and next-token targets `[n, block]` for the samples starting at `offsets`.
-    pub fn batch(&self, offsets: &[usize], block: usize, vocab: i64, device: Device) -> Result<(Tensor, Tensor)> {
-        let mut x = Vec::with_capacity(offsets.len() * block);
-        let mut y = Vec::with_capacity(offsets.len() * block);
-        for &o in offsets {
-            for i in o..o + block {
-                x.push(self.token(i));
-                y.push(self.token(i + 1));
-            }
-        }
-        if let Some((i, t)) = y.iter().enumerate().find(|(_, &t)| t >= vocab) {
-            return Err(Error::Data(format!(
-                "{}: token id {t} (near sample {}) is not below model.vocab_size {vocab}; raise model.vocab_size",
-                self.name,
-                i / block
-            )));
-        }
-        let shape = [offsets.len() as i64, block as i64];
-        let to = |v: Vec<i64>| Tensor::f_from_slice(&v)?.f_view(shape)?.f_to_device(device);
-        Ok((to(x)?, to(y)?))
-    }
-}
-
-/// Train and validation splits.
+/// Train and validation samples.
 pub struct Dataset {
-    pub train: Split,
-    pub val: Split,
+    pub train: Box<dyn Samples>,
+    pub val: Box<dyn Samples>,
+}
+
+/// What the model fixes about token data: the sequence length, and (when the model knows
+/// it) the vocabulary every token must fall in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenShape {
+    pub block_size: usize,
+    pub vocab_size: Option<i64>,
 }
 
 impl Dataset {
-    /// Opens the data a config names; `base` is the config file's folder.
-    pub fn open(cfg: &DataConfig, base: &Path, block_size: usize) -> Result<Dataset> {
+    /// Opens the data a config names; `base` is the config file's folder. Token sources need
+    /// `shape` (the model's sequence length).
+    pub fn open(cfg: &DataConfig, base: &Path, shape: Option<TokenShape>) -> Result<Dataset> {
         let path = cfg.resolved_path(base).unwrap_or_default();
-        let ds = match cfg.source {
-            DataSource::Embedded => {
-                Self::split_one(Storage::Owned(embedded::corpus(cfg.embedded_bytes)), 1, cfg.val_fraction, "embedded corpus")
-            }
-            DataSource::Text => {
-                Self::split_one(map(&path)?, 1, cfg.val_fraction, &path.display().to_string())
-            }
-            DataSource::Tokens => {
-                let open = |name: &str| -> Result<Split> {
-                    let path = path.join(name);
-                    let s = map(&path)?;
-                    let n = s.bytes().len();
-                    if n % 2 != 0 {
-                        return Err(Error::Data(format!("{}: {n} bytes is not a whole number of u16 tokens", path.display())));
-                    }
-                    Ok(Split::new(Arc::new(s), 2, 0, n / 2, path.display().to_string()))
-                };
-                Dataset { train: open("train.bin")?, val: open("val.bin")? }
-            }
-        };
-        for split in [&ds.train, &ds.val] {
-            if split.num_tokens() < block_size + 2 {
-                return Err(Error::Data(format!(
-                    "{}: {} tokens is too short for model.block_size {block_size}; use more data or a smaller block_size",
-                    split.name,
-                    split.num_tokens()
-                )));
-            }
+        if cfg.source == DataSource::Tensors {
+            return tensors::open(&path, cfg.val_fraction);
         }
-        Ok(ds)
+        let shape = shape.ok_or_else(|| {
+            ConfigError::invalid("model.block_size", format!("is needed: data.source {} cuts a token stream into samples of model.block_size tokens", cfg.source.name()))
+        })?;
+        tokens::open(cfg, &path, shape)
     }
-
-    fn split_one(storage: Storage, width: usize, val_fraction: f64, name: &str) -> Dataset {
-        let n = storage.bytes().len() / width;
-        let n_val = ((n as f64) * val_fraction).round() as usize;
-        let storage = Arc::new(storage);
-        Dataset {
-            train: Split::new(storage.clone(), width, 0, n - n_val, format!("{name} (train split)")),
-            val: Split::new(storage, width, n - n_val, n_val, format!("{name} (validation split)")),
-        }
-    }
-}
-
-fn map(path: &Path) -> Result<Storage> {
-    let file = std::fs::File::open(path).map_err(|e| Error::Data(format!("cannot open data file {}: {e}", path.display())))?;
-    if file.metadata().map(|m| m.len()).unwrap_or(0) == 0 {
-        return Err(Error::Data(format!("{}: the file is empty", path.display())));
-    }
-    // SAFETY: read-only map of a file we do not modify; a concurrent writer would only
-    // change token values, not memory safety of the slice bounds we check.
-    let m = unsafe { Mmap::map(&file) }.map_err(|e| Error::Data(format!("cannot map data file {}: {e}", path.display())))?;
-    Ok(Storage::Mapped(m))
 }
 
 /// SplitMix64: a counter-based generator, so any sample is computed without a sequence.
@@ -218,12 +162,70 @@ pub fn splitmix64(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
-/// Start positions of the `global_batch` samples of step `step`: a pure function of
-/// (seed, step), independent of how the step is split into micro-batches.
-pub fn sample_offsets(seed: u64, step: u64, global_batch: usize, num_tokens: usize, block: usize) -> Vec<usize> {
-    let positions = (num_tokens - block - 1) as u64;
+/// Positions of the `count` samples of step `step`, each in `0..num_positions`: a pure
+/// function of (seed, step), prefix-stable, independent of how the step is split.
+pub fn sample_positions(seed: u64, step: u64, count: usize, num_positions: usize) -> Vec<usize> {
+    let positions = num_positions.max(1) as u64;
     let base = splitmix64(seed ^ splitmix64(step));
-    (0..global_batch as u64).map(|i| (splitmix64(base ^ splitmix64(i.wrapping_add(1) << 20)) % positions) as usize).collect()
+    (0..count as u64).map(|i| (splitmix64(base ^ splitmix64(i.wrapping_add(1) << 20)) % positions) as usize).collect()
+}
+
+/// Start offsets of a step's token windows of `block` tokens (with their next-token
+/// targets) in a stream of `num_tokens`.
+pub fn sample_offsets(seed: u64, step: u64, global_batch: usize, num_tokens: usize, block: usize) -> Vec<usize> {
+    sample_positions(seed, step, global_batch, num_tokens - block - 1)
+}
+
+/// The seed evaluation draws its fixed held-out batches from.
+pub fn eval_seed(seed: u64) -> u64 {
+    splitmix64(seed ^ 0xE7A1)
+}
+
+/// The samples of each optimizer step, cut into micro-batches. `micro_batch(step, r)` returns
+/// the same samples for the same (step, index) whatever the ranges asked for: that is what
+/// lets the guard re-split a step without skipping or repeating a sample.
+pub trait StepBatches {
+    fn global_batch_size(&self) -> usize;
+    /// The samples of the global batch this process trains on (all of them, or a
+    /// data-parallel rank's shard).
+    fn shard(&self) -> Range<usize> {
+        0..self.global_batch_size()
+    }
+    /// Units the loss averages over in one sample (tokens), for throughput.
+    fn units_per_sample(&self) -> usize;
+    fn micro_batch(&self, step: u64, samples: Range<usize>) -> Result<(Tensor, Tensor)>;
+}
+
+/// `sample_positions(seed, step)` into a set of samples, `global_batch` a step.
+pub struct StepSamples<'a> {
+    pub samples: &'a dyn Samples,
+    pub seed: u64,
+    pub global_batch: usize,
+    pub device: Device,
+    /// This process's part of each global batch.
+    pub shard: Range<usize>,
+}
+
+impl<'a> StepSamples<'a> {
+    pub fn new(samples: &'a dyn Samples, seed: u64, global_batch: usize, device: Device) -> StepSamples<'a> {
+        StepSamples { samples, seed, global_batch, device, shard: 0..global_batch }
+    }
+}
+
+impl StepBatches for StepSamples<'_> {
+    fn global_batch_size(&self) -> usize {
+        self.global_batch
+    }
+    fn shard(&self) -> Range<usize> {
+        self.shard.clone()
+    }
+    fn units_per_sample(&self) -> usize {
+        self.samples.units_per_sample()
+    }
+    fn micro_batch(&self, step: u64, samples: Range<usize>) -> Result<(Tensor, Tensor)> {
+        let positions = sample_positions(self.seed, step, samples.end, self.samples.num_positions());
+        self.samples.batch(&positions[samples], self.device)
+    }
 }
 
 #[cfg(test)]

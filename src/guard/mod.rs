@@ -83,6 +83,7 @@ impl Guard {
                 grow_headroom: cfg.grow_headroom,
                 cooldown_steps: cfg.cooldown_steps,
                 thrash_steps: cfg.thrash_steps,
+                retries_at_one: cfg.retries_at_one,
             },
             enabled: cfg.guard,
             device,
@@ -153,7 +154,7 @@ impl Guard {
             if leftover > 0 {
                 tracing::warn!("after cleanup {} more is live than at step start; shrinking harder", human_bytes(leftover));
             }
-            let decision = self.policy.on_oom(step, leftover > 0);
+            let decision = self.policy.on_oom(step, leftover > 0, self.cfg.retries_at_one);
             let new = match decision {
                 OnOom::Retry { micro_batch_size } => micro_batch_size,
                 OnOom::GiveUp => 0,
@@ -169,6 +170,16 @@ impl Guard {
                 return Err(Error::Infeasible(infeasible_message(step, &oom, baseline, self.eval)));
             }
         }
+    }
+
+    /// Records an OOM that was handled outside the policy (a checkpoint write retried): the
+    /// micro-batch is unchanged.
+    pub fn note_oom(&mut self, step: u64, oom: &OomError, phase: Phase) {
+        let live = memory::stats(self.device).live_bytes;
+        let mb = self.policy.current;
+        let mut event = self.oom_event(step, oom, live, live, mb, mb, 0.0);
+        event.phase = Some(phase);
+        self.events.push(GuardEvent::Oom(event));
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -9,6 +9,8 @@ pub struct PolicyConfig {
     pub grow_headroom: f64,
     pub cooldown_steps: u64,
     pub thrash_steps: u32,
+    /// Failures at micro-batch 1 within one step that are retried before giving up.
+    pub retries_at_one: u32,
 }
 
 /// What a successful step showed about memory.
@@ -50,11 +52,24 @@ pub struct Policy {
     pub retry_streak: u32,
     pub last_retries: Option<u64>,
     pub num_ooms: u64,
+    /// Failures at micro-batch 1 in the current step.
+    #[serde(default)]
+    pub ones_failed: u32,
 }
 
 impl Policy {
     pub fn new(configured: usize) -> Policy {
-        Policy { configured, current: configured, clean_steps: 0, failed: Vec::new(), retry_streak: 0, last_retries: None, num_ooms: 0 }
+        Policy { configured, current: configured, clean_steps: 0, failed: Vec::new(), retry_streak: 0, last_retries: None, num_ooms: 0, ones_failed: 0 }
+    }
+
+    /// After a relaunch by `oomguard launch`: the process died of an OOM at `failed`, and
+    /// restarts at `now`. The failed size cools down as if it had failed here at `step`.
+    pub fn relaunched(&mut self, failed: Option<usize>, now: usize, step: u64) {
+        self.current = now.clamp(1, self.configured);
+        self.clean_steps = 0;
+        if let Some(f) = failed.filter(|&f| f > self.current) {
+            self.failed.push((f, step));
+        }
     }
 
     /// A saved policy, continued under a configured size that may have changed since.
@@ -62,14 +77,21 @@ impl Policy {
         Policy { configured, current: saved.current.min(configured), ..saved }
     }
 
-    /// An OOM at the current size: halve (quarter when cleanup left memory behind).
-    pub fn on_oom(&mut self, step: u64, severe: bool) -> OnOom {
+    /// An OOM at the current size: halve (quarter when cleanup left memory behind). At
+    /// micro-batch 1 the step is retried `retries_at_one` times (a passing spike, another
+    /// tenant) before the guard gives up.
+    pub fn on_oom(&mut self, step: u64, severe: bool, retries_at_one: u32) -> OnOom {
         self.num_ooms += 1;
-        self.failed.push((self.current, step));
         self.clean_steps = 0;
         if self.current == 1 {
-            return OnOom::GiveUp;
+            self.ones_failed += 1;
+            if self.ones_failed > retries_at_one {
+                self.ones_failed = 0;
+                return OnOom::GiveUp;
+            }
+            return OnOom::Retry { micro_batch_size: 1 };
         }
+        self.failed.push((self.current, step));
         let divisor = if severe { 4 } else { 2 };
         self.current = self.current.div_ceil(divisor).max(1);
         OnOom::Retry { micro_batch_size: self.current }
@@ -79,6 +101,7 @@ impl Policy {
     pub fn after_step(&mut self, step: u64, obs: Observation, cfg: &PolicyConfig) -> Adjust {
         self.failed.retain(|&(_, at)| step.saturating_sub(at) < cfg.cooldown_steps);
         self.clean_steps += 1;
+        self.ones_failed = 0;
         if self.thrashing(obs.alloc_retries, cfg.thrash_steps) && self.current > 1 {
             self.failed.push((self.current, step));
             self.current = self.current.div_ceil(2);
@@ -150,7 +173,7 @@ impl LeakWatch {
 mod tests {
     use super::*;
 
-    const CFG: PolicyConfig = PolicyConfig { grow_after_steps: 3, grow_headroom: 0.1, cooldown_steps: 10, thrash_steps: 2 };
+    const CFG: PolicyConfig = PolicyConfig { grow_after_steps: 3, grow_headroom: 0.1, cooldown_steps: 10, thrash_steps: 2, retries_at_one: 0 };
 
     fn obs(baseline: u64, peak: u64, limit: u64) -> Observation {
         Observation { baseline_bytes: baseline, peak_bytes: peak, limit_bytes: Some(limit), alloc_retries: None }
@@ -159,7 +182,7 @@ mod tests {
     #[test]
     fn halves_down_to_one_then_gives_up() {
         let mut p = Policy::new(24);
-        let sizes: Vec<OnOom> = (0..6).map(|s| p.on_oom(s, false)).collect();
+        let sizes: Vec<OnOom> = (0..6).map(|s| p.on_oom(s, false, 0)).collect();
         assert_eq!(
             sizes,
             [12, 6, 3, 2, 1].iter().map(|&m| OnOom::Retry { micro_batch_size: m }).chain([OnOom::GiveUp]).collect::<Vec<_>>()
@@ -168,15 +191,40 @@ mod tests {
     }
 
     #[test]
+    fn retries_at_one_within_a_step_then_gives_up() {
+        let mut p = Policy::new(2);
+        assert_eq!(p.on_oom(0, false, 2), OnOom::Retry { micro_batch_size: 1 });
+        assert_eq!(p.on_oom(0, false, 2), OnOom::Retry { micro_batch_size: 1 });
+        // A step that succeeds resets the count: a later spike is retried again.
+        assert_eq!(p.after_step(0, obs(0, 1, 100), &CFG), Adjust::Keep);
+        assert_eq!(p.on_oom(1, false, 2), OnOom::Retry { micro_batch_size: 1 });
+        assert_eq!(p.on_oom(1, false, 2), OnOom::Retry { micro_batch_size: 1 });
+        assert_eq!(p.on_oom(1, false, 2), OnOom::GiveUp);
+    }
+
+    #[test]
+    fn a_relaunch_cools_the_size_that_died() {
+        let mut p = Policy::new(16);
+        p.relaunched(Some(16), 8, 5);
+        assert_eq!(p.current, 8);
+        let roomy = obs(0, 1, u64::MAX);
+        // 16 killed the process at step 5: not tried again before step 15 (cooldown 10).
+        for s in 5..15 {
+            assert_eq!(p.after_step(s, roomy, &CFG), Adjust::Keep, "step {s}");
+        }
+        assert_eq!(p.after_step(15, roomy, &CFG), Adjust::Grow { micro_batch_size: 16 });
+    }
+
+    #[test]
     fn severe_oom_quarters() {
         let mut p = Policy::new(16);
-        assert_eq!(p.on_oom(0, true), OnOom::Retry { micro_batch_size: 4 });
+        assert_eq!(p.on_oom(0, true, 0), OnOom::Retry { micro_batch_size: 4 });
     }
 
     #[test]
     fn grows_back_after_clean_steps_with_headroom_and_cooldown() {
         let mut p = Policy::new(16);
-        p.on_oom(0, false); // 16 failed at step 0 -> 8
+        p.on_oom(0, false, 0); // 16 failed at step 0 -> 8
         let roomy = obs(100, 200, 10_000);
         // Clean steps 1..=3 are enough, but 16 is cooling down until step 10.
         for s in 1..10 {
@@ -193,7 +241,7 @@ mod tests {
     #[test]
     fn does_not_grow_without_headroom() {
         let mut p = Policy::new(16);
-        p.on_oom(0, false);
+        p.on_oom(0, false, 0);
         // Step memory 600 at 8 predicts 100 + 1200 at 16: over 90% of 1400.
         for s in 1..40 {
             assert_eq!(p.after_step(s, obs(100, 700, 1400), &CFG), Adjust::Keep);
@@ -205,7 +253,7 @@ mod tests {
     fn grows_in_doublings_capped_at_configured() {
         let mut p = Policy::new(12);
         for s in 0..3 {
-            p.on_oom(s, false); // 6, 3, 2
+            p.on_oom(s, false, 0); // 6, 3, 2
         }
         let roomy = obs(0, 1, u64::MAX);
         let mut sizes = vec![];

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use super::allocator::AllocatorSettings;
 use super::parse_size;
-use crate::config::ConfigError;
+use crate::error::ConfigError;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -30,6 +30,9 @@ pub struct MemoryConfig {
     pub thrash_steps: u32,
     /// Live memory growing this many steps in a row is reported as a likely leak.
     pub leak_steps: u32,
+    /// Failures at micro-batch 1 within one step that are retried (a passing spike, another
+    /// tenant) before the guard climbs a rung or gives up.
+    pub retries_at_one: u32,
     /// `micro_batch_size: auto` trains at the largest size found less this share.
     pub auto_margin: f64,
     /// Simulated memory pressure: real allocations held during a range of steps, as another
@@ -74,6 +77,7 @@ impl Default for MemoryConfig {
             cooldown_steps: 100,
             thrash_steps: 3,
             leak_steps: 10,
+            retries_at_one: 1,
             auto_margin: 0.1,
             pressure: Vec::new(),
         }

@@ -7,6 +7,7 @@ pub use oomguard_launch::allocator;
 pub use oomguard_launch::oom::unit_multiplier;
 pub mod budget;
 mod config;
+pub mod inject;
 mod pressure;
 pub use config::{Budget, MemoryConfig, Pressure};
 pub use pressure::PressureSchedule;

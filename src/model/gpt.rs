@@ -2,9 +2,85 @@
 //! blocks with causal scaled-dot-product attention and a GELU MLP, a final LayerNorm and an
 //! LM head tied to the token embedding. Every op is fallible (`f_*`): an OOM inside the
 //! forward is an `Err`, never a panic.
+use serde::{Deserialize, Serialize};
 use tch::{nn, Kind, Reduction, TchError, Tensor};
 
-use super::GptConfig;
+use crate::error::ConfigError;
+
+/// A GPT's shape (the `model` section of kind `gpt`, defaults filled in).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GptConfig {
+    pub n_layer: i64,
+    pub n_head: i64,
+    pub n_embd: i64,
+    pub block_size: i64,
+    pub vocab_size: i64,
+    pub dropout: f64,
+    pub bias: bool,
+}
+
+impl Default for GptConfig {
+    fn default() -> Self {
+        GptConfig { n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab_size: 256, dropout: 0.0, bias: true }
+    }
+}
+
+impl GptConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (key, v) in [
+            ("model.n_layer", self.n_layer),
+            ("model.n_head", self.n_head),
+            ("model.n_embd", self.n_embd),
+            ("model.block_size", self.block_size),
+            ("model.vocab_size", self.vocab_size),
+        ] {
+            if v < 1 {
+                return Err(ConfigError::invalid(key, format!("is {v}; it must be at least 1")));
+            }
+        }
+        if self.n_embd % self.n_head != 0 {
+            return Err(ConfigError::invalid(
+                "model.n_embd",
+                format!("{} is not divisible by model.n_head {}; pick n_embd a multiple of n_head", self.n_embd, self.n_head),
+            ));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(ConfigError::invalid("model.dropout", format!("is {}; it must be in [0, 1)", self.dropout)));
+        }
+        Ok(())
+    }
+
+    /// Number of parameters (the LM head is tied to the token embedding).
+    pub fn num_params(&self) -> i64 {
+        let (c, l, v, t) = (self.n_embd, self.n_layer, self.vocab_size, self.block_size);
+        let b = if self.bias { 1 } else { 0 };
+        let per_layer = 2 * (c + b * c) + (3 * c * c + b * 3 * c) + (c * c + b * c) + (4 * c * c + b * 4 * c) + (4 * c * c + b * c);
+        v * c + t * c + l * per_layer + (c + b * c)
+    }
+}
+
+/// A trainable variable under `p`, initialised with fallible calls only (tch's `f_var`
+/// scales its random init with an operator that panics when the allocation fails).
+fn var(p: &nn::Path, name: &str, dims: &[i64], init: Init) -> Result<Tensor, TchError> {
+    let opts = (Kind::Float, p.device());
+    let t = match init {
+        Init::Normal(std) => {
+            let mut t = Tensor::f_randn(dims, opts)?;
+            let _ = t.f_mul_scalar_(std)?;
+            t
+        }
+        Init::Zeros => Tensor::f_zeros(dims, opts)?,
+        Init::Ones => Tensor::f_ones(dims, opts)?,
+    };
+    Ok(p.add(name, t, true))
+}
+
+#[derive(Clone, Copy)]
+enum Init {
+    Normal(f64),
+    Zeros,
+    Ones,
+}
 
 struct Linear {
     weight: Tensor,
@@ -14,8 +90,8 @@ struct Linear {
 impl Linear {
     fn new(p: nn::Path, n_in: i64, n_out: i64, bias: bool, std: f64) -> Result<Linear, TchError> {
         Ok(Linear {
-            weight: p.f_var("weight", &[n_out, n_in], nn::Init::Randn { mean: 0.0, stdev: std })?,
-            bias: bias.then(|| p.f_var("bias", &[n_out], nn::Init::Const(0.0))).transpose()?,
+            weight: var(&p, "weight", &[n_out, n_in], Init::Normal(std))?,
+            bias: bias.then(|| var(&p, "bias", &[n_out], Init::Zeros)).transpose()?,
         })
     }
     fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
@@ -32,8 +108,8 @@ struct LayerNorm {
 impl LayerNorm {
     fn new(p: nn::Path, n: i64, bias: bool) -> Result<LayerNorm, TchError> {
         Ok(LayerNorm {
-            weight: p.f_var("weight", &[n], nn::Init::Const(1.0))?,
-            bias: bias.then(|| p.f_var("bias", &[n], nn::Init::Const(0.0))).transpose()?,
+            weight: var(&p, "weight", &[n], Init::Ones)?,
+            bias: bias.then(|| var(&p, "bias", &[n], Init::Zeros)).transpose()?,
             n,
         })
     }
@@ -66,7 +142,7 @@ impl Gpt {
         let c = cfg.n_embd;
         let std = 0.02;
         let proj_std = 0.02 / (2.0 * cfg.n_layer as f64).sqrt();
-        let init = nn::Init::Randn { mean: 0.0, stdev: std };
+        let init = Init::Normal(std);
         let blocks = (0..cfg.n_layer)
             .map(|i| {
                 let b = p / "h" / i;
@@ -82,8 +158,8 @@ impl Gpt {
             .collect::<Result<_, TchError>>()?;
         Ok(Gpt {
             cfg: cfg.clone(),
-            wte: p.f_var("wte", &[cfg.vocab_size, c], init)?,
-            wpe: p.f_var("wpe", &[cfg.block_size, c], init)?,
+            wte: var(p, "wte", &[cfg.vocab_size, c], init)?,
+            wpe: var(p, "wpe", &[cfg.block_size, c], init)?,
             blocks,
             ln_f: LayerNorm::new(p / "ln_f", c, cfg.bias)?,
         })

@@ -9,7 +9,7 @@
 //! state. tests/plan.rs keeps the estimate within 20% of measurement on several shapes.
 mod search;
 
-pub use search::{auto_micro_batch, search, AutoResult, AutoSearch};
+pub use search::{auto_micro_batch, cached, remember, search, AutoResult, AutoSearch};
 
 use serde::Serialize;
 
@@ -163,6 +163,16 @@ pub fn suggestions(m: &GptConfig, precision: Precision, cuda: bool, memory: u64)
         out.push(format!("a device with more than {} of memory, or a smaller model", human_bytes(memory)));
     }
     out
+}
+
+/// For an infeasible GPT: what its state needs against `memory`, and what would fit.
+pub fn advice(m: &GptConfig, memory: u64, cuda: bool) -> String {
+    let e = Estimate::new(m, Precision::Fp32, cuda);
+    format!(
+        "The planner: the parameters need {}, their gradients {} and AdamW's state {} ({:.2}M parameters); a step at micro-batch 1 peaks near {} against {}. What would fit: {}.",
+        human_bytes(e.params_bytes), human_bytes(e.grads_bytes), human_bytes(e.optimizer_bytes), e.num_params as f64 / 1e6,
+        human_bytes(e.peak(1)), human_bytes(memory), suggestions(m, Precision::Fp32, cuda, memory).join("; ")
+    )
 }
 
 #[cfg(test)]

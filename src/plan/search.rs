@@ -6,9 +6,10 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
+use crate::data::StepBatches;
 use crate::error::{Error, Result};
 use crate::memory;
-use crate::train::{StepBatches, TrainModel};
+use crate::task::Task;
 
 /// Largest `m` in 1..=max with `fits(m)`, probing from `start`: doubling up (or halving
 /// down) to bracket it, then bisecting until within 1/16. Returns (size or 0, trials).
@@ -51,6 +52,9 @@ pub fn search(start: usize, max: usize, mut fits: impl FnMut(usize) -> Result<bo
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AutoResult {
+    /// The step the search ran before (a resumed run keeps this record).
+    #[serde(default)]
+    pub step: u64,
     /// What training starts with: the largest size found, less the safety margin.
     pub micro_batch_size: usize,
     pub largest_fitting: usize,
@@ -72,15 +76,27 @@ fn read_cache() -> BTreeMap<String, usize> {
     cache_path().and_then(|p| std::fs::read_to_string(p).ok()).and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default()
 }
 
-fn write_cache(key: &str, size: usize) {
+/// The largest micro-batch known to fit for `key` (a model, memory and device).
+pub fn cached(key: &str) -> Option<usize> {
+    read_cache().get(key).copied()
+}
+
+/// Records that `size` fits for `key`. Runs and sweep trials share the file: a lock makes
+/// the read-modify-write whole, and a rename makes the write atomic.
+pub fn remember(key: &str, size: usize) {
     let Some(path) = cache_path() else { return };
-    let mut all = read_cache();
-    all.insert(key.to_string(), size);
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    let written = path.parent().map(std::fs::create_dir_all).transpose().and_then(|_| {
+    let written = (|| -> std::io::Result<()> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let lock = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(path.with_extension("lock"))?;
+        lock.lock()?;
+        let mut all = read_cache();
+        all.insert(key.to_string(), size);
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
         std::fs::write(&tmp, serde_json::to_string_pretty(&all).unwrap_or_default())?;
         std::fs::rename(&tmp, &path)
-    });
+    })();
     if let Err(e) = written {
         tracing::warn!("cannot write the micro-batch cache {}: {e}", path.display());
     }
@@ -98,18 +114,18 @@ pub struct AutoSearch {
 /// Resolves `auto`: the cache if it knows the key, else a search by trial steps on step
 /// 0's samples.
 pub fn auto_micro_batch(
-    model: &impl TrainModel, data: &impl StepBatches, clear_grads: impl Fn(), device: tch::Device, spec: AutoSearch,
+    task: &dyn Task, data: &dyn StepBatches, clear_grads: impl Fn(), device: tch::Device, spec: AutoSearch,
 ) -> Result<AutoResult> {
     let AutoSearch { key, start, max, margin } = spec;
     let with_margin = |m: usize| (((m as f64) * (1.0 - margin)).floor() as usize).max(1);
-    if let Some(&found) = read_cache().get(&key) {
-        return Ok(AutoResult { micro_batch_size: with_margin(found.min(max)), largest_fitting: found, trials: 0, from_cache: true, search_s: 0.0, cache_key: key });
+    if let Some(found) = cached(&key) {
+        return Ok(AutoResult { step: 0, micro_batch_size: with_margin(found.min(max)), largest_fitting: found, trials: 0, from_cache: true, search_s: 0.0, cache_key: key });
     }
     let t = Instant::now();
     let (found, trials) = search(start, max, |m| {
         let outcome = (|| -> Result<()> {
             let (x, y) = data.micro_batch(0, 0..m)?;
-            model.loss(&x, &y, true)?.f_backward()?;
+            task.loss(&x, &y, true)?.f_backward()?;
             Ok(())
         })();
         clear_grads();
@@ -123,8 +139,8 @@ pub fn auto_micro_batch(
     if found == 0 {
         return Err(Error::Infeasible("micro_batch_size: auto found no size that fits: even one sample runs out of memory. Run `oomguard plan` on this config for what would fit".into()));
     }
-    write_cache(&key, found);
-    Ok(AutoResult { micro_batch_size: with_margin(found), largest_fitting: found, trials, from_cache: false, search_s: t.elapsed().as_secs_f64(), cache_key: key })
+    remember(&key, found);
+    Ok(AutoResult { step: 0, micro_batch_size: with_margin(found), largest_fitting: found, trials, from_cache: false, search_s: t.elapsed().as_secs_f64(), cache_key: key })
 }
 
 #[cfg(test)]

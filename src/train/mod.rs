@@ -1,39 +1,19 @@
-//! Training: the config section, what a trainable model and its data must provide, one
-//! optimizer step, and the loop.
+//! Training: the config section, one optimizer step (step.rs), evaluation (eval.rs), a run's
+//! state (run.rs) and the loop (trainer.rs), for any `Task`.
+mod eval;
+mod run;
 mod step;
 mod trainer;
 
-pub use step::{micro_batches, train_step, StepStats};
-pub use trainer::{evaluate, train, GptBatches, Resume, Summary};
+pub use eval::{evaluate, EvalSpec};
+pub use run::Builder;
+pub use step::{accumulate, micro_batches, split_range, train_step, update, StepStats};
+pub use trainer::{train, train_with, Options, Resume, Summary};
 
 use serde::{Deserialize, Serialize};
-use std::ops::Range;
-use tch::{Device, TchError, Tensor};
+use tch::Device;
 
-use crate::config::ConfigError;
-use crate::error::Result;
-
-/// A model the trainer (and the guard) can drive: anything whose loss on a batch is
-/// fallible. The loss is the mean over the batch's samples.
-pub trait TrainModel {
-    fn loss(&self, inputs: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor, TchError>;
-}
-
-impl TrainModel for crate::model::Gpt {
-    fn loss(&self, inputs: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor, TchError> {
-        crate::model::Gpt::loss(self, inputs, targets, train)
-    }
-}
-
-/// The samples of each optimizer step. `micro_batch(step, r)` must return the same samples
-/// for the same (step, index) whatever the ranges asked for: that is what lets the guard
-/// re-split a step without skipping or repeating a sample.
-pub trait StepBatches {
-    fn global_batch_size(&self) -> usize;
-    /// Tokens (or other units the loss averages over) in one sample, for throughput.
-    fn tokens_per_sample(&self) -> usize;
-    fn micro_batch(&self, step: u64, samples: Range<usize>) -> Result<(Tensor, Tensor)>;
-}
+use crate::error::{ConfigError, Result};
 
 /// `train.micro_batch_size`: a number, or `auto` (the largest that fits, found at start).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

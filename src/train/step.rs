@@ -1,11 +1,13 @@
-//! One optimizer step: the global batch split into micro-batches, each micro-batch's loss
-//! weighted by its share of the global batch, then clipping and the AdamW update. Only
-//! fallible tch calls: any failure, an OOM included, returns `Err` with nothing applied.
+//! One optimizer step: this process's samples of the global batch split into micro-batches,
+//! each micro-batch's loss weighted by its share of the global batch, then clipping and the
+//! AdamW update. Only fallible tch calls: any failure, an OOM included, returns `Err`, and
+//! the parameters are updated either exactly once or not at all.
 use std::ops::Range;
 
-use super::{StepBatches, TrainModel};
+use crate::data::StepBatches;
 use crate::error::{Error, Phase, Result};
 use crate::optim::AdamW;
+use crate::task::Task;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepStats {
@@ -14,50 +16,69 @@ pub struct StepStats {
     pub grad_norm: f64,
     pub micro_batch_size: usize,
     pub num_micro_batches: usize,
-    /// Samples the step trained on: always the global batch, whatever the split.
+    /// Samples the step trained on: always the global batch (over all ranks), whatever the
+    /// split.
     pub num_samples: usize,
 }
 
-/// Splits `global` samples into micro-batches of at most `micro` (the last may be smaller:
-/// 24 at 5 is 5+5+5+5+4). Together they cover `0..global` exactly once.
-pub fn micro_batches(global: usize, micro: usize) -> Vec<Range<usize>> {
+/// Splits `samples` into micro-batches of at most `micro` (the last may be smaller: 24 at 5
+/// is 5+5+5+5+4). Together they cover the range exactly once.
+pub fn split_range(samples: Range<usize>, micro: usize) -> Vec<Range<usize>> {
     assert!(micro >= 1, "micro-batch size must be at least 1");
-    let ranges: Vec<Range<usize>> = (0..global).step_by(micro).map(|s| s..(s + micro).min(global)).collect();
-    debug_assert_eq!(ranges.iter().map(|r| r.len()).sum::<usize>(), global, "global-batch invariant");
+    let ranges: Vec<Range<usize>> = samples.clone().step_by(micro).map(|s| s..(s + micro).min(samples.end)).collect();
+    debug_assert_eq!(ranges.iter().map(|r| r.len()).sum::<usize>(), samples.len(), "global-batch invariant");
     ranges
 }
 
+/// `split_range(0..global, micro)`.
+pub fn micro_batches(global: usize, micro: usize) -> Vec<Range<usize>> {
+    split_range(0..global, micro)
+}
+
+/// Forward and backward over this process's samples: gradients accumulate, weighted so that
+/// their sum over all micro-batches (and ranks) is the gradient of the global batch's mean
+/// loss. Returns (the weighted loss sum, micro-batches run).
+pub fn accumulate(task: &dyn Task, data: &dyn StepBatches, step: u64, micro_batch_size: usize) -> Result<(f64, usize)> {
+    let global = data.global_batch_size();
+    let parts = split_range(data.shard(), micro_batch_size);
+    let mut loss_sum = 0.0;
+    for part in &parts {
+        let weight = part.len() as f64 / global as f64;
+        let (x, y) = data.micro_batch(step, part.clone()).map_err(|e| e.in_phase(Phase::Data))?;
+        let loss = task.loss(&x, &y, true).and_then(|l| l.f_mul_scalar(weight)).map_err(|e| Error::from(e).in_phase(Phase::Forward))?;
+        loss.f_backward().map_err(|e| Error::from(e).in_phase(Phase::Backward))?;
+        loss_sum += loss.f_double_value(&[]).map_err(|e| Error::from(e).in_phase(Phase::Backward))?;
+    }
+    assert_eq!(parts.iter().map(|p| p.len()).sum::<usize>(), data.shard().len(), "global-batch invariant: every sample exactly once");
+    Ok((loss_sum, parts.len()))
+}
+
+/// Clipping then the update, on gradients already accumulated (and reduced across ranks).
+pub fn update(opt: &mut AdamW, step: u64, lr: f64, grad_clip: f64) -> Result<f64> {
+    let grad_norm = opt.clip_grad_norm(grad_clip).map_err(|e| Error::from(e).in_phase(Phase::Clip))?;
+    opt.step(step, lr).map_err(|e| e.in_phase(Phase::Optimizer))?;
+    opt.clear_grads();
+    Ok(grad_norm)
+}
+
+/// A whole optimizer step in one process.
 pub fn train_step(
-    model: &impl TrainModel,
+    task: &dyn Task,
     opt: &mut AdamW,
-    data: &impl StepBatches,
+    data: &dyn StepBatches,
     step: u64,
     micro_batch_size: usize,
     lr: f64,
     grad_clip: f64,
 ) -> Result<StepStats> {
-    let global = data.global_batch_size();
-    let parts = micro_batches(global, micro_batch_size);
-    let (mut loss_sum, mut num_samples) = (0.0, 0);
-    for part in &parts {
-        let weight = part.len() as f64 / global as f64;
-        let (x, y) = data.micro_batch(step, part.clone()).map_err(|e| e.in_phase(Phase::Data))?;
-        let loss = model.loss(&x, &y, true).and_then(|l| l.f_mul_scalar(weight)).map_err(|e| Error::from(e).in_phase(Phase::Forward))?;
-        loss.f_backward().map_err(|e| Error::from(e).in_phase(Phase::Backward))?;
-        loss_sum += loss.f_double_value(&[])?;
-        num_samples += part.len();
-    }
-    assert_eq!(num_samples, global, "global-batch invariant: every sample exactly once");
-    let in_opt = |e: tch::TchError| Error::from(e).in_phase(Phase::Optimizer);
-    let grad_norm = opt.clip_grad_norm(grad_clip).map_err(in_opt)?;
-    opt.step(lr).map_err(in_opt)?;
-    opt.clear_grads();
-    Ok(StepStats { loss: loss_sum, grad_norm, micro_batch_size, num_micro_batches: parts.len(), num_samples })
+    let (loss, num_micro_batches) = accumulate(task, data, step, micro_batch_size)?;
+    let grad_norm = update(opt, step, lr, grad_clip)?;
+    Ok(StepStats { loss, grad_norm, micro_batch_size, num_micro_batches, num_samples: data.global_batch_size() })
 }
 
 #[cfg(test)]
 mod tests {
-    use super::micro_batches;
+    use super::*;
 
     #[test]
     fn uneven_splits_cover_the_global_batch() {
@@ -66,5 +87,6 @@ mod tests {
         assert_eq!(micro_batches(16, 16), vec![0..16]);
         assert_eq!(micro_batches(16, 1).len(), 16);
         assert_eq!(micro_batches(3, 8), vec![0..3]);
+        assert_eq!(split_range(8..13, 2), vec![8..10, 10..12, 12..13]);
     }
 }

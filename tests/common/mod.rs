@@ -32,8 +32,14 @@ pub fn dies_with_test(cmd: &mut Command) -> &mut Command {
     }
 }
 
+/// Runs started from `cwd` share a micro-batch cache there, not the user's (~/.cache): a
+/// size one test's run learned must not change another test's run.
+pub fn isolated<'c>(cmd: &'c mut Command, cwd: &Path) -> &'c mut Command {
+    cmd.env("OOMGUARD_CACHE", cwd.join(".oomguard-cache"))
+}
+
 pub fn oomguard(args: &[&str], cwd: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_oomguard"))
+    isolated(&mut Command::new(env!("CARGO_BIN_EXE_oomguard")), cwd)
         .args(args)
         .current_dir(cwd)
         .env("OMP_NUM_THREADS", "1")
@@ -89,24 +95,24 @@ pub fn max_abs_diff(a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)]) ->
 /// The tiny GPT in-process, with its data and optimizer, counting CPU memory from the start.
 pub struct TinyGpt {
     pub data: oomguard::data::Dataset,
-    pub vs: tch::nn::VarStore,
-    pub model: oomguard::model::Gpt,
+    pub task: oomguard::task::gpt::GptTask,
     pub opt: oomguard::optim::AdamW,
 }
 
 pub fn tiny_gpt() -> TinyGpt {
+    use oomguard::task::Task;
     use oomguard::{data, model, optim};
     oomguard::memory::install_cpu_allocator();
     tch::manual_seed(0);
     let cfg = model::GptConfig { n_layer: 2, n_head: 2, n_embd: 32, block_size: 32, vocab_size: 256, dropout: 0.0, bias: true };
-    let data = data::Dataset::open(&data::DataConfig { embedded_bytes: 65536, ..Default::default() }, Path::new("."), 32).unwrap();
-    let vs = tch::nn::VarStore::new(tch::Device::Cpu);
-    let model = model::Gpt::new(&vs.root(), &cfg).unwrap();
-    let opt = optim::AdamW::new(&vs, &optim::OptimConfig::default(), model::no_weight_decay).unwrap();
-    TinyGpt { data, vs, model, opt }
+    let shape = data::TokenShape { block_size: 32, vocab_size: Some(256) };
+    let data = data::Dataset::open(&data::DataConfig { embedded_bytes: 65536, ..Default::default() }, Path::new("."), Some(shape)).unwrap();
+    let task = oomguard::task::gpt::GptTask::new(&cfg, tch::Device::Cpu).unwrap();
+    let opt = optim::AdamW::new(task.parameters(), &optim::OptimConfig::default(), |n, t| task.no_weight_decay(n, t)).unwrap();
+    TinyGpt { data, task, opt }
 }
 
 /// The tiny GPT's training samples, `global_batch` a step.
-pub fn tiny_batches(data: &oomguard::data::Dataset, global_batch: usize) -> oomguard::train::GptBatches<'_> {
-    oomguard::train::GptBatches { split: &data.train, seed: 1, global_batch, block: 32, vocab: 256, device: tch::Device::Cpu }
+pub fn tiny_batches(data: &oomguard::data::Dataset, global_batch: usize) -> oomguard::data::StepSamples<'_> {
+    oomguard::data::StepSamples::new(data.train.as_ref(), 1, global_batch, tch::Device::Cpu)
 }

@@ -26,7 +26,7 @@ pub enum LogFormat {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Train a GPT from a YAML config.
+    /// Train a model (the built-in GPT or a TorchScript module) from a YAML config.
     Train(TrainArgs),
     /// Launch a distributed job: a drop-in for torchrun.
     Launch(LaunchArgs),
@@ -77,6 +77,11 @@ pub struct TrainArgs {
     /// CPU memory budget (auto, none, or a size like 2GiB); shorthand for --set memory.budget=SIZE.
     #[arg(long, value_name = "SIZE")]
     pub memory_budget: Option<String>,
+    /// Testing and chaos tool: make COUNT allocations fail with a real out-of-memory error,
+    /// at seeded random allocations from the first training step on (CPU runs). The run must
+    /// still finish with the parameters of a clean run.
+    #[arg(long, value_name = "COUNT[:SEED]")]
+    pub inject_oom: Option<String>,
 }
 
 /// `oomguard launch`: torchrun's options, spelled with hyphens or underscores, or set through
@@ -206,8 +211,9 @@ pub fn init_tracing(format: LogFormat) {
     let registry = tracing_subscriber::registry().with(file.with_filter(filter()));
     let ansi = std::io::stderr().is_terminal();
     let stderr = fmt::layer().with_writer(std::io::stderr).with_target(false).with_ansi(ansi);
-    match format {
-        LogFormat::Human => registry.with(stderr.with_filter(filter())).init(),
-        LogFormat::Json => registry.with(stderr.json().with_filter(filter())).init(),
-    }
+    // try_init: a program that trains several times in one process initialises once.
+    let _ = match format {
+        LogFormat::Human => registry.with(stderr.with_filter(filter())).try_init(),
+        LogFormat::Json => registry.with(stderr.json().with_filter(filter())).try_init(),
+    };
 }

@@ -9,8 +9,14 @@ pub enum Phase {
     Data,
     Forward,
     Backward,
+    /// Gradient clipping (and the gradient norm).
+    Clip,
     Optimizer,
     Eval,
+    /// Writing a checkpoint.
+    Checkpoint,
+    /// Creating the model and the optimizer state, or restoring a checkpoint.
+    Init,
 }
 
 /// Where an out-of-memory error came from.
@@ -35,7 +41,9 @@ pub struct OomError {
     pub capacity_bytes: Option<u64>,
     pub free_bytes: Option<u64>,
     pub phase: Option<Phase>,
-    /// The first line of libtorch's message (the rest is a C++ backtrace).
+    /// The line of libtorch's message that says out of memory (libtorch may wrap it, e.g.
+    /// under "The following operation failed in the TorchScript interpreter."; the rest is
+    /// often a C++ backtrace).
     pub message: String,
 }
 
@@ -46,25 +54,31 @@ impl fmt::Display for OomError {
 }
 
 /// Classifies a libtorch error message: `Some` if it is an out-of-memory error.
+/// The markers of each source, most specific first.
+const MARKERS: [(OomSource, &[&str]); 4] = [
+    (OomSource::Budget, &["oomguard memory budget exceeded"]),
+    (OomSource::Cuda, &["cuda out of memory", "outofmemoryerror"]),
+    (
+        OomSource::CudaRuntime,
+        &["cuda error: out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed", "cudnn_status_not_enough_workspace", "cudaerrormemoryallocation"],
+    ),
+    (OomSource::Cpu, &["can't allocate memory", "cannot allocate memory"]),
+];
+
 pub fn classify_oom(msg: &str) -> Option<OomError> {
     let lower = msg.to_ascii_lowercase();
-    let source = if lower.contains("oomguard memory budget exceeded") {
-        OomSource::Budget
-    } else if lower.contains("cuda out of memory") || lower.contains("outofmemoryerror") {
-        OomSource::Cuda
-    } else if lower.contains("cuda error: out of memory")
-        || lower.contains("cublas_status_alloc_failed")
-        || lower.contains("cudnn_status_alloc_failed")
-        || lower.contains("cudnn_status_not_enough_workspace")
-        || lower.contains("cudaerrormemoryallocation")
-    {
-        OomSource::CudaRuntime
-    } else if lower.contains("can't allocate memory") || lower.contains("cannot allocate memory") {
-        OomSource::Cpu
-    } else {
-        return None;
-    };
-    let first_line = msg.lines().find(|l| !l.trim().is_empty()).unwrap_or(msg).trim();
+    let (source, marker) = MARKERS.iter().find_map(|(source, ms)| ms.iter().find(|m| lower.contains(*m)).map(|m| (*source, *m)))?;
+    // The line that matched, with the next one when the sizes follow on it (CUDA's
+    // "CUDA out of memory.\nTried to allocate ...").
+    let lines: Vec<&str> = msg.lines().collect();
+    let at = lines.iter().position(|l| l.to_ascii_lowercase().contains(marker)).unwrap_or(0);
+    let mut line = lines.get(at).map_or(msg, |l| l.trim()).to_string();
+    if !line.to_ascii_lowercase().contains("tried to allocate") {
+        if let Some(next) = lines.get(at + 1).filter(|n| n.to_ascii_lowercase().contains("tried to allocate")) {
+            line = format!("{line} {}", next.trim());
+        }
+    }
+    let first_line = line.as_str();
     let (requested, capacity, free) = match source {
         OomSource::Budget => (
             number_after(&lower, "tried to allocate "),
@@ -167,6 +181,17 @@ mod tests {
         let o = classify_oom(m).unwrap();
         assert_eq!((o.source, o.requested_bytes, o.capacity_bytes, o.free_bytes),
                    (OomSource::Budget, Some(4096), Some(2000), Some(1000)));
+    }
+
+    #[test]
+    fn reports_the_line_that_matched_not_a_wrapper() {
+        let m = "The following operation failed in the TorchScript interpreter.\nTraceback of TorchScript (most recent call last):\n  File \"model.py\", line 12\nRuntimeError: oomguard memory budget exceeded: tried to allocate 4096 bytes with 10 bytes in use of a budget of 100 bytes (90 bytes free)\n";
+        let o = classify_oom(m).unwrap();
+        assert_eq!(o.source, OomSource::Budget);
+        assert!(o.message.starts_with("RuntimeError: oomguard memory budget exceeded: tried to allocate 4096"), "{}", o.message);
+        assert_eq!(o.requested_bytes, Some(4096));
+        let o = classify_oom("OutOfMemoryError: CUDA out of memory.\nTried to allocate 2.00 MiB. GPU 0 has a total capacity of 15.57 GiB").unwrap();
+        assert_eq!(o.message, "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 MiB. GPU 0 has a total capacity of 15.57 GiB");
     }
 
     #[test]

@@ -118,6 +118,8 @@ impl LaunchSpec {
 
 /// Read by `oomguard train`; set by the launcher after an out-of-memory death.
 pub const MICRO_BATCH_VAR: &str = "OOMGUARD_MICRO_BATCH_SIZE";
+/// The size the worker died at, so the relaunched run lets it cool down before growing back.
+pub const FAILED_MICRO_BATCH_VAR: &str = "OOMGUARD_FAILED_MICRO_BATCH_SIZE";
 
 fn default_allocator() -> AllocatorSettings {
     AllocatorSettings::parse("expandable_segments:True", "").unwrap_or_default()
@@ -205,7 +207,7 @@ fn worker_program(a: &LaunchArgs) -> Vec<String> {
 }
 
 /// Everything the launcher sets in one worker's environment, as torchrun does.
-pub fn worker_env(spec: &LaunchSpec, local_rank: usize, master_port: u16, restart_count: u32, error_file: &std::path::Path, micro_batch: Option<usize>) -> Vec<(String, String)> {
+pub fn worker_env(spec: &LaunchSpec, local_rank: usize, master_port: u16, restart_count: u32, error_file: &std::path::Path, micro: Micro) -> Vec<(String, String)> {
     let world = spec.nnodes * spec.nproc_per_node;
     let rank = spec.node_rank * spec.nproc_per_node + local_rank;
     let mut env: Vec<(String, String)> = [
@@ -237,10 +239,20 @@ pub fn worker_env(spec: &LaunchSpec, local_rank: usize, master_port: u16, restar
             env.push((var.into(), spec.allocator.render()));
         }
     }
-    if let Some(mb) = micro_batch {
+    if let Some(mb) = micro.size {
         env.push((MICRO_BATCH_VAR.into(), mb.to_string()));
     }
+    if let Some(f) = micro.failed {
+        env.push((FAILED_MICRO_BATCH_VAR.into(), f.to_string()));
+    }
     env
+}
+
+/// The micro-batch an attempt runs with, and the size an earlier attempt died of an OOM at.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Micro {
+    pub size: Option<usize>,
+    pub failed: Option<usize>,
 }
 
 #[cfg(test)]
@@ -261,13 +273,14 @@ mod tests {
         let s = spec(&["--nproc_per_node=2", "--nnodes", "2", "--node-rank", "1", "--master_addr", "10.0.0.1", "--max_restarts", "3", "train.py", "--lr", "3"]).unwrap();
         assert_eq!((s.nproc_per_node, s.nnodes, s.node_rank, s.max_restarts), (2, 2, 1, 3));
         assert_eq!(s.program, ["python3", "-u", "train.py", "--lr", "3"]);
-        let env: BTreeMap<String, String> = worker_env(&s, 1, 29500, 2, std::path::Path::new("/e.json"), Some(4)).into_iter().collect();
+        let env: BTreeMap<String, String> =
+            worker_env(&s, 1, 29500, 2, std::path::Path::new("/e.json"), Micro { size: Some(4), failed: Some(8) }).into_iter().collect();
         for (k, v) in [
             ("RANK", "3"), ("LOCAL_RANK", "1"), ("GROUP_RANK", "1"), ("ROLE_RANK", "3"), ("ROLE_NAME", "default"),
             ("LOCAL_WORLD_SIZE", "2"), ("WORLD_SIZE", "4"), ("GROUP_WORLD_SIZE", "2"), ("ROLE_WORLD_SIZE", "4"),
             ("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "29500"), ("TORCHELASTIC_RESTART_COUNT", "2"),
             ("TORCHELASTIC_MAX_RESTARTS", "3"), ("TORCHELASTIC_RUN_ID", "none"), ("TORCHELASTIC_ERROR_FILE", "/e.json"),
-            ("OOMGUARD_MICRO_BATCH_SIZE", "4"),
+            ("OOMGUARD_MICRO_BATCH_SIZE", "4"), ("OOMGUARD_FAILED_MICRO_BATCH_SIZE", "8"),
         ] {
             assert_eq!(env.get(k).map(String::as_str), Some(v), "{k}");
         }

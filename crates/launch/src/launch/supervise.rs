@@ -10,7 +10,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
 use super::output::{pump, Sink, Tail};
-use super::{worker_env, LaunchSpec, Streams};
+use super::{worker_env, LaunchSpec, Micro, Streams};
 use super::LaunchError as Error;
 use crate::oom::classify_oom;
 
@@ -42,6 +42,7 @@ struct Worker {
     child: Child,
     done: bool,
     pumps: Vec<JoinHandle<()>>,
+    stdout: Tail,
     stderr: Tail,
     error_file: PathBuf,
 }
@@ -56,6 +57,7 @@ struct Failure {
     time: SystemTime,
     error_file: PathBuf,
     error_message: Option<String>,
+    stdout: Vec<String>,
     stderr: Vec<String>,
 }
 
@@ -64,15 +66,19 @@ impl Failure {
         if self.exitcode < 0 { 128 - self.exitcode } else { self.exitcode }
     }
     fn is_oom(&self) -> bool {
-        let text = self.error_message.iter().chain(self.stderr.iter()).cloned().collect::<Vec<_>>().join("\n");
+        let text = self.error_message.iter().chain(&self.stderr).chain(&self.stdout).cloned().collect::<Vec<_>>().join("\n");
         classify_oom(&text).is_some() || text.contains("MemoryError")
     }
-    /// The micro-batch the worker reported (`micro_batch_size=N`, last mention).
+    /// The micro-batch the worker reported (`micro_batch_size=N`, the last mention on
+    /// stderr, else on stdout: Python's print writes to stdout).
     fn reported_micro_batch(&self) -> Option<usize> {
-        self.stderr.iter().rev().find_map(|l| {
-            let at = l.find("micro_batch_size=")? + "micro_batch_size=".len();
-            l[at..].chars().take_while(char::is_ascii_digit).collect::<String>().parse().ok()
-        })
+        let last = |lines: &[String]| {
+            lines.iter().rev().find_map(|l| {
+                let at = l.find("micro_batch_size=")? + "micro_batch_size=".len();
+                l[at..].chars().take_while(char::is_ascii_digit).collect::<String>().parse().ok()
+            })
+        };
+        last(&self.stderr).or_else(|| last(&self.stdout))
     }
 }
 
@@ -117,7 +123,7 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
     }
     let temp = spec.log_dir.is_none().then(|| std::env::temp_dir().join(format!("oomguard-launch-{}", std::process::id())));
     let base = spec.log_dir.clone().or(temp.clone()).unwrap_or_default().join(&spec.run_id);
-    let mut micro = spec.micro_batch_size;
+    let mut micro = Micro { size: spec.micro_batch_size, failed: None };
     let mut attempt = 0;
     loop {
         let port = if spec.master_port == 0 { free_port()? } else { spec.master_port };
@@ -133,7 +139,7 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
         tracing::info!(
             "attempt {attempt}: {} workers (ranks {}..{}), master {}:{port}{}",
             workers.len(), workers[0].rank, workers[workers.len() - 1].rank, spec.master_addr,
-            micro.map(|m| format!(", micro-batch {m}")).unwrap_or_default()
+            micro.size.map(|m| format!(", micro-batch {m}")).unwrap_or_default()
         );
         match watch(&mut workers, spec.monitor_interval, &signals) {
             Outcome::Succeeded => {
@@ -146,7 +152,7 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
             }
             Outcome::Failed(f) => {
                 let oom = f.is_oom();
-                let known = micro.or(f.reported_micro_batch());
+                let known = micro.size.or(f.reported_micro_batch());
                 match after_failure(attempt, spec.max_restarts, oom, known) {
                     Next::Restart { micro_batch_size } => {
                         tracing::warn!(
@@ -159,7 +165,7 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
                                 None => tracing::warn!("cannot halve the micro-batch: its size is unknown (set {} or have the worker print micro_batch_size=N)", super::MICRO_BATCH_VAR),
                             }
                         }
-                        micro = micro_batch_size;
+                        micro = Micro { size: micro_batch_size, failed: if oom { known } else { micro.failed } };
                         attempt += 1;
                     }
                     Next::GiveUp => {
@@ -182,7 +188,7 @@ fn streams_of(map: &std::collections::BTreeMap<usize, Streams>, rank: usize) -> 
     map.get(&rank).copied().unwrap_or_default()
 }
 
-fn spawn(spec: &LaunchSpec, local_rank: usize, port: u16, attempt: u32, dir: &Path, micro: Option<usize>) -> Result<Worker, Error> {
+fn spawn(spec: &LaunchSpec, local_rank: usize, port: u16, attempt: u32, dir: &Path, micro: Micro) -> Result<Worker, Error> {
     let rank_dir = dir.join(local_rank.to_string());
     std::fs::create_dir_all(&rank_dir).map_err(|e| Error::Io { context: format!("creating {}", rank_dir.display()), source: e })?;
     let error_file = rank_dir.join("error.json");
@@ -208,19 +214,19 @@ fn spawn(spec: &LaunchSpec, local_rank: usize, port: u16, attempt: u32, dir: &Pa
     let (redirect, tee) = (streams_of(&spec.redirects, local_rank), streams_of(&spec.tee, local_rank));
     let shown = spec.console_ranks.as_ref().is_none_or(|r| r.contains(&local_rank));
     let prefix = format!("[{}{local_rank}]:", spec.role);
-    let stderr = Tail::default();
+    let (stdout, stderr) = (Tail::default(), Tail::default());
     let mut pumps = Vec::new();
     if let Some(out) = child.stdout.take() {
         let to_file = redirect.stdout || tee.stdout;
         let sink = Sink { prefix: prefix.clone(), console: shown && !redirect.stdout, is_stderr: false, file: to_file.then(|| rank_dir.join("stdout.log")) };
-        pumps.push(pump(out, sink, Tail::default()));
+        pumps.push(pump(out, sink, stdout.clone()));
     }
     if let Some(err) = child.stderr.take() {
         let to_file = redirect.stderr || tee.stderr;
         let sink = Sink { prefix, console: shown && !redirect.stderr, is_stderr: true, file: to_file.then(|| rank_dir.join("stderr.log")) };
         pumps.push(pump(err, sink, stderr.clone()));
     }
-    Ok(Worker { local_rank, rank: spec.node_rank * spec.nproc_per_node + local_rank, child, done: false, pumps, stderr, error_file })
+    Ok(Worker { local_rank, rank: spec.node_rank * spec.nproc_per_node + local_rank, child, done: false, pumps, stdout, stderr, error_file })
 }
 
 fn watch(workers: &mut [Worker], interval: Duration, signals: &Signals) -> Outcome {
@@ -244,7 +250,7 @@ fn watch(workers: &mut [Worker], interval: Duration, signals: &Signals) -> Outco
             let w = &workers[local_rank];
             return Outcome::Failed(Failure {
                 local_rank, rank: w.rank, pid: w.child.id(), exitcode, time,
-                error_message: read_error_file(&w.error_file), error_file: w.error_file.clone(), stderr: w.stderr.lines(),
+                error_message: read_error_file(&w.error_file), error_file: w.error_file.clone(), stdout: w.stdout.lines(), stderr: w.stderr.lines(),
             });
         }
         if workers.iter().all(|w| w.done) {

@@ -1,0 +1,60 @@
+//! `data.source: tensors`: a safetensors file holding `inputs` and `targets`, samples along
+//! dim 0, for models that are not language models. The last `val_fraction` of the rows is
+//! held out. A sample's position is its row.
+use std::path::Path;
+use tch::{Device, Tensor};
+
+use super::{Dataset, Samples};
+use crate::error::{Error, Result};
+
+struct Rows {
+    inputs: Tensor,
+    targets: Tensor,
+    name: String,
+}
+
+impl Samples for Rows {
+    fn num_positions(&self) -> usize {
+        self.inputs.size().first().copied().unwrap_or(0) as usize
+    }
+    fn batch(&self, positions: &[usize], device: Device) -> Result<(Tensor, Tensor)> {
+        let idx: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
+        let idx = Tensor::f_from_slice(&idx)?;
+        let pick = |t: &Tensor| t.f_index_select(0, &idx)?.f_to_device(device);
+        Ok((pick(&self.inputs)?, pick(&self.targets)?))
+    }
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+}
+
+pub(super) fn open(path: &Path, val_fraction: f64) -> Result<Dataset> {
+    let bad = |why: String| Error::Data(format!("{}: {why}", path.display()));
+    let named = Tensor::read_safetensors(path).map_err(|e| bad(format!("cannot read it as safetensors ({e})")))?;
+    let get = |name: &str| {
+        named.iter().find(|(n, _)| n == name).map(|(_, t)| t.shallow_clone()).ok_or_else(|| {
+            let have: Vec<&str> = named.iter().map(|(n, _)| n.as_str()).collect();
+            bad(format!("has no tensor `{name}` (it has {have:?}); data.source tensors needs `inputs` and `targets`, samples along dim 0"))
+        })
+    };
+    let (inputs, targets) = (get("inputs")?, get("targets")?);
+    let rows = |t: &Tensor| t.size().first().copied().unwrap_or(0);
+    if inputs.dim() == 0 || targets.dim() == 0 || rows(&inputs) != rows(&targets) {
+        return Err(bad(format!(
+            "`inputs` {:?} and `targets` {:?} must have the same number of samples along dim 0",
+            inputs.size(),
+            targets.size()
+        )));
+    }
+    let n = rows(&inputs);
+    let n_val = ((n as f64) * val_fraction).round() as i64;
+    if n_val < 1 || n - n_val < 1 {
+        return Err(bad(format!("{n} samples cannot be split into training and validation by data.val_fraction {val_fraction}")));
+    }
+    let part = |t: &Tensor, start: i64, len: i64| t.f_narrow(0, start, len);
+    let name = path.display().to_string();
+    let split = |start: i64, len: i64, which: &str| -> Result<Rows> {
+        Ok(Rows { inputs: part(&inputs, start, len)?, targets: part(&targets, start, len)?, name: format!("{name} ({which} split)") })
+    };
+    Ok(Dataset { train: Box::new(split(0, n - n_val, "train")?), val: Box::new(split(n - n_val, n_val, "validation")?) })
+}

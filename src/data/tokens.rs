@@ -1,0 +1,146 @@
+//! Token streams: the embedded corpus, a byte-level text file, or nanoGPT's u16 token
+//! files (memory-mapped). A sample is a window of `block_size` tokens and its next-token
+//! targets; its position is the window's start.
+use memmap2::Mmap;
+use std::path::Path;
+use std::sync::Arc;
+use tch::{Device, Tensor};
+
+use super::{embedded, DataConfig, DataSource, Dataset, Samples, TokenShape};
+use crate::error::{Error, Result};
+
+enum Storage {
+    Owned(Vec<u8>),
+    Mapped(Mmap),
+}
+
+impl Storage {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Storage::Owned(v) => v,
+            Storage::Mapped(m) => m,
+        }
+    }
+}
+
+/// A contiguous run of tokens (1 or 2 bytes each), owned or memory-mapped.
+#[derive(Clone)]
+pub struct Split {
+    storage: Arc<Storage>,
+    start: usize,
+    len: usize,
+    width: usize,
+    name: String,
+}
+
+impl Split {
+    fn new(storage: Arc<Storage>, width: usize, start: usize, len: usize, name: String) -> Split {
+        Split { storage, start, len, width, name }
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        self.len
+    }
+
+    fn token(&self, i: usize) -> i64 {
+        let b = self.storage.bytes();
+        let at = (self.start + i) * self.width;
+        if self.width == 1 { b[at] as i64 } else { u16::from_le_bytes([b[at], b[at + 1]]) as i64 }
+    }
+
+    /// Inputs and next-token targets `[n, block]` for the windows starting at `offsets`.
+    pub fn batch(&self, offsets: &[usize], block: usize, vocab: Option<i64>, device: Device) -> Result<(Tensor, Tensor)> {
+        let mut x = Vec::with_capacity(offsets.len() * block);
+        let mut y = Vec::with_capacity(offsets.len() * block);
+        for &o in offsets {
+            for i in o..o + block {
+                x.push(self.token(i));
+                y.push(self.token(i + 1));
+            }
+        }
+        if let Some((i, t)) = vocab.and_then(|v| y.iter().enumerate().find(|(_, &t)| t >= v)) {
+            return Err(Error::Data(format!(
+                "{}: token id {t} (near sample {}) is not below model.vocab_size {}; raise model.vocab_size",
+                self.name,
+                i / block,
+                vocab.unwrap_or_default()
+            )));
+        }
+        let shape = [offsets.len() as i64, block as i64];
+        let to = |v: Vec<i64>| Tensor::f_from_slice(&v)?.f_view(shape)?.f_to_device(device);
+        Ok((to(x)?, to(y)?))
+    }
+}
+
+/// Windows of `block_size` tokens from a split.
+pub struct TokenSamples {
+    pub split: Split,
+    pub shape: TokenShape,
+}
+
+impl Samples for TokenSamples {
+    fn num_positions(&self) -> usize {
+        self.split.num_tokens() - self.shape.block_size - 1
+    }
+    fn batch(&self, positions: &[usize], device: Device) -> Result<(Tensor, Tensor)> {
+        self.split.batch(positions, self.shape.block_size, self.shape.vocab_size, device)
+    }
+    fn units_per_sample(&self) -> usize {
+        self.shape.block_size
+    }
+    fn name(&self) -> String {
+        self.split.name.clone()
+    }
+}
+
+pub(super) fn open(cfg: &DataConfig, path: &Path, shape: TokenShape) -> Result<Dataset> {
+    let (train, val) = match cfg.source {
+        DataSource::Embedded => split_one(Storage::Owned(embedded::corpus(cfg.embedded_bytes)), cfg.val_fraction, "embedded corpus"),
+        DataSource::Text => split_one(map(path)?, cfg.val_fraction, &path.display().to_string()),
+        DataSource::Tokens => {
+            let open = |name: &str| -> Result<Split> {
+                let path = path.join(name);
+                let s = map(&path)?;
+                let n = s.bytes().len();
+                if n % 2 != 0 {
+                    return Err(Error::Data(format!("{}: {n} bytes is not a whole number of u16 tokens", path.display())));
+                }
+                Ok(Split::new(Arc::new(s), 2, 0, n / 2, path.display().to_string()))
+            };
+            (open("train.bin")?, open("val.bin")?)
+        }
+        DataSource::Tensors => unreachable!("tensor files are opened by data::tensors"),
+    };
+    for split in [&train, &val] {
+        if split.num_tokens() < shape.block_size + 2 {
+            return Err(Error::Data(format!(
+                "{}: {} tokens is too short for model.block_size {}; use more data or a smaller block_size",
+                split.name,
+                split.num_tokens(),
+                shape.block_size
+            )));
+        }
+    }
+    Ok(Dataset { train: Box::new(TokenSamples { split: train, shape }), val: Box::new(TokenSamples { split: val, shape }) })
+}
+
+fn split_one(storage: Storage, val_fraction: f64, name: &str) -> (Split, Split) {
+    let n = storage.bytes().len();
+    let n_val = ((n as f64) * val_fraction).round() as usize;
+    let storage = Arc::new(storage);
+    (
+        Split::new(storage.clone(), 1, 0, n - n_val, format!("{name} (train split)")),
+        Split::new(storage, 1, n - n_val, n_val, format!("{name} (validation split)")),
+    )
+}
+
+fn map(path: &Path) -> Result<Storage> {
+    let file = std::fs::File::open(path).map_err(|e| Error::Data(format!("cannot open data file {}: {e}", path.display())))?;
+    if file.metadata().map(|m| m.len()).unwrap_or(0) == 0 {
+        return Err(Error::Data(format!("{}: the file is empty", path.display())));
+    }
+    // SAFETY: read-only map of a file we do not modify; a concurrent writer would only
+    // change token values, not memory safety of the slice bounds we check.
+    let m = unsafe { Mmap::map(&file) }.map_err(|e| Error::Data(format!("cannot map data file {}: {e}", path.display())))?;
+    Ok(Storage::Mapped(m))
+}

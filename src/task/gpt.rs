@@ -1,0 +1,54 @@
+//! The built-in GPT as a `Task`: its parameters live in a VarStore, its planner is the
+//! formula in plan/, and its fingerprint is its shape keys.
+use tch::{nn::VarStore, Device, TchError, Tensor};
+
+use super::{Fingerprint, Task};
+use crate::model::{no_weight_decay, Gpt, GptConfig};
+use crate::plan::{Estimate, Precision};
+
+pub struct GptTask {
+    pub vs: VarStore,
+    pub model: Gpt,
+}
+
+impl GptTask {
+    pub fn new(cfg: &GptConfig, device: Device) -> Result<GptTask, TchError> {
+        let vs = VarStore::new(device);
+        let model = Gpt::new(&vs.root(), cfg)?;
+        Ok(GptTask { vs, model })
+    }
+}
+
+impl Task for GptTask {
+    fn parameters(&self) -> Vec<(String, Tensor)> {
+        let mut named: Vec<(String, Tensor)> = self.vs.variables().into_iter().collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        named
+    }
+    fn loss(&self, inputs: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor, TchError> {
+        self.model.loss(inputs, targets, train)
+    }
+    fn no_weight_decay(&self, name: &str, _param: &Tensor) -> bool {
+        no_weight_decay(name)
+    }
+    fn fingerprint(&self) -> Fingerprint {
+        let m = self.model.config();
+        [
+            ("n_layer", m.n_layer.to_string()),
+            ("n_head", m.n_head.to_string()),
+            ("n_embd", m.n_embd.to_string()),
+            ("block_size", m.block_size.to_string()),
+            ("vocab_size", m.vocab_size.to_string()),
+            ("bias", m.bias.to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (format!("model.{k}"), v))
+        .collect()
+    }
+    fn describe(&self) -> String {
+        format!("a GPT of {:.2}M parameters", self.model.config().num_params() as f64 / 1e6)
+    }
+    fn formula(&self) -> Option<Estimate> {
+        Some(Estimate::new(self.model.config(), Precision::Fp32, self.vs.device().is_cuda()))
+    }
+}

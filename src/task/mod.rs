@@ -1,0 +1,158 @@
+//! What the trainer trains: the one door every model comes through (torchtitan's
+//! TrainSpec, burn's TrainStep). The built-in GPT, a TorchScript module and a user's Rust
+//! model each implement `Task`; the loop, the guard, checkpoints, resume, signals, metrics,
+//! evaluation, `micro_batch_size: auto`, the planner and data-parallel training serve them
+//! all alike.
+pub mod gpt;
+pub mod tensors;
+pub mod torchscript;
+
+use std::path::Path;
+use tch::{Device, TchError, Tensor};
+
+use crate::data::Dataset;
+use crate::error::{Error, Result};
+use crate::model::{ModelConfig, ModelKind};
+use crate::plan::Estimate;
+
+/// What identifies a model's shape, as ordered (key, value) pairs: a checkpoint of another
+/// shape is refused naming each difference, and the micro-batch cache keys on it.
+pub type Fingerprint = Vec<(String, String)>;
+
+pub trait Task {
+    /// The trainable parameters by name (PyTorch's names where the model has them), each
+    /// tensor once, in a stable order.
+    fn parameters(&self) -> Vec<(String, Tensor)>;
+    /// State saved and restored with the weights that is not trained (BatchNorm's running
+    /// statistics).
+    fn buffers(&self) -> Vec<(String, Tensor)> {
+        Vec::new()
+    }
+    /// The mean loss over the micro-batch's samples. Fallible calls only: an allocation
+    /// failure must come back as `Err`, never a panic.
+    fn loss(&self, inputs: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor, TchError>;
+    /// The evaluation loss (no grad is recorded around it); by default the loss in eval mode.
+    fn eval_loss(&self, inputs: &Tensor, targets: &Tensor) -> Result<Tensor, TchError> {
+        self.loss(inputs, targets, false)
+    }
+    /// Parameters AdamW applies no weight decay to; by default biases and norms (1-D).
+    fn no_weight_decay(&self, _name: &str, param: &Tensor) -> bool {
+        param.dim() < 2
+    }
+    /// The model's shape; by default every parameter's name and size.
+    fn fingerprint(&self) -> Fingerprint {
+        self.parameters().iter().map(|(n, t)| (format!("parameter {n}"), format!("{:?}", t.size()))).collect()
+    }
+    /// A line for the log: what is being trained.
+    fn describe(&self) -> String {
+        let n: i64 = self.parameters().iter().map(|(_, t)| t.numel() as i64).sum();
+        format!("a model of {:.2}M parameters", n as f64 / 1e6)
+    }
+    /// The planner's formula for this model, where one exists (the GPT); other models are
+    /// planned by measuring trial steps.
+    fn formula(&self) -> Option<Estimate> {
+        None
+    }
+    /// Everything `model.safetensors` and checkpoints hold: the parameters (under every name
+    /// the model gives them: tied weights appear under each) and the buffers.
+    fn state(&self) -> Vec<(String, Tensor)> {
+        let mut all = self.parameters();
+        all.extend(self.buffers());
+        all
+    }
+}
+
+/// Differences between a checkpoint's fingerprint and the model's, e.g.
+/// `model.n_layer: 2 in the checkpoint, 3 in the config`.
+pub fn shape_changes(saved: &Fingerprint, now: &Fingerprint) -> Vec<String> {
+    let get = |f: &Fingerprint, k: &str| f.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone()).unwrap_or_else(|| "absent".into());
+    let mut keys: Vec<&String> = saved.iter().map(|(k, _)| k).collect();
+    keys.extend(now.iter().map(|(k, _)| k).filter(|k| !saved.iter().any(|(s, _)| s == *k)));
+    keys.into_iter()
+        .filter_map(|k| {
+            let (a, b) = (get(saved, k), get(now, k));
+            (a != b).then(|| format!("{k}: {a} in the checkpoint, {b} in the config"))
+        })
+        .collect()
+}
+
+/// The line of an error that says what went wrong: libtorch wraps TorchScript errors under
+/// "The following operation failed in the TorchScript interpreter." and a traceback, and
+/// C++ errors carry a backtrace; the last `...Error: ...` line is the cause.
+pub fn error_line(message: &str) -> String {
+    let lines: Vec<&str> = message.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+    let cause = lines.iter().rev().find(|l| {
+        let head = l.split(':').next().unwrap_or("");
+        head.ends_with("Error") && !head.contains(' ')
+    });
+    cause.or(lines.first()).map_or_else(|| message.to_string(), |l| l.to_string())
+}
+
+/// A short stable digest of a fingerprint, for cache keys.
+pub fn fingerprint_key(f: &Fingerprint) -> String {
+    let text: String = f.iter().map(|(k, v)| format!("{k}={v};")).collect();
+    format!("{:08x}", crc32fast::hash(text.as_bytes()))
+}
+
+/// What a model is built from: the device, the `model` section, the config file's folder
+/// (relative paths), and the data (a model may need its shape).
+pub struct BuildContext<'a> {
+    pub device: Device,
+    pub model: &'a ModelConfig,
+    pub base_dir: &'a Path,
+    pub config_path: &'a Path,
+}
+
+impl BuildContext<'_> {
+    /// The `model.settings` a Rust program's model reads, into its own (serde) type: give
+    /// it `#[serde(deny_unknown_fields)]`, and a bad key is refused naming the file and key.
+    pub fn settings<T: serde::de::DeserializeOwned + Default>(&self) -> Result<T> {
+        let Some(value) = &self.model.settings else { return Ok(T::default()) };
+        serde_yaml::from_value(value.clone()).map_err(|e| {
+            let msg = e.to_string().replace("unknown field", "unknown key");
+            Error::Config(crate::error::ConfigError {
+                origin: self.config_path.display().to_string(),
+                line_col: None,
+                key: "model.settings".into(),
+                message: msg,
+            })
+        })
+    }
+}
+
+/// A task and, for a model that brings its own, its data.
+pub struct Built {
+    pub task: Box<dyn Task>,
+    pub data: Option<Dataset>,
+}
+
+impl Built {
+    pub fn new(task: impl Task + 'static) -> Built {
+        Built { task: Box::new(task), data: None }
+    }
+    pub fn with_data(self, data: Dataset) -> Built {
+        Built { data: Some(data), ..self }
+    }
+}
+
+/// Builds the model a config names (`gpt` or `torchscript`; `rust` models come through
+/// the library with their own builder).
+pub fn build_from_config(ctx: &BuildContext) -> Result<Built> {
+    let task: Box<dyn Task> = match ctx.model.kind {
+        ModelKind::Gpt => Box::new(gpt::GptTask::new(&ctx.model.gpt(), ctx.device)?),
+        ModelKind::Torchscript => Box::new(torchscript::TorchScriptTask::load(ctx)?),
+        ModelKind::Rust => {
+            return Err(Error::Config(crate::error::ConfigError {
+                origin: ctx.config_path.display().to_string(),
+                line_col: None,
+                key: "model.kind".into(),
+                message: "rust models are trained by a Rust program that links oomguard and brings its model (see examples/mlp.rs); `oomguard train` trains kind gpt or torchscript".into(),
+            }))
+        }
+    };
+    if let Some(from) = &ctx.model.init_from {
+        let path = if from.is_absolute() { from.clone() } else { ctx.base_dir.join(from) };
+        tensors::init_from(task.as_ref(), &path)?;
+    }
+    Ok(Built { task, data: None })
+}

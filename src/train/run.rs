@@ -1,0 +1,423 @@
+//! A run's state between steps, for any `Task`: how it starts (fresh or resumed), one
+//! guarded step, evaluation, checkpoints and the final weights. The loop in trainer.rs
+//! calls these in order.
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use tch::{Device, Kind, Tensor};
+
+use super::eval::{evaluate, EvalSpec};
+use super::{train_step, MicroBatch, Resume, StepStats, Summary};
+use crate::checkpoint::{self, TrainState};
+use crate::config::Config;
+use crate::data::{Dataset, StepSamples, TokenShape};
+use crate::error::{ConfigError, Error, Phase, Result};
+use crate::guard::{Guard, GuardEvent, Policy};
+use crate::memory::{self, allocator, human_bytes, PressureSchedule};
+use crate::metrics::{EvalRecord, MetricsWriter, Record, StepRecord};
+use crate::model::ModelKind;
+use crate::optim::AdamW;
+use crate::plan::{self, AutoResult, AutoSearch};
+use crate::task::{self, fingerprint_key, BuildContext, Built, Task};
+use oomguard_launch::launch::{FAILED_MICRO_BATCH_VAR, MICRO_BATCH_VAR};
+
+/// Attempts at writing a checkpoint or the final weights when they run out of memory.
+const WRITE_ATTEMPTS: u32 = 4;
+
+/// Builds the model a run trains (a config's kind, or a Rust program's own model).
+pub type Builder<'b> = &'b dyn Fn(&BuildContext) -> Result<Built>;
+
+pub(super) struct Run<'a> {
+    pub cfg: &'a Config,
+    pub run_dir: PathBuf,
+    pub device: Device,
+    pub task: Box<dyn Task>,
+    pub data: Dataset,
+    pub opt: AdamW,
+    pub guard: Guard,
+    pub eval_guard: Guard,
+    pub pressure: PressureSchedule,
+    metrics: MetricsWriter,
+    pub next_step: u64,
+    pub first_step: u64,
+    pub units_per_step: usize,
+    /// Evaluation losses by the step a checkpoint right after would resume at.
+    eval_history: BTreeMap<u64, f64>,
+    /// Checkpoints known to verify (or not), so pruning reads each at most once.
+    verified: BTreeMap<u64, bool>,
+    /// The micro-batch cache's key for this model, memory and device.
+    cache_key: String,
+    pub summary: Summary,
+    start: Instant,
+}
+
+impl<'a> Run<'a> {
+    pub fn start(cfg: &'a Config, run_dir: &Path, settings: &allocator::AllocatorSettings, resume: Resume, build: Builder) -> Result<Run<'a>> {
+        let c = &cfg.raw;
+        let device = c.train.device();
+        memory::prepare(&c.memory, settings, device)?;
+        if let Some(n) = c.train.num_threads {
+            tch::set_num_threads(n as i32);
+        }
+        tch::manual_seed(c.train.seed as i64);
+        let base = cfg.base_dir();
+        let ctx = BuildContext { device, model: &c.model, base_dir: &base, config_path: &cfg.path };
+        let Built { task, data } = build(&ctx).map_err(|e| init_failure(e, cfg, device, "creating the model"))?;
+        let data = match data {
+            Some(d) => d,
+            None => {
+                let shape = c.model.block_size().map(|t| TokenShape {
+                    block_size: t as usize,
+                    vocab_size: (c.model.kind == ModelKind::Gpt).then(|| c.model.gpt().vocab_size),
+                });
+                Dataset::open(&c.data, &base, shape).map_err(|e| init_failure(e, cfg, device, "loading the data"))?
+            }
+        };
+        let mut opt = AdamW::new(task.parameters(), &c.optim, |n, t| task.no_weight_decay(n, t))
+            .map_err(|e| init_failure(e.into(), cfg, device, "creating the optimizer state"))?;
+        check_loss(task.as_ref(), &data, device, cfg)?;
+        checkpoint::clean_partial(run_dir);
+
+        let global = c.train.global_batch_size();
+        let limit = memory::stats(device).limit_bytes;
+        let cache_key = format!(
+            "{}|u{}|fp32|{device:?}|{}",
+            fingerprint_key(&task.fingerprint()),
+            data.train.units_per_sample(),
+            limit.map_or(0, |l| l >> 26) // in 64 MiB steps: an auto budget moves a little
+        );
+        let mut eval_guard = Guard::for_eval(&c.memory, c.train.eval_batch_size, device);
+        let (mut guard, metrics, next_step, eval_history) = match resolve(run_dir, resume)? {
+            None => {
+                let mut metrics = MetricsWriter::resume(run_dir, 0)?;
+                let guard = match c.train.micro_batch_size {
+                    MicroBatch::Size(m) => {
+                        // Never above the configured size; it may grow back to it.
+                        let mut guard = Guard::new(&c.memory, m, device);
+                        guard.policy.current = known_good(&cache_key, m);
+                        guard
+                    }
+                    MicroBatch::Auto => {
+                        let r = auto_search(cfg, task.as_ref(), &opt, &data, device, &cache_key, limit)?;
+                        metrics.write(&Record::AutoMicroBatch(r.clone()))?;
+                        Guard::new(&c.memory, r.micro_batch_size, device)
+                    }
+                };
+                (guard, metrics, 0, BTreeMap::new())
+            }
+            Some((dir, state)) => {
+                let changes = task::shape_changes(&state.model, &task.fingerprint());
+                if !changes.is_empty() {
+                    return Err(Error::Checkpoint(format!("{}: the model's shape changed since this checkpoint: {}", dir.display(), changes.join("; "))));
+                }
+                checkpoint::restore(&dir, task.as_ref(), &mut opt, device).map_err(|e| init_failure(e, cfg, device, "restoring the checkpoint"))?;
+                let configured = match c.train.micro_batch_size {
+                    MicroBatch::Size(m) => m,
+                    MicroBatch::Auto => state.policy.configured,
+                };
+                let mut guard = Guard::new(&c.memory, configured, device);
+                guard.policy = Policy::resumed(state.policy, configured);
+                eval_guard.policy = Policy::resumed(state.eval_policy, c.train.eval_batch_size);
+                let mut metrics = MetricsWriter::resume(run_dir, state.next_step)?;
+                metrics.write(&Record::Resumed { step: state.next_step, checkpoint: dir.display().to_string() })?;
+                tracing::info!("resumed from {} at step {} (micro-batch {})", dir.display(), state.next_step, guard.micro_batch_size());
+                (guard, metrics, state.next_step, state.eval_history)
+            }
+        };
+        if let Some(mb) = launcher_micro_batch(MICRO_BATCH_VAR)? {
+            let failed = launcher_micro_batch(FAILED_MICRO_BATCH_VAR)?;
+            guard.policy.relaunched(failed, mb, next_step);
+            tracing::info!(
+                "{MICRO_BATCH_VAR}={mb}: starting at micro-batch {}{}", guard.policy.current,
+                failed.map(|f| format!(" ({f} ran out of memory before the relaunch: it cools down)")).unwrap_or_default()
+            );
+        }
+        let mb = guard.micro_batch_size();
+        tracing::info!(
+            "training {} on {device:?} ({} threads): global batch {global} = {mb} x {}, {} steps",
+            task.describe(), tch::get_num_threads(), global.div_ceil(mb), c.train.max_steps
+        );
+        let best = eval_history.values().copied().fold(None, |b: Option<f64>, v| Some(b.map_or(v, |b| b.min(v))));
+        let verified = BTreeMap::new();
+        Ok(Run {
+            cfg, run_dir: run_dir.to_path_buf(), device, units_per_step: global * data.train.units_per_sample(), task, data, opt,
+            guard, eval_guard, pressure: PressureSchedule::new(&c.memory.pressure, device), metrics, next_step, first_step: next_step,
+            eval_history, verified, cache_key,
+            summary: Summary { steps: c.train.max_steps, first_loss: f64::NAN, best_val_loss: best, ..Default::default() },
+            start: Instant::now(),
+        })
+    }
+
+    /// One optimizer step under the guard, recorded and logged.
+    pub fn step(&mut self, step: u64) -> Result<StepStats> {
+        let c = &self.cfg.raw;
+        let lr = c.optim.lr_at(step, c.train.max_steps);
+        let t0 = Instant::now();
+        let batches = StepSamples::new(self.data.train.as_ref(), c.train.seed, c.train.global_batch_size(), self.device);
+        let task = self.task.as_ref();
+        let mut ctx = StepCtx { opt: &mut self.opt, buffers: None };
+        let result = self.guard.run(
+            step,
+            &mut ctx,
+            |ctx, mb| {
+                ctx.snapshot_buffers(task)?;
+                train_step(task, ctx.opt, &batches, step, mb, lr, c.optim.grad_clip)
+            },
+            |ctx| ctx.undo(task),
+        );
+        let stats = self.after_guarded(result, step)?;
+        let dt = t0.elapsed().as_secs_f64();
+        let mem = self.guard.last_memory();
+        let rec = StepRecord {
+            step, loss: stats.loss, lr, grad_norm: stats.grad_norm, tokens_per_s: self.units_per_step as f64 / dt,
+            micro_batch_size: stats.micro_batch_size, grad_accum_steps: stats.num_micro_batches, num_samples: stats.num_samples,
+            world_size: 1, step_time_s: dt, elapsed_s: self.start.elapsed().as_secs_f64(), memory: mem,
+        };
+        if step.is_multiple_of(c.log.every) || step + 1 == c.train.max_steps {
+            tracing::info!(
+                "step {:>5}/{} | loss {:.4} | lr {:.2e} | {:>7.0} tok/s | mb {}x{} | mem {} (peak {})",
+                step + 1, c.train.max_steps, rec.loss, lr, rec.tokens_per_s, rec.micro_batch_size, rec.grad_accum_steps,
+                human_bytes(mem.live_bytes), human_bytes(mem.peak_bytes)
+            );
+        }
+        self.metrics.write(&Record::Step(rec))?;
+        self.summary.peak_bytes = self.summary.peak_bytes.max(mem.peak_bytes);
+        self.next_step = step + 1;
+        Ok(stats)
+    }
+
+    /// Records the guard's events (a size that worked after an OOM goes to the micro-batch
+    /// cache); on an infeasible step, checkpoints before failing and says what would fit.
+    fn after_guarded<T>(&mut self, result: Result<T>, step: u64) -> Result<T> {
+        let mut shrank = false;
+        for guard in [&mut self.guard, &mut self.eval_guard] {
+            for e in guard.drain_events() {
+                shrank |= matches!(&e, GuardEvent::Oom(o) if o.phase != Some(Phase::Eval) && o.new_micro_batch_size > 0);
+                self.metrics.write(&Record::from(e))?;
+            }
+        }
+        if shrank && result.is_ok() {
+            plan::remember(&self.cache_key, self.guard.micro_batch_size());
+        }
+        match result {
+            Err(Error::Oom(oom)) => {
+                // Unrecovered (guard off): `oomguard launch` reads this to relaunch at half.
+                tracing::error!("step {step} ran out of memory at micro_batch_size={}", self.guard.micro_batch_size());
+                Err(Error::Oom(oom))
+            }
+            Err(Error::Infeasible(msg)) => {
+                self.checkpoint(step)?;
+                self.save_weights()?;
+                let advice = self.advice();
+                Err(Error::Infeasible(format!("{msg}{advice}")))
+            }
+            other => other,
+        }
+    }
+
+    /// The planner's view of what does not fit and what would, for models it has a formula for.
+    fn advice(&self) -> String {
+        let c = &self.cfg.raw;
+        match (c.model.kind, memory::stats(self.device).limit_bytes) {
+            (ModelKind::Gpt, Some(limit)) => format!(" {}", plan::advice(&c.model.gpt(), limit, self.device.is_cuda())),
+            _ => String::new(),
+        }
+    }
+
+    pub fn evaluate(&mut self, step: u64) -> Result<()> {
+        let c = &self.cfg.raw;
+        let spec = EvalSpec {
+            samples: self.data.val.as_ref(), seed: c.train.seed, batch_size: c.train.eval_batch_size,
+            num_batches: c.train.eval_batches, device: self.device,
+        };
+        let v = evaluate(self.task.as_ref(), &spec, &mut self.eval_guard, step);
+        let v = self.after_guarded(v, step)?;
+        tracing::info!("eval  {:>5} | val loss {v:.4}", step + 1);
+        self.metrics.write(&Record::Eval(EvalRecord { step, val_loss: v, eval_batch_size: c.train.eval_batch_size }))?;
+        self.eval_history.insert(step + 1, v);
+        self.summary.val_loss = Some(v);
+        self.summary.best_val_loss = Some(self.summary.best_val_loss.map_or(v, |b| b.min(v)));
+        Ok(())
+    }
+
+    /// A checkpoint from which the run resumes at `next_step`; old ones are pruned.
+    pub fn checkpoint(&mut self, next_step: u64) -> Result<()> {
+        let c = &self.cfg.raw;
+        let state = TrainState {
+            format: checkpoint::FORMAT, next_step, samples_seen: next_step * c.train.global_batch_size() as u64,
+            policy: self.guard.policy.clone(), eval_policy: self.eval_guard.policy.clone(), val_loss: self.summary.val_loss,
+            eval_history: self.eval_history.clone(), model: self.task.fingerprint(), extra: Default::default(), files: Default::default(),
+        };
+        let dir = self.retrying_oom(next_step, |run| checkpoint::save(&run.run_dir, &state, run.task.as_ref(), &run.opt, run.device))?;
+        tracing::info!("checkpoint {}", dir.display());
+        self.verified.insert(next_step, true);
+        let verified = &mut self.verified;
+        checkpoint::prune(&self.run_dir, &c.checkpoint, &self.eval_history, |step, dir| {
+            *verified.entry(step).or_insert_with(|| checkpoint::verify(dir).is_ok())
+        });
+        Ok(())
+    }
+
+    /// The final weights, `model.safetensors` (parameters and buffers, by name).
+    pub fn save_weights(&mut self) -> Result<()> {
+        let path = self.run_dir.join("model.safetensors");
+        let step = self.next_step;
+        self.retrying_oom(step, |run| task::tensors::save(&run.task.state(), &path))
+    }
+
+    /// Runs a write that allocates (copies to the CPU, RNG state) again after an OOM,
+    /// recording each one.
+    fn retrying_oom<T>(&mut self, step: u64, mut write: impl FnMut(&Self) -> Result<T>) -> Result<T> {
+        let mut attempt = 1;
+        loop {
+            match write(self) {
+                Err(Error::Oom(oom)) if attempt < WRITE_ATTEMPTS => {
+                    tracing::warn!("out of memory writing at step {step} (attempt {attempt} of {WRITE_ATTEMPTS}): {}; retrying", oom.message);
+                    self.guard.note_oom(step, &oom, Phase::Checkpoint);
+                    memory::empty_cache(self.device)?;
+                    for e in self.guard.drain_events() {
+                        self.metrics.write(&Record::from(e))?;
+                    }
+                    attempt += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    pub fn write(&mut self, record: &Record) -> Result<()> {
+        self.metrics.write(record)
+    }
+}
+
+/// The step's mutable context: the optimizer and, for models with buffers (BatchNorm
+/// statistics), their values before the step, put back after a failed attempt.
+struct StepCtx<'o> {
+    opt: &'o mut AdamW,
+    buffers: Option<Vec<Tensor>>,
+}
+
+impl StepCtx<'_> {
+    fn snapshot_buffers(&mut self, task: &dyn Task) -> Result<()> {
+        if self.buffers.is_none() {
+            let copies = task.buffers().iter().map(|(_, b)| b.f_detach_copy()).collect::<Result<Vec<_>, _>>();
+            self.buffers = Some(copies.map_err(|e| Error::from(e).in_phase(Phase::Forward))?);
+        }
+        Ok(())
+    }
+
+    /// After a failed attempt: no gradients, buffers as they were.
+    fn undo(&mut self, task: &dyn Task) {
+        self.opt.clear_grads();
+        if let Some(saved) = &self.buffers {
+            let _no_grad = tch::no_grad_guard();
+            for ((name, b), s) in task.buffers().iter().zip(saved) {
+                if let Err(e) = b.shallow_clone().f_copy_(s) {
+                    tracing::warn!("could not restore buffer {name} after a failed attempt: {e}");
+                }
+            }
+        }
+    }
+}
+
+/// What an allocation failure while a run is being set up means: the model (or its state)
+/// does not fit at all (exit 3), with the planner's figures where it has them.
+fn init_failure(e: Error, cfg: &Config, device: Device, doing: &str) -> Error {
+    let Error::Oom(oom) = e else { return e };
+    let c = &cfg.raw;
+    let stats = memory::stats(device);
+    let limit = stats.limit_bytes.or(oom.capacity_bytes);
+    let of = limit.map(|l| format!(" of {}", human_bytes(l))).unwrap_or_default();
+    let advice = match (c.model.kind, limit) {
+        (ModelKind::Gpt, Some(l)) => format!(" {}", plan::advice(&c.model.gpt(), l, device.is_cuda())),
+        _ => " To fit: raise memory.budget or use a device with more memory, or a smaller model.".into(),
+    };
+    Error::Infeasible(format!(
+        "the model does not fit in memory ({doing} ran out; {} in use{of}).{advice} libtorch said: {}",
+        human_bytes(stats.live_bytes), oom.message
+    ))
+}
+
+/// One sample through the loss, before training: a model that cannot take the data (a
+/// wrong dtype or shape, a missing method) is bad input (exit 2), said before any step.
+fn check_loss(task: &dyn Task, data: &Dataset, device: Device, cfg: &Config) -> Result<()> {
+    let _no_grad = tch::no_grad_guard();
+    let describe = |t: &Tensor| format!("{:?} {:?}", t.size(), t.kind());
+    let bad = |message: String| Error::Config(ConfigError { origin: cfg.path.display().to_string(), line_col: None, key: "model".into(), message });
+    let (x, y) = match data.train.batch(&[0], device) {
+        Ok(b) => b,
+        Err(Error::Oom(_)) => return Ok(()), // the guard will deal with memory
+        Err(e) => return Err(e),
+    };
+    match task.eval_loss(&x, &y).map_err(Error::from) {
+        Ok(loss) if loss.numel() == 1 && matches!(loss.kind(), Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16) => Ok(()),
+        Ok(loss) => Err(bad(format!(
+            "{}: the loss on one sample (inputs {}, targets {}) is a tensor {}; it must be the mean loss, a floating-point scalar",
+            task.describe(), describe(&x), describe(&y), describe(&loss)
+        ))),
+        Err(Error::Oom(_)) => Ok(()),
+        Err(e) => Err(bad(format!(
+            "{} cannot compute the loss of one sample of {} (inputs {}, targets {}): {}",
+            task.describe(), data.train.name(), describe(&x), describe(&y), task::error_line(&e.to_string())
+        ))),
+    }
+}
+
+/// A fixed micro-batch, lowered to a size the micro-batch cache knows fits (one learned by
+/// an earlier run or sweep trial of the same model, memory and device).
+fn known_good(key: &str, configured: usize) -> usize {
+    match plan::cached(key) {
+        Some(known) if known < configured => {
+            tracing::info!("starting at micro-batch {known}, not {configured}: an earlier run of this model on this memory ran out above it (the micro-batch cache)");
+            known
+        }
+        _ => configured,
+    }
+}
+
+/// `micro_batch_size: auto`: the cache, or a search from the planner's estimate.
+fn auto_search(cfg: &Config, task: &dyn Task, opt: &AdamW, data: &Dataset, device: Device, key: &str, limit: Option<u64>) -> Result<AutoResult> {
+    let c = &cfg.raw;
+    let global = c.train.global_batch_size();
+    let start = match (task.formula(), limit) {
+        (Some(est), Some(l)) => est.largest_fitting(l, global).max(1),
+        _ => global,
+    };
+    let batches = StepSamples::new(data.train.as_ref(), c.train.seed, global, device);
+    let spec = AutoSearch { key: key.to_string(), start, max: global, margin: c.memory.auto_margin };
+    let r = plan::auto_micro_batch(task, &batches, || opt.clear_grads(), device, spec)?;
+    if r.from_cache {
+        tracing::info!("micro_batch_size auto: {} (cached: {} fits; {} margin)", r.micro_batch_size, r.largest_fitting, c.memory.auto_margin);
+    } else {
+        tracing::info!(
+            "micro_batch_size auto: {} ({} fits, found in {} trial steps, {:.2}s, starting from {start}; {} margin)",
+            r.micro_batch_size, r.largest_fitting, r.trials, r.search_s, c.memory.auto_margin
+        );
+    }
+    Ok(r)
+}
+
+/// A micro-batch size from `oomguard launch` (after a worker died of an OOM).
+fn launcher_micro_batch(var: &str) -> Result<Option<usize>> {
+    match std::env::var(var) {
+        Err(_) => Ok(None),
+        Ok(v) => v.trim().parse().ok().filter(|&m: &usize| m >= 1).map(Some).ok_or_else(|| {
+            let e = ConfigError::invalid(var, format!("`{v}` is not a micro-batch size (a whole number, at least 1)"));
+            Error::Config(ConfigError { origin: "environment".into(), ..e })
+        }),
+    }
+}
+
+fn resolve(run_dir: &Path, resume: Resume) -> Result<Option<(PathBuf, TrainState)>> {
+    match resume {
+        Resume::Fresh => Ok(None),
+        // Nothing saved yet (e.g. a relaunch after a death before the first checkpoint):
+        // start over, keeping the earlier attempt's metrics in metrics.replaced.jsonl.
+        Resume::Newest if checkpoint::list(run_dir).is_empty() => {
+            tracing::info!("--resume: no checkpoint in {} yet; starting from step 0", run_dir.display());
+            Ok(None)
+        }
+        Resume::Newest => checkpoint::newest_valid(run_dir).map(Some),
+        Resume::From(dir) => checkpoint::verify(&dir).map(|s| Some((dir, s))),
+    }
+}
