@@ -28,11 +28,25 @@ install_torch() {
   say "installing torch==$TORCH_VERSION from PyPI into $VENV (about 5 GB, once per machine)"
   python3 -c 'import ensurepip' 2>/dev/null || apt_install python3-venv /usr/lib/python3/dist-packages/ensurepip
   python3 -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir "torch==$TORCH_VERSION" numpy
+  # shellcheck disable=SC2086 # a list of packages
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir "torch==$TORCH_VERSION" $PYTHON_PACKAGES
+  echo "$PYTHON_PACKAGES" > "$VENV/.packages"
   touch "$VENV/.complete"
 }
 
+# A cache made before a package joined PYTHON_PACKAGES gets it added.
+install_python_packages() {
+  [ "$(cat "$VENV/.packages" 2>/dev/null)" = "$PYTHON_PACKAGES" ] && return 0
+  exec 9>"$CACHE/.lock"
+  flock 9
+  say "installing $PYTHON_PACKAGES into $VENV"
+  # shellcheck disable=SC2086
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir $PYTHON_PACKAGES
+  echo "$PYTHON_PACKAGES" > "$VENV/.packages"
+}
+
 install_torch
+install_python_packages
 TORCH_DIR="$(ls -d "$VENV"/lib/python3*/site-packages/torch | head -n 1)"
 ln -sfn "$TORCH_DIR" "$ROOT/.libtorch"
 ln -sfn "$VENV" "$ROOT/.venv"

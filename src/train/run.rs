@@ -60,6 +60,7 @@ impl<'a> Run<'a> {
             tch::set_num_threads(n as i32);
         }
         tch::manual_seed(c.train.seed as i64);
+        refuse_what_cannot_fit(cfg, device)?;
         let base = cfg.base_dir();
         let ctx = BuildContext { device, model: &c.model, base_dir: &base, config_path: &cfg.path };
         let Built { task, data } = build(&ctx).map_err(|e| init_failure(e, cfg, device, "creating the model"))?;
@@ -336,6 +337,23 @@ fn init_failure(e: Error, cfg: &Config, device: Device, doing: &str) -> Error {
         "the model does not fit in memory ({doing} ran out; {} in use{of}).{advice} libtorch said: {}",
         human_bytes(stats.live_bytes), oom.message
     ))
+}
+
+/// A GPT whose weights, gradients and AdamW state alone exceed the memory (exact sizes,
+/// no estimate) is refused before anything is allocated, as `oomguard plan` would.
+fn refuse_what_cannot_fit(cfg: &Config, device: Device) -> Result<()> {
+    let c = &cfg.raw;
+    let stats = memory::stats(device);
+    let (ModelKind::Gpt, Some(limit)) = (c.model.kind, stats.limit_bytes) else { return Ok(()) };
+    let est = plan::Estimate::new(&c.model.gpt(), plan::Precision::Fp32, device.is_cuda());
+    let state = est.params_bytes + est.grads_bytes + est.optimizer_bytes;
+    if stats.live_bytes + state <= limit {
+        return Ok(());
+    }
+    Err(Error::Infeasible(format!(
+        "the model does not fit in memory: its weights, gradients and AdamW state alone need {} and {} is in use, of {} (nothing was allocated). {}",
+        human_bytes(state), human_bytes(stats.live_bytes), human_bytes(limit), plan::advice(&c.model.gpt(), limit, device.is_cuda())
+    )))
 }
 
 /// One sample through the loss, before training: a model that cannot take the data (a

@@ -1,0 +1,162 @@
+//! A PyTorch model, trained by oomguard: modules exported with torch.jit.script by the set-up's
+//! Python, trained through the binary, and checked against eager PyTorch on the same weights
+//! and samples (tests/scripts/ts_reference.py).
+mod common;
+use common::*;
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The set-up's python3 (torch 2.13, safetensors), run quietly (torch.jit is deprecated:
+/// warnings only).
+fn python(args: &[&str]) -> String {
+    let py = root().join(".venv/bin/python3");
+    let o = Command::new(&py).args(args).env("PYTHONWARNINGS", "ignore").env("OMP_NUM_THREADS", "1").output().expect("python3 from the set-up's venv");
+    assert!(o.status.success(), "python {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn script(name: &str) -> String {
+    root().join(name).display().to_string()
+}
+
+/// examples/torchscript/mu_sota.py's model (block 32) and a text corpus, with a config.
+fn mu_sota(dir: &Path, extra: &str) -> PathBuf {
+    python(&[&script("examples/torchscript/mu_sota.py"), "--out", dir.join("model.pt").to_str().unwrap(), "--block-size", "32"]);
+    let text: String = (0..600).map(|i| format!("{} little birds sang {} songs at dawn.\n", i % 17, (i * 7) % 13)).collect();
+    std::fs::write(dir.join("corpus.txt"), text).unwrap();
+    write_config(dir, "ts.yaml", &format!("
+model: {{kind: torchscript, path: model.pt, block_size: 32}}
+data: {{source: text, path: corpus.txt, val_fraction: 0.1}}
+optim: {{lr: 3.0e-3, min_lr: 3.0e-4, warmup_steps: 3, decay_steps: 30, weight_decay: 0.1, beta1: 0.9, beta2: 0.95, eps: 1.0e-8, grad_clip: 1.0}}
+train: {{micro_batch_size: 8, grad_accum_steps: 1, max_steps: 30, eval_every: 0, eval_batch_size: 8, eval_batches: 2, seed: 5, device: cpu, num_threads: 1}}
+log: {{every: 10}}
+{extra}"))
+}
+
+fn reference(dir: &Path, mode: &str, model: &str, weights: &Path, config: Value) -> Value {
+    let out = python(&[&script("tests/scripts/ts_reference.py"), mode, "--model", model, "--config", &config.to_string(), "--weights", weights.to_str().unwrap()]);
+    let _ = dir;
+    serde_json::from_str(out.lines().last().unwrap()).unwrap()
+}
+
+fn mu_sota_reference_config(dir: &Path, steps: u64) -> Value {
+    json!({"data": dir.join("corpus.txt"), "block": 32, "val_fraction": 0.1, "seed": 5, "global_batch": 8, "steps": steps,
+           "lr": 3e-3, "min_lr": 3e-4, "warmup": 3, "decay_steps": 30, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95,
+           "eps": 1e-8, "grad_clip": 1.0, "eval_batch": 8, "eval_batches": 2})
+}
+
+fn run(dir: &Path, cfg: &Path, name: &str, extra: &[&str]) -> PathBuf {
+    let run = dir.join(name);
+    let mut args = vec!["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let o = oomguard(&args, dir);
+    assert!(o.status.success(), "{}", stderr(&o));
+    run
+}
+
+/// It trains (its loss falls), its first 5 losses are eager PyTorch's to 1e-5, and the weights
+/// it saves load into the Python module with strict=True and give the same eval loss there.
+#[test]
+fn trains_like_eager_pytorch_and_its_weights_load_in_python() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = mu_sota(dir.path(), "");
+    let r = run(dir.path(), &cfg, "run", &[]);
+    let ours = losses(&r);
+    let eager = reference(dir.path(), "train", "mu_sota", &dir.path().join("model.pt"), mu_sota_reference_config(dir.path(), 5));
+    let eager: Vec<f64> = serde_json::from_value(eager["losses"].clone()).unwrap();
+    for (s, (a, b)) in ours.iter().zip(&eager).enumerate() {
+        assert!((a - b).abs() < 1e-5, "step {s}: oomguard {a}, eager PyTorch {b}\n{ours:?}\n{eager:?}");
+    }
+    let (head, tail) = (ours[..3].iter().sum::<f64>() / 3.0, ours[27..].iter().sum::<f64>() / 3.0);
+    assert!(tail < 0.8 * head, "loss did not fall: {head} -> {tail}");
+
+    let ours_val = records(&r, "eval").last().unwrap()["val_loss"].as_f64().unwrap();
+    let py = reference(dir.path(), "eval", "mu_sota", &r.join("model.safetensors"), mu_sota_reference_config(dir.path(), 0));
+    assert!(py["load"].as_str().unwrap().contains("All keys matched"), "{py}");
+    let py_val = py["val_loss"].as_f64().unwrap();
+    assert!((ours_val - py_val).abs() < 1e-5, "eval loss: oomguard {ours_val}, Python with model.safetensors {py_val}");
+}
+
+/// Under a budget the scripted forward runs out of memory, the guard halves the micro-batch,
+/// and the run ends with the parameters of a run without the budget.
+#[test]
+fn an_oom_inside_the_scripted_model_is_recovered_with_the_same_result() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = mu_sota(dir.path(), "");
+    let peak = |micro: usize| {
+        let r = run(dir.path(), &cfg, &format!("m{micro}"), &["--max-steps", "1", "--memory-budget", "none", "--set", &format!("train.micro_batch_size={micro}"), "--set", &format!("train.grad_accum_steps={}", 8 / micro)]);
+        records(&r, "step")[0]["memory"]["peak_bytes"].as_u64().unwrap()
+    };
+    let budget = ((peak(4) + peak(8)) / 2).to_string();
+    let free = run(dir.path(), &cfg, "free", &["--max-steps", "6", "--memory-budget", "none"]);
+    let guarded = run(dir.path(), &cfg, "guarded", &["--max-steps", "6", "--memory-budget", &budget, "--set", "memory.cooldown_steps=1000"]);
+    let ooms: Vec<Value> = records(&guarded, "oom").into_iter().filter(|e| e["phase"] != "eval").collect();
+    assert_eq!(ooms.len(), 1, "{ooms:?}");
+    assert_eq!((ooms[0]["old_micro_batch_size"].as_u64(), ooms[0]["new_micro_batch_size"].as_u64()), (Some(8), Some(4)));
+    assert!(ooms[0]["message"].as_str().unwrap().contains("oomguard memory budget exceeded"), "{}", ooms[0]);
+    assert_eq!(ooms[0]["memory_before"], ooms[0]["memory_after_cleanup"]);
+    assert!(records(&guarded, "step").iter().all(|s| s["num_samples"] == 8 && s["micro_batch_size"] == 4));
+    let d = max_abs_diff(&weights(&free), &weights(&guarded));
+    assert!(d < 1e-5, "parameters differ by {d}");
+}
+
+/// Resume is bitwise exact, BatchNorm's running statistics (buffers) included, and those
+/// buffers reach Python: the eval loss there (eval mode uses them) is oomguard's.
+#[test]
+fn resume_is_exact_and_buffers_are_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, data) = (dir.path().join("bn.pt"), dir.path().join("bn.safetensors"));
+    python(&[&script("tests/scripts/ts_bn.py"), "--out", model.to_str().unwrap(), "--data", data.to_str().unwrap()]);
+    let cfg = write_config(dir.path(), "bn.yaml", "
+model: {kind: torchscript, path: bn.pt}
+data: {source: tensors, path: bn.safetensors, val_fraction: 0.2}
+optim: {lr: 1.0e-2, warmup_steps: 2, decay_steps: 10}
+train: {micro_batch_size: 32, grad_accum_steps: 1, max_steps: 10, eval_every: 0, eval_batch_size: 32, eval_batches: 2, seed: 3, device: cpu, num_threads: 1}
+");
+    let full = run(dir.path(), &cfg, "full", &[]);
+    let half = run(dir.path(), &cfg, "half", &["--max-steps", "5"]);
+    run(dir.path(), &cfg, "half", &["--resume"]);
+    let (a, b) = (weights(&full), weights(&half));
+    assert!(a.iter().any(|(n, _)| n == "bn.running_mean") && a.iter().any(|(n, _)| n == "bn.num_batches_tracked"), "{:?}", a.iter().map(|(n, _)| n).collect::<Vec<_>>());
+    assert_eq!(max_abs_diff(&a, &b), 0.0, "resume is not exact");
+    let tracked = a.iter().find(|(n, _)| n == "bn.num_batches_tracked").unwrap().1.int64_value(&[]);
+    assert_eq!(tracked, 10, "one BatchNorm update per step (failed attempts are undone)");
+
+    let ours_val = records(&full, "eval").last().unwrap()["val_loss"].as_f64().unwrap();
+    let cfg = json!({"data": data, "val_fraction": 0.2, "seed": 3, "eval_batch": 32, "eval_batches": 2});
+    let py = reference(dir.path(), "eval", "bn", &full.join("model.safetensors"), cfg);
+    let py_val = py["val_loss"].as_f64().unwrap();
+    assert!((ours_val - py_val).abs() < 1e-5, "eval loss: oomguard {ours_val}, Python {py_val}");
+}
+
+/// What is not a usable model is bad input (exit 2), named with what was expected.
+#[test]
+fn bad_models_exit_2_saying_what_was_expected() {
+    let dir = tempfile::tempdir().unwrap();
+    let fails = |cfg: &Path, wants: &[&str]| {
+        let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", dir.path().join("r").to_str().unwrap()], dir.path());
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        for w in wants {
+            assert!(err.contains(w), "expected {w:?} in {err}");
+        }
+        let _ = std::fs::remove_dir_all(dir.path().join("r"));
+    };
+    std::fs::write(dir.path().join("junk.pt"), b"not a module at all").unwrap();
+    let base = "data: {source: tensors, path: bn.safetensors}\ntrain: {device: cpu, max_steps: 1}\n";
+    let (model, data) = (dir.path().join("bn.pt"), dir.path().join("bn.safetensors"));
+    python(&[&script("tests/scripts/ts_bn.py"), "--out", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "--float-targets"]);
+    let junk = write_config(dir.path(), "junk.yaml", &format!("model: {{kind: torchscript, path: junk.pt}}\n{base}"));
+    fails(&junk, &["model.path", "junk.pt is not a TorchScript module"]);
+    let missing = write_config(dir.path(), "nope.yaml", &format!("model: {{kind: torchscript, path: bn.pt, method: loss}}\n{base}"));
+    fails(&missing, &["model.method", "has no method `loss` (its methods: forward"]);
+    let dtype = write_config(dir.path(), "dtype.yaml", &format!("model: {{kind: torchscript, path: bn.pt}}\n{base}"));
+    fails(&dtype, &["cannot compute the loss of one sample", "targets [1] Float", "bn.pt"]);
+    let gpt_key = write_config(dir.path(), "key.yaml", &format!("model: {{kind: torchscript, path: bn.pt, n_layer: 2}}\n{base}"));
+    fails(&gpt_key, &["model.n_layer: is a key of the built-in GPT"]);
+}
