@@ -160,3 +160,30 @@ fn bad_models_exit_2_saying_what_was_expected() {
     let gpt_key = write_config(dir.path(), "key.yaml", &format!("model: {{kind: torchscript, path: bn.pt, n_layer: 2}}\n{base}"));
     fails(&gpt_key, &["model.n_layer: is a key of the built-in GPT"]);
 }
+
+/// The planner for a model without a formula measures trial steps at micro-batches 1..8 and
+/// extrapolates: at micro-batch 32 it lands within 20% of a real step's measured peak; and
+/// `micro_batch_size: auto` finds a size under a budget and trains at it.
+#[test]
+fn measured_planner_and_auto_micro_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = mu_sota(dir.path(), "memory: {budget: 1GiB}\n");
+    let o = oomguard(&["plan", cfg.to_str().unwrap(), "--json", "--set", "train.micro_batch_size=32"], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let plan: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(plan["method"], "measured");
+    let planned = plan["configured_peak_bytes"].as_f64().unwrap();
+    let r = run(dir.path(), &cfg, "real", &["--max-steps", "2", "--set", "train.micro_batch_size=32"]);
+    let measured = records(&r, "step")[1]["memory"]["peak_bytes"].as_f64().unwrap();
+    let err = (planned - measured).abs() / measured;
+    assert!(err < 0.2, "planned {planned}, measured {measured}: {:.1}% off", err * 100.0);
+
+    let auto = write_config(dir.path(), "auto.yaml", &std::fs::read_to_string(&cfg).unwrap()
+        .replace("micro_batch_size: 8, grad_accum_steps: 1", "micro_batch_size: auto, global_batch_size: 32")
+        .replace("budget: 1GiB", &format!("budget: {}", (measured * 0.6) as u64)));
+    let r = run(dir.path(), &auto, "auto", &["--max-steps", "2"]);
+    let a = &records(&r, "auto_micro_batch")[0];
+    let found = a["largest_fitting"].as_u64().unwrap();
+    assert!((4..32).contains(&found), "{a}");
+    assert!(records(&r, "step").iter().all(|s| s["num_samples"] == 32 && s["micro_batch_size"] == a["micro_batch_size"]));
+}

@@ -1,7 +1,11 @@
 //! `oomguard plan CONFIG [--device-memory SIZE|CARD] [--precision fp32|bf16] [--json]`
-use crate::config;
-use crate::memory::{budget, human_bytes};
-use crate::plan::{device_memory, suggestions, Estimate, Precision};
+use crate::config::{self, Config};
+use crate::data::StepSamples;
+use crate::memory::{self, budget, human_bytes};
+use crate::model::ModelKind;
+use crate::optim::AdamW;
+use crate::plan::{device_memory, measure, suggestions, Estimate, Precision, CUDA_OVERHEAD};
+use crate::task::{self, BuildContext};
 use crate::Error;
 
 pub use oomguard_launch::cli::PlanArgs;
@@ -33,6 +37,9 @@ pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
         }
         None => anyhow::bail!("train.device is {}: give --device-memory (a size or a card such as A100)", c.train.device),
     };
+    if c.model.kind != ModelKind::Gpt {
+        return measured(&cfg, &args, memory, cuda, &what);
+    }
     let model = c.model.gpt();
     let estimate = Estimate::new(&model, precision, cuda);
     let global = c.train.global_batch_size();
@@ -66,6 +73,60 @@ pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
             for s in suggestions(&model, precision, cuda, memory) {
                 println!("  - {s}");
             }
+        }
+    }
+    if fit == 0 {
+        return Err(NothingFits(human_bytes(memory)).into());
+    }
+    Ok(())
+}
+
+/// A model without a formula: measured by trial steps (on the CPU, or the config's GPU
+/// where there is one), a line fitted, extrapolated to `memory`.
+fn measured(cfg: &Config, args: &PlanArgs, memory: u64, cuda: bool, what: &str) -> anyhow::Result<()> {
+    let c = &cfg.raw;
+    let device = if c.train.device().is_cuda() { c.train.device() } else { tch::Device::Cpu };
+    memory::install_cpu_allocator();
+    tch::manual_seed(c.train.seed as i64);
+    let base = cfg.base_dir();
+    let built = task::build_from_config(&BuildContext { device, model: &c.model, base_dir: &base, config_path: &cfg.path })?;
+    let data = task::data_for(cfg, built.data)?;
+    let t = built.task;
+    let opt = AdamW::new(t.parameters(), &c.optim, |n, p| t.no_weight_decay(n, p))?;
+    let global = c.train.global_batch_size();
+    let batches = StepSamples::new(data.train.as_ref(), c.train.seed, global, device);
+    let Some(mut profile) = measure(t.as_ref(), &batches, &|| opt.clear_grads(), device, CUDA_OVERHEAD)? else {
+        anyhow::bail!("even one sample ran out of memory while measuring {} on this machine", t.describe());
+    };
+    profile.allocator_overhead = if cuda { CUDA_OVERHEAD } else { 0.0 };
+    let fit = profile.largest_fitting(memory, global);
+    let configured = match c.train.micro_batch_size {
+        crate::train::MicroBatch::Size(m) => Some(m),
+        crate::train::MicroBatch::Auto => None,
+    };
+    if args.json {
+        let report = serde_json::json!({
+            "method": "measured", "memory_bytes": memory, "global_batch_size": global,
+            "largest_micro_batch_size": fit, "grad_accum_steps": if fit > 0 { Some(global.div_ceil(fit)) } else { None },
+            "peak_bytes_at": fit.max(1), "peak_bytes": profile.peak(fit.max(1)),
+            "configured_peak_bytes": configured.map(|m| profile.peak(m)), "profile": profile,
+        });
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!("{} ({}), measured on {device:?}, against {} ({what}):", args.config.display(), t.describe(), human_bytes(memory));
+        for (m, p) in &profile.measured {
+            println!("  {:<34} {}", format!("trial step at micro-batch {m}"), human_bytes(*p));
+        }
+        println!("  {:<34} {}", "fixed (weights, grads, AdamW, ...)", human_bytes(profile.fixed_bytes));
+        println!("  {:<34} {}", "per sample", human_bytes(profile.per_sample_bytes));
+        println!("  {:<34} {:.0}%", "allocator overhead", profile.allocator_overhead * 100.0);
+        if fit > 0 {
+            println!("largest micro-batch that fits: {fit} -> micro_batch_size: {fit}, grad_accum_steps: {} (global batch {global})", global.div_ceil(fit));
+        } else {
+            println!(
+                "nothing fits: even micro-batch 1 needs {} of {}. What would fit: more memory, a shorter model.block_size, or a smaller model",
+                human_bytes(profile.peak(1)), human_bytes(memory)
+            );
         }
     }
     if fit == 0 {

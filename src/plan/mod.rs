@@ -7,7 +7,10 @@
 //! activations (16 B*T*C values per layer), the logits, their log-softmax and gradient
 //! (3 B*T*V), and the embeddings (about 2.3 B*T*C) alive on top of weights and optimizer
 //! state. tests/plan.rs keeps the estimate within 20% of measurement on several shapes.
+mod profile;
 mod search;
+
+pub use profile::{measure, Profile};
 
 pub use search::{auto_micro_batch, cached, remember, search, AutoResult, AutoSearch};
 
@@ -56,6 +59,9 @@ pub struct Estimate {
     pub allocator_overhead: f64,
 }
 
+/// The share the planner adds for a CUDA caching allocator's rounding and fragmentation.
+pub const CUDA_OVERHEAD: f64 = 0.1;
+
 impl Estimate {
     pub fn new(m: &GptConfig, precision: Precision, cuda: bool) -> Estimate {
         let p = m.num_params() as u64;
@@ -71,7 +77,7 @@ impl Estimate {
             attention_scores_if_materialized_per_sample: (h * t * t * a) as u64,
             logits_per_sample: (LOGITS * t * v * 4.0) as u64, // cross-entropy runs in fp32
             embeddings_per_sample: (EMBED * t * c * a) as u64,
-            allocator_overhead: if cuda { 0.1 } else { 0.0 },
+            allocator_overhead: if cuda { CUDA_OVERHEAD } else { 0.0 },
         }
     }
 

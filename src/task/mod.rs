@@ -135,6 +135,20 @@ impl Built {
     }
 }
 
+/// The data a run trains on: what the model brought, or the config's `data` section cut to
+/// the model's sequence length.
+pub fn data_for(cfg: &crate::config::Config, brought: Option<Dataset>) -> Result<Dataset> {
+    if let Some(d) = brought {
+        return Ok(d);
+    }
+    let m = &cfg.raw.model;
+    let shape = m.block_size().map(|t| crate::data::TokenShape {
+        block_size: t as usize,
+        vocab_size: (m.kind == ModelKind::Gpt).then(|| m.gpt().vocab_size),
+    });
+    Dataset::open(&cfg.raw.data, &cfg.base_dir(), shape)
+}
+
 /// Builds the model a config names (`gpt` or `torchscript`; `rust` models come through
 /// the library with their own builder).
 pub fn build_from_config(ctx: &BuildContext) -> Result<Built> {

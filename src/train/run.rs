@@ -10,7 +10,7 @@ use super::eval::{evaluate, EvalSpec};
 use super::{train_step, MicroBatch, Resume, StepStats, Summary};
 use crate::checkpoint::{self, TrainState};
 use crate::config::Config;
-use crate::data::{Dataset, StepSamples, TokenShape};
+use crate::data::{Dataset, StepSamples};
 use crate::error::{ConfigError, Error, Phase, Result};
 use crate::guard::{Guard, GuardEvent, Policy};
 use crate::memory::{self, allocator, human_bytes, PressureSchedule};
@@ -64,16 +64,7 @@ impl<'a> Run<'a> {
         let base = cfg.base_dir();
         let ctx = BuildContext { device, model: &c.model, base_dir: &base, config_path: &cfg.path };
         let Built { task, data } = build(&ctx).map_err(|e| init_failure(e, cfg, device, "creating the model"))?;
-        let data = match data {
-            Some(d) => d,
-            None => {
-                let shape = c.model.block_size().map(|t| TokenShape {
-                    block_size: t as usize,
-                    vocab_size: (c.model.kind == ModelKind::Gpt).then(|| c.model.gpt().vocab_size),
-                });
-                Dataset::open(&c.data, &base, shape).map_err(|e| init_failure(e, cfg, device, "loading the data"))?
-            }
-        };
+        let data = task::data_for(cfg, data).map_err(|e| init_failure(e, cfg, device, "loading the data"))?;
         let mut opt = AdamW::new(task.parameters(), &c.optim, |n, t| task.no_weight_decay(n, t))
             .map_err(|e| init_failure(e.into(), cfg, device, "creating the optimizer state"))?;
         check_loss(task.as_ref(), &data, device, cfg)?;
@@ -397,11 +388,13 @@ fn known_good(key: &str, configured: usize) -> usize {
 fn auto_search(cfg: &Config, task: &dyn Task, opt: &AdamW, data: &Dataset, device: Device, key: &str, limit: Option<u64>) -> Result<AutoResult> {
     let c = &cfg.raw;
     let global = c.train.global_batch_size();
+    let batches = StepSamples::new(data.train.as_ref(), c.train.seed, global, device);
+    // The planner's estimate: its formula, or a line fitted through a few measured trials.
     let start = match (task.formula(), limit) {
         (Some(est), Some(l)) => est.largest_fitting(l, global).max(1),
+        (None, Some(l)) => plan::measure(task, &batches, &|| opt.clear_grads(), device, plan::CUDA_OVERHEAD)?.map_or(1, |p| p.largest_fitting(l, global).max(1)),
         _ => global,
     };
-    let batches = StepSamples::new(data.train.as_ref(), c.train.seed, global, device);
     let spec = AutoSearch { key: key.to_string(), start, max: global, margin: c.memory.auto_margin };
     let r = plan::auto_micro_batch(task, &batches, || opt.clear_grads(), device, spec)?;
     if r.from_cache {
