@@ -26,9 +26,10 @@ fn main() {
         .file("csrc/optim.cpp")
         .file("csrc/rng.cpp")
         .file("csrc/torchscript.cpp")
+        .file("csrc/ops.cpp")
         .compile("oomguard_csrc");
 
-    for f in ["csrc/memory.cpp", "csrc/optim.cpp", "csrc/rng.cpp", "csrc/torchscript.cpp", "csrc/oomguard.h"] {
+    for f in ["csrc/memory.cpp", "csrc/optim.cpp", "csrc/rng.cpp", "csrc/torchscript.cpp", "csrc/ops.cpp", "csrc/oomguard.h"] {
         println!("cargo:rerun-if-changed={f}");
     }
     // An rpath makes nothing load: harmless for the libtorch-free `oomguard` binary.

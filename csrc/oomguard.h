@@ -52,6 +52,12 @@ int og_ts_has_method(void* module, const char* name);
 char* og_ts_train(void* module, int on);
 char* og_ts_call(void* module, const char* method, void* inputs, void* targets, void** out);
 
+// Scalar operations (csrc/ops.cpp), fallible without tch's panicking Scalar temporaries.
+char* og_mul_scalar(void* tensor, double v, void** out);
+char* og_add_scalar(void* tensor, double v, void** out);
+char* og_mul_scalar_(void* tensor, double v);
+char* og_arange_like(int64_t end, void* like, void** out);
+
 // Default generator state (csrc/rng.cpp); cuda_index < 0 means the CPU generator.
 // get_state returns a new torch::Tensor* the caller owns.
 char* og_rng_get_state(int cuda_index, void** out);

@@ -64,13 +64,18 @@ impl Samples for Spirals {
         self.len
     }
     fn batch(&self, positions: &[usize], device: Device) -> oomguard::Result<(Tensor, Tensor)> {
-        let idx: Vec<f32> = positions.iter().map(|&p| (p + self.from) as f32).collect();
-        let idx = Tensor::f_from_slice(&idx)?;
-        let t = idx.f_mul_scalar(0.0137)?.f_remainder(12.0)?;
-        let label = idx.f_remainder(2.0)?;
-        let angle = t.f_add(&label.f_mul_scalar(std::f64::consts::PI)?)?;
-        let x = Tensor::f_stack(&[angle.f_cos()?.f_mul(&t)?, angle.f_sin()?.f_mul(&t)?], 1)?.f_div_scalar(12.0)?;
-        Ok((x.f_to_device(device)?, label.f_to_kind(Kind::Int64)?.f_to_device(device)?))
+        // Computed in Rust, then one fallible copy each: tch's scalar ops (f_mul_scalar, ...)
+        // panic when their allocation fails; see oomguard::ops.
+        let (mut x, mut y) = (Vec::with_capacity(2 * positions.len()), Vec::with_capacity(positions.len()));
+        for &p in positions {
+            let i = (p + self.from) as f64;
+            let (t, label) = ((i * 0.0137) % 12.0, (i % 2.0) as i64);
+            let angle = t + label as f64 * std::f64::consts::PI;
+            x.extend([(angle.cos() * t / 12.0) as f32, (angle.sin() * t / 12.0) as f32]);
+            y.push(label);
+        }
+        let x = Tensor::f_from_slice(&x)?.f_view([positions.len() as i64, 2])?;
+        Ok((x.f_to_device(device)?, Tensor::f_from_slice(&y)?.f_to_device(device)?))
     }
     fn name(&self) -> String {
         "spirals".into()

@@ -50,6 +50,13 @@ impl Error {
             e => e,
         }
     }
+    /// Tags an OOM with the micro-batch of the step it happened in.
+    pub fn at_micro_batch(self, index: usize) -> Self {
+        match self {
+            Error::Oom(o) => Error::Oom(OomError { micro_batch: Some(index), ..o }),
+            e => e,
+        }
+    }
 }
 
 impl From<TchError> for Error {

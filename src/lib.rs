@@ -14,6 +14,7 @@ pub mod guard;
 pub mod memory;
 pub mod metrics;
 pub mod model;
+pub mod ops;
 pub mod optim;
 pub mod plan;
 pub mod signals;

@@ -151,7 +151,7 @@ impl AdamW {
         let next: Vec<Vec<Tensor>> = self
             .groups
             .iter()
-            .map(|g| g.steps.iter().map(|s| s.f_add_scalar(1.0)).collect::<Result<_, _>>())
+            .map(|g| g.steps.iter().map(|s| crate::ops::add_scalar(s, 1.0)).collect::<Result<_, _>>())
             .collect::<Result<_, TchError>>()?;
         for (g, next) in self.groups.iter().zip(&next) {
             let n = g.params.len() as i32;

@@ -19,6 +19,9 @@ use crate::memory::{self, human_bytes, MemoryConfig, MemoryStats};
 pub struct OomEvent {
     pub step: u64,
     pub phase: Option<Phase>,
+    /// The micro-batch of the step it happened in (0-based), when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub micro_batch_index: Option<usize>,
     pub source: OomSource,
     pub requested_bytes: Option<u64>,
     /// Live bytes when the step started.
@@ -154,7 +157,7 @@ impl Guard {
             if leftover > 0 {
                 tracing::warn!("after cleanup {} more is live than at step start; shrinking harder", human_bytes(leftover));
             }
-            let decision = self.policy.on_oom(step, leftover > 0, self.cfg.retries_at_one);
+            let decision = self.policy.on_oom(step, leftover > 0, Some(signature(&oom)), self.cfg.retries_at_one);
             let new = match decision {
                 OnOom::Retry { micro_batch_size } => micro_batch_size,
                 OnOom::GiveUp => 0,
@@ -187,6 +190,7 @@ impl Guard {
         OomEvent {
             step,
             phase: if self.eval { Some(Phase::Eval) } else { oom.phase },
+            micro_batch_index: oom.micro_batch,
             source: oom.source,
             requested_bytes: oom.requested_bytes,
             memory_before: before,
@@ -221,6 +225,15 @@ impl Guard {
             }
         }
     }
+}
+
+/// Where an OOM happened, as exactly as the error says: a step that does not fit fails at
+/// the same allocation (phase, micro-batch, bytes asked, bytes free) every time.
+fn signature(oom: &OomError) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (oom.phase.map(|p| p as u8), oom.micro_batch, oom.requested_bytes, oom.free_bytes, oom.source as u8).hash(&mut h);
+    h.finish()
 }
 
 fn infeasible_message(step: u64, oom: &OomError, baseline: u64, eval: bool) -> String {

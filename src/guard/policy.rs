@@ -9,7 +9,8 @@ pub struct PolicyConfig {
     pub grow_headroom: f64,
     pub cooldown_steps: u64,
     pub thrash_steps: u32,
-    /// Failures at micro-batch 1 within one step that are retried before giving up.
+    /// Failures at micro-batch 1 within one step that are retried before giving up (a
+    /// failure that repeats exactly gives up at once).
     pub retries_at_one: u32,
 }
 
@@ -52,14 +53,19 @@ pub struct Policy {
     pub retry_streak: u32,
     pub last_retries: Option<u64>,
     pub num_ooms: u64,
-    /// Failures at micro-batch 1 in the current step.
+    /// Failures at micro-batch 1 in the current step, and the last one's signature.
     #[serde(default)]
     pub ones_failed: u32,
+    #[serde(default)]
+    pub last_one_signature: Option<u64>,
 }
 
 impl Policy {
     pub fn new(configured: usize) -> Policy {
-        Policy { configured, current: configured, clean_steps: 0, failed: Vec::new(), retry_streak: 0, last_retries: None, num_ooms: 0, ones_failed: 0 }
+        Policy {
+            configured, current: configured, clean_steps: 0, failed: Vec::new(), retry_streak: 0, last_retries: None, num_ooms: 0,
+            ones_failed: 0, last_one_signature: None,
+        }
     }
 
     /// After a relaunch by `oomguard launch`: the process died of an OOM at `failed`, and
@@ -78,15 +84,20 @@ impl Policy {
     }
 
     /// An OOM at the current size: halve (quarter when cleanup left memory behind). At
-    /// micro-batch 1 the step is retried `retries_at_one` times (a passing spike, another
-    /// tenant) before the guard gives up.
-    pub fn on_oom(&mut self, step: u64, severe: bool, retries_at_one: u32) -> OnOom {
+    /// micro-batch 1 the guard gives up when the failure repeats exactly (`signature`: the
+    /// same phase, micro-batch, size asked and memory free: a step that does not fit fails
+    /// at the same allocation every time); a different one (a passing spike, another tenant)
+    /// is retried, up to `retries_at_one` times in a step.
+    pub fn on_oom(&mut self, step: u64, severe: bool, signature: Option<u64>, retries_at_one: u32) -> OnOom {
         self.num_ooms += 1;
         self.clean_steps = 0;
         if self.current == 1 {
             self.ones_failed += 1;
-            if self.ones_failed > retries_at_one {
+            let repeated = signature.is_some() && signature == self.last_one_signature;
+            self.last_one_signature = signature;
+            if repeated || self.ones_failed > retries_at_one {
                 self.ones_failed = 0;
+                self.last_one_signature = None;
                 return OnOom::GiveUp;
             }
             return OnOom::Retry { micro_batch_size: 1 };
@@ -102,6 +113,7 @@ impl Policy {
         self.failed.retain(|&(_, at)| step.saturating_sub(at) < cfg.cooldown_steps);
         self.clean_steps += 1;
         self.ones_failed = 0;
+        self.last_one_signature = None;
         if self.thrashing(obs.alloc_retries, cfg.thrash_steps) && self.current > 1 {
             self.failed.push((self.current, step));
             self.current = self.current.div_ceil(2);
@@ -182,7 +194,7 @@ mod tests {
     #[test]
     fn halves_down_to_one_then_gives_up() {
         let mut p = Policy::new(24);
-        let sizes: Vec<OnOom> = (0..6).map(|s| p.on_oom(s, false, 0)).collect();
+        let sizes: Vec<OnOom> = (0..6).map(|s| p.on_oom(s, false, None, 0)).collect();
         assert_eq!(
             sizes,
             [12, 6, 3, 2, 1].iter().map(|&m| OnOom::Retry { micro_batch_size: m }).chain([OnOom::GiveUp]).collect::<Vec<_>>()
@@ -191,15 +203,20 @@ mod tests {
     }
 
     #[test]
-    fn retries_at_one_within_a_step_then_gives_up() {
+    fn at_one_a_repeated_failure_gives_up_a_different_one_is_retried() {
         let mut p = Policy::new(2);
-        assert_eq!(p.on_oom(0, false, 2), OnOom::Retry { micro_batch_size: 1 });
-        assert_eq!(p.on_oom(0, false, 2), OnOom::Retry { micro_batch_size: 1 });
-        // A step that succeeds resets the count: a later spike is retried again.
-        assert_eq!(p.after_step(0, obs(0, 1, 100), &CFG), Adjust::Keep);
-        assert_eq!(p.on_oom(1, false, 2), OnOom::Retry { micro_batch_size: 1 });
-        assert_eq!(p.on_oom(1, false, 2), OnOom::Retry { micro_batch_size: 1 });
-        assert_eq!(p.on_oom(1, false, 2), OnOom::GiveUp);
+        assert_eq!(p.on_oom(0, false, Some(7), 3), OnOom::Retry { micro_batch_size: 1 });
+        // A failure elsewhere (a spike): retried.
+        assert_eq!(p.on_oom(0, false, Some(8), 3), OnOom::Retry { micro_batch_size: 1 });
+        // The same allocation failing again: this step does not fit.
+        assert_eq!(p.on_oom(0, false, Some(8), 3), OnOom::GiveUp);
+        // A step that succeeds resets the count: a later spike is retried again, up to the cap.
+        p.on_oom(1, false, Some(1), 3);
+        assert_eq!(p.after_step(1, obs(0, 1, 100), &CFG), Adjust::Keep);
+        for sig in 2..5 {
+            assert_eq!(p.on_oom(2, false, Some(sig), 3), OnOom::Retry { micro_batch_size: 1 }, "{sig}");
+        }
+        assert_eq!(p.on_oom(2, false, Some(9), 3), OnOom::GiveUp);
     }
 
     #[test]
@@ -218,13 +235,13 @@ mod tests {
     #[test]
     fn severe_oom_quarters() {
         let mut p = Policy::new(16);
-        assert_eq!(p.on_oom(0, true, 0), OnOom::Retry { micro_batch_size: 4 });
+        assert_eq!(p.on_oom(0, true, None, 0), OnOom::Retry { micro_batch_size: 4 });
     }
 
     #[test]
     fn grows_back_after_clean_steps_with_headroom_and_cooldown() {
         let mut p = Policy::new(16);
-        p.on_oom(0, false, 0); // 16 failed at step 0 -> 8
+        p.on_oom(0, false, None, 0); // 16 failed at step 0 -> 8
         let roomy = obs(100, 200, 10_000);
         // Clean steps 1..=3 are enough, but 16 is cooling down until step 10.
         for s in 1..10 {
@@ -241,7 +258,7 @@ mod tests {
     #[test]
     fn does_not_grow_without_headroom() {
         let mut p = Policy::new(16);
-        p.on_oom(0, false, 0);
+        p.on_oom(0, false, None, 0);
         // Step memory 600 at 8 predicts 100 + 1200 at 16: over 90% of 1400.
         for s in 1..40 {
             assert_eq!(p.after_step(s, obs(100, 700, 1400), &CFG), Adjust::Keep);
@@ -253,7 +270,7 @@ mod tests {
     fn grows_in_doublings_capped_at_configured() {
         let mut p = Policy::new(12);
         for s in 0..3 {
-            p.on_oom(s, false, 0); // 6, 3, 2
+            p.on_oom(s, false, None, 0); // 6, 3, 2
         }
         let roomy = obs(0, 1, u64::MAX);
         let mut sizes = vec![];

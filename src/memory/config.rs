@@ -31,7 +31,8 @@ pub struct MemoryConfig {
     /// Live memory growing this many steps in a row is reported as a likely leak.
     pub leak_steps: u32,
     /// Failures at micro-batch 1 within one step that are retried (a passing spike, another
-    /// tenant) before the guard climbs a rung or gives up.
+    /// tenant) before the guard climbs a rung or gives up. A failure that repeats exactly
+    /// (same phase, micro-batch, size and free memory) is not retried.
     pub retries_at_one: u32,
     /// `micro_batch_size: auto` trains at the largest size found less this share.
     pub auto_margin: f64,
@@ -77,7 +78,7 @@ impl Default for MemoryConfig {
             cooldown_steps: 100,
             thrash_steps: 3,
             leak_steps: 10,
-            retries_at_one: 1,
+            retries_at_one: 8,
             auto_margin: 0.1,
             pressure: Vec::new(),
         }

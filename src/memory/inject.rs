@@ -2,8 +2,10 @@
 //! chosen allocations of the counting CPU allocator fail with the same
 //! `c10::OutOfMemoryError` a real budget overrun raises, so every path that can meet an OOM
 //! (data loading, forward, backward, clipping, the optimizer, evaluation, checkpoints) is
-//! exercised. The first training step is counted; its allocations set the rate at which
-//! the COUNT failures are spread, at seeded random allocations, over the rest of the run.
+//! exercised. The first training step is counted; then the COUNT failures are spread over
+//! the remaining steps (each step's share drawn from the seed), each at a seeded random
+//! allocation among the ones the previous step made (evaluation and checkpoints included).
+//! A failure a step did not reach moves to the next.
 use std::str::FromStr;
 
 use crate::data::splitmix64;
@@ -66,43 +68,72 @@ pub fn positions(count: u32, seed: u64, from: u64, span: u64) -> Vec<u64> {
     out
 }
 
-/// The injection of one run: counts the first step, then arms.
+/// The injection of one run: counts the first step, then arms each step's share.
 pub struct Injection {
     spec: InjectOom,
-    first_step_start: Option<u64>,
-    armed: bool,
+    /// The first step of this process, and the failures assigned to each later step.
+    first: Option<u64>,
+    share: Vec<u32>,
+    /// The allocation clock when the current step started, whether an evaluation ends it,
+    /// and the allocations of the last step without and with one (checkpoint included) in
+    /// which no failure fired.
+    step_start: u64,
+    evaluates: bool,
+    window: [u64; 2],
+    smallest: u64,
+    /// Failures assigned and not yet fired, and the fired count when they were armed.
+    pending: u64,
+    fired_at_arming: u64,
 }
 
 impl Injection {
     pub fn new(spec: InjectOom) -> Injection {
-        Injection { spec, first_step_start: None, armed: false }
+        Injection { spec, first: None, share: Vec::new(), step_start: 0, evaluates: false, window: [1, 0], smallest: u64::MAX, pending: 0, fired_at_arming: fired() }
     }
 
-    pub fn before_step(&mut self) {
-        if self.first_step_start.is_none() {
-            self.first_step_start = Some(alloc_count());
-        }
-    }
-
-    /// After a step: the first one sets the rate; the failures are then spread over the
-    /// `steps_left` steps' worth of allocations to come.
-    pub fn after_step(&mut self, steps_left: u64) {
-        let (Some(start), false) = (self.first_step_start, self.armed) else { return };
+    /// Before step `step` of a run of `max_steps` (`evaluates`: an evaluation follows it):
+    /// arms this step's failures.
+    pub fn before_step(&mut self, step: u64, max_steps: u64, evaluates: bool) {
         let now = alloc_count();
-        let per_step = (now - start).max(1);
-        let at = positions(self.spec.count, self.spec.seed, now, per_step * steps_left.max(1));
-        tracing::info!(
-            "--inject-oom: {} allocation failures armed over the next {} allocations (about {} per step)",
-            at.len(), per_step * steps_left.max(1), per_step
-        );
-        arm(&at);
-        self.armed = true;
+        let fired_since = fired() - self.fired_at_arming;
+        if fired_since == 0 && self.first.is_some() {
+            let w = (now - self.step_start).max(1); // retries inflate a window with failures
+            self.window[self.evaluates as usize] = w;
+            self.smallest = self.smallest.min(w);
+        }
+        self.step_start = now;
+        self.evaluates = evaluates;
+        let Some(first) = self.first else {
+            self.first = Some(step);
+            self.share = shares(self.spec, max_steps.saturating_sub(step + 1));
+            return;
+        };
+        let window = match self.window[evaluates as usize] {
+            _ if step + 1 == max_steps => (self.smallest.min(self.window[0]) / 2).max(1),
+            0 => self.window[0],
+            w => w,
+        };
+        let due = self.share.get((step - first - 1) as usize).copied().unwrap_or(0) as u64;
+        self.pending = self.pending.saturating_sub(fired_since) + due;
+        self.fired_at_arming = fired();
+        arm(&positions(self.pending as u32, self.spec.seed ^ splitmix64(step), now, window));
     }
 
     /// (failures injected, failures asked for).
     pub fn report(&self) -> (u64, u32) {
         (fired(), self.spec.count)
     }
+}
+
+/// COUNT failures assigned to `steps` steps, uniformly at random from the seed.
+fn shares(spec: InjectOom, steps: u64) -> Vec<u32> {
+    let mut share = vec![0u32; steps as usize];
+    if steps > 0 {
+        for i in 0..spec.count as u64 {
+            share[(splitmix64(spec.seed ^ splitmix64(i + 1)) % steps) as usize] += 1;
+        }
+    }
+    share
 }
 
 impl Drop for Injection {
@@ -128,5 +159,9 @@ mod tests {
         assert!(p.windows(2).all(|w| w[0] < w[1]) && p.iter().all(|&x| (100..1100).contains(&x)));
         // More failures than allocations to spread them over: still distinct.
         assert_eq!(positions(5, 3, 0, 2).len(), 5);
+        let s = shares(InjectOom { count: 100, seed: 4 }, 10);
+        assert_eq!(s.iter().sum::<u32>(), 100);
+        assert!(s.iter().all(|&n| n > 0), "{s:?}");
+        assert!(shares(InjectOom { count: 3, seed: 4 }, 0).is_empty());
     }
 }

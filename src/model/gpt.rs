@@ -65,8 +65,8 @@ fn var(p: &nn::Path, name: &str, dims: &[i64], init: Init) -> Result<Tensor, Tch
     let opts = (Kind::Float, p.device());
     let t = match init {
         Init::Normal(std) => {
-            let mut t = Tensor::f_randn(dims, opts)?;
-            let _ = t.f_mul_scalar_(std)?;
+            let t = Tensor::f_randn(dims, opts)?;
+            crate::ops::mul_scalar_(&t, std)?;
             t
         }
         Init::Zeros => Tensor::f_zeros(dims, opts)?,
@@ -172,7 +172,7 @@ impl Gpt {
     /// Logits `[B, T, vocab]` for token ids `[B, T]`.
     pub fn logits(&self, idx: &Tensor, train: bool) -> Result<Tensor, TchError> {
         let (b, t) = idx.size2()?;
-        let pos = Tensor::f_arange(t, (Kind::Int64, idx.device()))?;
+        let pos = crate::ops::arange_like(t, idx)?;
         let tok = Tensor::f_embedding(&self.wte, idx, -1, false, false)?;
         let mut x = tok.f_add(&Tensor::f_embedding(&self.wpe, &pos, -1, false, false)?)?;
         x = x.f_dropout(self.cfg.dropout, train)?;

@@ -7,7 +7,7 @@ use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 
 use super::eval::{evaluate, EvalSpec};
-use super::{train_step, MicroBatch, Resume, StepStats, Summary};
+use super::{train_step, MicroBatch, Options, Resume, StepStats, Summary};
 use crate::checkpoint::{self, TrainState};
 use crate::config::Config;
 use crate::data::{Dataset, StepSamples};
@@ -45,14 +45,15 @@ pub(super) struct Run<'a> {
     eval_history: BTreeMap<u64, f64>,
     /// Checkpoints known to verify (or not), so pruning reads each at most once.
     verified: BTreeMap<u64, bool>,
-    /// The micro-batch cache's key for this model, memory and device.
-    cache_key: String,
+    /// The micro-batch cache's key for this model, memory and device; `None` when this run
+    /// must not teach it (its failures are injected, not facts about memory).
+    cache_key: Option<String>,
     pub summary: Summary,
     start: Instant,
 }
 
 impl<'a> Run<'a> {
-    pub fn start(cfg: &'a Config, run_dir: &Path, settings: &allocator::AllocatorSettings, resume: Resume, build: Builder) -> Result<Run<'a>> {
+    pub fn start(cfg: &'a Config, run_dir: &Path, settings: &allocator::AllocatorSettings, options: &Options, build: Builder) -> Result<Run<'a>> {
         let c = &cfg.raw;
         let device = c.train.device();
         memory::prepare(&c.memory, settings, device)?;
@@ -79,7 +80,7 @@ impl<'a> Run<'a> {
             limit.map_or(0, |l| l >> 26) // in 64 MiB steps: an auto budget moves a little
         );
         let mut eval_guard = Guard::for_eval(&c.memory, c.train.eval_batch_size, device);
-        let (mut guard, metrics, next_step, eval_history) = match resolve(run_dir, resume)? {
+        let (mut guard, metrics, next_step, eval_history) = match resolve(run_dir, options.resume.clone())? {
             None => {
                 let mut metrics = MetricsWriter::resume(run_dir, 0)?;
                 let guard = match c.train.micro_batch_size {
@@ -134,7 +135,7 @@ impl<'a> Run<'a> {
         Ok(Run {
             cfg, run_dir: run_dir.to_path_buf(), device, units_per_step: global * data.train.units_per_sample(), task, data, opt,
             guard, eval_guard, pressure: PressureSchedule::new(&c.memory.pressure, device), metrics, next_step, first_step: next_step,
-            eval_history, verified, cache_key,
+            eval_history, verified, cache_key: options.inject_oom.is_none().then_some(cache_key),
             summary: Summary { steps: c.train.max_steps, first_loss: f64::NAN, best_val_loss: best, ..Default::default() },
             start: Instant::now(),
         })
@@ -188,8 +189,8 @@ impl<'a> Run<'a> {
                 self.metrics.write(&Record::from(e))?;
             }
         }
-        if shrank && result.is_ok() {
-            plan::remember(&self.cache_key, self.guard.micro_batch_size());
+        if let (true, true, Some(key)) = (shrank, result.is_ok(), &self.cache_key) {
+            plan::remember(key, self.guard.micro_batch_size());
         }
         match result {
             Err(Error::Oom(oom)) => {

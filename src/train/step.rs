@@ -42,12 +42,13 @@ pub fn accumulate(task: &dyn Task, data: &dyn StepBatches, step: u64, micro_batc
     let global = data.global_batch_size();
     let parts = split_range(data.shard(), micro_batch_size);
     let mut loss_sum = 0.0;
-    for part in &parts {
+    for (i, part) in parts.iter().enumerate() {
         let weight = part.len() as f64 / global as f64;
-        let (x, y) = data.micro_batch(step, part.clone()).map_err(|e| e.in_phase(Phase::Data))?;
-        let loss = task.loss(&x, &y, true).and_then(|l| l.f_mul_scalar(weight)).map_err(|e| Error::from(e).in_phase(Phase::Forward))?;
-        loss.f_backward().map_err(|e| Error::from(e).in_phase(Phase::Backward))?;
-        loss_sum += loss.f_double_value(&[]).map_err(|e| Error::from(e).in_phase(Phase::Backward))?;
+        let at = |phase: Phase| move |e: Error| e.in_phase(phase).at_micro_batch(i);
+        let (x, y) = data.micro_batch(step, part.clone()).map_err(at(Phase::Data))?;
+        let loss = task.loss(&x, &y, true).and_then(|l| crate::ops::mul_scalar(&l, weight)).map_err(|e| at(Phase::Forward)(e.into()))?;
+        loss.f_backward().map_err(|e| at(Phase::Backward)(e.into()))?;
+        loss_sum += loss.f_double_value(&[]).map_err(|e| at(Phase::Backward)(e.into()))?;
     }
     assert_eq!(parts.iter().map(|p| p.len()).sum::<usize>(), data.shard().len(), "global-batch invariant: every sample exactly once");
     Ok((loss_sum, parts.len()))

@@ -61,7 +61,7 @@ pub fn train_with(cfg: &Config, run_dir: &Path, settings: &AllocatorSettings, op
     if options.inject_oom.is_some() && c.train.device().is_cuda() {
         return Err(ConfigError::invalid("--inject-oom", "injects failures into the CPU allocator; it needs train.device: cpu").into());
     }
-    let mut run = Run::start(cfg, run_dir, settings, options.resume, build)?;
+    let mut run = Run::start(cfg, run_dir, settings, &options, build)?;
     let mut inject = options.inject_oom.map(Injection::new);
     let start = Instant::now();
     let mut eval_s = 0.0;
@@ -72,12 +72,14 @@ pub fn train_with(cfg: &Config, run_dir: &Path, settings: &AllocatorSettings, op
             return Err(Error::Interrupted { signal, step });
         }
         run.pressure.update(step);
-        inject.as_mut().map(Injection::before_step);
+        let evaluates = step + 1 == c.train.max_steps || (c.train.eval_every > 0 && (step + 1).is_multiple_of(c.train.eval_every));
+        if let Some(i) = inject.as_mut() {
+            i.before_step(step, c.train.max_steps, evaluates);
+        }
         let stats = run.step(step)?;
-        inject.as_mut().map(|i| i.after_step(c.train.max_steps - step - 1));
         run.summary.first_loss = if step == run.first_step { stats.loss } else { run.summary.first_loss };
         run.summary.final_loss = stats.loss;
-        if step + 1 == c.train.max_steps || (c.train.eval_every > 0 && (step + 1).is_multiple_of(c.train.eval_every)) {
+        if evaluates {
             let t = Instant::now();
             run.evaluate(step)?;
             eval_s += t.elapsed().as_secs_f64();

@@ -41,6 +41,8 @@ pub struct OomError {
     pub capacity_bytes: Option<u64>,
     pub free_bytes: Option<u64>,
     pub phase: Option<Phase>,
+    /// Which micro-batch of the step it happened in (0-based), when known.
+    pub micro_batch: Option<usize>,
     /// The line of libtorch's message that says out of memory (libtorch may wrap it, e.g.
     /// under "The following operation failed in the TorchScript interpreter."; the rest is
     /// often a C++ backtrace).
@@ -98,6 +100,7 @@ pub fn classify_oom(msg: &str) -> Option<OomError> {
         capacity_bytes: capacity,
         free_bytes: free,
         phase: None,
+        micro_batch: None,
         message: first_line.to_string(),
     })
 }
