@@ -200,6 +200,46 @@ fn corrupt_and_truncated_checkpoints() {
     // The resumed run replaced steps 2.. and kept the earlier records.
     assert_eq!(records(&run, "step").iter().map(|r| r["step"].as_u64().unwrap()).collect::<Vec<_>>(), (0..8).collect::<Vec<_>>());
     assert!(run.join("metrics.replaced.jsonl").is_file());
+    // Passing steps 4 and 6 again, it replaced the truncated and the corrupt checkpoints
+    // there (atomically): both load now.
+    for ckpt in &ckpts[1..] {
+        let o = oomguard(&["train", cfg.to_str().unwrap(), "--resume-from", ckpt.to_str().unwrap(), "--max-steps", "8"], dir.path());
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+}
+
+/// The best checkpoint by evaluation loss survives a resume: its loss is in the
+/// checkpoint's state, not only in the memory of the run that measured it.
+#[test]
+fn keep_best_across_a_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = TINY.replace("max_steps: 6, eval_every: 0", "max_steps: 4, eval_every: 2").replace("warmup_steps: 2}", "warmup_steps: 2, decay_steps: 40}")
+        + "checkpoint: {every_steps: 2, keep: 1, keep_best: true}\n";
+    let cfg = write_config(dir.path(), "tiny.yaml", &yaml);
+    let run = train_ok(dir.path(), &cfg, &[]);
+    let best_before = records(&run, "eval").iter().map(|e| e["val_loss"].as_f64().unwrap()).fold(f64::MAX, f64::min);
+    // Resumed with a learning rate that wrecks the model: every later evaluation is worse.
+    let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--resume", "--max-steps", "10", "--set", "optim.lr=50.0", "--set", "optim.min_lr=50.0"], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let later: Vec<f64> = records(&run, "eval").iter().filter(|e| e["step"].as_u64().unwrap() >= 4).map(|e| e["val_loss"].as_f64().unwrap()).collect();
+    assert!(later.iter().all(|&l| l > best_before), "{later:?} vs {best_before}");
+    let names: Vec<String> = checkpoints(&run).iter().map(|p| p.file_name().unwrap().to_str().unwrap().to_string()).collect();
+    assert_eq!(names, ["step-00000004", "step-00000010"], "the newest and the best (step 4, from before the resume)");
+}
+
+/// `micro_batch_size: auto` ran before step 0; a resumed run keeps its record in
+/// metrics.jsonl (it does not search again).
+#[test]
+fn auto_micro_batch_record_survives_a_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = TINY.replace("micro_batch_size: 8, grad_accum_steps: 2", "micro_batch_size: auto, global_batch_size: 16").replace("warmup_steps: 2}", "warmup_steps: 2, decay_steps: 6}");
+    let cfg = write_config(dir.path(), "auto.yaml", &yaml);
+    let run = train_ok(dir.path(), &cfg, &["--max-steps", "3", "--memory-budget", "64MiB"]);
+    let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--resume", "--memory-budget", "64MiB"], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(records(&run, "auto_micro_batch").len(), 1);
+    let replaced = std::fs::read_to_string(run.join("metrics.replaced.jsonl")).unwrap_or_default();
+    assert!(!replaced.contains("auto_micro_batch"), "{replaced}");
 }
 
 #[test]

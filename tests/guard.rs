@@ -166,3 +166,28 @@ fn load_time_allocator_backend_restarts_the_process() {
     assert!(err.contains("allocator settings: backend:cudaMallocAsync,max_split_size_mb:128"), "{err}");
     assert_eq!(records(&run, "step").len(), 1);
 }
+
+/// A model that does not fit at all: exit 3 (never a panic) with what it needs and what
+/// would fit, at once, before anything is allocated: a tiny budget, and the 10-million-word
+/// vocabulary that took a user's overnight sweep down (../shared/seeds/003).
+#[test]
+fn a_model_that_cannot_fit_at_start_exits_3() {
+    let dir = tempfile::tempdir().unwrap();
+    let demo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/demo.yaml");
+    let run = dir.path().join("a");
+    let o = oomguard(&["train", demo.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--memory-budget", "1MiB"], dir.path());
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    assert!(err.contains("the model does not fit in memory: its weights, gradients and AdamW state alone need 12.9 MiB"), "{err}");
+    assert!(err.contains("What would fit:") && !err.contains("panicked"), "{err}");
+
+    let t = std::time::Instant::now();
+    let run = dir.path().join("b");
+    let args = ["train", demo.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--memory-budget", "3GiB",
+                "--set", "model.vocab_size=10000000", "--set", "model.n_embd=64", "--set", "model.n_head=4"];
+    let o = oomguard(&args, dir.path());
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    assert!(err.contains("(640.21M parameters)") && err.contains("a smaller vocabulary: model.vocab_size"), "{err}");
+    assert!(t.elapsed().as_secs() < 10, "the planner should tell before minutes are spent");
+}

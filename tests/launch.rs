@@ -96,6 +96,17 @@ fn oom_death_relaunches_with_half_the_micro_batch() {
     assert!(err.contains("relaunching with OOMGUARD_MICRO_BATCH_SIZE=8") && err.contains("OOMGUARD_MICRO_BATCH_SIZE=4"), "{err}");
 }
 
+/// A script that prints its micro-batch on stdout (Python's print) is understood: after its
+/// out-of-memory death the relaunch halves that size, until it fits.
+#[test]
+fn micro_batch_printed_on_stdout_is_halved_after_an_oom() {
+    let o = launcher(&["--max-restarts", "3", "--monitor-interval", "0.05", &script("oom_print.py")]).env_remove("OOMGUARD_MICRO_BATCH_SIZE").output().unwrap();
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(err.contains("relaunching with OOMGUARD_MICRO_BATCH_SIZE=128") && err.contains("OOMGUARD_MICRO_BATCH_SIZE=64"), "{err}");
+    assert!(out.contains("micro_batch_size=64"), "{out}");
+}
+
 /// Processes whose environment holds OOMGUARD_TEST_MARKER=`marker` (inherited by the
 /// launcher, its workers and theirs).
 fn processes_with(marker: &str) -> Vec<u32> {
@@ -114,27 +125,37 @@ fn wait_until(what: &str, f: impl Fn() -> bool) {
     }
 }
 
-/// Workers that each start a grandchild; the launcher is signalled (or killed).
-fn leaves_nothing_behind(signal: &str, marker: &str, grandchildren: bool) {
-    let body = if grandchildren { "sleep 300 & sleep 301; wait" } else { "exec sleep 301" };
-    let mut child = launcher(&["--nproc-per-node", "2", "--no-python", "sh", "-c", body])
+/// Two workers that each start two children of their own; then the launcher is signalled
+/// (or killed), or one worker crashes. Nothing may be left behind.
+fn leaves_nothing_behind(how: &str, marker: &str) {
+    let crash = "sleep 300 & sleep 301 & if [ \"$LOCAL_RANK\" = 1 ]; then sleep 0.2; exit 3; fi; wait";
+    let body = if how == "crash" { crash } else { "sleep 300 & sleep 301 & wait" };
+    let mut child = launcher(&["--nproc-per-node", "2", "--monitor-interval", "0.05", "--no-python", "sh", "-c", body])
         .env("OOMGUARD_TEST_MARKER", marker).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
-    let expected = 1 + if grandchildren { 2 * 3 } else { 2 }; // the launcher, workers, theirs
-    wait_until("the workers", || processes_with(marker).len() >= expected);
-    Command::new("kill").args([signal, &child.id().to_string()]).status().unwrap();
-    let status = child.wait().unwrap();
-    if signal == "-TERM" {
-        assert_eq!(status.code(), Some(143));
+    // The launcher, and for each worker its shim, the shell and the shell's two children.
+    wait_until("the workers", || processes_with(marker).len() >= 9);
+    if how != "crash" {
+        Command::new("kill").args([how, &child.id().to_string()]).status().unwrap();
     }
-    wait_until("every worker to be gone", || processes_with(marker).is_empty());
+    let status = child.wait().unwrap();
+    match how {
+        "-TERM" => assert_eq!(status.code(), Some(143)),
+        "-INT" => assert_eq!(status.code(), Some(130)),
+        "crash" => assert_eq!(status.code(), Some(3)),
+        _ => {}
+    }
+    wait_until(&format!("every process of case {marker} ({how}) to be gone"), || processes_with(marker).is_empty());
 }
 
+/// 50 cases of launcher kill -9, SIGTERM, SIGINT and a worker crash, with workers that start
+/// processes of their own: 0 processes left behind. (On SIGKILL the launcher can do nothing:
+/// each worker's shim sees it die and kills the worker's whole process group.)
 #[test]
-fn killing_the_launcher_leaves_no_process_behind() {
-    leaves_nothing_behind("-TERM", "oomguard-test-marker-term", true);
-    leaves_nothing_behind("-INT", "oomguard-test-marker-int", true);
-    // Even SIGKILL, which the launcher cannot handle: its workers die with it.
-    leaves_nothing_behind("-KILL", "oomguard-test-marker-kill", false);
+fn launcher_deaths_and_worker_crashes_leave_no_process_behind() {
+    for case in 0..50 {
+        let how = ["-KILL", "-TERM", "-INT", "crash"][case % 4];
+        leaves_nothing_behind(how, &format!("oomguard-test-marker-{}-{case}", std::process::id()));
+    }
 }
 
 #[test]

@@ -74,3 +74,19 @@ fn auto_micro_batch_is_cached() {
     assert_eq!(second["micro_batch_size"], first["micro_batch_size"]);
     assert!(records(&dir.path().join("b"), "step").iter().all(|s| s["num_samples"] == 64));
 }
+
+/// Planning against a device's memory is the same whether the device is named by its card
+/// or by its size: the caching allocator's overhead applies either way.
+#[test]
+fn device_memory_by_size_or_by_card_is_the_same_plan() {
+    let dir = tempfile::tempdir().unwrap();
+    let gpt2 = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/gpt2-124m.yaml");
+    let plan = |memory: &str| {
+        let o = oomguard(&["plan", gpt2.to_str().unwrap(), "--device-memory", memory, "--json"], dir.path());
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        (v["largest_micro_batch_size"].clone(), v["peak_bytes"].clone(), v["estimate"]["allocator_overhead"].clone())
+    };
+    assert_eq!(plan("24GiB"), plan("L4"));
+    assert_eq!(plan("24GiB").2, 0.1);
+}

@@ -187,3 +187,21 @@ fn measured_planner_and_auto_micro_batch() {
     assert!((4..32).contains(&found), "{a}");
     assert!(records(&r, "step").iter().all(|s| s["num_samples"] == 32 && s["micro_batch_size"] == a["micro_batch_size"]));
 }
+
+/// A budget too small at each stage of start-up (loading the module, the optimizer state,
+/// reading the data file) is exit 3 naming the stage: never a panic.
+#[test]
+fn too_small_budgets_exit_3_at_every_stage() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = mu_sota(dir.path(), "");
+    let (model, data) = (dir.path().join("bn.pt"), dir.path().join("bn.safetensors"));
+    python(&[&script("tests/scripts/ts_bn.py"), "--out", model.to_str().unwrap(), "--data", data.to_str().unwrap()]);
+    let bn = write_config(dir.path(), "bn.yaml", "model: {kind: torchscript, path: bn.pt}\ndata: {source: tensors, path: bn.safetensors}\ntrain: {device: cpu, max_steps: 1}\n");
+    for (cfg, budget, stage) in [(&cfg, "64KiB", "creating the model ran out"), (&cfg, "1MiB", "creating the optimizer state ran out"), (&bn, "24KiB", "loading the data ran out")] {
+        let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", dir.path().join("r").to_str().unwrap(), "--memory-budget", budget], dir.path());
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(3), "{budget}: {err}");
+        assert!(err.contains("the model does not fit in memory") && err.contains(stage), "{budget}: {err}");
+        let _ = std::fs::remove_dir_all(dir.path().join("r"));
+    }
+}

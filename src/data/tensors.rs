@@ -30,7 +30,10 @@ impl Samples for Rows {
 
 pub(super) fn open(path: &Path, val_fraction: f64) -> Result<Dataset> {
     let bad = |why: String| Error::Data(format!("{}: {why}", path.display()));
-    let named = Tensor::read_safetensors(path).map_err(|e| bad(format!("cannot read it as safetensors ({e})")))?;
+    let named = Tensor::read_safetensors(path).map_err(|e| match Error::from(e) {
+        Error::Oom(o) => Error::Oom(o), // too big for the memory: the caller says so (exit 3)
+        e => bad(format!("cannot read it as safetensors ({e})")),
+    })?;
     let get = |name: &str| {
         named.iter().find(|(n, _)| n == name).map(|(_, t)| t.shallow_clone()).ok_or_else(|| {
             let have: Vec<&str> = named.iter().map(|(n, _)| n.as_str()).collect();

@@ -1,6 +1,7 @@
-//! Running the worker group: spawn, watch, stop, restart, summarise. No worker outlives the
-//! launcher: each leads its own process group (killed as a group), dies with the launcher
-//! (PR_SET_PDEATHSIG), and is always waited for.
+//! Running the worker group: spawn, watch, stop, restart, summarise. Nothing outlives the
+//! launcher: each worker runs under a shim that leads its process group (killed as a
+//! group) and kills that group if the launcher dies, even of SIGKILL; everything is waited
+//! for.
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -192,7 +193,6 @@ fn spawn(spec: &LaunchSpec, local_rank: usize, port: u16, attempt: u32, dir: &Pa
     let rank_dir = dir.join(local_rank.to_string());
     std::fs::create_dir_all(&rank_dir).map_err(|e| Error::Io { context: format!("creating {}", rank_dir.display()), source: e })?;
     let error_file = rank_dir.join("error.json");
-    let parent = std::process::id() as i32;
     let mut cmd = Command::new(&spec.program[0]);
     cmd.args(&spec.program[1..])
         .envs(worker_env(spec, local_rank, port, attempt, &error_file, micro))
@@ -200,15 +200,11 @@ fn spawn(spec: &LaunchSpec, local_rank: usize, port: u16, attempt: u32, dir: &Pa
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0);
-    // SAFETY: only async-signal-safe calls between fork and exec.
+    let parent = std::process::id() as i32;
+    // SAFETY: the closure runs in the forked child before exec and makes only syscalls
+    // (no allocation, no lock): see `worker_shim`.
     unsafe {
-        cmd.pre_exec(move || {
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-            if libc::getppid() != parent {
-                libc::_exit(1); // the launcher died before prctl took effect
-            }
-            Ok(())
-        });
+        cmd.pre_exec(move || worker_shim(parent));
     }
     let mut child = cmd.spawn().map_err(|e| Error::Start(format!("cannot start worker `{}`: {e}", spec.program[0])))?;
     let (redirect, tee) = (streams_of(&spec.redirects, local_rank), streams_of(&spec.tee, local_rank));
@@ -282,6 +278,77 @@ fn stop(workers: &mut [Worker], sig: i32, signals: &Signals) {
         w.done = true;
         for p in w.pumps.drain(..) {
             let _ = p.join();
+        }
+    }
+}
+
+/// Between the launcher and each worker stands a shim: the process the launcher starts,
+/// leader of the worker's process group. It forks; the child goes on to exec the worker
+/// (and dies with the shim, PR_SET_PDEATHSIG); the shim waits and exits as the worker did
+/// (code or signal). If the launcher dies, even of SIGKILL, the shim learns it
+/// (PR_SET_PDEATHSIG SIGTERM, and its parent is no longer the launcher) and kills its whole
+/// process group: the worker and every child the worker started. PR_SET_PDEATHSIG alone
+/// reaches only the worker itself, not its children.
+///
+/// Runs after fork in a multi-threaded process: syscalls only, no allocation, no locks.
+fn worker_shim(launcher: i32) -> std::io::Result<()> {
+    // SAFETY: plain syscalls on local, initialised values.
+    unsafe {
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+        if libc::getppid() != launcher {
+            libc::_exit(1); // the launcher died before prctl took effect
+        }
+        let mut waited: libc::sigset_t = std::mem::zeroed();
+        let mut old: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut waited);
+        for sig in [libc::SIGCHLD, libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+            libc::sigaddset(&mut waited, sig);
+        }
+        libc::sigprocmask(libc::SIG_BLOCK, &waited, &mut old);
+        let shim = libc::getpid();
+        let worker = libc::fork();
+        if worker < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if worker == 0 {
+            libc::sigprocmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            if libc::getppid() != shim {
+                libc::_exit(1);
+            }
+            return Ok(()); // on to exec the worker
+        }
+        // The shim never execs: it must not hold std's exec-status pipe (spawn waits for it to
+        // close) nor anything else of the launcher's.
+        if libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32) != 0 {
+            for fd in 3..65536 {
+                libc::close(fd);
+            }
+        }
+        loop {
+            let sig = libc::sigwaitinfo(&waited, std::ptr::null_mut());
+            if sig == libc::SIGCHLD {
+                let mut status = 0;
+                if libc::waitpid(worker, &mut status, libc::WNOHANG) == worker {
+                    if libc::WIFSIGNALED(status) {
+                        // Die of the same signal, so the launcher reports it as torchrun does.
+                        let s = libc::WTERMSIG(status);
+                        libc::signal(s, libc::SIG_DFL);
+                        let mut one: libc::sigset_t = std::mem::zeroed();
+                        libc::sigemptyset(&mut one);
+                        libc::sigaddset(&mut one, s);
+                        libc::sigprocmask(libc::SIG_UNBLOCK, &one, std::ptr::null_mut());
+                        libc::kill(shim, s);
+                        libc::_exit(128 + s);
+                    }
+                    libc::_exit(libc::WEXITSTATUS(status));
+                }
+            } else if sig > 0 && libc::getppid() != launcher {
+                // The launcher is gone: take the worker and all it started with us.
+                libc::kill(0, libc::SIGKILL);
+                libc::_exit(137);
+            }
+            // A signal from the launcher to the whole group reached the worker too: wait on.
         }
     }
 }
