@@ -27,9 +27,10 @@ fn main() {
         .file("csrc/rng.cpp")
         .file("csrc/torchscript.cpp")
         .file("csrc/ops.cpp")
+        .file("csrc/amp.cpp")
         .compile("oomguard_csrc");
 
-    for f in ["csrc/memory.cpp", "csrc/optim.cpp", "csrc/rng.cpp", "csrc/torchscript.cpp", "csrc/ops.cpp", "csrc/oomguard.h"] {
+    for f in ["csrc/memory.cpp", "csrc/optim.cpp", "csrc/rng.cpp", "csrc/torchscript.cpp", "csrc/ops.cpp", "csrc/amp.cpp", "csrc/oomguard.h"] {
         println!("cargo:rerun-if-changed={f}");
     }
     // An rpath makes nothing load: harmless for the libtorch-free `oomguard` binary.

@@ -58,6 +58,14 @@ char* og_add_scalar(void* tensor, double v, void** out);
 char* og_mul_scalar_(void* tensor, double v);
 char* og_arange_like(int64_t end, void* like, void** out);
 
+// Mixed precision (csrc/amp.cpp): autocast on the CPU or CUDA (half: 0 bf16, 1 fp16), and
+// GradScaler's kernels.
+int og_cuda_bf16_native();
+char* og_autocast_enter(int cuda, int half, int* was_enabled, int* was_dtype);
+char* og_autocast_exit(int cuda, int was_enabled, int was_dtype);
+char* og_amp_unscale(void** grads, int n, void* found_inf, void* inv_scale);
+char* og_amp_update_scale(void* scale, void* growth_tracker, void* found_inf, double growth, double backoff, int64_t interval);
+
 // Default generator state (csrc/rng.cpp); cuda_index < 0 means the CPU generator.
 // get_state returns a new torch::Tensor* the caller owns.
 char* og_rng_get_state(int cuda_index, void** out);

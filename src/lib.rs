@@ -17,6 +17,8 @@ pub mod model;
 pub mod ops;
 pub mod optim;
 pub mod plan;
+pub mod precision;
+pub mod rng;
 pub mod signals;
 pub mod task;
 pub mod train;

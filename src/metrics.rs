@@ -52,6 +52,22 @@ pub struct StepRecord {
     pub step_time_s: f64,
     pub elapsed_s: f64,
     pub memory: MemoryStats,
+    /// The forward's precision (fp32, bf16 or fp16) and whether blocks are recomputed.
+    pub precision: crate::precision::Precision,
+    pub activation_checkpointing: bool,
+    /// fp16: the loss scale after the step, and whether the update was skipped (overflow).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub skipped: bool,
+}
+
+/// `{"event":"rung", ...}`: the guard climbed below micro-batch 1.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RungRecord {
+    pub step: u64,
+    pub rung: crate::guard::ladder::Rung,
+    pub reason: String,
 }
 
 /// `{"event":"eval", ...}`.
@@ -78,6 +94,7 @@ pub enum Record {
     Grow(ResizeEvent),
     Shrink(ResizeEvent),
     LeakWarning(LeakEvent),
+    Rung(RungRecord),
 }
 
 impl From<GuardEvent> for Record {

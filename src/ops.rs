@@ -46,3 +46,8 @@ pub fn mul_scalar_(t: &Tensor, v: f64) -> Result<(), TchError> {
 pub fn arange_like(end: i64, like: &Tensor) -> Result<Tensor, TchError> {
     new_tensor(|out| unsafe { og_arange_like(end, ptr(like), out) })
 }
+
+/// A 0-dim tensor holding `v`.
+pub fn scalar(v: f64, kind: tch::Kind, device: tch::Device) -> Result<Tensor, TchError> {
+    Tensor::f_from_slice(&[v])?.f_to_kind(kind)?.f_view([] as [i64; 0])?.f_to_device(device)
+}

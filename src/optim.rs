@@ -96,6 +96,12 @@ fn ptrs(ts: &[Tensor]) -> Vec<*mut c_void> {
     ts.iter().map(|t| t.as_ptr() as *mut c_void).collect()
 }
 
+/// A step's allocations, made before anything changes (`AdamW::prepare`).
+pub struct Prepared {
+    step: u64,
+    next: Vec<Vec<Tensor>>,
+}
+
 /// AdamW over a model's trainable parameters.
 pub struct AdamW {
     groups: Vec<Group>,
@@ -131,6 +137,11 @@ impl AdamW {
         self.groups.iter().flat_map(|g| g.params.iter())
     }
 
+    /// The gradients there are (for unscaling and reduction).
+    pub fn grads(&self) -> Vec<Tensor> {
+        self.all_params().map(|p| p.grad()).filter(|g| g.defined()).collect()
+    }
+
     /// Scales gradients so their global norm is at most `max_norm`; returns the norm before.
     pub fn clip_grad_norm(&self, max_norm: f64) -> Result<f64, TchError> {
         let params: Vec<Tensor> = self.all_params().filter(|p| p.grad().defined()).map(|p| p.shallow_clone()).collect();
@@ -140,19 +151,31 @@ impl AdamW {
         Ok(norm)
     }
 
-    /// Applies optimizer step `step` (once: a second call for the same step is refused).
-    /// Prepare, then commit: the step counts after the update are allocated first, while
-    /// nothing has changed, so an OOM here leaves the optimizer exactly as it was; the
-    /// commit (copying them in, the fused kernels) allocates nothing.
+    /// Applies optimizer step `step` (once: a second call for the same step is refused):
+    /// `prepare` then `commit`.
     pub fn step(&mut self, step: u64, lr: f64) -> OgResult<()> {
+        let prepared = self.prepare(step)?;
+        self.commit(prepared, lr)
+    }
+
+    /// The allocating half of a step, which changes nothing: the step counts after the
+    /// update. An OOM here leaves the optimizer exactly as it was.
+    pub fn prepare(&self, step: u64) -> OgResult<Prepared> {
         if self.last_step.is_some_and(|last| step <= last) {
             return Err(Error::Torch(TchError::Kind(format!("optimizer step {step} was already applied (last: {:?})", self.last_step))));
         }
-        let next: Vec<Vec<Tensor>> = self
+        let next = self
             .groups
             .iter()
             .map(|g| g.steps.iter().map(|s| crate::ops::add_scalar(s, 1.0)).collect::<Result<_, _>>())
             .collect::<Result<_, TchError>>()?;
+        Ok(Prepared { step, next })
+    }
+
+    /// The half that changes the parameters, moments and step counts; it allocates nothing,
+    /// so once begun it completes.
+    pub fn commit(&mut self, prepared: Prepared, lr: f64) -> OgResult<()> {
+        let Prepared { step, next } = prepared;
         for (g, next) in self.groups.iter().zip(&next) {
             let n = g.params.len() as i32;
             let (p, m, v, s, ns) = (ptrs(&g.params), ptrs(&g.exp_avg), ptrs(&g.exp_avg_sq), ptrs(&g.steps), ptrs(next));

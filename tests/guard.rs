@@ -97,12 +97,14 @@ fn grows_back_when_pressure_lifts() {
     assert_eq!(*sizes.last().unwrap(), 8, "{sizes:?}");
 }
 
-/// A step that does not fit even at micro-batch 1: exit code 3, a message saying what to
-/// change, the OOM history in metrics.jsonl, and a checkpoint to resume from.
+/// A step that does not fit even at micro-batch 1 (with the rungs below it turned off):
+/// exit code 3, a message saying what to change, the OOM history in metrics.jsonl, and a
+/// checkpoint to resume from.
 #[test]
 fn infeasible_exits_3_with_message_and_weights() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = write_config(dir.path(), "tiny.yaml", TINY);
+    let no_rungs = "memory: {allow_activation_checkpointing: false, allow_precision_fallback: false}\n";
+    let cfg = write_config(dir.path(), "tiny.yaml", &(TINY.to_string() + no_rungs));
     let (base, p1) = measure(dir.path(), &cfg, 1);
     let budget = (base + (p1 - base) / 2).to_string();
     let run = dir.path().join("run");

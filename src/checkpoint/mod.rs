@@ -4,7 +4,8 @@
 //! file fsynced, then renamed into place and the parent fsynced: a kill at any instant
 //! leaves the previous checkpoint valid.
 mod retention;
-mod rng;
+
+use crate::rng;
 
 pub use retention::{retention, Candidate};
 

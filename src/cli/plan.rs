@@ -95,7 +95,8 @@ fn measured(cfg: &Config, args: &PlanArgs, memory: u64, cuda: bool, what: &str) 
     let opt = AdamW::new(t.parameters(), &c.optim, |n, p| t.no_weight_decay(n, p))?;
     let global = c.train.global_batch_size();
     let batches = StepSamples::new(data.train.as_ref(), c.train.seed, global, device);
-    let Some(mut profile) = measure(t.as_ref(), &batches, &|| opt.clear_grads(), device, CUDA_OVERHEAD)? else {
+    let amp = crate::precision::Amp { precision: c.train.precision.resolve(device), device, loss_scale: None };
+    let Some(mut profile) = measure(t.as_ref(), &batches, &|| opt.clear_grads(), &amp, CUDA_OVERHEAD)? else {
         anyhow::bail!("even one sample ran out of memory while measuring {} on this machine", t.describe());
     };
     profile.allocator_overhead = if cuda { CUDA_OVERHEAD } else { 0.0 };

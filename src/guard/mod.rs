@@ -3,6 +3,7 @@
 //! cache, checks that live memory is back to where the step started, asks the policy for a
 //! smaller micro-batch and redoes the step on exactly the same samples. The global batch
 //! never changes; only how it is split.
+pub mod ladder;
 pub mod policy;
 
 use serde::{Deserialize, Serialize};

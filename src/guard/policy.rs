@@ -108,6 +108,16 @@ impl Policy {
         OnOom::Retry { micro_batch_size: self.current }
     }
 
+    /// After a rung below micro-batch 1 was climbed: memory is used differently now, so the
+    /// sizes that failed before are not held against it.
+    pub fn rung_climbed(&mut self) {
+        self.current = 1;
+        self.failed.clear();
+        self.clean_steps = 0;
+        self.ones_failed = 0;
+        self.last_one_signature = None;
+    }
+
     /// After a successful step: grow back, shrink on thrash, or keep.
     pub fn after_step(&mut self, step: u64, obs: Observation, cfg: &PolicyConfig) -> Adjust {
         self.failed.retain(|&(_, at)| step.saturating_sub(at) < cfg.cooldown_steps);

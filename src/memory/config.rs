@@ -34,6 +34,10 @@ pub struct MemoryConfig {
     /// tenant) before the guard climbs a rung or gives up. A failure that repeats exactly
     /// (same phase, micro-batch, size and free memory) is not retried.
     pub retries_at_one: u32,
+    /// Below micro-batch 1: turn on activation checkpointing (models that can).
+    pub allow_activation_checkpointing: bool,
+    /// Below micro-batch 1: fall back from fp32 to bf16 autocast.
+    pub allow_precision_fallback: bool,
     /// `micro_batch_size: auto` trains at the largest size found less this share.
     pub auto_margin: f64,
     /// Simulated memory pressure: real allocations held during a range of steps, as another
@@ -79,6 +83,8 @@ impl Default for MemoryConfig {
             thrash_steps: 3,
             leak_steps: 10,
             retries_at_one: 8,
+            allow_activation_checkpointing: true,
+            allow_precision_fallback: true,
             auto_margin: 0.1,
             pressure: Vec::new(),
         }

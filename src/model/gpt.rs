@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 use tch::{nn, Kind, Reduction, TchError, Tensor};
 
 use crate::error::ConfigError;
+use crate::precision::Amp;
 
 /// A GPT's shape (the `model` section of kind `gpt`, defaults filled in).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -169,19 +170,33 @@ impl Gpt {
         &self.cfg
     }
 
+    /// Token and position embeddings (with dropout).
+    fn embed(&self, idx: &Tensor, train: bool) -> Result<Tensor, TchError> {
+        let pos = crate::ops::arange_like(idx.size2()?.1, idx)?;
+        let tok = Tensor::f_embedding(&self.wte, idx, -1, false, false)?;
+        tok.f_add(&Tensor::f_embedding(&self.wpe, &pos, -1, false, false)?)?.f_dropout(self.cfg.dropout, train)
+    }
+
+    /// One pre-LN block: attention, then the MLP, each added to the residual stream.
+    fn block(&self, block: &Block, x: &Tensor, train: bool) -> Result<Tensor, TchError> {
+        let (b, t, _) = x.size3()?;
+        let x = x.f_add(&self.attention(block, &block.ln_1.forward(x)?, b, t, train)?)?;
+        let h = block.c_fc.forward(&block.ln_2.forward(&x)?)?.f_gelu("tanh")?;
+        x.f_add(&block.mlp_proj.forward(&h)?.f_dropout(self.cfg.dropout, train)?)
+    }
+
+    /// Logits `[B, T, vocab]` from the last block's output: the LM head tied to the embedding.
+    fn head(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        self.ln_f.forward(x)?.f_linear(&self.wte, None::<Tensor>)
+    }
+
     /// Logits `[B, T, vocab]` for token ids `[B, T]`.
     pub fn logits(&self, idx: &Tensor, train: bool) -> Result<Tensor, TchError> {
-        let (b, t) = idx.size2()?;
-        let pos = crate::ops::arange_like(t, idx)?;
-        let tok = Tensor::f_embedding(&self.wte, idx, -1, false, false)?;
-        let mut x = tok.f_add(&Tensor::f_embedding(&self.wpe, &pos, -1, false, false)?)?;
-        x = x.f_dropout(self.cfg.dropout, train)?;
+        let mut x = self.embed(idx, train)?;
         for block in &self.blocks {
-            x = x.f_add(&self.attention(block, &block.ln_1.forward(&x)?, b, t, train)?)?;
-            let h = block.c_fc.forward(&block.ln_2.forward(&x)?)?.f_gelu("tanh")?;
-            x = x.f_add(&block.mlp_proj.forward(&h)?.f_dropout(self.cfg.dropout, train)?)?;
+            x = self.block(block, &x, train)?;
         }
-        self.ln_f.forward(&x)?.f_linear(&self.wte, None::<Tensor>)
+        self.head(&x)
     }
 
     fn attention(&self, block: &Block, x: &Tensor, b: i64, t: i64, train: bool) -> Result<Tensor, TchError> {
@@ -197,10 +212,89 @@ impl Gpt {
 
     /// Mean cross-entropy of next-token predictions.
     pub fn loss(&self, idx: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor, TchError> {
-        let logits = self.logits(idx, train)?;
+        self.cross_entropy(&self.logits(idx, train)?, targets)
+    }
+
+    fn cross_entropy(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor, TchError> {
         logits
             .f_view([-1, self.cfg.vocab_size])?
             .f_cross_entropy_loss(&targets.f_view([-1])?, None::<Tensor>, Reduction::Mean, -100, 0.0)
+    }
+
+    /// Activation checkpointing: the forward keeps only each block's input (no graph), then
+    /// the backward walks the blocks in reverse, recomputing each from its input with grad
+    /// and back-propagating the surrogate `(output * upstream_grad).sum()`, which yields the
+    /// block's parameter gradients and its input's gradient. Activation memory drops to about
+    /// one block's worth plus the block inputs; the gradients are the plain path's. Dropout
+    /// masks are replayed (the generators' states are kept per block). Returns the weighted
+    /// loss, like `task::backward`.
+    pub fn checkpointed_forward_backward(&self, idx: &Tensor, targets: &Tensor, weight: f64, amp: &Amp) -> crate::Result<f64> {
+        let (inputs, last, rng) = self.checkpointed_forward(idx, amp).map_err(|e| crate::Error::from(e).in_phase(crate::error::Phase::Forward))?;
+        self.recomputing_backward(idx, targets, weight, amp, inputs, last, rng).map_err(|e| crate::Error::from(e).in_phase(crate::error::Phase::Backward))
+    }
+
+    /// The forward without a graph: each block's input (and the generators' state before it,
+    /// when dropout draws), the last block's output, and the generators' states at the
+    /// embedding and after the forward.
+    #[allow(clippy::type_complexity)]
+    fn checkpointed_forward(&self, idx: &Tensor, amp: &Amp) -> Result<(Vec<(Tensor, Option<Vec<Tensor>>)>, Tensor, [Option<Vec<Tensor>>; 2]), TchError> {
+        let device = idx.device();
+        let replay = self.cfg.dropout > 0.0;
+        let rng_now = || if replay { crate::rng::capture(device).map(Some) } else { Ok(None) };
+        let at_embed = rng_now()?;
+        let mut inputs = Vec::with_capacity(self.blocks.len());
+        let last = {
+            let _no_grad = tch::no_grad_guard();
+            let _autocast = amp.autocast()?;
+            let mut x = self.embed(idx, true)?;
+            for block in &self.blocks {
+                inputs.push((x.shallow_clone(), rng_now()?));
+                x = self.block(block, &x, true)?;
+            }
+            x
+        };
+        Ok((inputs, last, [at_embed, rng_now()?]))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn recomputing_backward(
+        &self, idx: &Tensor, targets: &Tensor, weight: f64, amp: &Amp, inputs: Vec<(Tensor, Option<Vec<Tensor>>)>, last: Tensor,
+        rng: [Option<Vec<Tensor>>; 2],
+    ) -> Result<f64, TchError> {
+        let device = idx.device();
+        let [at_embed, after_forward] = rng;
+        let last = last.f_detach()?.set_requires_grad(true);
+        let loss = {
+            let _autocast = amp.autocast()?;
+            self.cross_entropy(&self.head(&last)?, targets)?
+        };
+        let weighted = crate::ops::mul_scalar(&loss, weight)?;
+        amp.scale(&weighted)?.f_backward()?;
+        let mut grad = last.grad();
+        for ((input, state), block) in inputs.iter().zip(&self.blocks).rev() {
+            if let Some(s) = state {
+                crate::rng::restore(s, device)?;
+            }
+            let x = input.f_detach()?.set_requires_grad(true);
+            let out = {
+                let _autocast = amp.autocast()?;
+                self.block(block, &x, true)?
+            };
+            out.f_mul(&grad)?.f_sum(out.kind())?.f_backward()?;
+            grad = x.grad();
+        }
+        if let Some(s) = &at_embed {
+            crate::rng::restore(s, device)?;
+        }
+        let x0 = {
+            let _autocast = amp.autocast()?;
+            self.embed(idx, true)?
+        };
+        x0.f_mul(&grad)?.f_sum(x0.kind())?.f_backward()?;
+        if let Some(s) = &after_forward {
+            crate::rng::restore(s, device)?; // where the plain path leaves the generators
+        }
+        weighted.f_double_value(&[])
     }
 }
 

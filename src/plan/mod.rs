@@ -19,23 +19,7 @@ use serde::Serialize;
 use crate::memory::human_bytes;
 use crate::model::GptConfig;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Precision {
-    /// What `oomguard train` runs: fp32 weights, optimizer state and activations.
-    Fp32,
-    /// Mixed precision: fp32 master weights and optimizer state, bf16 activations.
-    Bf16,
-}
-
-impl Precision {
-    fn activation_bytes(self) -> f64 {
-        match self {
-            Precision::Fp32 => 4.0,
-            Precision::Bf16 => 2.0,
-        }
-    }
-}
+pub use crate::precision::Precision;
 
 const ACT_PER_LAYER: f64 = 16.0; // values per token per n_embd per layer
 const LOGITS: f64 = 3.0; // values per token per vocab entry
@@ -57,12 +41,22 @@ pub struct Estimate {
     pub embeddings_per_sample: u64,
     /// Share added for the caching allocator's rounding and fragmentation (CUDA).
     pub allocator_overhead: f64,
+    /// Activation checkpointing: each layer keeps only its input (this many bytes per sample),
+    /// and one block is recomputed at a time in backward.
+    pub activation_checkpointing: bool,
+    pub layer_input_per_sample: u64,
 }
 
 /// The share the planner adds for a CUDA caching allocator's rounding and fragmentation.
 pub const CUDA_OVERHEAD: f64 = 0.1;
 
 impl Estimate {
+    /// With activation checkpointing: each layer keeps its input, and one block's activations
+    /// are alive at a time while it is recomputed.
+    pub fn with_checkpointing(self, on: bool) -> Estimate {
+        Estimate { activation_checkpointing: on, ..self }
+    }
+
     pub fn new(m: &GptConfig, precision: Precision, cuda: bool) -> Estimate {
         let p = m.num_params() as u64;
         let (t, c, v, h) = (m.block_size as f64, m.n_embd as f64, m.vocab_size as f64, m.n_head as f64);
@@ -78,6 +72,8 @@ impl Estimate {
             logits_per_sample: (LOGITS * t * v * 4.0) as u64, // cross-entropy runs in fp32
             embeddings_per_sample: (EMBED * t * c * a) as u64,
             allocator_overhead: if cuda { CUDA_OVERHEAD } else { 0.0 },
+            activation_checkpointing: false,
+            layer_input_per_sample: (t * c * 4.0) as u64,
         }
     }
 
@@ -87,7 +83,13 @@ impl Estimate {
     }
 
     pub fn per_sample_bytes(&self) -> u64 {
-        self.activations_per_layer_per_sample * self.n_layer + self.logits_per_sample + self.embeddings_per_sample
+        let layers = if self.activation_checkpointing {
+            // Each layer's input (the fp32 residual stream), plus one block recomputed.
+            self.n_layer * self.layer_input_per_sample + self.activations_per_layer_per_sample
+        } else {
+            self.activations_per_layer_per_sample * self.n_layer
+        };
+        layers + self.logits_per_sample + self.embeddings_per_sample
     }
 
     /// Peak bytes of one step at `micro` samples per micro-batch: the larger of the
@@ -162,8 +164,14 @@ pub fn suggestions(m: &GptConfig, precision: Precision, cuda: bool, memory: u64)
     if v < m.vocab_size && fits(&GptConfig { vocab_size: v, ..m.clone() }, precision) {
         out.push(format!("a smaller vocabulary: model.vocab_size {v} (from {})", m.vocab_size));
     }
+    let ckpt = |m: &GptConfig, p: Precision| Estimate::new(m, p, cuda).with_checkpointing(true).largest_fitting(memory, usize::MAX) >= 1;
+    if ckpt(m, precision) {
+        out.push("activation checkpointing: model.activation_checkpointing: blocks (the guard turns it on by itself unless memory.allow_activation_checkpointing is false)".into());
+    }
     if precision == Precision::Fp32 && fits(m, Precision::Bf16) {
-        out.push("lower precision: bf16 activations (--precision bf16)".into());
+        out.push("lower precision: train.precision: bf16 (the guard falls back to it by itself unless memory.allow_precision_fallback is false)".into());
+    } else if precision == Precision::Fp32 && ckpt(m, Precision::Bf16) {
+        out.push("activation checkpointing and bf16 together (the guard climbs to both by itself)".into());
     }
     if out.is_empty() {
         out.push(format!("a device with more than {} of memory, or a smaller model", human_bytes(memory)));

@@ -8,6 +8,7 @@ use serde::Serialize;
 use crate::data::StepBatches;
 use crate::error::{Error, Result};
 use crate::memory;
+use crate::precision::Amp;
 use crate::task::Task;
 
 #[derive(Debug, Clone, Serialize)]
@@ -37,12 +38,13 @@ impl Profile {
 }
 
 /// The peak of trial steps at `micro` samples: `Ok(None)` when it ran out of memory.
-fn trial(task: &dyn Task, data: &dyn StepBatches, clear_grads: &dyn Fn(), device: tch::Device, micro: usize) -> Result<Option<u64>> {
+fn trial(task: &dyn Task, data: &dyn StepBatches, clear_grads: &dyn Fn(), amp: &Amp, micro: usize) -> Result<Option<u64>> {
+    let device = amp.device;
     memory::reset_peak(device);
     let outcome = (|| -> Result<()> {
         for _ in 0..2 {
             let (x, y) = data.micro_batch(0, 0..micro)?;
-            task.loss(&x, &y, true)?.f_backward()?;
+            task.forward_backward(&x, &y, 1.0, amp)?;
         }
         Ok(())
     })();
@@ -58,11 +60,12 @@ fn trial(task: &dyn Task, data: &dyn StepBatches, clear_grads: &dyn Fn(), device
 
 /// Measures the model at micro-batches 1, 2, 4 (and 8 where the global batch allows), as far
 /// as memory lets it, and fits the line. `None` when even one sample does not fit.
-pub fn measure(task: &dyn Task, data: &dyn StepBatches, clear_grads: &dyn Fn(), device: tch::Device, cuda_overhead: f64) -> Result<Option<Profile>> {
+pub fn measure(task: &dyn Task, data: &dyn StepBatches, clear_grads: &dyn Fn(), amp: &Amp, cuda_overhead: f64) -> Result<Option<Profile>> {
+    let device = amp.device;
     let max = data.global_batch_size();
     let mut measured = Vec::new();
     for micro in [1, 2, 4, 8].into_iter().filter(|&m| m <= max.max(2)) {
-        match trial(task, data, clear_grads, device, micro)? {
+        match trial(task, data, clear_grads, amp, micro)? {
             Some(peak) => measured.push((micro, peak)),
             None => break,
         }

@@ -9,6 +9,7 @@ use std::time::Instant;
 use crate::data::StepBatches;
 use crate::error::{Error, Result};
 use crate::memory;
+use crate::precision::Amp;
 use crate::task::Task;
 
 /// Largest `m` in 1..=max with `fits(m)`, probing from `start`: doubling up (or halving
@@ -113,9 +114,8 @@ pub struct AutoSearch {
 
 /// Resolves `auto`: the cache if it knows the key, else a search by trial steps on step
 /// 0's samples.
-pub fn auto_micro_batch(
-    task: &dyn Task, data: &dyn StepBatches, clear_grads: impl Fn(), device: tch::Device, spec: AutoSearch,
-) -> Result<AutoResult> {
+pub fn auto_micro_batch(task: &dyn Task, data: &dyn StepBatches, clear_grads: impl Fn(), amp: &Amp, spec: AutoSearch) -> Result<AutoResult> {
+    let device = amp.device;
     let AutoSearch { key, start, max, margin } = spec;
     let with_margin = |m: usize| (((m as f64) * (1.0 - margin)).floor() as usize).max(1);
     if let Some(found) = cached(&key) {
@@ -125,7 +125,7 @@ pub fn auto_micro_batch(
     let (found, trials) = search(start, max, |m| {
         let outcome = (|| -> Result<()> {
             let (x, y) = data.micro_batch(0, 0..m)?;
-            task.loss(&x, &y, true)?.f_backward()?;
+            task.forward_backward(&x, &y, 1.0, amp)?;
             Ok(())
         })();
         clear_grads();

@@ -5,17 +5,20 @@ use tch::{nn::VarStore, Device, TchError, Tensor};
 use super::{Fingerprint, Task};
 use crate::model::{no_weight_decay, Gpt, GptConfig};
 use crate::plan::{Estimate, Precision};
+use crate::precision::Amp;
 
 pub struct GptTask {
     pub vs: VarStore,
     pub model: Gpt,
+    /// `model.activation_checkpointing: blocks`, or turned on by the guard's ladder.
+    pub checkpointing: bool,
 }
 
 impl GptTask {
     pub fn new(cfg: &GptConfig, device: Device) -> Result<GptTask, TchError> {
         let vs = VarStore::new(device);
         let model = Gpt::new(&vs.root(), cfg)?;
-        Ok(GptTask { vs, model })
+        Ok(GptTask { vs, model, checkpointing: false })
     }
 }
 
@@ -27,6 +30,19 @@ impl Task for GptTask {
     }
     fn loss(&self, inputs: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor, TchError> {
         self.model.loss(inputs, targets, train)
+    }
+    fn forward_backward(&self, inputs: &Tensor, targets: &Tensor, weight: f64, amp: &Amp) -> crate::Result<f64> {
+        if self.checkpointing {
+            return self.model.checkpointed_forward_backward(inputs, targets, weight, amp);
+        }
+        let loss = super::forward(|| self.model.loss(inputs, targets, true), amp)?;
+        super::backward(&loss, weight, amp)
+    }
+    fn activation_checkpointing(&self) -> Option<bool> {
+        Some(self.checkpointing)
+    }
+    fn set_activation_checkpointing(&mut self, on: bool) {
+        self.checkpointing = on;
     }
     fn no_weight_decay(&self, name: &str, _param: &Tensor) -> bool {
         no_weight_decay(name)
@@ -49,6 +65,6 @@ impl Task for GptTask {
         format!("a GPT of {:.2}M parameters", self.model.config().num_params() as f64 / 1e6)
     }
     fn formula(&self) -> Option<Estimate> {
-        Some(Estimate::new(self.model.config(), Precision::Fp32, self.vs.device().is_cuda()))
+        Some(Estimate::new(self.model.config(), Precision::Fp32, self.vs.device().is_cuda()).with_checkpointing(self.checkpointing))
     }
 }

@@ -14,6 +14,7 @@ use crate::data::Dataset;
 use crate::error::{Error, Result};
 use crate::model::{ModelConfig, ModelKind};
 use crate::plan::Estimate;
+use crate::precision::Amp;
 
 /// What identifies a model's shape, as ordered (key, value) pairs: a checkpoint of another
 /// shape is refused naming each difference, and the micro-batch cache keys on it.
@@ -31,6 +32,21 @@ pub trait Task {
     /// The mean loss over the micro-batch's samples. Fallible calls only: an allocation
     /// failure must come back as `Err`, never a panic.
     fn loss(&self, inputs: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor, TchError>;
+    /// A micro-batch's forward and backward: gradients accumulate into the parameters,
+    /// weighted by `weight` (its share of the global batch). Returns the weighted loss. By
+    /// default the loss under autocast, then backward (scaled for fp16); a model that
+    /// recomputes activations in backward does both itself.
+    /// Errors are tagged with their phase (forward or backward).
+    fn forward_backward(&self, inputs: &Tensor, targets: &Tensor, weight: f64, amp: &Amp) -> Result<f64> {
+        let loss = forward(|| self.loss(inputs, targets, true), amp)?;
+        backward(&loss, weight, amp)
+    }
+    /// Whether activation checkpointing is on; `None` if the model cannot do it.
+    fn activation_checkpointing(&self) -> Option<bool> {
+        None
+    }
+    /// Turns activation checkpointing on or off (models that can).
+    fn set_activation_checkpointing(&mut self, _on: bool) {}
     /// The evaluation loss (no grad is recorded around it); by default the loss in eval mode.
     fn eval_loss(&self, inputs: &Tensor, targets: &Tensor) -> Result<Tensor, TchError> {
         self.loss(inputs, targets, false)
@@ -60,6 +76,23 @@ pub trait Task {
         all.extend(self.buffers());
         all
     }
+}
+
+/// `f` under autocast; an error is tagged as the forward's.
+pub fn forward(f: impl FnOnce() -> Result<Tensor, TchError>, amp: &Amp) -> Result<Tensor> {
+    let _autocast = amp.autocast()?;
+    f().map_err(|e| Error::from(e).in_phase(crate::error::Phase::Forward))
+}
+
+/// Backward of `loss x weight` (scaled for fp16); returns the weighted loss. An error is
+/// tagged as the backward's.
+pub fn backward(loss: &Tensor, weight: f64, amp: &Amp) -> Result<f64> {
+    let run = || -> Result<f64, TchError> {
+        let weighted = crate::ops::mul_scalar(loss, weight)?;
+        amp.scale(&weighted)?.f_backward()?;
+        weighted.f_double_value(&[])
+    };
+    run().map_err(|e| Error::from(e).in_phase(crate::error::Phase::Backward))
 }
 
 /// Differences between a checkpoint's fingerprint and the model's, e.g.

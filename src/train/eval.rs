@@ -6,6 +6,7 @@ use super::step::micro_batches;
 use crate::data::{eval_seed, sample_positions, Samples};
 use crate::error::{Error, Phase, Result};
 use crate::guard::Guard;
+use crate::precision::Amp;
 use crate::task::Task;
 
 /// What to evaluate on.
@@ -17,8 +18,9 @@ pub struct EvalSpec<'a> {
     pub device: Device,
 }
 
-pub fn evaluate(task: &dyn Task, spec: &EvalSpec, guard: &mut Guard, step: u64) -> Result<f64> {
+pub fn evaluate(task: &dyn Task, spec: &EvalSpec, guard: &mut Guard, step: u64, amp: &Amp) -> Result<f64> {
     let _no_grad = tch::no_grad_guard();
+    let _autocast = amp.autocast()?;
     let seed = eval_seed(spec.seed);
     let batch = spec.batch_size;
     let mut total = 0.0;

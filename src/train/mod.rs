@@ -7,7 +7,7 @@ mod trainer;
 
 pub use eval::{evaluate, EvalSpec};
 pub use run::Builder;
-pub use step::{accumulate, micro_batches, split_range, train_step, update, StepStats};
+pub use step::{accumulate, micro_batches, split_range, step_with, train_step, update, StepStats, Update};
 pub use trainer::{train, train_with, Options, Resume, Summary};
 
 use serde::{Deserialize, Serialize};
@@ -66,13 +66,15 @@ pub struct TrainConfig {
     pub device: String,
     /// Intra-op threads; unset: libtorch's default, which honours OMP_NUM_THREADS.
     pub num_threads: Option<usize>,
+    /// `auto` (bf16 on a GPU that runs it natively, else fp32), `fp32`, `bf16` or `fp16`.
+    pub precision: crate::precision::PrecisionConfig,
 }
 
 impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
             micro_batch_size: MicroBatch::Size(8), grad_accum_steps: 1, global_batch_size: None, max_steps: 100, eval_every: 50,
-            eval_batch_size: 16, eval_batches: 4, seed: 1337, device: "auto".into(), num_threads: None,
+            eval_batch_size: 16, eval_batches: 4, seed: 1337, device: "auto".into(), num_threads: None, precision: Default::default(),
         }
     }
 }

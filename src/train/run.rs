@@ -7,17 +7,20 @@ use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 
 use super::eval::{evaluate, EvalSpec};
-use super::{train_step, MicroBatch, Options, Resume, StepStats, Summary};
+use super::step::{step_with, Update};
+use super::{MicroBatch, Options, Resume, StepStats, Summary};
 use crate::checkpoint::{self, TrainState};
 use crate::config::Config;
 use crate::data::{Dataset, StepSamples};
 use crate::error::{ConfigError, Error, Phase, Result};
+use crate::guard::ladder::{self, Rung};
 use crate::guard::{Guard, GuardEvent, Policy};
 use crate::memory::{self, allocator, human_bytes, PressureSchedule};
-use crate::metrics::{EvalRecord, MetricsWriter, Record, StepRecord};
-use crate::model::ModelKind;
+use crate::metrics::{EvalRecord, MetricsWriter, Record, RungRecord, StepRecord};
+use crate::model::{ActivationCheckpointing, ModelKind};
 use crate::optim::AdamW;
 use crate::plan::{self, AutoResult, AutoSearch};
+use crate::precision::{bf16_is_fast, Amp, Precision, Scaler};
 use crate::task::{self, fingerprint_key, BuildContext, Built, Task};
 use oomguard_launch::launch::{FAILED_MICRO_BATCH_VAR, MICRO_BATCH_VAR};
 
@@ -34,6 +37,9 @@ pub(super) struct Run<'a> {
     pub task: Box<dyn Task>,
     pub data: Dataset,
     pub opt: AdamW,
+    /// The forward's precision (a rung may lower it), and fp16's loss scaler.
+    pub precision: Precision,
+    scaler: Option<Scaler>,
     pub guard: Guard,
     pub eval_guard: Guard,
     pub pressure: PressureSchedule,
@@ -64,22 +70,29 @@ impl<'a> Run<'a> {
         refuse_what_cannot_fit(cfg, device)?;
         let base = cfg.base_dir();
         let ctx = BuildContext { device, model: &c.model, base_dir: &base, config_path: &cfg.path };
-        let Built { task, data } = build(&ctx).map_err(|e| init_failure(e, cfg, device, "creating the model"))?;
+        let Built { mut task, data } = build(&ctx).map_err(|e| init_failure(e, cfg, device, "creating the model"))?;
+        if c.model.activation_checkpointing == Some(ActivationCheckpointing::Blocks) {
+            task.set_activation_checkpointing(true);
+        }
+        let mut precision = c.train.precision.resolve(device);
         let data = task::data_for(cfg, data).map_err(|e| init_failure(e, cfg, device, "loading the data"))?;
         let mut opt = AdamW::new(task.parameters(), &c.optim, |n, t| task.no_weight_decay(n, t))
             .map_err(|e| init_failure(e.into(), cfg, device, "creating the optimizer state"))?;
-        check_loss(task.as_ref(), &data, device, cfg)?;
+        check_loss(task.as_ref(), &data, device, cfg, precision)?;
         checkpoint::clean_partial(run_dir);
 
         let global = c.train.global_batch_size();
         let limit = memory::stats(device).limit_bytes;
         let cache_key = format!(
-            "{}|u{}|fp32|{device:?}|{}",
+            "{}|u{}|{}{}|{device:?}|{}",
             fingerprint_key(&task.fingerprint()),
             data.train.units_per_sample(),
+            precision.name(),
+            if task.activation_checkpointing() == Some(true) { "+ckpt" } else { "" },
             limit.map_or(0, |l| l >> 26) // in 64 MiB steps: an auto budget moves a little
         );
         let mut eval_guard = Guard::for_eval(&c.memory, c.train.eval_batch_size, device);
+        let mut resumed_extra = BTreeMap::new();
         let (mut guard, metrics, next_step, eval_history) = match resolve(run_dir, options.resume.clone())? {
             None => {
                 let mut metrics = MetricsWriter::resume(run_dir, 0)?;
@@ -91,7 +104,7 @@ impl<'a> Run<'a> {
                         guard
                     }
                     MicroBatch::Auto => {
-                        let r = auto_search(cfg, task.as_ref(), &opt, &data, device, &cache_key, limit)?;
+                        let r = auto_search(cfg, task.as_ref(), &opt, &data, &Amp { precision, device, loss_scale: None }, &cache_key, limit)?;
                         metrics.write(&Record::AutoMicroBatch(r.clone()))?;
                         Guard::new(&c.memory, r.micro_batch_size, device)
                     }
@@ -104,6 +117,13 @@ impl<'a> Run<'a> {
                     return Err(Error::Checkpoint(format!("{}: the model's shape changed since this checkpoint: {}", dir.display(), changes.join("; "))));
                 }
                 checkpoint::restore(&dir, task.as_ref(), &mut opt, device).map_err(|e| init_failure(e, cfg, device, "restoring the checkpoint"))?;
+                // Rungs climbed before the checkpoint stay climbed.
+                if state.extra.get("activation_checkpointing").and_then(|v| v.as_bool()) == Some(true) {
+                    task.set_activation_checkpointing(true);
+                }
+                if let Some(p) = state.extra.get("precision").and_then(|v| serde_json::from_value(v.clone()).ok()) {
+                    precision = p;
+                }
                 let configured = match c.train.micro_batch_size {
                     MicroBatch::Size(m) => m,
                     MicroBatch::Auto => state.policy.configured,
@@ -114,6 +134,7 @@ impl<'a> Run<'a> {
                 let mut metrics = MetricsWriter::resume(run_dir, state.next_step)?;
                 metrics.write(&Record::Resumed { step: state.next_step, checkpoint: dir.display().to_string() })?;
                 tracing::info!("resumed from {} at step {} (micro-batch {})", dir.display(), state.next_step, guard.micro_batch_size());
+                resumed_extra = state.extra.clone();
                 (guard, metrics, state.next_step, state.eval_history)
             }
         };
@@ -125,39 +146,55 @@ impl<'a> Run<'a> {
                 failed.map(|f| format!(" ({f} ran out of memory before the relaunch: it cools down)")).unwrap_or_default()
             );
         }
+        let scaler = (precision == Precision::Fp16).then(|| Scaler::new(device)).transpose().map_err(|e| init_failure(e.into(), cfg, device, "creating the loss scaler"))?;
+        if let (Some(s), Some(scale)) = (&scaler, resumed_extra.get("loss_scale").and_then(|v| v.as_f64())) {
+            s.load_state(scale, resumed_extra.get("growth_tracker").and_then(|v| v.as_i64()).unwrap_or(0))?;
+        }
         let mb = guard.micro_batch_size();
         tracing::info!(
-            "training {} on {device:?} ({} threads): global batch {global} = {mb} x {}, {} steps",
-            task.describe(), tch::get_num_threads(), global.div_ceil(mb), c.train.max_steps
+            "training {} on {device:?} ({} threads, {}{}): global batch {global} = {mb} x {}, {} steps",
+            task.describe(), tch::get_num_threads(), precision.name(),
+            if task.activation_checkpointing() == Some(true) { ", activation checkpointing" } else { "" },
+            global.div_ceil(mb), c.train.max_steps
         );
         let best = eval_history.values().copied().fold(None, |b: Option<f64>, v| Some(b.map_or(v, |b| b.min(v))));
         let verified = BTreeMap::new();
         Ok(Run {
             cfg, run_dir: run_dir.to_path_buf(), device, units_per_step: global * data.train.units_per_sample(), task, data, opt,
-            guard, eval_guard, pressure: PressureSchedule::new(&c.memory.pressure, device), metrics, next_step, first_step: next_step,
+            precision, scaler, guard, eval_guard, pressure: PressureSchedule::new(&c.memory.pressure, device), metrics, next_step, first_step: next_step,
             eval_history, verified, cache_key: options.inject_oom.is_none().then_some(cache_key),
             summary: Summary { steps: c.train.max_steps, first_loss: f64::NAN, best_val_loss: best, ..Default::default() },
             start: Instant::now(),
         })
     }
 
-    /// One optimizer step under the guard, recorded and logged.
+    /// One optimizer step under the guard, recorded and logged. When even micro-batch 1
+    /// does not fit, the run climbs a rung (activation checkpointing, bf16) and tries again
+    /// before it gives up.
     pub fn step(&mut self, step: u64) -> Result<StepStats> {
         let c = &self.cfg.raw;
         let lr = c.optim.lr_at(step, c.train.max_steps);
         let t0 = Instant::now();
-        let batches = StepSamples::new(self.data.train.as_ref(), c.train.seed, c.train.global_batch_size(), self.device);
-        let task = self.task.as_ref();
-        let mut ctx = StepCtx { opt: &mut self.opt, buffers: None };
-        let result = self.guard.run(
-            step,
-            &mut ctx,
-            |ctx, mb| {
-                ctx.snapshot_buffers(task)?;
-                train_step(task, ctx.opt, &batches, step, mb, lr, c.optim.grad_clip)
-            },
-            |ctx| ctx.undo(task),
-        );
+        let result = loop {
+            let batches = StepSamples::new(self.data.train.as_ref(), c.train.seed, c.train.global_batch_size(), self.device);
+            let amp = Amp { precision: self.precision, device: self.device, loss_scale: self.scaler.as_ref().map(|s| &s.scale) };
+            let u = Update { lr, grad_clip: c.optim.grad_clip, amp, scaler: self.scaler.as_ref() };
+            let task = self.task.as_ref();
+            let mut ctx = StepCtx { opt: &mut self.opt, buffers: None };
+            let result = self.guard.run(
+                step,
+                &mut ctx,
+                |ctx, mb| {
+                    ctx.snapshot_buffers(task)?;
+                    step_with(task, ctx.opt, &batches, step, mb, &u)
+                },
+                |ctx| ctx.undo(task),
+            );
+            match result {
+                Err(Error::Infeasible(_)) if self.climb(step)? => continue,
+                other => break other,
+            }
+        };
         let stats = self.after_guarded(result, step)?;
         let dt = t0.elapsed().as_secs_f64();
         let mem = self.guard.last_memory();
@@ -165,7 +202,12 @@ impl<'a> Run<'a> {
             step, loss: stats.loss, lr, grad_norm: stats.grad_norm, tokens_per_s: self.units_per_step as f64 / dt,
             micro_batch_size: stats.micro_batch_size, grad_accum_steps: stats.num_micro_batches, num_samples: stats.num_samples,
             world_size: 1, step_time_s: dt, elapsed_s: self.start.elapsed().as_secs_f64(), memory: mem,
+            precision: self.precision, activation_checkpointing: self.task.activation_checkpointing() == Some(true),
+            loss_scale: self.scaler.as_ref().map(Scaler::value), skipped: stats.skipped,
         };
+        if stats.skipped {
+            tracing::warn!("step {step}: fp16 gradients overflowed: update skipped, loss scale now {}", rec.loss_scale.unwrap_or(f64::NAN));
+        }
         if step.is_multiple_of(c.log.every) || step + 1 == c.train.max_steps {
             tracing::info!(
                 "step {:>5}/{} | loss {:.4} | lr {:.2e} | {:>7.0} tok/s | mb {}x{} | mem {} (peak {})",
@@ -208,6 +250,32 @@ impl<'a> Run<'a> {
         }
     }
 
+    /// The next rung below micro-batch 1, if one is left and allowed: applied, recorded and
+    /// logged. The guard starts again from micro-batch 1 (and may grow back from there).
+    fn climb(&mut self, step: u64) -> Result<bool> {
+        let m = &self.cfg.raw.memory;
+        let at = ladder::Footing { checkpointing: self.task.activation_checkpointing(), precision: self.precision };
+        let allowed = ladder::Allowed {
+            checkpointing: m.allow_activation_checkpointing, precision_fallback: m.allow_precision_fallback, bf16_fast: bf16_is_fast(self.device),
+        };
+        let Some(rung) = ladder::next_rung(at, allowed) else { return Ok(false) };
+        match rung {
+            Rung::ActivationCheckpointing => self.task.set_activation_checkpointing(true),
+            Rung::Bf16 => self.precision = Precision::Bf16,
+        }
+        for e in self.guard.drain_events() {
+            self.metrics.write(&Record::from(e))?;
+        }
+        let what = match rung {
+            Rung::ActivationCheckpointing => "activation checkpointing on (blocks are recomputed in backward)",
+            Rung::Bf16 => "bf16 autocast (master weights and optimizer state stay fp32)",
+        };
+        tracing::warn!("step {step}: micro-batch 1 does not fit; climbing down a rung: {what}; retrying the step");
+        self.metrics.write(&Record::Rung(RungRecord { step, rung, reason: "micro-batch 1 did not fit".into() }))?;
+        self.guard.policy.rung_climbed();
+        Ok(true)
+    }
+
     /// The planner's view of what does not fit and what would, for models it has a formula for.
     fn advice(&self) -> String {
         let c = &self.cfg.raw;
@@ -223,7 +291,8 @@ impl<'a> Run<'a> {
             samples: self.data.val.as_ref(), seed: c.train.seed, batch_size: c.train.eval_batch_size,
             num_batches: c.train.eval_batches, device: self.device,
         };
-        let v = evaluate(self.task.as_ref(), &spec, &mut self.eval_guard, step);
+        let amp = Amp { precision: self.precision, device: self.device, loss_scale: None };
+        let v = evaluate(self.task.as_ref(), &spec, &mut self.eval_guard, step, &amp);
         let v = self.after_guarded(v, step)?;
         tracing::info!("eval  {:>5} | val loss {v:.4}", step + 1);
         self.metrics.write(&Record::Eval(EvalRecord { step, val_loss: v, eval_batch_size: c.train.eval_batch_size }))?;
@@ -239,7 +308,7 @@ impl<'a> Run<'a> {
         let state = TrainState {
             format: checkpoint::FORMAT, next_step, samples_seen: next_step * c.train.global_batch_size() as u64,
             policy: self.guard.policy.clone(), eval_policy: self.eval_guard.policy.clone(), val_loss: self.summary.val_loss,
-            eval_history: self.eval_history.clone(), model: self.task.fingerprint(), extra: Default::default(), files: Default::default(),
+            eval_history: self.eval_history.clone(), model: self.task.fingerprint(), extra: self.extra_state(), files: Default::default(),
         };
         let dir = self.retrying_oom(next_step, |run| checkpoint::save(&run.run_dir, &state, run.task.as_ref(), &run.opt, run.device))?;
         tracing::info!("checkpoint {}", dir.display());
@@ -249,6 +318,18 @@ impl<'a> Run<'a> {
             *verified.entry(step).or_insert_with(|| checkpoint::verify(dir).is_ok())
         });
         Ok(())
+    }
+
+    /// The rungs climbed and the loss scale, for checkpoints.
+    fn extra_state(&self) -> BTreeMap<String, serde_json::Value> {
+        let mut extra = BTreeMap::new();
+        extra.insert("precision".into(), serde_json::json!(self.precision));
+        extra.insert("activation_checkpointing".into(), serde_json::json!(self.task.activation_checkpointing() == Some(true)));
+        if let Some((scale, tracker)) = self.scaler.as_ref().map(Scaler::state) {
+            extra.insert("loss_scale".into(), serde_json::json!(scale));
+            extra.insert("growth_tracker".into(), serde_json::json!(tracker));
+        }
+        extra
     }
 
     /// The final weights, `model.safetensors` (parameters and buffers, by name).
@@ -350,8 +431,9 @@ fn refuse_what_cannot_fit(cfg: &Config, device: Device) -> Result<()> {
 
 /// One sample through the loss, before training: a model that cannot take the data (a
 /// wrong dtype or shape, a missing method) is bad input (exit 2), said before any step.
-fn check_loss(task: &dyn Task, data: &Dataset, device: Device, cfg: &Config) -> Result<()> {
+fn check_loss(task: &dyn Task, data: &Dataset, device: Device, cfg: &Config, precision: Precision) -> Result<()> {
     let _no_grad = tch::no_grad_guard();
+    let _autocast = crate::precision::Autocast::enter(precision, device)?;
     let describe = |t: &Tensor| format!("{:?} {:?}", t.size(), t.kind());
     let bad = |message: String| Error::Config(ConfigError { origin: cfg.path.display().to_string(), line_col: None, key: "model".into(), message });
     let (x, y) = match data.train.batch(&[0], device) {
@@ -386,18 +468,19 @@ fn known_good(key: &str, configured: usize) -> usize {
 }
 
 /// `micro_batch_size: auto`: the cache, or a search from the planner's estimate.
-fn auto_search(cfg: &Config, task: &dyn Task, opt: &AdamW, data: &Dataset, device: Device, key: &str, limit: Option<u64>) -> Result<AutoResult> {
+fn auto_search(cfg: &Config, task: &dyn Task, opt: &AdamW, data: &Dataset, amp: &Amp, key: &str, limit: Option<u64>) -> Result<AutoResult> {
+    let device = amp.device;
     let c = &cfg.raw;
     let global = c.train.global_batch_size();
     let batches = StepSamples::new(data.train.as_ref(), c.train.seed, global, device);
     // The planner's estimate: its formula, or a line fitted through a few measured trials.
     let start = match (task.formula(), limit) {
         (Some(est), Some(l)) => est.largest_fitting(l, global).max(1),
-        (None, Some(l)) => plan::measure(task, &batches, &|| opt.clear_grads(), device, plan::CUDA_OVERHEAD)?.map_or(1, |p| p.largest_fitting(l, global).max(1)),
+        (None, Some(l)) => plan::measure(task, &batches, &|| opt.clear_grads(), amp, plan::CUDA_OVERHEAD)?.map_or(1, |p| p.largest_fitting(l, global).max(1)),
         _ => global,
     };
     let spec = AutoSearch { key: key.to_string(), start, max: global, margin: c.memory.auto_margin };
-    let r = plan::auto_micro_batch(task, &batches, || opt.clear_grads(), device, spec)?;
+    let r = plan::auto_micro_batch(task, &batches, || opt.clear_grads(), amp, spec)?;
     if r.from_cache {
         tracing::info!("micro_batch_size auto: {} (cached: {} fits; {} margin)", r.micro_batch_size, r.largest_fitting, c.memory.auto_margin);
     } else {

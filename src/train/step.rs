@@ -7,6 +7,7 @@ use std::ops::Range;
 use crate::data::StepBatches;
 use crate::error::{Error, Phase, Result};
 use crate::optim::AdamW;
+use crate::precision::{Amp, Scaler};
 use crate::task::Task;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -19,6 +20,17 @@ pub struct StepStats {
     /// Samples the step trained on: always the global batch (over all ranks), whatever the
     /// split.
     pub num_samples: usize,
+    /// fp16: the gradients held inf or nan, so the update was skipped (the scale backs off).
+    pub skipped: bool,
+}
+
+/// How a step updates: learning rate, clipping, precision.
+#[derive(Clone, Copy)]
+pub struct Update<'a> {
+    pub lr: f64,
+    pub grad_clip: f64,
+    pub amp: Amp<'a>,
+    pub scaler: Option<&'a Scaler>,
 }
 
 /// Splits `samples` into micro-batches of at most `micro` (the last may be smaller: 24 at 5
@@ -38,7 +50,7 @@ pub fn micro_batches(global: usize, micro: usize) -> Vec<Range<usize>> {
 /// Forward and backward over this process's samples: gradients accumulate, weighted so that
 /// their sum over all micro-batches (and ranks) is the gradient of the global batch's mean
 /// loss. Returns (the weighted loss sum, micro-batches run).
-pub fn accumulate(task: &dyn Task, data: &dyn StepBatches, step: u64, micro_batch_size: usize) -> Result<(f64, usize)> {
+pub fn accumulate(task: &dyn Task, data: &dyn StepBatches, step: u64, micro_batch_size: usize, amp: &Amp) -> Result<(f64, usize)> {
     let global = data.global_batch_size();
     let parts = split_range(data.shard(), micro_batch_size);
     let mut loss_sum = 0.0;
@@ -46,35 +58,47 @@ pub fn accumulate(task: &dyn Task, data: &dyn StepBatches, step: u64, micro_batc
         let weight = part.len() as f64 / global as f64;
         let at = |phase: Phase| move |e: Error| e.in_phase(phase).at_micro_batch(i);
         let (x, y) = data.micro_batch(step, part.clone()).map_err(at(Phase::Data))?;
-        let loss = task.loss(&x, &y, true).and_then(|l| crate::ops::mul_scalar(&l, weight)).map_err(|e| at(Phase::Forward)(e.into()))?;
-        loss.f_backward().map_err(|e| at(Phase::Backward)(e.into()))?;
-        loss_sum += loss.f_double_value(&[]).map_err(|e| at(Phase::Backward)(e.into()))?;
+        // One call (a model may recompute in backward); it tags forward or backward.
+        loss_sum += task.forward_backward(&x, &y, weight, amp).map_err(|e| e.at_micro_batch(i))?;
     }
     assert_eq!(parts.iter().map(|p| p.len()).sum::<usize>(), data.shard().len(), "global-batch invariant: every sample exactly once");
     Ok((loss_sum, parts.len()))
 }
 
-/// Clipping then the update, on gradients already accumulated (and reduced across ranks).
-pub fn update(opt: &mut AdamW, step: u64, lr: f64, grad_clip: f64) -> Result<f64> {
-    let grad_norm = opt.clip_grad_norm(grad_clip).map_err(|e| Error::from(e).in_phase(Phase::Clip))?;
-    opt.step(step, lr).map_err(|e| e.in_phase(Phase::Optimizer))?;
+/// Unscaling (fp16), clipping, then the update, on gradients already accumulated (and
+/// reduced across ranks). Every allocation comes before anything changes; the loss scale
+/// is updated between the optimizer's prepare and its commit, so a retried attempt never
+/// counts twice. Returns (gradient norm, skipped).
+pub fn update(opt: &mut AdamW, step: u64, u: &Update) -> Result<(f64, bool)> {
+    let clip = |e: tch::TchError| Error::from(e).in_phase(Phase::Clip);
+    if let Some(scaler) = u.scaler {
+        if scaler.unscale(&opt.grads()).map_err(clip)? {
+            scaler.update().map_err(clip)?;
+            opt.clear_grads();
+            return Ok((f64::INFINITY, true));
+        }
+    }
+    let grad_norm = opt.clip_grad_norm(u.grad_clip).map_err(clip)?;
+    let prepared = opt.prepare(step).map_err(|e| e.in_phase(Phase::Optimizer))?;
+    if let Some(scaler) = u.scaler {
+        scaler.update().map_err(|e| Error::from(e).in_phase(Phase::Optimizer))?;
+    }
+    opt.commit(prepared, u.lr)?;
     opt.clear_grads();
-    Ok(grad_norm)
+    Ok((grad_norm, false))
 }
 
-/// A whole optimizer step in one process.
-pub fn train_step(
-    task: &dyn Task,
-    opt: &mut AdamW,
-    data: &dyn StepBatches,
-    step: u64,
-    micro_batch_size: usize,
-    lr: f64,
-    grad_clip: f64,
-) -> Result<StepStats> {
-    let (loss, num_micro_batches) = accumulate(task, data, step, micro_batch_size)?;
-    let grad_norm = update(opt, step, lr, grad_clip)?;
-    Ok(StepStats { loss, grad_norm, micro_batch_size, num_micro_batches, num_samples: data.global_batch_size() })
+/// A whole optimizer step in one process, with `u`'s precision.
+pub fn step_with(task: &dyn Task, opt: &mut AdamW, data: &dyn StepBatches, step: u64, micro_batch_size: usize, u: &Update) -> Result<StepStats> {
+    let (loss, num_micro_batches) = accumulate(task, data, step, micro_batch_size, &u.amp)?;
+    let (grad_norm, skipped) = update(opt, step, u)?;
+    Ok(StepStats { loss, grad_norm, micro_batch_size, num_micro_batches, num_samples: data.global_batch_size(), skipped })
+}
+
+/// A whole fp32 optimizer step in one process.
+pub fn train_step(task: &dyn Task, opt: &mut AdamW, data: &dyn StepBatches, step: u64, micro_batch_size: usize, lr: f64, grad_clip: f64) -> Result<StepStats> {
+    let u = Update { lr, grad_clip, amp: Amp::fp32(tch::Device::Cpu), scaler: None };
+    step_with(task, opt, data, step, micro_batch_size, &u)
 }
 
 #[cfg(test)]

@@ -1,7 +1,8 @@
-//! libtorch's default generators (CPU, and the CUDA device's), saved with checkpoints so
-//! dropout resumes exactly.
+//! libtorch's default generators (CPU, and the CUDA device's): saved with checkpoints so
+//! dropout resumes exactly, and replayed by activation checkpointing so a recomputed block
+//! draws the dropout masks it drew the first time.
 use std::ffi::{c_char, c_void};
-use tch::{Device, Tensor};
+use tch::{Device, TchError, Tensor};
 
 use crate::error::{Error, Result};
 use crate::memory::check;
@@ -20,15 +21,28 @@ fn generators(device: Device) -> Vec<(String, i32)> {
 }
 
 pub fn get_states(device: Device) -> Result<Vec<(String, Tensor)>> {
+    Ok(capture(device)?.into_iter().zip(generators(device)).map(|(t, (name, _))| (name, t)).collect())
+}
+
+/// The generators' states now (CPU, then the CUDA device's).
+pub fn capture(device: Device) -> Result<Vec<Tensor>, TchError> {
     generators(device)
         .into_iter()
-        .map(|(name, index)| {
+        .map(|(_, index)| {
             let mut out: *mut c_void = std::ptr::null_mut();
             check(unsafe { og_rng_get_state(index, &mut out) })?;
             // SAFETY: on success og_rng_get_state returns a new torch::Tensor* we now own.
-            Ok((name, unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) }))
+            Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
         })
         .collect()
+}
+
+/// Puts back states from `capture`.
+pub fn restore(states: &[Tensor], device: Device) -> Result<(), TchError> {
+    for (t, (_, index)) in states.iter().zip(generators(device)) {
+        check(unsafe { og_rng_set_state(index, t.as_ptr() as *mut c_void) })?;
+    }
+    Ok(())
 }
 
 pub fn set_states(saved: &[(String, Tensor)], device: Device) -> Result<()> {

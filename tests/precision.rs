@@ -1,0 +1,121 @@
+//! The rungs below micro-batch 1, through the binary: bf16 autocast on the CPU, fp16 with
+//! loss scaling, activation checkpointing, and the guard climbing to them by itself when
+//! even one sample does not fit. Peaks are the counting allocator's.
+mod common;
+use common::*;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+/// A GPT whose activations dominate its memory: 6 layers, 128-token windows.
+const DEEP: &str = "
+model: {n_layer: 6, n_head: 2, n_embd: 32, block_size: 128, vocab_size: 256}
+data: {source: embedded, embedded_bytes: 131072}
+optim: {lr: 3.0e-3, min_lr: 3.0e-4, warmup_steps: 2, decay_steps: 40}
+train: {micro_batch_size: 4, grad_accum_steps: 1, max_steps: 4, eval_every: 0, eval_batch_size: 4, eval_batches: 1, seed: 11, device: cpu, num_threads: 1}
+log: {every: 1}
+";
+
+fn run(dir: &Path, cfg: &Path, name: &str, extra: &[&str]) -> PathBuf {
+    let run = dir.join(name);
+    let mut args = vec!["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let o = oomguard(&args, dir);
+    assert!(o.status.success(), "{}", stderr(&o));
+    run
+}
+
+fn peak(run: &Path) -> u64 {
+    records(run, "step").iter().map(|s| s["memory"]["peak_bytes"].as_u64().unwrap()).max().unwrap()
+}
+
+#[test]
+fn bf16_on_the_cpu_stays_close_to_fp32() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "tiny.yaml", &TINY.replace("max_steps: 6", "max_steps: 20"));
+    let fp32 = run(dir.path(), &cfg, "fp32", &[]);
+    let bf16 = run(dir.path(), &cfg, "bf16", &["--set", "train.precision=bf16"]);
+    assert!(records(&bf16, "step").iter().all(|s| s["precision"] == "bf16") && records(&fp32, "step")[0]["precision"] == "fp32");
+    let (a, b) = (losses(&fp32), losses(&bf16));
+    for (s, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!((x - y).abs() / x < 0.02, "step {s}: fp32 {x}, bf16 {y}");
+    }
+    assert!(b[19] < 0.8 * b[0], "bf16 learns: {b:?}");
+}
+
+/// fp16 trains with a dynamic loss scale (GradScaler's: 65536, halved on overflow).
+#[test]
+fn fp16_trains_with_a_loss_scale() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "tiny.yaml", &TINY.replace("max_steps: 6", "max_steps: 12"));
+    let r = run(dir.path(), &cfg, "fp16", &["--set", "train.precision=fp16"]);
+    let steps = records(&r, "step");
+    assert!(steps.iter().all(|s| s["precision"] == "fp16" && s["loss_scale"].as_f64().unwrap() > 0.0), "{steps:?}");
+    let l = losses(&r);
+    assert!(l[11] < 0.85 * l[0], "{l:?}");
+}
+
+/// Peak memory falls with each rung: activation checkpointing, bf16, and both.
+#[test]
+fn each_rung_lowers_peak_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "deep.yaml", DEEP);
+    let one = ["--max-steps", "2", "--memory-budget", "none"];
+    let with = |name: &str, sets: &[&str]| {
+        let mut args: Vec<&str> = one.to_vec();
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        peak(&run(dir.path(), &cfg, name, &args))
+    };
+    let fp32 = with("fp32", &[]);
+    let ckpt = with("ckpt", &["model.activation_checkpointing=blocks"]);
+    let bf16 = with("bf16", &["train.precision=bf16"]);
+    let both = with("both", &["model.activation_checkpointing=blocks", "train.precision=bf16"]);
+    println!("peak bytes: fp32 {fp32}, checkpointing {ckpt}, bf16 {bf16}, both {both}");
+    assert!(ckpt < fp32 * 8 / 10, "checkpointing: {ckpt} vs {fp32}");
+    assert!(bf16 < fp32 * 9 / 10, "bf16: {bf16} vs {fp32}");
+    assert!(both < ckpt && both < bf16, "both: {both}");
+}
+
+/// A budget in which micro-batch 1 does not fit in fp32: the guard turns activation
+/// checkpointing on by itself (recorded), and the run ends with the parameters of a plain
+/// run (checkpointing is exact). Tighter still, it also falls back to bf16. A resumed run
+/// keeps the rungs.
+#[test]
+fn the_guard_climbs_down_the_rungs_when_one_sample_does_not_fit() {
+    let dir = tempfile::tempdir().unwrap();
+    // Wide blocks, so that bf16 still saves memory once blocks are recomputed.
+    let yaml = DEEP.replace("micro_batch_size: 4", "micro_batch_size: 1").replace("grad_accum_steps: 1", "grad_accum_steps: 4")
+        .replace("n_layer: 6, n_head: 2, n_embd: 32, block_size: 128", "n_layer: 3, n_head: 4, n_embd: 64, block_size: 256")
+        .replace("embedded_bytes: 131072", "embedded_bytes: 262144");
+    let cfg = write_config(dir.path(), "wide.yaml", &yaml);
+    let one = |name: &str, sets: &[&str]| {
+        let mut args = vec!["--max-steps", "2", "--memory-budget", "none"];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        peak(&run(dir.path(), &cfg, name, &args))
+    };
+    let (p_plain, p_ckpt, p_both) = (one("p", &[]), one("c", &["model.activation_checkpointing=blocks"]), one("b", &["model.activation_checkpointing=blocks", "train.precision=bf16"]));
+    assert!(p_both < p_ckpt && p_ckpt < p_plain);
+
+    let plain = run(dir.path(), &cfg, "plain", &["--memory-budget", "none"]);
+    let budget = ((p_ckpt + p_plain) / 2).to_string();
+    let climbed = run(dir.path(), &cfg, "climbed", &["--memory-budget", &budget, "--max-steps", "2"]);
+    let rungs: Vec<Value> = records(&climbed, "rung");
+    assert_eq!(rungs.len(), 1, "{rungs:?}");
+    assert_eq!((rungs[0]["rung"].as_str(), rungs[0]["step"].as_u64()), (Some("activation_checkpointing"), Some(0)));
+    assert!(records(&climbed, "step").iter().all(|s| s["activation_checkpointing"] == true && s["precision"] == "fp32"));
+    let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", climbed.to_str().unwrap(), "--resume", "--memory-budget", &budget], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("activation checkpointing"), "the resumed run keeps the rung: {}", stderr(&o));
+    assert_eq!(records(&climbed, "rung").len(), 1, "no second climb after the resume");
+    let d = max_abs_diff(&weights(&plain), &weights(&climbed));
+    assert!(d < 1e-5, "checkpointing changed the parameters by {d}");
+
+    let budget = ((p_both + p_ckpt) / 2).to_string();
+    let both = run(dir.path(), &cfg, "both", &["--memory-budget", &budget, "--max-steps", "2"]);
+    let rungs: Vec<String> = records(&both, "rung").iter().map(|r| r["rung"].as_str().unwrap().to_string()).collect();
+    assert_eq!(rungs, ["activation_checkpointing", "bf16"]);
+    assert!(records(&both, "step").iter().all(|s| s["precision"] == "bf16"));
+}
