@@ -12,25 +12,39 @@ fn main() {
     let torch_dir = lib_dir.parent().expect("libtorch lib dir has a parent").to_path_buf();
     let include = torch_dir.join("include");
 
-    cc::Build::new()
-        .cpp(true)
-        .std("c++17")
-        .define("_GLIBCXX_USE_CXX11_ABI", "1")
-        .include(&include)
-        .include(include.join("torch/csrc/api/include"))
-        .flag("-Wno-unused-parameter")
-        .flag("-Wno-c++20-extensions")
-        .flag("-Wno-deprecated-declarations")
-        .opt_level(2)
-        .file("csrc/memory.cpp")
-        .file("csrc/optim.cpp")
-        .file("csrc/rng.cpp")
-        .file("csrc/torchscript.cpp")
-        .file("csrc/ops.cpp")
-        .file("csrc/amp.cpp")
-        .compile("oomguard_csrc");
+    const SOURCES: [&str; 7] =
+        ["csrc/memory.cpp", "csrc/optim.cpp", "csrc/rng.cpp", "csrc/torchscript.cpp", "csrc/ops.cpp", "csrc/amp.cpp", "csrc/dist.cpp"];
+    let base = || {
+        let mut b = cc::Build::new();
+        b.cpp(true)
+            .std("c++17")
+            .define("_GLIBCXX_USE_CXX11_ABI", "1")
+            .include(&include)
+            .include(include.join("torch/csrc/api/include"))
+            .flag("-Wno-unused-parameter")
+            .flag("-Wno-c++20-extensions")
+            .flag("-Wno-deprecated-declarations")
+            .opt_level(2);
+        b
+    };
+    // c10d's Gloo headers come from Debian's libgloo-dev (the wheel ships none).
+    assert!(
+        std::path::Path::new("/usr/include/gloo/config.h").exists(),
+        "gloo headers are missing: run `make setup` (it installs Debian's libgloo-dev)"
+    );
+    base().define("USE_C10D_GLOO", None).files(SOURCES).compile("oomguard_csrc");
+    // NCCL's c10d header needs nccl.h and the CUDA runtime headers: the pip nvidia packages
+    // beside torch (scripts/setup.sh installs the two header-only ones).
+    let nvidia = torch_dir.parent().expect("site-packages").join("nvidia");
+    let (cuda_inc, nccl_inc) = (nvidia.join("cu13/include"), nvidia.join("nccl/include"));
+    assert!(
+        cuda_inc.join("crt/host_config.h").exists() && nccl_inc.join("nccl.h").exists(),
+        "CUDA and NCCL headers are missing under {}: run `make setup`",
+        nvidia.display()
+    );
+    base().define("USE_C10D_NCCL", None).include(cuda_inc).include(nccl_inc).flag("-w").file("csrc/dist_nccl.cpp").compile("oomguard_nccl");
 
-    for f in ["csrc/memory.cpp", "csrc/optim.cpp", "csrc/rng.cpp", "csrc/torchscript.cpp", "csrc/ops.cpp", "csrc/amp.cpp", "csrc/oomguard.h"] {
+    for f in SOURCES.iter().chain(&["csrc/dist_nccl.cpp", "csrc/oomguard.h"]) {
         println!("cargo:rerun-if-changed={f}");
     }
     // An rpath makes nothing load: harmless for the libtorch-free `oomguard` binary.

@@ -23,6 +23,9 @@ pub enum Error {
     /// The step does not fit even at micro-batch 1 (exit code 3).
     #[error("{0}")]
     Infeasible(String),
+    /// A collective failed (a peer died, a timeout): the launcher restarts the group.
+    #[error("data parallel: {0}")]
+    Dist(String),
     /// The optimizer's commit failed after it began (never an OOM: it allocates nothing).
     #[error("{0}")]
     PartialUpdate(String),

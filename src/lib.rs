@@ -9,6 +9,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod dist;
 pub mod error;
 pub mod guard;
 pub mod memory;

@@ -57,6 +57,11 @@ pub fn run_with(args: impl IntoIterator<Item = impl Into<OsString> + Clone>, bui
 }
 
 pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
+    if let (Some(n), None) = (&args.nproc_per_node, std::env::var_os("RANK")) {
+        return launch_self(n);
+    }
+    // Data parallel: rank 0 writes the run's files; every rank trains.
+    let lead = std::env::var("RANK").map_or(true, |r| r.trim() == "0");
     let mut overrides = args.set.clone();
     if let Some(n) = args.max_steps {
         overrides.push(format!("train.max_steps={n}"));
@@ -78,7 +83,7 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
         (None, Some(p)) => p.parent().and_then(Path::parent).map(Path::to_path_buf).context("--resume-from needs a path like RUN_DIR/checkpoints/step-N")?,
         (None, None) => next_run_dir(&args.config)?,
     };
-    if matches!(resume, train::Resume::Fresh) {
+    if lead && matches!(resume, train::Resume::Fresh) {
         prepare_run_dir(&run_dir)?;
     } else {
         std::fs::create_dir_all(&run_dir).with_context(|| format!("creating run directory {}", run_dir.display()))?;
@@ -87,9 +92,11 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
     let inject_oom = args.inject_oom.as_deref().map(str::parse).transpose().map_err(|e: String| {
         crate::Error::Config(ConfigError { origin: "--inject-oom".into(), line_col: None, key: String::new(), message: e })
     })?;
-    let resolved = serde_yaml::to_string(&cfg.resolved()).context("encoding the resolved config")?;
-    std::fs::write(run_dir.join("config.yaml"), resolved).with_context(|| format!("writing {}/config.yaml", run_dir.display()))?;
-    metrics::set_log_file(&run_dir.join("train.log"))?;
+    if lead {
+        let resolved = serde_yaml::to_string(&cfg.resolved()).context("encoding the resolved config")?;
+        std::fs::write(run_dir.join("config.yaml"), resolved).with_context(|| format!("writing {}/config.yaml", run_dir.display()))?;
+        metrics::set_log_file(&run_dir.join("train.log"))?;
+    }
     tracing::info!("run directory {}", run_dir.display());
 
     let s = train::train_with(&cfg, &run_dir, &settings, train::Options { resume, inject_oom }, build)?;
@@ -129,6 +136,28 @@ fn allocator_settings(cfg: &config::Config) -> anyhow::Result<allocator::Allocat
 }
 
 const REEXEC: &str = "OOMGUARD_REEXECUTED";
+
+/// `oomguard train ... --nproc-per-node N`: this same command, N times, under the launcher.
+fn launch_self(nproc: &str) -> anyhow::Result<()> {
+    let exe = std::env::current_exe().context("locating this executable")?;
+    let mut args: Vec<std::ffi::OsString> = vec!["oomguard".into(), "launch".into(), "--nproc-per-node".into(), nproc.into(), "--no-python".into(), exe.into()];
+    let mut skip = false;
+    for a in std::env::args_os().skip(1) {
+        let text = a.to_string_lossy();
+        if std::mem::take(&mut skip) {
+            continue;
+        }
+        match text.as_ref() {
+            "--nproc-per-node" | "--nproc_per_node" => skip = true,
+            t if t.starts_with("--nproc-per-node=") || t.starts_with("--nproc_per_node=") => {}
+            _ => args.push(a),
+        }
+    }
+    match super::Cli::try_parse_from(args).context("building the launch command")?.command {
+        super::Command::Launch(l) => oomguard_launch::cli::launch(l),
+        _ => anyhow::bail!("building the launch command"),
+    }
+}
 
 /// `runs/<config stem>/NNN`, the first number not taken.
 fn next_run_dir(config: &Path) -> anyhow::Result<PathBuf> {

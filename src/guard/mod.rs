@@ -63,8 +63,17 @@ pub enum GuardEvent {
     Leak(LeakEvent),
 }
 
+/// Data-parallel ranks agreeing on the guard's inputs, so that every rank decides the same
+/// (the same micro-batch, the same grow-back).
+pub trait Agree {
+    /// The element-wise maximum over all ranks, in place.
+    fn max(&self, values: &mut [f64]) -> Result<()>;
+}
+
 pub struct Guard {
     pub policy: Policy,
+    /// Other ranks to agree with (data parallel).
+    agree: Option<std::rc::Rc<dyn Agree>>,
     cfg: PolicyConfig,
     enabled: bool,
     device: Device,
@@ -82,6 +91,7 @@ impl Guard {
     pub fn new(cfg: &MemoryConfig, micro_batch_size: usize, device: Device) -> Guard {
         Guard {
             policy: Policy::new(micro_batch_size),
+            agree: None,
             cfg: PolicyConfig {
                 grow_after_steps: cfg.grow_after_steps,
                 grow_headroom: cfg.grow_headroom,
@@ -104,6 +114,20 @@ impl Guard {
         let mut g = Guard::new(&MemoryConfig { grow_after_steps: u64::MAX, thrash_steps: 0, leak_steps: 0, ..cfg.clone() }, eval_batch_size, device);
         g.eval = true;
         g
+    }
+
+    /// Agree with other ranks on every decision.
+    pub fn with_agreement(mut self, agree: Option<std::rc::Rc<dyn Agree>>) -> Guard {
+        self.agree = agree;
+        self
+    }
+
+    /// `values` maximised over the ranks (as they are, alone).
+    fn agreed<const N: usize>(&self, mut values: [f64; N]) -> Result<[f64; N]> {
+        if let Some(a) = &self.agree {
+            a.max(&mut values)?;
+        }
+        Ok(values)
     }
 
     pub fn micro_batch_size(&self) -> usize {
@@ -144,7 +168,7 @@ impl Guard {
             let t0 = Instant::now();
             let oom = match attempt(ctx, mb) {
                 Ok(out) => {
-                    self.observe(step, baseline);
+                    self.observe(step, baseline)?;
                     return Ok(out);
                 }
                 Err(Error::Oom(oom)) if self.enabled => oom,
@@ -158,7 +182,9 @@ impl Guard {
             if leftover > 0 {
                 tracing::warn!("after cleanup {} more is live than at step start; shrinking harder", human_bytes(leftover));
             }
-            let decision = self.policy.on_oom(step, leftover > 0, Some(signature(&oom)), self.cfg.retries_at_one);
+            // Ranks that did not run out cleaned up too, and all decide on the same inputs.
+            let [severe, sig] = self.agreed([(leftover > 0) as u8 as f64, (signature(&oom) >> 11) as f64])?;
+            let decision = self.policy.on_oom(step, severe > 0.0, Some(sig as u64), self.cfg.retries_at_one);
             let new = match decision {
                 OnOom::Retry { micro_batch_size } => micro_batch_size,
                 OnOom::GiveUp => 0,
@@ -204,14 +230,18 @@ impl Guard {
         }
     }
 
-    fn observe(&mut self, step: u64, baseline: u64) {
+    fn observe(&mut self, step: u64, baseline: u64) -> Result<()> {
         let mem = memory::stats(self.device);
         self.last_memory = mem;
+        // The tightest rank's figures (the largest peak, the smallest limit) for everyone.
+        let limit = mem.limit_bytes.map_or(f64::NEG_INFINITY, |l| -(l as f64));
+        let retries = mem.alloc_retries.map_or(-1.0, |r| r as f64);
+        let [peak, base, limit, retries] = self.agreed([mem.peak_bytes as f64, baseline as f64, limit, retries])?;
         let obs = Observation {
-            baseline_bytes: baseline,
-            peak_bytes: mem.peak_bytes,
-            limit_bytes: mem.limit_bytes,
-            alloc_retries: mem.alloc_retries,
+            baseline_bytes: base as u64,
+            peak_bytes: peak as u64,
+            limit_bytes: limit.is_finite().then(|| (-limit) as u64),
+            alloc_retries: (retries >= 0.0).then_some(retries as u64),
         };
         let old = self.policy.current;
         match self.policy.after_step(step, obs, &self.cfg) {
@@ -225,6 +255,7 @@ impl Guard {
                 self.events.push(GuardEvent::Shrink(ResizeEvent { step, old_micro_batch_size: old, new_micro_batch_size: micro_batch_size, reason: "alloc_retries".into() }));
             }
         }
+        Ok(())
     }
 }
 

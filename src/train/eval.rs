@@ -2,7 +2,8 @@
 //! grad, each batch split by the evaluation guard's current size.
 use tch::Device;
 
-use super::step::micro_batches;
+use super::step::split_range;
+use crate::dist::{Op, ProcessGroup};
 use crate::data::{eval_seed, sample_positions, Samples};
 use crate::error::{Error, Phase, Result};
 use crate::guard::Guard;
@@ -18,11 +19,14 @@ pub struct EvalSpec<'a> {
     pub device: Device,
 }
 
-pub fn evaluate(task: &dyn Task, spec: &EvalSpec, guard: &mut Guard, step: u64, amp: &Amp) -> Result<f64> {
+/// With data-parallel ranks (`pg`), each rank evaluates its shard of every batch; the ranks
+/// agree (an OOM anywhere shrinks everyone's evaluation batch) and sum their parts.
+pub fn evaluate(task: &dyn Task, spec: &EvalSpec, guard: &mut Guard, step: u64, amp: &Amp, pg: Option<&ProcessGroup>) -> Result<f64> {
     let _no_grad = tch::no_grad_guard();
     let _autocast = amp.autocast()?;
     let seed = eval_seed(spec.seed);
     let batch = spec.batch_size;
+    let shard = pg.map_or(0..batch, |p| p.shard(batch));
     let mut total = 0.0;
     for k in 0..spec.num_batches as u64 {
         let positions = sample_positions(seed, k, batch, spec.samples.num_positions());
@@ -30,14 +34,20 @@ pub fn evaluate(task: &dyn Task, spec: &EvalSpec, guard: &mut Guard, step: u64, 
             step,
             &mut (),
             |_, mb| {
-                let mut sum = 0.0;
-                for part in micro_batches(batch, mb) {
-                    let in_eval = |e: Error| e.in_phase(Phase::Eval);
-                    let (x, y) = spec.samples.batch(&positions[part.clone()], spec.device).map_err(in_eval)?;
-                    let loss = task.eval_loss(&x, &y).map_err(|e| in_eval(e.into()))?;
-                    sum += loss.f_double_value(&[]).map_err(|e| in_eval(e.into()))? * part.len() as f64 / batch as f64;
-                }
-                Ok(sum)
+                let local = (|| {
+                    let mut sum = 0.0;
+                    for part in split_range(shard.clone(), mb) {
+                        let in_eval = |e: Error| e.in_phase(Phase::Eval);
+                        let (x, y) = spec.samples.batch(&positions[part.clone()], spec.device).map_err(in_eval)?;
+                        let loss = task.eval_loss(&x, &y).map_err(|e| in_eval(e.into()))?;
+                        sum += loss.f_double_value(&[]).map_err(|e| in_eval(e.into()))? * part.len() as f64 / batch as f64;
+                    }
+                    Ok(sum)
+                })();
+                let Some(pg) = pg else { return local };
+                let mut sum = [pg.agree(local)?];
+                pg.all_reduce_f64(&mut sum, Op::Sum)?;
+                Ok(sum[0])
             },
             |_| (),
         )?;

@@ -7,7 +7,7 @@ mod trainer;
 
 pub use eval::{evaluate, EvalSpec};
 pub use run::Builder;
-pub use step::{accumulate, micro_batches, split_range, step_with, train_step, update, StepStats, Update};
+pub use step::{accumulate, commit_update, dist_step, micro_batches, prepare_update, split_range, step_with, train_step, update, StepStats, Update};
 pub use trainer::{train, train_with, Options, Resume, Summary};
 
 use serde::{Deserialize, Serialize};
@@ -68,13 +68,15 @@ pub struct TrainConfig {
     pub num_threads: Option<usize>,
     /// `auto` (bf16 on a GPU that runs it natively, else fp32), `fp32`, `bf16` or `fp16`.
     pub precision: crate::precision::PrecisionConfig,
+    /// Data parallel: how long a collective may wait for the other ranks (seconds).
+    pub dist_timeout_s: u64,
 }
 
 impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
             micro_batch_size: MicroBatch::Size(8), grad_accum_steps: 1, global_batch_size: None, max_steps: 100, eval_every: 50,
-            eval_batch_size: 16, eval_batches: 4, seed: 1337, device: "auto".into(), num_threads: None, precision: Default::default(),
+            eval_batch_size: 16, eval_batches: 4, seed: 1337, device: "auto".into(), num_threads: None, precision: Default::default(), dist_timeout_s: 1800,
         }
     }
 }

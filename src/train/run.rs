@@ -3,18 +3,20 @@
 //! calls these in order.
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
 
 use super::eval::{evaluate, EvalSpec};
-use super::step::{step_with, Update};
+use super::step::{dist_step, step_with, Update};
 use super::{MicroBatch, Options, Resume, StepStats, Summary};
 use crate::checkpoint::{self, TrainState};
 use crate::config::Config;
 use crate::data::{Dataset, StepSamples};
 use crate::error::{ConfigError, Error, Phase, Result};
 use crate::guard::ladder::{self, Rung};
-use crate::guard::{Guard, GuardEvent, Policy};
+use crate::dist::{Op, ProcessGroup};
+use crate::guard::{Agree, Guard, GuardEvent, Policy};
 use crate::memory::{self, allocator, human_bytes, PressureSchedule};
 use crate::metrics::{EvalRecord, MetricsWriter, Record, RungRecord, StepRecord};
 use crate::model::{ActivationCheckpointing, ModelKind};
@@ -26,6 +28,9 @@ use oomguard_launch::launch::{FAILED_MICRO_BATCH_VAR, MICRO_BATCH_VAR};
 
 /// Attempts at writing a checkpoint or the final weights when they run out of memory.
 const WRITE_ATTEMPTS: u32 = 4;
+
+/// Gradients travel in buckets of this size (as PyTorch DDP's default).
+const BUCKET_BYTES: usize = 25 << 20;
 
 /// Builds the model a run trains (a config's kind, or a Rust program's own model).
 pub type Builder<'b> = &'b dyn Fn(&BuildContext) -> Result<Built>;
@@ -43,7 +48,10 @@ pub(super) struct Run<'a> {
     pub guard: Guard,
     pub eval_guard: Guard,
     pub pressure: PressureSchedule,
-    metrics: MetricsWriter,
+    /// Rank 0 (or a single process) writes metrics, checkpoints and weights.
+    metrics: Option<MetricsWriter>,
+    pg: Option<Rc<ProcessGroup>>,
+    lead: bool,
     pub next_step: u64,
     pub first_step: u64,
     pub units_per_step: usize,
@@ -61,12 +69,17 @@ pub(super) struct Run<'a> {
 impl<'a> Run<'a> {
     pub fn start(cfg: &'a Config, run_dir: &Path, settings: &allocator::AllocatorSettings, options: &Options, build: Builder) -> Result<Run<'a>> {
         let c = &cfg.raw;
-        let device = c.train.device();
+        let mut device = c.train.device();
         memory::prepare(&c.memory, settings, device)?;
         if let Some(n) = c.train.num_threads {
             tch::set_num_threads(n as i32);
         }
         tch::manual_seed(c.train.seed as i64);
+        let pg = ProcessGroup::from_env(device, Duration::from_secs(c.train.dist_timeout_s))?.map(Rc::new);
+        if let Some(pg) = &pg {
+            device = pg.device(); // cuda:LOCAL_RANK
+        }
+        let lead = pg.as_ref().is_none_or(|p| p.rank == 0);
         refuse_what_cannot_fit(cfg, device)?;
         let base = cfg.base_dir();
         let ctx = BuildContext { device, model: &c.model, base_dir: &base, config_path: &cfg.path };
@@ -79,7 +92,9 @@ impl<'a> Run<'a> {
         let mut opt = AdamW::new(task.parameters(), &c.optim, |n, t| task.no_weight_decay(n, t))
             .map_err(|e| init_failure(e.into(), cfg, device, "creating the optimizer state"))?;
         check_loss(task.as_ref(), &data, device, cfg, precision)?;
-        checkpoint::clean_partial(run_dir);
+        if lead {
+            checkpoint::clean_partial(run_dir);
+        }
 
         let global = c.train.global_batch_size();
         let limit = memory::stats(device).limit_bytes;
@@ -91,11 +106,16 @@ impl<'a> Run<'a> {
             if task.activation_checkpointing() == Some(true) { "+ckpt" } else { "" },
             limit.map_or(0, |l| l >> 26) // in 64 MiB steps: an auto budget moves a little
         );
+        // Where to start: rank 0 decides (and reads the checkpoint); the others learn it.
+        let from = match &pg {
+            None => resolve(run_dir, options.resume.clone())?,
+            Some(pg) => shared_start(pg, run_dir, &options.resume)?,
+        };
+        let mut metrics = lead.then(|| MetricsWriter::resume(run_dir, from.as_ref().map_or(0, |(_, s)| s.next_step))).transpose()?;
         let mut eval_guard = Guard::for_eval(&c.memory, c.train.eval_batch_size, device);
         let mut resumed_extra = BTreeMap::new();
-        let (mut guard, metrics, next_step, eval_history) = match resolve(run_dir, options.resume.clone())? {
+        let (mut guard, next_step, eval_history) = match from {
             None => {
-                let mut metrics = MetricsWriter::resume(run_dir, 0)?;
                 let guard = match c.train.micro_batch_size {
                     MicroBatch::Size(m) => {
                         // Never above the configured size; it may grow back to it.
@@ -104,19 +124,29 @@ impl<'a> Run<'a> {
                         guard
                     }
                     MicroBatch::Auto => {
-                        let r = auto_search(cfg, task.as_ref(), &opt, &data, &Amp { precision, device, loss_scale: None }, &cache_key, limit)?;
-                        metrics.write(&Record::AutoMicroBatch(r.clone()))?;
+                        let mut r = auto_search(cfg, task.as_ref(), &opt, &data, &Amp { precision, device, loss_scale: None }, &cache_key, limit)?;
+                        if let Some(pg) = &pg {
+                            // One micro-batch for all ranks: the smallest any rank found.
+                            let mut v = [-(r.micro_batch_size as f64)];
+                            pg.all_reduce_f64(&mut v, Op::Max)?;
+                            r.micro_batch_size = (-v[0]) as usize;
+                        }
+                        if let Some(m) = metrics.as_mut() {
+                            m.write(&Record::AutoMicroBatch(r.clone()))?;
+                        }
                         Guard::new(&c.memory, r.micro_batch_size, device)
                     }
                 };
-                (guard, metrics, 0, BTreeMap::new())
+                (guard, 0, BTreeMap::new())
             }
             Some((dir, state)) => {
                 let changes = task::shape_changes(&state.model, &task.fingerprint());
                 if !changes.is_empty() {
                     return Err(Error::Checkpoint(format!("{}: the model's shape changed since this checkpoint: {}", dir.display(), changes.join("; "))));
                 }
-                checkpoint::restore(&dir, task.as_ref(), &mut opt, device).map_err(|e| init_failure(e, cfg, device, "restoring the checkpoint"))?;
+                if lead {
+                    checkpoint::restore(&dir, task.as_ref(), &mut opt, device).map_err(|e| init_failure(e, cfg, device, "restoring the checkpoint"))?;
+                }
                 // Rungs climbed before the checkpoint stay climbed.
                 if state.extra.get("activation_checkpointing").and_then(|v| v.as_bool()) == Some(true) {
                     task.set_activation_checkpointing(true);
@@ -131,13 +161,19 @@ impl<'a> Run<'a> {
                 let mut guard = Guard::new(&c.memory, configured, device);
                 guard.policy = Policy::resumed(state.policy, configured);
                 eval_guard.policy = Policy::resumed(state.eval_policy, c.train.eval_batch_size);
-                let mut metrics = MetricsWriter::resume(run_dir, state.next_step)?;
-                metrics.write(&Record::Resumed { step: state.next_step, checkpoint: dir.display().to_string() })?;
+                if let Some(m) = metrics.as_mut() {
+                    m.write(&Record::Resumed { step: state.next_step, checkpoint: dir.display().to_string() })?;
+                }
                 tracing::info!("resumed from {} at step {} (micro-batch {})", dir.display(), state.next_step, guard.micro_batch_size());
                 resumed_extra = state.extra.clone();
-                (guard, metrics, state.next_step, state.eval_history)
+                (guard, state.next_step, state.eval_history)
             }
         };
+        if let Some(pg) = &pg {
+            // Rank 0's parameters (its initial ones, or the checkpoint's) and optimizer state.
+            pg.broadcast(&task.state().into_iter().map(|(_, t)| t).collect::<Vec<_>>(), 0)?;
+            pg.broadcast(&opt.state().into_iter().map(|(_, t)| t.shallow_clone()).collect::<Vec<_>>(), 0)?;
+        }
         if let Some(mb) = launcher_micro_batch(MICRO_BATCH_VAR)? {
             let failed = launcher_micro_batch(FAILED_MICRO_BATCH_VAR)?;
             guard.policy.relaunched(failed, mb, next_step);
@@ -146,23 +182,25 @@ impl<'a> Run<'a> {
                 failed.map(|f| format!(" ({f} ran out of memory before the relaunch: it cools down)")).unwrap_or_default()
             );
         }
+        let agree = pg.clone().map(|p| p as Rc<dyn Agree>);
+        let (guard, eval_guard) = (guard.with_agreement(agree.clone()), eval_guard.with_agreement(agree));
         let scaler = (precision == Precision::Fp16).then(|| Scaler::new(device)).transpose().map_err(|e| init_failure(e.into(), cfg, device, "creating the loss scaler"))?;
         if let (Some(s), Some(scale)) = (&scaler, resumed_extra.get("loss_scale").and_then(|v| v.as_f64())) {
             s.load_state(scale, resumed_extra.get("growth_tracker").and_then(|v| v.as_i64()).unwrap_or(0))?;
         }
         let mb = guard.micro_batch_size();
         tracing::info!(
-            "training {} on {device:?} ({} threads, {}{}): global batch {global} = {mb} x {}, {} steps",
+            "training {} on {device:?} ({} threads, {}{}{}): global batch {global} = {mb} x {}, {} steps",
             task.describe(), tch::get_num_threads(), precision.name(),
             if task.activation_checkpointing() == Some(true) { ", activation checkpointing" } else { "" },
-            global.div_ceil(mb), c.train.max_steps
+            pg.as_ref().map(|p| format!(", data parallel: rank {} of {}, samples {:?} of each step", p.rank, p.world, p.shard(global))).unwrap_or_default(),
+            pg.as_ref().map_or(global, |p| p.shard(global).len()).div_ceil(mb), c.train.max_steps
         );
         let best = eval_history.values().copied().fold(None, |b: Option<f64>, v| Some(b.map_or(v, |b| b.min(v))));
-        let verified = BTreeMap::new();
         Ok(Run {
             cfg, run_dir: run_dir.to_path_buf(), device, units_per_step: global * data.train.units_per_sample(), task, data, opt,
             precision, scaler, guard, eval_guard, pressure: PressureSchedule::new(&c.memory.pressure, device), metrics, next_step, first_step: next_step,
-            eval_history, verified, cache_key: options.inject_oom.is_none().then_some(cache_key),
+            eval_history, verified: BTreeMap::new(), cache_key: options.inject_oom.is_none().then_some(cache_key), pg, lead,
             summary: Summary { steps: c.train.max_steps, first_loss: f64::NAN, best_val_loss: best, ..Default::default() },
             start: Instant::now(),
         })
@@ -176,7 +214,11 @@ impl<'a> Run<'a> {
         let lr = c.optim.lr_at(step, c.train.max_steps);
         let t0 = Instant::now();
         let result = loop {
-            let batches = StepSamples::new(self.data.train.as_ref(), c.train.seed, c.train.global_batch_size(), self.device);
+            let mut batches = StepSamples::new(self.data.train.as_ref(), c.train.seed, c.train.global_batch_size(), self.device);
+            if let Some(pg) = &self.pg {
+                batches.shard = pg.shard(batches.global_batch);
+            }
+            let pg = self.pg.as_deref();
             let amp = Amp { precision: self.precision, device: self.device, loss_scale: self.scaler.as_ref().map(|s| &s.scale) };
             let u = Update { lr, grad_clip: c.optim.grad_clip, amp, scaler: self.scaler.as_ref() };
             let task = self.task.as_ref();
@@ -186,7 +228,10 @@ impl<'a> Run<'a> {
                 &mut ctx,
                 |ctx, mb| {
                     ctx.snapshot_buffers(task)?;
-                    step_with(task, ctx.opt, &batches, step, mb, &u)
+                    match pg {
+                        Some(pg) => dist_step(pg, task, ctx.opt, &batches, step, mb, &u, BUCKET_BYTES),
+                        None => step_with(task, ctx.opt, &batches, step, mb, &u),
+                    }
                 },
                 |ctx| ctx.undo(task),
             );
@@ -201,21 +246,21 @@ impl<'a> Run<'a> {
         let rec = StepRecord {
             step, loss: stats.loss, lr, grad_norm: stats.grad_norm, tokens_per_s: self.units_per_step as f64 / dt,
             micro_batch_size: stats.micro_batch_size, grad_accum_steps: stats.num_micro_batches, num_samples: stats.num_samples,
-            world_size: 1, step_time_s: dt, elapsed_s: self.start.elapsed().as_secs_f64(), memory: mem,
+            world_size: self.world_size(), step_time_s: dt, elapsed_s: self.start.elapsed().as_secs_f64(), memory: mem,
             precision: self.precision, activation_checkpointing: self.task.activation_checkpointing() == Some(true),
             loss_scale: self.scaler.as_ref().map(Scaler::value), skipped: stats.skipped,
         };
         if stats.skipped {
             tracing::warn!("step {step}: fp16 gradients overflowed: update skipped, loss scale now {}", rec.loss_scale.unwrap_or(f64::NAN));
         }
-        if step.is_multiple_of(c.log.every) || step + 1 == c.train.max_steps {
+        if self.lead && (step.is_multiple_of(c.log.every) || step + 1 == c.train.max_steps) {
             tracing::info!(
                 "step {:>5}/{} | loss {:.4} | lr {:.2e} | {:>7.0} tok/s | mb {}x{} | mem {} (peak {})",
                 step + 1, c.train.max_steps, rec.loss, lr, rec.tokens_per_s, rec.micro_batch_size, rec.grad_accum_steps,
                 human_bytes(mem.live_bytes), human_bytes(mem.peak_bytes)
             );
         }
-        self.metrics.write(&Record::Step(rec))?;
+        self.write(&Record::Step(rec))?;
         self.summary.peak_bytes = self.summary.peak_bytes.max(mem.peak_bytes);
         self.next_step = step + 1;
         Ok(stats)
@@ -225,11 +270,10 @@ impl<'a> Run<'a> {
     /// cache); on an infeasible step, checkpoints before failing and says what would fit.
     fn after_guarded<T>(&mut self, result: Result<T>, step: u64) -> Result<T> {
         let mut shrank = false;
-        for guard in [&mut self.guard, &mut self.eval_guard] {
-            for e in guard.drain_events() {
-                shrank |= matches!(&e, GuardEvent::Oom(o) if o.phase != Some(Phase::Eval) && o.new_micro_batch_size > 0);
-                self.metrics.write(&Record::from(e))?;
-            }
+        let events: Vec<GuardEvent> = self.guard.drain_events().into_iter().chain(self.eval_guard.drain_events()).collect();
+        for e in events {
+            shrank |= matches!(&e, GuardEvent::Oom(o) if o.phase != Some(Phase::Eval) && o.new_micro_batch_size > 0);
+            self.write(&Record::from(e))?;
         }
         if let (true, true, Some(key)) = (shrank, result.is_ok(), &self.cache_key) {
             plan::remember(key, self.guard.micro_batch_size());
@@ -264,14 +308,14 @@ impl<'a> Run<'a> {
             Rung::Bf16 => self.precision = Precision::Bf16,
         }
         for e in self.guard.drain_events() {
-            self.metrics.write(&Record::from(e))?;
+            self.write(&Record::from(e))?;
         }
         let what = match rung {
             Rung::ActivationCheckpointing => "activation checkpointing on (blocks are recomputed in backward)",
             Rung::Bf16 => "bf16 autocast (master weights and optimizer state stay fp32)",
         };
         tracing::warn!("step {step}: micro-batch 1 does not fit; climbing down a rung: {what}; retrying the step");
-        self.metrics.write(&Record::Rung(RungRecord { step, rung, reason: "micro-batch 1 did not fit".into() }))?;
+        self.write(&Record::Rung(RungRecord { step, rung, reason: "micro-batch 1 did not fit".into() }))?;
         self.guard.policy.rung_climbed();
         Ok(true)
     }
@@ -292,18 +336,31 @@ impl<'a> Run<'a> {
             num_batches: c.train.eval_batches, device: self.device,
         };
         let amp = Amp { precision: self.precision, device: self.device, loss_scale: None };
-        let v = evaluate(self.task.as_ref(), &spec, &mut self.eval_guard, step, &amp);
+        let v = evaluate(self.task.as_ref(), &spec, &mut self.eval_guard, step, &amp, self.pg.as_deref());
         let v = self.after_guarded(v, step)?;
-        tracing::info!("eval  {:>5} | val loss {v:.4}", step + 1);
-        self.metrics.write(&Record::Eval(EvalRecord { step, val_loss: v, eval_batch_size: c.train.eval_batch_size }))?;
+        if self.lead {
+            tracing::info!("eval  {:>5} | val loss {v:.4}", step + 1);
+        }
+        self.write(&Record::Eval(EvalRecord { step, val_loss: v, eval_batch_size: c.train.eval_batch_size }))?;
         self.eval_history.insert(step + 1, v);
         self.summary.val_loss = Some(v);
         self.summary.best_val_loss = Some(self.summary.best_val_loss.map_or(v, |b| b.min(v)));
         Ok(())
     }
 
-    /// A checkpoint from which the run resumes at `next_step`; old ones are pruned.
+    /// A checkpoint from which the run resumes at `next_step`; old ones are pruned. Rank 0
+    /// writes it; the ranks wait for it together.
     pub fn checkpoint(&mut self, next_step: u64) -> Result<()> {
+        if self.lead {
+            self.write_checkpoint(next_step)?;
+        }
+        match &self.pg {
+            Some(pg) => pg.barrier(),
+            None => Ok(()),
+        }
+    }
+
+    fn write_checkpoint(&mut self, next_step: u64) -> Result<()> {
         let c = &self.cfg.raw;
         let state = TrainState {
             format: checkpoint::FORMAT, next_step, samples_seen: next_step * c.train.global_batch_size() as u64,
@@ -334,6 +391,9 @@ impl<'a> Run<'a> {
 
     /// The final weights, `model.safetensors` (parameters and buffers, by name).
     pub fn save_weights(&mut self) -> Result<()> {
+        if !self.lead {
+            return Ok(());
+        }
         let path = self.run_dir.join("model.safetensors");
         let step = self.next_step;
         self.retrying_oom(step, |run| task::tensors::save(&run.task.state(), &path))
@@ -350,7 +410,7 @@ impl<'a> Run<'a> {
                     self.guard.note_oom(step, &oom, Phase::Checkpoint);
                     memory::empty_cache(self.device)?;
                     for e in self.guard.drain_events() {
-                        self.metrics.write(&Record::from(e))?;
+                        self.write(&Record::from(e))?;
                     }
                     attempt += 1;
                 }
@@ -359,8 +419,26 @@ impl<'a> Run<'a> {
         }
     }
 
+    /// A metrics.jsonl record (rank 0 writes them).
     pub fn write(&mut self, record: &Record) -> Result<()> {
-        self.metrics.write(record)
+        match self.metrics.as_mut() {
+            Some(m) => m.write(record),
+            None => Ok(()),
+        }
+    }
+
+    /// A SIGINT/SIGTERM, agreed by the ranks so that all stop at the same step.
+    pub fn stop_requested(&self) -> Result<Option<crate::signals::Signal>> {
+        use crate::signals::Signal;
+        let local = crate::signals::requested();
+        let Some(pg) = &self.pg else { return Ok(local) };
+        let mut v = [local.map_or(0.0, |s| s.exit_code() as f64)];
+        pg.all_reduce_f64(&mut v, Op::Max)?;
+        Ok([Signal::Int, Signal::Term].into_iter().find(|s| s.exit_code() as f64 == v[0]))
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.pg.as_ref().map_or(1, |p| p.world)
     }
 }
 
@@ -500,6 +578,33 @@ fn launcher_micro_batch(var: &str) -> Result<Option<usize>> {
             let e = ConfigError::invalid(var, format!("`{v}` is not a micro-batch size (a whole number, at least 1)"));
             Error::Config(ConfigError { origin: "environment".into(), ..e })
         }),
+    }
+}
+
+/// Where a data-parallel run starts: rank 0 resolves it and publishes it (or its error) in
+/// the group's store; the other ranks read it, so no rank needs the run directory's files.
+fn shared_start(pg: &ProcessGroup, run_dir: &Path, resume: &Resume) -> Result<Option<(PathBuf, TrainState)>> {
+    const KEY: &str = "oomguard/start";
+    if pg.rank == 0 {
+        let r = resolve(run_dir, resume.clone());
+        let msg = match &r {
+            Ok(None) => serde_json::json!({ "start": null }),
+            Ok(Some((dir, state))) => serde_json::json!({ "start": { "dir": dir, "state": state } }),
+            Err(e) => serde_json::json!({ "error": e.to_string() }),
+        };
+        pg.share(KEY, Some(msg.to_string().as_bytes()))?;
+        return r;
+    }
+    let msg: serde_json::Value = serde_json::from_slice(&pg.share(KEY, None)?).map_err(|e| Error::Dist(format!("rank 0's start: {e}")))?;
+    if let Some(e) = msg["error"].as_str() {
+        return Err(Error::Dist(format!("rank 0 could not start: {e}")));
+    }
+    match &msg["start"] {
+        serde_json::Value::Null => Ok(None),
+        s => Ok(Some((
+            serde_json::from_value(s["dir"].clone()).map_err(|e| Error::Dist(format!("rank 0's start: {e}")))?,
+            serde_json::from_value(s["state"].clone()).map_err(|e| Error::Dist(format!("rank 0's start: {e}")))?,
+        ))),
     }
 }
 

@@ -5,6 +5,7 @@
 use std::ops::Range;
 
 use crate::data::StepBatches;
+use crate::dist::{Buckets, Op, ProcessGroup};
 use crate::error::{Error, Phase, Result};
 use crate::optim::AdamW;
 use crate::precision::{Amp, Scaler};
@@ -65,27 +66,47 @@ pub fn accumulate(task: &dyn Task, data: &dyn StepBatches, step: u64, micro_batc
     Ok((loss_sum, parts.len()))
 }
 
-/// Unscaling (fp16), clipping, then the update, on gradients already accumulated (and
-/// reduced across ranks). Every allocation comes before anything changes; the loss scale
-/// is updated between the optimizer's prepare and its commit, so a retried attempt never
-/// counts twice. Returns (gradient norm, skipped).
-pub fn update(opt: &mut AdamW, step: u64, u: &Update) -> Result<(f64, bool)> {
+/// What `prepare_update` decided: apply (with the optimizer's allocations made and the
+/// gradient norm), or skip (fp16 overflow).
+pub struct Ready {
+    grad_norm: f64,
+    prepared: Option<crate::optim::Prepared>,
+}
+
+/// The allocating half of the update, which changes no parameter: unscaling (fp16; an
+/// overflow means skip), clipping, the optimizer's allocations. Gradients are already
+/// accumulated (and reduced across ranks).
+pub fn prepare_update(opt: &mut AdamW, step: u64, u: &Update) -> Result<Ready> {
     let clip = |e: tch::TchError| Error::from(e).in_phase(Phase::Clip);
     if let Some(scaler) = u.scaler {
         if scaler.unscale(&opt.grads()).map_err(clip)? {
-            scaler.update().map_err(clip)?;
-            opt.clear_grads();
-            return Ok((f64::INFINITY, true));
+            return Ok(Ready { grad_norm: f64::INFINITY, prepared: None });
         }
     }
     let grad_norm = opt.clip_grad_norm(u.grad_clip).map_err(clip)?;
     let prepared = opt.prepare(step).map_err(|e| e.in_phase(Phase::Optimizer))?;
+    Ok(Ready { grad_norm, prepared: Some(prepared) })
+}
+
+/// The half that changes things: the loss scale's update and the optimizer's commit, neither
+/// of which allocates. Returns (gradient norm, skipped).
+pub fn commit_update(opt: &mut AdamW, ready: Ready, u: &Update) -> Result<(f64, bool)> {
     if let Some(scaler) = u.scaler {
         scaler.update().map_err(|e| Error::from(e).in_phase(Phase::Optimizer))?;
     }
-    opt.commit(prepared, u.lr)?;
+    let skipped = ready.prepared.is_none();
+    if let Some(p) = ready.prepared {
+        opt.commit(p, u.lr)?;
+    }
     opt.clear_grads();
-    Ok((grad_norm, false))
+    Ok((ready.grad_norm, skipped))
+}
+
+/// `prepare_update` then `commit_update`: every allocation comes before anything changes,
+/// so a retried attempt never applies (or counts) anything twice.
+pub fn update(opt: &mut AdamW, step: u64, u: &Update) -> Result<(f64, bool)> {
+    let ready = prepare_update(opt, step, u)?;
+    commit_update(opt, ready, u)
 }
 
 /// A whole optimizer step in one process, with `u`'s precision.
@@ -93,6 +114,28 @@ pub fn step_with(task: &dyn Task, opt: &mut AdamW, data: &dyn StepBatches, step:
     let (loss, num_micro_batches) = accumulate(task, data, step, micro_batch_size, &u.amp)?;
     let (grad_norm, skipped) = update(opt, step, u)?;
     Ok(StepStats { loss, grad_norm, micro_batch_size, num_micro_batches, num_samples: data.global_batch_size(), skipped })
+}
+
+/// A data-parallel step: this rank's shard, then the ranks agree (any OOM anywhere drops
+/// the attempt everywhere) before the bucketed gradient all-reduce; after the update's
+/// allocations they agree again, then every rank commits.
+pub fn dist_step(
+    pg: &ProcessGroup, task: &dyn Task, opt: &mut AdamW, data: &dyn StepBatches, step: u64, micro_batch_size: usize, u: &Update,
+    bucket_bytes: usize,
+) -> Result<StepStats> {
+    let local = accumulate(task, data, step, micro_batch_size, &u.amp).and_then(|r| {
+        let grads = opt.grads();
+        let buckets = Buckets::pack(&grads, bucket_bytes).map_err(|e| Error::from(e).in_phase(Phase::Backward))?;
+        Ok((r, grads, buckets))
+    });
+    let ((loss, num_micro_batches), grads, buckets) = pg.agree(local)?;
+    buckets.reduce_into(pg, &grads)?;
+    drop(buckets);
+    let mut l = [loss];
+    pg.all_reduce_f64(&mut l, Op::Sum)?;
+    let ready = pg.agree(prepare_update(opt, step, u))?;
+    let (grad_norm, skipped) = commit_update(opt, ready, u)?;
+    Ok(StepStats { loss: l[0], grad_norm, micro_batch_size, num_micro_batches, num_samples: data.global_batch_size(), skipped })
 }
 
 /// A whole fp32 optimizer step in one process.

@@ -9,7 +9,6 @@ use crate::error::{ConfigError, Error, Result};
 use crate::memory::allocator::AllocatorSettings;
 use crate::memory::inject::{InjectOom, Injection};
 use crate::metrics::Record;
-use crate::signals;
 use crate::task::build_from_config;
 
 /// Where a run starts.
@@ -66,7 +65,7 @@ pub fn train_with(cfg: &Config, run_dir: &Path, settings: &AllocatorSettings, op
     let start = Instant::now();
     let mut eval_s = 0.0;
     for step in run.next_step..c.train.max_steps {
-        if let Some(signal) = signals::requested() {
+        if let Some(signal) = run.stop_requested()? {
             run.checkpoint(step)?;
             run.write(&Record::Stopped { step: step.saturating_sub(1), signal: signal.name().into() })?;
             return Err(Error::Interrupted { signal, step });

@@ -77,6 +77,10 @@ pub struct TrainArgs {
     /// CPU memory budget (auto, none, or a size like 2GiB); shorthand for --set memory.budget=SIZE.
     #[arg(long, value_name = "SIZE")]
     pub memory_budget: Option<String>,
+    /// Data parallel on this machine: shorthand for `oomguard launch --nproc-per-node N
+    /// --no-python oomguard train ...` (N, auto, cpu or gpu). Several nodes: use `launch`.
+    #[arg(long = "nproc-per-node", alias = "nproc_per_node", value_name = "N")]
+    pub nproc_per_node: Option<String>,
     /// Testing and chaos tool: make COUNT allocations fail with a real out-of-memory error,
     /// at seeded random allocations from the first training step on (CPU runs). The run must
     /// still finish with the parameters of a clean run.

@@ -1,0 +1,110 @@
+// Data-parallel training over libtorch's own c10d: a TCPStore rendezvous (rank 0 serves it),
+// ProcessGroupGloo on the CPU and ProcessGroupNCCL on CUDA (csrc/dist_nccl.cpp), and the few
+// collectives the trainer uses. Every call returns NULL or a message; a peer that dies
+// makes a collective fail (after the group's timeout at the latest), never hang forever.
+#include "oomguard.h"
+
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <memory>
+#include <vector>
+
+c10::intrusive_ptr<c10d::Backend> og_make_nccl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world,
+                                               std::chrono::milliseconds timeout);
+
+namespace {
+struct Group {
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::Backend> backend;
+};
+
+Group* group(void* p) { return static_cast<Group*>(p); }
+
+std::vector<at::Tensor> tensors(void** ptrs, int n) {
+  std::vector<at::Tensor> out;
+  for (int i = 0; i < n; ++i) out.push_back(*static_cast<at::Tensor*>(ptrs[i]));
+  return out;
+}
+
+// One collective per tensor, all issued before any is waited for (they overlap).
+template <typename F>
+void each_then_wait(const std::vector<at::Tensor>& ts, F&& issue) {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (const auto& t : ts) {
+    std::vector<at::Tensor> one{t};
+    works.push_back(issue(one));
+  }
+  for (auto& w : works) w->wait();
+}
+}  // namespace
+
+extern "C" {
+
+char* og_dist_init(const char* addr, int port, int rank, int world, int cuda_index, int64_t timeout_ms, void** out) {
+  return oomguard::guarded([&] {
+    const auto timeout = std::chrono::milliseconds(timeout_ms);
+    c10d::TCPStoreOptions opts;
+    opts.port = static_cast<uint16_t>(port);
+    opts.isServer = rank == 0;
+    opts.numWorkers = static_cast<size_t>(world);
+    opts.waitWorkers = true;
+    opts.timeout = timeout;
+    auto g = std::make_unique<Group>();
+    g->store = c10::make_intrusive<c10d::TCPStore>(std::string(addr), opts);
+    if (cuda_index < 0) {
+      auto o = c10d::ProcessGroupGloo::Options::create();
+      o->timeout = timeout;
+      const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+      o->devices.push_back(ifname ? c10d::ProcessGroupGloo::createDeviceForInterface(ifname)
+                                  : c10d::ProcessGroupGloo::createDefaultDevice());
+      g->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(g->store, rank, world, o);
+    } else {
+      g->backend = og_make_nccl(g->store, rank, world, timeout);
+    }
+    *out = g.release();
+  });
+}
+
+void og_dist_free(void* g) { delete group(g); }
+
+// op: 0 sum, 1 max, 2 min; in place.
+char* og_dist_all_reduce(void* g, void** ts, int n, int op) {
+  return oomguard::guarded([&] {
+    c10d::AllreduceOptions o;
+    o.reduceOp = op == 1 ? c10d::ReduceOp::MAX : op == 2 ? c10d::ReduceOp::MIN : c10d::ReduceOp::SUM;
+    each_then_wait(tensors(ts, n), [&](std::vector<at::Tensor>& one) { return group(g)->backend->allreduce(one, o); });
+  });
+}
+
+char* og_dist_broadcast(void* g, void** ts, int n, int root) {
+  return oomguard::guarded([&] {
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    each_then_wait(tensors(ts, n), [&](std::vector<at::Tensor>& one) { return group(g)->backend->broadcast(one, o); });
+  });
+}
+
+char* og_dist_barrier(void* g) {
+  return oomguard::guarded([&] { group(g)->backend->barrier()->wait(); });
+}
+
+// The store, for small state every rank needs (rank 0's resume point).
+char* og_dist_store_set(void* g, const char* key, const uint8_t* data, int64_t len) {
+  return oomguard::guarded([&] { group(g)->store->set(key, std::vector<uint8_t>(data, data + len)); });
+}
+
+// Waits for the key; *out is malloc'd (free with og_free).
+char* og_dist_store_get(void* g, const char* key, uint8_t** out, int64_t* len) {
+  return oomguard::guarded([&] {
+    auto v = group(g)->store->get(key);
+    *out = static_cast<uint8_t*>(std::malloc(v.size() ? v.size() : 1));
+    std::copy(v.begin(), v.end(), *out);
+    *len = static_cast<int64_t>(v.size());
+  });
+}
+
+}  // extern "C"

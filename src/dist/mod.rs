@@ -1,0 +1,250 @@
+//! Data-parallel training over libtorch's c10d (csrc/dist.cpp): Gloo on the CPU, NCCL on
+//! CUDA, a TCPStore rendezvous from torchrun's environment (as `oomguard launch` sets it).
+//!
+//! The ranks agree before any gradient traffic: after each attempt every rank contributes
+//! its status (ok, out of memory, failed), all-reduced with MAX, so that when any rank ran
+//! out of memory every rank drops the attempt and shrinks together, and no rank is ever
+//! left waiting in a collective the others will not join.
+use std::ffi::{c_char, c_void, CString};
+use std::ops::Range;
+use std::time::Duration;
+use tch::{Device, TchError, Tensor};
+
+use crate::error::{ConfigError, Error, OomError, OomSource, Result};
+use crate::memory::check;
+
+extern "C" {
+    fn og_dist_init(addr: *const c_char, port: i32, rank: i32, world: i32, cuda_index: i32, timeout_ms: i64, out: *mut *mut c_void) -> *mut c_char;
+    fn og_dist_free(group: *mut c_void);
+    fn og_dist_all_reduce(group: *mut c_void, tensors: *const *mut c_void, n: i32, op: i32) -> *mut c_char;
+    fn og_dist_broadcast(group: *mut c_void, tensors: *const *mut c_void, n: i32, root: i32) -> *mut c_char;
+    fn og_dist_barrier(group: *mut c_void) -> *mut c_char;
+    fn og_dist_store_set(group: *mut c_void, key: *const c_char, data: *const u8, len: i64) -> *mut c_char;
+    fn og_dist_store_get(group: *mut c_void, key: *const c_char, out: *mut *mut u8, len: *mut i64) -> *mut c_char;
+    fn og_free(p: *mut c_char);
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    Sum = 0,
+    Max = 1,
+    Min = 2,
+}
+
+/// The processes training together.
+pub struct ProcessGroup {
+    ptr: *mut c_void,
+    pub rank: usize,
+    pub world: usize,
+    pub local_rank: usize,
+    device: Device,
+}
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        unsafe { og_dist_free(self.ptr) }
+    }
+}
+
+fn ptrs(ts: &[Tensor]) -> Vec<*mut c_void> {
+    ts.iter().map(|t| t.as_ptr() as *mut c_void).collect()
+}
+
+/// A collective that failed (a peer died, a timeout): the launcher restarts the group.
+fn dist_error(what: &str) -> impl Fn(TchError) -> Error + '_ {
+    move |e| Error::Dist(format!("{what}: {}", crate::task::error_line(&e.to_string())))
+}
+
+impl ProcessGroup {
+    /// The group torchrun's environment describes (RANK, WORLD_SIZE, LOCAL_RANK,
+    /// MASTER_ADDR, MASTER_PORT); `None` for a single process. On CUDA each rank uses the
+    /// GPU of its LOCAL_RANK (`device` names which kind).
+    pub fn from_env(device: Device, timeout: Duration) -> Result<Option<ProcessGroup>> {
+        let var = |k: &str| std::env::var(k).ok();
+        let num = |k: &str, v: &str| -> Result<usize> {
+            v.trim().parse().map_err(|_| ConfigError { origin: "environment".into(), line_col: None, key: k.into(), message: format!("`{v}` is not a whole number") }.into())
+        };
+        let world = match var("WORLD_SIZE") {
+            Some(w) => num("WORLD_SIZE", &w)?,
+            None => return Ok(None),
+        };
+        if world <= 1 {
+            return Ok(None);
+        }
+        let rank = num("RANK", &var("RANK").unwrap_or_default())?;
+        let local_rank = var("LOCAL_RANK").map(|l| num("LOCAL_RANK", &l)).transpose()?.unwrap_or(rank);
+        let addr = var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
+        let port = num("MASTER_PORT", &var("MASTER_PORT").unwrap_or_else(|| "29500".into()))?;
+        let device = match device {
+            Device::Cuda(_) => Device::Cuda(local_rank),
+            d => d,
+        };
+        let cuda = if let Device::Cuda(i) = device { i as i32 } else { -1 };
+        let caddr = CString::new(addr.clone()).map_err(|_| Error::Dist("MASTER_ADDR holds a NUL byte".into()))?;
+        let mut ptr: *mut c_void = std::ptr::null_mut();
+        check(unsafe { og_dist_init(caddr.as_ptr(), port as i32, rank as i32, world as i32, cuda, timeout.as_millis() as i64, &mut ptr) })
+            .map_err(dist_error(&format!("rank {rank} of {world} joining the group at {addr}:{port}")))?;
+        tracing::info!("rank {rank} of {world} ({}) joined the group at {addr}:{port}", if cuda < 0 { "gloo" } else { "nccl" });
+        Ok(Some(ProcessGroup { ptr, rank, world, local_rank, device }))
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// In place, across all ranks.
+    pub fn all_reduce(&self, tensors: &[Tensor], op: Op) -> Result<()> {
+        let p = ptrs(tensors);
+        check(unsafe { og_dist_all_reduce(self.ptr, p.as_ptr(), p.len() as i32, op as i32) }).map_err(dist_error("all-reduce"))
+    }
+
+    /// Small values (flags, losses, memory figures), reduced in place.
+    pub fn all_reduce_f64(&self, values: &mut [f64], op: Op) -> Result<()> {
+        let t = Tensor::f_from_slice(values).and_then(|t| t.f_to_device(self.device)).map_err(dist_error("all-reduce"))?;
+        self.all_reduce(std::slice::from_ref(&t), op)?;
+        let back: Vec<f64> = t.f_to_device(Device::Cpu).and_then(|t| Vec::<f64>::try_from(&t)).map_err(dist_error("all-reduce"))?;
+        values.copy_from_slice(&back);
+        Ok(())
+    }
+
+    /// Rank `root`'s values into every rank's tensors.
+    pub fn broadcast(&self, tensors: &[Tensor], root: usize) -> Result<()> {
+        let p = ptrs(tensors);
+        check(unsafe { og_dist_broadcast(self.ptr, p.as_ptr(), p.len() as i32, root as i32) }).map_err(dist_error("broadcast"))
+    }
+
+    pub fn barrier(&self) -> Result<()> {
+        check(unsafe { og_dist_barrier(self.ptr) }).map_err(dist_error("barrier"))
+    }
+
+    /// Rank 0 publishes `bytes` under `key`; every rank gets them (waiting for them).
+    pub fn share(&self, key: &str, bytes: Option<&[u8]>) -> Result<Vec<u8>> {
+        let k = CString::new(key).map_err(|_| Error::Dist("a store key holds a NUL byte".into()))?;
+        if let Some(b) = bytes {
+            check(unsafe { og_dist_store_set(self.ptr, k.as_ptr(), b.as_ptr(), b.len() as i64) }).map_err(dist_error("store set"))?;
+        }
+        let (mut out, mut len): (*mut u8, i64) = (std::ptr::null_mut(), 0);
+        check(unsafe { og_dist_store_get(self.ptr, k.as_ptr(), &mut out, &mut len) }).map_err(dist_error("store get"))?;
+        // SAFETY: on success `out` holds `len` bytes malloc'd by csrc/, ours to free.
+        let v = unsafe { std::slice::from_raw_parts(out, len as usize) }.to_vec();
+        unsafe { og_free(out as *mut c_char) };
+        Ok(v)
+    }
+
+    /// This rank's part of a global batch of `global` samples.
+    pub fn shard(&self, global: usize) -> Range<usize> {
+        shard(global, self.world, self.rank)
+    }
+
+    /// The ranks' statuses after an attempt, agreed before any gradient traffic: every rank
+    /// returns the same outcome. An OOM on any rank is an OOM on every rank (the ranks
+    /// that did not run out get one that says which did); another failure anywhere fails
+    /// every rank.
+    pub fn agree<T>(&self, local: Result<T>) -> Result<T> {
+        let code = match &local {
+            Ok(_) => 0.0,
+            Err(Error::Oom(_)) => 1.0,
+            Err(_) => 2.0,
+        };
+        let mut v = [code, if code > 0.0 { self.rank as f64 } else { -1.0 }];
+        self.all_reduce_f64(&mut v, Op::Max)?;
+        match (v[0] as u8, local) {
+            (0, ok) => ok,
+            (_, Err(e)) => Err(e),
+            (1, Ok(_)) => Err(Error::Oom(OomError {
+                source: OomSource::Budget,
+                requested_bytes: None,
+                capacity_bytes: None,
+                free_bytes: None,
+                phase: None,
+                micro_batch: None,
+                message: format!("rank {} ran out of memory", v[1] as usize),
+            })),
+            (_, Ok(_)) => Err(Error::Dist(format!("rank {} failed (see its log)", v[1] as usize))),
+        }
+    }
+}
+
+/// Rank `rank`'s contiguous part of `global` samples over `world` ranks, as even as can be
+/// (the first `global % world` ranks take one more). Together they cover 0..global once.
+pub fn shard(global: usize, world: usize, rank: usize) -> Range<usize> {
+    let (base, extra) = (global / world, global % world);
+    let start = rank * base + rank.min(extra);
+    start..start + base + usize::from(rank < extra)
+}
+
+/// Gradients flattened into buckets (of at most `bucket_bytes`) for the all-reduce: few
+/// large collectives instead of one per tensor, all in flight at once.
+pub struct Buckets {
+    flat: Vec<Tensor>,
+    members: Vec<Vec<usize>>,
+}
+
+impl Buckets {
+    /// Copies `grads` into buckets: this allocates, so it runs before the ranks agree.
+    pub fn pack(grads: &[Tensor], bucket_bytes: usize) -> Result<Buckets, TchError> {
+        let mut members: Vec<Vec<usize>> = vec![];
+        let mut size = usize::MAX;
+        for (i, g) in grads.iter().enumerate() {
+            let bytes = g.numel() * g.kind().elt_size_in_bytes();
+            if size.saturating_add(bytes) > bucket_bytes || members.last().is_some_and(|m| grads[m[0]].kind() != g.kind()) {
+                members.push(vec![]);
+                size = 0;
+            }
+            members.last_mut().map(|m| m.push(i));
+            size += bytes;
+        }
+        let flat = members
+            .iter()
+            .map(|m| Tensor::f_cat(&m.iter().map(|&i| grads[i].f_reshape([-1])).collect::<Result<Vec<_>, _>>()?, 0))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Buckets { flat, members })
+    }
+
+    /// Sums the buckets over the ranks, then writes them back into `grads` (no allocation).
+    pub fn reduce_into(&self, pg: &ProcessGroup, grads: &[Tensor]) -> Result<()> {
+        pg.all_reduce(&self.flat, Op::Sum)?;
+        let _no_grad = tch::no_grad_guard();
+        for (flat, m) in self.flat.iter().zip(&self.members) {
+            let mut at = 0;
+            for &i in m {
+                let n = grads[i].numel() as i64;
+                let part = flat.f_narrow(0, at, n).and_then(|p| p.f_view_as(&grads[i])).map_err(dist_error("unpacking gradients"))?;
+                grads[i].shallow_clone().f_copy_(&part).map_err(dist_error("unpacking gradients"))?;
+                at += n;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn len(&self) -> usize {
+        self.flat.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.flat.is_empty()
+    }
+}
+
+impl crate::guard::Agree for ProcessGroup {
+    fn max(&self, values: &mut [f64]) -> Result<()> {
+        self.all_reduce_f64(values, Op::Max)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shard;
+
+    #[test]
+    fn shards_cover_the_global_batch_once() {
+        for (global, world) in [(16, 2), (17, 2), (5, 3), (3, 4), (64, 8)] {
+            let parts: Vec<_> = (0..world).map(|r| shard(global, world, r)).collect();
+            assert_eq!(parts.first().unwrap().start, 0);
+            assert_eq!(parts.last().unwrap().end, global);
+            assert!(parts.windows(2).all(|w| w[0].end == w[1].start), "{parts:?}");
+            let sizes: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+            assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1, "{sizes:?}");
+        }
+    }
+}
