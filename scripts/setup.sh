@@ -45,6 +45,7 @@ install_python_packages() {
   echo "$PYTHON_PACKAGES" > "$VENV/.packages"
 }
 
+apt_install "$GLOO_PACKAGE" "$GLOO_HEADER"
 install_torch
 install_python_packages
 TORCH_DIR="$(ls -d "$VENV"/lib/python3*/site-packages/torch | head -n 1)"

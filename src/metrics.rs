@@ -60,6 +60,9 @@ pub struct StepRecord {
     pub loss_scale: Option<f64>,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub skipped: bool,
+    /// Data parallel: seconds in the ranks' agreements and the gradient all-reduce.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comm_s: Option<f64>,
 }
 
 /// `{"event":"rung", ...}`: the guard climbed below micro-batch 1.

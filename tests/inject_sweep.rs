@@ -86,7 +86,7 @@ fn an_oom_at_every_allocation_changes_nothing() {
 
     // 2. Every allocation of one evaluation (2 batches of 16).
     let spec = EvalSpec { samples: data.val.as_ref() as &dyn Samples, seed: 1, batch_size: 16, num_batches: 2, device: Device::Cpu };
-    let eval = || evaluate(&task, &spec, &mut Guard::for_eval(&MemoryConfig::default(), 16, Device::Cpu), 0, &Amp::fp32(Device::Cpu));
+    let eval = || evaluate(&task, &spec, &mut Guard::for_eval(&MemoryConfig::default(), 16, Device::Cpu), 0, &Amp::fp32(Device::Cpu), None);
     let reference = eval().unwrap();
     let m = allocations(|| {
         eval().unwrap();

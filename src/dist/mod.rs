@@ -173,20 +173,30 @@ pub fn shard(global: usize, world: usize, rank: usize) -> Range<usize> {
     start..start + base + usize::from(rank < extra)
 }
 
-/// Gradients flattened into buckets (of at most `bucket_bytes`) for the all-reduce: few
-/// large collectives instead of one per tensor, all in flight at once.
+/// Gradients grouped for the all-reduce: small ones flattened into buckets (of at most
+/// `bucket_bytes`: few large collectives instead of many small ones), large ones reduced in
+/// place (no copy); all in flight at once.
 pub struct Buckets {
     flat: Vec<Tensor>,
     members: Vec<Vec<usize>>,
+    solo: Vec<usize>,
 }
 
+/// Gradients of at least this size are reduced in place, not copied into a bucket.
+const SOLO_BYTES: usize = 1 << 20;
+
 impl Buckets {
-    /// Copies `grads` into buckets: this allocates, so it runs before the ranks agree.
+    /// Copies the small gradients into buckets: this allocates, so it runs before the ranks
+    /// agree.
     pub fn pack(grads: &[Tensor], bucket_bytes: usize) -> Result<Buckets, TchError> {
-        let mut members: Vec<Vec<usize>> = vec![];
+        let (mut members, mut solo): (Vec<Vec<usize>>, Vec<usize>) = (vec![], vec![]);
         let mut size = usize::MAX;
         for (i, g) in grads.iter().enumerate() {
             let bytes = g.numel() * g.kind().elt_size_in_bytes();
+            if bytes >= SOLO_BYTES {
+                solo.push(i);
+                continue;
+            }
             if size.saturating_add(bytes) > bucket_bytes || members.last().is_some_and(|m| grads[m[0]].kind() != g.kind()) {
                 members.push(vec![]);
                 size = 0;
@@ -198,12 +208,15 @@ impl Buckets {
             .iter()
             .map(|m| Tensor::f_cat(&m.iter().map(|&i| grads[i].f_reshape([-1])).collect::<Result<Vec<_>, _>>()?, 0))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Buckets { flat, members })
+        Ok(Buckets { flat, members, solo })
     }
 
-    /// Sums the buckets over the ranks, then writes them back into `grads` (no allocation).
+    /// Sums over the ranks: the buckets and the large gradients in place, then the buckets
+    /// back into their gradients (no allocation).
     pub fn reduce_into(&self, pg: &ProcessGroup, grads: &[Tensor]) -> Result<()> {
-        pg.all_reduce(&self.flat, Op::Sum)?;
+        let mut all: Vec<Tensor> = self.flat.iter().map(Tensor::shallow_clone).collect();
+        all.extend(self.solo.iter().map(|&i| grads[i].shallow_clone()));
+        pg.all_reduce(&all, Op::Sum)?;
         let _no_grad = tch::no_grad_guard();
         for (flat, m) in self.flat.iter().zip(&self.members) {
             let mut at = 0;
@@ -217,12 +230,13 @@ impl Buckets {
         Ok(())
     }
 
+    /// Collectives per step.
     pub fn len(&self) -> usize {
-        self.flat.len()
+        self.flat.len() + self.solo.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.flat.is_empty()
+        self.len() == 0
     }
 }
 

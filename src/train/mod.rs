@@ -54,7 +54,8 @@ pub struct TrainConfig {
     pub micro_batch_size: MicroBatch,
     pub grad_accum_steps: usize,
     /// Samples per optimizer step. Required with `micro_batch_size: auto`; otherwise it
-    /// defaults to micro_batch_size x grad_accum_steps (and must equal it if given).
+    /// defaults to micro_batch_size x grad_accum_steps (given with grad_accum_steps, it must
+    /// equal it; given alone, micro-batches of micro_batch_size cut it, the last maybe smaller).
     pub global_batch_size: Option<usize>,
     pub max_steps: u64,
     /// Evaluate every this many steps (0: only at the end).
@@ -87,10 +88,12 @@ impl TrainConfig {
             (MicroBatch::Auto, None) => {
                 return Err(ConfigError::invalid("train.global_batch_size", "is required with micro_batch_size: auto (the samples per optimizer step)"));
             }
-            (MicroBatch::Size(m), Some(g)) if m * self.grad_accum_steps != g => {
+            // With grad_accum_steps left at 1, the global batch is split into micro-batches of at
+            // most micro_batch_size (the last may be smaller).
+            (MicroBatch::Size(m), Some(g)) if self.grad_accum_steps > 1 && m * self.grad_accum_steps != g => {
                 return Err(ConfigError::invalid(
                     "train.global_batch_size",
-                    format!("is {g} but micro_batch_size x grad_accum_steps is {m} x {} = {}; make them agree, or use micro_batch_size: auto", self.grad_accum_steps, m * self.grad_accum_steps),
+                    format!("is {g} but micro_batch_size x grad_accum_steps is {m} x {} = {}; make them agree, or leave grad_accum_steps out", self.grad_accum_steps, m * self.grad_accum_steps),
                 ));
             }
             _ => {}

@@ -23,6 +23,8 @@ pub struct StepStats {
     pub num_samples: usize,
     /// fp16: the gradients held inf or nan, so the update was skipped (the scale backs off).
     pub skipped: bool,
+    /// Data parallel: seconds spent in the ranks' agreements and the gradient all-reduce.
+    pub comm_s: Option<f64>,
 }
 
 /// How a step updates: learning rate, clipping, precision.
@@ -113,7 +115,7 @@ pub fn update(opt: &mut AdamW, step: u64, u: &Update) -> Result<(f64, bool)> {
 pub fn step_with(task: &dyn Task, opt: &mut AdamW, data: &dyn StepBatches, step: u64, micro_batch_size: usize, u: &Update) -> Result<StepStats> {
     let (loss, num_micro_batches) = accumulate(task, data, step, micro_batch_size, &u.amp)?;
     let (grad_norm, skipped) = update(opt, step, u)?;
-    Ok(StepStats { loss, grad_norm, micro_batch_size, num_micro_batches, num_samples: data.global_batch_size(), skipped })
+    Ok(StepStats { loss, grad_norm, micro_batch_size, num_micro_batches, num_samples: data.global_batch_size(), skipped, comm_s: None })
 }
 
 /// A data-parallel step: this rank's shard, then the ranks agree (any OOM anywhere drops
@@ -128,14 +130,19 @@ pub fn dist_step(
         let buckets = Buckets::pack(&grads, bucket_bytes).map_err(|e| Error::from(e).in_phase(Phase::Backward))?;
         Ok((r, grads, buckets))
     });
+    let t = std::time::Instant::now();
     let ((loss, num_micro_batches), grads, buckets) = pg.agree(local)?;
     buckets.reduce_into(pg, &grads)?;
     drop(buckets);
     let mut l = [loss];
     pg.all_reduce_f64(&mut l, Op::Sum)?;
-    let ready = pg.agree(prepare_update(opt, step, u))?;
+    let mut comm_s = t.elapsed().as_secs_f64();
+    let ready = prepare_update(opt, step, u);
+    let t = std::time::Instant::now();
+    let ready = pg.agree(ready)?;
+    comm_s += t.elapsed().as_secs_f64();
     let (grad_norm, skipped) = commit_update(opt, ready, u)?;
-    Ok(StepStats { loss: l[0], grad_norm, micro_batch_size, num_micro_batches, num_samples: data.global_batch_size(), skipped })
+    Ok(StepStats { loss: l[0], grad_norm, micro_batch_size, num_micro_batches, num_samples: data.global_batch_size(), skipped, comm_s: Some(comm_s) })
 }
 
 /// A whole fp32 optimizer step in one process.

@@ -1,0 +1,193 @@
+//! Data-parallel training over c10d (Gloo on the CPU), with real processes under the real
+//! launcher, one thread per rank: the same result as one process, an OOM on one rank shared
+//! by all, two "nodes" over loopback, SIGINT and a resume, a rank killed and the group
+//! restarted from the checkpoint.
+mod common;
+use common::*;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::time::{Duration, Instant};
+
+/// A port per launch (tests run in parallel).
+fn port() -> String {
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    (29600 + (std::process::id() % 200) as u16 * 10 + NEXT.fetch_add(1, Ordering::SeqCst)).to_string()
+}
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_oomguard")
+}
+
+fn launch(dir: &Path, args: &[&str]) -> Command {
+    let mut c = Command::new(bin());
+    isolated(dies_with_test(&mut c), dir).arg("launch").args(["--master-port", &port(), "--monitor-interval", "0.05"]).args(args).current_dir(dir).env_remove("OMP_NUM_THREADS");
+    c
+}
+
+fn ok(o: Output) -> String {
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "{err}");
+    err
+}
+
+/// A global batch of 15: shards of 8 and 7, micro-batches of 4 (uneven everywhere).
+fn config(dir: &Path, steps: u64, extra: &str) -> PathBuf {
+    let yaml = TINY.replace("micro_batch_size: 8, grad_accum_steps: 2", "micro_batch_size: 4, global_batch_size: 15")
+        .replace("max_steps: 6", &format!("max_steps: {steps}")).replace("warmup_steps: 2}", "warmup_steps: 2, decay_steps: 40}");
+    write_config(dir, &format!("c{steps}.yaml"), &(yaml + extra))
+}
+
+fn train_args<'a>(cfg: &'a Path, run: &'a Path) -> Vec<&'a str> {
+    vec![bin(), "train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()]
+}
+
+#[test]
+fn two_ranks_end_where_one_process_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 6, "memory: {budget: 64MiB}\n");
+    let single = train_ok(dir.path(), &cfg, &[]);
+    std::fs::rename(&single, dir.path().join("single")).unwrap();
+    let run = dir.path().join("two");
+    let mut args = vec!["--nproc-per-node", "2", "--no-python"];
+    args.extend(train_args(&cfg, &run));
+    ok(launch(dir.path(), &args).output().unwrap());
+    let steps = records(&run, "step");
+    assert_eq!(steps.len(), 6);
+    assert!(steps.iter().all(|s| s["world_size"] == 2 && s["num_samples"] == 15), "{steps:?}");
+    let d = max_abs_diff(&weights(&dir.path().join("single")), &weights(&run));
+    assert!(d < 1e-5, "2 ranks differ from 1 process by {d}");
+    let (a, b) = (losses(&dir.path().join("single")), losses(&run));
+    assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-5), "{a:?} {b:?}");
+    // The shorthand: oomguard train CONFIG --nproc-per-node 2.
+    let short = dir.path().join("short");
+    let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", short.to_str().unwrap(), "--nproc-per-node", "2"], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(max_abs_diff(&weights(&run), &weights(&short)), 0.0);
+}
+
+/// A budget on rank 1 alone: it runs out of memory, both ranks shrink together (no
+/// deadlock), and the run ends where one process without a budget does.
+#[test]
+fn an_oom_on_one_rank_shrinks_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 4, "");
+    let cfg = write_config(dir.path(), "fixed.yaml", &std::fs::read_to_string(&cfg).unwrap().replace("micro_batch_size: 4,", "micro_batch_size: 8,"));
+    let peak = |mb: &str| {
+        let r = dir.path().join(format!("p{mb}"));
+        let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", r.to_str().unwrap(), "--max-steps", "1", "--memory-budget", "none", "--set", &format!("train.micro_batch_size={mb}")], dir.path());
+        assert!(o.status.success(), "{}", stderr(&o));
+        records(&r, "step")[0]["memory"]["peak_bytes"].as_u64().unwrap()
+    };
+    let budget = (peak("8") + peak("4")) / 2;
+    let single = train_ok(dir.path(), &cfg, &["--memory-budget", "none"]);
+    let run = dir.path().join("two");
+    let script = format!(
+        "if [ \"$RANK\" = 1 ]; then exec {b} train {c} --run-dir {r} --memory-budget {budget} --set memory.cooldown_steps=1000; else exec {b} train {c} --run-dir {r} --memory-budget none --set memory.cooldown_steps=1000; fi",
+        b = bin(), c = cfg.display(), r = run.display()
+    );
+    let t = Instant::now();
+    let err = ok(launch(dir.path(), &["--nproc-per-node", "2", "--no-python", "sh", "-c", &script]).output().unwrap());
+    assert!(t.elapsed() < Duration::from_secs(60), "took {:?}", t.elapsed());
+    assert!(err.contains("[default1]") && err.contains("OOM at step 0"), "{err}");
+    let ooms = records(&run, "oom");
+    assert!(ooms.iter().any(|o| o["message"] == "rank 1 ran out of memory"), "rank 0 records the shared OOM: {ooms:?}");
+    // Both ranks run at the size rank 1 could afford (the step records are rank 0's).
+    let sizes: Vec<_> = records(&run, "step").iter().map(|s| s["micro_batch_size"].as_u64().unwrap()).collect();
+    assert!(sizes.iter().all(|&s| s == sizes[0] && s < 8), "{sizes:?}");
+    let d = max_abs_diff(&weights(&single), &weights(&run));
+    assert!(d < 1e-5, "differ by {d}");
+}
+
+/// Two "nodes" (two launchers, one rank each) over loopback.
+#[test]
+fn two_nodes_over_loopback() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 4, "memory: {budget: 64MiB}\n");
+    let single = train_ok(dir.path(), &cfg, &[]);
+    let run = dir.path().join("nodes");
+    let p = port();
+    let node = |rank: &str| {
+        let mut args = vec!["--nnodes", "2", "--node-rank", rank, "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", &p, "--no-python"];
+        args.extend(train_args(&cfg, &run));
+        let mut c = Command::new(bin());
+        isolated(dies_with_test(&mut c), dir.path()).arg("launch").args(&args).current_dir(dir.path()).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
+    };
+    let (a, b) = (node("0"), node("1"));
+    ok(a.wait_with_output().unwrap());
+    ok(b.wait_with_output().unwrap());
+    assert!(records(&run, "step").iter().all(|s| s["world_size"] == 2));
+    assert!(max_abs_diff(&weights(&single), &weights(&run)) < 1e-5);
+}
+
+fn spawn_launch(dir: &Path, args: &[&str]) -> Child {
+    launch(dir, args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
+}
+
+fn wait_for_steps(run: &Path, n: usize) {
+    let t = Instant::now();
+    while std::fs::read_to_string(run.join("metrics.jsonl")).map(|m| m.matches("\"event\":\"step\"").count()).unwrap_or(0) < n {
+        assert!(t.elapsed() < Duration::from_secs(60), "no progress");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// SIGINT to a 2-rank run: the ranks agree on the step to stop at, rank 0 writes one
+/// checkpoint, and the resumed run ends bitwise where an uninterrupted one does.
+#[test]
+fn sigint_then_resume_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 40, "memory: {budget: 64MiB}\n");
+    let whole = dir.path().join("whole");
+    let mut args = vec!["--nproc-per-node", "2", "--no-python"];
+    args.extend(train_args(&cfg, &whole));
+    ok(launch(dir.path(), &args).output().unwrap());
+
+    let run = dir.path().join("run");
+    let mut args = vec!["--nproc-per-node", "2", "--no-python"];
+    args.extend(train_args(&cfg, &run));
+    let child = spawn_launch(dir.path(), &args);
+    wait_for_steps(&run, 5);
+    assert!(Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap().success());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130), "{}", String::from_utf8_lossy(&out.stderr));
+    let ckpts: Vec<_> = std::fs::read_dir(run.join("checkpoints")).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().starts_with("step-")).collect();
+    assert_eq!(ckpts.len(), 1, "one consistent checkpoint");
+    assert_eq!(records(&run, "stopped").len(), 1);
+    args.push("--resume");
+    ok(launch(dir.path(), &args).output().unwrap());
+    assert_eq!(max_abs_diff(&weights(&whole), &weights(&run)), 0.0, "resume is not exact");
+}
+
+/// kill -9 of one rank: the launcher restarts the group, which resumes from the last
+/// checkpoint, and the run completes.
+#[test]
+fn a_killed_rank_restarts_the_group_from_the_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 60, "memory: {budget: 64MiB}\ncheckpoint: {every_steps: 5}\n");
+    let run = dir.path().join("run");
+    let marker = format!("oomguard-dist-kill-{}", std::process::id());
+    let mut args = vec!["--nproc-per-node", "2", "--max-restarts", "2", "--no-python"];
+    args.extend(train_args(&cfg, &run));
+    args.push("--resume");
+    let child = launch(dir.path(), &args).env("OOMGUARD_TEST_MARKER", &marker).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    wait_for_steps(&run, 12);
+    let rank1 = rank_process(&marker, "1").expect("rank 1's process");
+    assert!(Command::new("kill").args(["-KILL", &rank1.to_string()]).status().unwrap().success());
+    let err = ok(child.wait_with_output().unwrap());
+    assert!(err.contains("restarting the group"), "{err}");
+    let resumed = records(&run, "resumed");
+    assert_eq!(resumed.len(), 1, "{resumed:?}");
+    let steps = records(&run, "step");
+    assert_eq!(steps.iter().map(|s| s["step"].as_u64().unwrap()).collect::<Vec<_>>(), (0..60).collect::<Vec<_>>());
+}
+
+/// The training process (not its shim) of rank `rank` of the launch marked `marker`.
+fn rank_process(marker: &str, rank: &str) -> Option<u32> {
+    let (m, r) = (format!("OOMGUARD_TEST_MARKER={marker}"), format!("RANK={rank}"));
+    std::fs::read_dir("/proc").ok()?.flatten().filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok()).find(|pid| {
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        let vars: Vec<&[u8]> = env.split(|&b| b == 0).collect();
+        vars.iter().any(|v| *v == m.as_bytes()) && vars.iter().any(|v| *v == r.as_bytes())
+    })
+}
