@@ -10,6 +10,10 @@ fn main() {
             cli::init_tracing(args.log_format);
             cli::launch(a)
         }
+        Command::Sweep(a) => {
+            cli::init_tracing(args.log_format);
+            oomguard_launch::sweep::run(a)
+        }
         _ => Err(cli::exec_torch_binary()),
     };
     std::process::exit(cli::finish(result, |e| cli::exit_code(e).unwrap_or(1)));

@@ -72,6 +72,10 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
     let cfg = config::load(&args.config, &overrides).map_err(crate::Error::from)?;
     cfg.check_data_files().map_err(crate::Error::from)?;
     let settings = allocator_settings(&cfg)?;
+    if args.check {
+        println!("{}: valid", args.config.display());
+        return Ok(());
+    }
     let resume = match (&args.resume_from, args.resume) {
         (Some(p), _) => train::Resume::From(p.clone()),
         (None, true) => train::Resume::Newest,

@@ -115,17 +115,7 @@ impl RawConfig {
 }
 
 fn yaml_error(origin: &str, e: serde_yaml::Error) -> ConfigError {
-    let line_col = e.location().map(|l| (l.line(), l.column()));
-    let mut message = e.to_string().replace("unknown field", "unknown key");
-    if let Some(i) = message.rfind(" at line ") {
-        message.truncate(i);
-    }
-    // serde_yaml prefixes the path (`model: ...`); keep it as the key.
-    let (key, message) = match message.split_once(": ") {
-        Some((k, m)) if !k.contains(' ') => (k.to_string(), m.to_string()),
-        _ => (String::new(), message),
-    };
-    ConfigError { origin: origin.to_string(), line_col, key, message }
+    ConfigError::from_yaml(origin, e)
 }
 
 /// Sets `a.b.c` to `value`, parsed as a YAML scalar (`10` is a number, `true` a bool).

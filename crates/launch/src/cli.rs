@@ -32,6 +32,8 @@ pub enum Command {
     Launch(LaunchArgs),
     /// Print the memory a config needs and the largest micro-batch that fits.
     Plan(PlanArgs),
+    /// Run a hyper-parameter sweep: one guarded `oomguard train` per trial, resumable.
+    Sweep(crate::sweep::SweepArgs),
 }
 
 /// `oomguard plan`
@@ -81,6 +83,10 @@ pub struct TrainArgs {
     /// --no-python oomguard train ...` (N, auto, cpu or gpu). Several nodes: use `launch`.
     #[arg(long = "nproc-per-node", alias = "nproc_per_node", value_name = "N")]
     pub nproc_per_node: Option<String>,
+    /// Validate the config (with every --set), its data files and allocator settings, then
+    /// exit: 0 valid, 2 not. Nothing is trained or written.
+    #[arg(long)]
+    pub check: bool,
     /// Testing and chaos tool: make COUNT allocations fail with a real out-of-memory error,
     /// at seeded random allocations from the first training step on (CPU runs). The run must
     /// still finish with the parameters of a clean run.

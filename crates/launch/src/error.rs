@@ -30,4 +30,19 @@ impl ConfigError {
     pub fn invalid(key: &str, message: impl Into<String>) -> Self {
         ConfigError { origin: String::new(), line_col: None, key: key.into(), message: message.into() }
     }
+
+    /// A serde_yaml error in `origin`, with its line and column and the key serde_yaml names.
+    pub fn from_yaml(origin: &str, e: serde_yaml::Error) -> Self {
+        let line_col = e.location().map(|l| (l.line(), l.column()));
+        let mut message = e.to_string().replace("unknown field", "unknown key");
+        if let Some(i) = message.rfind(" at line ") {
+            message.truncate(i);
+        }
+        // serde_yaml prefixes the path (`model: ...`); keep it as the key.
+        let (key, message) = match message.split_once(": ") {
+            Some((k, m)) if !k.contains(' ') => (k.to_string(), m.to_string()),
+            _ => (String::new(), message),
+        };
+        ConfigError { origin: origin.to_string(), line_col, key, message }
+    }
 }

@@ -8,5 +8,7 @@ mod error;
 pub mod launch;
 pub mod logfile;
 pub mod oom;
+pub mod proc;
+pub mod sweep;
 
 pub use error::ConfigError;

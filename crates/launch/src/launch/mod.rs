@@ -152,7 +152,7 @@ fn parse_nproc(s: &str) -> Result<usize, Error> {
 
 /// GPUs visible to this process, without loading CUDA: CUDA_VISIBLE_DEVICES, else the
 /// NVIDIA driver's device list.
-fn num_gpus() -> usize {
+pub fn num_gpus() -> usize {
     if let Ok(v) = std::env::var("CUDA_VISIBLE_DEVICES") {
         return v.split(',').filter(|d| !d.trim().is_empty() && !d.trim().starts_with('-')).count();
     }

@@ -2,11 +2,9 @@
 //! launcher: each worker runs under a shim that leads its process group (killed as a
 //! group) and kills that group if the launcher dies, even of SIGKILL; everything is waited
 //! for.
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -14,6 +12,7 @@ use super::output::{pump, Sink, Tail};
 use super::{worker_env, LaunchSpec, Micro, Streams};
 use super::LaunchError as Error;
 use crate::oom::classify_oom;
+use crate::proc::Signals;
 
 /// How long workers get to exit after SIGTERM before SIGKILL.
 const GRACE: Duration = Duration::from_secs(10);
@@ -89,36 +88,9 @@ enum Outcome {
     Signaled(i32),
 }
 
-/// Signals to the launcher: the last one's number, and how many arrived.
-struct Signals {
-    last: Arc<AtomicUsize>,
-    count: Arc<AtomicUsize>,
-}
-
-impl Signals {
-    fn install() -> Result<Signals, Error> {
-        let s = Signals { last: Arc::default(), count: Arc::default() };
-        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
-            let (last, count) = (Arc::clone(&s.last), Arc::clone(&s.count));
-            // SAFETY: the handler only stores to atomics, which is async-signal-safe.
-            unsafe {
-                signal_hook::low_level::register(sig, move || {
-                    last.store(sig as usize, Ordering::SeqCst);
-                    count.fetch_add(1, Ordering::SeqCst);
-                })
-            }
-            .map_err(|e| Error::Io { context: "installing signal handlers".into(), source: e })?;
-        }
-        Ok(s)
-    }
-    fn received(&self) -> Option<i32> {
-        (self.count.load(Ordering::SeqCst) > 0).then(|| self.last.load(Ordering::SeqCst) as i32)
-    }
-}
-
 /// Runs the job; returns the launcher's exit code.
 pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
-    let signals = Signals::install()?;
+    let signals = Signals::install().map_err(|e| Error::Io { context: "installing signal handlers".into(), source: e })?;
     if spec.set_omp_threads {
         tracing::warn!("OMP_NUM_THREADS is unset: setting it to 1 for each of the {} workers, to avoid oversubscribing the CPU; set it yourself to tune", spec.nproc_per_node);
     }
@@ -198,15 +170,8 @@ fn spawn(spec: &LaunchSpec, local_rank: usize, port: u16, attempt: u32, dir: &Pa
         .envs(worker_env(spec, local_rank, port, attempt, &error_file, micro))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0);
-    let parent = std::process::id() as i32;
-    // SAFETY: the closure runs in the forked child before exec and makes only syscalls
-    // (no allocation, no lock): see `worker_shim`.
-    unsafe {
-        cmd.pre_exec(move || worker_shim(parent));
-    }
-    let mut child = cmd.spawn().map_err(|e| Error::Start(format!("cannot start worker `{}`: {e}", spec.program[0])))?;
+        .stderr(Stdio::piped());
+    let mut child = crate::proc::spawn_shimmed(&mut cmd).map_err(|e| Error::Start(format!("cannot start worker `{}`: {e}", spec.program[0])))?;
     let (redirect, tee) = (streams_of(&spec.redirects, local_rank), streams_of(&spec.tee, local_rank));
     let shown = spec.console_ranks.as_ref().is_none_or(|r| r.contains(&local_rank));
     let prefix = format!("[{}{local_rank}]:", spec.role);
@@ -278,77 +243,6 @@ fn stop(workers: &mut [Worker], sig: i32, signals: &Signals) {
         w.done = true;
         for p in w.pumps.drain(..) {
             let _ = p.join();
-        }
-    }
-}
-
-/// Between the launcher and each worker stands a shim: the process the launcher starts,
-/// leader of the worker's process group. It forks; the child goes on to exec the worker
-/// (and dies with the shim, PR_SET_PDEATHSIG); the shim waits and exits as the worker did
-/// (code or signal). If the launcher dies, even of SIGKILL, the shim learns it
-/// (PR_SET_PDEATHSIG SIGTERM, and its parent is no longer the launcher) and kills its whole
-/// process group: the worker and every child the worker started. PR_SET_PDEATHSIG alone
-/// reaches only the worker itself, not its children.
-///
-/// Runs after fork in a multi-threaded process: syscalls only, no allocation, no locks.
-fn worker_shim(launcher: i32) -> std::io::Result<()> {
-    // SAFETY: plain syscalls on local, initialised values.
-    unsafe {
-        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
-        if libc::getppid() != launcher {
-            libc::_exit(1); // the launcher died before prctl took effect
-        }
-        let mut waited: libc::sigset_t = std::mem::zeroed();
-        let mut old: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut waited);
-        for sig in [libc::SIGCHLD, libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
-            libc::sigaddset(&mut waited, sig);
-        }
-        libc::sigprocmask(libc::SIG_BLOCK, &waited, &mut old);
-        let shim = libc::getpid();
-        let worker = libc::fork();
-        if worker < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        if worker == 0 {
-            libc::sigprocmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-            if libc::getppid() != shim {
-                libc::_exit(1);
-            }
-            return Ok(()); // on to exec the worker
-        }
-        // The shim never execs: it must not hold std's exec-status pipe (spawn waits for it to
-        // close) nor anything else of the launcher's.
-        if libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32) != 0 {
-            for fd in 3..65536 {
-                libc::close(fd);
-            }
-        }
-        loop {
-            let sig = libc::sigwaitinfo(&waited, std::ptr::null_mut());
-            if sig == libc::SIGCHLD {
-                let mut status = 0;
-                if libc::waitpid(worker, &mut status, libc::WNOHANG) == worker {
-                    if libc::WIFSIGNALED(status) {
-                        // Die of the same signal, so the launcher reports it as torchrun does.
-                        let s = libc::WTERMSIG(status);
-                        libc::signal(s, libc::SIG_DFL);
-                        let mut one: libc::sigset_t = std::mem::zeroed();
-                        libc::sigemptyset(&mut one);
-                        libc::sigaddset(&mut one, s);
-                        libc::sigprocmask(libc::SIG_UNBLOCK, &one, std::ptr::null_mut());
-                        libc::kill(shim, s);
-                        libc::_exit(128 + s);
-                    }
-                    libc::_exit(libc::WEXITSTATUS(status));
-                }
-            } else if sig > 0 && libc::getppid() != launcher {
-                // The launcher is gone: take the worker and all it started with us.
-                libc::kill(0, libc::SIGKILL);
-                libc::_exit(137);
-            }
-            // A signal from the launcher to the whole group reached the worker too: wait on.
         }
     }
 }

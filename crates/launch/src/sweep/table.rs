@@ -1,0 +1,105 @@
+//! The summary table (end of a sweep, and `--status`): a pure rendering of the records.
+use std::collections::BTreeMap;
+
+use super::spec::{Metric, Trial};
+use super::store::Record;
+
+/// A trial's state where it has no record yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Open {
+    Pending,
+    /// Another process holds its lock.
+    Running,
+}
+
+/// The best finished trial by `metric` (only trials that have it).
+pub fn best<'a>(records: impl IntoIterator<Item = &'a Record>, metric: Metric) -> Option<&'a Record> {
+    let value = |r: &Record| match metric {
+        Metric::BestEvalLoss => r.best_eval_loss,
+        Metric::FinalEvalLoss => r.final_eval_loss,
+        Metric::TokensPerS => r.tokens_per_s,
+    };
+    let mut scored: Vec<(&Record, f64)> = records.into_iter().filter_map(|r| value(r).filter(|v| v.is_finite()).map(|v| (r, v))).collect();
+    scored.sort_by(|a, b| a.1.total_cmp(&b.1));
+    if metric.maximize() { scored.last() } else { scored.first() }.map(|(r, _)| *r)
+}
+
+fn num(x: Option<f64>, digits: usize) -> String {
+    x.map_or("-".into(), |v| format!("{v:.digits$}"))
+}
+
+/// The table of `trials`, their records and open states, and a line naming the best.
+pub fn render(trials: &[Trial], records: &BTreeMap<String, Record>, open: &dyn Fn(&Trial) -> Open, metric: Metric) -> String {
+    let header = ["trial", "status", "best eval", "final eval", "tok/s", "micro-batch", "OOMs", "time", "parameters"];
+    let mut rows = vec![header.map(String::from).to_vec()];
+    let mut notes = vec![];
+    for t in trials {
+        let row = match records.get(&t.id) {
+            Some(r) => {
+                let status = match &r.told_by {
+                    Some(by) => format!("{} ({by})", r.status.name()),
+                    None => r.status.name().to_string(),
+                };
+                if let Some(m) = r.message.as_ref().filter(|_| r.status.is_final() && r.status != super::store::Status::Ok) {
+                    notes.push(format!("  {}: {m}", r.trial));
+                }
+                vec![
+                    r.trial.clone(), status, num(r.best_eval_loss, 4), num(r.final_eval_loss, 4), num(r.tokens_per_s, 0),
+                    r.final_micro_batch_size.map_or("-".into(), |m| m.to_string()), r.ooms.to_string(), format!("{:.0}s", r.duration_s), t.describe(),
+                ]
+            }
+            None => {
+                let s = match open(t) { Open::Pending => "pending", Open::Running => "running" };
+                let mut row = vec![t.id.clone(), s.into()];
+                row.extend(std::iter::repeat_n("".to_string(), 6));
+                row.push(t.describe());
+                row
+            }
+        };
+        rows.push(row);
+    }
+    let widths: Vec<usize> = (0..header.len()).map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0)).collect();
+    let mut out = String::new();
+    for r in &rows {
+        let cells: Vec<String> = r.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+    }
+    if !notes.is_empty() {
+        out.push_str("why:\n");
+        out.push_str(&notes.join("\n"));
+        out.push('\n');
+    }
+    let mine = trials.iter().filter_map(|t| records.get(&t.id));
+    let finished = trials.iter().filter(|t| records.get(&t.id).is_some_and(|r| r.status.is_final())).count();
+    out.push_str(&format!("{finished} of {} trials finished", trials.len()));
+    match best(mine, metric) {
+        Some(b) => out.push_str(&format!(
+            "; best by {}: {} ({}) {}\n",
+            metric.name(), b.trial,
+            num(match metric { Metric::BestEvalLoss => b.best_eval_loss, Metric::FinalEvalLoss => b.final_eval_loss, Metric::TokensPerS => b.tokens_per_s }, 4),
+            trials.iter().find(|t| t.id == b.trial).map(Trial::describe).unwrap_or_default()
+        )),
+        None => out.push('\n'),
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sweep::store::Status;
+
+    #[test]
+    fn best_skips_trials_without_the_metric() {
+        let r = |t: &str, l: Option<f64>, s: Status| Record {
+            trial: t.into(), index: 0, params: BTreeMap::new(), status: s, told_by: None, exit_code: None, final_eval_loss: l,
+            best_eval_loss: l, tokens_per_s: l.map(|l| 100.0 / l), final_micro_batch_size: None, ooms: 0, steps: 0, duration_s: 0.0,
+            run_dir: String::new(), message: None, shard: String::new(), finished_at: String::new(),
+        };
+        let rs = [r("a", Some(2.0), Status::Ok), r("b", None, Status::Infeasible), r("c", Some(1.5), Status::Ok)];
+        assert_eq!(best(&rs, Metric::BestEvalLoss).unwrap().trial, "c");
+        assert_eq!(best(&rs, Metric::TokensPerS).unwrap().trial, "c");
+        assert!(best(&rs[1..2], Metric::BestEvalLoss).is_none());
+    }
+}

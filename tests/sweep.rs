@@ -1,0 +1,171 @@
+//! `oomguard sweep`: real sweeps of tiny trials, driven through the binary in temp dirs.
+mod common;
+
+use common::{dies_with_test, isolated, write_config, TINY};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn sweep_cmd(dir: &Path, args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_oomguard"));
+    isolated(&mut cmd, dir).arg("sweep").args(args).current_dir(dir).env("OMP_NUM_THREADS", "1");
+    dies_with_test(&mut cmd);
+    cmd
+}
+
+fn sweep(dir: &Path, args: &[&str]) -> Output {
+    sweep_cmd(dir, args).output().unwrap()
+}
+
+fn results(out: &Path) -> Vec<Value> {
+    std::fs::read_to_string(out.join("results.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+/// A tiny base config (with a CPU budget) and a sweep file over it.
+fn setup(dir: &Path, sweep_yaml: &str) -> PathBuf {
+    write_config(dir, "base.yaml", &format!("{TINY}memory: {{budget: 256MiB}}\n"));
+    write_config(dir, "sweep.yaml", sweep_yaml)
+}
+
+#[test]
+fn an_infeasible_trial_is_recorded_and_the_sweep_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    // One value cannot fit (a 10M vocabulary: ~2.5 GiB of weights); the planner says so.
+    let file = setup(dir.path(), "base: base.yaml\nparameters:\n  model.vocab_size: {values: [256, 10000000]}\n  optim.lr: {values: [1.0e-3, 3.0e-3]}\n");
+    // Two slots at once (the CPU's cores split between them).
+    let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out", "--parallel", "2"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = dir.path().join("out");
+    let r = results(&out);
+    assert_eq!(r.len(), 4);
+    for rec in &r {
+        let big = rec["params"]["model.vocab_size"] == 10000000;
+        assert_eq!(rec["status"], if big { "infeasible" } else { "ok" }, "{rec}");
+        if big {
+            assert_eq!(rec["told_by"], "planner");
+            assert!(rec["message"].as_str().unwrap().contains("vocab"), "{rec}");
+        } else {
+            assert_eq!(rec["steps"], 6);
+            assert!(rec["final_eval_loss"].as_f64().unwrap() > 0.0);
+            assert!(rec["tokens_per_s"].as_f64().unwrap() > 0.0);
+            assert_eq!(rec["final_micro_batch_size"], 8);
+            let run = out.join(rec["run_dir"].as_str().unwrap());
+            let cfg = std::fs::read_to_string(run.join("config.yaml")).unwrap();
+            assert!(cfg.contains(&format!("lr: {}", rec["params"]["optim.lr"])), "the trial's value reached its config: {cfg}");
+        }
+    }
+    let table = String::from_utf8_lossy(&o.stdout);
+    assert!(table.contains("best by best_eval_loss"), "{table}");
+    assert!(table.contains("infeasible (planner)"), "{table}");
+
+    // Without the planner the run itself tells (exit 3, before allocating), and says so.
+    let file = write_config(dir.path(), "sweep2.yaml", "base: base.yaml\nplanner: false\nparameters:\n  model.vocab_size: {value: 10000000}\n");
+    let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out2"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let r = results(&dir.path().join("out2"));
+    assert_eq!((r[0]["status"].as_str(), r[0]["told_by"].as_str(), r[0]["exit_code"].as_i64()), (Some("infeasible"), Some("run"), Some(3)));
+
+    // --status reads the same table back.
+    let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out2", "--status"]);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("1 of 1 trials finished"));
+}
+
+#[test]
+fn a_trial_past_its_timeout_is_stopped_with_a_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = setup(dir.path(), "base: base.yaml\ntrial: {timeout: 3s}\nparameters:\n  train.max_steps: {value: 1000000}\n");
+    let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let r = results(&dir.path().join("out"));
+    assert_eq!(r[0]["status"], "timeout", "{}", r[0]);
+    assert!(r[0]["steps"].as_u64().unwrap() > 0);
+    let run = dir.path().join("out").join(r[0]["run_dir"].as_str().unwrap());
+    assert!(std::fs::read_dir(run.join("checkpoints")).unwrap().count() > 0, "SIGTERM made the trial checkpoint");
+}
+
+#[test]
+fn kill_9_mid_trial_then_restart_runs_every_trial_exactly_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = setup(
+        dir.path(),
+        "base: base.yaml\nparameters:\n  optim.lr: {values: [1.0e-3, 2.0e-3, 3.0e-3]}\n  train.max_steps: {value: 60}\n  checkpoint.every_steps: {value: 5}\n",
+    );
+    let out = dir.path().join("out");
+    let mut child = sweep_cmd(dir.path(), &[file.to_str().unwrap(), "--out", "out"]).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap();
+    // Wait until the second trial is past its second checkpoint: one trial done, one mid-way.
+    let t = Instant::now();
+    let second_steps = || -> usize {
+        let Ok(d) = std::fs::read_dir(out.join("trials")) else { return 0 };
+        let Some(run) = d.flatten().find(|e| e.file_name().to_string_lossy().starts_with("001-")) else { return 0 };
+        std::fs::read_to_string(run.path().join("metrics.jsonl")).unwrap_or_default().matches("\"event\":\"step\"").count()
+    };
+    while second_steps() < 12 {
+        assert!(t.elapsed() < Duration::from_secs(120), "the second trial never got going");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    assert_eq!(results(&out).len(), 1, "only the first trial had finished");
+    // The trial's processes died with the sweep (its shim kills the group).
+    std::thread::sleep(Duration::from_millis(500));
+    let ps = Command::new("pgrep").args(["-f", out.to_str().unwrap()]).output().unwrap();
+    assert!(ps.stdout.is_empty(), "a trial outlived the sweep: {}", String::from_utf8_lossy(&ps.stdout));
+
+    let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let r = results(&out);
+    assert_eq!(r.len(), 3, "each trial once: {r:?}");
+    let ids: std::collections::BTreeSet<_> = r.iter().map(|x| x["trial"].as_str().unwrap().to_string()).collect();
+    assert_eq!(ids.len(), 3);
+    for rec in &r {
+        assert_eq!((rec["status"].as_str(), rec["steps"].as_u64()), (Some("ok"), Some(60)), "{rec}");
+    }
+    // The interrupted trial resumed from its checkpoint instead of starting over.
+    let second = out.join(r[1]["run_dir"].as_str().unwrap());
+    let metrics = std::fs::read_to_string(second.join("metrics.jsonl")).unwrap();
+    assert!(metrics.contains("\"event\":\"resumed\""), "trial 1 resumed");
+    assert!(!String::from_utf8_lossy(&o.stderr).contains("[000-"), "the finished trial was not run again");
+}
+
+#[test]
+fn concurrent_shards_are_disjoint_and_together_complete() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = setup(dir.path(), "base: base.yaml\nparameters:\n  optim.lr: {values: [1.0e-3, 2.0e-3, 3.0e-3, 4.0e-3, 5.0e-3]}\n  train.max_steps: {value: 3}\n");
+    let spawn = |s: &str| sweep_cmd(dir.path(), &[file.to_str().unwrap(), "--out", "out", "--shard", s]).output();
+    let (a, b) = std::thread::scope(|sc| {
+        let a = sc.spawn(|| spawn("0/2").unwrap());
+        let b = sc.spawn(|| spawn("1/2").unwrap());
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    assert!(a.status.success() && b.status.success(), "{}\n{}", String::from_utf8_lossy(&a.stderr), String::from_utf8_lossy(&b.stderr));
+    let r = results(&dir.path().join("out"));
+    assert_eq!(r.iter().map(|x| x["index"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1, 2, 3, 4]);
+    for rec in &r {
+        let shard = format!("{}/2", rec["index"].as_u64().unwrap() % 2);
+        assert_eq!((rec["status"].as_str(), rec["shard"].as_str()), (Some("ok"), Some(shard.as_str())), "{rec}");
+    }
+}
+
+#[test]
+fn a_bad_sweep_file_exits_2_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    setup(dir.path(), "");
+    let cases = [
+        ("base: base.yaml\nparamters: {}\n", "paramters"),
+        ("base: base.yaml\nparameters:\n  optim.lr: {values: []}\n", "parameters.optim.lr"),
+        ("base: base.yaml\nmethod: random\nparameters:\n  optim.lr: {distribution: log_uniform, min: 1.0e-4, max: 1}\n", "count"),
+        ("base: nope.yaml\nparameters:\n  optim.lr: {value: 1}\n", "base"),
+        ("base: base.yaml\ntrial: {timeout: soon}\nparameters:\n  optim.lr: {value: 1}\n", "trial.timeout"),
+        // A key the config does not have: every trial is checked before the first runs.
+        ("base: base.yaml\nparameters:\n  model.n_embdd: {values: [32]}\n", "n_embdd"),
+    ];
+    for (yaml, key) in cases {
+        let file = write_config(dir.path(), "bad.yaml", yaml);
+        let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out"]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{yaml}: {err}");
+        assert!(err.contains("bad.yaml") && err.contains(key), "{yaml}: the error names the file and {key}: {err}");
+        assert!(!dir.path().join("out/results.jsonl").exists(), "nothing ran");
+    }
+}
