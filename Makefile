@@ -1,5 +1,5 @@
 # The README's commands. `setup` installs what is missing (once per machine, cached).
-.PHONY: setup build run test bench clean
+.PHONY: setup build run test bench gpu-kit gpu-kit-test clean
 
 setup:
 	@scripts/setup.sh
@@ -14,7 +14,15 @@ test: setup
 	cargo test --release --workspace
 
 bench: setup
-	cargo bench --bench throughput --bench guard --bench launch --bench auto
+	cargo bench --bench throughput --bench guard --bench launch --bench auto --bench dist --bench precision --bench torchscript
+
+# Binaries for a GPU host's own PyTorch (default 2.11): see scripts/gpu-kit.sh.
+gpu-kit:
+	@scripts/gpu-kit.sh $(TORCH)
+
+# The kit's CPU half: built, loads its torch, trains the demo, gpu-check.sh runs (CI runs this).
+gpu-kit-test:
+	@scripts/gpu-kit-test.sh $(TORCH)
 
 clean:
 	cargo clean

@@ -8,6 +8,13 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 # shellcheck source=versions.env
 . "$ROOT/scripts/versions.env"
 CACHE="${OOMGUARD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/oomguard}"
+# `setup.sh --torch VERSION`: only that torch's venv (scripts/gpu-kit.sh builds against it);
+# it prints the venv's path and links nothing.
+ONLY_TORCH=""
+if [ "${1:-}" = "--torch" ]; then
+  ONLY_TORCH=1
+  TORCH_VERSION="${2:?usage: setup.sh [--torch VERSION]}"
+fi
 VENV="$CACHE/torch-$TORCH_VERSION"
 
 say() { echo "setup: $*" >&2; }
@@ -48,6 +55,10 @@ install_python_packages() {
 apt_install "$GLOO_PACKAGE" "$GLOO_HEADER"
 install_torch
 install_python_packages
+if [ -n "$ONLY_TORCH" ]; then
+  echo "$VENV"
+  exit 0
+fi
 TORCH_DIR="$(ls -d "$VENV"/lib/python3*/site-packages/torch | head -n 1)"
 ln -sfn "$TORCH_DIR" "$ROOT/.libtorch"
 ln -sfn "$VENV" "$ROOT/.venv"

@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn spawn(args: &[&str], cwd: &Path) -> Child {
-    isolated(dies_with_test(&mut Command::new(env!("CARGO_BIN_EXE_oomguard"))), cwd)
+    isolated(dies_with_test(&mut Command::new(common::bin())), cwd)
         .args(args)
         .current_dir(cwd)
         .env("OMP_NUM_THREADS", "1")

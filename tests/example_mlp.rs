@@ -15,7 +15,7 @@ fn train(args: &[&str]) -> i32 {
 fn own_model_trains_under_the_guard_and_resumes_exactly() {
     let dir = tempfile::tempdir().unwrap();
     std::env::set_var("OOMGUARD_CACHE", dir.path().join("cache")); // this test's alone
-    let cfg = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/mlp.yaml");
+    let cfg = common::root().join("examples/mlp.yaml");
     let cfg = cfg.to_str().unwrap();
     let full = dir.path().join("full");
     assert_eq!(train(&[cfg, "--run-dir", full.to_str().unwrap()]), 0);

@@ -138,7 +138,7 @@ fn allocator_settings_are_validated() {
     assert!(stderr(&o).contains("unknown allocator setting `max_split_size`"), "{}", stderr(&o));
 
     let cfg = write_config(dir.path(), "c.yaml", TINY);
-    let o = isolated(&mut std::process::Command::new(env!("CARGO_BIN_EXE_oomguard")), dir.path())
+    let o = isolated(&mut std::process::Command::new(common::bin()), dir.path())
         .args(["train", cfg.to_str().unwrap()])
         .current_dir(dir.path())
         .env("PYTORCH_ALLOC_CONF", "expandable_segments:true")
@@ -155,7 +155,7 @@ fn load_time_allocator_backend_restarts_the_process() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = write_config(dir.path(), "a.yaml", &(TINY.to_string() + "memory: {allocator: {backend: cudaMallocAsync, max_split_size_mb: 64}}\n"));
     let run = dir.path().join("run");
-    let o = isolated(&mut std::process::Command::new(env!("CARGO_BIN_EXE_oomguard")), dir.path())
+    let o = isolated(&mut std::process::Command::new(common::bin()), dir.path())
         .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--max-steps", "1"])
         .current_dir(dir.path())
         .env("PYTORCH_ALLOC_CONF", "max_split_size_mb:128")
@@ -175,7 +175,7 @@ fn load_time_allocator_backend_restarts_the_process() {
 #[test]
 fn a_model_that_cannot_fit_at_start_exits_3() {
     let dir = tempfile::tempdir().unwrap();
-    let demo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/demo.yaml");
+    let demo = common::root().join("configs/demo.yaml");
     let run = dir.path().join("a");
     let o = oomguard(&["train", demo.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--memory-budget", "1MiB"], dir.path());
     let err = stderr(&o);

@@ -8,7 +8,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    common::root()
 }
 
 fn script(name: &str) -> String {
@@ -23,7 +23,7 @@ fn path_with_venv() -> String {
 }
 
 fn launcher(args: &[&str]) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_oomguard"));
+    let mut c = Command::new(common::bin());
     dies_with_test(&mut c);
     c.arg("launch").args(args).env("PATH", path_with_venv()).env_remove("OMP_NUM_THREADS").stdin(Stdio::null());
     c
@@ -184,7 +184,7 @@ train: {micro_batch_size: 8, grad_accum_steps: 2, max_steps: 4, eval_every: 0, e
 memory: {guard: false, budget: 1275000}
 ").unwrap();
     let run = dir.path().join("run");
-    let torch_bin = PathBuf::from(env!("CARGO_BIN_EXE_oomguard"));
+    let torch_bin = common::bin();
     let o = launcher(&["--max-restarts", "3", "--monitor-interval", "0.05", "--no-python", torch_bin.to_str().unwrap(), "train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--resume"])
         .env("OOMGUARD_CACHE", dir.path().join(".cache"))
         .output().unwrap();

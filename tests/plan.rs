@@ -38,7 +38,7 @@ fn planner_peak_within_20_percent_of_measured() {
 #[test]
 fn nothing_fits_says_what_would() {
     let dir = tempfile::tempdir().unwrap();
-    let gpt2 = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/gpt2-124m.yaml");
+    let gpt2 = common::root().join("configs/gpt2-124m.yaml");
     let o = oomguard(&["plan", gpt2.to_str().unwrap(), "--device-memory", "T4", "--set", "model.block_size=65536"], dir.path());
     assert_eq!(o.status.code(), Some(3));
     let out = String::from_utf8_lossy(&o.stdout);
@@ -57,7 +57,7 @@ fn auto_micro_batch_is_cached() {
     let cfg = write_config(dir.path(), "auto.yaml", &yaml);
     let run = |name: &str| {
         let run = dir.path().join(name);
-        let o = std::process::Command::new(env!("CARGO_BIN_EXE_oomguard"))
+        let o = std::process::Command::new(common::bin())
             .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--memory-budget", "3MiB"])
             .env("OOMGUARD_CACHE", dir.path().join("cache")).env("OMP_NUM_THREADS", "1").output().unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -80,7 +80,7 @@ fn auto_micro_batch_is_cached() {
 #[test]
 fn device_memory_by_size_or_by_card_is_the_same_plan() {
     let dir = tempfile::tempdir().unwrap();
-    let gpt2 = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/gpt2-124m.yaml");
+    let gpt2 = common::root().join("configs/gpt2-124m.yaml");
     let plan = |memory: &str| {
         let o = oomguard(&["plan", gpt2.to_str().unwrap(), "--device-memory", memory, "--json"], dir.path());
         assert!(o.status.success(), "{}", stderr(&o));

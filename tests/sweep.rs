@@ -8,7 +8,7 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 fn sweep_cmd(dir: &Path, args: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_oomguard"));
+    let mut cmd = Command::new(common::bin());
     isolated(&mut cmd, dir).arg("sweep").args(args).current_dir(dir).env("OMP_NUM_THREADS", "1");
     dies_with_test(&mut cmd);
     cmd

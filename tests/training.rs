@@ -10,7 +10,7 @@ fn golden_losses() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = write_config(dir.path(), "tiny.yaml", TINY);
     let got = losses(&train_ok(dir.path(), &cfg, &[]));
-    let golden = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/tiny_losses.json");
+    let golden = common::root().join("tests/golden/tiny_losses.json");
     if std::env::var_os("OOMGUARD_BLESS").is_some() {
         std::fs::write(&golden, serde_json::to_string_pretty(&got).unwrap()).unwrap();
     }
@@ -24,7 +24,7 @@ fn golden_losses() {
 #[test]
 fn demo_learns() {
     let dir = tempfile::tempdir().unwrap();
-    let demo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/demo.yaml");
+    let demo = common::root().join("configs/demo.yaml");
     let run = train_ok(dir.path(), &demo, &["--max-steps", "40", "--set", "train.eval_every=20", "--set", "optim.warmup_steps=5"]);
     let l = losses(&run);
     let head: f64 = l[..3].iter().sum::<f64>() / 3.0;

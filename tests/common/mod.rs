@@ -13,6 +13,17 @@ train: {micro_batch_size: 8, grad_accum_steps: 2, max_steps: 6, eval_every: 0, e
 log: {every: 1}
 ";
 
+/// The oomguard binary: this build's, or $OOMGUARD_BIN (the GPU kit runs these tests on a
+/// host where the build's paths do not exist).
+pub fn bin() -> PathBuf {
+    std::env::var_os("OOMGUARD_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_oomguard")), PathBuf::from)
+}
+
+/// The source tree (configs/, tests/golden/): this build's, or $OOMGUARD_ROOT.
+pub fn root() -> PathBuf {
+    std::env::var_os("OOMGUARD_ROOT").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+}
+
 pub fn write_config(dir: &Path, name: &str, yaml: &str) -> PathBuf {
     let p = dir.join(name);
     std::fs::write(&p, yaml).unwrap();
@@ -39,7 +50,7 @@ pub fn isolated<'c>(cmd: &'c mut Command, cwd: &Path) -> &'c mut Command {
 }
 
 pub fn oomguard(args: &[&str], cwd: &Path) -> Output {
-    isolated(&mut Command::new(env!("CARGO_BIN_EXE_oomguard")), cwd)
+    isolated(&mut Command::new(bin()), cwd)
         .args(args)
         .current_dir(cwd)
         .env("OMP_NUM_THREADS", "1")

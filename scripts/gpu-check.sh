@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# On a GPU host that has PyTorch and no Rust, from the kit scripts/gpu-kit.sh built:
+#   gpu-kit/scripts/gpu-check.sh [OUT_DIR]
+# Finds the host's libtorch from its python3 (or $PYTHON), points the kit's binaries at it,
+# and runs every check of the CUDA path (scripts/gpu_check.py): the CUDA-gated tests (a real
+# CUDA OOM recovered among them), the allocator settings, oomguard's memory stats and the
+# planner against the host's PyTorch, and GPT-2 124M throughput next to eager PyTorch.
+# Writes OUT_DIR/gpu-check.json (results) and OUT_DIR/gpu-check.log (everything printed).
+set -euo pipefail
+KIT="$(cd "$(dirname "$0")/.." && pwd)"
+OUT="${1:-$KIT/gpu-check-out}"
+PY="${PYTHON:-python3}"
+mkdir -p "$OUT"
+TORCH_LIB="$("$PY" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')"
+export LD_LIBRARY_PATH="$TORCH_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export OOMGUARD_BIN="$KIT/bin/oomguard" OOMGUARD_ROOT="$KIT"
+echo "gpu-check: kit $KIT, libtorch $TORCH_LIB, results in $OUT" >&2
+"$PY" "$KIT/scripts/gpu_check.py" check "$KIT" "$OUT" 2>&1 | tee "$OUT/gpu-check.log"
+echo "gpu-check: wrote $OUT/gpu-check.json" >&2

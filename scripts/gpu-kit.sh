@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Builds oomguard for a GPU host's own PyTorch (a host with torch and no Rust toolchain):
+#   scripts/gpu-kit.sh [TORCH_VERSION]      (default: GPU_KIT_DEFAULT_TORCH in versions.env)
+# Installs that torch from PyPI into the set-up's cache (scripts/setup.sh --torch), builds a
+# temporary copy of this tree against it with the matching tch (GPU_KIT_TORCH_<MAJOR>_<MINOR>
+# in versions.env: the only place the map lives), and writes gpu-kit/ (git-ignored): the two
+# binaries and the CUDA test binaries, stripped, configs/, scripts/gpu-check.sh and KIT.txt.
+# Copy gpu-kit/ to the host and run gpu-kit/scripts/gpu-check.sh there.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+# shellcheck source=versions.env
+. "$ROOT/scripts/versions.env"
+VERSION="${1:-$GPU_KIT_DEFAULT_TORCH}"
+MAP="GPU_KIT_TORCH_$(echo "$VERSION" | cut -d. -f1-2 | tr . _)"
+TCH="${!MAP:-}"
+if [ -z "$TCH" ]; then
+  echo "gpu-kit: no tch release is known for torch $VERSION: add $MAP=<tch version> to scripts/versions.env" >&2
+  exit 2
+fi
+CACHE="${OOMGUARD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/oomguard}"
+VENV="$("$ROOT/scripts/setup.sh" --torch "$VERSION")"
+TORCH_DIR="$(ls -d "$VENV"/lib/python3*/site-packages/torch | head -n 1)"
+WORK="$CACHE/gpu-kit-$VERSION"
+SRC="$WORK/src"
+# The copy: tracked and untracked-but-not-ignored files, as they are now.
+rm -rf "$SRC" && mkdir -p "$SRC"
+(cd "$ROOT" && git ls-files -co --exclude-standard -z | while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done | tar --null -T - -cf -) | tar -C "$SRC" -xf -
+sed -i -E "s/^(tch|torch-sys) = \"[^\"]+\"/\1 = \"$TCH\"/" "$SRC/Cargo.toml"
+grep -q "^tch = \"$TCH\"" "$SRC/Cargo.toml" || { echo "gpu-kit: could not set tch = $TCH in Cargo.toml" >&2; exit 1; }
+TESTS=(cuda_guard guard)
+echo "gpu-kit: building against torch $VERSION ($TORCH_DIR) with tch $TCH in $SRC" >&2
+# The target folder persists between kits of one version: a rebuild is incremental.
+export LIBTORCH="$TORCH_DIR" LIBTORCH_BYPASS_VERSION_CHECK=1 LIBTORCH_CXX11_ABI=1 CARGO_TARGET_DIR="$WORK/target"
+(cd "$SRC" && cargo build --release --bins)
+mapfile -t EXES < <(cd "$SRC" && cargo test --release --no-run "${TESTS[@]/#/--test=}" --message-format=json 2>/dev/null |
+  python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]: print(m["executable"])')
+[ "${#EXES[@]}" -eq "${#TESTS[@]}" ] || { echo "gpu-kit: expected ${#TESTS[@]} test binaries, got ${#EXES[@]}" >&2; exit 1; }
+KIT="$ROOT/gpu-kit"
+rm -rf "$KIT" && mkdir -p "$KIT/bin" "$KIT/tests" "$KIT/scripts"
+cp "$WORK/target/release/oomguard" "$WORK/target/release/oomguard-torch" "$KIT/bin/"
+for e in "${EXES[@]}"; do cp "$e" "$KIT/tests/$(basename "$e" | sed 's/-[0-9a-f]*$//')"; done
+strip "$KIT"/bin/* "$KIT"/tests/*
+cp -r "$ROOT/configs" "$KIT/"
+cp "$ROOT/scripts/gpu-check.sh" "$ROOT/scripts/gpu_check.py" "$KIT/scripts/"
+printf 'oomguard %s, built %s for torch %s with tch %s\n' "$(cd "$ROOT" && git describe --always --dirty)" "$(date -u +%Y-%m-%dT%H:%MZ)" "$VERSION" "$TCH" > "$KIT/KIT.txt"
+echo "gpu-kit: $(du -sh "$KIT" | cut -f1) in $KIT: $(cat "$KIT/KIT.txt")" >&2
