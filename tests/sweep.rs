@@ -169,3 +169,25 @@ fn a_bad_sweep_file_exits_2_naming_the_key() {
         assert!(!dir.path().join("out/results.jsonl").exists(), "nothing ran");
     }
 }
+
+#[test]
+fn sigterm_stops_the_trials_with_checkpoints_and_records_them_interrupted() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = setup(dir.path(), "base: base.yaml\nparameters:\n  train.max_steps: {value: 1000000}\n");
+    let out = dir.path().join("out");
+    let child = sweep_cmd(dir.path(), &[file.to_str().unwrap(), "--out", "out"]).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let t = Instant::now();
+    let steps = || std::fs::read_dir(out.join("trials")).ok().and_then(|mut d| d.next()).and_then(|e| std::fs::read_to_string(e.ok()?.path().join("metrics.jsonl")).ok()).map_or(0, |m| m.lines().count());
+    while steps() < 3 {
+        assert!(t.elapsed() < Duration::from_secs(60), "the trial never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(143), "{}", String::from_utf8_lossy(&o.stderr));
+    let r = results(&out);
+    assert_eq!((r[0]["status"].as_str(), r[0]["exit_code"].as_i64()), (Some("interrupted"), Some(143)), "{}", r[0]);
+    let run = out.join(r[0]["run_dir"].as_str().unwrap());
+    assert!(std::fs::read_dir(run.join("checkpoints")).unwrap().count() > 0, "the trial checkpointed on SIGTERM");
+    assert!(String::from_utf8_lossy(&o.stdout).contains("interrupted"), "the table says so");
+}

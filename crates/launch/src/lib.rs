@@ -10,5 +10,6 @@ pub mod logfile;
 pub mod oom;
 pub mod proc;
 pub mod sweep;
+pub mod units;
 
 pub use error::ConfigError;

@@ -293,19 +293,17 @@ impl<'a> Sweeper<'a> {
         let record = self.put(r.trial, status, told_by, Some(code), r.started.elapsed().as_secs_f64(), message)?;
         tracing::info!(
             "[{}] {} (exit {code}) in {:.0}s: best eval {}, {} tok/s, micro-batch {}, {} OOMs",
-            r.trial.id, status.name(), record.duration_s, record.best_eval_loss.map_or("-".into(), |l| format!("{l:.4}")),
-            record.tokens_per_s.map_or("-".into(), |t| format!("{t:.0}")), record.final_micro_batch_size.map_or("-".into(), |m| m.to_string()), record.ooms
+            r.trial.id, status.name(), record.duration_s, record.summary.best_eval_loss.map_or("-".into(), |l| format!("{l:.4}")),
+            record.summary.tokens_per_s.map_or("-".into(), |t| format!("{t:.0}")), record.summary.final_micro_batch_size.map_or("-".into(), |m| m.to_string()), record.summary.ooms
         );
         Ok(())
     }
 
     fn put(&self, t: &Trial, status: Status, told_by: Option<&str>, exit_code: Option<i32>, secs: f64, message: Option<String>) -> anyhow::Result<Record> {
         let dir = self.run_dir(t);
-        let s = trial::summarize(&dir);
         let record = Record {
             trial: t.id.clone(), index: t.index, params: t.params.clone(), status, told_by: told_by.map(String::from), exit_code,
-            final_eval_loss: s.final_eval_loss, best_eval_loss: s.best_eval_loss, tokens_per_s: s.tokens_per_s,
-            final_micro_batch_size: s.final_micro_batch_size, ooms: s.ooms, steps: s.steps,
+            summary: trial::summarize(&dir),
             duration_s: secs + self.before.get(&t.id).copied().unwrap_or(0.0),
             run_dir: dir.strip_prefix(&self.out).unwrap_or(&dir).display().to_string(), message, shard: self.shard.clone(),
             finished_at: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),

@@ -10,6 +10,8 @@ use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
+use super::trial::Summary;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Status {
@@ -50,14 +52,9 @@ pub struct Record {
     /// Infeasible: "planner" (before the trial ran) or "run" (the run exited 3).
     pub told_by: Option<String>,
     pub exit_code: Option<i32>,
-    pub final_eval_loss: Option<f64>,
-    pub best_eval_loss: Option<f64>,
-    /// Mean over the trial's steps.
-    pub tokens_per_s: Option<f64>,
-    pub final_micro_batch_size: Option<usize>,
-    pub ooms: u64,
-    /// Optimizer steps done.
-    pub steps: u64,
+    /// What its metrics.jsonl says: eval losses, tokens/s, final micro-batch, OOMs, steps.
+    #[serde(flatten)]
+    pub summary: Summary,
     /// Wall-clock seconds, over every start of the trial.
     pub duration_s: f64,
     /// Relative to the sweep directory.
@@ -152,8 +149,8 @@ mod tests {
     fn record(trial: &str, index: usize, status: Status) -> Record {
         Record {
             trial: trial.into(), index, params: BTreeMap::new(), status, told_by: None, exit_code: Some(0),
-            final_eval_loss: Some(1.0), best_eval_loss: Some(0.9), tokens_per_s: Some(10.0), final_micro_batch_size: Some(4),
-            ooms: 0, steps: 3, duration_s: 1.0, run_dir: format!("trials/{trial}"), message: None, shard: "0/1".into(), finished_at: String::new(),
+            summary: Summary { final_eval_loss: Some(1.0), best_eval_loss: Some(0.9), tokens_per_s: Some(10.0), final_micro_batch_size: Some(4), ooms: 0, steps: 3 },
+            duration_s: 1.0, run_dir: format!("trials/{trial}"), message: None, shard: "0/1".into(), finished_at: String::new(),
         }
     }
 

@@ -15,9 +15,9 @@ pub enum Open {
 /// The best finished trial by `metric` (only trials that have it).
 pub fn best<'a>(records: impl IntoIterator<Item = &'a Record>, metric: Metric) -> Option<&'a Record> {
     let value = |r: &Record| match metric {
-        Metric::BestEvalLoss => r.best_eval_loss,
-        Metric::FinalEvalLoss => r.final_eval_loss,
-        Metric::TokensPerS => r.tokens_per_s,
+        Metric::BestEvalLoss => r.summary.best_eval_loss,
+        Metric::FinalEvalLoss => r.summary.final_eval_loss,
+        Metric::TokensPerS => r.summary.tokens_per_s,
     };
     let mut scored: Vec<(&Record, f64)> = records.into_iter().filter_map(|r| value(r).filter(|v| v.is_finite()).map(|v| (r, v))).collect();
     scored.sort_by(|a, b| a.1.total_cmp(&b.1));
@@ -44,8 +44,8 @@ pub fn render(trials: &[Trial], records: &BTreeMap<String, Record>, open: &dyn F
                     notes.push(format!("  {}: {m}", r.trial));
                 }
                 vec![
-                    r.trial.clone(), status, num(r.best_eval_loss, 4), num(r.final_eval_loss, 4), num(r.tokens_per_s, 0),
-                    r.final_micro_batch_size.map_or("-".into(), |m| m.to_string()), r.ooms.to_string(), format!("{:.0}s", r.duration_s), t.describe(),
+                    r.trial.clone(), status, num(r.summary.best_eval_loss, 4), num(r.summary.final_eval_loss, 4), num(r.summary.tokens_per_s, 0),
+                    r.summary.final_micro_batch_size.map_or("-".into(), |m| m.to_string()), r.summary.ooms.to_string(), format!("{:.0}s", r.duration_s), t.describe(),
                 ]
             }
             None => {
@@ -77,7 +77,7 @@ pub fn render(trials: &[Trial], records: &BTreeMap<String, Record>, open: &dyn F
         Some(b) => out.push_str(&format!(
             "; best by {}: {} ({}) {}\n",
             metric.name(), b.trial,
-            num(match metric { Metric::BestEvalLoss => b.best_eval_loss, Metric::FinalEvalLoss => b.final_eval_loss, Metric::TokensPerS => b.tokens_per_s }, 4),
+            num(match metric { Metric::BestEvalLoss => b.summary.best_eval_loss, Metric::FinalEvalLoss => b.summary.final_eval_loss, Metric::TokensPerS => b.summary.tokens_per_s }, 4),
             trials.iter().find(|t| t.id == b.trial).map(Trial::describe).unwrap_or_default()
         )),
         None => out.push('\n'),
@@ -93,8 +93,8 @@ mod tests {
     #[test]
     fn best_skips_trials_without_the_metric() {
         let r = |t: &str, l: Option<f64>, s: Status| Record {
-            trial: t.into(), index: 0, params: BTreeMap::new(), status: s, told_by: None, exit_code: None, final_eval_loss: l,
-            best_eval_loss: l, tokens_per_s: l.map(|l| 100.0 / l), final_micro_batch_size: None, ooms: 0, steps: 0, duration_s: 0.0,
+            trial: t.into(), index: 0, params: BTreeMap::new(), status: s, told_by: None, exit_code: None,
+            summary: crate::sweep::trial::Summary { final_eval_loss: l, best_eval_loss: l, tokens_per_s: l.map(|l| 100.0 / l), ..Default::default() }, duration_s: 0.0,
             run_dir: String::new(), message: None, shard: String::new(), finished_at: String::new(),
         };
         let rs = [r("a", Some(2.0), Status::Ok), r("b", None, Status::Infeasible), r("c", Some(1.5), Status::Ok)];

@@ -6,15 +6,19 @@ use std::process::{Child, Command, Stdio};
 
 use super::spec::Trial;
 use super::store::Status;
+use crate::units::human_bytes;
 
-/// What a trial's metrics.jsonl says.
-#[derive(Debug, Default, Clone, PartialEq)]
+/// What a trial's metrics.jsonl says (the record's fields of the same names).
+#[derive(Debug, Default, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Summary {
+    /// The last evaluation's loss, and the lowest.
     pub final_eval_loss: Option<f64>,
     pub best_eval_loss: Option<f64>,
+    /// Mean over the trial's steps.
     pub tokens_per_s: Option<f64>,
     pub final_micro_batch_size: Option<usize>,
     pub ooms: u64,
+    /// Optimizer steps done.
     pub steps: u64,
 }
 
@@ -111,7 +115,7 @@ impl Launch<'_> {
         }
         let v: Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
         let mut why = match (v["peak_bytes"].as_u64(), v["memory_bytes"].as_u64()) {
-            (Some(p), Some(m)) => format!("even micro-batch 1 needs {} of {}", human(p), human(m)),
+            (Some(p), Some(m)) => format!("even micro-batch 1 needs {} of {}", human_bytes(p), human_bytes(m)),
             _ => last_error_line(&String::from_utf8_lossy(&o.stderr)),
         };
         if let Some(s) = v["suggestions"].as_array().filter(|s| !s.is_empty()) {
@@ -141,17 +145,6 @@ pub fn last_error_line(text: &str) -> String {
     let lines: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
     let line = lines.iter().rev().find(|l| l.contains("ERROR") || l.contains("error:")).or(lines.last()).copied().unwrap_or("");
     line.split_once("ERROR").map_or(line, |(_, m)| m).trim().to_string()
-}
-
-pub fn human(bytes: u64) -> String {
-    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut x = bytes as f64;
-    let mut u = 0;
-    while x >= 1024.0 && u + 1 < units.len() {
-        x /= 1024.0;
-        u += 1;
-    }
-    if u == 0 { format!("{bytes} B") } else { format!("{x:.1} {}", units[u]) }
 }
 
 #[cfg(test)]
