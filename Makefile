@@ -1,5 +1,5 @@
 # The README's commands. `setup` installs what is missing (once per machine, cached).
-.PHONY: setup build run test bench gpu-kit gpu-kit-test clean
+.PHONY: setup build run test bench gpu-kit gpu-kit-test docker-test clean
 
 setup:
 	@scripts/setup.sh
@@ -19,6 +19,10 @@ bench: setup
 # Binaries for a GPU host's own PyTorch (default 2.11): see scripts/gpu-kit.sh.
 gpu-kit:
 	@scripts/gpu-kit.sh $(TORCH)
+
+# The Docker image built and run for real (CI runs this): see scripts/docker-test.sh.
+docker-test:
+	@scripts/docker-test.sh
 
 # The kit's CPU half: built, loads its torch, trains the demo, gpu-check.sh runs (CI runs this).
 gpu-kit-test:

@@ -5,6 +5,11 @@ use oomguard_launch::cli::{self, Cli, Command};
 
 fn main() {
     let args = Cli::parse();
+    // In the Docker image: refuse at once on a host whose driver is too old for its CUDA.
+    if let Err(why) = oomguard_launch::driver::check_image() {
+        eprintln!("oomguard: {why}");
+        std::process::exit(2);
+    }
     let result = match args.command {
         Command::Launch(a) => {
             cli::init_tracing(args.log_format);

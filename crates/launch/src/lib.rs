@@ -4,6 +4,7 @@
 //! (with libtorch) builds on it.
 pub mod allocator;
 pub mod cli;
+pub mod driver;
 mod error;
 pub mod launch;
 pub mod logfile;

