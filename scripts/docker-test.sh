@@ -72,7 +72,8 @@ say "launch --nproc-per-node 2 --no-python: 3 data-parallel steps"
 # Preemption: SIGTERM (docker stop) checkpoints and exits 143; --resume continues.
 $DOCKER run -d --name oomguard-test-long -v "$TMP/runs:/workspace/runs" "$IMAGE" \
   train configs/demo.yaml --max-steps 100000 --run-dir runs/long >/dev/null
-for _ in $(seq 600); do [ "$(grep -c '"event":"step"' "$TMP/runs/long/metrics.jsonl" 2>/dev/null || echo 0)" -ge 3 ] && break; sleep 0.1; done
+steps() { grep -c '"event":"step"' "$TMP/runs/long/metrics.jsonl" 2>/dev/null || true; }
+for _ in $(seq 600); do [ "$(steps)" -ge 3 ] 2>/dev/null && break; sleep 0.1; done
 $DOCKER stop -t 60 oomguard-test-long >/dev/null
 [ "$($DOCKER inspect -f '{{.State.ExitCode}}' oomguard-test-long)" = 143 ] || fail "SIGTERM: exit $($DOCKER inspect -f '{{.State.ExitCode}}' oomguard-test-long), not 143"
 $DOCKER rm oomguard-test-long >/dev/null
