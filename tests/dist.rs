@@ -188,6 +188,6 @@ fn rank_process(marker: &str, rank: &str) -> Option<u32> {
     std::fs::read_dir("/proc").ok()?.flatten().filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok()).find(|pid| {
         let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
         let vars: Vec<&[u8]> = env.split(|&b| b == 0).collect();
-        vars.iter().any(|v| *v == m.as_bytes()) && vars.iter().any(|v| *v == r.as_bytes())
+        vars.contains(&m.as_bytes()) && vars.contains(&r.as_bytes())
     })
 }

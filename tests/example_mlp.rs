@@ -5,7 +5,6 @@
 mod mlp;
 mod common;
 use common::*;
-use std::path::Path;
 
 fn train(args: &[&str]) -> i32 {
     oomguard::cli::train::run_with(std::iter::once("mlp").chain(args.iter().copied()), &mlp::build)

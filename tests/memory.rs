@@ -11,7 +11,7 @@ fn a_refused_allocation_gives_its_bytes_back() {
     let keep = Tensor::zeros([1024], (Kind::Float, Device::Cpu));
     let before = memory::cpu_live_bytes();
     let r = Tensor::f_empty([1i64 << 50], (Kind::Float, Device::Cpu));
-    let e = oomguard::Error::from(r.err().expect("a 4 PiB tensor cannot be allocated"));
+    let e = oomguard::Error::from(r.expect_err("a 4 PiB tensor cannot be allocated"));
     assert!(e.is_oom(), "{e}");
     assert_eq!(memory::cpu_live_bytes(), before, "the refused allocation's bytes are still counted as live");
     drop(keep);

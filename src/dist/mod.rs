@@ -201,7 +201,9 @@ impl Buckets {
                 members.push(vec![]);
                 size = 0;
             }
-            members.last_mut().map(|m| m.push(i));
+            if let Some(m) = members.last_mut() {
+                m.push(i);
+            }
             size += bytes;
         }
         let flat = members

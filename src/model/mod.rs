@@ -4,6 +4,7 @@
 //!   (`path`, and `method` if the loss is not `forward(inputs, targets)`);
 //! - `rust`: a model a Rust program brings through the library; its own settings go under
 //!   `settings`, which the program reads.
+//!
 //! The section keeps every key optional, so that each kind refuses the keys of another
 //! by name; `gpt()` resolves the GPT's defaults.
 mod gpt;

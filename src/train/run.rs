@@ -29,9 +29,6 @@ use oomguard_launch::launch::{FAILED_MICRO_BATCH_VAR, MICRO_BATCH_VAR};
 /// Attempts at writing a checkpoint or the final weights when they run out of memory.
 const WRITE_ATTEMPTS: u32 = 4;
 
-/// Gradients travel in buckets of this size (as PyTorch DDP's default).
-const BUCKET_BYTES: usize = 25 << 20;
-
 /// Builds the model a run trains (a config's kind, or a Rust program's own model).
 pub type Builder<'b> = &'b dyn Fn(&BuildContext) -> Result<Built>;
 
@@ -229,7 +226,7 @@ impl<'a> Run<'a> {
                 |ctx, mb| {
                     ctx.snapshot_buffers(task)?;
                     match pg {
-                        Some(pg) => dist_step(pg, task, ctx.opt, &batches, step, mb, &u, BUCKET_BYTES),
+                        Some(pg) => dist_step(pg, task, ctx.opt, &batches, step, mb, &u),
                         None => step_with(task, ctx.opt, &batches, step, mb, &u),
                     }
                 },

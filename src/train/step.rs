@@ -118,16 +118,16 @@ pub fn step_with(task: &dyn Task, opt: &mut AdamW, data: &dyn StepBatches, step:
     Ok(StepStats { loss, grad_norm, micro_batch_size, num_micro_batches, num_samples: data.global_batch_size(), skipped, comm_s: None })
 }
 
+/// Gradients travel in buckets of this size (as PyTorch DDP's default).
+const BUCKET_BYTES: usize = 25 << 20;
+
 /// A data-parallel step: this rank's shard, then the ranks agree (any OOM anywhere drops
 /// the attempt everywhere) before the bucketed gradient all-reduce; after the update's
 /// allocations they agree again, then every rank commits.
-pub fn dist_step(
-    pg: &ProcessGroup, task: &dyn Task, opt: &mut AdamW, data: &dyn StepBatches, step: u64, micro_batch_size: usize, u: &Update,
-    bucket_bytes: usize,
-) -> Result<StepStats> {
+pub fn dist_step(pg: &ProcessGroup, task: &dyn Task, opt: &mut AdamW, data: &dyn StepBatches, step: u64, micro_batch_size: usize, u: &Update) -> Result<StepStats> {
     let local = accumulate(task, data, step, micro_batch_size, &u.amp).and_then(|r| {
         let grads = opt.grads();
-        let buckets = Buckets::pack(&grads, bucket_bytes).map_err(|e| Error::from(e).in_phase(Phase::Backward))?;
+        let buckets = Buckets::pack(&grads, BUCKET_BYTES).map_err(|e| Error::from(e).in_phase(Phase::Backward))?;
         Ok((r, grads, buckets))
     });
     let t = std::time::Instant::now();
