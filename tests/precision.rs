@@ -16,12 +16,7 @@ log: {every: 1}
 ";
 
 fn run(dir: &Path, cfg: &Path, name: &str, extra: &[&str]) -> PathBuf {
-    let run = dir.join(name);
-    let mut args = vec!["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()];
-    args.extend_from_slice(extra);
-    let o = oomguard(&args, dir);
-    assert!(o.status.success(), "{}", stderr(&o));
-    run
+    train_into(dir, cfg, name, extra)
 }
 
 fn peak(run: &Path) -> u64 {

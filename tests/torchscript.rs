@@ -51,12 +51,7 @@ fn mu_sota_reference_config(dir: &Path, steps: u64) -> Value {
 }
 
 fn run(dir: &Path, cfg: &Path, name: &str, extra: &[&str]) -> PathBuf {
-    let run = dir.join(name);
-    let mut args = vec!["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()];
-    args.extend_from_slice(extra);
-    let o = oomguard(&args, dir);
-    assert!(o.status.success(), "{}", stderr(&o));
-    run
+    train_into(dir, cfg, name, extra)
 }
 
 /// It trains (its loss falls), its first 5 losses are eager PyTorch's to 1e-5, and the weights

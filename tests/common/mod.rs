@@ -64,7 +64,12 @@ pub fn stderr(o: &Output) -> String {
 
 /// Trains `config` into `dir/run`, asserting success; returns the run directory.
 pub fn train_ok(dir: &Path, config: &Path, extra: &[&str]) -> PathBuf {
-    let run = dir.join("run");
+    train_into(dir, config, "run", extra)
+}
+
+/// Trains `config` into `dir/name`, asserting success; returns the run directory.
+pub fn train_into(dir: &Path, config: &Path, name: &str, extra: &[&str]) -> PathBuf {
+    let run = dir.join(name);
     let mut args = vec!["train", config.to_str().unwrap(), "--run-dir", run.to_str().unwrap()];
     args.extend_from_slice(extra);
     let o = oomguard(&args, dir);
