@@ -11,6 +11,7 @@ pub fn run_torch(command: Command) -> anyhow::Result<()> {
         Command::Train(a) => train::exec(a),
         Command::Launch(a) => oomguard_launch::cli::launch(a),
         Command::Plan(a) => plan::exec(a),
+        Command::Report(a) => oomguard_launch::cli::report(a),
     }
 }
 
