@@ -14,7 +14,7 @@ test: setup
 	cargo test --release --workspace
 
 bench: setup
-	cargo bench --bench throughput --bench guard --bench launch --bench auto
+	cargo bench --bench throughput --bench guard --bench launch --bench auto --bench report
 
 clean:
 	cargo clean

@@ -141,9 +141,7 @@ pub fn short_number(v: f64) -> String {
     let a = v.abs();
     if a >= 1e6 {
         format!("{:.1}M", v / 1e6)
-    } else if a >= 1e4 {
-        format!("{:.0}k", v / 1e3)
-    } else if a >= 1e3 && v % 1e3 == 0.0 {
+    } else if a >= 1e4 || (a >= 1e3 && v % 1e3 == 0.0) {
         format!("{:.0}k", v / 1e3)
     } else if a >= 1e3 {
         format!("{:.1}k", v / 1e3)
@@ -151,6 +149,20 @@ pub fn short_number(v: f64) -> String {
         format!("{v:.0}")
     } else {
         format!("{v:.2}")
+    }
+}
+
+/// A step on an axis `span` steps wide: 20k and 1M on a wide axis (its ticks are round),
+/// every digit on a narrow one (1000200), so that no two ticks read alike.
+pub fn step_label(v: f64, span: f64) -> String {
+    if span < 1e4 {
+        format!("{v}")
+    } else if v != 0.0 && v % 1e6 == 0.0 {
+        format!("{:.0}M", v / 1e6)
+    } else if v != 0.0 && v % 1e3 == 0.0 {
+        format!("{:.0}k", v / 1e3)
+    } else {
+        format!("{v}")
     }
 }
 
@@ -234,7 +246,7 @@ impl Panel<'_> {
             .label_style(text(13))
             .x_labels(10)
             .y_labels(6)
-            .x_label_formatter(&|v| short_number(*v))
+            .x_label_formatter(&|v| step_label(*v, x.1 - x.0))
             .y_label_formatter(&self.y_format)
             .light_line_style(RGBColor(246, 246, 246))
             .bold_line_style(RGBColor(215, 215, 215))
@@ -271,7 +283,7 @@ impl Panel<'_> {
                 chart.draw_series(std::iter::once(PathElement::new(seg.to_vec(), s.style()))).map_err(draw_err)?;
             }
         }
-        let rows: Vec<LegendRow> = self.lines.iter().map(|l| LegendRow { label: l.label.clone(), swatch: Some(l.stroke), dot: l.dots }).collect();
+        let rows: Vec<LegendRow> = self.lines.iter().filter(|l| !l.points.is_empty()).map(|l| LegendRow { label: l.label.clone(), swatch: Some(l.stroke), dot: l.dots }).collect();
         draw_legend(&legend, 14, rows.iter().chain(legend_extra))
     }
 }
@@ -352,6 +364,8 @@ mod tests {
     #[test]
     fn numbers_and_sizes_read_short() {
         assert_eq!(short_number(12_345.0), "12k");
+        assert_eq!([0.0, 20_000.0, 2e6].map(|v| step_label(v, 1e5)), ["0", "20k", "2M"]);
+        assert_eq!([2.5, 1_000_000.0, 1_000_200.0].map(|v| step_label(v, 2e3)), ["2.5", "1000000", "1000200"]);
         assert_eq!(short_number(2_500.0), "2.5k");
         assert_eq!(short_number(5_000.0), "5k");
         assert_eq!(short_number(8.0), "8");

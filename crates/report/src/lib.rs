@@ -75,7 +75,7 @@ pub struct Outcome {
 
 /// A directory's kind: a sweep has results.jsonl, a run metrics.jsonl.
 pub enum Source {
-    Run(RunSeries),
+    Run(Box<RunSeries>),
     Sweep(Sweep),
 }
 
@@ -101,19 +101,20 @@ pub fn read(dir: &Path) -> Result<Source, Error> {
     if series.steps == 0 && series.eval_loss.is_empty() && series.markers.is_empty() && !series.warnings.is_empty() {
         return Err(Error::BadInput(format!("{}: no valid record in it ({} lines skipped); is it an oomguard metrics file?", metrics.display(), series.warnings.len())));
     }
-    Ok(Source::Run(series))
+    Ok(Source::Run(Box::new(series)))
 }
 
 /// `oomguard report DIR [--out FILE]`: writes the picture (default DIR/report.png).
 pub fn report(dir: &Path, out: Option<&Path>) -> Result<Outcome, Error> {
     let out = out.map_or_else(|| dir.join("report.png"), Path::to_path_buf);
     let format = Format::of(&out)?;
+    let source = read(dir)?;
     if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty() && !p.is_dir()) {
         return Err(Error::BadInput(format!("--out {}: the folder {} does not exist; create it or write elsewhere", out.display(), parent.display())));
     }
     let name = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
     let name = name.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
-    let (bytes, text, warnings) = match read(dir)? {
+    let (bytes, text, warnings) = match source {
         Source::Run(s) => {
             let title = format!("oomguard run: {name}");
             let (w, h) = (run_chart::WIDTH, run_chart::HEIGHT);
@@ -177,7 +178,7 @@ fn png(size: (u32, u32), draw: impl FnOnce(&Root<plotters::backend::BitMapBacken
     let mut encoder = png::Encoder::new(&mut bytes, size.0, size.1);
     encoder.set_color(png::ColorType::Rgb);
     encoder.set_depth(png::BitDepth::Eight);
-    encoder.set_compression(png::Compression::Fast);
+    encoder.set_compression(png::Compression::Default);
     let mut writer = encoder.write_header().map_err(draw::draw_err)?;
     writer.write_image_data(&rgb).map_err(draw::draw_err)?;
     writer.finish().map_err(draw::draw_err)?;

@@ -111,13 +111,27 @@ pub fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, title: &str, s: &
     root.fill(&WHITE).map_err(draw_err)?;
     let (header, body) = root.split_vertically(HEADER);
     header.draw(&Text::new(title.to_string(), (16, 10), text(22))).map_err(draw_err)?;
-    header.draw(&Text::new(s.summary().one_line(), (16, 42), text(14).color(&MUTED))).map_err(draw_err)?;
-    marker_legend(&header, s, 76)?;
+    summary_lines(&header, s)?;
+    marker_legend(&header, s, 80)?;
     let x = x_range(s);
     for (panel, area) in panels(s).iter().zip(body.split_evenly((4, 1)).iter()) {
         panel.draw(area, x, &[])?;
     }
     Ok(())
+}
+
+/// The run's figures under the title: one line, or two when one would not fit.
+fn summary_lines<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, s: &RunSeries) -> Result<(), Error> {
+    let style = text(14).color(&MUTED);
+    let rows = s.summary().rows();
+    let join = |rows: &[(&str, String)]| rows.iter().map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>().join(" | ");
+    let one = join(&rows);
+    if area.estimate_text_size(&one, &style).map_err(draw_err)?.0 + 32 <= WIDTH {
+        return area.draw(&Text::new(one, (16, 42), style)).map_err(draw_err);
+    }
+    let half = rows.len().div_ceil(2);
+    area.draw(&Text::new(join(&rows[..half]), (16, 38), style.clone())).map_err(draw_err)?;
+    area.draw(&Text::new(join(&rows[half..]), (16, 56), style)).map_err(draw_err)
 }
 
 /// One row across the header: every marker kind that occurred, and always the guard's

@@ -45,8 +45,8 @@ impl MarkerKind {
             MarkerKind::Shrink => "shrink",
             MarkerKind::Grow => "grow-back",
             MarkerKind::Resumed => "resumed",
-            MarkerKind::Rung => "rung (precision / recompute)",
-            MarkerKind::Stopped => "stopped (signal)",
+            MarkerKind::Rung => "rung",
+            MarkerKind::Stopped => "signal stop",
             MarkerKind::Leak => "leak warning",
         }
     }
@@ -226,9 +226,6 @@ impl Summary {
         rows
     }
 
-    pub fn one_line(&self) -> String {
-        self.rows().iter().map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>().join(" | ")
-    }
 }
 
 #[cfg(test)]

@@ -154,8 +154,10 @@ pub fn read_events(bytes: &[u8]) -> Result<Vec<Event>, ReadError> {
     Ok(events)
 }
 
-/// Protobuf fields of a message: (field, wire type, varint or fixed value, bytes).
-fn fields(mut data: &[u8]) -> Option<Vec<(u64, u8, u64, &[u8])>> {
+/// A protobuf field: (number, wire type, varint or fixed value, bytes).
+type Field<'a> = (u64, u8, u64, &'a [u8]);
+
+fn fields(mut data: &[u8]) -> Option<Vec<Field<'_>>> {
     fn varint(d: &mut &[u8]) -> Option<u64> {
         let mut v = 0u64;
         for shift in (0..64).step_by(7) {
