@@ -1,5 +1,5 @@
-//! `oomguard`: runs `launch` here (no libtorch is loaded) and hands every other command to
-//! oomguard-torch beside it.
+//! `oomguard`: runs `launch` and `report` here (no libtorch is loaded) and hands every
+//! other command to oomguard-torch beside it.
 use clap::Parser;
 use oomguard_launch::cli::{self, Cli, Command};
 
@@ -18,6 +18,10 @@ fn main() {
         Command::Sweep(a) => {
             cli::init_tracing(args.log_format);
             oomguard_launch::sweep::run(a)
+        }
+        Command::Report(a) => {
+            cli::init_tracing(args.log_format);
+            cli::report(a)
         }
         _ => Err(cli::exec_torch_binary()),
     };

@@ -11,6 +11,7 @@ use crate::error::ConfigError;
 use crate::error::{Error, Result};
 use crate::guard::{GuardEvent, LeakEvent, OomEvent, ResizeEvent};
 use crate::memory::MemoryStats;
+use oomguard_report::tensorboard::EventWriter;
 
 /// The `log` section.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -18,11 +19,13 @@ use crate::memory::MemoryStats;
 pub struct LogConfig {
     /// A progress line every this many steps.
     pub every: u64,
+    /// Also write TensorBoard scalars into RUN_DIR/tensorboard/ (rank 0).
+    pub tensorboard: bool,
 }
 
 impl Default for LogConfig {
     fn default() -> Self {
-        LogConfig { every: 10 }
+        LogConfig { every: 10, tensorboard: false }
     }
 }
 
@@ -114,6 +117,33 @@ impl From<GuardEvent> for Record {
 pub struct MetricsWriter {
     out: BufWriter<File>,
     path: String,
+    tensorboard: Option<EventWriter>,
+}
+
+/// A record's TensorBoard scalars (`log.tensorboard`): its step and (tag, value)s.
+fn tensorboard_scalars(record: &Record) -> Option<(u64, Vec<(&'static str, f64)>)> {
+    Some(match record {
+        Record::Step(r) => {
+            let mut v = vec![
+                ("train/loss", r.loss),
+                ("train/lr", r.lr),
+                ("train/grad_norm", r.grad_norm),
+                ("train/tokens_per_s", r.tokens_per_s),
+                ("train/micro_batch_size", r.micro_batch_size as f64),
+                ("train/grad_accum_steps", r.grad_accum_steps as f64),
+                ("memory/live_bytes", r.memory.live_bytes as f64),
+                ("memory/peak_bytes", r.memory.peak_bytes as f64),
+            ];
+            v.extend(r.memory.limit_bytes.map(|l| ("memory/limit_bytes", l as f64)));
+            (r.step, v)
+        }
+        Record::Eval(e) => (e.step, vec![("eval/val_loss", e.val_loss)]),
+        Record::Oom(o) => (o.step, vec![("guard/oom", 1.0), ("guard/oom_new_micro_batch_size", o.new_micro_batch_size as f64)]),
+        Record::Shrink(r) => (r.step, vec![("guard/shrink_micro_batch_size", r.new_micro_batch_size as f64)]),
+        Record::Grow(r) => (r.step, vec![("guard/grow_micro_batch_size", r.new_micro_batch_size as f64)]),
+        Record::Resumed { step, .. } => (*step, vec![("guard/resumed", 1.0)]),
+        _ => return None,
+    })
 }
 
 impl MetricsWriter {
@@ -148,13 +178,32 @@ impl MetricsWriter {
         let path = dir.join("metrics.jsonl");
         let file = std::fs::OpenOptions::new().create(true).append(true).open(&path);
         let file = file.map_err(|e| Error::io(format!("cannot open {}", path.display()), e))?;
-        Ok(MetricsWriter { out: BufWriter::new(file), path: path.display().to_string() })
+        Ok(MetricsWriter { out: BufWriter::new(file), path: path.display().to_string(), tensorboard: None })
+    }
+
+    /// `log.tensorboard`: every record also goes to `dir/tensorboard/` as scalars. TensorBoard
+    /// is a convenience: failing to write it warns and never stops the run.
+    pub fn with_tensorboard(mut self, enabled: bool, dir: &Path) -> MetricsWriter {
+        if enabled {
+            match EventWriter::create(&dir.join("tensorboard")) {
+                Ok(w) => self.tensorboard = Some(w),
+                Err(e) => tracing::warn!("log.tensorboard: cannot create an event file in {}: {e}; metrics.jsonl only", dir.join("tensorboard").display()),
+            }
+        }
+        self
     }
 
     pub fn write(&mut self, record: &Record) -> Result<()> {
         let line = serde_json::to_string(record).map_err(|e| Error::Data(format!("cannot encode a metrics record: {e}")))?;
         writeln!(self.out, "{line}")
             .and_then(|_| self.out.flush())
-            .map_err(|e| Error::io(format!("cannot write {}", self.path), e))
+            .map_err(|e| Error::io(format!("cannot write {}", self.path), e))?;
+        if let (Some(tb), Some((step, scalars))) = (self.tensorboard.as_mut(), tensorboard_scalars(record)) {
+            if let Err(e) = tb.scalars(step, &scalars) {
+                tracing::warn!("log.tensorboard: cannot write {}: {e}; TensorBoard logging stops, metrics.jsonl goes on", tb.path().display());
+                self.tensorboard = None;
+            }
+        }
+        Ok(())
     }
 }

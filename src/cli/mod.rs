@@ -12,6 +12,7 @@ pub fn run_torch(command: Command) -> anyhow::Result<()> {
         Command::Launch(a) => oomguard_launch::cli::launch(a),
         Command::Plan(a) => plan::exec(a),
         Command::Sweep(a) => oomguard_launch::sweep::run(a),
+        Command::Report(a) => oomguard_launch::cli::report(a),
     }
 }
 

@@ -108,7 +108,8 @@ impl<'a> Run<'a> {
             None => resolve(run_dir, options.resume.clone())?,
             Some(pg) => shared_start(pg, run_dir, &options.resume)?,
         };
-        let mut metrics = lead.then(|| MetricsWriter::resume(run_dir, from.as_ref().map_or(0, |(_, s)| s.next_step))).transpose()?;
+        let metrics = lead.then(|| MetricsWriter::resume(run_dir, from.as_ref().map_or(0, |(_, s)| s.next_step))).transpose()?;
+        let mut metrics = metrics.map(|m| m.with_tensorboard(c.log.tensorboard, run_dir));
         let mut eval_guard = Guard::for_eval(&c.memory, c.train.eval_batch_size, device);
         let mut resumed_extra = BTreeMap::new();
         let (mut guard, next_step, eval_history) = match from {

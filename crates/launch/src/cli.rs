@@ -34,6 +34,19 @@ pub enum Command {
     Plan(PlanArgs),
     /// Run a hyper-parameter sweep: one guarded `oomguard train` per trial, resumable.
     Sweep(crate::sweep::SweepArgs),
+    /// Draw a run (loss, tokens/s, memory, micro-batch, OOM events) or a sweep (its trials).
+    Report(ReportArgs),
+}
+
+/// `oomguard report`
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    /// A run directory (with metrics.jsonl) or a sweep directory (with results.jsonl).
+    #[arg(value_name = "RUN_DIR|SWEEP_DIR")]
+    pub dir: PathBuf,
+    /// The picture: FILE.png, FILE.svg or FILE.html (a self-contained page) [default: DIR/report.png].
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
 }
 
 /// `oomguard plan`
@@ -177,10 +190,25 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
     }
 }
 
+/// Runs `oomguard report`: warnings (lines skipped) on stderr, the figures or the sweep's
+/// table on stdout.
+pub fn report(args: ReportArgs) -> anyhow::Result<()> {
+    let outcome = oomguard_report::report(&args.dir, args.out.as_deref())?;
+    for w in &outcome.warnings {
+        tracing::warn!("{w}");
+    }
+    print!("{}", outcome.text);
+    tracing::info!("wrote {}", outcome.out.display());
+    Ok(())
+}
+
 /// Exit codes for this crate's errors: 2 for bad input, a worker's own code for a failed job.
 pub fn exit_code(err: &anyhow::Error) -> Option<i32> {
     if let Some(code) = err.downcast_ref::<ExitCode>() {
         return Some(code.0);
+    }
+    if let Some(e) = err.downcast_ref::<oomguard_report::Error>() {
+        return Some(e.exit_code());
     }
     match err.downcast_ref::<launch::LaunchError>() {
         Some(launch::LaunchError::Config(_) | launch::LaunchError::Start(_)) => Some(2),
