@@ -165,6 +165,16 @@ char* og_cuda_stats(int device, int64_t* out) {
   });
 }
 
+// The device's free and total bytes (cudaMemGetInfo), usable before the allocator's first
+// allocation: the allocator settings that depend on the total are applied after it.
+char* og_cuda_mem_info(int device, int64_t* out) {
+  return guarded([&] {
+    const auto [free, total] = cuda_allocator()->getMemoryInfo(static_cast<c10::DeviceIndex>(device));
+    out[0] = static_cast<int64_t>(free);
+    out[1] = static_cast<int64_t>(total);
+  });
+}
+
 char* og_cuda_reset_peak(int device) {
   return guarded([&] { cuda_allocator()->resetPeakStats(static_cast<c10::DeviceIndex>(device)); });
 }

@@ -33,7 +33,8 @@ char* og_cuda_empty_cache();
 // out: allocated, reserved, peak_allocated, num_alloc_retries, num_ooms, free, total
 char* og_cuda_stats(int device, int64_t* out);
 char* og_cuda_reset_peak(int device);
-char* og_cuda_set_memory_fraction(int device, double fraction);
+// out: free, total (cudaMemGetInfo); needs no allocation, so it may come before the settings.
+char* og_cuda_mem_info(int device, int64_t* out);
 char* og_set_allocator_settings(const char* settings);
 
 // Optimiser (csrc/optim.cpp): the allocation-free commit of a fused AdamW update over a

@@ -1,4 +1,5 @@
-//! How much memory a CPU run may use: what the machine and its cgroup leave available.
+//! How much memory a run may use: on the CPU, what the machine and its cgroup leave
+//! available; on CUDA, a share of the card.
 use std::path::Path;
 
 use super::config::Budget;
@@ -33,6 +34,13 @@ pub fn resolve(budget: Budget, live: u64, available: Option<u64>) -> Option<u64>
     }
 }
 
+/// A CUDA budget of `bytes` as the caching allocator's `per_process_memory_fraction` of a
+/// card of `total` bytes: the smaller of it and a fraction already `set`, in (0, 1].
+pub fn cuda_fraction(bytes: u64, total: u64, set: Option<f64>) -> f64 {
+    let asked = if total == 0 { 1.0 } else { bytes as f64 / total as f64 };
+    asked.min(set.unwrap_or(1.0)).clamp(1e-9, 1.0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -44,5 +52,14 @@ mod tests {
         assert_eq!(resolve(Budget::Auto { fraction: 0.5 }, 10, Some(100)), Some(60));
         assert_eq!(meminfo_kib("MemTotal: 10 kB\nMemAvailable:   2048 kB\n", "MemAvailable:"), Some(2048));
         assert!(available_bytes().unwrap() > 0);
+    }
+
+    #[test]
+    fn a_cuda_budget_is_a_share_of_the_card_and_never_loosens_a_set_fraction() {
+        assert_eq!(cuda_fraction(20 << 30, 80 << 30, None), 0.25);
+        assert_eq!(cuda_fraction(20 << 30, 80 << 30, Some(0.1)), 0.1);
+        assert_eq!(cuda_fraction(20 << 30, 80 << 30, Some(0.5)), 0.25);
+        assert_eq!(cuda_fraction(100 << 30, 80 << 30, None), 1.0, "more than the card: the card");
+        assert!(cuda_fraction(1, 80 << 30, None) > 0.0, "libtorch wants a fraction above 0");
     }
 }

@@ -9,8 +9,9 @@ use crate::error::ConfigError;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MemoryConfig {
-    /// CPU memory budget for tensors: `auto` (a share of the memory available to the
-    /// process, cgroup limits included), `none`, or a size such as `2GiB` (or bytes).
+    /// Memory budget for tensors: `auto` (on the CPU a share of the memory available to the
+    /// process, cgroup limits included; on CUDA the whole card), `none`, or a size such as
+    /// `2GiB` (or bytes; on CUDA it becomes `per_process_memory_fraction`).
     #[serde(deserialize_with = "size_text")]
     pub budget: String,
     /// The share of available memory `auto` takes.

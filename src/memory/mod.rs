@@ -1,6 +1,7 @@
 //! Safe API over csrc/memory.cpp: the counting CPU allocator and its budget, CUDA cache and
 //! statistics, and byte sizes as users write them.
 use std::ffi::{c_char, c_void, CStr};
+use std::sync::atomic::{AtomicU64, Ordering};
 use tch::{Device, TchError, Tensor};
 
 pub use oomguard_launch::allocator;
@@ -27,6 +28,7 @@ mod ffi {
         pub fn og_cuda_empty_cache() -> *mut c_char;
         pub fn og_cuda_stats(device: c_int, out: *mut i64) -> *mut c_char;
         pub fn og_cuda_reset_peak(device: c_int) -> *mut c_char;
+        pub fn og_cuda_mem_info(device: c_int, out: *mut i64) -> *mut c_char;
         pub fn og_set_allocator_settings(settings: *const c_char) -> *mut c_char;
     }
 }
@@ -97,10 +99,24 @@ pub fn set_allocator_settings(settings: &str) -> Result<(), TchError> {
 }
 
 /// Prepares memory before the first allocation of a run: the counting CPU allocator, the
-/// CPU budget (CPU runs only) and the allocator settings (`settings`, already merged with
-/// the environment), which are also exported for child processes. Returns the budget.
+/// budget and the allocator settings (`settings`, already merged with the environment),
+/// which are also exported for child processes. On the CPU the budget is oomguard's own;
+/// on CUDA a size becomes the caching allocator's `per_process_memory_fraction` (the
+/// smaller, where one is set too). Returns the budget in bytes, if any.
 pub fn prepare(cfg: &MemoryConfig, settings: &allocator::AllocatorSettings, device: Device) -> Result<Option<u64>, crate::Error> {
     install_cpu_allocator();
+    let mut settings = settings.clone();
+    let budget = match (device, cfg.budget()?) {
+        (Device::Cuda(i), Budget::Bytes(b)) => {
+            let total = cuda_mem_info(i).map_err(crate::Error::Torch)?.1;
+            let set = settings.get("per_process_memory_fraction").and_then(|f| f.parse().ok());
+            let fraction = budget::cuda_fraction(b, total, set);
+            settings = settings.with("per_process_memory_fraction", &format!("{fraction:.9}")).map_err(crate::Error::from)?;
+            Some((total as f64 * fraction) as u64)
+        }
+        (Device::Cpu, b) => budget::resolve(b, cpu_live_bytes(), budget::available_bytes()),
+        _ => None,
+    };
     if !settings.is_empty() {
         let text = settings.render();
         for var in allocator::ENV_VARS {
@@ -111,15 +127,23 @@ pub fn prepare(cfg: &MemoryConfig, settings: &allocator::AllocatorSettings, devi
         }
         tracing::info!("allocator settings: {text}");
     }
-    let budget = match device {
-        Device::Cpu => budget::resolve(cfg.budget()?, cpu_live_bytes(), budget::available_bytes()),
-        _ => None,
-    };
-    set_cpu_budget(budget);
+    let fraction = settings.get("per_process_memory_fraction").and_then(|f| f.parse::<f64>().ok()).unwrap_or(1.0);
+    CUDA_FRACTION.store(fraction.to_bits(), Ordering::Relaxed);
+    set_cpu_budget(if device == Device::Cpu { budget } else { None });
     if let Some(b) = budget {
-        tracing::info!("CPU memory budget {} (memory.budget: {})", human_bytes(b), cfg.budget);
+        tracing::info!("memory budget {} on {device:?} (memory.budget: {})", human_bytes(b), cfg.budget);
     }
     Ok(budget)
+}
+
+/// The `per_process_memory_fraction` in force (1.0 when none): the CUDA limit is the card's
+/// memory times this.
+static CUDA_FRACTION: AtomicU64 = AtomicU64::new(0x3FF0_0000_0000_0000); // 1.0f64
+
+fn cuda_mem_info(index: usize) -> Result<(u64, u64), TchError> {
+    let mut out = [0i64; 2];
+    check(unsafe { ffi::og_cuda_mem_info(index as i32, out.as_mut_ptr()) })?;
+    Ok((out[0].max(0) as u64, out[1].max(0) as u64))
 }
 
 /// Memory figures for one device, in bytes.
@@ -164,7 +188,7 @@ fn cuda_stats(index: usize) -> Result<MemoryStats, TchError> {
         peak_bytes: u(out[2]),
         alloc_retries: Some(u(out[3])),
         device_free_bytes: Some(u(out[5])),
-        limit_bytes: Some(u(out[6])),
+        limit_bytes: Some((u(out[6]) as f64 * f64::from_bits(CUDA_FRACTION.load(Ordering::Relaxed))) as u64),
     })
 }
 

@@ -41,6 +41,9 @@ pub struct Estimate {
     pub embeddings_per_sample: u64,
     /// Share added for the caching allocator's rounding and fragmentation (CUDA).
     pub allocator_overhead: f64,
+    /// cuBLAS workspaces (CUDA): one per thread that runs matmuls, the forward's and
+    /// autograd's; they come from the caching allocator and stay.
+    pub workspace_bytes: u64,
     /// Activation checkpointing: each layer keeps only its input (this many bytes per sample),
     /// and one block is recomputed at a time in backward.
     pub activation_checkpointing: bool,
@@ -49,6 +52,10 @@ pub struct Estimate {
 
 /// The share the planner adds for a CUDA caching allocator's rounding and fragmentation.
 pub const CUDA_OVERHEAD: f64 = 0.1;
+
+/// Two cuBLAS workspaces of 32 MiB (PyTorch's default on Hopper and later; 8 MiB before):
+/// measured on an H100, where a tiny model's backward failed asking for the second one.
+pub const CUDA_WORKSPACES: u64 = 2 * (32 << 20);
 
 impl Estimate {
     /// With activation checkpointing: each layer keeps its input, and one block's activations
@@ -72,14 +79,15 @@ impl Estimate {
             logits_per_sample: (LOGITS * t * v * 4.0) as u64, // cross-entropy runs in fp32
             embeddings_per_sample: (EMBED * t * c * a) as u64,
             allocator_overhead: if cuda { CUDA_OVERHEAD } else { 0.0 },
+            workspace_bytes: if cuda { CUDA_WORKSPACES } else { 0 },
             activation_checkpointing: false,
             layer_input_per_sample: (t * c * 4.0) as u64,
         }
     }
 
-    /// Weights and optimizer state: alive all the time.
+    /// Weights, optimizer state and cuBLAS workspaces: alive all the time.
     pub fn fixed_bytes(&self) -> u64 {
-        self.params_bytes + self.optimizer_bytes
+        self.params_bytes + self.optimizer_bytes + self.workspace_bytes
     }
 
     pub fn per_sample_bytes(&self) -> u64 {
@@ -121,6 +129,7 @@ impl Estimate {
             ("attention scores".into(), format!("0 (fused attention; {} per layer if materialised)", human_bytes(self.attention_scores_if_materialized_per_sample * b))),
             ("logits (B x T x vocab, x3)".into(), human_bytes(self.logits_per_sample * b)),
             row("embeddings and the rest", self.embeddings_per_sample * b),
+            row("cuBLAS workspaces", self.workspace_bytes),
             ("allocator overhead".into(), format!("{:.0}%", self.allocator_overhead * 100.0)),
             row("peak", self.peak(micro)),
         ]

@@ -53,6 +53,13 @@ impl AllocatorSettings {
         self.0.get(key).map(String::as_str)
     }
 
+    /// These settings with `key` set to `value` (validated as the config's would be).
+    pub fn with(mut self, key: &str, value: &str) -> Result<AllocatorSettings, ConfigError> {
+        let (k, text) = validate(key, value).map_err(|m| ConfigError::invalid(&format!("memory.allocator.{key}"), m))?;
+        self.0.insert(k, text);
+        Ok(self)
+    }
+
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }

@@ -89,7 +89,8 @@ pub struct TrainArgs {
     /// Continue from this checkpoint folder (run_dir/checkpoints/step-N).
     #[arg(long, value_name = "PATH")]
     pub resume_from: Option<PathBuf>,
-    /// CPU memory budget (auto, none, or a size like 2GiB); shorthand for --set memory.budget=SIZE.
+    /// Memory budget (auto, none, or a size like 2GiB; on CUDA it caps the caching allocator);
+    /// shorthand for --set memory.budget=SIZE.
     #[arg(long, value_name = "SIZE")]
     pub memory_budget: Option<String>,
     /// Data parallel on this machine: shorthand for `oomguard launch --nproc-per-node N
