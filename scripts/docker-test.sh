@@ -47,6 +47,20 @@ fi
 "$CACHE/hadolint/bin/hadolint" "$ROOT/docker/Dockerfile" || fail "hadolint"
 say "hadolint: clean"
 
+# Disk: a cold build holds about 11 GB under Docker's root (the builder's torch with its CUDA
+# libraries, 5 GB; the image, 4 GB; the toolchain and cargo's cache); a warm one, a few. Earlier
+# images of this test and unused build cache go first; then too little room is said plainly,
+# not left to fail halfway through a layer.
+NEED_GB=12; $DOCKER image inspect "$IMAGE" >/dev/null 2>&1 && NEED_GB=3
+NEED_GB="${DOCKER_TEST_NEED_GB:-$NEED_GB}"
+free_gb() { df -P --block-size=1G "$($DOCKER info -f '{{.DockerRootDir}}')" | awk 'NR == 2 {print $4}'; }
+$DOCKER image prune -f >/dev/null
+if [ "$(free_gb)" -lt "$NEED_GB" ]; then
+  say "$(free_gb) GB free for Docker: pruning its unused build cache"
+  $DOCKER builder prune -f >/dev/null
+fi
+[ "$(free_gb)" -ge "$NEED_GB" ] || fail "a cold build needs about $NEED_GB GB free under $($DOCKER info -f '{{.DockerRootDir}}'), $(free_gb) GB are: free some (docker system prune; cargo clean) and run it again"
+
 start=$(date +%s)
 DOCKER_BUILDKIT=1 $DOCKER build -q -f "$ROOT/docker/Dockerfile" --build-arg "BASE_IMAGE=$BASE" \
   --secret "id=ca,src=$CA" -t "$IMAGE" "$ROOT" >/dev/null || fail "docker build"
@@ -89,4 +103,5 @@ code=$?
 set -e
 [ "$code" = 2 ] && [[ "$msg" == *"CUDA 13.0"* && "$msg" == *"580"* && "$msg" == *"535.104.05"* ]] || fail "old driver: exit $code, $msg"
 say "an old driver is refused: $msg"
-say "ok in $(( $(date +%s) - start )) s after the base image"
+$DOCKER image prune -f >/dev/null  # the image this build replaced, if any
+say "ok in $(( $(date +%s) - start )) s after the base image; Docker's disk: $($DOCKER system df --format '{{.Type}} {{.Size}}' | paste -sd, -)"
