@@ -1,5 +1,7 @@
 //! `make bench` (auto): the time `micro_batch_size: auto` spends searching, as a fraction of
 //! a 100-step run of the demo model under a 60 MiB budget (cache off: a fresh search).
+mod common;
+use common::events;
 use oomguard::config::{Config, RawConfig};
 use oomguard::train::{train, MicroBatch};
 
@@ -19,8 +21,7 @@ fn main() {
     let run = dir.path().join("run");
     std::fs::create_dir_all(&run).unwrap();
     let s = train(&cfg, &run, &Default::default(), Default::default()).unwrap();
-    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
-    let auto: serde_json::Value = text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()).find(|v| v["event"] == "auto_micro_batch").unwrap();
+    let auto = events(&run, "auto_micro_batch").remove(0);
     let search = auto["search_s"].as_f64().unwrap();
     println!(
         "auto micro-batch: {} fits, training at {} after {} trial steps in {:.2}s; 100-step run {:.1}s: search is {:.1}% of the run",

@@ -2,6 +2,8 @@
 //! against one rank with one thread: the same GPT, global batch and steps, alternated, median
 //! of 3 each. Efficiency = tokens/s with 2 ranks / (2 x tokens/s with 1) (floor 0.8). Also
 //! the all-reduce and agreement time per step against the step's time.
+mod common;
+use common::{events, median};
 use std::path::Path;
 use std::process::Command;
 
@@ -15,12 +17,10 @@ log: {every: 1000}
 
 /// Median tokens/s and the mean share of a step spent communicating, steps 5.. of a run.
 fn measure(run: &Path) -> (f64, Option<f64>) {
-    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
-    let steps: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).filter(|v: &serde_json::Value| v["event"] == "step").skip(5).collect();
-    let mut tps: Vec<f64> = steps.iter().map(|s| s["tokens_per_s"].as_f64().unwrap()).collect();
-    tps.sort_by(f64::total_cmp);
+    let steps: Vec<serde_json::Value> = events(run, "step").into_iter().skip(5).collect();
+    let tps: Vec<f64> = steps.iter().map(|s| s["tokens_per_s"].as_f64().unwrap()).collect();
     let comm: Vec<f64> = steps.iter().filter_map(|s| Some(s["comm_s"].as_f64()? / s["step_time_s"].as_f64()?)).collect();
-    (tps[tps.len() / 2], (!comm.is_empty()).then(|| comm.iter().sum::<f64>() / comm.len() as f64))
+    (median(tps), (!comm.is_empty()).then(|| comm.iter().sum::<f64>() / comm.len() as f64))
 }
 
 fn main() {
@@ -44,11 +44,7 @@ fn main() {
         comm.push(c.unwrap_or(f64::NAN));
         println!("round {round}: 1 rank {:.0} tok/s, 2 ranks {:.0} tok/s", one[round], two[round]);
     }
-    let med = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let (a, b, c) = (med(&mut one), med(&mut two), med(&mut comm));
+    let (a, b, c) = (median(one), median(two), median(comm));
     println!("2-rank scaling efficiency (1 thread per rank, GPT 4x128, global batch 32): {:.2} (floor 0.8)", b / (2.0 * a));
     println!("all-reduce and agreements: {:.1}% of a data-parallel step", 100.0 * c);
 }

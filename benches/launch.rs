@@ -1,6 +1,8 @@
 //! `make bench` (launch): whole-process wall time and the launcher's own peak memory
 //! (VmHWM) of `oomguard launch` against torchrun, 2 workers running a trivial Python script,
 //! in one run (median of 5). The launcher loads no torch; aims: 50 ms and 20 MiB.
+mod common;
+use common::median;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -25,11 +27,6 @@ fn measure(cmd: &mut Command) -> (f64, u64) {
         }
         std::thread::sleep(Duration::from_millis(1));
     }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 fn main() {

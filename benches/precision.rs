@@ -1,6 +1,8 @@
 //! `make bench` (precision): tokens/s and peak memory of one GPT on this CPU, fp32 against
 //! bf16 autocast, and without against with activation checkpointing, alternated, median of
 //! 3 runs each. This CPU (AVX2) has no native bf16: bf16 saves memory here, not time.
+mod common;
+use common::{events, median};
 use std::process::Command;
 
 const CONFIG: &str = "
@@ -31,12 +33,10 @@ fn main() {
                 c.args(["--set", s]);
             }
             assert!(c.stderr(std::process::Stdio::null()).status().unwrap().success(), "{name}");
-            let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
-            let steps: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).filter(|v: &serde_json::Value| v["event"] == "step").skip(2).collect();
-            let mut tps: Vec<f64> = steps.iter().map(|s| s["tokens_per_s"].as_f64().unwrap()).collect();
-            tps.sort_by(f64::total_cmp);
+            let steps: Vec<serde_json::Value> = events(&run, "step").into_iter().skip(2).collect();
+            let tps: Vec<f64> = steps.iter().map(|s| s["tokens_per_s"].as_f64().unwrap()).collect();
             let peak = steps.iter().map(|s| s["memory"]["peak_bytes"].as_u64().unwrap()).max().unwrap();
-            results[i].push((tps[tps.len() / 2], peak));
+            results[i].push((median(tps), peak));
         }
     }
     let base = {

@@ -2,6 +2,8 @@
 //! layers, 128-token windows) trained by oomguard in-process against the same model trained
 //! by eager PyTorch (benches/scripts/ts_eager.py), alternated, 3 runs each, median tokens/s of
 //! steps 3.. of each run, 2 threads each. Ratio = oomguard / eager.
+mod common;
+use common::{events, median};
 use std::path::Path;
 use std::process::Command;
 
@@ -9,11 +11,6 @@ const LAYERS: &str = "4";
 const BLOCK: &str = "128";
 const BATCH: usize = 16;
 const STEPS: usize = 15;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 fn main() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -35,9 +32,7 @@ fn main() {
             .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()])
             .env("OOMGUARD_CACHE", dir.path().join("cache")).output().unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
-        let tps: Vec<f64> = text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-            .filter(|v| v["event"] == "step").skip(3).map(|v| v["tokens_per_s"].as_f64().unwrap()).collect();
+        let tps: Vec<f64> = events(&run, "step").iter().skip(3).map(|v| v["tokens_per_s"].as_f64().unwrap()).collect();
         ours.push(median(tps));
         let o = Command::new(&python).arg(root.join("benches/scripts/ts_eager.py"))
             .args([LAYERS, BLOCK, &BATCH.to_string(), &STEPS.to_string(), "2"]).output().unwrap();
