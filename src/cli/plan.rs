@@ -31,9 +31,9 @@ pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
             (bytes, true, text.clone())
         }
         None if !cuda_config => {
-            let b = budget::resolve(c.memory.budget()?, 0, budget::available_bytes())
+            let (b, why) = budget::resolve_described(c.memory.budget()?, &c.memory.budget, 0, budget::host_memory().as_ref())
                 .ok_or_else(|| anyhow::anyhow!("memory.budget is none: give --device-memory"))?;
-            (b, false, format!("the CPU budget (memory.budget: {})", c.memory.budget))
+            (b, false, format!("the CPU budget ({why})"))
         }
         None => anyhow::bail!("train.device is {}: give --device-memory (a size or a card such as A100)", c.train.device),
     };

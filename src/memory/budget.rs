@@ -1,27 +1,29 @@
 //! How much memory a run may use: on the CPU, what the machine and its cgroup leave
 //! available; on CUDA, a share of the card.
-use std::path::Path;
+pub use oomguard_launch::host::HostMemory;
 
 use super::config::Budget;
 
-/// Bytes available to this process now: MemAvailable, capped by the cgroup's limit minus
-/// its usage (v2, or v1) when one is set.
-pub fn available_bytes() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let mem_available = meminfo_kib(&meminfo, "MemAvailable:")? * 1024;
-    let read = |p: &str| std::fs::read_to_string(Path::new(p)).ok().and_then(|s| s.trim().parse::<u64>().ok());
-    let cgroup = match (read("/sys/fs/cgroup/memory.max"), read("/sys/fs/cgroup/memory.current")) {
-        (Some(max), Some(cur)) => Some(max.saturating_sub(cur)),
-        _ => match (read("/sys/fs/cgroup/memory/memory.limit_in_bytes"), read("/sys/fs/cgroup/memory/memory.usage_in_bytes")) {
-            (Some(max), Some(cur)) => Some(max.saturating_sub(cur)),
-            _ => None,
-        },
-    };
-    Some(cgroup.map_or(mem_available, |c| c.min(mem_available)))
+/// What this process may use of the host's memory now (cgroups from its own up, and a
+/// launcher's or sweep's share: oomguard_launch::host), with a notice when a cgroup could
+/// not be read.
+pub fn host_memory() -> Option<HostMemory> {
+    let m = HostMemory::of_self();
+    if let Some(why) = m.as_ref().and_then(|m| m.notice.as_deref()) {
+        tracing::warn!("{why}: the memory budget is MemAvailable's figure");
+    }
+    m
 }
 
-fn meminfo_kib(text: &str, key: &str) -> Option<u64> {
-    text.lines().find(|l| l.starts_with(key))?.split_whitespace().nth(1)?.parse().ok()
+/// The budget and where it came from, for the log and the planner: `560 MiB (memory.budget:
+/// auto: 80% of 700 MiB free under the cgroup limit 700 MiB at /job_42)`.
+pub fn resolve_described(budget: Budget, text: &str, live: u64, host: Option<&HostMemory>) -> Option<(u64, String)> {
+    let bytes = resolve(budget, live, host.map(|h| h.available))?;
+    let why = match (budget, host) {
+        (Budget::Auto { fraction }, Some(h)) => format!("memory.budget: {text}: {:.0}% of {}", fraction * 100.0, h.describe()),
+        _ => format!("memory.budget: {text}"),
+    };
+    Some((bytes, why))
 }
 
 /// The budget in bytes: `live` (already allocated tensors) plus the configured share of
@@ -50,8 +52,10 @@ mod tests {
         assert_eq!(resolve(Budget::None, 5, Some(100)), None);
         assert_eq!(resolve(Budget::Bytes(64), 5, Some(100)), Some(64));
         assert_eq!(resolve(Budget::Auto { fraction: 0.5 }, 10, Some(100)), Some(60));
-        assert_eq!(meminfo_kib("MemTotal: 10 kB\nMemAvailable:   2048 kB\n", "MemAvailable:"), Some(2048));
-        assert!(available_bytes().unwrap() > 0);
+        let host = HostMemory { available: 100 << 20, source: oomguard_launch::host::memory::Source::MemAvailable, notice: None };
+        let (b, why) = resolve_described(Budget::Auto { fraction: 0.8 }, "auto", 0, Some(&host)).unwrap();
+        assert_eq!((b, why.as_str()), (80 << 20, "memory.budget: auto: 80% of 100.0 MiB available (MemAvailable)"));
+        assert_eq!(resolve_described(Budget::Bytes(7), "7", 0, Some(&host)).unwrap().1, "memory.budget: 7");
     }
 
     #[test]

@@ -106,6 +106,7 @@ pub fn set_allocator_settings(settings: &str) -> Result<(), TchError> {
 pub fn prepare(cfg: &MemoryConfig, settings: &allocator::AllocatorSettings, device: Device) -> Result<Option<u64>, crate::Error> {
     install_cpu_allocator();
     let mut settings = settings.clone();
+    let mut described = None;
     let budget = match (device, cfg.budget()?) {
         (Device::Cuda(i), Budget::Bytes(b)) => {
             let total = cuda_mem_info(i).map_err(crate::Error::Torch)?.1;
@@ -114,9 +115,20 @@ pub fn prepare(cfg: &MemoryConfig, settings: &allocator::AllocatorSettings, devi
             settings = settings.with("per_process_memory_fraction", &format!("{fraction:.9}")).map_err(crate::Error::from)?;
             Some((total as f64 * fraction) as u64)
         }
-        (Device::Cpu, b) => budget::resolve(b, cpu_live_bytes(), budget::available_bytes()),
+        (Device::Cpu, b) => {
+            let host = budget::host_memory();
+            let (bytes, why) = budget::resolve_described(b, &cfg.budget, cpu_live_bytes(), host.as_ref()).unzip();
+            described = why;
+            bytes
+        }
         _ => None,
     };
+    if device != Device::Cpu {
+        // The host's memory still bounds what a GPU run keeps on the CPU (batches, offload).
+        if let Some(h) = budget::host_memory() {
+            tracing::info!("host memory: {}", h.describe());
+        }
+    }
     if !settings.is_empty() {
         let text = settings.render();
         for var in allocator::ENV_VARS {
@@ -131,7 +143,8 @@ pub fn prepare(cfg: &MemoryConfig, settings: &allocator::AllocatorSettings, devi
     CUDA_FRACTION.store(fraction.to_bits(), Ordering::Relaxed);
     set_cpu_budget(if device == Device::Cpu { budget } else { None });
     if let Some(b) = budget {
-        tracing::info!("memory budget {} on {device:?} (memory.budget: {})", human_bytes(b), cfg.budget);
+        let why = described.unwrap_or_else(|| format!("memory.budget: {}", cfg.budget));
+        tracing::info!("memory budget {} on {device:?} ({why})", human_bytes(b));
     }
     Ok(budget)
 }

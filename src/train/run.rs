@@ -24,6 +24,7 @@ use crate::optim::AdamW;
 use crate::plan::{self, AutoResult, AutoSearch};
 use crate::precision::{bf16_is_fast, Amp, Precision, Scaler};
 use crate::task::{self, fingerprint_key, BuildContext, Built, Task};
+use oomguard_launch::host::Threads;
 use oomguard_launch::launch::{FAILED_MICRO_BATCH_VAR, MICRO_BATCH_VAR};
 
 /// Attempts at writing a checkpoint or the final weights when they run out of memory.
@@ -68,9 +69,12 @@ impl<'a> Run<'a> {
         let c = &cfg.raw;
         let mut device = c.train.device();
         memory::prepare(&c.memory, settings, device)?;
-        if let Some(n) = c.train.num_threads {
-            tch::set_num_threads(n as i32);
-        }
+        // Threads from this process's CPU share (affinity, cgroup quota, Slurm), unless set.
+        let threads = match c.train.num_threads {
+            Some(n) => Threads { n, why: "train.num_threads".into() },
+            None => Threads::of_self(),
+        };
+        tch::set_num_threads(threads.n as i32);
         tch::manual_seed(c.train.seed as i64);
         let pg = ProcessGroup::from_env(device, Duration::from_secs(c.train.dist_timeout_s))?.map(Rc::new);
         if let Some(pg) = &pg {
@@ -188,8 +192,8 @@ impl<'a> Run<'a> {
         }
         let mb = guard.micro_batch_size();
         tracing::info!(
-            "training {} on {device:?} ({} threads, {}{}{}): global batch {global} = {mb} x {}, {} steps",
-            task.describe(), tch::get_num_threads(), precision.name(),
+            "training {} on {device:?} ({threads}, {}{}{}): global batch {global} = {mb} x {}, {} steps",
+            task.describe(), precision.name(),
             if task.activation_checkpointing() == Some(true) { ", activation checkpointing" } else { "" },
             pg.as_ref().map(|p| format!(", data parallel: rank {} of {}, samples {:?} of each step", p.rank, p.world, p.shard(global))).unwrap_or_default(),
             pg.as_ref().map_or(global, |p| p.shard(global).len()).div_ceil(mb), c.train.max_steps

@@ -6,6 +6,7 @@ pub mod allocator;
 pub mod cli;
 pub mod driver;
 mod error;
+pub mod host;
 pub mod launch;
 pub mod logfile;
 pub mod oom;

@@ -11,6 +11,7 @@ use std::path::PathBuf;
 
 use crate::allocator::{self, AllocatorSettings};
 use crate::cli::LaunchArgs;
+use crate::host::{HostMemory, Threads};
 use crate::ConfigError;
 
 /// Why a launch could not run (a failed worker is an exit code, not an error).
@@ -54,8 +55,11 @@ pub struct LaunchSpec {
     /// The worker's program and arguments (python3 added unless --no-python).
     pub program: Vec<String>,
     pub allocator: AllocatorSettings,
-    /// OMP_NUM_THREADS=1 for workers (unset and more than one worker per node).
-    pub set_omp_threads: bool,
+    /// OMP_NUM_THREADS for each worker: this host's threads divided among the local workers
+    /// (when it is unset and there is more than one), and the host's figure for the log.
+    pub worker_threads: Option<(usize, Threads)>,
+    /// Each local worker's share of this host's memory (more than one worker per node).
+    pub worker_memory: Option<HostMemory>,
     /// The micro-batch the first attempt runs with, when known.
     pub micro_batch_size: Option<usize>,
 }
@@ -110,7 +114,11 @@ impl LaunchSpec {
             console_ranks: parse_filter(&a.local_ranks_filter)?,
             program: worker_program(a),
             allocator: from_env,
-            set_omp_threads: nproc_per_node > 1 && std::env::var_os("OMP_NUM_THREADS").is_none(),
+            worker_threads: (nproc_per_node > 1 && std::env::var_os("OMP_NUM_THREADS").is_none()).then(|| {
+                let t = Threads::of_self();
+                (t.share(nproc_per_node), t)
+            }),
+            worker_memory: (nproc_per_node > 1).then(HostMemory::of_self).flatten(),
             micro_batch_size: std::env::var(MICRO_BATCH_VAR).ok().and_then(|v| v.parse().ok()),
         })
     }
@@ -231,8 +239,11 @@ pub fn worker_env(spec: &LaunchSpec, local_rank: usize, master_port: u16, restar
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
-    if spec.set_omp_threads {
-        env.push(("OMP_NUM_THREADS".into(), "1".into()));
+    if let Some((n, _)) = &spec.worker_threads {
+        env.push(("OMP_NUM_THREADS".into(), n.to_string()));
+    }
+    if let Some(m) = &spec.worker_memory {
+        env.extend(m.share_env(spec.nproc_per_node));
     }
     if !spec.allocator.is_empty() {
         for var in allocator::ENV_VARS {

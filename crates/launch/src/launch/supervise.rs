@@ -91,8 +91,12 @@ enum Outcome {
 /// Runs the job; returns the launcher's exit code.
 pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
     let signals = Signals::install().map_err(|e| Error::Io { context: "installing signal handlers".into(), source: e })?;
-    if spec.set_omp_threads {
-        tracing::warn!("OMP_NUM_THREADS is unset: setting it to 1 for each of the {} workers, to avoid oversubscribing the CPU; set it yourself to tune", spec.nproc_per_node);
+    let n = spec.nproc_per_node;
+    if let Some((per, host)) = &spec.worker_threads {
+        tracing::warn!("OMP_NUM_THREADS is unset: setting it to {per} for each of the {n} workers (this host gives {host}), to avoid oversubscribing the CPU; set it yourself to tune");
+    }
+    if let Some(m) = &spec.worker_memory {
+        tracing::info!("host memory: {}; each of the {n} workers gets {}", m.describe(), crate::units::human_bytes(m.share(n).0));
     }
     let temp = spec.log_dir.is_none().then(|| std::env::temp_dir().join(format!("oomguard-launch-{}", std::process::id())));
     let base = spec.log_dir.clone().or(temp.clone()).unwrap_or_default().join(&spec.run_id);

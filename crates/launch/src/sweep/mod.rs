@@ -15,7 +15,9 @@ use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::time::{Duration, Instant, SystemTime};
 
+use crate::host::{HostMemory, Threads};
 use crate::proc::{signal_group, Signals};
+use crate::units::human_bytes;
 use crate::ConfigError;
 use store::TrialLock;
 use trial::{Launch, Stop};
@@ -101,6 +103,8 @@ struct Sweeper<'a> {
     store: Store,
     shard: String,
     threads: Option<usize>,
+    /// Each trial's share of the host's memory (several slots).
+    memory_share: Vec<(String, String)>,
     gpus: Vec<String>,
     /// Seconds trials already ran before this start (an interrupted record's).
     before: std::collections::BTreeMap<String, f64>,
@@ -128,18 +132,27 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(out.join("trials")).with_context(|| format!("creating {}", out.display()))?;
     crate::logfile::set_log_file(&out.join("sweep.log"))?;
     std::fs::copy(&args.sweep, out.join("sweep.yaml")).with_context(|| format!("copying {} into {}", args.sweep.display(), out.display()))?;
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // Slots share this host: each gets its part of the CPU threads and of the memory.
+    let host_threads = Threads::of_self();
+    let host_memory = (args.parallel > 1).then(HostMemory::of_self).flatten();
     let exe = std::env::current_exe().context("locating this executable")?.with_file_name("oomguard");
     let before = records.iter().filter(|(_, r)| !r.status.is_final()).map(|(k, r)| (k.clone(), r.duration_s)).collect();
     let s = Sweeper {
         sweep: &sweep, out: out.clone(), exe, store, shard: format!("{index}/{count}"),
-        threads: (args.parallel > 1).then(|| (cores / args.parallel).max(1)), gpus, before,
+        threads: (args.parallel > 1).then(|| host_threads.share(args.parallel)),
+        memory_share: host_memory.as_ref().map(|m| m.share_env(args.parallel).to_vec()).unwrap_or_default(), gpus, before,
     };
     let todo: Vec<&Trial> = sweep.trials.iter().filter(|t| t.index % count == index && !records.get(&t.id).is_some_and(|r| r.status.is_final())).collect();
     tracing::info!(
         "sweep {}: {} trials, {} to run in shard {}, {} at a time, into {}",
         sweep.path.display(), sweep.trials.len(), todo.len(), s.shard, args.parallel, out.display()
     );
+    if let Some(n) = s.threads {
+        tracing::info!("each trial gets {n} CPU thread{} (this host gives {host_threads})", if n == 1 { "" } else { "s" });
+    }
+    if let Some(m) = &host_memory {
+        tracing::info!("host memory: {}; each of the {} slots gets {}", m.describe(), args.parallel, human_bytes(m.share(args.parallel).0));
+    }
     // Every trial's config is checked before the first one runs: a typo fails in seconds.
     for t in &todo {
         if let Err(why) = s.launch(t, None).check().context("running oomguard train --check")? {
@@ -168,7 +181,7 @@ impl<'a> Sweeper<'a> {
     fn launch(&self, t: &'a Trial, slot: Option<usize>) -> Launch<'_> {
         Launch {
             exe: &self.exe, base: &self.sweep.base, trial: t, run_dir: self.run_dir(t),
-            threads: self.threads, gpu: slot.and_then(|s| self.gpus.get(s).cloned()),
+            threads: self.threads, env: &self.memory_share, gpu: slot.and_then(|s| self.gpus.get(s).cloned()),
         }
     }
 

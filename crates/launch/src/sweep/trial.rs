@@ -76,6 +76,8 @@ pub struct Launch<'a> {
     pub run_dir: PathBuf,
     /// CPU threads (several slots share the CPU), or None to leave the defaults.
     pub threads: Option<usize>,
+    /// More environment (the slot's share of the host's memory).
+    pub env: &'a [(String, String)],
     /// CUDA_VISIBLE_DEVICES for this slot.
     pub gpu: Option<String>,
 }
@@ -83,7 +85,7 @@ pub struct Launch<'a> {
 impl Launch<'_> {
     fn command(&self, args: &[&str]) -> Command {
         let mut cmd = Command::new(self.exe);
-        cmd.args(args).arg(self.base).args(self.trial.overrides()).stdin(Stdio::null());
+        cmd.args(args).arg(self.base).args(self.trial.overrides()).stdin(Stdio::null()).envs(self.env.iter().map(|(k, v)| (k, v)));
         if let Some(n) = self.threads {
             cmd.env("OMP_NUM_THREADS", n.to_string());
             if !self.trial.params.contains_key("train.num_threads") {
