@@ -43,6 +43,7 @@ char* og_adamw_commit(void** params, void** exp_avgs, void** exp_avg_sqs, void**
                       void** next_steps, int n, double lr, double beta1, double beta2,
                       double weight_decay, double eps);
 char* og_clip_grad_norm(void** params, int n, double max_norm, double* total_norm);
+char* og_zero_missing_grads(void** params, int n);
 
 // TorchScript (csrc/torchscript.cpp). cuda_index < 0 loads onto the CPU.
 typedef void (*og_named_cb)(void* ctx, const char* name, void* tensor);

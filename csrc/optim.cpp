@@ -44,6 +44,17 @@ char* og_adamw_commit(void** params, void** exp_avgs, void** exp_avg_sqs, void**
   });
 }
 
+// Data parallel: every rank reduces every parameter's gradient each step, so a parameter
+// this rank did not use gets zeros (as DDP does), and the ranks' gradient lists stay equal.
+char* og_zero_missing_grads(void** params, int n) {
+  return oomguard::guarded([&] {
+    for (int i = 0; i < n; ++i) {
+      auto& p = *static_cast<at::Tensor*>(params[i]);
+      if (p.requires_grad() && !p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+    }
+  });
+}
+
 char* og_clip_grad_norm(void** params, int n, double max_norm, double* total_norm) {
   return oomguard::guarded([&] {
     *total_norm = torch::nn::utils::clip_grad_norm_(tensors(params, n), max_norm);

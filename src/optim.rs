@@ -17,6 +17,7 @@ extern "C" {
         weight_decay: f64, eps: f64,
     ) -> *mut c_char;
     fn og_clip_grad_norm(params: *const *mut c_void, n: i32, max_norm: f64, total_norm: *mut f64) -> *mut c_char;
+    fn og_zero_missing_grads(params: *const *mut c_void, n: i32) -> *mut c_char;
 }
 
 /// The `optim` section.
@@ -140,6 +141,13 @@ impl AdamW {
     /// The gradients there are (for unscaling and reduction).
     pub fn grads(&self) -> Vec<Tensor> {
         self.all_params().map(|p| p.grad()).filter(|g| g.defined()).collect()
+    }
+
+    /// Zeros for the gradients this process's step left undefined (a parameter unused by
+    /// its samples): data-parallel ranks then reduce the same list.
+    pub fn zero_missing_grads(&self) -> Result<(), TchError> {
+        let params: Vec<Tensor> = self.all_params().map(Tensor::shallow_clone).collect();
+        check(unsafe { og_zero_missing_grads(ptrs(&params).as_ptr(), params.len() as i32) })
     }
 
     /// Scales gradients so their global norm is at most `max_norm`; returns the norm before.

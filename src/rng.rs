@@ -54,3 +54,12 @@ pub fn set_states(saved: &[(String, Tensor)], device: Device) -> Result<()> {
     }
     Ok(())
 }
+
+/// Data parallel: each rank's generators at the start of each attempt of a step, a pure
+/// function of (seed, step, rank). Dropout masks differ by rank, a retried attempt draws
+/// what the first drew, and a resume at any world size needs no saved state.
+pub fn seed_rank_step(seed: u64, step: u64, rank: usize) {
+    use crate::data::splitmix64;
+    let s = splitmix64(seed ^ splitmix64(step ^ splitmix64(rank as u64 ^ 0xD15C0)));
+    tch::manual_seed((s >> 1) as i64);
+}

@@ -57,8 +57,13 @@ pub fn run_with(args: impl IntoIterator<Item = impl Into<OsString> + Clone>, bui
 }
 
 pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
-    if let (Some(n), None) = (&args.nproc_per_node, std::env::var_os("RANK")) {
-        return launch_self(n);
+    if let (Some(n), None, false) = (&args.nproc_per_node, std::env::var_os("RANK"), args.check) {
+        // One run directory for every rank, chosen here (each rank would pick its own).
+        let run_dir = match (&args.run_dir, &args.resume_from) {
+            (None, None) => Some(next_run_dir(&args.config)?),
+            _ => None,
+        };
+        return launch_self(n, run_dir.as_deref());
     }
     // Data parallel: rank 0 writes the run's files; every rank trains.
     let lead = std::env::var("RANK").map_or(true, |r| r.trim() == "0");
@@ -73,6 +78,11 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
     cfg.check_data_files().map_err(crate::Error::from)?;
     let settings = allocator_settings(&cfg)?;
     if args.check {
+        // Data parallel: the world `--nproc-per-node` or the launcher's WORLD_SIZE gives.
+        let world = args.nproc_per_node.as_deref().and_then(|n| n.parse().ok()).or_else(|| std::env::var("WORLD_SIZE").ok()?.parse().ok());
+        if let Some(w) = world.filter(|&w: &usize| w > 1) {
+            train::check_world(cfg.raw.train.global_batch_size(), w, &args.config.display().to_string())?;
+        }
         println!("{}: valid", args.config.display());
         return Ok(());
     }
@@ -142,7 +152,7 @@ fn allocator_settings(cfg: &config::Config) -> anyhow::Result<allocator::Allocat
 const REEXEC: &str = "OOMGUARD_REEXECUTED";
 
 /// `oomguard train ... --nproc-per-node N`: this same command, N times, under the launcher.
-fn launch_self(nproc: &str) -> anyhow::Result<()> {
+fn launch_self(nproc: &str, run_dir: Option<&Path>) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("locating this executable")?;
     let mut args: Vec<std::ffi::OsString> = vec!["oomguard".into(), "launch".into(), "--nproc-per-node".into(), nproc.into(), "--no-python".into(), exe.into()];
     let mut skip = false;
@@ -156,6 +166,9 @@ fn launch_self(nproc: &str) -> anyhow::Result<()> {
             t if t.starts_with("--nproc-per-node=") || t.starts_with("--nproc_per_node=") => {}
             _ => args.push(a),
         }
+    }
+    if let Some(d) = run_dir {
+        args.extend(["--run-dir".into(), d.as_os_str().to_owned()]);
     }
     match super::Cli::try_parse_from(args).context("building the launch command")?.command {
         super::Command::Launch(l) => oomguard_launch::cli::launch(l),

@@ -38,6 +38,51 @@ pub struct ProcessGroup {
     pub world: usize,
     pub local_rank: usize,
     device: Device,
+    exchange: Exchange,
+}
+
+/// Every small collective of a run (the agreements, the guard's inputs, the loss) is one
+/// all-reduce (MAX) of this buffer, allocated once when the group forms, so an OOM can
+/// never reach inside the protocol, and always of the same size, so two ranks at different
+/// points of the protocol meet in the same collective and see it in the header instead of
+/// misaligning every later one: `[seq, -seq, topic, -topic, step, -step, payload...]`.
+struct Exchange {
+    cpu: Tensor,
+    /// NCCL reduces on the device: the buffer's twin there.
+    device: Option<Tensor>,
+    /// Exchanges so far, and the step the run is at (`ProcessGroup::at_step`).
+    seq: std::cell::Cell<u64>,
+    step: std::cell::Cell<i64>,
+    /// Test-only: `OOMGUARD_TEST_MISALIGN=RANK:SEQ` makes that rank claim the next
+    /// exchange number at exchange SEQ, as a rank that skipped one would.
+    misalign: Option<(usize, u64)>,
+}
+
+const HEADER: usize = 6;
+/// Payload slots: enough for the guard's inputs and one loss per rank.
+const PAYLOAD_MIN: usize = 16;
+
+/// What an exchange is for (its topic in the header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Topic {
+    Agreement = 1,
+    GuardInputs = 2,
+    Losses = 3,
+    Start = 4,
+    Stop = 5,
+    EvalLosses = 6,
+}
+
+fn topic_name(k: f64) -> &'static str {
+    match k as i64 {
+        1 => "the agreement on an attempt",
+        2 => "the guard's inputs",
+        3 => "the losses",
+        4 => "the start",
+        5 => "a stop signal",
+        6 => "the evaluation's losses",
+        _ => "an unknown exchange",
+    }
 }
 
 impl Drop for ProcessGroup {
@@ -75,6 +120,7 @@ impl ProcessGroup {
         let local_rank = var("LOCAL_RANK").map(|l| num("LOCAL_RANK", &l)).transpose()?.unwrap_or(rank);
         let addr = var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
         let port = num("MASTER_PORT", &var("MASTER_PORT").unwrap_or_else(|| "29500".into()))?;
+        check_env(rank, world, local_rank, var("LOCAL_WORLD_SIZE").map(|l| num("LOCAL_WORLD_SIZE", &l)).transpose()?, port)?;
         let device = match device {
             Device::Cuda(_) => Device::Cuda(local_rank),
             d => d,
@@ -85,7 +131,54 @@ impl ProcessGroup {
         check(unsafe { og_dist_init(caddr.as_ptr(), port as i32, rank as i32, world as i32, cuda, timeout.as_millis() as i64, &mut ptr) })
             .map_err(dist_error(&format!("rank {rank} of {world} joining the group at {addr}:{port}")))?;
         tracing::info!("rank {rank} of {world} ({}) joined the group at {addr}:{port}", if cuda < 0 { "gloo" } else { "nccl" });
-        Ok(Some(ProcessGroup { ptr, rank, world, local_rank, device }))
+        let mut pg = ProcessGroup { ptr, rank, world, local_rank, device, exchange: Exchange::empty() };
+        pg.exchange = Exchange::new(world, device).map_err(dist_error("allocating the agreement's buffer"))?;
+        Ok(Some(pg))
+    }
+
+    /// The step the run is at, carried in every exchange's header.
+    pub fn at_step(&self, step: u64) {
+        self.exchange.step.set(step as i64);
+    }
+
+    /// One exchange of `payload` (at most the buffer's payload, reduced with MAX in place),
+    /// after which every rank knows that all ranks were at the same exchange of the same
+    /// step, or fails naming both views.
+    pub fn exchange(&self, topic: Topic, payload: &mut [f64]) -> Result<()> {
+        let x = &self.exchange;
+        let cap = x.cpu.numel() - HEADER;
+        assert!(payload.len() <= cap, "an exchange of {} values in a buffer of {cap}", payload.len());
+        let mut seq = x.seq.get() + 1;
+        x.seq.set(seq);
+        if x.misalign == Some((self.rank, seq)) {
+            seq += 1;
+        }
+        let (k, step) = (topic as i64 as f64, x.step.get() as f64);
+        let mut msg = vec![f64::NEG_INFINITY; HEADER + cap];
+        msg[..HEADER].copy_from_slice(&[seq as f64, -(seq as f64), k, -k, step, -step]);
+        msg[HEADER..HEADER + payload.len()].copy_from_slice(payload);
+        // SAFETY: `cpu` is a contiguous f64 CPU tensor of HEADER + cap elements, owned here.
+        unsafe { std::ptr::copy_nonoverlapping(msg.as_ptr(), x.cpu.data_ptr() as *mut f64, msg.len()) };
+        let reduce = |t: &Tensor| self.all_reduce(std::slice::from_ref(t), Op::Max);
+        match &x.device {
+            None => reduce(&x.cpu)?,
+            Some(d) => {
+                d.shallow_clone().f_copy_(&x.cpu).map_err(dist_error("exchange"))?;
+                reduce(d)?;
+                x.cpu.shallow_clone().f_copy_(d).map_err(dist_error("exchange"))?;
+            }
+        }
+        // SAFETY: as above.
+        unsafe { std::ptr::copy_nonoverlapping(x.cpu.data_ptr() as *const f64, msg.as_mut_ptr(), msg.len()) };
+        let h = &msg[..HEADER];
+        if h[0] != -h[1] || h[2] != -h[3] || h[4] != -h[5] {
+            return Err(Error::Dist(format!(
+                "collective mismatch: this rank is at exchange {seq} ({}, step {}); the ranks are at exchanges {}..{}, steps {}..{}, doing {} .. {}.                  Their collectives no longer line up, so the run stops here rather than mix buffers",
+                topic_name(k), step, -h[1], h[0], -h[5], h[4], topic_name(-h[3]), topic_name(h[2])
+            )));
+        }
+        payload.copy_from_slice(&msg[HEADER..HEADER + payload.len()]);
+        Ok(())
     }
 
     pub fn device(&self) -> Device {
@@ -98,13 +191,13 @@ impl ProcessGroup {
         check(unsafe { og_dist_all_reduce(self.ptr, p.as_ptr(), p.len() as i32, op as i32) }).map_err(dist_error("all-reduce"))
     }
 
-    /// Small values (flags, losses, memory figures), reduced in place.
-    pub fn all_reduce_f64(&self, values: &mut [f64], op: Op) -> Result<()> {
-        let t = Tensor::f_from_slice(values).and_then(|t| t.f_to_device(self.device)).map_err(dist_error("all-reduce"))?;
-        self.all_reduce(std::slice::from_ref(&t), op)?;
-        let back: Vec<f64> = t.f_to_device(Device::Cpu).and_then(|t| Vec::<f64>::try_from(&t)).map_err(dist_error("all-reduce"))?;
-        values.copy_from_slice(&back);
-        Ok(())
+    /// The sum over ranks of one value each, added in rank order (the same on every rank,
+    /// bitwise), through the exchange.
+    pub fn sum_f64(&self, topic: Topic, value: f64) -> Result<f64> {
+        let mut slots = vec![f64::NEG_INFINITY; self.world];
+        slots[self.rank] = value;
+        self.exchange(topic, &mut slots)?;
+        Ok(slots.iter().sum())
     }
 
     /// Rank `root`'s values into every rank's tensors.
@@ -147,7 +240,7 @@ impl ProcessGroup {
             Err(_) => 2.0,
         };
         let mut v = [code, if code > 0.0 { self.rank as f64 } else { -1.0 }];
-        self.all_reduce_f64(&mut v, Op::Max)?;
+        self.exchange(Topic::Agreement, &mut v)?;
         match (v[0] as u8, local) {
             (0, ok) => ok,
             (_, Err(e)) => Err(e),
@@ -244,13 +337,59 @@ impl Buckets {
 
 impl crate::guard::Agree for ProcessGroup {
     fn max(&self, values: &mut [f64]) -> Result<()> {
-        self.all_reduce_f64(values, Op::Max)
+        self.exchange(Topic::GuardInputs, values)
     }
+}
+
+impl Exchange {
+    fn empty() -> Exchange {
+        Exchange { cpu: Tensor::new(), device: None, seq: 0.into(), step: 0.into(), misalign: None }
+    }
+
+    fn new(world: usize, device: Device) -> Result<Exchange, TchError> {
+        let n = (HEADER + PAYLOAD_MIN.max(world)) as i64;
+        let cpu = Tensor::f_zeros([n], (tch::Kind::Double, Device::Cpu))?;
+        let device = match device {
+            Device::Cpu => None,
+            d => Some(Tensor::f_zeros([n], (tch::Kind::Double, d))?),
+        };
+        let misalign = std::env::var("OOMGUARD_TEST_MISALIGN").ok().and_then(|v| {
+            let (r, s) = v.split_once(':')?;
+            Some((r.parse().ok()?, s.parse().ok()?))
+        });
+        Ok(Exchange { cpu, device, seq: 0.into(), step: 0.into(), misalign })
+    }
+}
+
+/// torchrun's variables, checked before the group forms: a bad one is exit 2 naming it.
+fn check_env(rank: usize, world: usize, local_rank: usize, local_world: Option<usize>, port: usize) -> Result<()> {
+    let bad = |key: &str, message: String| Err(ConfigError { origin: "environment".into(), line_col: None, key: key.into(), message }.into());
+    if rank >= world {
+        return bad("RANK", format!("{rank} is not below WORLD_SIZE {world}: ranks are 0..{}", world - 1));
+    }
+    if let Some(lw) = local_world.filter(|&lw| local_rank >= lw) {
+        return bad("LOCAL_RANK", format!("{local_rank} is not below LOCAL_WORLD_SIZE {lw}"));
+    }
+    if !(1..=65535).contains(&port) {
+        return bad("MASTER_PORT", format!("{port} is not a TCP port (1-65535)"));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
-    use super::shard;
+    use super::{check_env, shard};
+
+    #[test]
+    fn torchrun_variables_out_of_range_are_refused() {
+        assert!(check_env(1, 2, 1, Some(2), 29500).is_ok());
+        let e = check_env(2, 2, 0, None, 29500).unwrap_err().to_string();
+        assert!(e.contains("RANK") && e.contains("2 is not below WORLD_SIZE 2"), "{e}");
+        assert!(check_env(0, 2, 2, Some(2), 29500).unwrap_err().to_string().contains("LOCAL_RANK"));
+        let e = check_env(0, 2, 0, None, 70000).unwrap_err().to_string();
+        assert!(e.contains("MASTER_PORT") && e.contains("70000 is not a TCP port"), "{e}");
+        assert!(check_env(0, 2, 0, None, 0).is_err());
+    }
 
     #[test]
     fn shards_cover_the_global_batch_once() {

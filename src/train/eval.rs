@@ -3,7 +3,7 @@
 use tch::Device;
 
 use super::step::split_range;
-use crate::dist::{Op, ProcessGroup};
+use crate::dist::{ProcessGroup, Topic};
 use crate::data::{eval_seed, sample_positions, Samples};
 use crate::error::{Error, Phase, Result};
 use crate::guard::Guard;
@@ -45,9 +45,8 @@ pub fn evaluate(task: &dyn Task, spec: &EvalSpec, guard: &mut Guard, step: u64, 
                     Ok(sum)
                 })();
                 let Some(pg) = pg else { return local };
-                let mut sum = [pg.agree(local)?];
-                pg.all_reduce_f64(&mut sum, Op::Sum)?;
-                Ok(sum[0])
+                let sum = pg.agree(local)?;
+                pg.sum_f64(Topic::EvalLosses, sum)
             },
             |_| (),
         )?;

@@ -6,7 +6,7 @@ mod step;
 mod trainer;
 
 pub use eval::{evaluate, EvalSpec};
-pub use run::Builder;
+pub use run::{check_world, Builder};
 pub use step::{accumulate, commit_update, dist_step, micro_batches, prepare_update, split_range, step_with, train_step, update, StepStats, Update};
 pub use trainer::{train, train_with, Options, Resume, Summary};
 
@@ -65,7 +65,8 @@ pub struct TrainConfig {
     pub seed: u64,
     /// `auto` (CUDA when present), `cpu`, `cuda` or `cuda:N`.
     pub device: String,
-    /// Intra-op threads; unset: libtorch's default, which honours OMP_NUM_THREADS.
+    /// Intra-op threads; unset: this process's CPU share (OMP_NUM_THREADS, else the
+    /// smallest of the affinity mask, cgroup CPU quota and SLURM_CPUS_PER_TASK).
     pub num_threads: Option<usize>,
     /// `auto` (bf16 on a GPU that runs it natively, else fp32), `fp32`, `bf16` or `fp16`.
     pub precision: crate::precision::PrecisionConfig,
@@ -113,7 +114,7 @@ impl TrainConfig {
             return Err(ConfigError::invalid("train.max_steps", "is 0; it must be at least 1"));
         }
         if self.num_threads == Some(0) {
-            return Err(ConfigError::invalid("train.num_threads", "is 0; leave it unset for libtorch's default"));
+            return Err(ConfigError::invalid("train.num_threads", "is 0; leave it unset for this process's CPU share (affinity, cgroup quota, Slurm)"));
         }
         parse_device(&self.device)?;
         Ok(())

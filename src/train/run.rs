@@ -15,7 +15,7 @@ use crate::config::Config;
 use crate::data::{Dataset, StepSamples};
 use crate::error::{ConfigError, Error, Phase, Result};
 use crate::guard::ladder::{self, Rung};
-use crate::dist::{Op, ProcessGroup};
+use crate::dist::{ProcessGroup, Topic};
 use crate::guard::{Agree, Guard, GuardEvent, Policy};
 use crate::memory::{self, allocator, human_bytes, PressureSchedule};
 use crate::metrics::{EvalRecord, MetricsWriter, Record, RungRecord, StepRecord};
@@ -81,6 +81,10 @@ impl<'a> Run<'a> {
             device = pg.device(); // cuda:LOCAL_RANK
         }
         let lead = pg.as_ref().is_none_or(|p| p.rank == 0);
+        if let Some(pg) = &pg {
+            // Every rank refuses alike, before any collective: none is left waiting.
+            check_world(c.train.global_batch_size(), pg.world, &cfg.path.display().to_string())?;
+        }
         refuse_what_cannot_fit(cfg, device)?;
         let base = cfg.base_dir();
         let ctx = BuildContext { device, model: &c.model, base_dir: &base, config_path: &cfg.path };
@@ -130,7 +134,7 @@ impl<'a> Run<'a> {
                         if let Some(pg) = &pg {
                             // One micro-batch for all ranks: the smallest any rank found.
                             let mut v = [-(r.micro_batch_size as f64)];
-                            pg.all_reduce_f64(&mut v, Op::Max)?;
+                            pg.exchange(Topic::Start, &mut v)?;
                             r.micro_batch_size = (-v[0]) as usize;
                         }
                         if let Some(m) = metrics.as_mut() {
@@ -184,6 +188,17 @@ impl<'a> Run<'a> {
                 failed.map(|f| format!(" ({f} ran out of memory before the relaunch: it cools down)")).unwrap_or_default()
             );
         }
+        if let Some(pg) = &pg {
+            // One starting micro-batch for all ranks: the smallest any would take (their
+            // micro-batch caches may differ).
+            let mut v = [-(guard.policy.current as f64)];
+            pg.exchange(Topic::Start, &mut v)?;
+            let agreed = (-v[0]) as usize;
+            if agreed != guard.policy.current {
+                tracing::info!("starting at micro-batch {agreed}, the smallest any rank would take (this rank's was {})", guard.policy.current);
+                guard.policy.current = agreed;
+            }
+        }
         let agree = pg.clone().map(|p| p as Rc<dyn Agree>);
         let (guard, eval_guard) = (guard.with_agreement(agree.clone()), eval_guard.with_agreement(agree));
         let scaler = (precision == Precision::Fp16).then(|| Scaler::new(device)).transpose().map_err(|e| init_failure(e.into(), cfg, device, "creating the loss scaler"))?;
@@ -221,6 +236,9 @@ impl<'a> Run<'a> {
                 batches.shard = pg.shard(batches.global_batch);
             }
             let pg = self.pg.as_deref();
+            if let Some(pg) = pg {
+                pg.at_step(step);
+            }
             let amp = Amp { precision: self.precision, device: self.device, loss_scale: self.scaler.as_ref().map(|s| &s.scale) };
             let u = Update { lr, grad_clip: c.optim.grad_clip, amp, scaler: self.scaler.as_ref() };
             let task = self.task.as_ref();
@@ -231,7 +249,10 @@ impl<'a> Run<'a> {
                 |ctx, mb| {
                     ctx.snapshot_buffers(task)?;
                     match pg {
-                        Some(pg) => dist_step(pg, task, ctx.opt, &batches, step, mb, &u),
+                        Some(pg) => {
+                            crate::rng::seed_rank_step(c.train.seed, step, pg.rank);
+                            dist_step(pg, task, ctx.opt, &batches, step, mb, &u)
+                        }
                         None => step_with(task, ctx.opt, &batches, step, mb, &u),
                     }
                 },
@@ -435,7 +456,7 @@ impl<'a> Run<'a> {
         let local = crate::signals::requested();
         let Some(pg) = &self.pg else { return Ok(local) };
         let mut v = [local.map_or(0.0, |s| s.exit_code() as f64)];
-        pg.all_reduce_f64(&mut v, Op::Max)?;
+        pg.exchange(Topic::Stop, &mut v)?;
         Ok([Signal::Int, Signal::Term].into_iter().find(|s| s.exit_code() as f64 == v[0]))
     }
 
@@ -472,6 +493,21 @@ impl StepCtx<'_> {
             }
         }
     }
+}
+
+/// Data parallel needs a sample for every rank: a smaller global batch is a config error
+/// (exit 2) naming the smallest that works.
+pub fn check_world(global: usize, world: usize, origin: &str) -> Result<()> {
+    if global >= world {
+        return Ok(());
+    }
+    Err(ConfigError {
+        origin: origin.into(),
+        line_col: None,
+        key: "train.global_batch_size".into(),
+        message: format!("is {global}, smaller than the {world} ranks: each rank needs at least one sample of every step; use a global batch of at least {world} (or fewer ranks)"),
+    }
+    .into())
 }
 
 /// What an allocation failure while a run is being set up means: the model (or its state)

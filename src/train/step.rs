@@ -5,7 +5,7 @@
 use std::ops::Range;
 
 use crate::data::StepBatches;
-use crate::dist::{Buckets, Op, ProcessGroup};
+use crate::dist::{Buckets, ProcessGroup, Topic};
 use crate::error::{Error, Phase, Result};
 use crate::optim::AdamW;
 use crate::precision::{Amp, Scaler};
@@ -126,6 +126,7 @@ const BUCKET_BYTES: usize = 25 << 20;
 /// allocations they agree again, then every rank commits.
 pub fn dist_step(pg: &ProcessGroup, task: &dyn Task, opt: &mut AdamW, data: &dyn StepBatches, step: u64, micro_batch_size: usize, u: &Update) -> Result<StepStats> {
     let local = accumulate(task, data, step, micro_batch_size, &u.amp).and_then(|r| {
+        opt.zero_missing_grads().map_err(|e| Error::from(e).in_phase(Phase::Backward))?;
         let grads = opt.grads();
         let buckets = Buckets::pack(&grads, BUCKET_BYTES).map_err(|e| Error::from(e).in_phase(Phase::Backward))?;
         Ok((r, grads, buckets))
@@ -134,15 +135,14 @@ pub fn dist_step(pg: &ProcessGroup, task: &dyn Task, opt: &mut AdamW, data: &dyn
     let ((loss, num_micro_batches), grads, buckets) = pg.agree(local)?;
     buckets.reduce_into(pg, &grads)?;
     drop(buckets);
-    let mut l = [loss];
-    pg.all_reduce_f64(&mut l, Op::Sum)?;
+    let loss = pg.sum_f64(Topic::Losses, loss)?;
     let mut comm_s = t.elapsed().as_secs_f64();
     let ready = prepare_update(opt, step, u);
     let t = std::time::Instant::now();
     let ready = pg.agree(ready)?;
     comm_s += t.elapsed().as_secs_f64();
     let (grad_norm, skipped) = commit_update(opt, ready, u)?;
-    Ok(StepStats { loss: l[0], grad_norm, micro_batch_size, num_micro_batches, num_samples: data.global_batch_size(), skipped, comm_s: Some(comm_s) })
+    Ok(StepStats { loss, grad_norm, micro_batch_size, num_micro_batches, num_samples: data.global_batch_size(), skipped, comm_s: Some(comm_s) })
 }
 
 /// A whole fp32 optimizer step in one process.

@@ -1,0 +1,97 @@
+//! Data parallel at its edges, with real processes over Gloo (one thread per rank): a
+//! global batch smaller than the world, a parameter some ranks leave unused, dropout
+//! resumed exactly, and a deliberate collective mismatch that fails fast, naming both views.
+mod common;
+use common::*;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_oomguard")
+}
+
+/// `oomguard train CONFIG --nproc-per-node 2 ARGS` (the launcher picks a free port).
+fn two_ranks(dir: &Path, cfg: &Path, args: &[&str]) -> Command {
+    let mut c = Command::new(bin());
+    isolated(dies_with_test(&mut c), dir).args(["train", cfg.to_str().unwrap(), "--nproc-per-node", "2"]).args(args).current_dir(dir).env_remove("OMP_NUM_THREADS");
+    c
+}
+
+fn text(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn tiny(dir: &Path, name: &str, edit: impl Fn(String) -> String) -> PathBuf {
+    write_config(dir, name, &edit(TINY.to_string()))
+}
+
+#[test]
+fn a_global_batch_smaller_than_the_world_is_refused_up_front() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny(dir.path(), "one.yaml", |t| t.replace("micro_batch_size: 8, grad_accum_steps: 2", "micro_batch_size: 1, grad_accum_steps: 1"));
+    let o = two_ranks(dir.path(), &cfg, &["--check"]).output().unwrap();
+    let err = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("train.global_batch_size") && err.contains("use a global batch of at least 2"), "{err}");
+    // Run for real, every rank refuses alike before any collective: no abort, no hang.
+    let t = Instant::now();
+    let o = two_ranks(dir.path(), &cfg, &["--run-dir", "r"]).output().unwrap();
+    let err = text(&o);
+    assert!(!o.status.success() && t.elapsed() < Duration::from_secs(60), "{err}");
+    assert!(err.contains("use a global batch of at least 2") && !err.contains("SIGABRT") && !err.contains("size doesn't match"), "{err}");
+    // No stray run directories from the other rank.
+    let o = two_ranks(dir.path(), &tiny(dir.path(), "two.yaml", |t| t.replace("max_steps: 6", "max_steps: 1")), &[]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let runs: Vec<_> = std::fs::read_dir(dir.path().join("runs/two")).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert_eq!(runs.len(), 1, "one run directory for both ranks: {runs:?}");
+}
+
+#[test]
+fn dropout_resumes_exactly_on_two_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny(dir.path(), "drop.yaml", |t| t.replace("vocab_size: 256}", "vocab_size: 256, dropout: 0.1}").replace("max_steps: 6", "max_steps: 8"));
+    let whole = dir.path().join("whole");
+    let o = two_ranks(dir.path(), &cfg, &["--run-dir", whole.to_str().unwrap()]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let run = dir.path().join("run");
+    let o = two_ranks(dir.path(), &cfg, &["--run-dir", run.to_str().unwrap(), "--max-steps", "3", "--set", "optim.decay_steps=8"]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let o = two_ranks(dir.path(), &cfg, &["--run-dir", run.to_str().unwrap(), "--resume"]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(max_abs_diff(&weights(&whole), &weights(&run)), 0.0, "resume with dropout is not exact");
+    assert_eq!(losses(&whole)[3..], losses(&run)[3..]);
+}
+
+#[test]
+fn a_parameter_unused_on_some_ranks_is_reduced_as_zeros() {
+    let dir = tempfile::tempdir().unwrap();
+    let py = root().join(".venv/bin/python3");
+    let script = root().join("tests/scripts/ts_branch.py");
+    let o = Command::new(&py).arg(&script).args(["--out", "branch.pt", "--data", "branch.safetensors"]).current_dir(dir.path()).env("PYTHONWARNINGS", "ignore").output().expect("python3 from the set-up's venv");
+    assert!(o.status.success(), "{}", text(&o));
+    let cfg = write_config(dir.path(), "branch.yaml", "
+model: {kind: torchscript, path: branch.pt}
+data: {source: tensors, path: branch.safetensors, val_fraction: 0.2}
+optim: {lr: 1.0e-2, warmup_steps: 2, decay_steps: 10}
+train: {micro_batch_size: 2, global_batch_size: 8, max_steps: 10, eval_every: 0, eval_batch_size: 8, eval_batches: 1, seed: 3, device: cpu, num_threads: 1}
+");
+    let t = Instant::now();
+    let o = two_ranks(dir.path(), &cfg, &["--run-dir", "r"]).stdout(Stdio::null()).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(t.elapsed() < Duration::from_secs(120));
+    assert_eq!(records(&dir.path().join("r"), "step").len(), 10);
+}
+
+#[test]
+fn a_collective_mismatch_fails_fast_naming_both_views() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny(dir.path(), "c.yaml", |t| t.replace("max_steps: 6", "max_steps: 4"));
+    let t = Instant::now();
+    // Rank 1 claims the next exchange at its third, as a rank that skipped one would.
+    let o = two_ranks(dir.path(), &cfg, &["--run-dir", "r"]).env("OOMGUARD_TEST_MISALIGN", "1:3").output().unwrap();
+    let err = text(&o);
+    assert!(!o.status.success(), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(30), "took {:?}: {err}", t.elapsed());
+    assert!(err.contains("collective mismatch: this rank is at exchange 3") && err.contains("the ranks are at exchanges 3..4"), "{err}");
+}
