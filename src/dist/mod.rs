@@ -10,7 +10,7 @@ use std::ops::Range;
 use std::time::Duration;
 use tch::{Device, TchError, Tensor};
 
-use crate::error::{ConfigError, Error, OomError, OomSource, Result};
+use crate::error::{ConfigError, Error, OomError, OomSource, Phase, Result};
 use crate::memory::check;
 
 extern "C" {
@@ -59,7 +59,7 @@ struct Exchange {
 }
 
 const HEADER: usize = 6;
-/// Payload slots: enough for the guard's inputs and one loss per rank.
+/// Payload slots: enough for the guard's inputs, and an agreement's slot per rank.
 const PAYLOAD_MIN: usize = 16;
 
 /// What an exchange is for (its topic in the header).
@@ -230,33 +230,54 @@ impl ProcessGroup {
     }
 
     /// The ranks' statuses after an attempt, agreed before any gradient traffic: every rank
-    /// returns the same outcome. An OOM on any rank is an OOM on every rank (the ranks
-    /// that did not run out get one that says which did); another failure anywhere fails
-    /// every rank.
+    /// returns the same outcome. Another failure anywhere fails every rank (an OOM here
+    /// too: no rank retries alone); else an OOM on any rank is an OOM on every rank, the
+    /// same one everywhere (the lowest failing rank's phase, micro-batch and sizes), so
+    /// the guards, which decide on them, decide alike.
     pub fn agree<T>(&self, local: Result<T>) -> Result<T> {
-        let code = match &local {
-            Ok(_) => 0.0,
-            Err(Error::Oom(_)) => 1.0,
-            Err(_) => 2.0,
-        };
-        let mut v = [code, if code > 0.0 { self.rank as f64 } else { -1.0 }];
-        self.exchange(Topic::Agreement, &mut v)?;
-        match (v[0] as u8, local) {
-            (0, ok) => ok,
-            (_, Err(e)) => Err(e),
-            (1, Ok(_)) => Err(Error::Oom(OomError {
-                source: OomSource::Budget,
-                requested_bytes: None,
-                capacity_bytes: None,
-                free_bytes: None,
-                phase: None,
-                micro_batch: None,
-                message: format!("rank {} ran out of memory", v[1] as usize),
-            })),
-            (_, Ok(_)) => Err(Error::Dist(format!("rank {} failed (see its log)", v[1] as usize))),
+        let mut slots = vec![f64::NEG_INFINITY; AGREE_SLOT * self.world];
+        let own = &mut slots[AGREE_SLOT * self.rank..AGREE_SLOT * (self.rank + 1)];
+        own.fill(-1.0);
+        match &local {
+            Ok(_) => own[0] = 0.0,
+            Err(Error::Oom(o)) => {
+                let n = |v: Option<u64>| v.map_or(-1.0, |v| v as f64);
+                own.copy_from_slice(&[1.0, o.phase.map_or(-1.0, |p| p as u8 as f64), n(o.micro_batch.map(|m| m as u64)), n(o.requested_bytes), n(o.free_bytes), o.source as u8 as f64]);
+            }
+            Err(_) => own[0] = 2.0,
         }
+        self.exchange(Topic::Agreement, &mut slots)?;
+        let views: Vec<&[f64]> = slots.chunks(AGREE_SLOT).collect();
+        if let Some(r) = views.iter().position(|v| v[0] == 2.0) {
+            return Err(match local {
+                Err(e) if r == self.rank => e,
+                _ => Error::Dist(format!("rank {r} failed (see its log)")),
+            });
+        }
+        let Some(r) = views.iter().position(|v| v[0] == 1.0) else { return local };
+        let v = views[r];
+        let n = |x: f64| (x >= 0.0).then_some(x as u64);
+        let (own_message, capacity) = match &local {
+            Err(Error::Oom(o)) if r == self.rank => (Some(o.message.clone()), o.capacity_bytes),
+            _ => (None, None),
+        };
+        Err(Error::Oom(OomError {
+            source: [OomSource::Cuda, OomSource::CudaRuntime, OomSource::Cpu, OomSource::Budget].get(v[5] as usize).copied().unwrap_or(OomSource::Budget),
+            requested_bytes: n(v[3]),
+            capacity_bytes: capacity,
+            free_bytes: n(v[4]),
+            phase: n(v[1]).and_then(|p| PHASES.get(p as usize).copied()),
+            micro_batch: n(v[2]).map(|m| m as usize),
+            message: own_message.unwrap_or_else(|| format!("rank {r} ran out of memory")),
+        }))
     }
 }
+
+/// Values per rank in an agreement: status, then an OOM's phase, micro-batch, requested
+/// and free bytes, and source (-1: unknown).
+const AGREE_SLOT: usize = 6;
+/// `Phase as u8` back to the phase.
+const PHASES: [Phase; 8] = [Phase::Data, Phase::Forward, Phase::Backward, Phase::Clip, Phase::Optimizer, Phase::Eval, Phase::Checkpoint, Phase::Init];
 
 /// Rank `rank`'s contiguous part of `global` samples over `world` ranks, as even as can be
 /// (the first `global % world` ranks take one more). Together they cover 0..global once.
@@ -347,7 +368,7 @@ impl Exchange {
     }
 
     fn new(world: usize, device: Device) -> Result<Exchange, TchError> {
-        let n = (HEADER + PAYLOAD_MIN.max(world)) as i64;
+        let n = (HEADER + PAYLOAD_MIN.max(AGREE_SLOT * world)) as i64;
         let cpu = Tensor::f_zeros([n], (tch::Kind::Double, Device::Cpu))?;
         let device = match device {
             Device::Cpu => None,
@@ -379,6 +400,13 @@ fn check_env(rank: usize, world: usize, local_rank: usize, local_world: Option<u
 #[cfg(test)]
 mod tests {
     use super::{check_env, shard};
+
+    #[test]
+    fn phases_round_trip_through_an_agreement() {
+        for (i, p) in super::PHASES.iter().enumerate() {
+            assert_eq!(*p as u8 as usize, i);
+        }
+    }
 
     #[test]
     fn torchrun_variables_out_of_range_are_refused() {

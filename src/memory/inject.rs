@@ -68,6 +68,16 @@ pub fn positions(count: u32, seed: u64, from: u64, span: u64) -> Vec<u64> {
     out
 }
 
+impl InjectOom {
+    /// Rank `rank`'s own draw (rank 0, and a single process, keep SEED as it is).
+    pub fn for_rank(self, rank: usize) -> InjectOom {
+        match rank {
+            0 => self,
+            r => InjectOom { seed: self.seed ^ splitmix64(r as u64 ^ 0x5EED_0F_4A4C), ..self },
+        }
+    }
+}
+
 /// The injection of one run: counts the first step, then arms each step's share.
 pub struct Injection {
     spec: InjectOom,

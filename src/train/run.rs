@@ -242,18 +242,25 @@ impl<'a> Run<'a> {
             let amp = Amp { precision: self.precision, device: self.device, loss_scale: self.scaler.as_ref().map(|s| &s.scale) };
             let u = Update { lr, grad_clip: c.optim.grad_clip, amp, scaler: self.scaler.as_ref() };
             let task = self.task.as_ref();
+            let has_buffers = !task.buffers().is_empty();
             let mut ctx = StepCtx { opt: &mut self.opt, buffers: None };
             let result = self.guard.run(
                 step,
                 &mut ctx,
                 |ctx, mb| {
-                    ctx.snapshot_buffers(task)?;
                     match pg {
                         Some(pg) => {
+                            if has_buffers {
+                                // The snapshot's OOM is agreed like any other.
+                                pg.agree(ctx.snapshot_buffers(task))?;
+                            }
                             crate::rng::seed_rank_step(c.train.seed, step, pg.rank);
                             dist_step(pg, task, ctx.opt, &batches, step, mb, &u)
                         }
-                        None => step_with(task, ctx.opt, &batches, step, mb, &u),
+                        None => {
+                            ctx.snapshot_buffers(task)?;
+                            step_with(task, ctx.opt, &batches, step, mb, &u)
+                        }
                     }
                 },
                 |ctx| ctx.undo(task),
@@ -264,6 +271,14 @@ impl<'a> Run<'a> {
             }
         };
         let stats = self.after_guarded(result, step)?;
+        if let Some(pg) = &self.pg {
+            // Rank 0's buffers (BatchNorm statistics) for every rank after each step, as
+            // DDP's broadcast_buffers: evaluation, checkpoints and the next step see one set.
+            let buffers: Vec<Tensor> = self.task.buffers().into_iter().map(|(_, b)| b).collect();
+            if !buffers.is_empty() {
+                pg.broadcast(&buffers, 0)?;
+            }
+        }
         let dt = t0.elapsed().as_secs_f64();
         let mem = self.guard.last_memory();
         let rec = StepRecord {
@@ -458,6 +473,11 @@ impl<'a> Run<'a> {
         let mut v = [local.map_or(0.0, |s| s.exit_code() as f64)];
         pg.exchange(Topic::Stop, &mut v)?;
         Ok([Signal::Int, Signal::Term].into_iter().find(|s| s.exit_code() as f64 == v[0]))
+    }
+
+    /// This process's rank (0 alone).
+    pub fn rank(&self) -> usize {
+        self.pg.as_ref().map_or(0, |p| p.rank)
     }
 
     pub fn world_size(&self) -> usize {

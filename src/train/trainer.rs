@@ -61,7 +61,8 @@ pub fn train_with(cfg: &Config, run_dir: &Path, settings: &AllocatorSettings, op
         return Err(ConfigError::invalid("--inject-oom", "injects failures into the CPU allocator; it needs train.device: cpu").into());
     }
     let mut run = Run::start(cfg, run_dir, settings, &options, build)?;
-    let mut inject = options.inject_oom.map(Injection::new);
+    // Each rank draws its own failures from (SEED, rank): they land on any subset of ranks.
+    let mut inject = options.inject_oom.map(|i| Injection::new(i.for_rank(run.rank())));
     let start = Instant::now();
     let mut eval_s = 0.0;
     for step in run.next_step..c.train.max_steps {
