@@ -54,6 +54,9 @@ pub struct StepRecord {
     pub world_size: usize,
     pub step_time_s: f64,
     pub elapsed_s: f64,
+    /// Seconds the rest of the run should take (steps, evaluations, checkpoints).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eta_s: Option<f64>,
     pub memory: MemoryStats,
     /// The forward's precision (fp32, bf16 or fp16) and whether blocks are recomputed.
     pub precision: crate::precision::Precision,

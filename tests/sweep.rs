@@ -191,3 +191,45 @@ fn sigterm_stops_the_trials_with_checkpoints_and_records_them_interrupted() {
     assert!(std::fs::read_dir(run.join("checkpoints")).unwrap().count() > 0, "the trial checkpointed on SIGTERM");
     assert!(String::from_utf8_lossy(&o.stdout).contains("interrupted"), "the table says so");
 }
+
+/// A status line after each trial: done / running / left and the outcomes so far match the
+/// trials finished, through a trial the planner finds infeasible and one that fails.
+#[test]
+fn status_lines_count_through_infeasible_and_failed_trials() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("empty.txt"), "").unwrap();
+    // embedded: runs; text from an empty file: fails (exit 2); a 10M vocabulary: infeasible.
+    let file = setup(
+        dir.path(),
+        "base: base.yaml\nparameters:\n  data.source: {values: [embedded, text]}\n  model.vocab_size: {values: [256, 10000000]}\n  data.path: {value: empty.txt}\n",
+    );
+    let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(!err.contains('\x1b'), "plain lines off a terminal: {err:?}");
+    let mut r = results(&dir.path().join("out"));
+    r.sort_by_key(|x| x["index"].as_u64());
+    let statuses: Vec<&str> = r.iter().map(|x| x["status"].as_str().unwrap()).collect();
+    assert_eq!({ let mut s = statuses.clone(); s.sort(); s }, ["failed", "infeasible", "infeasible", "ok"], "{r:?}");
+    // One line after each trial; one slot: trials finish in index order, so after D of them
+    // the counts are theirs.
+    let lines: Vec<&str> = err.lines().filter_map(|l| l.split_once("sweep: ").map(|(_, s)| s)).filter(|l| l.contains(" done, ")).collect();
+    assert_eq!(lines.iter().map(|l| l.split('/').next().unwrap()).collect::<Vec<_>>(), ["1", "2", "3", "4"], "{err}");
+    for l in &lines {
+        let num = |after: &str| -> usize { l.split(after).nth(1).and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next()).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("`{after}` in {l}")) };
+        let done: usize = l.split('/').next().unwrap().parse().unwrap();
+        let (running, left) = (num("done, "), num("running, "));
+        assert_eq!((l.split('/').nth(1).unwrap().split(' ').next(), done + running + left), (Some("4"), 4), "{l}");
+        let so_far = &statuses[..done];
+        let n = |s: &str| so_far.iter().filter(|x| **x == s).count();
+        assert_eq!((num("| ok "), num("infeasible "), num("failed ")), (n("ok"), n("infeasible"), n("failed")), "{l}");
+        assert!(!l.ends_with("ETA ?") || done == 0, "an ETA once a trial finished: {l}");
+    }
+    let last = lines.last().unwrap();
+    assert!(last.starts_with("4/4 done, 0 running, 0 left | ok 1, infeasible 2, failed 1 | best "), "{last}");
+    let ok = r.iter().find(|x| x["status"] == "ok").unwrap();
+    assert!(last.contains(&format!("best {} ", ok["trial"].as_str().unwrap())), "the best so far is the one that trained: {last}");
+    // sweep.log keeps the same lines.
+    let log = std::fs::read_to_string(dir.path().join("out/sweep.log")).unwrap();
+    assert!(log.contains(last), "{log}");
+}

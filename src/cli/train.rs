@@ -115,8 +115,8 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
 
     let s = train::train_with(&cfg, &run_dir, &settings, train::Options { resume, inject_oom }, build)?;
     tracing::info!(
-        "done: {} steps in {:.1}s | loss {:.4} -> {:.4}{} | {:.0} tok/s | peak memory {} | {} OOMs recovered, micro-batch {} at the end",
-        s.steps, s.wall_s, s.first_loss, s.final_loss,
+        "done: {} steps in {} wall time | loss {:.4} -> {:.4}{} | {:.0} tok/s | peak memory {} | {} OOMs recovered, micro-batch {} at the end",
+        s.steps, oomguard_launch::progress::human_duration(s.wall_s), s.first_loss, s.final_loss,
         s.val_loss.map(|v| format!(" | val loss {v:.4}")).unwrap_or_default(),
         s.tokens_per_s, crate::memory::human_bytes(s.peak_bytes), s.num_ooms, s.final_micro_batch_size
     );

@@ -80,6 +80,12 @@ impl Config {
         RawConfig { model: self.raw.model.resolved(), ..self.raw.clone() }
     }
 
+    /// When the run evaluates and checkpoints (the loop and its ETA ask the same).
+    pub fn schedule(&self) -> oomguard_launch::progress::Schedule {
+        let r = &self.raw;
+        oomguard_launch::progress::Schedule { max_steps: r.train.max_steps, eval_every: r.train.eval_every, checkpoint_every: r.checkpoint.every_steps }
+    }
+
     /// Checks that the data files exist (training needs them; planning does not).
     pub fn check_data_files(&self) -> Result<(), ConfigError> {
         let base = self.path.parent().unwrap_or(Path::new("."));

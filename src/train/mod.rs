@@ -1,6 +1,7 @@
 //! Training: the config section, one optimizer step (step.rs), evaluation (eval.rs), a run's
-//! state (run.rs) and the loop (trainer.rs), for any `Task`.
+//! state (run.rs), its clock and bar (progress.rs) and the loop (trainer.rs), for any `Task`.
 mod eval;
+mod progress;
 mod run;
 mod step;
 mod trainer;

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
 
 use super::eval::{evaluate, EvalSpec};
+use super::progress::{Other, Progress};
 use super::step::{dist_step, step_with, Update};
 use super::{MicroBatch, Options, Resume, StepStats, Summary};
 use crate::checkpoint::{self, TrainState};
@@ -26,6 +27,7 @@ use crate::precision::{bf16_is_fast, Amp, Precision, Scaler};
 use crate::task::{self, fingerprint_key, BuildContext, Built, Task};
 use oomguard_launch::host::Threads;
 use oomguard_launch::launch::{FAILED_MICRO_BATCH_VAR, MICRO_BATCH_VAR};
+use oomguard_launch::progress;
 
 /// Attempts at writing a checkpoint or the final weights when they run out of memory.
 const WRITE_ATTEMPTS: u32 = 4;
@@ -61,7 +63,8 @@ pub(super) struct Run<'a> {
     /// must not teach it (its failures are injected, not facts about memory).
     cache_key: Option<String>,
     pub summary: Summary,
-    start: Instant,
+    /// Elapsed time, the ETA and the live bar.
+    pub progress: Progress,
 }
 
 impl<'a> Run<'a> {
@@ -219,7 +222,7 @@ impl<'a> Run<'a> {
             precision, scaler, guard, eval_guard, pressure: PressureSchedule::new(&c.memory.pressure, device), metrics, next_step, first_step: next_step,
             eval_history, verified: BTreeMap::new(), cache_key: options.inject_oom.is_none().then_some(cache_key), pg, lead,
             summary: Summary { steps: c.train.max_steps, first_loss: f64::NAN, best_val_loss: best, ..Default::default() },
-            start: Instant::now(),
+            progress: Progress::new(cfg.schedule(), next_step, lead),
         })
     }
 
@@ -280,11 +283,12 @@ impl<'a> Run<'a> {
             }
         }
         let dt = t0.elapsed().as_secs_f64();
+        let eta = self.progress.step_done(step);
         let mem = self.guard.last_memory();
         let rec = StepRecord {
             step, loss: stats.loss, lr, grad_norm: stats.grad_norm, tokens_per_s: self.units_per_step as f64 / dt,
             micro_batch_size: stats.micro_batch_size, grad_accum_steps: stats.num_micro_batches, num_samples: stats.num_samples,
-            world_size: self.world_size(), step_time_s: dt, elapsed_s: self.start.elapsed().as_secs_f64(), memory: mem,
+            world_size: self.world_size(), step_time_s: dt, elapsed_s: self.progress.elapsed(), eta_s: eta, memory: mem,
             precision: self.precision, activation_checkpointing: self.task.activation_checkpointing() == Some(true),
             loss_scale: self.scaler.as_ref().map(Scaler::value), skipped: stats.skipped, comm_s: stats.comm_s,
         };
@@ -292,11 +296,16 @@ impl<'a> Run<'a> {
             tracing::warn!("step {step}: fp16 gradients overflowed: update skipped, loss scale now {}", rec.loss_scale.unwrap_or(f64::NAN));
         }
         if self.lead && (step.is_multiple_of(c.log.every) || step + 1 == c.train.max_steps) {
+            // Scripts parse `step N/M | loss ...`: fields are added at the end, never moved.
             tracing::info!(
-                "step {:>5}/{} | loss {:.4} | lr {:.2e} | {:>7.0} tok/s | mb {}x{} | mem {} (peak {})",
+                target: progress::TARGET,
+                "step {:>5}/{} | loss {:.4} | lr {:.2e} | {:>7.0} tok/s | mb {}x{} | mem {} (peak {}) | {}",
                 step + 1, c.train.max_steps, rec.loss, lr, rec.tokens_per_s, rec.micro_batch_size, rec.grad_accum_steps,
-                human_bytes(mem.live_bytes), human_bytes(mem.peak_bytes)
+                human_bytes(mem.live_bytes), human_bytes(mem.peak_bytes), progress::elapsed_eta(rec.elapsed_s, eta)
             );
+        }
+        if self.lead {
+            self.progress.show(step, eta, rec.loss, rec.micro_batch_size, rec.grad_accum_steps);
         }
         self.write(&Record::Step(rec))?;
         self.summary.peak_bytes = self.summary.peak_bytes.max(mem.peak_bytes);
@@ -383,6 +392,7 @@ impl<'a> Run<'a> {
         self.eval_history.insert(step + 1, v);
         self.summary.val_loss = Some(v);
         self.summary.best_val_loss = Some(self.summary.best_val_loss.map_or(v, |b| b.min(v)));
+        self.progress.other_done(Other::Eval);
         Ok(())
     }
 
@@ -392,10 +402,11 @@ impl<'a> Run<'a> {
         if self.lead {
             self.write_checkpoint(next_step)?;
         }
-        match &self.pg {
-            Some(pg) => pg.barrier(),
-            None => Ok(()),
+        if let Some(pg) = &self.pg {
+            pg.barrier()?;
         }
+        self.progress.other_done(Other::Checkpoint);
+        Ok(())
     }
 
     fn write_checkpoint(&mut self, next_step: u64) -> Result<()> {

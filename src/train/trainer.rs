@@ -63,7 +63,7 @@ pub fn train_with(cfg: &Config, run_dir: &Path, settings: &AllocatorSettings, op
     let mut run = Run::start(cfg, run_dir, settings, &options, build)?;
     // Each rank draws its own failures from (SEED, rank): they land on any subset of ranks.
     let mut inject = options.inject_oom.map(|i| Injection::new(i.for_rank(run.rank())));
-    let start = Instant::now();
+    let schedule = run.progress.schedule;
     let mut eval_s = 0.0;
     for step in run.next_step..c.train.max_steps {
         if let Some(signal) = run.stop_requested()? {
@@ -72,7 +72,7 @@ pub fn train_with(cfg: &Config, run_dir: &Path, settings: &AllocatorSettings, op
             return Err(Error::Interrupted { signal, step });
         }
         run.pressure.update(step);
-        let evaluates = step + 1 == c.train.max_steps || (c.train.eval_every > 0 && (step + 1).is_multiple_of(c.train.eval_every));
+        let evaluates = schedule.evaluates(step);
         if let Some(i) = inject.as_mut() {
             i.before_step(step, c.train.max_steps, evaluates);
         }
@@ -84,14 +84,15 @@ pub fn train_with(cfg: &Config, run_dir: &Path, settings: &AllocatorSettings, op
             run.evaluate(step)?;
             eval_s += t.elapsed().as_secs_f64();
         }
-        if c.checkpoint.every_steps > 0 && (step + 1).is_multiple_of(c.checkpoint.every_steps) {
+        if schedule.checkpoints(step) {
             run.checkpoint(step + 1)?;
         }
     }
     run.checkpoint(c.train.max_steps)?;
     run.save_weights()?;
+    run.progress.finish();
     let s = &mut run.summary;
-    s.wall_s = start.elapsed().as_secs_f64();
+    s.wall_s = run.progress.elapsed();
     s.tokens_per_s = (c.train.max_steps.saturating_sub(run.first_step) as usize * run.units_per_step) as f64 / (s.wall_s - eval_s);
     s.num_ooms = run.guard.policy.num_ooms + run.eval_guard.policy.num_ooms;
     s.final_micro_batch_size = run.guard.micro_batch_size();

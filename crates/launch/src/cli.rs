@@ -243,13 +243,15 @@ pub fn exec_torch_binary() -> anyhow::Error {
     anyhow::Error::new(err).context(format!("cannot run {} (install it beside oomguard)", exe.display()))
 }
 
-/// Logs to stderr (human or JSON) and, once a run directory is known, to its log file.
+/// Logs to stderr (human or JSON; colour and live bars where `Console` allows them) and,
+/// once a run directory is known, to its log file.
 pub fn init_tracing(format: LogFormat) {
     let filter = || EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let file = fmt::layer().with_ansi(false).with_target(false).with_writer(|| crate::logfile::LogFileWriter);
     let registry = tracing_subscriber::registry().with(file.with_filter(filter()));
-    let ansi = std::io::stderr().is_terminal();
-    let stderr = fmt::layer().with_writer(std::io::stderr).with_target(false).with_ansi(ansi);
+    let console = crate::progress::Console::decide(format == LogFormat::Json, std::io::stderr().is_terminal(), &|v| std::env::var(v).ok());
+    crate::progress::allow_bars(console.bar);
+    let stderr = fmt::layer().with_writer(crate::progress::StderrWriter::default()).with_target(false).with_ansi(console.colour);
     // try_init: a program that trains several times in one process initialises once.
     let _ = match format {
         LogFormat::Human => registry.with(stderr.with_filter(filter())).try_init(),

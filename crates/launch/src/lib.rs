@@ -11,6 +11,7 @@ pub mod launch;
 pub mod logfile;
 pub mod oom;
 pub mod proc;
+pub mod progress;
 pub mod sweep;
 pub mod units;
 

@@ -3,6 +3,7 @@
 //! one record per trial; a sweep killed at any moment (kill -9 too) starts again where it
 //! was: finished trials skipped, unfinished ones resumed from their checkpoints.
 mod spec;
+mod status;
 mod store;
 mod table;
 mod trial;
@@ -161,7 +162,13 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
         }
     }
     let signals = Signals::install().context("installing signal handlers")?;
-    let stopped = s.schedule(todo, args.parallel, &signals)?;
+    let mine: Vec<&Trial> = sweep.trials.iter().filter(|t| t.index % count == index).collect();
+    let mut reporter = status::Reporter::new(mine, args.parallel, sweep.metric);
+    let stopped = s.schedule(todo, args.parallel, &signals, &mut reporter)?;
+    if stopped.is_none() {
+        reporter.finish();
+    }
+    drop(reporter);
     let records = s.store.read()?;
     print!("{}", table::render(&sweep.trials, &records, &|t| open_state(&out, t), sweep.metric));
     match stopped {
@@ -190,9 +197,10 @@ impl<'a> Sweeper<'a> {
     }
 
     /// Runs `todo` in `parallel` slots until done or a signal; returns the signal.
-    fn schedule(&self, todo: Vec<&'a Trial>, parallel: usize, signals: &Signals) -> anyhow::Result<Option<i32>> {
+    fn schedule(&self, todo: Vec<&'a Trial>, parallel: usize, signals: &Signals, reporter: &mut status::Reporter) -> anyhow::Result<Option<i32>> {
         let mut queue: std::collections::VecDeque<&Trial> = todo.into();
         let mut running: Vec<Running> = vec![];
+        self.report(reporter, &running, false);
         loop {
             if let Some(sig) = signals.received() {
                 self.stop_all(&mut running, signals)?;
@@ -206,6 +214,7 @@ impl<'a> Sweeper<'a> {
                     Some(status) => {
                         let r = running.swap_remove(i);
                         self.finish(r, exit_code(status))?;
+                        self.report(reporter, &running, true);
                     }
                     None => {
                         self.enforce_timeout(&mut running[i]);
@@ -216,9 +225,16 @@ impl<'a> Sweeper<'a> {
             while running.len() < parallel {
                 let Some(t) = queue.pop_front() else { break };
                 let slot = (0..parallel).find(|s| running.iter().all(|r| r.slot != *s)).unwrap_or(0);
-                if let Some(r) = self.start(t, slot)? {
-                    running.push(r);
+                match self.start(t, slot)? {
+                    Some(r) => {
+                        running.push(r);
+                        self.report(reporter, &running, false);
+                    }
+                    None => self.report(reporter, &running, true), // recorded without running (the planner), or run elsewhere
                 }
+            }
+            if reporter.due() {
+                self.report(reporter, &running, false);
             }
             if running.is_empty() && queue.is_empty() {
                 return Ok(None);
@@ -251,6 +267,18 @@ impl<'a> Sweeper<'a> {
                 self.put(t, Status::Failed, None, None, 0.0, Some(format!("cannot start {}: {e}", self.exe.display())))?;
                 Ok(None)
             }
+        }
+    }
+
+    /// The sweep's status line (`finished`: a trial just got its record). A status that
+    /// cannot be read is left out: it never stops the sweep.
+    fn report(&self, reporter: &mut status::Reporter, running: &[Running], finished: bool) {
+        match self.store.read() {
+            Ok(records) => {
+                let ran: Vec<f64> = running.iter().map(|r| r.started.elapsed().as_secs_f64() + self.before.get(&r.trial.id).copied().unwrap_or(0.0)).collect();
+                reporter.report(&records, &ran, finished);
+            }
+            Err(e) => tracing::warn!("status: cannot read {}: {e}", self.store.path().display()),
         }
     }
 

@@ -12,14 +12,18 @@ pub enum Open {
     Running,
 }
 
-/// The best finished trial by `metric` (only trials that have it).
-pub fn best<'a>(records: impl IntoIterator<Item = &'a Record>, metric: Metric) -> Option<&'a Record> {
-    let value = |r: &Record| match metric {
+/// A record's value of `metric`, if it has one.
+pub fn value(r: &Record, metric: Metric) -> Option<f64> {
+    match metric {
         Metric::BestEvalLoss => r.summary.best_eval_loss,
         Metric::FinalEvalLoss => r.summary.final_eval_loss,
         Metric::TokensPerS => r.summary.tokens_per_s,
-    };
-    let mut scored: Vec<(&Record, f64)> = records.into_iter().filter_map(|r| value(r).filter(|v| v.is_finite()).map(|v| (r, v))).collect();
+    }
+}
+
+/// The best finished trial by `metric` (only trials that have it).
+pub fn best<'a>(records: impl IntoIterator<Item = &'a Record>, metric: Metric) -> Option<&'a Record> {
+    let mut scored: Vec<(&Record, f64)> = records.into_iter().filter_map(|r| value(r, metric).filter(|v| v.is_finite()).map(|v| (r, v))).collect();
     scored.sort_by(|a, b| a.1.total_cmp(&b.1));
     if metric.maximize() { scored.last() } else { scored.first() }.map(|(r, _)| *r)
 }
@@ -77,7 +81,7 @@ pub fn render(trials: &[Trial], records: &BTreeMap<String, Record>, open: &dyn F
         Some(b) => out.push_str(&format!(
             "; best by {}: {} ({}) {}\n",
             metric.name(), b.trial,
-            num(match metric { Metric::BestEvalLoss => b.summary.best_eval_loss, Metric::FinalEvalLoss => b.summary.final_eval_loss, Metric::TokensPerS => b.summary.tokens_per_s }, 4),
+            num(value(b, metric), 4),
             trials.iter().find(|t| t.id == b.trial).map(Trial::describe).unwrap_or_default()
         )),
         None => out.push('\n'),

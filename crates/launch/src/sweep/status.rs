@@ -1,0 +1,164 @@
+//! How far along a sweep is: trials done / running / left, their outcomes, the best so far
+//! and an ETA from the finished trials' durations. A log line after each trial and every
+//! minute; on a terminal, a live line as well (the log file keeps the lines).
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use super::spec::{Metric, Trial};
+use super::store::{Record, Status};
+use super::table;
+use crate::progress::{self, Bar, Pace};
+
+/// A status line at least this often (besides one after each trial).
+const EVERY: Duration = Duration::from_secs(60);
+/// indicatif's template for the live line (`{clock}`: elapsed<ETA).
+const TEMPLATE: &str = "sweep {pos}/{len} [{bar:20}] {clock} | {msg}";
+
+/// The shard's trials as their records and the running ones show them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Snapshot {
+    pub total: usize,
+    pub done: usize,
+    pub running: usize,
+    pub ok: usize,
+    pub infeasible: usize,
+    pub failed: usize,
+    pub timeout: usize,
+    /// The best finished trial by the sweep's metric: its id and value.
+    pub best: Option<(String, f64)>,
+    /// Seconds until the last trial ends; None before one finished.
+    pub eta_s: Option<f64>,
+}
+
+impl Snapshot {
+    /// `running`: seconds each running trial has run (over every start); `slots`: --parallel.
+    pub fn new(trials: &[&Trial], records: &BTreeMap<String, Record>, running: &[f64], slots: usize, metric: Metric) -> Snapshot {
+        let finished: Vec<&Record> = trials.iter().filter_map(|t| records.get(&t.id)).filter(|r| r.status.is_final()).collect();
+        let count = |s: Status| finished.iter().filter(|r| r.status == s).count();
+        let mut pace = Pace::new(finished.len());
+        finished.iter().for_each(|r| pace.add(r.duration_s));
+        let left = trials.len().saturating_sub(finished.len() + running.len());
+        Snapshot {
+            total: trials.len(), done: finished.len(), running: running.len(),
+            ok: count(Status::Ok), infeasible: count(Status::Infeasible), failed: count(Status::Failed), timeout: count(Status::Timeout),
+            best: table::best(finished.iter().copied(), metric).and_then(|b| Some((b.trial.clone(), table::value(b, metric)?))),
+            eta_s: eta(&pace, running, left, slots),
+        }
+    }
+
+    pub fn left(&self) -> usize {
+        self.total.saturating_sub(self.done + self.running)
+    }
+
+    /// `1 running, 1 left | ok 1, infeasible 1, failed 0 | best 000-0511874d 2.1234`
+    fn details(&self) -> String {
+        let timeout = if self.timeout > 0 { format!(", timeout {}", self.timeout) } else { String::new() };
+        let best = self.best.as_ref().map_or("-".into(), |(id, v)| format!("{id} {v:.4}"));
+        format!("{} running, {} left | ok {}, infeasible {}, failed {}{timeout} | best {best}", self.running, self.left(), self.ok, self.infeasible, self.failed)
+    }
+
+    /// The log line: `sweep: 2/4 done, 1 running, 1 left | ok 1, ... | best ... | 35s, ETA 40s`.
+    pub fn line(&self, elapsed: f64) -> String {
+        format!("sweep: {}/{} done, {} | {}", self.done, self.total, self.details(), progress::elapsed_eta(elapsed, self.eta_s))
+    }
+}
+
+/// Seconds until the sweep is done: each trial left takes the finished trials' pace, each
+/// running one what it has not run of it yet, spread over the slots.
+pub fn eta(pace: &Pace, running: &[f64], left: usize, slots: usize) -> Option<f64> {
+    let each = pace.mean()?;
+    let work = left as f64 * each + running.iter().map(|ran| (each - ran).max(0.0)).sum::<f64>();
+    Some(work / slots.min(left + running.len()).max(1) as f64)
+}
+
+/// Reports a sweep's progress as it goes.
+pub struct Reporter<'a> {
+    trials: Vec<&'a Trial>,
+    slots: usize,
+    metric: Metric,
+    start: Instant,
+    last_line: Instant,
+    bar: Option<Bar>,
+}
+
+impl<'a> Reporter<'a> {
+    pub fn new(trials: Vec<&'a Trial>, slots: usize, metric: Metric) -> Reporter<'a> {
+        let start = Instant::now();
+        let bar = Bar::start(TEMPLATE, trials.len() as u64, 0, start);
+        Reporter { trials, slots, metric, start, last_line: start, bar }
+    }
+
+    /// Whether a line is due though nothing finished.
+    pub fn due(&self) -> bool {
+        self.last_line.elapsed() >= EVERY
+    }
+
+    /// Updates the live line; logs a status line when `finished` (a trial got its record) or due.
+    pub fn report(&mut self, records: &BTreeMap<String, Record>, running: &[f64], finished: bool) {
+        let s = Snapshot::new(&self.trials, records, running, self.slots, self.metric);
+        if let Some(bar) = &self.bar {
+            bar.update(s.done as u64, s.eta_s, s.details());
+        }
+        if finished || self.due() {
+            tracing::info!(target: progress::TARGET, "{}", s.line(self.start.elapsed().as_secs_f64()));
+            self.last_line = Instant::now();
+        }
+    }
+
+    /// The sweep is over: the live line stays, the table prints below it.
+    pub fn finish(&mut self) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sweep::trial::Summary;
+
+    fn trial(i: usize) -> Trial {
+        Trial { id: format!("{i:03}-x"), index: i, params: BTreeMap::new() }
+    }
+
+    fn record(t: &Trial, status: Status, loss: Option<f64>, secs: f64) -> Record {
+        Record {
+            trial: t.id.clone(), index: t.index, params: BTreeMap::new(), status, told_by: None, exit_code: None,
+            summary: Summary { best_eval_loss: loss, ..Default::default() }, duration_s: secs, run_dir: String::new(), message: None,
+            shard: "0/1".into(), finished_at: String::new(),
+        }
+    }
+
+    #[test]
+    fn counts_outcomes_best_and_eta() {
+        let ts: Vec<Trial> = (0..6).map(trial).collect();
+        let mine: Vec<&Trial> = ts.iter().collect();
+        let mut records = BTreeMap::new();
+        let s = Snapshot::new(&mine, &records, &[3.0], 2, Metric::BestEvalLoss);
+        assert_eq!((s.done, s.running, s.left(), s.eta_s, s.best.clone()), (0, 1, 5, None, None));
+        assert!(s.line(3.0).starts_with("sweep: 0/6 done, 1 running, 5 left | ok 0, infeasible 0, failed 0 | best - | 3.0s, ETA ?"), "{}", s.line(3.0));
+        for (t, st, loss, secs) in [(0, Status::Ok, Some(2.0), 10.0), (1, Status::Infeasible, None, 10.0), (2, Status::Failed, None, 10.0), (3, Status::Interrupted, Some(1.0), 10.0)] {
+            records.insert(ts[t].id.clone(), record(&ts[t], st, loss, secs));
+        }
+        // Trial 3 was interrupted: not done, it runs again (4s so far).
+        let s = Snapshot::new(&mine, &records, &[4.0], 2, Metric::BestEvalLoss);
+        assert_eq!((s.done, s.running, s.left(), s.ok, s.infeasible, s.failed), (3, 1, 2, 1, 1, 1));
+        assert_eq!(s.best, Some(("000-x".into(), 2.0)));
+        // Two left at 10s each and 6s of the running one, over 2 slots.
+        assert_eq!(s.eta_s, Some((2.0 * 10.0 + 6.0) / 2.0));
+        assert_eq!(s.line(31.0), "sweep: 3/6 done, 1 running, 2 left | ok 1, infeasible 1, failed 1 | best 000-x 2.0000 | 31s, ETA 13s");
+        records.insert(ts[4].id.clone(), record(&ts[4], Status::Timeout, None, 10.0));
+        assert!(Snapshot::new(&mine, &records, &[], 1, Metric::BestEvalLoss).line(0.0).contains("failed 1, timeout 1 |"));
+    }
+
+    #[test]
+    fn eta_spreads_work_over_the_slots_it_can_use() {
+        let mut p = Pace::new(10);
+        assert_eq!(eta(&p, &[1.0], 3, 2), None);
+        p.add(10.0);
+        assert_eq!(eta(&p, &[], 3, 1), Some(30.0));
+        assert_eq!(eta(&p, &[4.0], 0, 4), Some(6.0)); // one trial left running: one slot works
+        assert_eq!(eta(&p, &[12.0], 0, 1), Some(0.0)); // past the pace: nothing known left
+    }
+}
