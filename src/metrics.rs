@@ -167,8 +167,7 @@ impl MetricsWriter {
             let r = dir.join("metrics.replaced.jsonl");
             let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&r).map_err(|e| Error::io(format!("cannot open {}", r.display()), e))?;
             f.write_all(replaced.as_bytes()).and_then(|_| f.sync_all()).map_err(|e| Error::io(format!("cannot write {}", r.display()), e))?;
-            let tmp = dir.join("metrics.jsonl.tmp");
-            std::fs::write(&tmp, keep).and_then(|_| std::fs::rename(&tmp, &path)).map_err(|e| Error::io(format!("cannot rewrite {}", path.display()), e))?;
+            oomguard_report::atomic::write(&path, keep.as_bytes()).map_err(|e| Error::io(format!("cannot rewrite {}", path.display()), e))?;
         }
         Self::open(dir)
     }

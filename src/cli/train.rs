@@ -98,7 +98,8 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
     })?;
     if lead {
         let resolved = serde_yaml::to_string(&cfg.resolved()).context("encoding the resolved config")?;
-        std::fs::write(run_dir.join("config.yaml"), resolved).with_context(|| format!("writing {}/config.yaml", run_dir.display()))?;
+        // A resumed run rewrites it: whole or not at all.
+        oomguard_report::atomic::write(&run_dir.join("config.yaml"), resolved.as_bytes()).with_context(|| format!("writing {}/config.yaml", run_dir.display()))?;
         metrics::set_log_file(&run_dir.join("train.log"))?;
     }
     tracing::info!("run directory {}", run_dir.display());

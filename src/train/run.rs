@@ -56,6 +56,9 @@ pub(super) struct Run<'a> {
     eval_history: BTreeMap<u64, f64>,
     /// Checkpoints known to verify (or not), so pruning reads each at most once.
     verified: BTreeMap<u64, bool>,
+    /// The step the last checkpoint this run wrote resumes at: the final checkpoint is not
+    /// written (nor logged) again when the last periodic one already is it.
+    checkpointed: Option<u64>,
     /// The micro-batch cache's key for this model, memory and device; `None` when this run
     /// must not teach it (its failures are injected, not facts about memory).
     cache_key: Option<String>,
@@ -198,7 +201,7 @@ impl<'a> Run<'a> {
         Ok(Run {
             cfg, run_dir: run_dir.to_path_buf(), device, units_per_step: global * data.train.units_per_sample(), task, data, opt,
             precision, scaler, guard, eval_guard, pressure: PressureSchedule::new(&c.memory.pressure, device), metrics, next_step, first_step: next_step,
-            eval_history, verified: BTreeMap::new(), cache_key: options.inject_oom.is_none().then_some(cache_key), pg, lead,
+            eval_history, verified: BTreeMap::new(), checkpointed: None, cache_key: options.inject_oom.is_none().then_some(cache_key), pg, lead,
             summary: Summary { steps: c.train.max_steps, first_loss: f64::NAN, best_val_loss: best, ..Default::default() },
             start: Instant::now(),
         })
@@ -349,9 +352,14 @@ impl<'a> Run<'a> {
     /// A checkpoint from which the run resumes at `next_step`; old ones are pruned. Rank 0
     /// writes it; the ranks wait for it together.
     pub fn checkpoint(&mut self, next_step: u64) -> Result<()> {
+        // Every rank knows it: all skip together, before the barrier.
+        if self.checkpointed == Some(next_step) {
+            return Ok(());
+        }
         if self.lead {
             self.write_checkpoint(next_step)?;
         }
+        self.checkpointed = Some(next_step);
         match &self.pg {
             Some(pg) => pg.barrier(),
             None => Ok(()),

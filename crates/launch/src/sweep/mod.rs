@@ -127,7 +127,8 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     }
     std::fs::create_dir_all(out.join("trials")).with_context(|| format!("creating {}", out.display()))?;
     crate::logfile::set_log_file(&out.join("sweep.log"))?;
-    std::fs::copy(&args.sweep, out.join("sweep.yaml")).with_context(|| format!("copying {} into {}", args.sweep.display(), out.display()))?;
+    let spec_text = std::fs::read(&args.sweep).with_context(|| format!("reading {}", args.sweep.display()))?;
+    oomguard_report::atomic::write(&out.join("sweep.yaml"), &spec_text).with_context(|| format!("copying {} into {}", args.sweep.display(), out.display()))?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let exe = std::env::current_exe().context("locating this executable")?.with_file_name("oomguard");
     let before = records.iter().filter(|(_, r)| !r.status.is_final()).map(|(k, r)| (k.clone(), r.duration_s)).collect();
