@@ -93,8 +93,19 @@ pub enum Record {
     Stopped { step: u64, signal: String },
     /// `micro_batch_size: auto` resolved (searched or cached).
     AutoMicroBatch(crate::plan::AutoResult),
-    /// The run resumed from a checkpoint.
-    Resumed { step: u64, checkpoint: String },
+    /// The run resumed from a checkpoint, in `precision`, which came from `precision_from`:
+    /// `checkpoint` (the precision it recorded, a rung climbed included), `--set` (given on
+    /// the resuming command, which wins) or `config` (a checkpoint that recorded none).
+    Resumed {
+        step: u64,
+        checkpoint: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        precision: Option<crate::precision::Precision>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        precision_from: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        checkpoint_precision: Option<crate::precision::Precision>,
+    },
     Eval(EvalRecord),
     Oom(OomEvent),
     Grow(ResizeEvent),

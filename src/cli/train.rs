@@ -104,7 +104,8 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
     }
     tracing::info!("run directory {}", run_dir.display());
 
-    let s = train::train_with(&cfg, &run_dir, &settings, train::Options { resume, inject_oom }, build)?;
+    let precision_set = args.set.iter().any(|s| s.split_once('=').is_some_and(|(k, _)| k.trim() == "train.precision"));
+    let s = train::train_with(&cfg, &run_dir, &settings, train::Options { resume, inject_oom, precision_set }, build)?;
     tracing::info!(
         "done: {} steps in {:.1}s | loss {:.4} -> {:.4}{} | {:.0} tok/s | peak memory {} | {} OOMs recovered, micro-batch {} at the end",
         s.steps, s.wall_s, s.first_loss, s.final_loss,

@@ -152,9 +152,8 @@ impl<'a> Run<'a> {
                 if state.extra.get("activation_checkpointing").and_then(|v| v.as_bool()) == Some(true) {
                     task.set_activation_checkpointing(true);
                 }
-                if let Some(p) = state.extra.get("precision").and_then(|v| serde_json::from_value(v.clone()).ok()) {
-                    precision = p;
-                }
+                let saved: Option<Precision> = state.extra.get("precision").and_then(|v| serde_json::from_value(v.clone()).ok());
+                let precision_from = resumed_precision(&mut precision, saved, options.precision_set);
                 let configured = match c.train.micro_batch_size {
                     MicroBatch::Size(m) => m,
                     MicroBatch::Auto => state.policy.configured,
@@ -163,7 +162,10 @@ impl<'a> Run<'a> {
                 guard.policy = Policy::resumed(state.policy, configured);
                 eval_guard.policy = Policy::resumed(state.eval_policy, c.train.eval_batch_size);
                 if let Some(m) = metrics.as_mut() {
-                    m.write(&Record::Resumed { step: state.next_step, checkpoint: dir.display().to_string() })?;
+                    m.write(&Record::Resumed {
+                        step: state.next_step, checkpoint: dir.display().to_string(), precision: Some(precision),
+                        precision_from: Some(precision_from.into()), checkpoint_precision: saved,
+                    })?;
                 }
                 tracing::info!("resumed from {} at step {} (micro-batch {})", dir.display(), state.next_step, guard.micro_batch_size());
                 resumed_extra = state.extra.clone();
@@ -185,7 +187,7 @@ impl<'a> Run<'a> {
         }
         let agree = pg.clone().map(|p| p as Rc<dyn Agree>);
         let (guard, eval_guard) = (guard.with_agreement(agree.clone()), eval_guard.with_agreement(agree));
-        let scaler = (precision == Precision::Fp16).then(|| Scaler::new(device)).transpose().map_err(|e| init_failure(e.into(), cfg, device, "creating the loss scaler"))?;
+        let scaler = (precision == Precision::Fp16).then(|| Scaler::new(&c.train.grad_scaler, device)).transpose().map_err(|e| init_failure(e.into(), cfg, device, "creating the loss scaler"))?;
         if let (Some(s), Some(scale)) = (&scaler, resumed_extra.get("loss_scale").and_then(|v| v.as_f64())) {
             s.load_state(scale, resumed_extra.get("growth_tracker").and_then(|v| v.as_i64()).unwrap_or(0))?;
         }
@@ -536,6 +538,32 @@ fn check_loss(task: &dyn Task, data: &Dataset, device: Device, cfg: &Config, pre
             "{} cannot compute the loss of one sample of {} (inputs {}, targets {}): {}",
             task.describe(), data.train.name(), describe(&x), describe(&y), task::error_line(&e.to_string())
         ))),
+    }
+}
+
+/// The precision a resumed run trains in: the checkpoint's (a rung climbed stays climbed),
+/// unless `--set train.precision` on the resuming command says otherwise. Said either way
+/// when it differs from the config; returns where it came from, for the `resumed` event.
+fn resumed_precision(precision: &mut Precision, saved: Option<Precision>, set: bool) -> &'static str {
+    let configured = *precision;
+    match saved {
+        _ if set => {
+            if let Some(s) = saved.filter(|&s| s != configured) {
+                tracing::info!("precision {}: --set train.precision wins over the checkpoint's {}", configured.name(), s.name());
+            }
+            "--set"
+        }
+        Some(s) => {
+            if s != configured {
+                tracing::info!(
+                    "precision {}, as in the checkpoint (train.precision says {}); --set train.precision={} on this command to change it",
+                    s.name(), configured.name(), configured.name()
+                );
+            }
+            *precision = s;
+            "checkpoint"
+        }
+        None => "config",
     }
 }
 
