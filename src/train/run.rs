@@ -466,12 +466,14 @@ impl StepCtx<'_> {
         Ok(())
     }
 
-    /// After a failed attempt: no gradients, buffers as they were.
+    /// After a failed attempt: no gradients, buffers as they were. The snapshot goes too (the
+    /// next attempt takes its own), so that live memory is back to the step's start: kept,
+    /// the guard would count it as a leak and halve twice.
     fn undo(&mut self, task: &dyn Task) {
         self.opt.clear_grads();
-        if let Some(saved) = &self.buffers {
+        if let Some(saved) = self.buffers.take() {
             let _no_grad = tch::no_grad_guard();
-            for ((name, b), s) in task.buffers().iter().zip(saved) {
+            for ((name, b), s) in task.buffers().iter().zip(&saved) {
                 if let Err(e) = b.shallow_clone().f_copy_(s) {
                     tracing::warn!("could not restore buffer {name} after a failed attempt: {e}");
                 }
