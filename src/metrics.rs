@@ -96,8 +96,19 @@ pub enum Record {
     Stopped { step: u64, signal: String },
     /// `micro_batch_size: auto` resolved (searched or cached).
     AutoMicroBatch(crate::plan::AutoResult),
-    /// The run resumed from a checkpoint.
-    Resumed { step: u64, checkpoint: String },
+    /// The run resumed from a checkpoint, in `precision`, which came from `precision_from`:
+    /// `checkpoint` (the precision it recorded, a rung climbed included), `--set` (given on
+    /// the resuming command, which wins) or `config` (a checkpoint that recorded none).
+    Resumed {
+        step: u64,
+        checkpoint: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        precision: Option<crate::precision::Precision>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        precision_from: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        checkpoint_precision: Option<crate::precision::Precision>,
+    },
     Eval(EvalRecord),
     Oom(OomEvent),
     Grow(ResizeEvent),
@@ -170,8 +181,7 @@ impl MetricsWriter {
             let r = dir.join("metrics.replaced.jsonl");
             let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&r).map_err(|e| Error::io(format!("cannot open {}", r.display()), e))?;
             f.write_all(replaced.as_bytes()).and_then(|_| f.sync_all()).map_err(|e| Error::io(format!("cannot write {}", r.display()), e))?;
-            let tmp = dir.join("metrics.jsonl.tmp");
-            std::fs::write(&tmp, keep).and_then(|_| std::fs::rename(&tmp, &path)).map_err(|e| Error::io(format!("cannot rewrite {}", path.display()), e))?;
+            oomguard_report::atomic::write(&path, keep.as_bytes()).map_err(|e| Error::io(format!("cannot rewrite {}", path.display()), e))?;
         }
         Self::open(dir)
     }

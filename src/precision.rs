@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use std::ffi::{c_char, c_void};
 use tch::{Device, Kind, TchError, Tensor};
 
+use crate::error::ConfigError;
 use crate::memory::check;
 use crate::ops::scalar;
 
@@ -124,23 +125,58 @@ impl<'a> Amp<'a> {
     }
 }
 
-/// GradScaler's defaults.
-const INIT_SCALE: f64 = 65536.0;
-const GROWTH: f64 = 2.0;
-const BACKOFF: f64 = 0.5;
-const GROWTH_INTERVAL: i64 = 2000;
+/// `train.grad_scaler`: fp16's dynamic loss scaling, GradScaler's arguments under its
+/// names and with its defaults.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GradScalerConfig {
+    /// The loss scale at the start.
+    pub init_scale: f64,
+    /// The scale is multiplied by this after `growth_interval` clean steps in a row...
+    pub growth_factor: f64,
+    /// ...and by this on a step whose gradients overflow (the step is skipped).
+    pub backoff_factor: f64,
+    pub growth_interval: u32,
+}
+
+impl Default for GradScalerConfig {
+    fn default() -> Self {
+        GradScalerConfig { init_scale: 65536.0, growth_factor: 2.0, backoff_factor: 0.5, growth_interval: 2000 }
+    }
+}
+
+impl GradScalerConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |key: &str, message: String| Err(ConfigError::invalid(&format!("train.grad_scaler.{key}"), message));
+        if !(self.init_scale.is_finite() && self.init_scale > 0.0) {
+            return bad("init_scale", format!("is {}; it must be a positive number (GradScaler's default: 65536)", self.init_scale));
+        }
+        if !(self.growth_factor.is_finite() && self.growth_factor > 1.0) {
+            return bad("growth_factor", format!("is {}; it must be above 1 (default 2.0)", self.growth_factor));
+        }
+        if !(self.backoff_factor > 0.0 && self.backoff_factor < 1.0) {
+            return bad("backoff_factor", format!("is {}; it must be between 0 and 1 (default 0.5)", self.backoff_factor));
+        }
+        if self.growth_interval == 0 {
+            return bad("growth_interval", "is 0; it must be at least 1 (default 2000)".into());
+        }
+        Ok(())
+    }
+}
 
 /// Dynamic loss scaling for fp16.
 pub struct Scaler {
     pub scale: Tensor,
     growth_tracker: Tensor,
     found_inf: Tensor,
+    cfg: GradScalerConfig,
 }
 
 impl Scaler {
-    pub fn new(device: Device) -> Result<Scaler, TchError> {
+    pub fn new(cfg: &GradScalerConfig, device: Device) -> Result<Scaler, TchError> {
         Ok(Scaler {
-            scale: scalar(INIT_SCALE, Kind::Float, device)?,
+            cfg: cfg.clone(),
+            scale: scalar(cfg.init_scale, Kind::Float, device)?,
             growth_tracker: Tensor::f_zeros([], (Kind::Int, device))?,
             found_inf: Tensor::f_zeros([], (Kind::Float, device))?,
         })
@@ -158,7 +194,8 @@ impl Scaler {
     /// After the step: back off if it was skipped, else count towards growing.
     pub fn update(&self) -> Result<(), TchError> {
         let p = |t: &Tensor| t.as_ptr() as *mut c_void;
-        check(unsafe { og_amp_update_scale(p(&self.scale), p(&self.growth_tracker), p(&self.found_inf), GROWTH, BACKOFF, GROWTH_INTERVAL) })
+        let c = &self.cfg;
+        check(unsafe { og_amp_update_scale(p(&self.scale), p(&self.growth_tracker), p(&self.found_inf), c.growth_factor, c.backoff_factor, c.growth_interval.into()) })
     }
 
     pub fn value(&self) -> f64 {

@@ -167,14 +167,29 @@ fn kill_9_during_checkpoint_writes() {
     assert!(checkpoints(&run).len() <= 3);
 }
 
+/// Files in `run` (not in folders) whose names start with a dot: temporary files.
+fn hidden_files(run: &Path) -> Vec<String> {
+    std::fs::read_dir(run).unwrap().flatten().filter(|e| e.file_type().unwrap().is_file())
+        .map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with('.')).collect()
+}
+
 /// A corrupt or truncated checkpoint is named; --resume falls back to the newest valid one.
+/// Each checkpoint is written and logged once (the last periodic one is the final one), and
+/// what a killed writer leaves behind is cleared on resume.
 #[test]
 fn corrupt_and_truncated_checkpoints() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = write_config(dir.path(), "tiny.yaml", &(TINY.to_string() + "checkpoint: {every_steps: 2, keep: 3}\n"));
-    let run = train_ok(dir.path(), &cfg, &[]);
+    let run = dir.path().join("run");
+    let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()], dir.path());
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
     let ckpts = checkpoints(&run);
     assert_eq!(ckpts.iter().map(|p| p.file_name().unwrap().to_str().unwrap().to_string()).collect::<Vec<_>>(), ["step-00000002", "step-00000004", "step-00000006"]);
+    for c in &ckpts {
+        assert_eq!(err.matches(&format!("checkpoint {}\n", c.display())).count(), 1, "{err}");
+    }
+    assert_eq!(hidden_files(&run), Vec::<String>::new(), "every file is renamed into place");
 
     // Flip a byte in the newest optimizer state; truncate the next one's weights.
     let opt = ckpts[2].join("optimizer.safetensors");
@@ -193,9 +208,12 @@ fn corrupt_and_truncated_checkpoints() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("step-00000004/model.safetensors: truncated"), "{}", stderr(&o));
 
+    // A final weights file a kill interrupted mid-write: the temporary file, never the real one.
+    std::fs::write(run.join(".model.safetensors.99999.tmp"), b"half a file").unwrap();
     let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--resume", "--max-steps", "8"], dir.path());
     let err = stderr(&o);
     assert!(o.status.success(), "{err}");
+    assert_eq!(hidden_files(&run), Vec::<String>::new());
     assert!(err.contains("skipping checkpoint") && err.contains("resumed from") && err.contains("step-00000002 at step 2"), "{err}");
     // The resumed run replaced steps 2.. and kept the earlier records.
     assert_eq!(records(&run, "step").iter().map(|r| r["step"].as_u64().unwrap()).collect::<Vec<_>>(), (0..8).collect::<Vec<_>>());

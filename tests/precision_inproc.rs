@@ -46,7 +46,7 @@ fn checkpointing_gives_the_same_gradients() {
 fn fp16_scaler_skips_an_overflowing_step_and_backs_off() {
     let common::TinyGpt { data, task, mut opt } = common::tiny_gpt();
     let batches = common::tiny_batches(&data, 4);
-    let scaler = Scaler::new(Device::Cpu).unwrap();
+    let scaler = Scaler::new(&Default::default(), Device::Cpu).unwrap();
     assert_eq!(scaler.value(), 65536.0);
     let amp = Amp { precision: Precision::Fp16, device: Device::Cpu, loss_scale: Some(&scaler.scale) };
     let u = Update { lr: 1e-3, grad_clip: 1.0, amp, scaler: Some(&scaler) };

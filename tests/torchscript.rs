@@ -5,24 +5,6 @@ mod common;
 use common::*;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
-use std::process::Command;
-
-fn root() -> PathBuf {
-    common::root()
-}
-
-/// The set-up's python3 (torch 2.13, safetensors), run quietly (torch.jit is deprecated:
-/// warnings only).
-fn python(args: &[&str]) -> String {
-    let py = root().join(".venv/bin/python3");
-    let o = Command::new(&py).args(args).env("PYTHONWARNINGS", "ignore").env("OMP_NUM_THREADS", "1").output().expect("python3 from the set-up's venv");
-    assert!(o.status.success(), "python {args:?}: {}", String::from_utf8_lossy(&o.stderr));
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn script(name: &str) -> String {
-    root().join(name).display().to_string()
-}
 
 /// examples/torchscript/mu_sota.py's model (block 32) and a text corpus, with a config.
 fn mu_sota(dir: &Path, extra: &str) -> PathBuf {
@@ -100,33 +82,98 @@ fn an_oom_inside_the_scripted_model_is_recovered_with_the_same_result() {
     assert!(d < 1e-5, "parameters differ by {d}");
 }
 
-/// Resume is bitwise exact, BatchNorm's running statistics (buffers) included, and those
-/// buffers reach Python: the eval loss there (eval mode uses them) is oomguard's.
-#[test]
-fn resume_is_exact_and_buffers_are_kept() {
-    let dir = tempfile::tempdir().unwrap();
-    let (model, data) = (dir.path().join("bn.pt"), dir.path().join("bn.safetensors"));
+/// tests/scripts/ts_bn.py's model (with BatchNorm) and data, and a config training it at
+/// micro-batch 32, the whole global batch: (config, data file).
+fn bn_model(dir: &Path) -> (PathBuf, PathBuf) {
+    let (model, data) = (dir.join("bn.pt"), dir.join("bn.safetensors"));
     python(&[&script("tests/scripts/ts_bn.py"), "--out", model.to_str().unwrap(), "--data", data.to_str().unwrap()]);
-    let cfg = write_config(dir.path(), "bn.yaml", "
+    let cfg = write_config(dir, "bn.yaml", "
 model: {kind: torchscript, path: bn.pt}
 data: {source: tensors, path: bn.safetensors, val_fraction: 0.2}
 optim: {lr: 1.0e-2, warmup_steps: 2, decay_steps: 10}
 train: {micro_batch_size: 32, grad_accum_steps: 1, max_steps: 10, eval_every: 0, eval_batch_size: 32, eval_batches: 2, seed: 3, device: cpu, num_threads: 1}
 ");
+    (cfg, data)
+}
+
+fn tensor<'t>(w: &'t [(String, tch::Tensor)], name: &str) -> &'t tch::Tensor {
+    &w.iter().find(|(n, _)| n == name).unwrap_or_else(|| panic!("no {name}")).1
+}
+
+/// Resume is bitwise exact, BatchNorm's running statistics (buffers) included, and those
+/// buffers reach Python: the eval loss there (eval mode uses them) is oomguard's.
+#[test]
+fn resume_is_exact_and_buffers_are_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, data) = bn_model(dir.path());
     let full = run(dir.path(), &cfg, "full", &[]);
     let half = run(dir.path(), &cfg, "half", &["--max-steps", "5"]);
     run(dir.path(), &cfg, "half", &["--resume"]);
     let (a, b) = (weights(&full), weights(&half));
     assert!(a.iter().any(|(n, _)| n == "bn.running_mean") && a.iter().any(|(n, _)| n == "bn.num_batches_tracked"), "{:?}", a.iter().map(|(n, _)| n).collect::<Vec<_>>());
     assert_eq!(max_abs_diff(&a, &b), 0.0, "resume is not exact");
-    let tracked = a.iter().find(|(n, _)| n == "bn.num_batches_tracked").unwrap().1.int64_value(&[]);
-    assert_eq!(tracked, 10, "one BatchNorm update per step (failed attempts are undone)");
+    assert_eq!(tensor(&a, "bn.num_batches_tracked").int64_value(&[]), 10, "one BatchNorm update per step (failed attempts are undone)");
 
     let ours_val = records(&full, "eval").last().unwrap()["val_loss"].as_f64().unwrap();
     let cfg = json!({"data": data, "val_fraction": 0.2, "seed": 3, "eval_batch": 32, "eval_batches": 2});
     let py = reference(dir.path(), "eval", "bn", &full.join("model.safetensors"), cfg);
     let py_val = py["val_loss"].as_f64().unwrap();
     assert!((ours_val - py_val).abs() < 1e-5, "eval loss: oomguard {ours_val}, Python {py_val}");
+}
+
+/// BatchNorm normalises each forward's batch, so split into micro-batches its statistics are
+/// each micro-batch's, as with gradient accumulation in PyTorch: a run at 16 x 2 is eager
+/// PyTorch accumulating over the same two halves (to 1e-5), not the run at 32 x 1; its
+/// running statistics get one update per micro-batch; it resumes exactly; and a guard that
+/// halves 32 to 16 (once: the undo's snapshot of the buffers is no leak) trains on exactly
+/// as the 16 x 2 run does.
+#[test]
+fn batchnorm_statistics_follow_the_micro_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, data) = bn_model(dir.path());
+    let at16 = ["--set", "train.micro_batch_size=16", "--set", "train.grad_accum_steps=2"];
+    let whole = run(dir.path(), &cfg, "whole", &[]);
+    let split = run(dir.path(), &cfg, "split", &at16);
+    assert!(records(&split, "step").iter().all(|s| s["micro_batch_size"] == 16 && s["grad_accum_steps"] == 2 && s["num_samples"] == 32));
+
+    let eager = dir.path().join("eager.safetensors");
+    let cfg_json = json!({"data": data, "val_fraction": 0.2, "seed": 3, "global_batch": 32, "micro_batch": 16, "steps": 10,
+                          "lr": 1e-2, "min_lr": 1e-4, "warmup": 2, "decay_steps": 10, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95,
+                          "eps": 1e-8, "grad_clip": 1.0});
+    let py = python(&[&script("tests/scripts/ts_reference.py"), "train", "--model", "bn", "--config", &cfg_json.to_string(),
+                      "--weights", dir.path().join("bn.pt").to_str().unwrap(), "--out", eager.to_str().unwrap()]);
+    let eager_losses: Vec<f64> = serde_json::from_value(serde_json::from_str::<Value>(py.lines().last().unwrap()).unwrap()["losses"].clone()).unwrap();
+    let ours = losses(&split);
+    for (s, (a, b)) in ours.iter().zip(&eager_losses).enumerate() {
+        assert!((a - b).abs() < 1e-5, "step {s}: oomguard {a}, eager PyTorch {b}\n{ours:?}\n{eager_losses:?}");
+    }
+    // fc1.bias feeds BatchNorm, which subtracts it out: its gradient is float noise, which
+    // AdamW scales up to steps of about lr either way, so it (and the running mean it shifts)
+    // differs between any two implementations. Every other tensor is compared.
+    let conditioned = |w: &[(String, tch::Tensor)]| -> Vec<(String, tch::Tensor)> {
+        w.iter().filter(|(n, _)| n != "fc1.bias" && n != "bn.running_mean").map(|(n, t)| (n.clone(), t.shallow_clone())).collect()
+    };
+    let (w_split, w_whole) = (weights(&split), weights(&whole));
+    let d = max_abs_diff(&conditioned(&w_split), &conditioned(&safetensors(&eager)));
+    assert!(d < 1e-5, "16 x 2 against eager PyTorch accumulating over 16 x 2: {d}");
+    let d = max_abs_diff(&conditioned(&w_split), &conditioned(&w_whole));
+    assert!(d > 1e-2, "16 x 2 and 32 x 1 should differ (batch statistics of 16, not 32): {d}");
+    assert_eq!(tensor(&w_split, "bn.num_batches_tracked").int64_value(&[]), 20, "one running-statistics update per micro-batch");
+
+    let half = run(dir.path(), &cfg, "half", &[at16.as_slice(), &["--max-steps", "5"]].concat());
+    run(dir.path(), &cfg, "half", &[at16.as_slice(), &["--resume"]].concat());
+    assert_eq!(max_abs_diff(&weights(&half), &w_split), 0.0, "resume at 16 x 2 is not exact");
+
+    // Under a budget between the two sizes' peaks the guard halves 32 to 16 at step 0.
+    let peak = |r: &Path| records(r, "step")[0]["memory"]["peak_bytes"].as_u64().unwrap();
+    let budget = ((peak(&split) + peak(&whole)) / 2).to_string();
+    let guarded = run(dir.path(), &cfg, "guarded", &["--memory-budget", &budget, "--set", "memory.cooldown_steps=1000"]);
+    let ooms: Vec<Value> = records(&guarded, "oom").into_iter().filter(|e| e["phase"] != "eval").collect();
+    assert_eq!(ooms.len(), 1, "{ooms:?}");
+    assert_eq!((ooms[0]["step"].as_u64(), ooms[0]["new_micro_batch_size"].as_u64()), (Some(0), Some(16)));
+    // The buffers' snapshot, taken for the undo, is not mistaken for a leak (which halves twice).
+    assert_eq!(ooms[0]["memory_before"], ooms[0]["memory_after_cleanup"], "{}", ooms[0]);
+    assert_eq!(max_abs_diff(&weights(&guarded), &w_split), 0.0, "the guarded run is the 16 x 2 run");
 }
 
 /// What is not a usable model is bad input (exit 2), named with what was expected.

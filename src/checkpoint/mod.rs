@@ -1,14 +1,16 @@
 //! Checkpoints: `run_dir/checkpoints/step-NNNNNNNN/` holding model.safetensors,
 //! optimizer.safetensors, rng.safetensors and state.json (training state plus the size and
 //! CRC32 of every file, written last). A checkpoint is built in a temporary folder, every
-//! file fsynced, then renamed into place and the parent fsynced: a kill at any instant
-//! leaves the previous checkpoint valid.
+//! file fsynced, then renamed into place and the parent fsynced (the steps of
+//! `oomguard_report::atomic`, for a folder): a kill at any instant leaves the previous
+//! checkpoint valid.
 mod retention;
 
 use crate::rng;
 
 pub use retention::{retention, Candidate};
 
+use oomguard_report::atomic;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -111,17 +113,15 @@ pub fn save(run_dir: &Path, state: &TrainState, task: &dyn Task, opt: &AdamW, de
     tensors::save(&opt.state().into_iter().map(|(n, t)| (n, t.shallow_clone())).collect::<Vec<_>>(), &tmp.join(FILES[1]))?;
     tensors::save(&rng::get_states(device)?, &tmp.join(FILES[2]))?;
 
+    // tensors::save fsyncs each file; the manifest is written last.
     let mut state = state.clone();
     for f in FILES {
-        let p = tmp.join(f);
-        state.files.insert(f.to_string(), checksum(&p)?);
-        File::open(&p).and_then(|f| f.sync_all()).map_err(io("cannot fsync", &p))?;
+        state.files.insert(f.to_string(), checksum(&tmp.join(f))?);
     }
     let manifest = tmp.join("state.json");
     let text = serde_json::to_string_pretty(&state).map_err(|e| Error::Data(format!("encoding state.json: {e}")))?;
-    std::fs::write(&manifest, text).map_err(io("cannot write", &manifest))?;
-    File::open(&manifest).and_then(|f| f.sync_all()).map_err(io("cannot fsync", &manifest))?;
-    File::open(&tmp).and_then(|f| f.sync_all()).map_err(io("cannot fsync", &tmp))?;
+    std::fs::write(&manifest, text).and_then(|()| atomic::sync(&manifest)).map_err(io("cannot write", &manifest))?;
+    atomic::sync_dir(&tmp).map_err(io("cannot fsync", &tmp))?;
     // A directory cannot be renamed over a non-empty one: the corrupt one steps aside first
     // (a kill between the two renames leaves the new one complete under its .tmp- name).
     let aside = parent.join(format!(".tmp-corrupt-step-{:08}-{}", state.next_step, std::process::id()));
@@ -129,7 +129,7 @@ pub fn save(run_dir: &Path, state: &TrainState, task: &dyn Task, opt: &AdamW, de
         std::fs::rename(&final_dir, &aside).map_err(io("cannot move aside", &final_dir))?;
     }
     std::fs::rename(&tmp, &final_dir).map_err(io("cannot rename into", &final_dir))?;
-    File::open(&parent).and_then(|f| f.sync_all()).map_err(io("cannot fsync", &parent))?;
+    atomic::sync_dir(&parent).map_err(io("cannot fsync", &parent))?;
     if replaces {
         let _ = std::fs::remove_dir_all(&aside);
     }
@@ -245,8 +245,9 @@ pub fn prune(run_dir: &Path, cfg: &CheckpointConfig, eval_history: &BTreeMap<u64
     }
 }
 
-/// Removes temporary folders a killed writer left behind.
+/// Removes temporary folders and files a killed writer left behind.
 pub fn clean_partial(run_dir: &Path) {
+    atomic::remove_leftovers(run_dir);
     for e in std::fs::read_dir(checkpoints_dir(run_dir)).into_iter().flatten().flatten() {
         if e.file_name().to_string_lossy().starts_with(".tmp-") {
             let _ = std::fs::remove_dir_all(e.path());

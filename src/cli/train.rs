@@ -108,12 +108,14 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
     })?;
     if lead {
         let resolved = serde_yaml::to_string(&cfg.resolved()).context("encoding the resolved config")?;
-        std::fs::write(run_dir.join("config.yaml"), resolved).with_context(|| format!("writing {}/config.yaml", run_dir.display()))?;
+        // A resumed run rewrites it: whole or not at all.
+        oomguard_report::atomic::write(&run_dir.join("config.yaml"), resolved.as_bytes()).with_context(|| format!("writing {}/config.yaml", run_dir.display()))?;
         metrics::set_log_file(&run_dir.join("train.log"))?;
     }
     tracing::info!("run directory {}", run_dir.display());
 
-    let s = train::train_with(&cfg, &run_dir, &settings, train::Options { resume, inject_oom }, build)?;
+    let precision_set = args.set.iter().any(|s| s.split_once('=').is_some_and(|(k, _)| k.trim() == "train.precision"));
+    let s = train::train_with(&cfg, &run_dir, &settings, train::Options { resume, inject_oom, precision_set }, build)?;
     tracing::info!(
         "done: {} steps in {} wall time | loss {:.4} -> {:.4}{} | {:.0} tok/s | peak memory {} | {} OOMs recovered, micro-batch {} at the end",
         s.steps, oomguard_launch::progress::human_duration(s.wall_s), s.first_loss, s.final_loss,

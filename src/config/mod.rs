@@ -191,4 +191,21 @@ mod tests {
         let e = load_str("", &["train.micro_batch_size=0"]).unwrap_err();
         assert_eq!(e.key, "train.micro_batch_size");
     }
+
+    #[test]
+    fn grad_scaler_defaults_are_gradscalers_and_are_validated() {
+        let c = load_str("train: {grad_scaler: {growth_interval: 3}}\n", &[]).unwrap();
+        let g = &c.raw.train.grad_scaler;
+        assert_eq!((g.init_scale, g.growth_factor, g.backoff_factor, g.growth_interval), (65536.0, 2.0, 0.5, 3));
+        for (set, key) in [
+            ("train.grad_scaler.growth_interval=0", "train.grad_scaler.growth_interval"),
+            ("train.grad_scaler.backoff_factor=1.0", "train.grad_scaler.backoff_factor"),
+            ("train.grad_scaler.growth_factor=0.5", "train.grad_scaler.growth_factor"),
+            ("train.grad_scaler.init_scale=0", "train.grad_scaler.init_scale"),
+        ] {
+            assert_eq!(load_str("", &[set]).unwrap_err().key, key, "{set}");
+        }
+        let e = load_str("train: {grad_scaler: {interval: 3}}\n", &[]).unwrap_err();
+        assert!(e.message.contains("unknown key `interval`"), "{e}");
+    }
 }

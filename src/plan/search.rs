@@ -83,7 +83,7 @@ pub fn cached(key: &str) -> Option<usize> {
 }
 
 /// Records that `size` fits for `key`. Runs and sweep trials share the file: a lock makes
-/// the read-modify-write whole, and a rename makes the write atomic.
+/// the read-modify-write whole, and the file is replaced whole (atomic::write).
 pub fn remember(key: &str, size: usize) {
     let Some(path) = cache_path() else { return };
     let written = (|| -> std::io::Result<()> {
@@ -94,9 +94,7 @@ pub fn remember(key: &str, size: usize) {
         lock.lock()?;
         let mut all = read_cache();
         all.insert(key.to_string(), size);
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        std::fs::write(&tmp, serde_json::to_string_pretty(&all).unwrap_or_default())?;
-        std::fs::rename(&tmp, &path)
+        oomguard_report::atomic::write(&path, serde_json::to_string_pretty(&all).unwrap_or_default().as_bytes())
     })();
     if let Err(e) = written {
         tracing::warn!("cannot write the micro-batch cache {}: {e}", path.display());

@@ -9,9 +9,9 @@ use tch::{Device, Tensor};
 use super::Task;
 use crate::error::{ConfigError, Error, Result};
 
-/// Writes `named` to `path` (safetensors).
+/// Writes `named` to `path` (safetensors), whole or not at all (a temporary file renamed
+/// over it): a kill or an OOM mid-write never leaves a torn file.
 pub fn save(named: &[(String, Tensor)], path: &Path) -> Result<()> {
-    let io = |e: tch::TchError| Error::io(format!("cannot write {}", path.display()), std::io::Error::other(e.to_string()));
     let mut host = Vec::with_capacity(named.len());
     for (name, t) in named {
         // A no-op for CPU tensors that are already contiguous; an `Err` (not a panic) if the
@@ -19,7 +19,8 @@ pub fn save(named: &[(String, Tensor)], path: &Path) -> Result<()> {
         let t = t.f_detach()?.f_to_device(Device::Cpu)?.f_contiguous()?;
         host.push((name.as_str(), t));
     }
-    Tensor::write_safetensors(&host, path).map_err(io)
+    let write = |tmp: &Path| Tensor::write_safetensors(&host, tmp).map_err(|e| std::io::Error::other(e.to_string()));
+    oomguard_report::atomic::replace_with(path, write).map_err(|e| Error::io(format!("cannot write {}", path.display()), e))
 }
 
 /// Reads a safetensors file.

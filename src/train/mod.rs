@@ -71,6 +71,8 @@ pub struct TrainConfig {
     pub num_threads: Option<usize>,
     /// `auto` (bf16 on a GPU that runs it natively, else fp32), `fp32`, `bf16` or `fp16`.
     pub precision: crate::precision::PrecisionConfig,
+    /// fp16's loss scaling (GradScaler's arguments).
+    pub grad_scaler: crate::precision::GradScalerConfig,
     /// Data parallel: how long a collective may wait for the other ranks (seconds).
     pub dist_timeout_s: u64,
 }
@@ -79,7 +81,7 @@ impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
             micro_batch_size: MicroBatch::Size(8), grad_accum_steps: 1, global_batch_size: None, max_steps: 100, eval_every: 50,
-            eval_batch_size: 16, eval_batches: 4, seed: 1337, device: "auto".into(), num_threads: None, precision: Default::default(), dist_timeout_s: 1800,
+            eval_batch_size: 16, eval_batches: 4, seed: 1337, device: "auto".into(), num_threads: None, precision: Default::default(), grad_scaler: Default::default(), dist_timeout_s: 1800,
         }
     }
 }
@@ -118,7 +120,7 @@ impl TrainConfig {
             return Err(ConfigError::invalid("train.num_threads", "is 0; leave it unset for this process's CPU share (affinity, cgroup quota, Slurm)"));
         }
         parse_device(&self.device)?;
-        Ok(())
+        self.grad_scaler.validate()
     }
 
     /// The global batch: samples per optimizer step, whatever the micro-batch.

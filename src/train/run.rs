@@ -59,6 +59,9 @@ pub(super) struct Run<'a> {
     eval_history: BTreeMap<u64, f64>,
     /// Checkpoints known to verify (or not), so pruning reads each at most once.
     verified: BTreeMap<u64, bool>,
+    /// The step the last checkpoint this run wrote resumes at: the final checkpoint is not
+    /// written (nor logged) again when the last periodic one already is it.
+    checkpointed: Option<u64>,
     /// The micro-batch cache's key for this model, memory and device; `None` when this run
     /// must not teach it (its failures are injected, not facts about memory).
     cache_key: Option<String>,
@@ -160,9 +163,8 @@ impl<'a> Run<'a> {
                 if state.extra.get("activation_checkpointing").and_then(|v| v.as_bool()) == Some(true) {
                     task.set_activation_checkpointing(true);
                 }
-                if let Some(p) = state.extra.get("precision").and_then(|v| serde_json::from_value(v.clone()).ok()) {
-                    precision = p;
-                }
+                let saved: Option<Precision> = state.extra.get("precision").and_then(|v| serde_json::from_value(v.clone()).ok());
+                let precision_from = resumed_precision(&mut precision, saved, options.precision_set);
                 let configured = match c.train.micro_batch_size {
                     MicroBatch::Size(m) => m,
                     MicroBatch::Auto => state.policy.configured,
@@ -171,7 +173,10 @@ impl<'a> Run<'a> {
                 guard.policy = Policy::resumed(state.policy, configured);
                 eval_guard.policy = Policy::resumed(state.eval_policy, c.train.eval_batch_size);
                 if let Some(m) = metrics.as_mut() {
-                    m.write(&Record::Resumed { step: state.next_step, checkpoint: dir.display().to_string() })?;
+                    m.write(&Record::Resumed {
+                        step: state.next_step, checkpoint: dir.display().to_string(), precision: Some(precision),
+                        precision_from: Some(precision_from.into()), checkpoint_precision: saved,
+                    })?;
                 }
                 tracing::info!("resumed from {} at step {} (micro-batch {})", dir.display(), state.next_step, guard.micro_batch_size());
                 resumed_extra = state.extra.clone();
@@ -204,7 +209,7 @@ impl<'a> Run<'a> {
         }
         let agree = pg.clone().map(|p| p as Rc<dyn Agree>);
         let (guard, eval_guard) = (guard.with_agreement(agree.clone()), eval_guard.with_agreement(agree));
-        let scaler = (precision == Precision::Fp16).then(|| Scaler::new(device)).transpose().map_err(|e| init_failure(e.into(), cfg, device, "creating the loss scaler"))?;
+        let scaler = (precision == Precision::Fp16).then(|| Scaler::new(&c.train.grad_scaler, device)).transpose().map_err(|e| init_failure(e.into(), cfg, device, "creating the loss scaler"))?;
         if let (Some(s), Some(scale)) = (&scaler, resumed_extra.get("loss_scale").and_then(|v| v.as_f64())) {
             s.load_state(scale, resumed_extra.get("growth_tracker").and_then(|v| v.as_i64()).unwrap_or(0))?;
         }
@@ -220,7 +225,7 @@ impl<'a> Run<'a> {
         Ok(Run {
             cfg, run_dir: run_dir.to_path_buf(), device, units_per_step: global * data.train.units_per_sample(), task, data, opt,
             precision, scaler, guard, eval_guard, pressure: PressureSchedule::new(&c.memory.pressure, device), metrics, next_step, first_step: next_step,
-            eval_history, verified: BTreeMap::new(), cache_key: options.inject_oom.is_none().then_some(cache_key), pg, lead,
+            eval_history, verified: BTreeMap::new(), checkpointed: None, cache_key: options.inject_oom.is_none().then_some(cache_key), pg, lead,
             summary: Summary { steps: c.train.max_steps, first_loss: f64::NAN, best_val_loss: best, ..Default::default() },
             progress: Progress::new(cfg.schedule(), next_step, lead),
         })
@@ -399,9 +404,14 @@ impl<'a> Run<'a> {
     /// A checkpoint from which the run resumes at `next_step`; old ones are pruned. Rank 0
     /// writes it; the ranks wait for it together.
     pub fn checkpoint(&mut self, next_step: u64) -> Result<()> {
+        // Every rank knows it: all skip together, before the barrier.
+        if self.checkpointed == Some(next_step) {
+            return Ok(());
+        }
         if self.lead {
             self.write_checkpoint(next_step)?;
         }
+        self.checkpointed = Some(next_step);
         if let Some(pg) = &self.pg {
             pg.barrier()?;
         }
@@ -512,12 +522,14 @@ impl StepCtx<'_> {
         Ok(())
     }
 
-    /// After a failed attempt: no gradients, buffers as they were.
+    /// After a failed attempt: no gradients, buffers as they were. The snapshot goes too (the
+    /// next attempt takes its own), so that live memory is back to the step's start: kept,
+    /// the guard would count it as a leak and halve twice.
     fn undo(&mut self, task: &dyn Task) {
         self.opt.clear_grads();
-        if let Some(saved) = &self.buffers {
+        if let Some(saved) = self.buffers.take() {
             let _no_grad = tch::no_grad_guard();
-            for ((name, b), s) in task.buffers().iter().zip(saved) {
+            for ((name, b), s) in task.buffers().iter().zip(&saved) {
                 if let Err(e) = b.shallow_clone().f_copy_(s) {
                     tracing::warn!("could not restore buffer {name} after a failed attempt: {e}");
                 }
@@ -599,6 +611,32 @@ fn check_loss(task: &dyn Task, data: &Dataset, device: Device, cfg: &Config, pre
             "{} cannot compute the loss of one sample of {} (inputs {}, targets {}): {}",
             task.describe(), data.train.name(), describe(&x), describe(&y), task::error_line(&e.to_string())
         ))),
+    }
+}
+
+/// The precision a resumed run trains in: the checkpoint's (a rung climbed stays climbed),
+/// unless `--set train.precision` on the resuming command says otherwise. Said either way
+/// when it differs from the config; returns where it came from, for the `resumed` event.
+fn resumed_precision(precision: &mut Precision, saved: Option<Precision>, set: bool) -> &'static str {
+    let configured = *precision;
+    match saved {
+        _ if set => {
+            if let Some(s) = saved.filter(|&s| s != configured) {
+                tracing::info!("precision {}: --set train.precision wins over the checkpoint's {}", configured.name(), s.name());
+            }
+            "--set"
+        }
+        Some(s) => {
+            if s != configured {
+                tracing::info!(
+                    "precision {}, as in the checkpoint (train.precision says {}); --set train.precision={} on this command to change it",
+                    s.name(), configured.name(), configured.name()
+                );
+            }
+            *precision = s;
+            "checkpoint"
+        }
+        None => "config",
     }
 }
 

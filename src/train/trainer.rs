@@ -28,6 +28,9 @@ pub struct Options {
     pub resume: Resume,
     /// `--inject-oom COUNT[:SEED]`: allocation failures injected on purpose (CPU runs).
     pub inject_oom: Option<InjectOom>,
+    /// `--set train.precision=...` was given: on resume it wins over the precision the
+    /// checkpoint recorded (which may be a rung the run climbed to).
+    pub precision_set: bool,
 }
 
 /// What a finished run reports.

@@ -92,9 +92,28 @@ pub fn losses(run: &Path) -> Vec<f64> {
 
 /// The run's final parameters, by name.
 pub fn weights(run: &Path) -> Vec<(String, tch::Tensor)> {
-    let mut w = tch::Tensor::read_safetensors(run.join("model.safetensors")).unwrap();
+    safetensors(&run.join("model.safetensors"))
+}
+
+/// A safetensors file's tensors, sorted by name.
+pub fn safetensors(path: &Path) -> Vec<(String, tch::Tensor)> {
+    let mut w = tch::Tensor::read_safetensors(path).unwrap();
     w.sort_by(|a, b| a.0.cmp(&b.0));
     w
+}
+
+/// The set-up's python3 (torch 2.13, safetensors), run quietly (torch.jit is deprecated:
+/// warnings only); its stdout.
+pub fn python(args: &[&str]) -> String {
+    let py = root().join(".venv/bin/python3");
+    let o = Command::new(&py).args(args).env("PYTHONWARNINGS", "ignore").env("OMP_NUM_THREADS", "1").output().expect("python3 from the set-up's venv");
+    assert!(o.status.success(), "python {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// A file of the source tree, as an argument.
+pub fn script(name: &str) -> String {
+    root().join(name).display().to_string()
 }
 
 pub fn max_abs_diff(a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)]) -> f64 {

@@ -2,7 +2,10 @@
 (SplitMix64 positions of (seed, step)), AdamW in two groups (no decay on 1-D parameters),
 linear warmup then cosine, global-norm clipping. Prints JSON on stdout.
 
-  train: the per-step losses of `steps` steps from the scripted module's initial weights
+  train: the per-step losses of `steps` steps from the scripted module's initial weights,
+         each step's samples in micro-batches of `micro_batch` (default: the whole step),
+         each loss weighted by its share, as gradient accumulation in PyTorch; `--out`
+         saves the final state_dict (parameters and buffers)
   eval:  the evaluation loss of weights saved by oomguard, loaded with strict=True
 """
 import argparse
@@ -12,7 +15,7 @@ import os
 import sys
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples", "torchscript"))
 sys.path.insert(0, os.path.dirname(__file__))
@@ -91,6 +94,7 @@ def main():
     ap.add_argument("--model", choices=["mu_sota", "bn"], required=True)
     ap.add_argument("--config", required=True, help="JSON: data, seed, global_batch, ...")
     ap.add_argument("--weights", help="train: the scripted module (initial weights); eval: model.safetensors")
+    ap.add_argument("--out", help="train: where to save the final state_dict (safetensors)")
     a = ap.parse_args()
     c = json.loads(a.config)
     torch.set_num_threads(1)
@@ -117,16 +121,22 @@ def main():
     ]
     opt = torch.optim.AdamW(groups, lr=c["lr"], betas=(c["beta1"], c["beta2"]), eps=c["eps"], fused=True)
     losses = []
+    gb, mb = c["global_batch"], c.get("micro_batch", c["global_batch"])
     for step in range(c["steps"]):
-        x, y = data.batch("train", positions(c["seed"], step, c["global_batch"], data.count("train")))
-        loss = model(x, y)
-        loss.backward()
-        losses.append(loss.item())
+        x, y = data.batch("train", positions(c["seed"], step, gb, data.count("train")))
+        loss = 0.0
+        for i in range(0, gb, mb):
+            part = model(x[i: i + mb], y[i: i + mb]) * (min(mb, gb - i) / gb)
+            part.backward()
+            loss += part.item()
+        losses.append(loss)
         torch.nn.utils.clip_grad_norm_([p for _, p in named], c["grad_clip"])
         for g in opt.param_groups:
             g["lr"] = lr_at(step, c)
         opt.step()
         opt.zero_grad(set_to_none=True)
+    if a.out:
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, a.out)
     print(json.dumps({"losses": losses}))
 
 

@@ -83,7 +83,8 @@ pub struct TrainArgs {
     /// Shorthand for --set train.max_steps=N.
     #[arg(long)]
     pub max_steps: Option<u64>,
-    /// Continue from the newest valid checkpoint in --run-dir (from step 0 if it has none yet).
+    /// Continue from the newest valid checkpoint in --run-dir (from step 0 if it has none yet),
+    /// in the precision it recorded unless --set train.precision=... is given.
     #[arg(long, requires = "run_dir", conflicts_with = "resume_from")]
     pub resume: bool,
     /// Continue from this checkpoint folder (run_dir/checkpoints/step-N).

@@ -3,6 +3,7 @@
 //! uses for `log.tensorboard`. No libtorch, no Python, no system fonts.
 use std::path::{Path, PathBuf};
 
+pub mod atomic;
 pub mod draw;
 pub mod html;
 pub mod jsonl;
@@ -143,7 +144,8 @@ pub fn report(dir: &Path, out: Option<&Path>) -> Result<Outcome, Error> {
             (bytes, format!("{}\n{}", s.counts(), s.text_table()), s.warnings)
         }
     };
-    write_atomic(&out, &bytes)?;
+    // Written whole: a reader never sees half a picture.
+    atomic::write(&out, &bytes).map_err(|e| Error::io(&out, "cannot write", e))?;
     Ok(Outcome { out, text, warnings })
 }
 
@@ -183,15 +185,6 @@ fn png(size: (u32, u32), draw: impl FnOnce(&Root<plotters::backend::BitMapBacken
     writer.write_image_data(&rgb).map_err(draw::draw_err)?;
     writer.finish().map_err(draw::draw_err)?;
     Ok(bytes)
-}
-
-/// Written beside and renamed over: a reader never sees half a picture.
-fn write_atomic(out: &Path, bytes: &[u8]) -> Result<(), Error> {
-    let mut tmp = out.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    std::fs::write(&tmp, bytes).map_err(|e| Error::io(&tmp, "cannot write", e))?;
-    std::fs::rename(&tmp, out).map_err(|e| Error::io(out, "cannot write", e))
 }
 
 #[cfg(test)]

@@ -132,7 +132,8 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     }
     std::fs::create_dir_all(out.join("trials")).with_context(|| format!("creating {}", out.display()))?;
     crate::logfile::set_log_file(&out.join("sweep.log"))?;
-    std::fs::copy(&args.sweep, out.join("sweep.yaml")).with_context(|| format!("copying {} into {}", args.sweep.display(), out.display()))?;
+    let spec_text = std::fs::read(&args.sweep).with_context(|| format!("reading {}", args.sweep.display()))?;
+    oomguard_report::atomic::write(&out.join("sweep.yaml"), &spec_text).with_context(|| format!("copying {} into {}", args.sweep.display(), out.display()))?;
     // Slots share this host: each gets its part of the CPU threads and of the memory.
     let host_threads = Threads::of_self();
     let host_memory = (args.parallel > 1).then(HostMemory::of_self).flatten();

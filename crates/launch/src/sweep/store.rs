@@ -6,7 +6,6 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
@@ -109,17 +108,12 @@ impl Store {
         all.insert(record.trial.clone(), record.clone());
         let mut sorted: Vec<&Record> = all.values().collect();
         sorted.sort_by(|a, b| (a.index, &a.trial).cmp(&(b.index, &b.trial)));
-        let tmp = self.path.with_extension(format!("jsonl.{}.tmp", std::process::id()));
-        let mut f = File::create(&tmp)?;
+        let mut text = String::new();
         for r in sorted {
-            writeln!(f, "{}", serde_json::to_string(r).map_err(std::io::Error::other)?)?;
+            text.push_str(&serde_json::to_string(r).map_err(std::io::Error::other)?);
+            text.push('\n');
         }
-        f.sync_all()?;
-        std::fs::rename(&tmp, &self.path)?;
-        if let Some(dir) = self.path.parent() {
-            File::open(dir)?.sync_all()?;
-        }
-        Ok(())
+        oomguard_report::atomic::write(&self.path, text.as_bytes())
     }
 }
 

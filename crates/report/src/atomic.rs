@@ -1,0 +1,99 @@
+//! Files written whole or not at all. Every file oomguard rewrites goes through here (the
+//! final weights, a run's config.yaml, metrics.jsonl trimmed on resume, the micro-batch
+//! cache, a sweep's results.jsonl and sweep.yaml, a report): the new contents go to a
+//! temporary file beside the target, which is fsynced, renamed over it, and then the folder
+//! is fsynced. A kill, an OOM or a full disk at any instant leaves the old file or the new
+//! one, never a torn one. Checkpoints (folders) take the same steps with `sync` and
+//! `sync_dir`. It lives in this crate because it is the one every other crate depends on.
+use std::io;
+use std::path::{Path, PathBuf};
+
+/// Replaces `path` with `bytes`.
+pub fn write(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    replace_with(path, |tmp| std::fs::write(tmp, bytes))
+}
+
+/// Replaces `path` with what `fill` writes to the temporary path it is given (for writers
+/// that take a path, such as a safetensors writer). On any error the temporary file is
+/// removed and `path` is untouched.
+pub fn replace_with(path: &Path, fill: impl FnOnce(&Path) -> io::Result<()>) -> io::Result<()> {
+    let tmp = temp_path(path);
+    let done = fill(&tmp).and_then(|()| {
+        sync(&tmp)?;
+        std::fs::rename(&tmp, path)?;
+        sync_dir(&folder(path))
+    });
+    if done.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    done
+}
+
+/// Flushes a file's contents to the disk.
+pub fn sync(path: &Path) -> io::Result<()> {
+    std::fs::File::open(path)?.sync_all()
+}
+
+/// Flushes a folder's entries (a rename into it) to the disk.
+pub fn sync_dir(dir: &Path) -> io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// Removes the temporary files a killed writer left in `dir` (only for a folder no other
+/// process is writing into, such as a run directory at its start).
+pub fn remove_leftovers(dir: &Path) {
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') && name.ends_with(".tmp") && e.file_type().is_ok_and(|t| t.is_file()) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+/// `.NAME.PID.tmp` beside `path`: hidden, and one per process, so that writers never share one.
+fn temp_path(path: &Path) -> PathBuf {
+    let name = path.file_name().map_or_else(|| "file".into(), |n| n.to_string_lossy().into_owned());
+    folder(path).join(format!(".{name}.{}.tmp", std::process::id()))
+}
+
+/// The folder `path` is in (`.` for a bare file name).
+fn folder(path: &Path) -> PathBuf {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replaces_whole_and_leaves_nothing_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("a.json");
+        let names = || -> Vec<String> { std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect() };
+        write(&p, b"old").unwrap();
+        write(&p, b"new").unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"new");
+        // A writer that fails half-way: the old file stays, the temporary file goes.
+        let e = replace_with(&p, |tmp| {
+            std::fs::write(tmp, b"ha")?;
+            Err(io::Error::other("disk full"))
+        });
+        assert_eq!(e.unwrap_err().to_string(), "disk full");
+        assert_eq!(std::fs::read(&p).unwrap(), b"new");
+        assert_eq!(names(), ["a.json"]);
+        // What a killed writer leaves behind goes; the file stays.
+        std::fs::write(temp_path(&p), b"torn").unwrap();
+        remove_leftovers(dir.path());
+        assert_eq!(names(), ["a.json"]);
+    }
+
+    #[test]
+    fn a_bare_file_name_is_in_the_current_folder() {
+        assert_eq!(folder(Path::new("out.png")), PathBuf::from("."));
+        assert_eq!(temp_path(Path::new("out.png")), PathBuf::from(format!("./.out.png.{}.tmp", std::process::id())));
+        assert_eq!(folder(Path::new("/r/model.safetensors")), PathBuf::from("/r"));
+    }
+}
