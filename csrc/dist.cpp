@@ -8,9 +8,17 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
 
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 c10::intrusive_ptr<c10d::Backend> og_make_nccl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world,
@@ -40,11 +48,43 @@ void each_then_wait(const std::vector<at::Tensor>& ts, F&& issue) {
   }
   for (auto& w : works) w->wait();
 }
+// Rank 0's store socket, bound to MASTER_ADDR's own interface rather than every one: a
+// loopback address (--standalone, one node) stays on this machine.
+int bound_listener(const char* addr, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  const std::string service = std::to_string(port);
+  if (int rc = getaddrinfo(addr, service.c_str(), &hints, &res); rc != 0) {
+    throw std::runtime_error(std::string("MASTER_ADDR ") + addr + " does not resolve: " + gai_strerror(rc));
+  }
+  std::string why = "no address";
+  for (addrinfo* a = res; a; a = a->ai_next) {
+    int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (bind(fd, a->ai_addr, a->ai_addrlen) == 0 && listen(fd, 2048) == 0) {
+      freeaddrinfo(res);
+      return fd;
+    }
+    why = std::strerror(errno);
+    close(fd);
+  }
+  freeaddrinfo(res);
+  throw std::runtime_error(std::string("cannot listen on ") + addr + ":" + service + " (" + why + ")");
+}
+
+bool is_loopback(const std::string& addr) {
+  return addr == "localhost" || addr == "::1" || addr.rfind("127.", 0) == 0;
+}
 }  // namespace
 
 extern "C" {
 
-char* og_dist_init(const char* addr, int port, int rank, int world, int cuda_index, int64_t timeout_ms, void** out) {
+char* og_dist_init(const char* addr, int port, const char* token, int rank, int world, int cuda_index, int64_t timeout_ms,
+                   void** out) {
   return oomguard::guarded([&] {
     const auto timeout = std::chrono::milliseconds(timeout_ms);
     c10d::TCPStoreOptions opts;
@@ -53,14 +93,27 @@ char* og_dist_init(const char* addr, int port, int rank, int world, int cuda_ind
     opts.numWorkers = static_cast<size_t>(world);
     opts.waitWorkers = true;
     opts.timeout = timeout;
+    if (rank == 0) opts.masterListenFd = bound_listener(addr, port);
     auto g = std::make_unique<Group>();
     g->store = c10::make_intrusive<c10d::TCPStore>(std::string(addr), opts);
+    // Before the backend touches the store: a rank of another run that reached the same
+    // address and port stops here instead of joining (or disturbing) that run's group.
+    const std::string key = "oomguard/run-token", mine = token;
+    if (rank == 0) g->store->set(key, std::vector<uint8_t>(mine.begin(), mine.end()));
+    const auto theirs = g->store->get(key);
+    if (std::string(theirs.begin(), theirs.end()) != mine) {
+      throw std::runtime_error("the group at " + std::string(addr) + ":" + std::to_string(port) +
+                               " belongs to another run (its token `" + std::string(theirs.begin(), theirs.end()) +
+                               "`, this rank's `" + mine + "`): two runs share the address and port; give each its own --master-port");
+    }
     if (cuda_index < 0) {
       auto o = c10d::ProcessGroupGloo::Options::create();
       o->timeout = timeout;
+      // Gloo's own sockets: the interface asked for, else loopback when the store is there.
       const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
-      o->devices.push_back(ifname ? c10d::ProcessGroupGloo::createDeviceForInterface(ifname)
-                                  : c10d::ProcessGroupGloo::createDefaultDevice());
+      o->devices.push_back(ifname                   ? c10d::ProcessGroupGloo::createDeviceForInterface(ifname)
+                           : is_loopback(addr)      ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                                                    : c10d::ProcessGroupGloo::createDefaultDevice());
       g->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(g->store, rank, world, o);
     } else {
       g->backend = og_make_nccl(g->store, rank, world, timeout);

@@ -95,3 +95,52 @@ fn a_collective_mismatch_fails_fast_naming_both_views() {
     assert!(t.elapsed() < Duration::from_secs(30), "took {:?}: {err}", t.elapsed());
     assert!(err.contains("collective mismatch: this rank is at exchange 3") && err.contains("the ranks are at exchanges 3..4"), "{err}");
 }
+
+/// Sockets listening on `port` (IPv4 and IPv6), as /proc/net shows them: the local address
+/// in the kernel's hex.
+fn listeners(port: u16) -> Vec<String> {
+    let want = format!(":{port:04X}");
+    ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .flat_map(|f| std::fs::read_to_string(f).unwrap_or_default().lines().skip(1).map(str::to_string).collect::<Vec<_>>())
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() > 3 && f[3] == "0A" && f[1].ends_with(&want)).then(|| f[1].to_string())
+        })
+        .collect()
+}
+
+#[test]
+fn the_store_listens_on_loopback_only_and_a_second_run_on_its_port_cannot_join() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny(dir.path(), "long.yaml", |t| t.replace("max_steps: 6", "max_steps: 400"));
+    let port = 29700 + (std::process::id() % 200) as u16;
+    let launch = |run: &str| {
+        let mut c = Command::new(bin());
+        isolated(dies_with_test(&mut c), dir.path())
+            .args(["launch", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", &port.to_string(), "--no-python", bin(), "train"])
+            .args([cfg.to_str().unwrap(), "--run-dir", run])
+            .current_dir(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        c
+    };
+    let first = launch("a").spawn().unwrap();
+    let t = Instant::now();
+    while std::fs::read_to_string(dir.path().join("a/metrics.jsonl")).map_or(true, |m| !m.contains("\"event\":\"step\"")) {
+        assert!(t.elapsed() < Duration::from_secs(60), "the first run never stepped");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let l = listeners(port);
+    assert!(!l.is_empty() && l.iter().all(|a| a == &format!("0100007F:{port:04X}")), "the store listens beyond loopback: {l:?}");
+    // A second run on the same port: its rank 0 cannot listen, its rank 1 meets the first
+    // run's store, sees another run's token and stops.
+    let t = Instant::now();
+    let o = launch("b").output().unwrap();
+    let err = text(&o);
+    assert!(!o.status.success() && t.elapsed() < Duration::from_secs(60), "{err}");
+    assert!(err.contains("belongs to another run") || err.contains("cannot listen on 127.0.0.1"), "{err}");
+    let o = first.wait_with_output().unwrap();
+    assert!(o.status.success(), "the first run suffered: {}", text(&o));
+    assert_eq!(records(&dir.path().join("a"), "step").len(), 400);
+}

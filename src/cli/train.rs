@@ -153,10 +153,11 @@ fn allocator_settings(cfg: &config::Config) -> anyhow::Result<allocator::Allocat
 
 const REEXEC: &str = "OOMGUARD_REEXECUTED";
 
-/// `oomguard train ... --nproc-per-node N`: this same command, N times, under the launcher.
+/// `oomguard train ... --nproc-per-node N`: this same command, N times, under the launcher
+/// (standalone: a free port on loopback, so runs side by side never meet).
 fn launch_self(nproc: &str, run_dir: Option<&Path>) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("locating this executable")?;
-    let mut args: Vec<std::ffi::OsString> = vec!["oomguard".into(), "launch".into(), "--nproc-per-node".into(), nproc.into(), "--no-python".into(), exe.into()];
+    let mut args: Vec<std::ffi::OsString> = vec!["oomguard".into(), "launch".into(), "--standalone".into(), "--nproc-per-node".into(), nproc.into(), "--no-python".into(), exe.into()];
     let mut skip = false;
     for a in std::env::args_os().skip(1) {
         let text = a.to_string_lossy();

@@ -14,7 +14,7 @@ use crate::error::{ConfigError, Error, OomError, OomSource, Phase, Result};
 use crate::memory::check;
 
 extern "C" {
-    fn og_dist_init(addr: *const c_char, port: i32, rank: i32, world: i32, cuda_index: i32, timeout_ms: i64, out: *mut *mut c_void) -> *mut c_char;
+    fn og_dist_init(addr: *const c_char, port: i32, token: *const c_char, rank: i32, world: i32, cuda_index: i32, timeout_ms: i64, out: *mut *mut c_void) -> *mut c_char;
     fn og_dist_free(group: *mut c_void);
     fn og_dist_all_reduce(group: *mut c_void, tensors: *const *mut c_void, n: i32, op: i32) -> *mut c_char;
     fn og_dist_broadcast(group: *mut c_void, tensors: *const *mut c_void, n: i32, root: i32) -> *mut c_char;
@@ -57,6 +57,9 @@ struct Exchange {
     /// exchange number at exchange SEQ, as a rank that skipped one would.
     misalign: Option<(usize, u64)>,
 }
+
+/// Set by `oomguard launch`: one value per launch (per `--rdzv-id` across nodes).
+pub const TOKEN_VAR: &str = "OOMGUARD_RUN_TOKEN";
 
 const HEADER: usize = 6;
 /// Payload slots: enough for the guard's inputs, and an agreement's slot per rank.
@@ -127,8 +130,11 @@ impl ProcessGroup {
         };
         let cuda = if let Device::Cuda(i) = device { i as i32 } else { -1 };
         let caddr = CString::new(addr.clone()).map_err(|_| Error::Dist("MASTER_ADDR holds a NUL byte".into()))?;
+        // The launch's token, checked in the store before the group forms (TOKEN_VAR).
+        let token = var(TOKEN_VAR).or_else(|| var("TORCHELASTIC_RUN_ID")).unwrap_or_default();
+        let ctoken = CString::new(token).map_err(|_| Error::Dist(format!("{TOKEN_VAR} holds a NUL byte")))?;
         let mut ptr: *mut c_void = std::ptr::null_mut();
-        check(unsafe { og_dist_init(caddr.as_ptr(), port as i32, rank as i32, world as i32, cuda, timeout.as_millis() as i64, &mut ptr) })
+        check(unsafe { og_dist_init(caddr.as_ptr(), port as i32, ctoken.as_ptr(), rank as i32, world as i32, cuda, timeout.as_millis() as i64, &mut ptr) })
             .map_err(dist_error(&format!("rank {rank} of {world} joining the group at {addr}:{port}")))?;
         tracing::info!("rank {rank} of {world} ({}) joined the group at {addr}:{port}", if cuda < 0 { "gloo" } else { "nccl" });
         let mut pg = ProcessGroup { ptr, rank, world, local_rank, device, exchange: Exchange::empty() };

@@ -94,8 +94,9 @@ pub struct TrainArgs {
     /// shorthand for --set memory.budget=SIZE.
     #[arg(long, value_name = "SIZE")]
     pub memory_budget: Option<String>,
-    /// Data parallel on this machine: shorthand for `oomguard launch --nproc-per-node N
-    /// --no-python oomguard train ...` (N, auto, cpu or gpu). Several nodes: use `launch`.
+    /// Data parallel on this machine: shorthand for `oomguard launch --standalone
+    /// --nproc-per-node N --no-python oomguard train ...` (N, auto, cpu or gpu; a free port
+    /// on loopback). Several nodes: use `launch`.
     #[arg(long = "nproc-per-node", alias = "nproc_per_node", value_name = "N")]
     pub nproc_per_node: Option<String>,
     /// Validate the config (with every --set), its data files and allocator settings, then

@@ -62,6 +62,9 @@ pub struct LaunchSpec {
     pub worker_memory: Option<HostMemory>,
     /// The micro-batch the first attempt runs with, when known.
     pub micro_batch_size: Option<usize>,
+    /// What ranks check in the store so that two runs on one port cannot join each other:
+    /// this launch's own on one node, the `--rdzv-id` shared by every node's launcher.
+    pub token: String,
 }
 
 fn bad(flag: &str, message: String) -> Error {
@@ -120,6 +123,7 @@ impl LaunchSpec {
             }),
             worker_memory: (nproc_per_node > 1).then(HostMemory::of_self).flatten(),
             micro_batch_size: std::env::var(MICRO_BATCH_VAR).ok().and_then(|v| v.parse().ok()),
+            token: if nnodes == 1 { format!("{}.{}.{}", a.rdzv_id, std::process::id(), now_nanos()) } else { a.rdzv_id.clone() },
         })
     }
 }
@@ -128,6 +132,10 @@ impl LaunchSpec {
 pub const MICRO_BATCH_VAR: &str = "OOMGUARD_MICRO_BATCH_SIZE";
 /// The size the worker died at, so the relaunched run lets it cool down before growing back.
 pub const FAILED_MICRO_BATCH_VAR: &str = "OOMGUARD_FAILED_MICRO_BATCH_SIZE";
+
+fn now_nanos() -> u128 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
+}
 
 fn default_allocator() -> AllocatorSettings {
     AllocatorSettings::parse("expandable_segments:True", "").unwrap_or_default()
@@ -235,6 +243,7 @@ pub fn worker_env(spec: &LaunchSpec, local_rank: usize, master_port: u16, restar
         ("TORCHELASTIC_RUN_ID", spec.run_id.clone()),
         ("TORCHELASTIC_ERROR_FILE", error_file.display().to_string()),
         ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1".into()),
+        ("OOMGUARD_RUN_TOKEN", spec.token.clone()),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
