@@ -5,6 +5,7 @@
 #include <c10/core/AllocatorConfig.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
 
@@ -143,6 +144,15 @@ void og_clear_grad(void* tensor) {
 }
 
 int og_cuda_available() { return torch::cuda::is_available() ? 1 : 0; }
+
+// Data parallel on CUDA: the rank's own GPU becomes the current device before any CUDA
+// work, so no rank makes a context on GPU 0 (through the device-generic guard: no CUDA
+// headers needed here).
+char* og_cuda_set_device(int device) {
+  return guarded([&] {
+    c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->setDevice(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+  });
+}
 
 char* og_cuda_empty_cache() {
   return guarded([] { cuda_allocator()->emptyCache(); });

@@ -29,6 +29,7 @@ void og_clear_grad(void* tensor);
 
 // CUDA, through c10's device-allocator interface (no CUDA headers needed).
 int og_cuda_available();
+char* og_cuda_set_device(int device);
 char* og_cuda_empty_cache();
 // out: allocated, reserved, peak_allocated, num_alloc_retries, num_ooms, free, total
 char* og_cuda_stats(int device, int64_t* out);

@@ -285,6 +285,17 @@ const AGREE_SLOT: usize = 6;
 /// `Phase as u8` back to the phase.
 const PHASES: [Phase; 8] = [Phase::Data, Phase::Forward, Phase::Backward, Phase::Clip, Phase::Optimizer, Phase::Eval, Phase::Checkpoint, Phase::Init];
 
+/// LOCAL_RANK in a data-parallel run (WORLD_SIZE above 1), before the group forms.
+pub fn local_rank() -> Result<Option<usize>> {
+    let world = std::env::var("WORLD_SIZE").ok().and_then(|w| w.trim().parse::<usize>().ok()).unwrap_or(1);
+    match (world > 1).then(|| std::env::var("LOCAL_RANK").or_else(|_| std::env::var("RANK"))).transpose() {
+        Ok(None) | Err(_) => Ok(None),
+        Ok(Some(v)) => v.trim().parse().map(Some).map_err(|_| {
+            ConfigError { origin: "environment".into(), line_col: None, key: "LOCAL_RANK".into(), message: format!("`{v}` is not a whole number") }.into()
+        }),
+    }
+}
+
 /// Rank `rank`'s contiguous part of `global` samples over `world` ranks, as even as can be
 /// (the first `global % world` ranks take one more). Together they cover 0..global once.
 pub fn shard(global: usize, world: usize, rank: usize) -> Range<usize> {

@@ -25,6 +25,7 @@ mod ffi {
         pub fn og_cpu_reset_peak();
         pub fn og_clear_grad(tensor: *mut c_void);
         pub fn og_cuda_available() -> c_int;
+        pub fn og_cuda_set_device(device: c_int) -> *mut c_char;
         pub fn og_cuda_empty_cache() -> *mut c_char;
         pub fn og_cuda_stats(device: c_int, out: *mut i64) -> *mut c_char;
         pub fn og_cuda_reset_peak(device: c_int) -> *mut c_char;
@@ -90,6 +91,11 @@ pub fn empty_cache(device: Device) -> Result<(), TchError> {
         Device::Cuda(_) => check(unsafe { ffi::og_cuda_empty_cache() }),
         _ => Ok(()),
     }
+}
+
+/// Makes CUDA device `index` this process's current device (before any CUDA work).
+pub fn cuda_set_device(index: usize) -> Result<(), TchError> {
+    check(unsafe { ffi::og_cuda_set_device(index as i32) })
 }
 
 /// Applies caching-allocator settings (`key:value,...`) inside libtorch.

@@ -74,6 +74,12 @@ impl<'a> Run<'a> {
     pub fn start(cfg: &'a Config, run_dir: &Path, settings: &allocator::AllocatorSettings, options: &Options, build: Builder) -> Result<Run<'a>> {
         let c = &cfg.raw;
         let mut device = c.train.device();
+        if let (Device::Cuda(_), Some(local_rank)) = (device, crate::dist::local_rank()?) {
+            // Each rank's own GPU before any CUDA call: the budget and allocator settings
+            // apply to it, and no rank makes a context on GPU 0.
+            device = Device::Cuda(local_rank);
+            memory::cuda_set_device(local_rank).map_err(Error::Torch)?;
+        }
         memory::prepare(&c.memory, settings, device)?;
         // Threads from this process's CPU share (affinity, cgroup quota, Slurm), unless set.
         let threads = match c.train.num_threads {
