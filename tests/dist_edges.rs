@@ -144,3 +144,29 @@ fn the_store_listens_on_loopback_only_and_a_second_run_on_its_port_cannot_join()
     assert!(o.status.success(), "the first run suffered: {}", text(&o));
     assert_eq!(records(&dir.path().join("a"), "step").len(), 400);
 }
+
+/// Resume at another world size: the same parameters and optimizer state, the same samples
+/// per step (the global batch is split anew), so without dropout the run ends where one
+/// process does.
+#[test]
+fn a_run_resumes_at_another_world_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny(dir.path(), "w.yaml", |t| {
+        t.replace("micro_batch_size: 8, grad_accum_steps: 2", "micro_batch_size: 2, global_batch_size: 12").replace("warmup_steps: 2}", "warmup_steps: 2, decay_steps: 6}")
+    });
+    let single = train_ok(dir.path(), &cfg, &[]);
+    let run = dir.path().join("grown");
+    let o = two_ranks(dir.path(), &cfg, &["--run-dir", run.to_str().unwrap(), "--max-steps", "3"]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let mut three = Command::new(bin());
+    isolated(dies_with_test(&mut three), dir.path())
+        .args(["train", cfg.to_str().unwrap(), "--nproc-per-node", "3", "--run-dir", run.to_str().unwrap(), "--resume"])
+        .current_dir(dir.path())
+        .env_remove("OMP_NUM_THREADS");
+    let o = three.output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let worlds: Vec<_> = records(&run, "step").iter().map(|s| s["world_size"].as_u64().unwrap()).collect();
+    assert_eq!(worlds, [2, 2, 2, 3, 3, 3]);
+    let d = max_abs_diff(&weights(&single), &weights(&run));
+    assert!(d < 1e-5, "2 then 3 ranks differ from one process by {d}");
+}
