@@ -18,7 +18,7 @@ use crate::guard::ladder::{self, Rung};
 use crate::dist::{Op, ProcessGroup};
 use crate::guard::{Agree, Guard, GuardEvent, Policy};
 use crate::memory::{self, allocator, human_bytes, PressureSchedule};
-use crate::metrics::{EvalRecord, MetricsWriter, Record, RungRecord, StepRecord};
+use crate::metrics::{device_label, EvalRecord, MetricsWriter, Record, RungRecord, StepRecord};
 use crate::model::{ActivationCheckpointing, ModelKind};
 use crate::optim::AdamW;
 use crate::plan::{self, AutoResult, AutoSearch};
@@ -243,12 +243,15 @@ impl<'a> Run<'a> {
             }
         };
         let stats = self.after_guarded(result, step)?;
+        // CUDA runs ahead of the host: without this, a step's time (and tokens/s) would be
+        // the time to queue it, not to run it.
+        memory::synchronize(self.device)?;
         let dt = t0.elapsed().as_secs_f64();
         let mem = self.guard.last_memory();
         let rec = StepRecord {
             step, loss: stats.loss, lr, grad_norm: stats.grad_norm, tokens_per_s: self.units_per_step as f64 / dt,
             micro_batch_size: stats.micro_batch_size, grad_accum_steps: stats.num_micro_batches, num_samples: stats.num_samples,
-            world_size: self.world_size(), step_time_s: dt, elapsed_s: self.start.elapsed().as_secs_f64(), memory: mem,
+            world_size: self.world_size(), step_time_s: dt, elapsed_s: self.start.elapsed().as_secs_f64(), memory: mem, device: device_label(self.device),
             precision: self.precision, activation_checkpointing: self.task.activation_checkpointing() == Some(true),
             loss_scale: self.scaler.as_ref().map(Scaler::value), skipped: stats.skipped, comm_s: stats.comm_s,
         };
