@@ -5,7 +5,8 @@
 //! the end of the last step): oomguard's from its metrics.jsonl step records, so its set-up
 //! and the end of run (evaluation, checkpoint, weights), which the hand loop does not do, stay
 //! outside it. 5 rounds in one process, each running both, which goes first alternating;
-//! prints each round's ratio and their median (floor: 0.97).
+//! prints each round's ratios and their medians (floor: 0.97), by the fastest step (steady on
+//! a shared machine) and over the whole window.
 mod common;
 use std::time::Instant;
 use tch::nn;
@@ -33,12 +34,22 @@ fn config(threads: usize) -> RawConfig {
     c
 }
 
-/// Tokens/s over steps 1.. from the times at which each step ended.
-fn window_rate(ends: &[f64], tokens_per_step: usize) -> f64 {
-    ((ends.len() - 1) * tokens_per_step) as f64 / (ends[ends.len() - 1] - ends[0])
+/// Tokens/s from the times at which each step ended, by two rules applied alike to both
+/// loops: over the whole window of steps 1.. (wall clock from the end of step 0 to the end of
+/// the last step), and over its fastest step (the one least slowed by other work on a shared
+/// machine).
+#[derive(Clone, Copy)]
+struct Rate {
+    window: f64,
+    best_step: f64,
 }
 
-fn hand_loop(c: &RawConfig) -> f64 {
+fn rates(ends: &[f64], tokens_per_step: usize) -> Rate {
+    let fastest = ends.windows(2).map(|w| w[1] - w[0]).fold(f64::INFINITY, f64::min);
+    Rate { window: ((ends.len() - 1) * tokens_per_step) as f64 / (ends[ends.len() - 1] - ends[0]), best_step: tokens_per_step as f64 / fastest }
+}
+
+fn hand_loop(c: &RawConfig) -> Rate {
     tch::manual_seed(c.train.seed as i64);
     let shape = TokenShape { block_size: BLOCK as usize, vocab_size: Some(256) };
     let data = Dataset::open(&c.data, std::path::Path::new("."), Some(shape)).unwrap();
@@ -59,16 +70,16 @@ fn hand_loop(c: &RawConfig) -> f64 {
         opt.clear_grads();
         ends.push(start.elapsed().as_secs_f64());
     }
-    window_rate(&ends, batch * BLOCK as usize)
+    rates(&ends, batch * BLOCK as usize)
 }
 
-fn oomguard_loop(c: &RawConfig) -> f64 {
+fn oomguard_loop(c: &RawConfig) -> Rate {
     let dir = tempfile::tempdir().unwrap();
     let cfg = Config { raw: c.clone(), path: dir.path().join("bench.yaml") };
     oomguard::train::train(&cfg, dir.path(), &Default::default(), Default::default()).unwrap();
     let ends: Vec<f64> = common::events(dir.path(), "step").iter().map(|s| s["elapsed_s"].as_f64().unwrap()).collect();
     assert_eq!(ends.len(), STEPS as usize);
-    window_rate(&ends, c.train.global_batch_size() * BLOCK as usize)
+    rates(&ends, c.train.global_batch_size() * BLOCK as usize)
 }
 
 fn main() {
@@ -76,7 +87,7 @@ fn main() {
     let c = config(threads);
     oomguard::memory::install_cpu_allocator();
     println!("GPT n_layer 4, n_head 4, n_embd 256, block {BLOCK}, vocab 256, batch 16; tokens/s over steps 1..{STEPS}, {threads} threads");
-    let mut ratios = Vec::new();
+    let (mut window, mut best) = (Vec::new(), Vec::new());
     for round in 1..=ROUNDS {
         // Which goes first alternates, so a machine getting busier or quieter hits both alike.
         let (h, o) = if round % 2 == 1 {
@@ -86,8 +97,12 @@ fn main() {
             let o = oomguard_loop(&c);
             (hand_loop(&c), o)
         };
-        println!("round {round}: hand-written {h:.0} tok/s, oomguard {o:.0} tok/s, ratio {:.3}", o / h);
-        ratios.push(o / h);
+        println!(
+            "round {round}: window: hand-written {:.0} tok/s, oomguard {:.0} tok/s, ratio {:.3}; fastest step: hand-written {:.0}, oomguard {:.0}, ratio {:.3}",
+            h.window, o.window, o.window / h.window, h.best_step, o.best_step, o.best_step / h.best_step
+        );
+        window.push(o.window / h.window);
+        best.push(o.best_step / h.best_step);
     }
-    println!("throughput ratio oomguard / hand-written, median of {ROUNDS} rounds: {:.3} (floor 0.97)", common::median(ratios));
+    println!("throughput ratio oomguard / hand-written, median of {ROUNDS} rounds: fastest step {:.3}, whole window {:.3} (floor 0.97)", common::median(best), common::median(window));
 }
