@@ -152,6 +152,19 @@ def flops_per_token(s, n_params):
     return 6 * n_params + 12 * s["n_layer"] * s["block_size"] * s["n_embd"]
 
 
+def step_records(run):
+    """The step records of a run directory's metrics.jsonl (a torn last line skipped)."""
+    out = []
+    for line in (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []:
+        try:
+            v = json.loads(line)
+        except ValueError:
+            continue
+        if v.get("event") == "step":
+            out.append(v)
+    return out
+
+
 def test_results(text):
     """{test name: "ok" | "FAILED"} from libtest's output (with --nocapture a result may not
     share its test's line, so the failures come from the closing list)."""
@@ -236,8 +249,7 @@ def check(kit, out):
         (d / "c.yaml").write_text(TINY.format(extra=extra))
         r = sh([og, "train", d / "c.yaml", "--run-dir", d / "run", *args])
         log = (d / "run" / "train.log").read_text() if (d / "run" / "train.log").exists() else ""
-        steps = [json.loads(l) for l in (d / "run" / "metrics.jsonl").read_text().splitlines() if '"event":"step"' in l] if (d / "run" / "metrics.jsonl").exists() else []
-        return r, log + r.stderr, steps
+        return r, log + r.stderr, step_records(d / "run")
 
     # 3. Allocator settings.
     r, log, _ = train("expandable", "memory: {allocator: {expandable_segments: true}}")
@@ -254,8 +266,7 @@ def check(kit, out):
         (d / "c.yaml").write_text(yaml)
         r = sh([og, "train", d / "c.yaml", "--run-dir", d / "run"])
         log = (d / "run" / "train.log").read_text() if (d / "run" / "train.log").exists() else ""
-        steps = [json.loads(l) for l in (d / "run" / "metrics.jsonl").read_text().splitlines() if '"event":"step"' in l] if r.returncode == 0 else []
-        return r.returncode, steps, logged_alloc_conf(log + r.stderr)
+        return r.returncode, step_records(d / "run") if r.returncode == 0 else [], logged_alloc_conf(log + r.stderr)
 
     def eager_run(shape, alloc_conf):
         e = sh([sys.executable, __file__, "eager", json.dumps(shape)], extra_env={"PYTORCH_ALLOC_CONF": alloc_conf} if alloc_conf else None)
