@@ -4,6 +4,7 @@
 //! 2. Recovery: the wall time one OOM recovery adds to a step, in units of the step's normal
 //!    time at the size it falls back to (floor: at most 1.5 steps), with the budget placed so
 //!    that the failure comes early (mid-forward) and late (just under the full step's peak).
+//!    Every timed step must have had exactly that one OOM, or there is no recovery to time.
 use std::time::Instant;
 use tch::Device;
 
@@ -69,12 +70,15 @@ fn main() {
             let t = Instant::now();
             guard.run(i, &mut opt, &mut step, |o| o.clear_grads()).unwrap();
             total += t.elapsed().as_secs_f64();
+            let mut ooms = 0;
             for e in guard.drain_events() {
                 if let GuardEvent::Oom(o) = e {
+                    ooms += 1;
                     lost += o.time_lost_s;
                     assert_eq!(o.new_micro_batch_size, 8, "the budget should fail 16 and fit 8");
                 }
             }
+            assert_eq!(ooms, 1, "failure {name}: a budget of {budget} bytes (peaks: {p16} at 16, {p8} at 8) should fail micro-batch 16 exactly once");
         }
         memory::set_cpu_budget(None);
         println!(

@@ -189,6 +189,10 @@ char* og_cuda_reset_peak(int device) {
   return guarded([&] { cuda_allocator()->resetPeakStats(static_cast<c10::DeviceIndex>(device)); });
 }
 
+char* og_cuda_synchronize(int device) {
+  return guarded([&] { torch::cuda::synchronize(device); });
+}
+
 char* og_set_allocator_settings(const char* settings) {
   return guarded([&] { c10::CachingAllocator::setAllocatorSettings(settings); });
 }

@@ -34,6 +34,8 @@ char* og_cuda_empty_cache();
 // out: allocated, reserved, peak_allocated, num_alloc_retries, num_ooms, free, total
 char* og_cuda_stats(int device, int64_t* out);
 char* og_cuda_reset_peak(int device);
+// Waits for the device's queued work (errors from it surface here, as a message).
+char* og_cuda_synchronize(int device);
 // out: free, total (cudaMemGetInfo); needs no allocation, so it may come before the settings.
 char* og_cuda_mem_info(int device, int64_t* out);
 char* og_set_allocator_settings(const char* settings);

@@ -35,7 +35,20 @@ r = json.load(open(sys.argv[1]))
 assert r["host"]["torch"].startswith(sys.argv[2]), r["host"]
 tests = {k: v for k, v in r["checks"].items() if k.startswith("test ")}
 assert len(tests) == 2 and all(v["ok"] for v in tests.values()), tests
+# Where the tests ran comes from their runs' step records: guard.rs trained on the CPU, and
+# cuda_guard.rs, without CUDA, trained nothing; neither counts as a CUDA test here.
+assert not any(v["ran_on_cuda"] for v in tests.values()), tests
+assert tests["test guard"]["devices"] == ["cpu"], tests["test guard"]
+assert tests["test cuda_guard"]["devices"] == [] and tests["test cuda_guard"]["results"], tests["test cuda_guard"]
+assert set(tests["test guard"]["results"].values()) == {"ok"}, tests["test guard"]["results"]
 assert "CUDA is not available" in r["note"], r
 print("gpu-kit-test: gpu-check.sh ran", ", ".join(tests), "on the CPU:", r["note"], file=sys.stderr)
 PY
+# The MFU table tells apart cards that share a name's prefix, and leaves out what it lacks.
+for want in "H100 SXM:NVIDIA H100 80GB HBM3:85031714816" "H100 PCIe:NVIDIA H100 PCIe:85031714816" "H100 NVL:NVIDIA H100 NVL:99857989632" \
+            "A100 40GB:NVIDIA A100-SXM4-40GB:42298834944" "L40S:NVIDIA L40S:47697362944" "L4:NVIDIA L4:23580639232" "none:NVIDIA A10G:23609475072"; do
+  IFS=: read -r label name bytes <<< "$want"
+  got="$("$VENV/bin/python" "$KIT/scripts/gpu_check.py" peak "$name" "$bytes" | "$VENV/bin/python" -c 'import json,sys; p=json.load(sys.stdin); print(p["label"] if p else "none")')"
+  [ "$got" = "$label" ] || fail "gpu_check.py peak '$name': $got, expected $label"
+done
 echo "gpu-kit-test: ok ($(du -sh "$KIT" | cut -f1) kit)" >&2

@@ -22,6 +22,11 @@ VENV="$("$ROOT/scripts/setup.sh" --torch "$VERSION")"
 TORCH_DIR="$(ls -d "$VENV"/lib/python3*/site-packages/torch | head -n 1)"
 WORK="$CACHE/gpu-kit-$VERSION"
 SRC="$WORK/src"
+# One kit build at a time per version: the copy and the target folder below are shared by
+# every checkout on the machine, and a second build would replace the first's sources mid-build.
+mkdir -p "$WORK"
+exec 9>"$WORK.lock"
+flock 9 || { echo "gpu-kit: cannot lock $WORK.lock" >&2; exit 1; }
 # The copy: tracked and untracked-but-not-ignored files, as they are now.
 rm -rf "$SRC" && mkdir -p "$SRC"
 (cd "$ROOT" && git ls-files -co --exclude-standard -z | while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done | tar --null -T - -cf -) | tar -C "$SRC" -xf -

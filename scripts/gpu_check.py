@@ -1,14 +1,18 @@
 """The host-PyTorch half of scripts/gpu-check.sh (runs with the GPU host's own python3 and torch).
 
-  gpu_check.py host                        -> JSON: torch, CUDA, GPU, driver
+  gpu_check.py host                        -> JSON: torch, CUDA, GPU, driver, the MFU peak used
   gpu_check.py eager SHAPE_JSON            -> JSON: tokens/s and memory of the same GPT in eager PyTorch
+  gpu_check.py peak NAME TOTAL_BYTES       -> JSON: the MFU peak the table gives that GPU (or null)
   gpu_check.py check KIT OUT_DIR           -> runs every check, writes OUT_DIR/gpu-check.json
 
 The GPT is oomguard's (src/model/gpt.rs), written the PyTorch way (nanoGPT): tied embedding and
 head, pre-LayerNorm blocks, fused causal attention, GELU (tanh), AdamW (fused) on the same groups.
+Both sides run under the same PYTORCH_ALLOC_CONF (the one oomguard logged) and are timed by one
+rule (window_rate).
 """
 import json
-import math
+import os
+import re
 import subprocess
 import sys
 import time
@@ -52,11 +56,55 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
+# Dense peak TFLOP/s (no sparsity) from NVIDIA's datasheets, for MFU: bf16 on tensor cores, and
+# fp32 without TF32 (PyTorch's default for matmuls, kept on both sides). Keyed by the words of
+# the device's name and its memory, so that H100 SXM, PCIe and NVL, or a GH200 and an H200, are
+# told apart; a GPU not listed gets no MFU rather than a neighbour's peak. (The A10G is left
+# out: NVIDIA publishes no datasheet for it.)
+PEAKS = [
+    # label, words the name must hold, words it must not, memory GiB (as CUDA reports it), bf16, fp32
+    ("H100 NVL", {"h100", "nvl"}, set(), (85, 100), 835.5, 60.0),
+    ("H100 PCIe", {"h100", "pcie"}, set(), (75, 85), 756.5, 51.0),
+    ("H100 SXM", {"h100"}, {"pcie", "nvl"}, (75, 85), 989.5, 67.0),
+    ("H200 NVL", {"h200", "nvl"}, set(), (130, 145), 835.5, 60.0),
+    ("H200 SXM", {"h200"}, {"nvl"}, (130, 145), 989.5, 67.0),
+    ("GH200", {"gh200"}, set(), (90, 145), 989.5, 67.0),
+    ("A100 80GB", {"a100"}, set(), (75, 85), 312.0, 19.5),
+    ("A100 40GB", {"a100"}, set(), (35, 45), 312.0, 19.5),
+    ("L40S", {"l40s"}, set(), (40, 50), 362.05, 91.6),
+    ("L40", {"l40"}, set(), (40, 50), 181.05, 90.5),
+    ("L4", {"l4"}, set(), (20, 25), 121.0, 30.3),
+    ("A10", {"a10"}, set(), (20, 25), 125.0, 31.2),
+    ("T4", {"t4"}, set(), (13, 16), None, 8.1),
+    ("V100 SXM2", {"v100", "sxm2"}, set(), (14, 34), None, 15.7),
+    ("V100 PCIe", {"v100", "pcie"}, set(), (14, 34), None, 14.0),
+]
+
+
+def peak_for(name, total_bytes):
+    """The table's row for a GPU: {"label", "bf16", "fp32"} in dense TFLOP/s, or None."""
+    words = set(re.split(r"[^a-z0-9]+", (name or "").lower()))
+    gib = (total_bytes or 0) / 2**30
+    for label, need, refuse, (lo, hi), bf16, fp32 in PEAKS:
+        if need <= words and not refuse & words and lo <= gib <= hi:
+            return {"label": label, "bf16": bf16, "fp32": fp32}
+    return None
+
+
+def window_rate(ends, tokens_per_step, warm=2):
+    """The one timing rule for both sides: tokens/s over steps warm.., the wall clock from the end
+    of step warm-1 to the end of the last step, each end taken after a device synchronise
+    (oomguard's step records' elapsed_s; eager's loop below)."""
+    n = len(ends) - warm
+    return tokens_per_step * n / (ends[-1] - ends[warm - 1]) if n > 0 and warm >= 1 else None
+
+
 def host():
     info = {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
-        info.update(gpu=p.name, total_memory=p.total_memory, capability=f"{p.major}.{p.minor}", bf16=torch.cuda.is_bf16_supported())
+        info.update(gpu=p.name, total_memory=p.total_memory, capability=f"{p.major}.{p.minor}",
+                    bf16=torch.cuda.is_bf16_supported(including_emulation=False), mfu_peak_tflops=peak_for(p.name, p.total_memory))
     try:
         info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
     except OSError:
@@ -72,28 +120,30 @@ def eager(shape):
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and n != "wte.weight" and n != "wpe.weight"]
     other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and n != "wte.weight" and n != "wpe.weight")]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}], lr=6e-4, betas=(0.9, 0.95), fused=True)
-    mb, accum, steps = s["micro_batch_size"], s.get("grad_accum_steps", 1), s.get("steps", 10)
+    mb, accum, steps, block = s["micro_batch_size"], s.get("grad_accum_steps", 1), s.get("steps", 10), s["block_size"]
     dtype = torch.bfloat16 if s.get("precision") == "bf16" else None
-    x = torch.randint(0, min(256, s["vocab_size"]), (mb, s["block_size"]), device=dev)
-    rates = []
+    ends = []
     torch.cuda.reset_peak_memory_stats()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
     for _ in range(steps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
         for _ in range(accum):
+            # As oomguard does: each micro-batch's samples made on the host, then copied over.
+            xy = torch.randint(0, min(256, s["vocab_size"]), (mb, block + 1)).to(dev)
             with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
-                loss = model(x, x) / accum
+                loss = model(xy[:, :-1], xy[:, 1:]) / accum
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        rates.append(mb * accum * s["block_size"] / (time.perf_counter() - t))
+        torch.cuda.synchronize()  # oomguard ends each step the same way (src/train/run.rs)
+        ends.append(time.perf_counter() - t0)
     n = sum(p.numel() for p in model.parameters())
     print(json.dumps({
-        "tokens_per_s": sorted(rates[2:] or rates)[len(rates[2:] or rates) // 2], "params": n,
+        "tokens_per_s": window_rate(ends, mb * accum * block), "step_ends_s": ends, "params": n,
         "peak_bytes": torch.cuda.max_memory_allocated(), "live_bytes": torch.cuda.memory_allocated(),
         "reserved_bytes": torch.cuda.memory_reserved(), "loss": float(loss.detach()) * accum,
+        "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF"), "allow_tf32": torch.backends.cuda.matmul.allow_tf32,
     }))
 
 
@@ -102,8 +152,27 @@ def flops_per_token(s, n_params):
     return 6 * n_params + 12 * s["n_layer"] * s["block_size"] * s["n_embd"]
 
 
-# Dense peak TFLOP/s by GPU name (bf16 tensor cores; fp32 without TF32), for MFU.
-PEAK_TFLOPS = {"H100": (989.0, 67.0), "H200": (989.0, 67.0), "A100": (312.0, 19.5), "L4": (121.0, 30.3), "A10": (125.0, 31.2)}
+def step_records(run):
+    """The step records of a run directory's metrics.jsonl (a torn last line skipped)."""
+    out = []
+    for line in (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []:
+        try:
+            v = json.loads(line)
+        except ValueError:
+            continue
+        if v.get("event") == "step":
+            out.append(v)
+    return out
+
+
+def test_results(text):
+    """{test name: "ok" | "FAILED"} from libtest's output (with --nocapture a result may not
+    share its test's line, so the failures come from the closing list)."""
+    names = re.findall(r"^test (\S+) \.\.\. ", text, re.M)
+    tail = text.rsplit("\nfailures:\n", 1)[-1] if "\nfailures:\n" in text else ""
+    failed = set(re.findall(r"^    (\S+)$", tail, re.M))
+    return {n: "FAILED" if n in failed else "ok" for n in names}
+
 
 TINY = """
 model: {{n_layer: 2, n_head: 2, n_embd: 64, block_size: 64, vocab_size: 256}}
@@ -112,41 +181,67 @@ train: {{micro_batch_size: 16, grad_accum_steps: 1, max_steps: 3, eval_every: 0,
 log: {{every: 1}}
 {extra}"""
 
+# The memory rows run under both settings on both sides: oomguard's default, and PyTorch's.
+ALLOC_SETTINGS = [("expandable_segments:True", "true"), ("expandable_segments:False", "false")]
+ALLOC_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
 
 def check(kit, out):
-    import glob, os, pathlib, statistics, tempfile
+    import glob, pathlib, statistics, tempfile
     kit, out = pathlib.Path(kit), pathlib.Path(out)
     work = pathlib.Path(tempfile.mkdtemp())
     og = str(kit / "bin" / "oomguard")
-    env = dict(os.environ, OOMGUARD_CACHE=str(work / "cache"))
-    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "kit": (kit / "KIT.txt").read_text().strip() if (kit / "KIT.txt").exists() else None, "checks": {}}
+    # Allocator settings come from each run's config (or are given to eager), never the host's.
+    inherited = {v: os.environ[v] for v in ALLOC_VARS if v in os.environ}
+    env = {k: v for k, v in os.environ.items() if k not in ALLOC_VARS}
+    env["OOMGUARD_CACHE"] = str(work / "cache")
+    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "kit": (kit / "KIT.txt").read_text().strip() if (kit / "KIT.txt").exists() else None,
+              "command": "gpu-kit/scripts/gpu-check.sh", "inherited_alloc_conf_removed": inherited, "checks": {}}
     checks = report["checks"]
 
     def save():
         (out / "gpu-check.json").write_text(json.dumps(report, indent=1))
 
-    def sh(cmd, timeout=1200):
+    def sh(cmd, timeout=1200, extra_env=None):
         print("$", " ".join(map(str, cmd)), flush=True)
-        r = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, env=env, timeout=timeout)
+        r = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, env=dict(env, **(extra_env or {})), timeout=timeout)
         print(r.stdout[-3000:], r.stderr[-3000:], sep="\n", flush=True)
         return r
 
     report["host"] = json.loads(subprocess.run([sys.executable, __file__, "host"], capture_output=True, text=True).stdout)
     cuda = report["host"]["cuda_available"]
     save()
-    # 1-2. The CUDA-gated tests (cuda_guard: a real CUDA OOM under per_process_memory_fraction,
+    # 1-2. The test binaries: tests/cuda_guard.rs (a real CUDA OOM under per_process_memory_fraction,
     # recovered, parameters equal to a clean run at the settled micro-batch within 4x the
-    # difference between two clean runs; --memory-budget as a CUDA cap).
+    # difference between two clean runs; --memory-budget as a CUDA cap) and tests/guard.rs, which
+    # is CPU-only and checks the kit's binaries against this host's torch. Where each test ran is
+    # read from its runs' step records (tests/common: OOMGUARD_TEST_DEVICES).
     for t in sorted(glob.glob(str(kit / "tests" / "*"))):
-        r = sh([t, "--test-threads=1", "--nocapture"], timeout=1800)
+        name = os.path.basename(t)
+        devfile = work / f"devices-{name}.jsonl"
+        r = sh([t, "--test-threads=1", "--nocapture"], timeout=1800, extra_env={"OOMGUARD_TEST_DEVICES": str(devfile)})
         text = r.stdout + r.stderr
-        checks["test " + os.path.basename(t)] = {"ok": r.returncode == 0, "ran_on_cuda": cuda and "CUDA not present" not in text,
-                                                 "figures": [l for l in text.splitlines() if l.startswith("CUDA: ")], "tail": text.strip().splitlines()[-3:]}
+        by_test = {}
+        for line in (devfile.read_text().splitlines() if devfile.exists() else []):
+            run = json.loads(line)
+            by_test.setdefault(run["test"], set()).update(run["devices"])
+        devices = sorted(set().union(*by_test.values()))
+        on_cuda = sorted(k for k, v in by_test.items() if any(d.startswith("cuda") for d in v))
+        results = test_results(text)
+        # On a GPU every CUDA test must have trained on it: one that returned early is no pass.
+        all_on_cuda = not (cuda and name == "cuda_guard") or set(results) <= set(on_cuda)
+        checks["test " + name] = {"ok": r.returncode == 0 and all_on_cuda, "exit": r.returncode, "ran_on_cuda": bool(on_cuda), "devices": devices,
+                                  "tests_on_cuda": on_cuda, "devices_by_test": {k: sorted(v) for k, v in by_test.items()}, "results": results,
+                                  "figures": [l for l in text.splitlines() if l.startswith("CUDA: ")], "tail": text.strip().splitlines()[-3:]}
         save()
     if not cuda:
         report["note"] = "CUDA is not available: the CUDA checks were skipped"
         save()
         return
+
+    def logged_alloc_conf(log):
+        m = re.findall(r"allocator settings: (\S+)", log)
+        return m[-1] if m else None
 
     def train(name, extra="", args=()):
         d = work / name
@@ -154,8 +249,7 @@ def check(kit, out):
         (d / "c.yaml").write_text(TINY.format(extra=extra))
         r = sh([og, "train", d / "c.yaml", "--run-dir", d / "run", *args])
         log = (d / "run" / "train.log").read_text() if (d / "run" / "train.log").exists() else ""
-        steps = [json.loads(l) for l in (d / "run" / "metrics.jsonl").read_text().splitlines() if '"event":"step"' in l] if (d / "run" / "metrics.jsonl").exists() else []
-        return r, log + r.stderr, steps
+        return r, log + r.stderr, step_records(d / "run")
 
     # 3. Allocator settings.
     r, log, _ = train("expandable", "memory: {allocator: {expandable_segments: true}}")
@@ -166,7 +260,22 @@ def check(kit, out):
     checks["allocator invalid exits 2"] = {"ok": r.returncode == 2, "exit": r.returncode}
     save()
 
-    # 4-5. Memory: oomguard's device stats and the planner against the host's PyTorch, by shape.
+    def og_run(d, yaml):
+        """oomguard trains `yaml` in d/run: (exit, step records, the allocator settings it logged)."""
+        d.mkdir()
+        (d / "c.yaml").write_text(yaml)
+        r = sh([og, "train", d / "c.yaml", "--run-dir", d / "run"])
+        log = (d / "run" / "train.log").read_text() if (d / "run" / "train.log").exists() else ""
+        return r.returncode, step_records(d / "run") if r.returncode == 0 else [], logged_alloc_conf(log + r.stderr)
+
+    def eager_run(shape, alloc_conf):
+        e = sh([sys.executable, __file__, "eager", json.dumps(shape)], extra_env={"PYTORCH_ALLOC_CONF": alloc_conf} if alloc_conf else None)
+        return json.loads(e.stdout) if e.returncode == 0 else {}
+
+    ratio = lambda a, b: a / b if a and b else None
+
+    # 4-5. Memory: oomguard's device stats and the planner's estimate against the host's PyTorch,
+    # by shape, precision and allocator setting (the same PYTORCH_ALLOC_CONF on both sides).
     shapes = [
         {"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 256, "vocab_size": 8192, "micro_batch_size": 16},
         {"n_layer": 8, "n_head": 8, "n_embd": 512, "block_size": 512, "vocab_size": 32768, "micro_batch_size": 8},
@@ -176,67 +285,91 @@ def check(kit, out):
     rows = []
     for i, shp in enumerate(shapes):
         for prec in precisions:
-            model = {k: shp[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")}
-            extra = f"model: {json.dumps(model)}\ntrain: {{micro_batch_size: {shp['micro_batch_size']}, grad_accum_steps: 1, max_steps: 3, eval_every: 0, device: cuda, precision: {prec}}}\ndata: {{source: embedded, embedded_bytes: 4194304}}\n"
-            name = f"shape{i}-{prec}"
-            d = work / name
-            d.mkdir()
-            (d / "c.yaml").write_text(f"log: {{every: 1}}\n{extra}")
-            r = sh([og, "train", d / "c.yaml", "--run-dir", d / "run"])
-            steps = [json.loads(l) for l in (d / "run" / "metrics.jsonl").read_text().splitlines() if '"event":"step"' in l] if r.returncode == 0 else []
-            plan = sh([og, "plan", d / "c.yaml", "--json", "--precision", prec, "--device-memory", str(report["host"]["total_memory"])])
-            planned = json.loads(plan.stdout).get("configured_peak_bytes") if plan.returncode in (0, 3) and plan.stdout.strip() else None
-            e = sh([sys.executable, __file__, "eager", json.dumps(dict(shp, precision=prec, steps=4))])
-            eager_m = json.loads(e.stdout) if e.returncode == 0 else {}
-            peak = max((s["memory"]["peak_bytes"] for s in steps), default=None)
-            rows.append({
-                "shape": model, "micro_batch_size": shp["micro_batch_size"], "precision": prec,
-                "oomguard_peak_bytes": peak, "torch_peak_bytes": eager_m.get("peak_bytes"), "planned_peak_bytes": planned,
-                "oomguard_reserved_bytes": steps[-1]["memory"].get("reserved_bytes") if steps else None, "torch_reserved_bytes": eager_m.get("reserved_bytes"),
-                "peak_vs_torch": peak / eager_m["peak_bytes"] if peak and eager_m.get("peak_bytes") else None,
-                "planned_vs_measured": planned / peak if planned and peak else None,
-                "allocator_overhead_measured": eager_m["reserved_bytes"] / eager_m["peak_bytes"] - 1 if eager_m.get("peak_bytes") else None,
-            })
-            checks["memory and planner"] = {"ok": all(x["oomguard_peak_bytes"] for x in rows), "rows": rows}
-            save()
+            for alloc, expandable in ALLOC_SETTINGS:
+                model = {k: shp[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")}
+                d = work / f"shape{i}-{prec}-{expandable}"
+                yaml = (f"log: {{every: 1}}\nmodel: {json.dumps(model)}\n"
+                        f"train: {{micro_batch_size: {shp['micro_batch_size']}, grad_accum_steps: 1, max_steps: 3, eval_every: 0, device: cuda, precision: {prec}}}\n"
+                        f"data: {{source: embedded, embedded_bytes: 4194304}}\nmemory: {{allocator: {{expandable_segments: {expandable}}}}}\n")
+                code, steps, og_alloc = og_run(d, yaml)
+                plan = sh([og, "plan", d / "c.yaml", "--json", "--precision", prec, "--device-memory", str(report["host"]["total_memory"])])
+                estimate = json.loads(plan.stdout) if plan.returncode in (0, 3) and plan.stdout.strip() else {}
+                planned = estimate.get("configured_peak_bytes")
+                planned_overhead = estimate.get("estimate", {}).get("allocator_overhead")
+                eager_m = eager_run(dict(shp, precision=prec, steps=4), og_alloc)
+                peak = max((s["memory"]["peak_bytes"] for s in steps), default=None)
+                reserved = steps[-1]["memory"].get("reserved_bytes") if steps else None
+                rows.append({
+                    "shape": model, "micro_batch_size": shp["micro_batch_size"], "precision": prec, "alloc_conf": alloc,
+                    "oomguard_alloc_conf": og_alloc, "torch_alloc_conf": eager_m.get("alloc_conf"),
+                    "oomguard_devices": sorted({s.get("device") for s in steps}),
+                    "oomguard_peak_bytes": peak, "torch_peak_bytes": eager_m.get("peak_bytes"), "planned_peak_bytes": planned,
+                    # Reserved: the caching allocator's bytes after the last step, on both sides.
+                    "oomguard_reserved_bytes": reserved, "torch_reserved_bytes": eager_m.get("reserved_bytes"),
+                    "peak_vs_torch": ratio(peak, eager_m.get("peak_bytes")), "reserved_vs_torch": ratio(reserved, eager_m.get("reserved_bytes")),
+                    # The planner's estimate includes its allocator overhead: it is a reserved-bytes figure.
+                    "planned_vs_measured": ratio(planned, peak), "planned_vs_reserved": ratio(planned, reserved),
+                    "allocator_overhead_measured": reserved / peak - 1 if reserved and peak else None,
+                    "allocator_overhead_planned": planned_overhead,
+                    "torch_allocator_overhead_measured": eager_m["reserved_bytes"] / eager_m["peak_bytes"] - 1 if eager_m.get("peak_bytes") else None,
+                })
+                checks["memory and planner"] = {"ok": all(x["oomguard_peak_bytes"] and x["oomguard_alloc_conf"] == x["torch_alloc_conf"] for x in rows), "rows": rows}
+                save()
+    span = lambda vals: [min(vals), max(vals)] if vals else None
+    summary = {}
+    for alloc, _ in ALLOC_SETTINGS:
+        rs = [x for x in rows if x["alloc_conf"] == alloc]
+        pick = lambda key, prec=None: [x[key] for x in rs if x[key] is not None and (prec is None or x["precision"] == prec)]
+        summary[alloc] = {
+            "rows": len(rs), "peak_vs_torch": span(pick("peak_vs_torch")), "reserved_vs_torch": span(pick("reserved_vs_torch")),
+            "rows_reserving_less_than_torch": sum(1 for v in pick("reserved_vs_torch") if v < 1),
+            "planned_vs_reserved": span(pick("planned_vs_reserved")), "rows_planned_covers_reserved": sum(1 for v in pick("planned_vs_reserved") if v >= 1),
+            "allocator_overhead_measured": {p: span(pick("allocator_overhead_measured", p)) for p in precisions},
+        }
+    checks["memory and planner"]["summary"] = summary
+    save()
 
-    # 6. Throughput: GPT-2 124M's shape, oomguard and eager PyTorch alternated, as MFU.
+    # 6. Throughput: GPT-2 124M's shape, oomguard and eager PyTorch alternated, timed by
+    # window_rate on both sides, under the PYTORCH_ALLOC_CONF oomguard logged, as MFU.
     gpt2 = {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "vocab_size": 50304}
+    peak = report["host"].get("mfu_peak_tflops")
+    print(f"MFU peak: {peak['label']} (bf16 {peak['bf16']}, fp32 {peak['fp32']} dense TFLOP/s) for {report['host'].get('gpu')}" if peak
+          else f"MFU peak: {report['host'].get('gpu')} with {report['host'].get('total_memory', 0) / 2**30:.1f} GiB is not in PEAKS: MFU not computed", flush=True)
     tp = {}
     for prec in precisions:
         shp = dict(gpt2, micro_batch_size=8, grad_accum_steps=4, steps=12, precision=prec)
-        d = work / f"tp-{prec}"
-        d.mkdir()
-        (d / "c.yaml").write_text(f"model: {json.dumps(gpt2)}\ndata: {{source: embedded, embedded_bytes: 8388608}}\ntrain: {{micro_batch_size: 8, grad_accum_steps: 4, max_steps: 12, eval_every: 0, device: cuda, precision: {prec}}}\nlog: {{every: 1}}\n")
-        og_rates, eager_rates, n_params = [], [], None
+        tokens_per_step = 8 * 4 * gpt2["block_size"]
+        og_rates, eager_rates, n_params, confs = [], [], None, []
         for rnd in range(2):
-            run = d / f"run{rnd}"
-            r = sh([og, "train", d / "c.yaml", "--run-dir", run])
-            if r.returncode == 0:
-                rates = [json.loads(l)["tokens_per_s"] for l in (run / "metrics.jsonl").read_text().splitlines() if '"event":"step"' in l]
-                og_rates.append(statistics.median(rates[2:]))
-            e = sh([sys.executable, __file__, "eager", json.dumps(shp)])
-            if e.returncode == 0:
-                m = json.loads(e.stdout)
+            code, steps, og_alloc = og_run(work / f"tp-{prec}-{rnd}", f"model: {json.dumps(gpt2)}\ndata: {{source: embedded, embedded_bytes: 8388608}}\ntrain: {{micro_batch_size: 8, grad_accum_steps: 4, max_steps: 12, eval_every: 0, device: cuda, precision: {prec}}}\nlog: {{every: 1}}\n")
+            if code == 0 and len(steps) == 12:
+                og_rates.append(window_rate([s["elapsed_s"] for s in steps], tokens_per_step))
+            m = eager_run(shp, og_alloc)
+            if m:
                 eager_rates.append(m["tokens_per_s"])
                 n_params = m["params"]
-        peak = next((v for k, v in PEAK_TFLOPS.items() if k in report["host"].get("gpu", "")), None)
+            confs.append({"oomguard": og_alloc, "eager": m.get("alloc_conf")})
         fpt = flops_per_token(gpt2, n_params) if n_params else None
-        mfu = lambda r: r * fpt / (peak[0 if prec == "bf16" else 1] * 1e12) if (peak and fpt and r) else None
+        top = peak and peak["bf16" if prec == "bf16" else "fp32"]
+        mfu = lambda r: r * fpt / (top * 1e12) if (top and fpt and r) else None
         og_tp, eager_tp = (statistics.median(og_rates) if og_rates else None), (statistics.median(eager_rates) if eager_rates else None)
-        tp[prec] = {"oomguard_tokens_per_s": og_tp, "eager_tokens_per_s": eager_tp, "ratio": og_tp / eager_tp if og_tp and eager_tp else None,
-                    "oomguard_mfu": mfu(og_tp), "eager_mfu": mfu(eager_tp), "rounds": {"oomguard": og_rates, "eager": eager_rates}}
-        checks["throughput gpt2-124m"] = {"ok": bool(og_rates), "by_precision": tp}
+        tp[prec] = {"oomguard_tokens_per_s": og_tp, "eager_tokens_per_s": eager_tp, "ratio": ratio(og_tp, eager_tp),
+                    "oomguard_mfu": mfu(og_tp), "eager_mfu": mfu(eager_tp), "mfu_peak_tflops": top, "mfu_peak_label": peak and peak["label"],
+                    "rounds": {"oomguard": og_rates, "eager": eager_rates}, "alloc_conf": confs}
+        checks["throughput gpt2-124m"] = {"ok": bool(og_rates) and all(c["oomguard"] == c["eager"] for c in confs), "by_precision": tp,
+                                          "timing": "tokens/s over steps 2-11 of 12: wall clock between step ends, each after a device synchronise, on both sides"}
         save()
 
 
 if __name__ == "__main__":
-    cmd = sys.argv[1]
+    cmd = sys.argv[1] if len(sys.argv) > 1 else ""
     if cmd == "host":
         host()
     elif cmd == "eager":
         eager(sys.argv[2])
+    elif cmd == "peak":
+        print(json.dumps(peak_for(sys.argv[2], int(sys.argv[3]))))
     elif cmd == "check":
         check(sys.argv[2], sys.argv[3])
     else:
-        sys.exit(f"unknown command {cmd}: host, eager SHAPE_JSON, check KIT OUT_DIR")
+        sys.exit(f"unknown command {cmd!r}: host, eager SHAPE_JSON, peak NAME TOTAL_BYTES, check KIT OUT_DIR")

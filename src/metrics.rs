@@ -58,6 +58,10 @@ pub struct StepRecord {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eta_s: Option<f64>,
     pub memory: MemoryStats,
+    /// Where the step ran (`cpu`, `cuda:0`): what a reader such as scripts/gpu_check.py
+    /// checks, rather than the config's `auto`.
+    #[serde(default)]
+    pub device: String,
     /// The forward's precision (fp32, bf16 or fp16) and whether blocks are recomputed.
     pub precision: crate::precision::Precision,
     pub activation_checkpointing: bool,
@@ -69,6 +73,14 @@ pub struct StepRecord {
     /// Data parallel: seconds in the ranks' agreements and the gradient all-reduce.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comm_s: Option<f64>,
+}
+
+/// A device as step records name it: `cpu`, `cuda:N`.
+pub fn device_label(device: tch::Device) -> String {
+    match device {
+        tch::Device::Cuda(i) => format!("cuda:{i}"),
+        d => format!("{d:?}").to_lowercase(),
+    }
 }
 
 /// `{"event":"rung", ...}`: the guard climbed below micro-batch 1.

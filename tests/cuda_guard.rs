@@ -41,6 +41,7 @@ fn cuda_oom_is_recovered_with_the_same_result() {
     assert!(ooms.iter().all(|e| e["source"] == "cuda"), "{ooms:?}");
     assert!(records(&run, "grow").is_empty(), "the limit never lets 64 fit again");
     let steps = records(&run, "step");
+    assert!(steps.iter().all(|s| s["device"] == "cuda:0"), "every step on the GPU: {steps:?}");
     let settled = steps.last().unwrap()["micro_batch_size"].as_u64().unwrap();
     assert!(steps.iter().all(|s| s["micro_batch_size"].as_u64() == Some(settled)), "the first step already ran at the smaller size");
 
@@ -71,6 +72,8 @@ fn a_memory_budget_caps_a_cuda_run() {
     let run = train_ok(dir.path(), &cfg, &["--memory-budget", &budget.to_string()]);
     let ooms = records(&run, "oom");
     assert!(!ooms.is_empty() && ooms.iter().all(|e| e["source"] == "cuda"), "{ooms:?}");
-    let limit = records(&run, "step")[0]["memory"]["limit_bytes"].as_u64().unwrap();
+    let step = &records(&run, "step")[0];
+    assert_eq!(step["device"], "cuda:0", "{step}");
+    let limit = step["memory"]["limit_bytes"].as_u64().unwrap();
     assert!(limit.abs_diff(budget) < budget / 1000, "limit {limit} for a budget of {budget}");
 }

@@ -1,5 +1,7 @@
 //! The allocation guard, end to end through the binary, with real libtorch allocation
-//! failures under a CPU memory budget (and, in-process, what `time_lost_s` counts).
+//! failures under a CPU memory budget (and, in-process, what `time_lost_s` counts). CPU only
+//! (the GPU kit runs it to check its binaries against a host's torch; tests/cuda_guard.rs is
+//! the CUDA half).
 mod common;
 use common::*;
 use serde_json::Value;
@@ -15,6 +17,7 @@ fn measure(dir: &Path, cfg: &Path, micro: usize) -> (u64, u64) {
     );
     assert!(o.status.success(), "{}", stderr(&o));
     let r = &records(&run, "step")[0];
+    assert_eq!(r["device"], "cpu", "{r}");
     (r["memory"]["live_bytes"].as_u64().unwrap(), r["memory"]["peak_bytes"].as_u64().unwrap())
 }
 

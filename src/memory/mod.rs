@@ -29,6 +29,7 @@ mod ffi {
         pub fn og_cuda_empty_cache() -> *mut c_char;
         pub fn og_cuda_stats(device: c_int, out: *mut i64) -> *mut c_char;
         pub fn og_cuda_reset_peak(device: c_int) -> *mut c_char;
+        pub fn og_cuda_synchronize(device: c_int) -> *mut c_char;
         pub fn og_cuda_mem_info(device: c_int, out: *mut i64) -> *mut c_char;
         pub fn og_set_allocator_settings(settings: *const c_char) -> *mut c_char;
     }
@@ -96,6 +97,14 @@ pub fn empty_cache(device: Device) -> Result<(), TchError> {
 /// Makes CUDA device `index` this process's current device (before any CUDA work).
 pub fn cuda_set_device(index: usize) -> Result<(), TchError> {
     check(unsafe { ffi::og_cuda_set_device(index as i32) })
+}
+
+/// Waits until the device has run everything queued on it. Nothing to do on the CPU.
+pub fn synchronize(device: Device) -> Result<(), TchError> {
+    match device {
+        Device::Cuda(i) => check(unsafe { ffi::og_cuda_synchronize(i as i32) }),
+        _ => Ok(()),
+    }
 }
 
 /// Applies caching-allocator settings (`key:value,...`) inside libtorch.

@@ -19,7 +19,7 @@ use crate::guard::ladder::{self, Rung};
 use crate::dist::{ProcessGroup, Topic};
 use crate::guard::{Agree, Guard, GuardEvent, Policy};
 use crate::memory::{self, allocator, human_bytes, PressureSchedule};
-use crate::metrics::{EvalRecord, MetricsWriter, Record, RungRecord, StepRecord};
+use crate::metrics::{device_label, EvalRecord, MetricsWriter, Record, RungRecord, StepRecord};
 use crate::model::{ActivationCheckpointing, ModelKind};
 use crate::optim::AdamW;
 use crate::plan::{self, AutoResult, AutoSearch};
@@ -285,6 +285,9 @@ impl<'a> Run<'a> {
             }
         };
         let stats = self.after_guarded(result, step)?;
+        // CUDA runs ahead of the host: without this, a step's time (and tokens/s) would be
+        // the time to queue it, not to run it.
+        memory::synchronize(self.device)?;
         if let Some(pg) = &self.pg {
             // Rank 0's buffers (BatchNorm statistics) for every rank after each step, as
             // DDP's broadcast_buffers: evaluation, checkpoints and the next step see one set.
@@ -299,7 +302,7 @@ impl<'a> Run<'a> {
         let rec = StepRecord {
             step, loss: stats.loss, lr, grad_norm: stats.grad_norm, tokens_per_s: self.units_per_step as f64 / dt,
             micro_batch_size: stats.micro_batch_size, grad_accum_steps: stats.num_micro_batches, num_samples: stats.num_samples,
-            world_size: self.world_size(), step_time_s: dt, elapsed_s: self.progress.elapsed(), eta_s: eta, memory: mem,
+            world_size: self.world_size(), step_time_s: dt, elapsed_s: self.progress.elapsed(), eta_s: eta, memory: mem, device: device_label(self.device),
             precision: self.precision, activation_checkpointing: self.task.activation_checkpointing() == Some(true),
             loss_scale: self.scaler.as_ref().map(Scaler::value), skipped: stats.skipped, comm_s: stats.comm_s,
         };

@@ -50,12 +50,37 @@ pub fn isolated<'c>(cmd: &'c mut Command, cwd: &Path) -> &'c mut Command {
 }
 
 pub fn oomguard(args: &[&str], cwd: &Path) -> Output {
-    isolated(&mut Command::new(bin()), cwd)
+    let o = isolated(&mut Command::new(bin()), cwd)
         .args(args)
         .current_dir(cwd)
         .env("OMP_NUM_THREADS", "1")
         .output()
-        .expect("the oomguard binary runs")
+        .expect("the oomguard binary runs");
+    note_devices(args, cwd);
+    o
+}
+
+/// With $OOMGUARD_TEST_DEVICES set (scripts/gpu_check.py sets it), every run started here
+/// appends `{"test", "run", "devices"}` to that file, the devices read from the run's step
+/// records: where tests ran is then known from what ran, not from what a test printed.
+fn note_devices(args: &[&str], cwd: &Path) {
+    use std::io::Write;
+    let Some(out) = std::env::var_os("OOMGUARD_TEST_DEVICES") else { return };
+    let Some(run) = args.iter().position(|a| *a == "--run-dir").and_then(|i| args.get(i + 1)) else { return };
+    let run = cwd.join(run);
+    let Ok(text) = std::fs::read_to_string(run.join("metrics.jsonl")) else { return };
+    let mut devices: Vec<String> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["event"] == "step")
+        .map(|v| v["device"].as_str().unwrap_or("unrecorded").to_string())
+        .collect();
+    devices.sort();
+    devices.dedup();
+    let test = std::thread::current().name().unwrap_or("unnamed").to_string();
+    let line = serde_json::json!({"test": test, "run": run, "devices": devices});
+    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&out).expect("$OOMGUARD_TEST_DEVICES can be opened");
+    writeln!(f, "{line}").expect("$OOMGUARD_TEST_DEVICES can be written");
 }
 
 pub fn stderr(o: &Output) -> String {
