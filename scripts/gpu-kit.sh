@@ -27,9 +27,11 @@ SRC="$WORK/src"
 mkdir -p "$WORK"
 exec 9>"$WORK.lock"
 flock 9 || { echo "gpu-kit: cannot lock $WORK.lock" >&2; exit 1; }
-# The copy: tracked and untracked-but-not-ignored files, as they are now.
+# The copy: tracked and untracked-but-not-ignored files, as they are now, stamped now (-m):
+# the target folder is shared by every checkout, and a file keeping its own older time would
+# look unchanged to cargo against another checkout's newer build.
 rm -rf "$SRC" && mkdir -p "$SRC"
-(cd "$ROOT" && git ls-files -co --exclude-standard -z | while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done | tar --null -T - -cf -) | tar -C "$SRC" -xf -
+(cd "$ROOT" && git ls-files -co --exclude-standard -z | while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done | tar --null -T - -cf -) | tar -C "$SRC" -xmf -
 sed -i -E "s/^(tch|torch-sys) = \"[^\"]+\"/\1 = \"$TCH\"/" "$SRC/Cargo.toml"
 grep -q "^tch = \"$TCH\"" "$SRC/Cargo.toml" || { echo "gpu-kit: could not set tch = $TCH in Cargo.toml" >&2; exit 1; }
 TESTS=(cuda_guard guard)
