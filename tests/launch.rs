@@ -199,3 +199,54 @@ memory: {guard: false, budget: 1275000}
     assert_eq!(steps.len(), 4);
     assert!(steps.iter().all(|s| s["micro_batch_size"].as_u64().unwrap() <= 4 && s["num_samples"] == 16));
 }
+
+/// A worker that recovered from an OOM (its traceback printed) and later failed for another
+/// reason is relaunched at the same micro-batch: only the error that ended it counts.
+#[test]
+fn a_recovered_oom_then_another_crash_restarts_at_the_same_micro_batch() {
+    let o = launcher(&["--max-restarts", "2", "--monitor-interval", "0.05", &script("recovered_then_crash.py")]).env("OOMGUARD_MICRO_BATCH_SIZE", "16").output().unwrap();
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(out.contains("attempt 1 micro_batch_size=16"), "{out}\n{err}");
+    assert!(err.contains("restarting the group (1/2)") && !err.contains("out of memory; restarting") && !err.contains("relaunching with"), "{err}");
+}
+
+/// Exit 3 (does not fit even at micro-batch 1) is not restarted: restarts cannot help.
+#[test]
+fn exit_3_is_not_restarted() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("huge.yaml");
+    std::fs::write(&cfg, "
+model: {n_layer: 2, n_head: 2, n_embd: 32, block_size: 32, vocab_size: 10000000}
+data: {source: embedded, embedded_bytes: 65536}
+train: {micro_batch_size: 8, grad_accum_steps: 2, max_steps: 4, eval_every: 0, eval_batch_size: 2, eval_batches: 1, seed: 7, device: cpu, num_threads: 1}
+memory: {budget: 256MiB}
+").unwrap();
+    let bin = common::bin();
+    let o = launcher(&["--max-restarts", "3", "--monitor-interval", "0.05", "--no-python", bin.to_str().unwrap(), "train", cfg.to_str().unwrap(), "--run-dir", dir.path().join("run").to_str().unwrap()])
+        .env("OOMGUARD_CACHE", dir.path().join(".cache")).output().unwrap();
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(3), "{out}\n{err}");
+    assert!(!err.contains("restarting the group"), "{err}");
+    assert!(err.contains("exited 3: it does not fit in memory even at micro-batch 1"), "{err}");
+    assert!(err.contains("vocab"), "the planner's message (what would fit) is shown: {err}");
+}
+
+/// SIGTERM to the launcher: the workers get --shutdown-timeout to finish (a checkpoint being
+/// written) before SIGKILL; torchrun's default is 30 s, 0 kills at once.
+#[test]
+fn workers_get_the_shutdown_timeout_after_sigterm() {
+    for (timeout, written) in [("10", true), ("0", false)] {
+        let dir = tempfile::tempdir().unwrap();
+        let done = dir.path().join("done");
+        let child = launcher(&["--shutdown-timeout", timeout, "--monitor-interval", "0.05", &script("slow_exit.py")])
+            .env("SLOW_EXIT_S", "1.5").env("DONE_FILE", &done).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        let pid = child.id();
+        let ready = dir.path().join("done.ready");
+        wait_until("the worker's SIGTERM handler", || ready.exists());
+        Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap();
+        let o = child.wait_with_output().unwrap();
+        assert_eq!(o.status.code(), Some(143), "{:?}", text(&o));
+        assert_eq!(done.exists(), written, "--shutdown-timeout {timeout}: {:?}", text(&o));
+    }
+}

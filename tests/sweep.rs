@@ -233,3 +233,75 @@ fn status_lines_count_through_infeasible_and_failed_trials() {
     let log = std::fs::read_to_string(dir.path().join("out/sweep.log")).unwrap();
     assert!(log.contains(last), "{log}");
 }
+
+/// Two sweeps started together on one directory, same shard: every trial runs exactly once
+/// (each started by one process, never resumed or run again), each recorded once.
+#[test]
+fn two_sweeps_on_one_directory_run_every_trial_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = setup(dir.path(), "base: base.yaml\nplanner: false\nparameters:\n  optim.lr: {values: [1.0e-3, 2.0e-3, 3.0e-3, 4.0e-3]}\n  train.max_steps: {value: 3}\n");
+    let run = || sweep_cmd(dir.path(), &[file.to_str().unwrap(), "--out", "out"]).output().unwrap();
+    let (a, b) = std::thread::scope(|sc| {
+        let a = sc.spawn(run);
+        let b = sc.spawn(run);
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    let (ea, eb) = (String::from_utf8_lossy(&a.stderr), String::from_utf8_lossy(&b.stderr));
+    assert!(a.status.success() && b.status.success(), "{ea}\n{eb}");
+    let out = dir.path().join("out");
+    let r = results(&out);
+    assert_eq!(r.len(), 4, "{r:?}");
+    for rec in &r {
+        let id = rec["trial"].as_str().unwrap();
+        assert_eq!((rec["status"].as_str(), rec["steps"].as_u64()), (Some("ok"), Some(3)), "{rec}");
+        let starts = format!("{ea}{eb}").matches(&format!("[{id}] start")).count() + format!("{ea}{eb}").matches(&format!("[{id}] resume")).count();
+        assert_eq!(starts, 1, "{id} started once: {ea}\n{eb}");
+        let metrics = std::fs::read_to_string(out.join(rec["run_dir"].as_str().unwrap()).join("metrics.jsonl")).unwrap();
+        assert_eq!(metrics.matches("\"event\":\"step\"").count(), 3, "{id}: {metrics}");
+        assert!(!metrics.contains("\"event\":\"resumed\""), "{id} ran once");
+    }
+}
+
+/// `--status` takes no lock and creates nothing: called in a loop through a whole sweep, the
+/// sweep runs exactly as it would alone.
+#[test]
+fn status_in_a_loop_has_no_effect_on_a_sweep() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = setup(dir.path(), "base: base.yaml\nplanner: false\nparameters:\n  optim.lr: {values: [1.0e-3, 2.0e-3, 3.0e-3]}\n  train.max_steps: {value: 4}\n");
+    let status = || sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out", "--status"]);
+    let o = status();
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("0 of 3 trials finished"), "{o:?}");
+    assert!(!dir.path().join("out").exists(), "--status created nothing");
+    let mut child = sweep_cmd(dir.path(), &[file.to_str().unwrap(), "--out", "out"]).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let mut polls = 0;
+    let mut saw_running = false;
+    while child.try_wait().unwrap().is_none() {
+        let o = status();
+        assert!(o.status.success(), "{o:?}");
+        saw_running |= String::from_utf8_lossy(&o.stdout).contains(" running ");
+        polls += 1;
+    }
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && polls > 3, "{polls} polls: {err}");
+    assert!(saw_running, "--status saw a trial running (from /proc/locks)");
+    assert!(!err.contains("requeued") && !err.contains("] resume"), "{err}");
+    for rec in results(&dir.path().join("out")) {
+        assert_eq!((rec["status"].as_str(), rec["steps"].as_u64()), (Some("ok"), Some(4)), "{rec}");
+    }
+}
+
+/// A line of results.jsonl that does not parse is kept in results.corrupt.jsonl, with a warning.
+#[test]
+fn a_corrupt_results_line_survives_in_results_corrupt_jsonl() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = setup(dir.path(), "base: base.yaml\nplanner: false\nparameters:\n  train.max_steps: {value: 2}\n");
+    std::fs::create_dir_all(dir.path().join("out")).unwrap();
+    std::fs::write(dir.path().join("out/results.jsonl"), "{\"trial\": \"999-edited by hand\", \n").unwrap();
+    let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("not a trial record") && err.contains("results.corrupt.jsonl"), "{err}");
+    assert_eq!(std::fs::read_to_string(dir.path().join("out/results.corrupt.jsonl")).unwrap(), "{\"trial\": \"999-edited by hand\", \n");
+    assert_eq!(results(&dir.path().join("out")).len(), 1);
+}

@@ -96,6 +96,7 @@ impl Config {
 impl RawConfig {
     /// Checks that span sections, then each section's own.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.check_floats()?;
         self.model.validate()?;
         self.data.validate()?;
         self.optim.validate()?;
@@ -117,6 +118,39 @@ impl RawConfig {
             ));
         }
         Ok(())
+    }
+}
+
+impl RawConfig {
+    /// Every float key reaches libtorch as a 32-bit float (a tensor's scalar, AdamW's and the
+    /// scaler's factors): a value that overflows it (1e+308) or that rounds to 0 (1e-60)
+    /// would die later with exit 1 (`value cannot be converted to type float without
+    /// overflow`), so it is an exit-2 error now, naming the key. Found by walking the
+    /// serialized config: a float key added later is covered.
+    fn check_floats(&self) -> Result<(), ConfigError> {
+        let value = serde_json::to_value(self).map_err(|e| ConfigError::invalid("", e.to_string()))?;
+        let mut floats = vec![];
+        float_keys(&value, String::new(), &mut floats);
+        for (key, v) in floats {
+            let single = v as f32;
+            if !v.is_finite() || single.is_infinite() {
+                return Err(ConfigError::invalid(&key, format!("is {v}; libtorch holds it as a 32-bit float, at most {:e} in size", f32::MAX)));
+            }
+            if v != 0.0 && single == 0.0 {
+                return Err(ConfigError::invalid(&key, format!("is {v}; as a 32-bit float (libtorch's) it is 0; give 0 or at least {:e}", f32::from_bits(1))));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The float leaves of a serialized config, by key path (`optim.grad_clip`, `memory.pressure[0].x`).
+fn float_keys(v: &serde_json::Value, path: String, out: &mut Vec<(String, f64)>) {
+    match v {
+        serde_json::Value::Number(n) if n.is_f64() => out.push((path, n.as_f64().unwrap_or(f64::NAN))),
+        serde_json::Value::Object(m) => m.iter().for_each(|(k, v)| float_keys(v, if path.is_empty() { k.clone() } else { format!("{path}.{k}") }, out)),
+        serde_json::Value::Array(a) => a.iter().enumerate().for_each(|(i, v)| float_keys(v, format!("{path}[{i}]"), out)),
+        _ => {}
     }
 }
 
@@ -190,6 +224,27 @@ mod tests {
         assert!(e.message.contains("unknown key `n_layerz`"), "{e}");
         let e = load_str("", &["train.micro_batch_size=0"]).unwrap_err();
         assert_eq!(e.key, "train.micro_batch_size");
+    }
+
+    /// Every float key of the config (found by walking it, as the check does), set beyond
+    /// what a 32-bit float holds, is refused naming that key; grad_clip as the fuzzer found.
+    #[test]
+    fn every_float_key_is_checked_against_libtorchs_range() {
+        let mut floats = vec![];
+        float_keys(&serde_json::to_value(load_str("model: {dropout: 0.1}\n", &[]).unwrap().raw).unwrap(), String::new(), &mut floats);
+        let keys: Vec<&str> = floats.iter().map(|(k, _)| k.as_str()).collect();
+        for k in ["optim.lr", "optim.grad_clip", "optim.eps", "optim.weight_decay", "train.grad_scaler.init_scale", "model.dropout", "data.val_fraction", "memory.auto_margin"] {
+            assert!(keys.contains(&k), "{k} in {keys:?}");
+        }
+        for key in &keys {
+            for bad in ["1e+308", "-1e+308", "1e-60"] {
+                let e = load_str("model: {dropout: 0.1}\n", &[&format!("{key}={bad}")]).unwrap_err();
+                assert_eq!(e.key, *key, "{key}={bad}: {e}");
+            }
+        }
+        let e = load_str("optim: {grad_clip: 1e+308}\n", &[]).unwrap_err();
+        assert!(e.key == "optim.grad_clip" && e.message.contains("32-bit float"), "{e}");
+        assert!(load_str("optim: {grad_clip: 0, weight_decay: 0.0}\n", &[]).is_ok(), "0 is exact in any float");
     }
 
     #[test]

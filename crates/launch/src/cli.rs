@@ -147,6 +147,10 @@ pub struct LaunchArgs {
     /// Restarts of the worker group before giving up.
     #[arg(long = "max-restarts", alias = "max_restarts", env = "PET_MAX_RESTARTS", default_value_t = 0)]
     pub max_restarts: u32,
+    /// Seconds the workers get to exit after SIGTERM (a checkpoint being written, say) before
+    /// SIGKILL, as torchrun's --shutdown-timeout.
+    #[arg(long = "shutdown-timeout", alias = "shutdown_timeout", env = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", default_value_t = 30.0, value_name = "SECONDS")]
+    pub shutdown_timeout: f64,
     /// Seconds between checks of the workers.
     #[arg(long = "monitor-interval", alias = "monitor_interval", env = "PET_MONITOR_INTERVAL", default_value_t = 0.1)]
     pub monitor_interval: f64,

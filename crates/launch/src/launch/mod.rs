@@ -48,6 +48,8 @@ pub struct LaunchSpec {
     pub role: String,
     pub max_restarts: u32,
     pub monitor_interval: std::time::Duration,
+    /// SIGTERM to SIGKILL: how long workers get to exit (torchrun's --shutdown-timeout).
+    pub shutdown_timeout: std::time::Duration,
     pub log_dir: Option<PathBuf>,
     pub redirects: BTreeMap<usize, Streams>,
     pub tee: BTreeMap<usize, Streams>,
@@ -100,6 +102,9 @@ impl LaunchSpec {
         if !(a.monitor_interval > 0.0 && a.monitor_interval.is_finite()) {
             return Err(bad("--monitor-interval", format!("{} must be a positive number of seconds", a.monitor_interval)));
         }
+        if !(a.shutdown_timeout >= 0.0 && a.shutdown_timeout.is_finite()) {
+            return Err(bad("--shutdown-timeout", format!("{} must be 0 or more seconds", a.shutdown_timeout)));
+        }
         let from_env = allocator::effective(&default_allocator(), |v| std::env::var(v).ok())?;
         Ok(LaunchSpec {
             nnodes,
@@ -111,6 +116,7 @@ impl LaunchSpec {
             role: a.role.clone(),
             max_restarts: a.max_restarts,
             monitor_interval: std::time::Duration::from_secs_f64(a.monitor_interval),
+            shutdown_timeout: std::time::Duration::from_secs_f64(a.shutdown_timeout),
             log_dir: a.log_dir.clone(),
             redirects: parse_streams("--redirects", &a.redirects, nproc_per_node)?,
             tee: parse_streams("--tee", &a.tee, nproc_per_node)?,
@@ -292,6 +298,9 @@ mod tests {
     fn torchrun_spellings_and_env() {
         let s = spec(&["--nproc_per_node=2", "--nnodes", "2", "--node-rank", "1", "--master_addr", "10.0.0.1", "--max_restarts", "3", "train.py", "--lr", "3"]).unwrap();
         assert_eq!((s.nproc_per_node, s.nnodes, s.node_rank, s.max_restarts), (2, 2, 1, 3));
+        assert_eq!(s.shutdown_timeout, std::time::Duration::from_secs(30), "torchrun's default");
+        assert_eq!(spec(&["--shutdown-timeout", "600", "x.py"]).unwrap().shutdown_timeout, std::time::Duration::from_secs(600));
+        assert!(spec(&["--shutdown-timeout", "-1", "x.py"]).is_err());
         assert_eq!(s.program, ["python3", "-u", "train.py", "--lr", "3"]);
         let env: BTreeMap<String, String> =
             worker_env(&s, 1, 29500, 2, std::path::Path::new("/e.json"), Micro { size: Some(4), failed: Some(8) }).into_iter().collect();

@@ -14,9 +14,6 @@ use super::LaunchError as Error;
 use crate::oom::classify_oom;
 use crate::proc::Signals;
 
-/// How long workers get to exit after SIGTERM before SIGKILL.
-const GRACE: Duration = Duration::from_secs(10);
-
 /// What to do after the group failed: a pure decision.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Next {
@@ -24,11 +21,23 @@ pub enum Next {
     GiveUp,
 }
 
-/// Restart while restarts remain; after an out-of-memory death, with half the micro-batch.
-pub fn after_failure(restarts_done: u32, max_restarts: u32, oom: bool, micro: Option<usize>) -> Next {
-    if restarts_done >= max_restarts {
+/// How an attempt ended, from the error that ended it (not from errors it recovered from).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// Out of memory.
+    Oom,
+    /// Exit 3: does not fit even at micro-batch 1. Restarting cannot help.
+    CannotFit,
+    Other,
+}
+
+/// Restart while restarts remain (never after exit 3); after an out-of-memory death, with
+/// half the micro-batch; otherwise at the same one.
+pub fn after_failure(restarts_done: u32, max_restarts: u32, ended: Ended, micro: Option<usize>) -> Next {
+    if restarts_done >= max_restarts || ended == Ended::CannotFit {
         return Next::GiveUp;
     }
+    let oom = ended == Ended::Oom;
     let micro_batch_size = match (oom, micro) {
         (true, Some(m)) => Some((m / 2).max(1)),
         (_, m) => m,
@@ -65,9 +74,23 @@ impl Failure {
     fn exit_code(&self) -> i32 {
         if self.exitcode < 0 { 128 - self.exitcode } else { self.exitcode }
     }
-    fn is_oom(&self) -> bool {
-        let text = self.error_message.iter().chain(&self.stderr).chain(&self.stdout).cloned().collect::<Vec<_>>().join("\n");
-        classify_oom(&text).is_some() || text.contains("MemoryError")
+    /// The error that ended the attempt: the error file's, else the worker's last error on
+    /// stderr (else stdout). Out-of-memory errors it logged and recovered from earlier do not count.
+    fn final_error(&self) -> String {
+        self.error_message.clone().unwrap_or_else(|| {
+            let last = last_error(&self.stderr);
+            if last.is_empty() { last_error(&self.stdout) } else { last }
+        })
+    }
+    fn ended(&self) -> Ended {
+        let text = self.final_error();
+        if self.exit_code() == 3 {
+            Ended::CannotFit
+        } else if classify_oom(&text).is_some() || text.contains("MemoryError") {
+            Ended::Oom
+        } else {
+            Ended::Other
+        }
     }
     /// The micro-batch the worker reported (`micro_batch_size=N`, the last mention on
     /// stderr, else on stdout: Python's print writes to stdout).
@@ -80,6 +103,21 @@ impl Failure {
         };
         last(&self.stderr).or_else(|| last(&self.stdout))
     }
+}
+
+/// The worker's last error in `lines`: from its last ERROR log line or Python traceback to the
+/// end; else its last lines that are not WARN/INFO logs (a recovered OOM is logged at WARN).
+pub fn last_error(lines: &[String]) -> String {
+    let start = lines.iter().rposition(|l| l.contains("ERROR") || l.starts_with("Traceback (most recent call last)"));
+    let tail: Vec<&String> = match start {
+        Some(i) => lines[i..].iter().collect(),
+        None => {
+            let quiet = |l: &&String| ![" WARN ", " INFO ", " DEBUG ", " TRACE ", "WARNING"].iter().any(|lvl| l.contains(lvl));
+            let kept: Vec<&String> = lines.iter().filter(quiet).collect();
+            kept[kept.len().saturating_sub(3)..].to_vec()
+        }
+    };
+    tail.iter().map(|l| l.as_str()).collect::<Vec<_>>().join("\n")
 }
 
 enum Outcome {
@@ -109,7 +147,7 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
         if let Some(Err(e)) = workers.iter().find(|w| w.is_err()) {
             let msg = e.to_string();
             let mut started: Vec<Worker> = workers.into_iter().flatten().collect();
-            stop(&mut started, libc::SIGKILL, &signals);
+            stop(&mut started, libc::SIGKILL, Duration::ZERO, &signals);
             return Err(Error::Start(msg));
         }
         let mut workers: Vec<Worker> = workers.drain(..).flatten().collect();
@@ -118,7 +156,7 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
             workers.len(), workers[0].rank, workers[workers.len() - 1].rank, spec.master_addr,
             micro.size.map(|m| format!(", micro-batch {m}")).unwrap_or_default()
         );
-        match watch(&mut workers, spec.monitor_interval, &signals) {
+        match watch(&mut workers, spec.monitor_interval, spec.shutdown_timeout, &signals) {
             Outcome::Succeeded => {
                 temp.map(std::fs::remove_dir_all);
                 return Ok(0);
@@ -128,9 +166,10 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
                 return Ok(128 + sig);
             }
             Outcome::Failed(f) => {
-                let oom = f.is_oom();
+                let ended = f.ended();
+                let oom = ended == Ended::Oom;
                 let known = micro.size.or(f.reported_micro_batch());
-                match after_failure(attempt, spec.max_restarts, oom, known) {
+                match after_failure(attempt, spec.max_restarts, ended, known) {
                     Next::Restart { micro_batch_size } => {
                         tracing::warn!(
                             "worker rank {} failed (exit code {}){}; restarting the group ({}/{})",
@@ -146,6 +185,9 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
                         attempt += 1;
                     }
                     Next::GiveUp => {
+                        if ended == Ended::CannotFit && attempt < spec.max_restarts {
+                            tracing::error!("worker rank {} exited 3: it does not fit in memory even at micro-batch 1, so no restart can help: {}", f.rank, f.final_error());
+                        }
                         eprint!("{}", summary(&f, spec));
                         return Ok(f.exit_code());
                     }
@@ -194,10 +236,10 @@ fn spawn(spec: &LaunchSpec, local_rank: usize, port: u16, attempt: u32, dir: &Pa
     Ok(Worker { local_rank, rank: spec.node_rank * spec.nproc_per_node + local_rank, child, done: false, pumps, stdout, stderr, error_file })
 }
 
-fn watch(workers: &mut [Worker], interval: Duration, signals: &Signals) -> Outcome {
+fn watch(workers: &mut [Worker], interval: Duration, grace: Duration, signals: &Signals) -> Outcome {
     loop {
         if let Some(sig) = signals.received() {
-            stop(workers, sig, signals);
+            stop(workers, sig, grace, signals);
             return Outcome::Signaled(sig);
         }
         let mut failure = None;
@@ -211,7 +253,7 @@ fn watch(workers: &mut [Worker], interval: Duration, signals: &Signals) -> Outco
             }
         }
         if let Some((local_rank, exitcode, time)) = failure {
-            stop(workers, libc::SIGTERM, signals);
+            stop(workers, libc::SIGTERM, grace, signals);
             let w = &workers[local_rank];
             return Outcome::Failed(Failure {
                 local_rank, rank: w.rank, pid: w.child.id(), exitcode, time,
@@ -219,23 +261,23 @@ fn watch(workers: &mut [Worker], interval: Duration, signals: &Signals) -> Outco
             });
         }
         if workers.iter().all(|w| w.done) {
-            stop(workers, libc::SIGKILL, signals); // their process groups: no stray children
+            stop(workers, libc::SIGKILL, Duration::ZERO, signals); // their process groups: no stray children
             return Outcome::Succeeded;
         }
         std::thread::sleep(interval);
     }
 }
 
-/// Sends `sig` to every worker's process group, waits up to GRACE (a further signal to the
+/// Sends `sig` to every worker's process group, waits up to `grace` (a further signal to the
 /// launcher cuts it short), then kills what is left; reaps everything and drains output.
-fn stop(workers: &mut [Worker], sig: i32, signals: &Signals) {
+fn stop(workers: &mut [Worker], sig: i32, grace: Duration, signals: &Signals) {
     let group = |w: &Worker, s: i32| unsafe { libc::killpg(w.child.id() as i32, s) };
     for w in workers.iter() {
         group(w, sig);
     }
     let seen = signals.count.load(Ordering::SeqCst);
     let t = Instant::now();
-    while t.elapsed() < GRACE && signals.count.load(Ordering::SeqCst) == seen {
+    while t.elapsed() < grace && signals.count.load(Ordering::SeqCst) == seen {
         if workers.iter_mut().all(|w| w.done || matches!(w.child.try_wait(), Ok(Some(_)))) {
             break;
         }
@@ -291,11 +333,28 @@ mod tests {
 
     #[test]
     fn restart_policy() {
-        assert_eq!(after_failure(0, 0, false, None), Next::GiveUp);
-        assert_eq!(after_failure(0, 2, false, Some(8)), Next::Restart { micro_batch_size: Some(8) });
-        assert_eq!(after_failure(1, 2, true, Some(8)), Next::Restart { micro_batch_size: Some(4) });
-        assert_eq!(after_failure(1, 2, true, Some(1)), Next::Restart { micro_batch_size: Some(1) });
-        assert_eq!(after_failure(1, 2, true, None), Next::Restart { micro_batch_size: None });
-        assert_eq!(after_failure(2, 2, true, Some(8)), Next::GiveUp);
+        use Ended::*;
+        assert_eq!(after_failure(0, 0, Other, None), Next::GiveUp);
+        assert_eq!(after_failure(0, 2, Other, Some(8)), Next::Restart { micro_batch_size: Some(8) });
+        assert_eq!(after_failure(1, 2, Oom, Some(8)), Next::Restart { micro_batch_size: Some(4) });
+        assert_eq!(after_failure(1, 2, Oom, Some(1)), Next::Restart { micro_batch_size: Some(1) });
+        assert_eq!(after_failure(1, 2, Oom, None), Next::Restart { micro_batch_size: None });
+        assert_eq!(after_failure(2, 2, Oom, Some(8)), Next::GiveUp);
+        assert_eq!(after_failure(0, 5, CannotFit, Some(1)), Next::GiveUp, "exit 3: no restart can help");
+    }
+
+    #[test]
+    fn the_last_error_not_a_recovered_oom() {
+        let lines = |t: &str| t.lines().map(String::from).collect::<Vec<_>>();
+        let recovered = "2026-11-23T10:00:00Z  WARN out of memory (Cpu): can't allocate memory at micro-batch 8: halving\n";
+        let e = last_error(&lines(&format!("{recovered}2026-11-23T10:00:01Z ERROR reading data: disk full\n")));
+        assert_eq!(e, "2026-11-23T10:00:01Z ERROR reading data: disk full");
+        assert!(classify_oom(&e).is_none());
+        // A Python script that printed a recovered OOM's traceback, then crashed otherwise.
+        let py = "Traceback (most recent call last):\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\nretrying at 8\nTraceback (most recent call last):\n  File \"x.py\"\nValueError: bad batch\n";
+        assert!(last_error(&lines(py)).ends_with("ValueError: bad batch") && !last_error(&lines(py)).contains("OutOfMemory"));
+        assert!(classify_oom(&last_error(&lines("Traceback (most recent call last):\nRuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB\n"))).is_some());
+        // No error line at all (a segfault): the last lines that are not logs of recoveries.
+        assert_eq!(last_error(&lines(&format!("step 3\n{recovered}"))), "step 3");
     }
 }

@@ -2,10 +2,14 @@
 //! `oomguard train` child per trial, so no trial can take the sweep down; results.jsonl holds
 //! one record per trial; a sweep killed at any moment (kill -9 too) starts again where it
 //! was: finished trials skipped, unfinished ones resumed from their checkpoints.
+mod asha;
+mod domain;
 mod spec;
 mod status;
 mod store;
 mod table;
+mod tpe;
+mod sweeper;
 mod trial;
 
 pub use spec::{load, Metric, Sweep, Trial};
@@ -13,15 +17,13 @@ pub use store::{Record, Status, Store};
 
 use anyhow::Context;
 use std::path::{Path, PathBuf};
-use std::process::Child;
-use std::time::{Duration, Instant, SystemTime};
 
 use crate::host::{HostMemory, Threads};
-use crate::proc::{signal_group, Signals};
+use crate::proc::Signals;
 use crate::units::human_bytes;
 use crate::ConfigError;
 use store::TrialLock;
-use trial::{Launch, Stop};
+use sweeper::Sweeper;
 
 /// `oomguard sweep`
 #[derive(Debug, clap::Args)]
@@ -87,30 +89,6 @@ fn visible_gpus() -> Vec<String> {
     }
 }
 
-struct Running<'a> {
-    trial: &'a Trial,
-    slot: usize,
-    child: Child,
-    started: Instant,
-    stopping: Option<(Stop, Instant)>,
-    _lock: TrialLock,
-}
-
-/// The sweep in progress: its settings and where results go.
-struct Sweeper<'a> {
-    sweep: &'a Sweep,
-    out: PathBuf,
-    exe: PathBuf,
-    store: Store,
-    shard: String,
-    threads: Option<usize>,
-    /// Each trial's share of the host's memory (several slots).
-    memory_share: Vec<(String, String)>,
-    gpus: Vec<String>,
-    /// Seconds trials already ran before this start (an interrupted record's).
-    before: std::collections::BTreeMap<String, f64>,
-}
-
 pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     let sweep = spec::load(&args.sweep)?;
     let stem = args.sweep.file_stem().map_or("sweep".into(), |s| s.to_string_lossy().into_owned());
@@ -119,7 +97,9 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     let store = Store::new(&out);
     let records = store.read().with_context(|| format!("reading {}", store.path().display()))?;
     if args.status {
-        print!("{}", table::render(&sweep.trials, &records, &|t| open_state(&out, t), sweep.metric));
+        // Reads only: no lock taken, nothing created.
+        let trials = sweeper::known(&sweep, &records, (index, count));
+        print!("{}", table::render(&trials, &records, &|t| open_state(&out, t), sweep.metric, sweeper::total(&sweep, (index, count))));
         return Ok(());
     }
     if args.parallel == 0 {
@@ -132,6 +112,9 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     }
     std::fs::create_dir_all(out.join("trials")).with_context(|| format!("creating {}", out.display()))?;
     crate::logfile::set_log_file(&out.join("sweep.log"))?;
+    for n in &sweep.notices {
+        tracing::info!("{n}");
+    }
     let spec_text = std::fs::read(&args.sweep).with_context(|| format!("reading {}", args.sweep.display()))?;
     oomguard_report::atomic::write(&out.join("sweep.yaml"), &spec_text).with_context(|| format!("copying {} into {}", args.sweep.display(), out.display()))?;
     // Slots share this host: each gets its part of the CPU threads and of the memory.
@@ -140,14 +123,16 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("locating this executable")?.with_file_name("oomguard");
     let before = records.iter().filter(|(_, r)| !r.status.is_final()).map(|(k, r)| (k.clone(), r.duration_s)).collect();
     let s = Sweeper {
-        sweep: &sweep, out: out.clone(), exe, store, shard: format!("{index}/{count}"),
+        sweep: &sweep, out: out.clone(), exe, store, shard: (index, count),
         threads: (args.parallel > 1).then(|| host_threads.share(args.parallel)),
         memory_share: host_memory.as_ref().map(|m| m.share_env(args.parallel).to_vec()).unwrap_or_default(), gpus, before,
     };
-    let todo: Vec<&Trial> = sweep.trials.iter().filter(|t| t.index % count == index && !records.get(&t.id).is_some_and(|r| r.status.is_final())).collect();
+    let mine = sweeper::known(&sweep, &records, (index, count));
+    let todo: Vec<&Trial> = mine.iter().filter(|t| !records.get(&t.id).is_some_and(|r| r.status.is_final())).collect();
     tracing::info!(
-        "sweep {}: {} trials, {} to run in shard {}, {} at a time, into {}",
-        sweep.path.display(), sweep.trials.len(), todo.len(), s.shard, args.parallel, out.display()
+        "sweep {}: {} trials, {} to run in shard {index}/{count}, {} at a time, into {}{}",
+        sweep.path.display(), sweep.count, todo.len().max(sweeper::total(&sweep, (index, count)).saturating_sub(mine.len())), args.parallel, out.display(),
+        sweep.early_stop.map(|e| format!("; early stopping (ASHA) at steps {:?}, eta {}", e.rungs(), e.eta)).unwrap_or_default()
     );
     if let Some(n) = s.threads {
         tracing::info!("each trial gets {n} CPU thread{} (this host gives {host_threads})", if n == 1 { "" } else { "s" });
@@ -155,209 +140,35 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     if let Some(m) = &host_memory {
         tracing::info!("host memory: {}; each of the {} slots gets {}", m.describe(), args.parallel, human_bytes(m.share(args.parallel).0));
     }
-    // Every trial's config is checked before the first one runs: a typo fails in seconds.
-    for t in &todo {
+    // Every trial's config is checked before the first one runs: a typo fails in seconds
+    // (model-based search: a draw of every parameter).
+    let drawn = spec::random(&sweep.domains, 1, sweep.seed);
+    let checks: Vec<&Trial> = if sweep.model_based() { drawn.iter().collect() } else { todo };
+    for t in checks {
         if let Err(why) = s.launch(t, None).check().context("running oomguard train --check")? {
             let message = format!("trial {} ({}) is not a valid config: {why}", t.id, t.describe());
             return Err(ConfigError { origin: sweep.path.display().to_string(), line_col: None, key: "parameters".into(), message }.into());
         }
     }
     let signals = Signals::install().context("installing signal handlers")?;
-    let mine: Vec<&Trial> = sweep.trials.iter().filter(|t| t.index % count == index).collect();
-    let mut reporter = status::Reporter::new(mine, args.parallel, sweep.metric);
-    let stopped = s.schedule(todo, args.parallel, &signals, &mut reporter)?;
+    let mut reporter = status::Reporter::new(sweeper::total(&sweep, (index, count)), args.parallel, sweep.metric);
+    let stopped = s.schedule(args.parallel, &signals, &mut reporter)?;
     if stopped.is_none() {
         reporter.finish();
     }
     drop(reporter);
     let records = s.store.read()?;
-    print!("{}", table::render(&sweep.trials, &records, &|t| open_state(&out, t), sweep.metric));
+    let trials = sweeper::known(&sweep, &records, (index, count));
+    print!("{}", table::render(&trials, &records, &|t| open_state(&out, t), sweep.metric, sweeper::total(&sweep, (index, count))));
     match stopped {
         Some(sig) => Err(crate::cli::ExitCode(128 + sig).into()),
         None => Ok(()),
     }
 }
 
+/// Running or pending, from the trial lock's entry in /proc/locks: `--status` takes no lock.
 fn open_state(out: &Path, t: &Trial) -> table::Open {
-    match TrialLock::try_take(&out.join("trials").join(&t.id)) {
-        Ok(None) => table::Open::Running,
-        _ => table::Open::Pending,
-    }
-}
-
-impl<'a> Sweeper<'a> {
-    fn launch(&self, t: &'a Trial, slot: Option<usize>) -> Launch<'_> {
-        Launch {
-            exe: &self.exe, base: &self.sweep.base, trial: t, run_dir: self.run_dir(t),
-            threads: self.threads, env: &self.memory_share, gpu: slot.and_then(|s| self.gpus.get(s).cloned()),
-        }
-    }
-
-    fn run_dir(&self, t: &Trial) -> PathBuf {
-        self.out.join("trials").join(&t.id)
-    }
-
-    /// Runs `todo` in `parallel` slots until done or a signal; returns the signal.
-    fn schedule(&self, todo: Vec<&'a Trial>, parallel: usize, signals: &Signals, reporter: &mut status::Reporter) -> anyhow::Result<Option<i32>> {
-        let mut queue: std::collections::VecDeque<&Trial> = todo.into();
-        let mut running: Vec<Running> = vec![];
-        self.report(reporter, &running, false);
-        loop {
-            if let Some(sig) = signals.received() {
-                self.stop_all(&mut running, signals)?;
-                tracing::warn!("received signal {sig}: trials stopped with checkpoints; run the same command to resume");
-                return Ok(Some(sig));
-            }
-            let mut i = 0;
-            while i < running.len() {
-                let done = running[i].child.try_wait()?;
-                match done {
-                    Some(status) => {
-                        let r = running.swap_remove(i);
-                        self.finish(r, exit_code(status))?;
-                        self.report(reporter, &running, true);
-                    }
-                    None => {
-                        self.enforce_timeout(&mut running[i]);
-                        i += 1;
-                    }
-                }
-            }
-            while running.len() < parallel {
-                let Some(t) = queue.pop_front() else { break };
-                let slot = (0..parallel).find(|s| running.iter().all(|r| r.slot != *s)).unwrap_or(0);
-                match self.start(t, slot)? {
-                    Some(r) => {
-                        running.push(r);
-                        self.report(reporter, &running, false);
-                    }
-                    None => self.report(reporter, &running, true), // recorded without running (the planner), or run elsewhere
-                }
-            }
-            if reporter.due() {
-                self.report(reporter, &running, false);
-            }
-            if running.is_empty() && queue.is_empty() {
-                return Ok(None);
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    /// Starts a trial (None: it is running elsewhere, or the planner or a failed start
-    /// already recorded it).
-    fn start(&self, t: &'a Trial, slot: usize) -> anyhow::Result<Option<Running<'a>>> {
-        let dir = self.run_dir(t);
-        let Some(lock) = TrialLock::try_take(&dir)? else {
-            tracing::warn!("[{}] is being run by another sweep process: skipped", t.id);
-            return Ok(None);
-        };
-        let launch = self.launch(t, Some(slot));
-        let fresh = !dir.join("checkpoints").is_dir();
-        if self.sweep.planner && fresh {
-            if let Some(why) = launch.planner_says_infeasible(self.sweep.device_memory.as_deref())? {
-                tracing::warn!("[{}] infeasible, says the planner: {why}", t.id);
-                self.put(t, Status::Infeasible, Some("planner"), Some(3), 0.0, Some(why))?;
-                return Ok(None);
-            }
-        }
-        tracing::info!("[{}] {} {}", t.id, if fresh { "start" } else { "resume" }, t.describe());
-        match launch.spawn() {
-            Ok(child) => Ok(Some(Running { trial: t, slot, child, started: Instant::now(), stopping: None, _lock: lock })),
-            Err(e) => {
-                self.put(t, Status::Failed, None, None, 0.0, Some(format!("cannot start {}: {e}", self.exe.display())))?;
-                Ok(None)
-            }
-        }
-    }
-
-    /// The sweep's status line (`finished`: a trial just got its record). A status that
-    /// cannot be read is left out: it never stops the sweep.
-    fn report(&self, reporter: &mut status::Reporter, running: &[Running], finished: bool) {
-        match self.store.read() {
-            Ok(records) => {
-                let ran: Vec<f64> = running.iter().map(|r| r.started.elapsed().as_secs_f64() + self.before.get(&r.trial.id).copied().unwrap_or(0.0)).collect();
-                reporter.report(&records, &ran, finished);
-            }
-            Err(e) => tracing::warn!("status: cannot read {}: {e}", self.store.path().display()),
-        }
-    }
-
-    fn enforce_timeout(&self, r: &mut Running) {
-        match (self.sweep.timeout, r.stopping) {
-            (Some(limit), None) if r.started.elapsed() > limit => {
-                tracing::warn!("[{}] ran past trial.timeout ({}): stopping it", r.trial.id, humantime::format_duration(limit));
-                signal_group(&r.child, libc::SIGTERM);
-                r.stopping = Some((Stop::Timeout, Instant::now()));
-            }
-            (_, Some((_, since))) if since.elapsed() > self.sweep.grace => signal_group(&r.child, libc::SIGKILL),
-            _ => {}
-        }
-    }
-
-    /// SIGTERM to every trial (each checkpoints), SIGKILL after the grace or a second signal.
-    fn stop_all(&self, running: &mut Vec<Running<'a>>, signals: &Signals) -> anyhow::Result<()> {
-        for r in running.iter_mut() {
-            signal_group(&r.child, libc::SIGTERM);
-            r.stopping = Some((Stop::Sweep, Instant::now()));
-        }
-        let seen = signals.count.load(std::sync::atomic::Ordering::SeqCst);
-        let t = Instant::now();
-        while !running.is_empty() {
-            if t.elapsed() > self.sweep.grace || signals.count.load(std::sync::atomic::Ordering::SeqCst) != seen {
-                running.iter().for_each(|r| signal_group(&r.child, libc::SIGKILL));
-            }
-            let mut i = 0;
-            while i < running.len() {
-                match running[i].child.try_wait()? {
-                    Some(status) => {
-                        let r = running.swap_remove(i);
-                        self.finish(r, exit_code(status))?;
-                    }
-                    None => i += 1,
-                }
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Ok(())
-    }
-
-    fn finish(&self, r: Running, code: i32) -> anyhow::Result<()> {
-        // Nothing of the trial's group may outlive it.
-        signal_group(&r.child, libc::SIGKILL);
-        let status = trial::status_of(code, r.stopping.map(|s| s.0));
-        let message = match status {
-            Status::Ok | Status::Interrupted => None,
-            Status::Timeout => Some(format!("stopped after trial.timeout {}", self.sweep.timeout.map(|d| humantime::format_duration(d).to_string()).unwrap_or_default())),
-            _ => Some(trial::last_error_line(&std::fs::read_to_string(self.launch(r.trial, None).log_path()).unwrap_or_default())),
-        };
-        let told_by = (status == Status::Infeasible).then_some("run");
-        let record = self.put(r.trial, status, told_by, Some(code), r.started.elapsed().as_secs_f64(), message)?;
-        tracing::info!(
-            "[{}] {} (exit {code}) in {:.0}s: best eval {}, {} tok/s, micro-batch {}, {} OOMs",
-            r.trial.id, status.name(), record.duration_s, record.summary.best_eval_loss.map_or("-".into(), |l| format!("{l:.4}")),
-            record.summary.tokens_per_s.map_or("-".into(), |t| format!("{t:.0}")), record.summary.final_micro_batch_size.map_or("-".into(), |m| m.to_string()), record.summary.ooms
-        );
-        Ok(())
-    }
-
-    fn put(&self, t: &Trial, status: Status, told_by: Option<&str>, exit_code: Option<i32>, secs: f64, message: Option<String>) -> anyhow::Result<Record> {
-        let dir = self.run_dir(t);
-        let record = Record {
-            trial: t.id.clone(), index: t.index, params: t.params.clone(), status, told_by: told_by.map(String::from), exit_code,
-            summary: trial::summarize(&dir),
-            duration_s: secs + self.before.get(&t.id).copied().unwrap_or(0.0),
-            run_dir: dir.strip_prefix(&self.out).unwrap_or(&dir).display().to_string(), message, shard: self.shard.clone(),
-            finished_at: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
-        };
-        self.store.put(&record).with_context(|| format!("writing {}", self.store.path().display()))?;
-        Ok(record)
-    }
-}
-
-fn exit_code(status: std::process::ExitStatus) -> i32 {
-    use std::os::unix::process::ExitStatusExt;
-    status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
+    if TrialLock::held(&out.join("trials").join(&t.id)) { table::Open::Running } else { table::Open::Pending }
 }
 
 #[cfg(test)]

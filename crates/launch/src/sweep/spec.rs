@@ -6,8 +6,11 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+pub use super::domain::Domain;
+use super::domain::{same, Quantum, Scale, SplitMix};
 use crate::ConfigError;
 
+/// The sweep file as written: ours, or W&B's (whose keys are read as W&B defines them).
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawSweep {
@@ -15,20 +18,34 @@ struct RawSweep {
     base: PathBuf,
     #[serde(default)]
     method: Method,
-    /// Random draws: how many trials.
+    /// Random and model-based search: how many trials (W&B: `run_cap`).
     count: Option<usize>,
+    run_cap: Option<usize>,
     #[serde(default)]
     seed: u64,
     parameters: BTreeMap<String, RawParam>,
     #[serde(default)]
     trial: RawTrial,
     #[serde(default)]
-    metric: Metric,
+    metric: RawMetric,
     /// Ask `oomguard plan` before each fresh trial (an infeasible one then costs seconds).
     #[serde(default = "yes")]
     planner: bool,
     /// Memory the planner fits GPU trials into (a size or a card, as `plan --device-memory`).
     device_memory: Option<String>,
+    early_stop: Option<RawEarlyStop>,
+    /// W&B's spelling of early stopping (hyperband), mapped onto ASHA.
+    early_terminate: Option<RawEarlyTerminate>,
+    /// W&B's: what its agent runs. Each trial here is `oomguard train`: ignored, with a notice.
+    program: Option<serde_yaml::Value>,
+    command: Option<serde_yaml::Value>,
+    project: Option<serde_yaml::Value>,
+    entity: Option<serde_yaml::Value>,
+    /// W&B's labels: accepted, shown nowhere here.
+    #[allow(dead_code)]
+    name: Option<String>,
+    #[allow(dead_code)]
+    description: Option<String>,
 }
 
 fn yes() -> bool {
@@ -41,6 +58,9 @@ pub enum Method {
     #[default]
     Grid,
     Random,
+    /// W&B's name for model-based search: here a Tree-structured Parzen Estimator.
+    Bayes,
+    Tpe,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -48,17 +68,13 @@ pub enum Method {
 struct RawParam {
     value: Option<serde_yaml::Value>,
     values: Option<Vec<serde_yaml::Value>>,
-    distribution: Option<Distribution>,
-    min: Option<f64>,
-    max: Option<f64>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Distribution {
-    Uniform,
-    LogUniform,
-    IntUniform,
+    distribution: Option<String>,
+    min: Option<serde_yaml::Value>,
+    max: Option<serde_yaml::Value>,
+    q: Option<serde_yaml::Value>,
+    mu: Option<f64>,
+    sigma: Option<f64>,
+    probabilities: Option<Vec<f64>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -70,6 +86,58 @@ struct RawTrial {
     grace: Option<String>,
 }
 
+/// `metric: best_eval_loss`, or W&B's `metric: {name: val_loss, goal: minimize}`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum RawMetric {
+    Ours(String),
+    Wandb(RawWandbMetric),
+}
+
+impl Default for RawMetric {
+    fn default() -> Self {
+        RawMetric::Ours("best_eval_loss".into())
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawWandbMetric {
+    name: String,
+    goal: Option<String>,
+    target: Option<f64>,
+    impute_while_running: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEarlyStop {
+    #[serde(rename = "type")]
+    kind: String,
+    metric: Option<String>,
+    min_steps: u64,
+    #[serde(default = "three")]
+    reduction_factor: u64,
+    max_steps: Option<u64>,
+}
+
+fn three() -> u64 {
+    3
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEarlyTerminate {
+    #[serde(rename = "type")]
+    kind: String,
+    min_iter: Option<u64>,
+    #[serde(default = "three")]
+    eta: u64,
+    max_iter: Option<u64>,
+    s: Option<u64>,
+    strict: Option<bool>,
+}
+
 /// Which trial is best.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -77,27 +145,79 @@ pub enum Metric {
     #[default]
     BestEvalLoss,
     FinalEvalLoss,
+    /// The last step's training loss (W&B's `loss`).
+    FinalLoss,
     TokensPerS,
 }
+
+/// Metric names a sweep file may give, and what each means here (W&B's names first: a
+/// W&B sweep's metric is the run's last logged value).
+const METRIC_NAMES: [(&str, Metric); 7] = [
+    ("val_loss", Metric::FinalEvalLoss),
+    ("loss", Metric::FinalLoss),
+    ("tokens_per_s", Metric::TokensPerS),
+    ("best_eval_loss", Metric::BestEvalLoss),
+    ("final_eval_loss", Metric::FinalEvalLoss),
+    ("final_loss", Metric::FinalLoss),
+    ("eval_loss", Metric::FinalEvalLoss),
+];
 
 impl Metric {
     pub fn name(self) -> &'static str {
         match self {
             Metric::BestEvalLoss => "best_eval_loss",
             Metric::FinalEvalLoss => "final_eval_loss",
+            Metric::FinalLoss => "final_loss",
             Metric::TokensPerS => "tokens_per_s",
         }
     }
     pub fn maximize(self) -> bool {
         self == Metric::TokensPerS
     }
+    fn parse(key: &str, name: &str) -> Result<Metric, ConfigError> {
+        METRIC_NAMES.iter().find(|(n, _)| *n == name).map(|(_, m)| *m).ok_or_else(|| {
+            let known: Vec<&str> = METRIC_NAMES.iter().map(|(n, _)| *n).collect();
+            ConfigError::invalid(key, format!("`{name}` is not a metric oomguard records; these exist: {}", known.join(", ")))
+        })
+    }
 }
 
-/// One parameter's domain.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Domain {
-    Values(Vec<Value>),
-    Range { distribution: Distribution, min: f64, max: f64 },
+/// What ASHA compares at a rung: the evaluation's loss there, or the step's training loss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RungMetric {
+    ValLoss,
+    Loss,
+}
+
+/// Asynchronous successive halving (Li et al., "A System for Massively Parallel
+/// Hyperparameter Tuning", MLSys 2020): rungs at min_steps * eta^k below max_steps.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EarlyStop {
+    pub metric: RungMetric,
+    pub min_steps: u64,
+    pub eta: u64,
+    pub max_steps: u64,
+}
+
+impl EarlyStop {
+    pub fn metric_name(&self) -> &'static str {
+        match self.metric {
+            RungMetric::ValLoss => "val_loss",
+            RungMetric::Loss => "loss",
+        }
+    }
+
+    /// The steps where trials report: min_steps, min_steps * eta, ... and max_steps.
+    pub fn rungs(&self) -> Vec<u64> {
+        let mut r = vec![];
+        let mut s = self.min_steps;
+        while s < self.max_steps {
+            r.push(s);
+            s = s.saturating_mul(self.eta);
+        }
+        r.push(self.max_steps);
+        r
+    }
 }
 
 /// One trial: its place in the sweep and the config keys it sets.
@@ -135,12 +255,29 @@ pub struct Sweep {
     pub path: PathBuf,
     pub base: PathBuf,
     pub method: Method,
+    /// Grid and random: every trial, known up front. Model-based: none (proposed as results come).
     pub trials: Vec<Trial>,
+    pub domains: Vec<(String, Domain)>,
+    /// Trials in all (model-based search: how many it proposes).
+    pub count: usize,
+    pub seed: u64,
     pub timeout: Option<Duration>,
     pub grace: Duration,
     pub metric: Metric,
     pub planner: bool,
     pub device_memory: Option<String>,
+    pub early_stop: Option<EarlyStop>,
+    /// optim.decay_steps is set (by the base config or a parameter): early stopping's
+    /// segments then keep it; else they set it to max_steps, the whole run's schedule.
+    pub decay_steps_set: bool,
+    /// What was read but not acted on (W&B's program, command, project, entity).
+    pub notices: Vec<String>,
+}
+
+impl Sweep {
+    pub fn model_based(&self) -> bool {
+        matches!(self.method, Method::Bayes | Method::Tpe)
+    }
 }
 
 /// Reads and validates a sweep file.
@@ -153,38 +290,156 @@ pub fn load(path: &Path) -> Result<Sweep, ConfigError> {
     if !base.is_file() {
         return Err(at(ConfigError::invalid("base", format!("{} is not a file; give the config every trial starts from, relative to the sweep file", base.display()))));
     }
+    // A W&B file's `log_uniform` takes exponents (W&B's meaning); ours takes values.
+    let wandb = matches!(raw.metric, RawMetric::Wandb(_)) || raw.program.is_some() || raw.command.is_some() || raw.run_cap.is_some() || raw.early_terminate.is_some();
     let mut domains = Vec::new();
     for (key, p) in &raw.parameters {
-        domains.push((key.clone(), domain(key, p, raw.method).map_err(at)?));
+        domains.push((key.clone(), domain(key, p, wandb).map_err(at)?));
     }
     if domains.is_empty() {
         return Err(at(ConfigError::invalid("parameters", "is empty; give at least one config key, e.g. optim.lr: {values: [1.0e-3, 3.0e-3]}")));
     }
-    let trials = match (raw.method, raw.count) {
-        (Method::Grid, Some(_)) => return Err(at(ConfigError::invalid("count", "is for method: random (a grid runs every combination)"))),
-        (Method::Grid, None) => grid(&domains),
-        (Method::Random, None | Some(0)) => return Err(at(ConfigError::invalid("count", "is required with method: random: how many trials to draw, at least 1"))),
-        (Method::Random, Some(n)) => random(&domains, n, raw.seed),
+    let metric = metric(&raw.metric).map_err(at)?;
+    let cap = match (raw.count, raw.run_cap) {
+        (Some(_), Some(_)) => return Err(at(ConfigError::invalid("run_cap", "and count say the same thing; give one"))),
+        (Some(0), _) | (_, Some(0)) => return Err(at(ConfigError::invalid(if raw.count.is_some() { "count" } else { "run_cap" }, "is 0; give at least 1"))),
+        (c, r) => c.or(r),
     };
+    let trials = match (raw.method, cap) {
+        (Method::Grid, _) if raw.count.is_some() => return Err(at(ConfigError::invalid("count", "is for method: random, bayes or tpe (a grid runs every combination; run_cap caps it)"))),
+        (Method::Grid, cap) => {
+            let mut t = grid(&domains).map_err(at)?;
+            t.truncate(cap.unwrap_or(usize::MAX));
+            t
+        }
+        (_, None) => return Err(at(ConfigError::invalid("count", "is required with method: random, bayes or tpe (W&B: run_cap): how many trials, at least 1"))),
+        (Method::Random, Some(n)) => random(&domains, n, raw.seed),
+        (Method::Bayes | Method::Tpe, Some(_)) => vec![],
+    };
+    let count = if raw.method == Method::Grid || raw.method == Method::Random { trials.len() } else { cap.unwrap_or(0) };
     let duration = |key: &str, text: &Option<String>| -> Result<Option<Duration>, ConfigError> {
         text.as_deref()
             .map(|t| humantime::parse_duration(t).map_err(|e| at(ConfigError::invalid(key, format!("`{t}` is not a duration ({e}); e.g. 90s, 30m, 2h")))))
             .transpose()
     };
+    let early_stop = early_stop(&raw, metric, &base, &domains).map_err(at)?;
+    let decay_steps_set = domains.iter().any(|(k, _)| k == "optim.decay_steps") || base_has(&base, "optim", "decay_steps");
+    let mut notices = vec![];
+    for (key, v) in [("program", &raw.program), ("command", &raw.command), ("project", &raw.project), ("entity", &raw.entity)] {
+        if v.is_some() {
+            notices.push(format!("{origin}: `{key}` (W&B's) is ignored: each trial runs `oomguard train {}` with its parameters", raw.base.display()));
+        }
+    }
     Ok(Sweep {
         path: path.to_path_buf(),
         base,
         method: raw.method,
         trials,
+        domains,
+        count,
+        seed: raw.seed,
         timeout: duration("trial.timeout", &raw.trial.timeout)?,
         grace: duration("trial.grace", &raw.trial.grace)?.unwrap_or(Duration::from_secs(120)),
-        metric: raw.metric,
+        metric,
         planner: raw.planner,
         device_memory: raw.device_memory,
+        early_stop,
+        decay_steps_set,
+        notices,
     })
 }
 
-fn domain(key: &str, p: &RawParam, method: Method) -> Result<Domain, ConfigError> {
+fn metric(raw: &RawMetric) -> Result<Metric, ConfigError> {
+    match raw {
+        RawMetric::Ours(name) => Metric::parse("metric", name),
+        RawMetric::Wandb(w) => {
+            let m = Metric::parse("metric.name", &w.name)?;
+            if let Some(t) = w.target {
+                return Err(ConfigError::invalid("metric.target", format!("({t}) is W&B's stop-the-sweep-when-reached; oomguard cannot honour it: remove it (run_cap bounds the sweep)")));
+            }
+            if w.impute_while_running.is_some() {
+                return Err(ConfigError::invalid("metric.impute_while_running", "is W&B's; oomguard cannot honour it: remove it"));
+            }
+            let want = if m.maximize() { "maximize" } else { "minimize" };
+            match w.goal.as_deref() {
+                None => Ok(m),
+                Some(g) if g == want => Ok(m),
+                Some(g @ ("minimize" | "maximize")) => Err(ConfigError::invalid("metric.goal", format!("is {g} but {} is one to {want}; oomguard cannot honour it", w.name))),
+                Some(g) => Err(ConfigError::invalid("metric.goal", format!("`{g}` is not minimize or maximize"))),
+            }
+        }
+    }
+}
+
+/// `early_stop` (ours) or W&B's `early_terminate: {type: hyperband, min_iter, eta}` (a W&B
+/// iteration is a training step here); max_steps defaults to the trials' train.max_steps.
+fn early_stop(raw: &RawSweep, metric: Metric, base: &Path, domains: &[(String, Domain)]) -> Result<Option<EarlyStop>, ConfigError> {
+    let (key, min_steps, eta, max_steps, rung_metric) = match (&raw.early_stop, &raw.early_terminate) {
+        (None, None) => return Ok(None),
+        (Some(_), Some(_)) => return Err(ConfigError::invalid("early_terminate", "and early_stop are two spellings of one setting; give one")),
+        (Some(e), None) => {
+            if e.kind != "asha" {
+                return Err(ConfigError::invalid("early_stop.type", format!("`{}` is not supported; use asha", e.kind)));
+            }
+            let m = match e.metric.as_deref() {
+                None => None,
+                Some("val_loss" | "eval_loss") => Some(RungMetric::ValLoss),
+                Some("loss") => Some(RungMetric::Loss),
+                Some(other) => return Err(ConfigError::invalid("early_stop.metric", format!("`{other}` is not one a rung can compare; these exist: val_loss, loss"))),
+            };
+            ("early_stop", e.min_steps, e.reduction_factor, e.max_steps, m)
+        }
+        (None, Some(t)) => {
+            if t.kind != "hyperband" {
+                return Err(ConfigError::invalid("early_terminate.type", format!("`{}` is not supported; W&B's hyperband is", t.kind)));
+            }
+            for (k, set) in [("max_iter", t.max_iter.is_some()), ("s", t.s.is_some()), ("strict", t.strict.is_some())] {
+                if set {
+                    return Err(ConfigError::invalid(&format!("early_terminate.{k}"), "is not supported (oomguard's rungs start at min_iter and go to the trials' train.max_steps): give min_iter and eta"));
+                }
+            }
+            let Some(min) = t.min_iter else { return Err(ConfigError::invalid("early_terminate.min_iter", "is required: the first rung, in training steps")) };
+            ("early_terminate", min, t.eta, None, None)
+        }
+    };
+    let rung_metric = rung_metric.unwrap_or(if metric == Metric::FinalLoss { RungMetric::Loss } else { RungMetric::ValLoss });
+    let max_steps = match max_steps {
+        Some(m) => m,
+        None => trials_max_steps(base, domains).ok_or_else(|| {
+            ConfigError::invalid(&format!("{key}.max_steps"), "is needed: the trials' train.max_steps is not one number in the base config or the parameters")
+        })?,
+    };
+    if domains.iter().any(|(k, d)| k == "train.max_steps" && !d.is_constant()) {
+        return Err(ConfigError::invalid("parameters.train.max_steps", "varies, but early stopping gives every trial the same max_steps"));
+    }
+    if eta < 2 {
+        return Err(ConfigError::invalid(&format!("{key}.{}", if key == "early_stop" { "reduction_factor" } else { "eta" }), format!("is {eta}; give 2 or more (3 keeps the top third at each rung)")));
+    }
+    if min_steps == 0 || min_steps >= max_steps {
+        return Err(ConfigError::invalid(&format!("{key}.{}", if key == "early_stop" { "min_steps" } else { "min_iter" }), format!("is {min_steps}; give 1 or more, below max_steps {max_steps}")));
+    }
+    Ok(Some(EarlyStop { metric: rung_metric, min_steps, eta, max_steps }))
+}
+
+fn base_yaml(base: &Path) -> Option<serde_yaml::Value> {
+    serde_yaml::from_str(&std::fs::read_to_string(base).ok()?).ok()
+}
+
+fn base_has(base: &Path, section: &str, key: &str) -> bool {
+    base_yaml(base).is_some_and(|v| v.get(section).and_then(|s| s.get(key)).is_some_and(|v| !v.is_null()))
+}
+
+/// train.max_steps of every trial: a constant parameter's, else the base config's.
+fn trials_max_steps(base: &Path, domains: &[(String, Domain)]) -> Option<u64> {
+    if let Some((_, Domain::Values { values, .. })) = domains.iter().find(|(k, _)| k == "train.max_steps") {
+        return values.first().and_then(Value::as_u64);
+    }
+    base_yaml(base)?.get("train")?.get("max_steps")?.as_u64()
+}
+
+/// One parameter's domain, by W&B's rules where W&B defines the key: `value` constant,
+/// `values` categorical, `min`/`max` int_uniform when both are integers else uniform.
+fn domain(key: &str, p: &RawParam, wandb: bool) -> Result<Domain, ConfigError> {
     let k = format!("parameters.{key}");
     if key.split('.').count() < 2 || key.split('.').any(str::is_empty) {
         return Err(ConfigError::invalid(&k, "is not a config key path; use section.key, e.g. optim.lr or model.n_embd"));
@@ -194,29 +449,119 @@ fn domain(key: &str, p: &RawParam, method: Method) -> Result<Domain, ConfigError
             serde_yaml::Value::Bool(_) | serde_yaml::Value::Number(_) | serde_yaml::Value::String(_) => {
                 serde_json::to_value(v).map_err(|e| ConfigError::invalid(&k, e.to_string()))
             }
+            serde_yaml::Value::Mapping(_) => Err(ConfigError::invalid(&k, "nested parameters (W&B's parameters: within a parameter) are not supported; name each config key, e.g. optim.lr")),
             _ => Err(ConfigError::invalid(&k, "values must be numbers, strings or booleans")),
         }
     };
-    match (&p.value, &p.values, p.distribution) {
-        (Some(v), None, None) => Ok(Domain::Values(vec![json(v)?])),
-        (None, Some(vs), None) if !vs.is_empty() => Ok(Domain::Values(vs.iter().map(json).collect::<Result<_, _>>()?)),
-        (None, Some(_), None) => Err(ConfigError::invalid(&k, "values is empty; give at least one")),
-        (None, None, Some(_)) if method == Method::Grid => {
-            Err(ConfigError::invalid(&k, "a distribution needs method: random (a grid takes value or values)"))
+    let num = |name: &str, v: &Option<serde_yaml::Value>| -> Result<Option<(f64, bool)>, ConfigError> {
+        match v {
+            None => Ok(None),
+            Some(v) => match v.as_f64() {
+                Some(x) if x.is_finite() => Ok(Some((x, v.as_i64().is_some()))),
+                _ => Err(ConfigError::invalid(&format!("{k}.{name}"), "must be a number")),
+            },
         }
-        (None, None, Some(distribution)) => {
-            let (Some(min), Some(max)) = (p.min, p.max) else {
-                return Err(ConfigError::invalid(&k, "a distribution needs min and max"));
+    };
+    let (min, max, q) = (num("min", &p.min)?, num("max", &p.max)?, num("q", &p.q)?);
+    let dist = match (&p.distribution, &p.value, &p.values, min, max) {
+        (Some(d), ..) => d.as_str(),
+        (None, Some(_), None, None, None) => "constant",
+        (None, None, Some(_), None, None) => "categorical",
+        (None, None, None, Some((_, true)), Some((_, true))) => "int_uniform",
+        (None, None, None, Some(_), Some(_)) => "uniform",
+        (None, None, None, None, None) if p.mu.is_some() || p.sigma.is_some() => "normal",
+        _ => return Err(ConfigError::invalid(&k, "give exactly one of value, values, or a distribution (min and max; or mu and sigma)")),
+    };
+    let unused = |allowed: &[&str]| -> Result<(), ConfigError> {
+        let given = [("value", p.value.is_some()), ("values", p.values.is_some()), ("min", min.is_some()), ("max", max.is_some()), ("q", q.is_some()), ("mu", p.mu.is_some()), ("sigma", p.sigma.is_some()), ("probabilities", p.probabilities.is_some())];
+        match given.iter().find(|(n, set)| *set && !allowed.contains(n)) {
+            Some((n, _)) => Err(ConfigError::invalid(&format!("{k}.{n}"), format!("does not go with distribution {dist} (it takes {})", if allowed.is_empty() { "nothing more".into() } else { allowed.join(", ") }))),
+            None => Ok(()),
+        }
+    };
+    let bounds = |log: bool| -> Result<(f64, f64), ConfigError> {
+        let (Some((lo, _)), Some((hi, _))) = (min, max) else { return Err(ConfigError::invalid(&k, format!("distribution {dist} needs min and max"))) };
+        if lo > hi {
+            return Err(ConfigError::invalid(&k, format!("min {lo} is above max {hi}; give min <= max")));
+        }
+        if log && lo <= 0.0 {
+            return Err(ConfigError::invalid(&format!("{k}.min"), format!("is {lo}; {dist} takes values above 0")));
+        }
+        Ok(if log { (lo.ln(), hi.ln()) } else { (lo, hi) })
+    };
+    // W&B's q defaults to 1 (integers).
+    let quantum = || -> Result<Option<Quantum>, ConfigError> {
+        let (q, int) = q.unwrap_or((1.0, true));
+        if q <= 0.0 {
+            return Err(ConfigError::invalid(&format!("{k}.q"), format!("is {q}; give a step above 0")));
+        }
+        Ok(Some(Quantum { q, int }))
+    };
+    let normal = |scale: Scale, quantized: bool| -> Result<Domain, ConfigError> {
+        unused(if quantized { &["mu", "sigma", "q"] } else { &["mu", "sigma"] })?;
+        let (mu, sigma) = (p.mu.unwrap_or(0.0), p.sigma.unwrap_or(1.0));
+        if !(sigma > 0.0 && sigma.is_finite() && mu.is_finite()) {
+            return Err(ConfigError::invalid(&format!("{k}.sigma"), format!("is {sigma}; give a spread above 0")));
+        }
+        Ok(Domain::Normal { scale, mu, sigma, q: if quantized { quantum()? } else { None } })
+    };
+    let real = |scale: Scale, log_bounds: bool, quantized: bool| -> Result<Domain, ConfigError> {
+        unused(if quantized { &["min", "max", "q"] } else { &["min", "max"] })?;
+        let (lo, hi) = bounds(log_bounds)?;
+        Ok(Domain::Real { scale, lo, hi, q: if quantized { quantum()? } else { None } })
+    };
+    match dist {
+        "constant" => {
+            unused(&["value"])?;
+            let v = p.value.as_ref().ok_or_else(|| ConfigError::invalid(&k, "distribution constant needs value"))?;
+            Ok(Domain::Values { values: vec![json(v)?], weights: None })
+        }
+        "categorical" => {
+            unused(&["values", "probabilities"])?;
+            let vs = p.values.as_ref().ok_or_else(|| ConfigError::invalid(&k, "distribution categorical needs values"))?;
+            if vs.is_empty() {
+                return Err(ConfigError::invalid(&k, "values is empty; give at least one"));
+            }
+            let mut values: Vec<Value> = vec![];
+            for v in vs {
+                let v = json(v)?;
+                // W&B's grid takes each value once (3000000.0 is 3000000).
+                if !values.iter().any(|x| same(x, &v)) {
+                    values.push(v);
+                }
+            }
+            let weights = match &p.probabilities {
+                None => None,
+                Some(w) if w.len() == vs.len() && values.len() == vs.len() && w.iter().all(|x| *x >= 0.0) && (w.iter().sum::<f64>() - 1.0).abs() < 1e-6 => Some(w.clone()),
+                Some(_) => return Err(ConfigError::invalid(&format!("{k}.probabilities"), "give one probability of 0 or more per distinct value, summing to 1")),
             };
-            if min > max || !min.is_finite() || !max.is_finite() {
-                return Err(ConfigError::invalid(&k, format!("min {min} is above max {max}; give min <= max")));
-            }
-            if distribution == Distribution::LogUniform && min <= 0.0 {
-                return Err(ConfigError::invalid(&k, "log_uniform needs min > 0"));
-            }
-            Ok(Domain::Range { distribution, min, max })
+            Ok(Domain::Values { values, weights })
         }
-        _ => Err(ConfigError::invalid(&k, "give exactly one of value, values, or distribution (with min and max)")),
+        "int_uniform" => {
+            unused(&["min", "max"])?;
+            let (lo, hi) = bounds(false)?;
+            let (lo, hi) = (lo.ceil(), hi.floor());
+            if lo > hi {
+                return Err(ConfigError::invalid(&k, format!("int_uniform has no integer in [min, max] = [{}, {}]; widen it to hold one", min.unwrap_or_default().0, max.unwrap_or_default().0)));
+            }
+            Ok(Domain::Int { min: lo as i64, max: hi as i64 })
+        }
+        "uniform" => real(Scale::Linear, false, false),
+        "q_uniform" => real(Scale::Linear, false, true),
+        "log_uniform_values" => real(Scale::Log, true, false),
+        "q_log_uniform_values" => real(Scale::Log, true, true),
+        // W&B's log_uniform: exp(X), X uniform in [min, max] (exponents); ours: values.
+        "log_uniform" if wandb => real(Scale::Log, false, false),
+        "log_uniform" => real(Scale::Log, true, false),
+        "q_log_uniform" if wandb => real(Scale::Log, false, true),
+        "normal" => normal(Scale::Linear, false),
+        "q_normal" => normal(Scale::Linear, true),
+        "log_normal" => normal(Scale::Log, false),
+        "q_log_normal" => normal(Scale::Log, true),
+        other => Err(ConfigError::invalid(
+            &format!("{k}.distribution"),
+            format!("`{other}` is not supported; use constant, categorical, int_uniform, uniform, q_uniform, log_uniform_values, q_log_uniform_values, normal, q_normal, log_normal or q_log_normal"),
+        )),
     }
 }
 
@@ -227,18 +572,26 @@ fn trial(index: usize, params: BTreeMap<String, Value>) -> Trial {
     Trial { index, id: format!("{index:03}-{hash:08x}"), params }
 }
 
-/// Every combination, the last key varying fastest.
-pub fn grid(domains: &[(String, Domain)]) -> Vec<Trial> {
+/// A trial of the given parameters at `index` (model-based search's proposals).
+pub fn trial_of(index: usize, params: BTreeMap<String, Value>) -> Trial {
+    trial(index, params)
+}
+
+/// Every combination in W&B's order (grid_search.py: keys sorted, the last varying fastest,
+/// each distinct combination once).
+pub fn grid(domains: &[(String, Domain)]) -> Result<Vec<Trial>, ConfigError> {
     let mut combos: Vec<BTreeMap<String, Value>> = vec![BTreeMap::new()];
     for (key, d) in domains {
-        let Domain::Values(values) = d else { continue };
+        let values = d.grid_values().ok_or_else(|| {
+            ConfigError::invalid(&format!("parameters.{key}"), "a grid takes value, values (without probabilities), int_uniform or q_uniform; other distributions need method: random, bayes or tpe")
+        })?;
         combos = combos.into_iter().flat_map(|c| values.iter().map(move |v| {
             let mut c = c.clone();
             c.insert(key.clone(), v.clone());
             c
         })).collect();
     }
-    combos.into_iter().enumerate().map(|(i, p)| trial(i, p)).collect()
+    Ok(combos.into_iter().enumerate().map(|(i, p)| trial(i, p)).collect())
 }
 
 /// `count` draws from a generator seeded by `seed` (the same file always gives the same trials).
@@ -246,47 +599,10 @@ pub fn random(domains: &[(String, Domain)], count: usize, seed: u64) -> Vec<Tria
     let mut rng = SplitMix(seed);
     (0..count)
         .map(|i| {
-            let params = domains.iter().map(|(k, d)| (k.clone(), draw(d, &mut rng))).collect();
+            let params = domains.iter().map(|(k, d)| (k.clone(), d.ppf(rng.unit()))).collect();
             trial(i, params)
         })
         .collect()
-}
-
-fn draw(d: &Domain, rng: &mut SplitMix) -> Value {
-    let u = rng.unit();
-    match *d {
-        Domain::Values(ref vs) => vs[((u * vs.len() as f64) as usize).min(vs.len() - 1)].clone(),
-        Domain::Range { distribution: Distribution::IntUniform, min, max } => {
-            let (lo, hi) = (min.ceil() as i64, max.floor() as i64);
-            Value::from(lo + ((u * (hi - lo + 1) as f64) as i64).min(hi - lo))
-        }
-        Domain::Range { distribution, min, max } => {
-            let x = match distribution {
-                Distribution::LogUniform => (min.ln() + u * (max.ln() - min.ln())).exp(),
-                _ => min + u * (max - min),
-            };
-            // Six significant digits: readable in tables, exact through --set.
-            let x: f64 = format!("{x:.5e}").parse().unwrap_or(x);
-            Value::from(x)
-        }
-    }
-}
-
-/// A small, well-known generator: the draws must not change with a crate's version.
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e3779b97f4a7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [0, 1).
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
 }
 
 #[cfg(test)]
@@ -295,13 +611,13 @@ mod tests {
     use serde_json::json;
 
     fn values(v: &[Value]) -> Domain {
-        Domain::Values(v.to_vec())
+        Domain::Values { values: v.to_vec(), weights: None }
     }
 
     #[test]
     fn grid_is_every_combination_in_order() {
         let d = vec![("a.x".to_string(), values(&[json!(1), json!(2)])), ("b.y".to_string(), values(&[json!("p"), json!("q"), json!("r")]))];
-        let t = grid(&d);
+        let t = grid(&d).unwrap();
         assert_eq!(t.len(), 6);
         assert_eq!(t[0].params, BTreeMap::from([("a.x".into(), json!(1)), ("b.y".into(), json!("p"))]));
         assert_eq!(t[5].params, BTreeMap::from([("a.x".into(), json!(2)), ("b.y".into(), json!("r"))]));
@@ -313,8 +629,8 @@ mod tests {
     #[test]
     fn random_draws_are_seeded_and_in_range() {
         let d = vec![
-            ("optim.lr".to_string(), Domain::Range { distribution: Distribution::LogUniform, min: 1e-4, max: 1e-2 }),
-            ("model.n_layer".to_string(), Domain::Range { distribution: Distribution::IntUniform, min: 1.0, max: 3.0 }),
+            ("optim.lr".to_string(), Domain::Real { scale: Scale::Log, lo: 1e-4f64.ln(), hi: 1e-2f64.ln(), q: None }),
+            ("model.n_layer".to_string(), Domain::Int { min: 1, max: 3 }),
         ];
         let (a, b) = (random(&d, 50, 7), random(&d, 50, 7));
         assert_eq!(a, b);
@@ -322,6 +638,8 @@ mod tests {
         let layers: std::collections::BTreeSet<i64> = a.iter().map(|t| t.params["model.n_layer"].as_i64().unwrap()).collect();
         assert_eq!(layers, [1, 2, 3].into());
         assert!(a.iter().all(|t| (1e-4..=1e-2).contains(&t.params["optim.lr"].as_f64().unwrap())));
+        // The draws (and so the trial ids) of a file written before W&B's distributions came.
+        assert_eq!(a[0].params["optim.lr"], json!(0.000602087), "{:?}", a[0]);
     }
 
     #[test]

@@ -23,6 +23,12 @@ pub enum Status {
     Timeout,
     /// The sweep (or someone) stopped it: the next start of the sweep resumes it.
     Interrupted,
+    /// Early stopping: below the top 1/eta at its rung (`rung`); it may be promoted later.
+    StoppedEarly,
+    /// Early stopping: in the top at its rung, going on to the next (not final).
+    Promoted,
+    /// Model-based search proposed it (its parameters kept for a restart); not run to its end yet.
+    Proposed,
 }
 
 impl Status {
@@ -33,11 +39,14 @@ impl Status {
             Status::Failed => "failed",
             Status::Timeout => "timeout",
             Status::Interrupted => "interrupted",
+            Status::StoppedEarly => "stopped_early",
+            Status::Promoted => "promoted",
+            Status::Proposed => "proposed",
         }
     }
-    /// Finished for good: a restarted sweep skips it.
+    /// Finished (a stopped_early trial unless promoted later): a restarted sweep skips it.
     pub fn is_final(self) -> bool {
-        self != Status::Interrupted
+        !matches!(self, Status::Interrupted | Status::Promoted | Status::Proposed)
     }
 }
 
@@ -62,6 +71,12 @@ pub struct Record {
     /// `I/N`: the shard that ran it.
     pub shard: String,
     pub finished_at: String,
+    /// Early stopping: the rung (its step) where a `stopped_early` trial stopped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rung: Option<u64>,
+    /// Early stopping: what it reported at each rung and the decision (replayed on restart).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rungs: Vec<super::asha::Rung>,
 }
 
 pub struct Store {
@@ -78,42 +93,107 @@ impl Store {
         &self.path
     }
 
-    /// The records, by trial id; lines that do not parse are skipped with a warning.
+    /// The records, by trial id; lines that do not parse are left out with a warning (the
+    /// next rewrite moves them to results.corrupt.jsonl). Takes no lock, creates nothing.
     pub fn read(&self) -> std::io::Result<BTreeMap<String, Record>> {
+        let (records, corrupt) = self.read_all()?;
+        for (n, line, e) in &corrupt {
+            tracing::warn!("{}:{n}: not a trial record ({e}): `{}`; it is kept in {}", self.path.display(), shorten(line), self.corrupt_path().display());
+        }
+        Ok(records)
+    }
+
+    /// The records and the lines that do not parse (line number, text, why).
+    fn read_all(&self) -> std::io::Result<(BTreeMap<String, Record>, Vec<(usize, String, String)>)> {
         let text = match std::fs::read_to_string(&self.path) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
             Err(e) => return Err(e),
         };
-        let mut out = BTreeMap::new();
+        let (mut out, mut corrupt) = (BTreeMap::new(), vec![]);
         for (n, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
             match serde_json::from_str::<Record>(line) {
                 Ok(r) => {
                     out.insert(r.trial.clone(), r);
                 }
-                Err(e) => tracing::warn!("{}:{}: skipped a line that is not a trial record ({e})", self.path.display(), n + 1),
+                Err(e) => corrupt.push((n + 1, line.to_string(), e.to_string())),
             }
         }
-        Ok(out)
+        Ok((out, corrupt))
+    }
+
+    /// Where lines of results.jsonl that do not parse are moved, never dropped.
+    pub fn corrupt_path(&self) -> PathBuf {
+        self.path.with_file_name("results.corrupt.jsonl")
     }
 
     /// Writes `record`, replacing any earlier record of the same trial.
-    pub fn put(&self, record: &Record) -> std::io::Result<()> {
-        let lock = File::options().create(true).truncate(false).write(true).open(&self.lock)?;
-        // SAFETY: flock on an open descriptor; released when `lock` closes (or the process dies).
-        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) } != 0 {
-            return Err(std::io::Error::last_os_error());
+    pub fn put(&self, record: &Record) -> anyhow::Result<()> {
+        self.update(|all| {
+            all.insert(record.trial.clone(), record.clone());
+        })
+    }
+
+    /// Changes the records under the lock and rewrites the file whole; lines that do not
+    /// parse are appended to results.corrupt.jsonl first.
+    pub fn update(&self, change: impl FnOnce(&mut BTreeMap<String, Record>)) -> anyhow::Result<()> {
+        let _lock = exclusive(&self.lock, false)?.ok_or_else(|| anyhow::anyhow!("{}: a blocking lock came back unheld", self.lock.display()))?;
+        let (mut all, corrupt) = self.read_all()?;
+        if !corrupt.is_empty() {
+            use std::io::Write;
+            let mut f = std::fs::OpenOptions::new().create(true).append(true).open(self.corrupt_path())?;
+            for (n, line, e) in &corrupt {
+                tracing::warn!("{}:{n}: not a trial record ({e}): moved to {}", self.path.display(), self.corrupt_path().display());
+                writeln!(f, "{line}")?;
+            }
+            f.sync_all()?;
         }
-        let mut all = self.read()?;
-        all.insert(record.trial.clone(), record.clone());
+        change(&mut all);
         let mut sorted: Vec<&Record> = all.values().collect();
         sorted.sort_by(|a, b| (a.index, &a.trial).cmp(&(b.index, &b.trial)));
         let mut text = String::new();
         for r in sorted {
-            text.push_str(&serde_json::to_string(r).map_err(std::io::Error::other)?);
+            text.push_str(&serde_json::to_string(r)?);
             text.push('\n');
         }
-        oomguard_report::atomic::write(&self.path, text.as_bytes())
+        Ok(oomguard_report::atomic::write(&self.path, text.as_bytes())?)
+    }
+}
+
+fn shorten(line: &str) -> String {
+    if line.chars().count() > 80 { format!("{}...", line.chars().take(80).collect::<String>()) } else { line.to_string() }
+}
+
+/// An exclusive flock on `path` (created if missing): None when `nonblocking` and another
+/// process holds it. A filesystem without flock (Lustre mounted without `-o flock`, some
+/// NFS set-ups) is an error naming the fix, exit 2: the sweep never runs without the lock
+/// that keeps each trial once.
+fn exclusive(path: &Path, nonblocking: bool) -> anyhow::Result<Option<File>> {
+    let f = File::options().create(true).truncate(false).write(true).open(path)?;
+    let flags = if nonblocking { libc::LOCK_EX | libc::LOCK_NB } else { libc::LOCK_EX };
+    // SAFETY: flock on an open descriptor; released when `f` closes (or the process dies).
+    if unsafe { libc::flock(f.as_raw_fd(), flags) } == 0 {
+        return Ok(Some(f));
+    }
+    let e = std::io::Error::last_os_error();
+    if e.kind() == std::io::ErrorKind::WouldBlock {
+        return Ok(None);
+    }
+    Err(lock_error(path, e))
+}
+
+/// Why a flock failed, with the fix where the filesystem lacks flock.
+pub fn lock_error(path: &Path, e: std::io::Error) -> anyhow::Error {
+    match e.raw_os_error() {
+        Some(libc::ENOLCK | libc::EOPNOTSUPP | libc::ENOSYS | libc::EINVAL) => crate::ConfigError {
+            origin: path.display().to_string(), line_col: None, key: String::new(),
+            message: format!(
+                "cannot take a lock here ({e}): this filesystem does not support flock, which the sweep needs so that no trial runs twice; \
+                 mount it with flock (Lustre: -o flock; NFS: not -o nolock), or give --out a directory on a filesystem that has it"
+            ),
+        }
+        .into(),
+        _ => anyhow::Error::new(e).context(format!("locking {}", path.display())),
     }
 }
 
@@ -124,16 +204,27 @@ pub struct TrialLock(#[allow(dead_code)] File);
 
 impl TrialLock {
     /// None: another process holds it.
-    pub fn try_take(dir: &Path) -> std::io::Result<Option<TrialLock>> {
+    pub fn try_take(dir: &Path) -> anyhow::Result<Option<TrialLock>> {
         std::fs::create_dir_all(dir)?;
-        let f = File::options().create(true).truncate(false).write(true).open(dir.join(".lock"))?;
-        // SAFETY: flock on an open descriptor.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-            return Ok(Some(TrialLock(f)));
-        }
-        let e = std::io::Error::last_os_error();
-        if e.kind() == std::io::ErrorKind::WouldBlock { Ok(None) } else { Err(e) }
+        Ok(exclusive(&dir.join(".lock"), true)?.map(TrialLock))
     }
+
+    /// Whether a process of this host holds the trial's lock, read from /proc/locks: no
+    /// lock taken, nothing created (`--status`). Another host's lock is not visible here.
+    pub fn held(dir: &Path) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        let Ok(meta) = std::fs::metadata(dir.join(".lock")) else { return false };
+        let locks = std::fs::read_to_string("/proc/locks").unwrap_or_default();
+        held_in(&locks, meta.ino())
+    }
+}
+
+/// Whether /proc/locks's text shows a flock on inode `ino` (`1: FLOCK ADVISORY WRITE PID MAJ:MIN:INO 0 EOF`).
+fn held_in(locks: &str, ino: u64) -> bool {
+    locks.lines().any(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        f.get(1) == Some(&"FLOCK") && f.get(5).and_then(|d| d.rsplit(':').next()).and_then(|i| i.parse::<u64>().ok()) == Some(ino)
+    })
 }
 
 #[cfg(test)]
@@ -143,8 +234,8 @@ mod tests {
     fn record(trial: &str, index: usize, status: Status) -> Record {
         Record {
             trial: trial.into(), index, params: BTreeMap::new(), status, told_by: None, exit_code: Some(0),
-            summary: Summary { final_eval_loss: Some(1.0), best_eval_loss: Some(0.9), tokens_per_s: Some(10.0), final_micro_batch_size: Some(4), ooms: 0, steps: 3 },
-            duration_s: 1.0, run_dir: format!("trials/{trial}"), message: None, shard: "0/1".into(), finished_at: String::new(),
+            summary: Summary { final_eval_loss: Some(1.0), best_eval_loss: Some(0.9), final_loss: None, tokens_per_s: Some(10.0), final_micro_batch_size: Some(4), ooms: 0, steps: 3 },
+            duration_s: 1.0, run_dir: format!("trials/{trial}"), message: None, shard: "0/1".into(), finished_at: String::new(), rung: None, rungs: vec![],
         }
     }
 
@@ -159,9 +250,38 @@ mod tests {
         let text = std::fs::read_to_string(s.path()).unwrap();
         assert_eq!(text.lines().count(), 2);
         assert!(text.lines().next().unwrap().contains("000-b"));
-        // A torn last line (a reader's view of a foreign writer) is skipped, not fatal.
-        std::fs::write(s.path(), format!("{text}{{\"trial\":")).unwrap();
+        // A line that does not parse is left out of the records, then moved aside by the next
+        // rewrite, never dropped.
+        std::fs::write(s.path(), format!("{text}{{\"trial\":\n")).unwrap();
         assert_eq!(s.read().unwrap().len(), 2);
+        assert!(!s.corrupt_path().exists(), "a read changes nothing");
+        s.put(&record("002-c", 2, Status::Ok)).unwrap();
+        assert_eq!(std::fs::read_to_string(s.corrupt_path()).unwrap(), "{\"trial\":\n");
+        assert_eq!(std::fs::read_to_string(s.path()).unwrap().lines().count(), 3);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_filesystem_without_flock_is_exit_2_with_the_fix() {
+        for errno in [libc::ENOLCK, libc::EOPNOTSUPP] {
+            let e = lock_error(Path::new("/lustre/out/results.lock"), std::io::Error::from_raw_os_error(errno));
+            let c = e.downcast_ref::<crate::ConfigError>().expect("a config error: exit 2");
+            assert!(c.message.contains("-o flock") && c.origin.contains("/lustre/out"), "{c}");
+        }
+        assert!(lock_error(Path::new("x"), std::io::Error::from_raw_os_error(libc::EIO)).downcast_ref::<crate::ConfigError>().is_none());
+    }
+
+    #[test]
+    fn a_held_trial_lock_shows_in_proc_locks_without_taking_one() {
+        let dir = std::env::temp_dir().join(format!("oomguard-trial-lock-{}", std::process::id()));
+        assert!(!TrialLock::held(&dir) && !dir.exists(), "nothing created");
+        let lock = TrialLock::try_take(&dir).unwrap().unwrap();
+        assert!(TrialLock::held(&dir));
+        assert!(TrialLock::try_take(&dir).unwrap().is_none(), "flock is per open file: a second take fails");
+        drop(lock);
+        assert!(!TrialLock::held(&dir));
+        assert!(held_in("1: FLOCK  ADVISORY  WRITE 23286 fe:00:10010629 0 EOF\n2: POSIX  ADVISORY  WRITE 1 fe:00:7 0 EOF", 10010629));
+        assert!(!held_in("2: POSIX  ADVISORY  WRITE 1 fe:00:7 0 EOF", 7));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -17,6 +17,7 @@ pub fn value(r: &Record, metric: Metric) -> Option<f64> {
     match metric {
         Metric::BestEvalLoss => r.summary.best_eval_loss,
         Metric::FinalEvalLoss => r.summary.final_eval_loss,
+        Metric::FinalLoss => r.summary.final_loss,
         Metric::TokensPerS => r.summary.tokens_per_s,
     }
 }
@@ -33,16 +34,18 @@ fn num(x: Option<f64>, digits: usize) -> String {
 }
 
 /// The table of `trials`, their records and open states, and a line naming the best.
-pub fn render(trials: &[Trial], records: &BTreeMap<String, Record>, open: &dyn Fn(&Trial) -> Open, metric: Metric) -> String {
+/// `total`: the trials in all (a model-based search has proposed only some so far).
+pub fn render(trials: &[Trial], records: &BTreeMap<String, Record>, open: &dyn Fn(&Trial) -> Open, metric: Metric, total: usize) -> String {
     let header = ["trial", "status", "best eval", "final eval", "tok/s", "micro-batch", "OOMs", "time", "parameters"];
     let mut rows = vec![header.map(String::from).to_vec()];
     let mut notes = vec![];
     for t in trials {
         let row = match records.get(&t.id) {
             Some(r) => {
-                let status = match &r.told_by {
-                    Some(by) => format!("{} ({by})", r.status.name()),
-                    None => r.status.name().to_string(),
+                let status = match (&r.told_by, r.rungs.last()) {
+                    (Some(by), _) => format!("{} ({by})", r.status.name()),
+                    (None, Some(g)) if r.status != super::store::Status::Ok => format!("{} (step {})", r.status.name(), g.step),
+                    _ => r.status.name().to_string(),
                 };
                 if let Some(m) = r.message.as_ref().filter(|_| r.status.is_final() && r.status != super::store::Status::Ok) {
                     notes.push(format!("  {}: {m}", r.trial));
@@ -76,7 +79,7 @@ pub fn render(trials: &[Trial], records: &BTreeMap<String, Record>, open: &dyn F
     }
     let mine = trials.iter().filter_map(|t| records.get(&t.id));
     let finished = trials.iter().filter(|t| records.get(&t.id).is_some_and(|r| r.status.is_final())).count();
-    out.push_str(&format!("{finished} of {} trials finished", trials.len()));
+    out.push_str(&format!("{finished} of {} trials finished", total.max(trials.len())));
     match best(mine, metric) {
         Some(b) => out.push_str(&format!(
             "; best by {}: {} ({}) {}\n",
@@ -99,7 +102,7 @@ mod tests {
         let r = |t: &str, l: Option<f64>, s: Status| Record {
             trial: t.into(), index: 0, params: BTreeMap::new(), status: s, told_by: None, exit_code: None,
             summary: crate::sweep::trial::Summary { final_eval_loss: l, best_eval_loss: l, tokens_per_s: l.map(|l| 100.0 / l), ..Default::default() }, duration_s: 0.0,
-            run_dir: String::new(), message: None, shard: String::new(), finished_at: String::new(),
+            run_dir: String::new(), message: None, shard: String::new(), finished_at: String::new(), rung: None, rungs: vec![],
         };
         let rs = [r("a", Some(2.0), Status::Ok), r("b", None, Status::Infeasible), r("c", Some(1.5), Status::Ok)];
         assert_eq!(best(&rs, Metric::BestEvalLoss).unwrap().trial, "c");

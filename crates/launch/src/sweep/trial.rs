@@ -14,6 +14,9 @@ pub struct Summary {
     /// The last evaluation's loss, and the lowest.
     pub final_eval_loss: Option<f64>,
     pub best_eval_loss: Option<f64>,
+    /// The last step's training loss.
+    #[serde(default)]
+    pub final_loss: Option<f64>,
     /// Mean over the trial's steps.
     pub tokens_per_s: Option<f64>,
     pub final_micro_batch_size: Option<usize>,
@@ -32,6 +35,7 @@ pub fn summarize(run_dir: &Path) -> Summary {
             Some("step") => {
                 s.steps = s.steps.max(v["step"].as_u64().map_or(0, |n| n + 1));
                 s.final_micro_batch_size = v["micro_batch_size"].as_u64().map(|m| m as usize);
+                s.final_loss = v["loss"].as_f64();
                 rates.extend(v["tokens_per_s"].as_f64());
             }
             Some("eval") => {
@@ -80,12 +84,14 @@ pub struct Launch<'a> {
     pub env: &'a [(String, String)],
     /// CUDA_VISIBLE_DEVICES for this slot.
     pub gpu: Option<String>,
+    /// More `oomguard train` arguments (an early-stopping segment's max_steps).
+    pub extra: Vec<String>,
 }
 
 impl Launch<'_> {
     fn command(&self, args: &[&str]) -> Command {
         let mut cmd = Command::new(self.exe);
-        cmd.args(args).arg(self.base).args(self.trial.overrides()).stdin(Stdio::null()).envs(self.env.iter().map(|(k, v)| (k, v)));
+        cmd.args(args).arg(self.base).args(self.trial.overrides()).args(&self.extra).stdin(Stdio::null()).envs(self.env.iter().map(|(k, v)| (k, v)));
         if let Some(n) = self.threads {
             cmd.env("OMP_NUM_THREADS", n.to_string());
             if !self.trial.params.contains_key("train.num_threads") {
@@ -181,7 +187,7 @@ mod tests {
         ];
         std::fs::write(dir.join("metrics.jsonl"), lines.join("\n")).unwrap();
         let s = summarize(&dir);
-        assert_eq!(s, Summary { final_eval_loss: Some(2.5), best_eval_loss: Some(2.0), tokens_per_s: Some(200.0), final_micro_batch_size: Some(4), ooms: 1, steps: 2 });
+        assert_eq!(s, Summary { final_eval_loss: Some(2.5), best_eval_loss: Some(2.0), final_loss: None, tokens_per_s: Some(200.0), final_micro_batch_size: Some(4), ooms: 1, steps: 2 });
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
