@@ -650,4 +650,73 @@ mod tests {
         assert_eq!(scalar(&json!("10")), "'10'"); // a string that reads as a number stays a string
         assert_eq!(scalar(&json!(true)), "true");
     }
+
+    fn load_yaml(yaml: &str) -> Result<Sweep, ConfigError> {
+        let dir = std::env::temp_dir().join(format!("oomguard-spec-{}-{}", std::process::id(), yaml.len()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("base.yaml"), "train: {max_steps: 27}\n").unwrap();
+        std::fs::write(dir.join("sweep.yaml"), yaml).unwrap();
+        let r = load(&dir.join("sweep.yaml"));
+        std::fs::remove_dir_all(&dir).unwrap();
+        r
+    }
+
+    /// A W&B sweep file as it is: its grid is W&B's (grid_search.py: parameters sorted by
+    /// name, the last varying fastest, int_uniform every integer of [min, max], q_uniform
+    /// numpy's arange(min, max, q) with max left out, a value written twice taken once).
+    #[test]
+    fn a_wandb_grid_is_wandbs_set_in_wandbs_order() {
+        let s = load_yaml(
+            "program: train.py\nmethod: grid\nmetric: {name: val_loss, goal: minimize}\nbase: base.yaml\nparameters:\n  \
+             optim.lr: {values: [0.001, 0.01, 1.0e-3]}\n  model.n_layer: {distribution: int_uniform, min: 1, max: 3}\n  \
+             optim.weight_decay: {distribution: q_uniform, min: 0.0, max: 0.3, q: 0.1}\n  train.seed: {value: 5}\n  model.n_head: {min: 2, max: 3}\n",
+        )
+        .unwrap();
+        assert_eq!(s.metric, Metric::FinalEvalLoss);
+        assert!(s.notices[0].contains("`program` (W&B's) is ignored"), "{:?}", s.notices);
+        // W&B's order, written out: itertools.product over the sorted names.
+        let mut expected = vec![];
+        for n_head in [2, 3] {
+            for n_layer in [1, 2, 3] {
+                for lr in [0.001, 0.01] {
+                    for wd in [0.0, 0.1, 0.2] {
+                        expected.push(json!({"model.n_head": n_head, "model.n_layer": n_layer, "optim.lr": lr, "optim.weight_decay": wd, "train.seed": 5}));
+                    }
+                }
+            }
+        }
+        let got: Vec<Value> = s.trials.iter().map(|t| serde_json::to_value(&t.params).unwrap()).collect();
+        assert_eq!(got, expected);
+        assert_eq!(s.count, 36);
+        // run_cap caps a grid, in its order.
+        let capped = load_yaml("base: base.yaml\nrun_cap: 4\nparameters:\n  optim.lr: {values: [1, 2, 3, 4, 5]}\n").unwrap();
+        assert_eq!(capped.trials.len(), 4);
+    }
+
+    #[test]
+    fn wandb_keys_map_or_are_refused_by_name() {
+        let s = load_yaml("base: base.yaml\nmethod: bayes\nrun_cap: 20\nmetric: {name: loss}\nearly_terminate: {type: hyperband, min_iter: 3}\nparameters:\n  optim.lr: {distribution: log_uniform_values, min: 1.0e-4, max: 1.0e-2}\n").unwrap();
+        assert_eq!((s.method, s.count, s.metric), (Method::Bayes, 20, Metric::FinalLoss));
+        assert_eq!(s.early_stop, Some(EarlyStop { metric: RungMetric::Loss, min_steps: 3, eta: 3, max_steps: 27 }));
+        // W&B's log_uniform takes exponents.
+        let s = load_yaml("base: base.yaml\nmethod: random\nrun_cap: 50\nprogram: x.py\nparameters:\n  optim.lr: {distribution: log_uniform, min: -9.2, max: -4.6}\n").unwrap();
+        assert!(s.trials.iter().all(|t| (1.0e-4..=1.01e-2).contains(&t.params["optim.lr"].as_f64().unwrap())));
+        for (yaml, key) in [
+            ("metric: {name: accuracy, goal: maximize}\n", "accuracy"),
+            ("metric: {name: val_loss, goal: maximize}\n", "metric.goal"),
+            ("metric: {name: val_loss, target: 0.1}\n", "metric.target"),
+            ("early_terminate: {type: hyperband, max_iter: 27, s: 2}\n", "early_terminate.max_iter"),
+            ("early_terminate: {type: envelope}\n", "early_terminate.type"),
+            ("controller: {type: local}\n", "controller"),
+            ("parameters:\n  optim.lr: {distribution: beta, a: 1, b: 2}\n", "a"),
+            ("parameters:\n  optim.lr: {distribution: inv_log_uniform_values, min: 1, max: 2}\n", "inv_log_uniform_values"),
+            ("parameters:\n  model.n_layer: {distribution: int_uniform, min: 1.2, max: 1.8}\n", "no integer"),
+            ("method: random\nparameters:\n  optim.lr: {distribution: uniform, min: 0.1, max: 0.2}\n", "count"),
+            ("parameters:\n  optim.lr: {distribution: uniform, min: 0.1, max: 0.2}\n", "a grid takes"),
+        ] {
+            let text = if yaml.contains("parameters") { format!("base: base.yaml\n{yaml}") } else { format!("base: base.yaml\n{yaml}parameters:\n  optim.lr: {{values: [1]}}\n") };
+            let e = load_yaml(&text).unwrap_err();
+            assert!(format!("{e}").contains(key), "{yaml}: {e}");
+        }
+    }
 }
