@@ -32,7 +32,8 @@ pub enum Command {
     Launch(LaunchArgs),
     /// Print the memory a config needs and the largest micro-batch that fits.
     Plan(PlanArgs),
-    /// Run a hyper-parameter sweep: one guarded `oomguard train` per trial, resumable.
+    /// Run a hyper-parameter sweep (ours or a W&B sweep file): one guarded `oomguard train`
+    /// per trial, resumable; grid, random or model-based (TPE) search, early stopping (ASHA).
     Sweep(crate::sweep::SweepArgs),
     /// Draw a run (loss, tokens/s, memory, micro-batch, OOM events) or a sweep (its trials).
     Report(ReportArgs),

@@ -28,7 +28,10 @@ use sweeper::Sweeper;
 /// `oomguard sweep`
 #[derive(Debug, clap::Args)]
 pub struct SweepArgs {
-    /// The sweep file: a base config and the parameters to vary (see configs/demo-sweep.yaml).
+    /// The sweep file: a base config and the parameters to vary (see configs/demo-sweep.yaml);
+    /// a W&B sweep file is read as it is, with `base:` added (examples/sweep/wandb-sweep.yaml).
+    /// Grid, random or model-based (bayes/tpe) search; early stopping (ASHA) with early_stop
+    /// or W&B's early_terminate.
     pub sweep: PathBuf,
     /// The sweep directory: results.jsonl, sweep.log and trials/ID/ (each trial's run
     /// directory) [default: runs/<sweep file name>].
@@ -47,7 +50,8 @@ pub struct SweepArgs {
     /// Job: its completions).
     #[arg(long, value_name = "N")]
     pub shards: Option<usize>,
-    /// Print the table of trials (finished, running, pending) and exit.
+    /// Print the table of trials (finished, running, pending) and exit: takes no lock,
+    /// creates nothing.
     #[arg(long)]
     pub status: bool,
 }

@@ -719,4 +719,16 @@ mod tests {
             assert!(format!("{e}").contains(key), "{yaml}: {e}");
         }
     }
+
+    /// The sweep files the repository ships load as the README says.
+    #[test]
+    fn shipped_sweep_files_load() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let w = load(&root.join("examples/sweep/wandb-sweep.yaml")).unwrap();
+        assert_eq!((w.method, w.count, w.metric), (Method::Bayes, 12, Metric::FinalEvalLoss));
+        assert_eq!(w.early_stop.unwrap().rungs(), [10, 30, 90, 150]);
+        assert!(!w.decay_steps_set && w.notices.len() == 1);
+        let d = load(&root.join("configs/demo-sweep.yaml")).unwrap();
+        assert_eq!(d.trials.len(), 4);
+    }
 }
