@@ -52,3 +52,11 @@ fn bad_override() {
 fn missing_file() {
     fails_with("", &["--set", "data.source=text", "--set", "data.path=nope.txt"], &["nope.txt"]);
 }
+
+/// A float libtorch cannot hold as a 32-bit float is refused at --check, naming the key (it
+/// used to pass and die later with exit 1).
+#[test]
+fn float_beyond_libtorch() {
+    fails_with("optim:\n  grad_clip: 1e+308\n", &["--check"], &["bad.yaml", "optim.grad_clip: is 1e308; libtorch holds it as a 32-bit float"]);
+    fails_with("", &["--check", "--set", "optim.eps=1e-60"], &["optim.eps", "it is 0"]);
+}

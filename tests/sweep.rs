@@ -157,6 +157,9 @@ fn a_bad_sweep_file_exits_2_naming_the_key() {
         ("base: base.yaml\nmethod: random\nparameters:\n  optim.lr: {distribution: log_uniform, min: 1.0e-4, max: 1}\n", "count"),
         ("base: nope.yaml\nparameters:\n  optim.lr: {value: 1}\n", "base"),
         ("base: base.yaml\ntrial: {timeout: soon}\nparameters:\n  optim.lr: {value: 1}\n", "trial.timeout"),
+        ("base: base.yaml\nmethod: random\ncount: 2\nparameters:\n  model.n_layer: {distribution: int_uniform, min: 1.2, max: 1.8}\n", "no integer in [min, max]"),
+        ("base: base.yaml\nmetric: {name: accuracy, goal: maximize}\nparameters:\n  optim.lr: {value: 1}\n", "these exist: val_loss, loss, tokens_per_s"),
+        ("base: base.yaml\nearly_terminate: {type: hyperband, min_iter: 3, strict: true}\nparameters:\n  optim.lr: {value: 1}\n", "early_terminate.strict"),
         // A key the config does not have: every trial is checked before the first runs.
         ("base: base.yaml\nparameters:\n  model.n_embdd: {values: [32]}\n", "n_embdd"),
     ];
@@ -304,4 +307,28 @@ fn a_corrupt_results_line_survives_in_results_corrupt_jsonl() {
     assert!(err.contains("not a trial record") && err.contains("results.corrupt.jsonl"), "{err}");
     assert_eq!(std::fs::read_to_string(dir.path().join("out/results.corrupt.jsonl")).unwrap(), "{\"trial\": \"999-edited by hand\", \n");
     assert_eq!(results(&dir.path().join("out")).len(), 1);
+}
+
+/// Model-based search end to end: each proposal is kept in results.jsonl before it runs; an
+/// infeasible proposal is recorded as such; the same command again runs nothing.
+#[test]
+fn a_tpe_sweep_runs_count_trials_and_a_restart_runs_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = setup(
+        dir.path(),
+        "base: base.yaml\nmethod: tpe\ncount: 5\nseed: 3\nmetric: final_loss\nparameters:\n  optim.lr: {distribution: log_uniform_values, min: 1.0e-3, max: 1.0e-2}\n  model.vocab_size: {values: [256, 10000000]}\n  train.max_steps: {value: 2}\n",
+    );
+    let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let r = results(&dir.path().join("out"));
+    assert_eq!(r.iter().map(|x| x["index"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1, 2, 3, 4]);
+    for rec in &r {
+        let big = rec["params"]["model.vocab_size"] == 10000000;
+        assert_eq!(rec["status"], if big { "infeasible" } else { "ok" }, "{rec}");
+        assert!((1.0e-3..=1.0e-2).contains(&rec["params"]["optim.lr"].as_f64().unwrap()), "{rec}");
+    }
+    let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && !err.contains("] start") && !err.contains("] resume"), "{err}");
+    assert_eq!(results(&dir.path().join("out")), r, "nothing ran again");
 }

@@ -134,10 +134,10 @@ impl RawConfig {
         for (key, v) in floats {
             let single = v as f32;
             if !v.is_finite() || single.is_infinite() {
-                return Err(ConfigError::invalid(&key, format!("is {v}; libtorch holds it as a 32-bit float, at most {:e} in size", f32::MAX)));
+                return Err(ConfigError::invalid(&key, format!("is {v:e}; libtorch holds it as a 32-bit float, at most {:e} in size", f32::MAX)));
             }
             if v != 0.0 && single == 0.0 {
-                return Err(ConfigError::invalid(&key, format!("is {v}; as a 32-bit float (libtorch's) it is 0; give 0 or at least {:e}", f32::from_bits(1))));
+                return Err(ConfigError::invalid(&key, format!("is {v:e}; as a 32-bit float (libtorch's) it is 0; give 0 or at least {:e}", f32::from_bits(1))));
             }
         }
         Ok(())
