@@ -10,18 +10,9 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// The tiny GPT, evaluating every 3 steps (the rungs are 3, 9 and 27).
-const BASE: &str = "
-model: {n_layer: 2, n_head: 2, n_embd: 32, block_size: 32, vocab_size: 256}
-data: {source: embedded, embedded_bytes: 65536}
-optim: {lr: 3.0e-3, min_lr: 1.0e-5, warmup_steps: 2}
-train: {micro_batch_size: 8, grad_accum_steps: 1, max_steps: 27, eval_every: 3, eval_batch_size: 8, eval_batches: 2, seed: 7, device: cpu, num_threads: 1}
-memory: {budget: 256MiB}
-log: {every: 1}
-";
-
-/// Learning rates over two decades (1e-4 to 1e-2), and 30 and 100, which diverge.
-const PARAMS: &str = "parameters:\n  optim.lr: {values: [3.0e-3, 1.0e-4, 1.0e-2, 30.0, 3.0e-4, 1.0e-3, 100.0, 5.0e-3]}\n";
+/// The tiny GPT (rungs at steps 3, 9 and 27) and the learning rates, shared with benches/sweep.rs.
+const BASE: &str = include_str!("golden/asha/base.yaml");
+const PARAMS: &str = include_str!("golden/asha/parameters.yaml");
 
 fn sweep_cmd(dir: &Path, file: &Path, out: &str) -> Command {
     let mut cmd = Command::new(common::bin());

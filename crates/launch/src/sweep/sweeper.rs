@@ -103,20 +103,10 @@ impl<'a> Sweeper<'a> {
                 tracing::warn!("received signal {sig}: trials stopped with checkpoints; run the same command to resume");
                 return Ok(Some(sig));
             }
-            let mut i = 0;
-            while i < running.len() {
-                match running[i].child.try_wait()? {
-                    Some(status) => {
-                        let r = running.swap_remove(i);
-                        self.finish(r, exit_code(status))?;
-                        self.report(reporter, &running, true);
-                    }
-                    None => {
-                        self.enforce_timeout(&mut running[i]);
-                        i += 1;
-                    }
-                }
+            if self.reap(&mut running)? > 0 {
+                self.report(reporter, &running, true);
             }
+            running.iter_mut().for_each(|r| self.enforce_timeout(r));
             // Held by another process this round: asked again after a pause, not dropped.
             let mut held = BTreeSet::new();
             while running.len() < parallel {
@@ -247,6 +237,23 @@ impl<'a> Sweeper<'a> {
         }
     }
 
+    /// Records the trials that have exited; returns how many.
+    fn reap(&self, running: &mut Vec<Running>) -> anyhow::Result<usize> {
+        let mut done = 0;
+        let mut i = 0;
+        while i < running.len() {
+            match running[i].child.try_wait()? {
+                Some(status) => {
+                    let r = running.swap_remove(i);
+                    self.finish(r, exit_code(status))?;
+                    done += 1;
+                }
+                None => i += 1,
+            }
+        }
+        Ok(done)
+    }
+
     fn enforce_timeout(&self, r: &mut Running) {
         match (self.sweep.timeout, r.stopping) {
             (Some(limit), None) if r.started.elapsed() > limit => {
@@ -271,16 +278,7 @@ impl<'a> Sweeper<'a> {
             if t.elapsed() > self.sweep.grace || signals.count.load(std::sync::atomic::Ordering::SeqCst) != seen {
                 running.iter().for_each(|r| signal_group(&r.child, libc::SIGKILL));
             }
-            let mut i = 0;
-            while i < running.len() {
-                match running[i].child.try_wait()? {
-                    Some(status) => {
-                        let r = running.swap_remove(i);
-                        self.finish(r, exit_code(status))?;
-                    }
-                    None => i += 1,
-                }
-            }
+            self.reap(running)?;
             std::thread::sleep(Duration::from_millis(50));
         }
         Ok(())
