@@ -101,9 +101,9 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     let store = Store::new(&out);
     let records = store.read().with_context(|| format!("reading {}", store.path().display()))?;
     if args.status {
-        // Reads only: no lock taken, nothing created.
-        let trials = sweeper::known(&sweep, &records, (index, count));
-        print!("{}", table::render(&trials, &records, &|t| open_state(&out, t), sweep.metric, sweeper::total(&sweep, (index, count))));
+        // Reads only: no lock taken, nothing created. Every shard's trials.
+        let trials = sweeper::known(&sweep, &records, (0, 1));
+        print!("{}", table::render(&trials, &records, &|t| open_state(&out, t), sweep.metric, sweep.count));
         return Ok(());
     }
     if args.parallel == 0 {
@@ -133,9 +133,10 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     };
     let mine = sweeper::known(&sweep, &records, (index, count));
     let todo: Vec<&Trial> = mine.iter().filter(|t| !records.get(&t.id).is_some_and(|r| r.status.is_final())).collect();
+    let finished = mine.len() - todo.len();
     tracing::info!(
         "sweep {}: {} trials, {} to run in shard {index}/{count}, {} at a time, into {}{}",
-        sweep.path.display(), sweep.count, todo.len().max(sweeper::total(&sweep, (index, count)).saturating_sub(mine.len())), args.parallel, out.display(),
+        sweep.path.display(), sweep.count, sweeper::total(&sweep, (index, count)) - finished, args.parallel, out.display(),
         sweep.early_stop.map(|e| format!("; early stopping (ASHA) at steps {:?}, eta {}", e.rungs(), e.eta)).unwrap_or_default()
     );
     if let Some(n) = s.threads {
@@ -162,8 +163,8 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     }
     drop(reporter);
     let records = s.store.read()?;
-    let trials = sweeper::known(&sweep, &records, (index, count));
-    print!("{}", table::render(&trials, &records, &|t| open_state(&out, t), sweep.metric, sweeper::total(&sweep, (index, count))));
+    let trials = sweeper::known(&sweep, &records, (0, 1));
+    print!("{}", table::render(&trials, &records, &|t| open_state(&out, t), sweep.metric, sweep.count));
     match stopped {
         Some(sig) => Err(crate::cli::ExitCode(128 + sig).into()),
         None => Ok(()),
