@@ -77,13 +77,7 @@ fn an_oom_on_one_rank_shrinks_both() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), 4, "");
     let cfg = write_config(dir.path(), "fixed.yaml", &std::fs::read_to_string(&cfg).unwrap().replace("micro_batch_size: 4,", "micro_batch_size: 8,"));
-    let peak = |mb: &str| {
-        let r = dir.path().join(format!("p{mb}"));
-        let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", r.to_str().unwrap(), "--max-steps", "1", "--memory-budget", "none", "--set", &format!("train.micro_batch_size={mb}")], dir.path());
-        assert!(o.status.success(), "{}", stderr(&o));
-        records(&r, "step")[0]["memory"]["peak_bytes"].as_u64().unwrap()
-    };
-    let budget = (peak("8") + peak("4")) / 2;
+    let budget = budget_between_4_and_8(dir.path(), &cfg);
     let single = train_ok(dir.path(), &cfg, &["--memory-budget", "none"]);
     let run = dir.path().join("two");
     let script = format!(
@@ -99,6 +93,45 @@ fn an_oom_on_one_rank_shrinks_both() {
     // Both ranks run at the size rank 1 could afford (the step records are rank 0's).
     let sizes: Vec<_> = records(&run, "step").iter().map(|s| s["micro_batch_size"].as_u64().unwrap()).collect();
     assert!(sizes.iter().all(|&s| s == sizes[0] && s < 8), "{sizes:?}");
+    let d = max_abs_diff(&weights(&single), &weights(&run));
+    assert!(d < 1e-5, "differ by {d}");
+}
+
+/// A budget that holds micro-batch 4 of `cfg` but not 8.
+fn budget_between_4_and_8(dir: &Path, cfg: &Path) -> u64 {
+    let peak = |mb: &str| {
+        let r = dir.join(format!("p{mb}"));
+        let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", r.to_str().unwrap(), "--max-steps", "1", "--memory-budget", "none", "--set", &format!("train.micro_batch_size={mb}")], dir);
+        assert!(o.status.success(), "{}", stderr(&o));
+        records(&r, "step")[0]["memory"]["peak_bytes"].as_u64().unwrap()
+    };
+    (peak("8") + peak("4")) / 2
+}
+
+/// Rank 1's micro-batch cache knows that 8 does not fit its budget, rank 0's cache is
+/// empty: the ranks start at the smallest size any of them would take (4), with no OOM, and
+/// end where one process does.
+#[test]
+fn ranks_whose_caches_disagree_start_at_the_smallest_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 4, "memory: {cooldown_steps: 1000}\n");
+    let cfg = write_config(dir.path(), "fixed.yaml", &std::fs::read_to_string(&cfg).unwrap().replace("micro_batch_size: 4,", "micro_batch_size: 8,"));
+    let budget = budget_between_4_and_8(dir.path(), &cfg);
+    let single = train_ok(dir.path(), &cfg, &["--memory-budget", "none"]);
+    // Rank 1's cache learns its size from a run under its budget.
+    let (cache0, cache1) = (dir.path().join("cache0"), dir.path().join("cache1"));
+    let learn = Command::new(bin()).args(["train", cfg.to_str().unwrap(), "--run-dir", "learn", "--max-steps", "1", "--memory-budget", &budget.to_string()])
+        .current_dir(dir.path()).env("OOMGUARD_CACHE", &cache1).env("OMP_NUM_THREADS", "1").output().unwrap();
+    assert!(learn.status.success() && !records(&dir.path().join("learn"), "oom").is_empty(), "{}", stderr(&learn));
+    let run = dir.path().join("two");
+    let script = format!(
+        "if [ \"$RANK\" = 1 ]; then export OOMGUARD_CACHE={c1}; B={budget}; else export OOMGUARD_CACHE={c0}; B=none; fi; exec {b} train {c} --run-dir {r} --memory-budget $B",
+        b = bin(), c = cfg.display(), r = run.display(), c0 = cache0.display(), c1 = cache1.display()
+    );
+    let err = ok(launch(dir.path(), &["--nproc-per-node", "2", "--no-python", "sh", "-c", &script]).output().unwrap());
+    assert!(records(&run, "oom").is_empty(), "no rank ran out of memory: {err}");
+    let sizes: Vec<_> = records(&run, "step").iter().map(|s| s["micro_batch_size"].as_u64().unwrap()).collect();
+    assert_eq!(sizes, [4, 4, 4, 4], "{err}");
     let d = max_abs_diff(&weights(&single), &weights(&run));
     assert!(d < 1e-5, "differ by {d}");
 }

@@ -459,10 +459,13 @@ impl<'a> Run<'a> {
 
     /// The final weights, `model.safetensors` (parameters and buffers, by name).
     pub fn save_weights(&mut self) -> Result<()> {
-        if !self.lead {
-            return Ok(());
-        }
-        let path = self.run_dir.join("model.safetensors");
+        // Test-only: `OOMGUARD_TEST_RANK_WEIGHTS=1` has every other rank write its own copy,
+        // `model.rank-R.safetensors`, so a test can see that the ranks hold one set.
+        let path = match self.pg.as_ref().map(|p| p.rank) {
+            Some(r) if r > 0 && std::env::var_os("OOMGUARD_TEST_RANK_WEIGHTS").is_some() => self.run_dir.join(format!("model.rank-{r}.safetensors")),
+            _ if !self.lead => return Ok(()),
+            _ => self.run_dir.join("model.safetensors"),
+        };
         let step = self.next_step;
         self.retrying_oom(step, |run| task::tensors::save(&run.task.state(), &path))
     }
