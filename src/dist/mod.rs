@@ -116,7 +116,9 @@ impl ProcessGroup {
             Some(w) => num("WORLD_SIZE", &w)?,
             None => return Ok(None),
         };
-        if world <= 1 {
+        // Diagnostic: `OOMGUARD_GROUP_OF_ONE=1` forms a group of one rank, so every collective
+        // of a step runs on a machine with one GPU (NCCL refuses two ranks on one device).
+        if world == 0 || (world == 1 && var("OOMGUARD_GROUP_OF_ONE").is_none_or(|v| v != "1")) {
             return Ok(None);
         }
         let rank = num("RANK", &var("RANK").unwrap_or_default())?;
