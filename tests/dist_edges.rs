@@ -197,3 +197,29 @@ fn a_run_resumes_at_another_world_size() {
     let d = max_abs_diff(&weights(&single), &weights(&run));
     assert!(d < 1e-5, "2 then 3 ranks differ from one process by {d}");
 }
+
+/// A rank waiting for a peer that never comes (its node's launcher stops it for a group
+/// restart): SIGTERM before the first step exits at once with 143, rather than after the
+/// collective timeout, since there is nothing to save yet.
+#[test]
+fn a_signal_before_the_first_step_exits_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny(dir.path(), "c.yaml", |t| t);
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let mut c = Command::new(bin());
+    let child = isolated(dies_with_test(&mut c), dir.path())
+        .args(["train", cfg.to_str().unwrap(), "--run-dir", "r", "--set", "train.dist_timeout_s=20"])
+        .envs([("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", &port), ("OMP_NUM_THREADS", "1")])
+        .current_dir(dir.path()).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    // Rank 0 is waiting for rank 1 once its store listens.
+    let t = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port.parse::<u16>().unwrap())).is_err() {
+        assert!(t.elapsed() < Duration::from_secs(60), "rank 0's store never listened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+    let t = Instant::now();
+    let o = child.wait_with_output().unwrap();
+    assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+    assert_eq!(o.status.code(), Some(143), "{}", text(&o));
+}
