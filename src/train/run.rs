@@ -417,13 +417,14 @@ impl<'a> Run<'a> {
         if self.checkpointed == Some(next_step) {
             return Ok(());
         }
-        if self.lead {
-            self.write_checkpoint(next_step)?;
+        let written = if self.lead { self.write_checkpoint(next_step) } else { Ok(()) };
+        // Agreed, not a bare barrier: a write that failed on rank 0 (an OOM past its retries
+        // included) fails every rank alike, at once.
+        match &self.pg {
+            Some(pg) => pg.agree(written)?,
+            None => written?,
         }
         self.checkpointed = Some(next_step);
-        if let Some(pg) = &self.pg {
-            pg.barrier()?;
-        }
         self.progress.other_done(Other::Checkpoint);
         Ok(())
     }
