@@ -141,10 +141,6 @@ char* og_dist_broadcast(void* g, void** ts, int n, int root) {
   });
 }
 
-char* og_dist_barrier(void* g) {
-  return oomguard::guarded([&] { group(g)->backend->barrier()->wait(); });
-}
-
 // The store, for small state every rank needs (rank 0's resume point).
 char* og_dist_store_set(void* g, const char* key, const uint8_t* data, int64_t len) {
   return oomguard::guarded([&] { group(g)->store->set(key, std::vector<uint8_t>(data, data + len)); });

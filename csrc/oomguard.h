@@ -78,7 +78,6 @@ char* og_dist_init(const char* addr, int port, const char* token, int rank, int 
 void og_dist_free(void* group);
 char* og_dist_all_reduce(void* group, void** tensors, int n, int op);
 char* og_dist_broadcast(void* group, void** tensors, int n, int root);
-char* og_dist_barrier(void* group);
 char* og_dist_store_set(void* group, const char* key, const uint8_t* data, int64_t len);
 char* og_dist_store_get(void* group, const char* key, uint8_t** out, int64_t* len);
 

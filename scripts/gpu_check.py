@@ -260,6 +260,35 @@ def check(kit, out):
     checks["allocator invalid exits 2"] = {"ok": r.returncode == 2, "exit": r.returncode}
     save()
 
+    # 3b. Data parallel on NCCL, as a group of one rank (the lent machines have one GPU, and
+    # NCCL refuses two ranks on one device): under the launcher the group forms over NCCL on
+    # this rank's GPU, every collective of a step runs (agreements, the gradients' all-reduce,
+    # the start's agreement), and a CUDA OOM under a budget between micro-batch 16's peak and
+    # 8's is recovered through the agreement.
+    peaks = {}
+    for mb in (16, 8):
+        _, _, steps = train(f"nccl-peak{mb}", "", ["--set", f"train.micro_batch_size={mb}", "--memory-budget", "none"])
+        peaks[mb] = steps[0]["memory"]["peak_bytes"] if steps else None
+    nccl = {"peaks": peaks}
+    if all(peaks.values()):
+        budget = (peaks[16] + peaks[8]) // 2
+        d = work / "nccl"
+        d.mkdir()
+        (d / "c.yaml").write_text(TINY.format(extra="memory: {cooldown_steps: 1000}"))
+        r = sh([og, "launch", "--standalone", "--nproc-per-node", "1", "--no-python", og, "train", d / "c.yaml", "--run-dir", d / "run",
+                "--memory-budget", str(budget)], extra_env={"OOMGUARD_GROUP_OF_ONE": "1"})
+        log = r.stdout + r.stderr
+        steps = step_records(d / "run")
+        ooms = [json.loads(l) for l in (d / "run" / "metrics.jsonl").read_text().splitlines() if '"event":"oom"' in l] if (d / "run" / "metrics.jsonl").exists() else []
+        nccl.update({"exit": r.returncode, "budget": budget, "joined_nccl": "(nccl) joined the group" in log, "ooms": len(ooms),
+                     "micro_batches": [s.get("micro_batch_size") for s in steps], "world_sizes": sorted({s.get("world_size") for s in steps}),
+                     "comm_s": [s.get("comm_s") for s in steps]})
+        nccl["ok"] = r.returncode == 0 and nccl["joined_nccl"] and len(ooms) > 0 and len(steps) == 3 and all(m and m < 16 for m in nccl["micro_batches"])
+    else:
+        nccl["ok"] = False
+    checks["nccl group of one rank"] = nccl
+    save()
+
     def og_run(d, yaml):
         """oomguard trains `yaml` in d/run: (exit, step records, the allocator settings it logged)."""
         d.mkdir()

@@ -73,6 +73,9 @@ pub struct StepRecord {
     /// Data parallel: seconds in the ranks' agreements and the gradient all-reduce.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comm_s: Option<f64>,
+    /// Data parallel: of `comm_s`, seconds in the ranks' agreements.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agree_s: Option<f64>,
 }
 
 /// A device as step records name it: `cpu`, `cuda:N`.

@@ -1,6 +1,8 @@
 //! SIGINT and SIGTERM: the first asks the run to stop at the next safe point (it then
-//! checkpoints, flushes and exits 130 or 143); a second one exits at once. Checkpoints are
-//! written atomically, so exiting at any instant corrupts nothing.
+//! checkpoints, flushes and exits 130 or 143); a second one exits at once, and so does one
+//! before the first step, when there is nothing to save (a rank waiting for its peers to
+//! form the group would otherwise wait out the timeout). Checkpoints are written
+//! atomically, so exiting at any instant corrupts nothing.
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -30,6 +32,8 @@ impl Signal {
 
 struct Flags {
     any: Arc<AtomicBool>,
+    /// Until the first step: a signal exits at once.
+    starting: Arc<AtomicBool>,
     int: Arc<AtomicBool>,
     term: Arc<AtomicBool>,
 }
@@ -41,8 +45,9 @@ pub fn install() -> std::io::Result<()> {
     if FLAGS.get().is_some() {
         return Ok(());
     }
-    let flags = Flags { any: Arc::default(), int: Arc::default(), term: Arc::default() };
+    let flags = Flags { any: Arc::default(), starting: Arc::new(AtomicBool::new(true)), int: Arc::default(), term: Arc::default() };
     for (sig, which, code) in [(SIGINT, &flags.int, 130), (SIGTERM, &flags.term, 143)] {
+        signal_hook::flag::register_conditional_shutdown(sig, code, Arc::clone(&flags.starting))?;
         // Registered first, so it sees `any` as it was before this signal set it.
         signal_hook::flag::register_conditional_shutdown(sig, code, Arc::clone(&flags.any))?;
         signal_hook::flag::register(sig, Arc::clone(&flags.any))?;
@@ -50,6 +55,13 @@ pub fn install() -> std::io::Result<()> {
     }
     let _ = FLAGS.set(flags);
     Ok(())
+}
+
+/// The first step is about to run: from now on a first signal stops at a safe point.
+pub fn training_started() {
+    if let Some(f) = FLAGS.get() {
+        f.starting.store(false, Ordering::SeqCst);
+    }
 }
 
 /// The first signal received, if any.

@@ -6,13 +6,17 @@ mod common;
 use common::*;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
-/// A port per launch (tests run in parallel).
+/// A free port per launch whose next port is free too (several nodes' launchers meet at
+/// --master-port + 1).
 fn port() -> String {
-    static NEXT: AtomicU16 = AtomicU16::new(0);
-    (29600 + (std::process::id() % 200) as u16 * 10 + NEXT.fetch_add(1, Ordering::SeqCst)).to_string()
+    loop {
+        let p = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            return p.to_string();
+        }
+    }
 }
 
 fn bin() -> &'static str {
@@ -73,13 +77,7 @@ fn an_oom_on_one_rank_shrinks_both() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), 4, "");
     let cfg = write_config(dir.path(), "fixed.yaml", &std::fs::read_to_string(&cfg).unwrap().replace("micro_batch_size: 4,", "micro_batch_size: 8,"));
-    let peak = |mb: &str| {
-        let r = dir.path().join(format!("p{mb}"));
-        let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", r.to_str().unwrap(), "--max-steps", "1", "--memory-budget", "none", "--set", &format!("train.micro_batch_size={mb}")], dir.path());
-        assert!(o.status.success(), "{}", stderr(&o));
-        records(&r, "step")[0]["memory"]["peak_bytes"].as_u64().unwrap()
-    };
-    let budget = (peak("8") + peak("4")) / 2;
+    let budget = budget_between_4_and_8(dir.path(), &cfg);
     let single = train_ok(dir.path(), &cfg, &["--memory-budget", "none"]);
     let run = dir.path().join("two");
     let script = format!(
@@ -99,6 +97,45 @@ fn an_oom_on_one_rank_shrinks_both() {
     assert!(d < 1e-5, "differ by {d}");
 }
 
+/// A budget that holds micro-batch 4 of `cfg` but not 8.
+fn budget_between_4_and_8(dir: &Path, cfg: &Path) -> u64 {
+    let peak = |mb: &str| {
+        let r = dir.join(format!("p{mb}"));
+        let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", r.to_str().unwrap(), "--max-steps", "1", "--memory-budget", "none", "--set", &format!("train.micro_batch_size={mb}")], dir);
+        assert!(o.status.success(), "{}", stderr(&o));
+        records(&r, "step")[0]["memory"]["peak_bytes"].as_u64().unwrap()
+    };
+    (peak("8") + peak("4")) / 2
+}
+
+/// Rank 1's micro-batch cache knows that 8 does not fit its budget, rank 0's cache is
+/// empty: the ranks start at the smallest size any of them would take (4), with no OOM, and
+/// end where one process does.
+#[test]
+fn ranks_whose_caches_disagree_start_at_the_smallest_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 4, "memory: {cooldown_steps: 1000}\n");
+    let cfg = write_config(dir.path(), "fixed.yaml", &std::fs::read_to_string(&cfg).unwrap().replace("micro_batch_size: 4,", "micro_batch_size: 8,"));
+    let budget = budget_between_4_and_8(dir.path(), &cfg);
+    let single = train_ok(dir.path(), &cfg, &["--memory-budget", "none"]);
+    // Rank 1's cache learns its size from a run under its budget.
+    let (cache0, cache1) = (dir.path().join("cache0"), dir.path().join("cache1"));
+    let learn = Command::new(bin()).args(["train", cfg.to_str().unwrap(), "--run-dir", "learn", "--max-steps", "1", "--memory-budget", &budget.to_string()])
+        .current_dir(dir.path()).env("OOMGUARD_CACHE", &cache1).env("OMP_NUM_THREADS", "1").output().unwrap();
+    assert!(learn.status.success() && !records(&dir.path().join("learn"), "oom").is_empty(), "{}", stderr(&learn));
+    let run = dir.path().join("two");
+    let script = format!(
+        "if [ \"$RANK\" = 1 ]; then export OOMGUARD_CACHE={c1}; B={budget}; else export OOMGUARD_CACHE={c0}; B=none; fi; exec {b} train {c} --run-dir {r} --memory-budget $B",
+        b = bin(), c = cfg.display(), r = run.display(), c0 = cache0.display(), c1 = cache1.display()
+    );
+    let err = ok(launch(dir.path(), &["--nproc-per-node", "2", "--no-python", "sh", "-c", &script]).output().unwrap());
+    assert!(records(&run, "oom").is_empty(), "no rank ran out of memory: {err}");
+    let sizes: Vec<_> = records(&run, "step").iter().map(|s| s["micro_batch_size"].as_u64().unwrap()).collect();
+    assert_eq!(sizes, [4, 4, 4, 4], "{err}");
+    let d = max_abs_diff(&weights(&single), &weights(&run));
+    assert!(d < 1e-5, "differ by {d}");
+}
+
 /// Two "nodes" (two launchers, one rank each) over loopback.
 #[test]
 fn two_nodes_over_loopback() {
@@ -106,18 +143,75 @@ fn two_nodes_over_loopback() {
     let cfg = config(dir.path(), 4, "memory: {budget: 64MiB}\n");
     let single = train_ok(dir.path(), &cfg, &[]);
     let run = dir.path().join("nodes");
-    let p = port();
-    let node = |rank: &str| {
-        let mut args = vec!["--nnodes", "2", "--node-rank", rank, "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", &p, "--no-python"];
-        args.extend(train_args(&cfg, &run));
-        let mut c = Command::new(bin());
-        isolated(dies_with_test(&mut c), dir.path()).arg("launch").args(&args).current_dir(dir.path()).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
-    };
-    let (a, b) = (node("0"), node("1"));
-    ok(a.wait_with_output().unwrap());
-    ok(b.wait_with_output().unwrap());
+    let nodes = two_nodes(dir.path(), &cfg, &run, &[], &[], "none");
+    for node in nodes {
+        ok(node.wait_with_output().unwrap());
+    }
     assert!(records(&run, "step").iter().all(|s| s["world_size"] == 2));
     assert!(max_abs_diff(&weights(&single), &weights(&run)) < 1e-5);
+}
+
+/// Node 0's and node 1's launchers (one rank each) on one port, over loopback.
+fn two_nodes(dir: &Path, cfg: &Path, run: &Path, extra: &[&str], train_extra: &[&str], marker: &str) -> [Child; 2] {
+    let p = port();
+    ["0", "1"].map(|rank| {
+        let mut args = vec!["--nnodes", "2", "--node-rank", rank, "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", &p, "--monitor-interval", "0.05"];
+        args.extend(extra);
+        args.push("--no-python");
+        args.extend(train_args(cfg, run));
+        args.extend(train_extra);
+        let mut c = Command::new(bin());
+        isolated(dies_with_test(&mut c), dir).arg("launch").args(&args).current_dir(dir).env("OOMGUARD_TEST_MARKER", marker).env("OMP_NUM_THREADS", "1");
+        c.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
+    })
+}
+
+/// kill -9 of node 1's worker: both nodes' launchers restart their workers in one round,
+/// within seconds (not after the collective timeout), and the run resumes and completes.
+#[test]
+fn a_worker_death_on_one_node_restarts_every_node_within_seconds() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 40, "memory: {budget: 64MiB}\ncheckpoint: {every_steps: 5}\n");
+    let run = dir.path().join("nodes");
+    let marker = format!("oomguard-nodes-kill-{}", std::process::id());
+    let nodes = two_nodes(dir.path(), &cfg, &run, &["--max-restarts", "2"], &["--resume"], &marker);
+    wait_for_steps(&run, 12);
+    let (old0, old1) = (rank_process(&marker, "0").expect("rank 0"), rank_process(&marker, "1").expect("rank 1"));
+    assert!(Command::new("kill").args(["-KILL", &old1.to_string()]).status().unwrap().success());
+    let t = Instant::now();
+    let fresh = |rank: &str, old: u32| rank_process(&marker, rank).is_some_and(|p| p != old);
+    while !(fresh("0", old0) && fresh("1", old1)) {
+        assert!(t.elapsed() < Duration::from_secs(10), "both nodes' workers were not restarted within 10 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let logs = nodes.map(|n| ok(n.wait_with_output().unwrap()));
+    for (node, log) in logs.iter().enumerate() {
+        assert!(log.contains("attempt 1:") && !log.contains("attempt 2:"), "node {node} restarted once: {log}");
+    }
+    assert!(logs[0].contains("restart") && logs[0].contains("node 1"), "node 0 names node 1's failure: {}", logs[0]);
+    assert_eq!(records(&run, "resumed").len(), 1);
+    let steps: Vec<u64> = records(&run, "step").iter().map(|s| s["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, (0..40).collect::<Vec<_>>());
+}
+
+/// Ctrl-C on one node stops every node (with 130), and nothing restarts.
+#[test]
+fn ctrl_c_on_one_node_stops_every_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 200, "memory: {budget: 64MiB}\n");
+    let run = dir.path().join("nodes");
+    let nodes = two_nodes(dir.path(), &cfg, &run, &["--max-restarts", "3"], &[], "none");
+    wait_for_steps(&run, 5);
+    assert!(Command::new("kill").args(["-INT", &nodes[1].id().to_string()]).status().unwrap().success());
+    let t = Instant::now();
+    let outs = nodes.map(|n| n.wait_with_output().unwrap());
+    assert!(t.elapsed() < Duration::from_secs(30), "took {:?}", t.elapsed());
+    for (node, o) in outs.iter().enumerate() {
+        let log = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(130), "node {node}: {log}");
+        assert!(!log.contains("attempt 1:"), "node {node} restarted: {log}");
+    }
+    assert!(String::from_utf8_lossy(&outs[0].stderr).contains("node 1's launcher was stopped by a signal"));
 }
 
 fn spawn_launch(dir: &Path, args: &[&str]) -> Child {

@@ -83,6 +83,33 @@ train: {micro_batch_size: 2, global_batch_size: 8, max_steps: 10, eval_every: 0,
     assert_eq!(records(&dir.path().join("r"), "step").len(), 10);
 }
 
+/// BatchNorm on 2 ranks, each rank's shard of different data: rank 0's running statistics
+/// reach every rank after each step (DDP's broadcast_buffers), so after training both ranks
+/// hold the same buffers and parameters, and evaluation and checkpoints see one set.
+#[test]
+fn batchnorm_buffers_are_equal_on_both_ranks_after_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let py = root().join(".venv/bin/python3");
+    let script = root().join("tests/scripts/ts_bn.py");
+    let o = Command::new(&py).arg(&script).args(["--out", "bn.pt", "--data", "bn.safetensors"]).current_dir(dir.path()).env("PYTHONWARNINGS", "ignore").output().expect("python3 from the set-up's venv");
+    assert!(o.status.success(), "{}", text(&o));
+    let cfg = write_config(dir.path(), "bn.yaml", "
+model: {kind: torchscript, path: bn.pt}
+data: {source: tensors, path: bn.safetensors, val_fraction: 0.2}
+optim: {lr: 1.0e-2, warmup_steps: 2, decay_steps: 10}
+train: {micro_batch_size: 4, global_batch_size: 16, max_steps: 8, eval_every: 4, eval_batch_size: 8, eval_batches: 1, seed: 3, device: cpu, num_threads: 1}
+");
+    let o = two_ranks(dir.path(), &cfg, &["--run-dir", "r"]).env("OOMGUARD_TEST_RANK_WEIGHTS", "1").stdout(Stdio::null()).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let run = dir.path().join("r");
+    let (rank0, rank1) = (weights(&run), safetensors(&run.join("model.rank-1.safetensors")));
+    let names: Vec<&str> = rank0.iter().map(|(n, _)| n.as_str()).collect();
+    assert!(names.contains(&"bn.running_mean") && names.contains(&"bn.running_var"), "{names:?}");
+    let mean = &rank0.iter().find(|(n, _)| n == "bn.running_mean").unwrap().1;
+    assert!(mean.abs().sum(tch::Kind::Double).double_value(&[]) > 0.0, "the statistics moved");
+    assert_eq!(max_abs_diff(&rank0, &rank1), 0.0, "the ranks' parameters or buffers differ");
+}
+
 #[test]
 fn a_collective_mismatch_fails_fast_naming_both_views() {
     let dir = tempfile::tempdir().unwrap();
@@ -169,4 +196,30 @@ fn a_run_resumes_at_another_world_size() {
     assert_eq!(worlds, [2, 2, 2, 3, 3, 3]);
     let d = max_abs_diff(&weights(&single), &weights(&run));
     assert!(d < 1e-5, "2 then 3 ranks differ from one process by {d}");
+}
+
+/// A rank waiting for a peer that never comes (its node's launcher stops it for a group
+/// restart): SIGTERM before the first step exits at once with 143, rather than after the
+/// collective timeout, since there is nothing to save yet.
+#[test]
+fn a_signal_before_the_first_step_exits_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny(dir.path(), "c.yaml", |t| t);
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let mut c = Command::new(bin());
+    let child = isolated(dies_with_test(&mut c), dir.path())
+        .args(["train", cfg.to_str().unwrap(), "--run-dir", "r", "--set", "train.dist_timeout_s=20"])
+        .envs([("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", &port), ("OMP_NUM_THREADS", "1")])
+        .current_dir(dir.path()).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    // Rank 0 is waiting for rank 1 once its store listens.
+    let t = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port.parse::<u16>().unwrap())).is_err() {
+        assert!(t.elapsed() < Duration::from_secs(60), "rank 0's store never listened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+    let t = Instant::now();
+    let o = child.wait_with_output().unwrap();
+    assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+    assert_eq!(o.status.code(), Some(143), "{}", text(&o));
 }

@@ -304,7 +304,7 @@ impl<'a> Run<'a> {
             micro_batch_size: stats.micro_batch_size, grad_accum_steps: stats.num_micro_batches, num_samples: stats.num_samples,
             world_size: self.world_size(), step_time_s: dt, elapsed_s: self.progress.elapsed(), eta_s: eta, memory: mem, device: device_label(self.device),
             precision: self.precision, activation_checkpointing: self.task.activation_checkpointing() == Some(true),
-            loss_scale: self.scaler.as_ref().map(Scaler::value), skipped: stats.skipped, comm_s: stats.comm_s,
+            loss_scale: self.scaler.as_ref().map(Scaler::value), skipped: stats.skipped, comm_s: stats.comm_s, agree_s: stats.agree_s,
         };
         if stats.skipped {
             tracing::warn!("step {step}: fp16 gradients overflowed: update skipped, loss scale now {}", rec.loss_scale.unwrap_or(f64::NAN));
@@ -417,13 +417,14 @@ impl<'a> Run<'a> {
         if self.checkpointed == Some(next_step) {
             return Ok(());
         }
-        if self.lead {
-            self.write_checkpoint(next_step)?;
+        let written = if self.lead { self.write_checkpoint(next_step) } else { Ok(()) };
+        // Agreed, not a bare barrier: a write that failed on rank 0 (an OOM past its retries
+        // included) fails every rank alike, at once.
+        match &self.pg {
+            Some(pg) => pg.agree(written)?,
+            None => written?,
         }
         self.checkpointed = Some(next_step);
-        if let Some(pg) = &self.pg {
-            pg.barrier()?;
-        }
         self.progress.other_done(Other::Checkpoint);
         Ok(())
     }
@@ -459,10 +460,13 @@ impl<'a> Run<'a> {
 
     /// The final weights, `model.safetensors` (parameters and buffers, by name).
     pub fn save_weights(&mut self) -> Result<()> {
-        if !self.lead {
-            return Ok(());
-        }
-        let path = self.run_dir.join("model.safetensors");
+        // Test-only: `OOMGUARD_TEST_RANK_WEIGHTS=1` has every other rank write its own copy,
+        // `model.rank-R.safetensors`, so a test can see that the ranks hold one set.
+        let path = match self.pg.as_ref().map(|p| p.rank) {
+            Some(r) if r > 0 && std::env::var_os("OOMGUARD_TEST_RANK_WEIGHTS").is_some() => self.run_dir.join(format!("model.rank-{r}.safetensors")),
+            _ if !self.lead => return Ok(()),
+            _ => self.run_dir.join("model.safetensors"),
+        };
         let step = self.next_step;
         self.retrying_oom(step, |run| task::tensors::save(&run.task.state(), &path))
     }

@@ -25,6 +25,9 @@ pub struct StepStats {
     pub skipped: bool,
     /// Data parallel: seconds spent in the ranks' agreements and the gradient all-reduce.
     pub comm_s: Option<f64>,
+    /// Data parallel: of those, seconds in the agreements (and the loss's sum), waiting for
+    /// the slowest rank included.
+    pub agree_s: Option<f64>,
 }
 
 /// How a step updates: learning rate, clipping, precision.
@@ -115,7 +118,7 @@ pub fn update(opt: &mut AdamW, step: u64, u: &Update) -> Result<(f64, bool)> {
 pub fn step_with(task: &dyn Task, opt: &mut AdamW, data: &dyn StepBatches, step: u64, micro_batch_size: usize, u: &Update) -> Result<StepStats> {
     let (loss, num_micro_batches) = accumulate(task, data, step, micro_batch_size, &u.amp)?;
     let (grad_norm, skipped) = update(opt, step, u)?;
-    Ok(StepStats { loss, grad_norm, micro_batch_size, num_micro_batches, num_samples: data.global_batch_size(), skipped, comm_s: None })
+    Ok(StepStats { loss, grad_norm, micro_batch_size, num_micro_batches, num_samples: data.global_batch_size(), skipped, comm_s: None, agree_s: None })
 }
 
 /// Gradients travel in buckets of this size (as PyTorch DDP's default).
@@ -131,18 +134,24 @@ pub fn dist_step(pg: &ProcessGroup, task: &dyn Task, opt: &mut AdamW, data: &dyn
         let buckets = Buckets::pack(&grads, BUCKET_BYTES).map_err(|e| Error::from(e).in_phase(Phase::Backward))?;
         Ok((r, grads, buckets))
     });
-    let t = std::time::Instant::now();
-    let ((loss, num_micro_batches), grads, buckets) = pg.agree(local)?;
-    buckets.reduce_into(pg, &grads)?;
+    let (mut agree_s, mut reduce_s) = (0.0, 0.0);
+    let ((loss, num_micro_batches), grads, buckets) = timed(&mut agree_s, || pg.agree(local))?;
+    timed(&mut reduce_s, || buckets.reduce_into(pg, &grads))?;
     drop(buckets);
-    let loss = pg.sum_f64(Topic::Losses, loss)?;
-    let mut comm_s = t.elapsed().as_secs_f64();
+    let loss = timed(&mut agree_s, || pg.sum_f64(Topic::Losses, loss))?;
     let ready = prepare_update(opt, step, u);
-    let t = std::time::Instant::now();
-    let ready = pg.agree(ready)?;
-    comm_s += t.elapsed().as_secs_f64();
+    let ready = timed(&mut agree_s, || pg.agree(ready))?;
     let (grad_norm, skipped) = commit_update(opt, ready, u)?;
-    Ok(StepStats { loss, grad_norm, micro_batch_size, num_micro_batches, num_samples: data.global_batch_size(), skipped, comm_s: Some(comm_s) })
+    let (comm_s, agree_s) = (Some(agree_s + reduce_s), Some(agree_s));
+    Ok(StepStats { loss, grad_norm, micro_batch_size, num_micro_batches, num_samples: data.global_batch_size(), skipped, comm_s, agree_s })
+}
+
+/// Runs `f`, adding the seconds it took to `acc`.
+fn timed<T>(acc: &mut f64, f: impl FnOnce() -> T) -> T {
+    let t = std::time::Instant::now();
+    let out = f();
+    *acc += t.elapsed().as_secs_f64();
+    out
 }
 
 /// A whole fp32 optimizer step in one process.

@@ -68,6 +68,7 @@ pub fn train_with(cfg: &Config, run_dir: &Path, settings: &AllocatorSettings, op
     let mut inject = options.inject_oom.map(|i| Injection::new(i.for_rank(run.rank())));
     let schedule = run.progress.schedule;
     let mut eval_s = 0.0;
+    crate::signals::training_started();
     for step in run.next_step..c.train.max_steps {
         if let Some(signal) = run.stop_requested()? {
             run.checkpoint(step)?;

@@ -1,6 +1,7 @@
 //! A torchrun-compatible launcher (no libtorch needed): validated options, the workers'
 //! environment (pure), and supervision (supervise.rs) with restarts that halve the
 //! micro-batch after an out-of-memory death.
+mod group;
 mod output;
 mod supervise;
 

@@ -9,6 +9,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
 use super::output::{pump, Sink, Tail};
+use super::group::{Group, Report, ToNode};
 use super::{worker_env, LaunchSpec, Micro, Streams};
 use super::LaunchError as Error;
 use crate::oom::classify_oom;
@@ -82,15 +83,9 @@ impl Failure {
             if last.is_empty() { last_error(&self.stdout) } else { last }
         })
     }
-    fn ended(&self) -> Ended {
+    fn is_oom(&self) -> bool {
         let text = self.final_error();
-        if self.exit_code() == 3 {
-            Ended::CannotFit
-        } else if classify_oom(&text).is_some() || text.contains("MemoryError") {
-            Ended::Oom
-        } else {
-            Ended::Other
-        }
+        classify_oom(&text).is_some() || text.contains("MemoryError")
     }
     /// The micro-batch the worker reported (`micro_batch_size=N`, the last mention on
     /// stderr, else on stdout: Python's print writes to stdout).
@@ -124,9 +119,12 @@ enum Outcome {
     Succeeded,
     Failed(Failure),
     Signaled(i32),
+    /// The group restarts or stops because of another node (the workers are stopped).
+    Group(ToNode),
 }
 
-/// Runs the job; returns the launcher's exit code.
+/// Runs the job; returns the launcher's exit code. Every attempt is a round of the group
+/// (group.rs): on several nodes, a failure anywhere restarts every node's workers.
 pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
     let signals = Signals::install().map_err(|e| Error::Io { context: "installing signal handlers".into(), source: e })?;
     let n = spec.nproc_per_node;
@@ -138,7 +136,7 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
     }
     let temp = spec.log_dir.is_none().then(|| std::env::temp_dir().join(format!("oomguard-launch-{}", std::process::id())));
     let base = spec.log_dir.clone().or(temp.clone()).unwrap_or_default().join(&spec.run_id);
-    let mut micro = Micro { size: spec.micro_batch_size, failed: None };
+    let (mut group, mut micro) = Group::join(spec)?;
     let mut attempt = 0;
     loop {
         let port = if spec.master_port == 0 { free_port()? } else { spec.master_port };
@@ -148,6 +146,7 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
             let msg = e.to_string();
             let mut started: Vec<Worker> = workers.into_iter().flatten().collect();
             stop(&mut started, libc::SIGKILL, Duration::ZERO, &signals);
+            group.abort(1);
             return Err(Error::Start(msg));
         }
         let mut workers: Vec<Worker> = workers.drain(..).flatten().collect();
@@ -156,42 +155,55 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
             workers.len(), workers[0].rank, workers[workers.len() - 1].rank, spec.master_addr,
             micro.size.map(|m| format!(", micro-batch {m}")).unwrap_or_default()
         );
-        match watch(&mut workers, spec.monitor_interval, spec.shutdown_timeout, &signals) {
+        let next = match watch(&mut workers, spec.monitor_interval, spec.shutdown_timeout, &signals, &mut group) {
             Outcome::Succeeded => {
+                group.done();
                 temp.map(std::fs::remove_dir_all);
                 return Ok(0);
             }
             Outcome::Signaled(sig) => {
                 tracing::warn!("received signal {sig}: stopped the workers");
+                group.abort(128 + sig);
                 return Ok(128 + sig);
             }
+            Outcome::Group(ToNode::Restart { round, why }) => {
+                tracing::warn!("{why}: node {} stopped its workers to restart with the group (round {round})", group.node());
+                group.stopped(round).map(|m| (round, m))
+            }
+            Outcome::Group(ToNode::Stop { code, why }) => Err((code, why)),
+            Outcome::Group(_) => Err((1, "unexpected message from node 0's launcher".into())),
             Outcome::Failed(f) => {
-                let ended = f.ended();
-                let oom = ended == Ended::Oom;
+                let oom = f.is_oom();
                 let known = micro.size.or(f.reported_micro_batch());
-                match after_failure(attempt, spec.max_restarts, ended, known) {
-                    Next::Restart { micro_batch_size } => {
+                match group.failed(attempt, Report { rank: f.rank, oom, micro: known, code: f.exit_code() }) {
+                    Ok(m) => {
                         tracing::warn!(
                             "worker rank {} failed (exit code {}){}; restarting the group ({}/{})",
                             f.rank, f.exitcode, if oom { " out of memory" } else { "" }, attempt + 1, spec.max_restarts
                         );
-                        if oom {
-                            match micro_batch_size {
-                                Some(m) => tracing::warn!("relaunching with {}={m}", super::MICRO_BATCH_VAR),
-                                None => tracing::warn!("cannot halve the micro-batch: its size is unknown (set {} or have the worker print micro_batch_size=N)", super::MICRO_BATCH_VAR),
-                            }
-                        }
-                        micro = Micro { size: micro_batch_size, failed: if oom { known } else { micro.failed } };
-                        attempt += 1;
+                        Ok((attempt + 1, m))
                     }
-                    Next::GiveUp => {
-                        if ended == Ended::CannotFit && attempt < spec.max_restarts {
-                            tracing::error!("worker rank {} exited 3: it does not fit in memory even at micro-batch 1, so no restart can help: {}", f.rank, f.final_error());
-                        }
+                    Err((code, why)) => {
                         eprint!("{}", summary(&f, spec));
-                        return Ok(f.exit_code());
+                        let why = if code == 3 { format!("{why}: {}", f.final_error()) } else { why };
+                        Err((code, why))
                     }
                 }
+            }
+        };
+        match next {
+            Ok((round, m)) => {
+                if m.size != micro.size {
+                    match m.size {
+                        Some(s) => tracing::warn!("relaunching with {}={s}", super::MICRO_BATCH_VAR),
+                        None => tracing::warn!("cannot halve the micro-batch: its size is unknown (set {} or have the worker print micro_batch_size=N)", super::MICRO_BATCH_VAR),
+                    }
+                }
+                (attempt, micro) = (round, m);
+            }
+            Err((code, why)) => {
+                tracing::error!("{why}");
+                return Ok(code);
             }
         }
     }
@@ -236,11 +248,15 @@ fn spawn(spec: &LaunchSpec, local_rank: usize, port: u16, attempt: u32, dir: &Pa
     Ok(Worker { local_rank, rank: spec.node_rank * spec.nproc_per_node + local_rank, child, done: false, pumps, stdout, stderr, error_file })
 }
 
-fn watch(workers: &mut [Worker], interval: Duration, grace: Duration, signals: &Signals) -> Outcome {
+fn watch(workers: &mut [Worker], interval: Duration, grace: Duration, signals: &Signals, group: &mut Group) -> Outcome {
     loop {
         if let Some(sig) = signals.received() {
             stop(workers, sig, grace, signals);
             return Outcome::Signaled(sig);
+        }
+        if let Some(msg) = group.poll() {
+            stop(workers, libc::SIGTERM, grace, signals);
+            return Outcome::Group(msg);
         }
         let mut failure = None;
         for w in workers.iter_mut().filter(|w| !w.done) {
