@@ -52,3 +52,10 @@ fn bad_override() {
 fn missing_file() {
     fails_with("", &["--set", "data.source=text", "--set", "data.path=nope.txt"], &["nope.txt"]);
 }
+
+/// `model.loss` takes `fused` or `full`; anything else is refused by `--check`, naming the key.
+#[test]
+fn bad_model_loss() {
+    fails_with("model:\n  loss: chunked\n", &["--check"], &["bad.yaml:2", "model.loss: unknown variant `chunked`, expected `fused` or `full`"]);
+    fails_with("model:\n  kind: torchscript\n  path: m.pt\n  loss: full\n", &["--check"], &["model.loss", "is a key of the built-in GPT"]);
+}
