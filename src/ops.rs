@@ -55,6 +55,16 @@ pub fn scalar(v: f64, kind: tch::Kind, device: tch::Device) -> Result<Tensor, Tc
     Tensor::f_from_slice(&[v])?.f_to_kind(kind)?.f_view([] as [i64; 0])?.f_to_device(device)
 }
 
+/// A host tensor onto `device` with no sync: on CUDA through pinned memory, copied without
+/// blocking (a copy from pageable memory waits for the device's queue to drain, once per
+/// micro-batch). Elsewhere a plain `to`.
+pub fn upload(t: &Tensor, device: Device) -> Result<Tensor, TchError> {
+    match device {
+        Device::Cuda(_) if t.device() == Device::Cpu => t.f_pin_memory(device)?.f_to_device_(device, t.kind(), true, false),
+        _ => t.f_to_device(device),
+    }
+}
+
 /// Device-to-host reads made through `read` and `read_one` so far, in this process.
 static D2H_READS: AtomicU64 = AtomicU64::new(0);
 

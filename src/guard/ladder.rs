@@ -69,7 +69,7 @@ mod tests {
         let fp32 = Footing { checkpointing: Some(false), precision: Precision::Fp32, loss: None };
         assert_eq!(next_rung(fp32, ALL), Some(Rung::ActivationCheckpointing));
         assert_eq!(next_rung(Footing { checkpointing: Some(true), ..fp32 }, ALL), Some(Rung::Bf16));
-        assert_eq!(next_rung(Footing { checkpointing: Some(true), precision: Precision::Bf16 }, ALL), None);
+        assert_eq!(next_rung(Footing { checkpointing: Some(true), precision: Precision::Bf16, loss: None }, ALL), None);
         // On a GPU with native bf16, bf16 is the cheaper rung.
         assert_eq!(next_rung(fp32, Allowed { bf16_fast: true, ..ALL }), Some(Rung::Bf16));
     }

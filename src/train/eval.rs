@@ -33,7 +33,10 @@ pub fn evaluate(task: &dyn Task, spec: &EvalSpec, guard: &mut Guard, step: u64, 
     let mut total: Option<Tensor> = None;
     for k in 0..spec.num_batches as u64 {
         let positions = sample_positions(seed, k, batch, spec.samples.num_positions());
-        let sum = guard.run(
+        // Each attempt adds its batch to the total so far (a new tensor, inside the guard: an
+        // OOM in the addition is retried like any other).
+        let so_far = total.as_ref();
+        total = Some(guard.run(
             step,
             &mut (),
             |_, mb| {
@@ -48,7 +51,8 @@ pub fn evaluate(task: &dyn Task, spec: &EvalSpec, guard: &mut Guard, step: u64, 
                         })();
                         sum = Some(weighted.map_err(|e| in_eval(e.into()))?);
                     }
-                    Ok(sum.expect("a shard has at least one sample"))
+                    let sum = sum.expect("a shard has at least one sample");
+                    so_far.map_or(Ok(sum.shallow_clone()), |t| t.f_add(&sum)).map_err(|e| in_eval(e.into()))
                 })();
                 match pg {
                     Some(pg) => pg.agree(local),
@@ -56,11 +60,7 @@ pub fn evaluate(task: &dyn Task, spec: &EvalSpec, guard: &mut Guard, step: u64, 
                 }
             },
             |_| (),
-        )?;
-        total = Some(match total {
-            None => sum,
-            Some(t) => t.f_add(&sum).map_err(|e| in_eval(e.into()))?,
-        });
+        )?);
     }
     let total = total.map_or(Ok(0.0), |t| crate::ops::read_one(&t)).map_err(|e| in_eval(e.into()))?;
     // Each rank's part of every batch, summed over the ranks once.
