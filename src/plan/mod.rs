@@ -169,7 +169,7 @@ impl Estimate {
             (format!("activations per layer (x{})", self.n_layer), human_bytes(self.activations_per_layer_per_sample * b)),
             ("attention scores".into(), format!("0 (fused attention; {} per layer if materialised)", human_bytes(self.attention_scores_if_materialized_per_sample * b))),
             (logits_label(self.loss), human_bytes(self.logits_per_sample * b + self.logits_fixed_bytes)),
-            (format!("  with model.loss: {}", self.other_loss.name()), human_bytes(self.other_logits_per_sample * b + self.other_logits_fixed_bytes)),
+            (format!("  if model.loss: {}", self.other_loss.name()), human_bytes(self.other_logits_per_sample * b + self.other_logits_fixed_bytes)),
             row("embeddings and the rest", self.embeddings_per_sample * b),
             row("cuBLAS workspaces", self.workspace_bytes),
             ("allocator overhead".into(), format!("{:.0}%", self.allocator_overhead * 100.0)),
@@ -181,8 +181,8 @@ impl Estimate {
 /// The logits row's name in `oomguard plan`'s table.
 fn logits_label(loss: LossKind) -> String {
     match loss {
-        LossKind::Full => "logits (model.loss: full; B x T x vocab, x3)".into(),
-        LossKind::Fused => "logits (model.loss: fused; in chunks)".into(),
+        LossKind::Full => "logits (full: B x T x vocab x3)".into(),
+        LossKind::Fused => "logits (fused: in chunks)".into(),
     }
 }
 
