@@ -12,8 +12,10 @@ fn main() {
     let torch_dir = lib_dir.parent().expect("libtorch lib dir has a parent").to_path_buf();
     let include = torch_dir.join("include");
 
-    const SOURCES: [&str; 7] =
-        ["csrc/memory.cpp", "csrc/optim.cpp", "csrc/rng.cpp", "csrc/torchscript.cpp", "csrc/ops.cpp", "csrc/amp.cpp", "csrc/dist.cpp"];
+    const SOURCES: [&str; 8] = [
+        "csrc/memory.cpp", "csrc/optim.cpp", "csrc/rng.cpp", "csrc/torchscript.cpp", "csrc/ops.cpp", "csrc/amp.cpp", "csrc/dist.cpp",
+        "csrc/loss.cpp",
+    ];
     let base = || {
         let mut b = cc::Build::new();
         b.cpp(true)

@@ -21,7 +21,7 @@ const GLOBAL: usize = 16;
 fn main() {
     memory::install_cpu_allocator();
     tch::manual_seed(0);
-    let cfg = GptConfig { n_layer: 4, n_head: 4, n_embd: 256, block_size: 128, vocab_size: 256, dropout: 0.0, bias: true };
+    let cfg = GptConfig { n_layer: 4, n_head: 4, n_embd: 256, block_size: 128, vocab_size: 256, dropout: 0.0, bias: true, loss: Default::default() };
     let shape = TokenShape { block_size: 128, vocab_size: Some(256) };
     let data = Dataset::open(&DataConfig::default(), std::path::Path::new("."), Some(shape)).unwrap();
     let task = GptTask::new(&cfg, Device::Cpu).unwrap();

@@ -41,11 +41,13 @@ char* og_cuda_mem_info(int device, int64_t* out);
 char* og_set_allocator_settings(const char* settings);
 
 // Optimiser (csrc/optim.cpp): the allocation-free commit of a fused AdamW update over a
-// parameter group (next_steps: the step counts after it, allocated beforehand).
+// parameter group (next_steps: the step counts after it, allocated beforehand; found_inf:
+// fp16's overflow flag or NULL, the update skipped on the device where it is 1).
 char* og_adamw_commit(void** params, void** exp_avgs, void** exp_avg_sqs, void** steps,
                       void** next_steps, int n, double lr, double beta1, double beta2,
-                      double weight_decay, double eps);
-char* og_clip_grad_norm(void** params, int n, double max_norm, double* total_norm);
+                      double weight_decay, double eps, void* found_inf);
+// Clips on the device; out: the total norm before clipping, a new 0-dim tensor (no sync).
+char* og_clip_grad_norm(void** params, int n, double max_norm, void** out);
 char* og_zero_missing_grads(void** params, int n);
 
 // TorchScript (csrc/torchscript.cpp). cuda_index < 0 loads onto the CPU.
@@ -62,6 +64,13 @@ char* og_mul_scalar(void* tensor, double v, void** out);
 char* og_add_scalar(void* tensor, double v, void** out);
 char* og_mul_scalar_(void* tensor, double v);
 char* og_arange_like(int64_t end, void* like, void** out);
+// CUDA's sync-debug mode (warn), its warnings counted; 0 without a CUDA library.
+int og_cuda_sync_debug();
+int64_t og_cuda_syncs();
+
+// The GPT's head and cross-entropy fused, in chunks of `chunk` rows (csrc/loss.cpp): hidden
+// [N, C], weight [V, C] (its storage padded to vp rows), targets [N]; out: the mean loss.
+char* og_fused_linear_ce(void* hidden, void* weight, void* targets, int64_t vp, int64_t chunk, void** out);
 
 // Mixed precision (csrc/amp.cpp): autocast on the CPU or CUDA (half: 0 bf16, 1 fp16), and
 // GradScaler's kernels.

@@ -4,6 +4,8 @@
 
 #include <torch/torch.h>
 
+#include <cmath>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -20,10 +22,13 @@ extern "C" {
 // The commit half of a transactional AdamW step: `next_steps` (the step counts after this
 // update, allocated by the caller beforehand) are copied in and the fused kernel updates
 // parameters and moments in place. Neither allocates, so once this starts it completes;
-// every allocation of the step happened before, while nothing had changed yet.
+// every allocation of the step happened before, while nothing had changed yet. `found_inf`
+// (fp16's overflow flag, on the device; may be NULL): where it is 1 the kernel leaves
+// parameters and moments as they are (the step counts were prepared unchanged), decided on
+// the device with no read back to the host, as torch's fused AdamW with a GradScaler does.
 char* og_adamw_commit(void** params, void** exp_avgs, void** exp_avg_sqs, void** steps,
                       void** next_steps, int n, double lr, double beta1, double beta2,
-                      double weight_decay, double eps) {
+                      double weight_decay, double eps, void* found_inf) {
   return oomguard::guarded([&] {
     torch::NoGradGuard no_grad;
     std::vector<at::Tensor> p, g, m, v, s;
@@ -39,8 +44,10 @@ char* og_adamw_commit(void** params, void** exp_avgs, void** exp_avg_sqs, void**
     }
     if (p.empty()) return;
     // Like torch.optim.AdamW(fused=True): the kernel reads the already-incremented step.
+    std::optional<at::Tensor> inf;
+    if (found_inf) inf = *static_cast<at::Tensor*>(found_inf);
     at::_fused_adamw_(p, g, m, v, {}, s, lr, beta1, beta2, weight_decay, eps,
-                      /*amsgrad=*/false, /*maximize=*/false);
+                      /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, inf);
   });
 }
 
@@ -55,9 +62,30 @@ char* og_zero_missing_grads(void** params, int n) {
   });
 }
 
-char* og_clip_grad_norm(void** params, int n, double max_norm, double* total_norm) {
+// torch::nn::utils::clip_grad_norm_'s arithmetic (per-gradient norms, the norm of those,
+// coefficient max_norm / (norm + 1e-6) clamped to 1) without its final .item(): the norm
+// stays on the device (out: a new tensor) and the coefficient is applied there, so clipping
+// adds no host sync. An infinite max_norm only measures.
+char* og_clip_grad_norm(void** params, int n, double max_norm, void** out) {
   return oomguard::guarded([&] {
-    *total_norm = torch::nn::utils::clip_grad_norm_(tensors(params, n), max_norm);
+    torch::NoGradGuard no_grad;
+    std::vector<at::Tensor> grads;
+    const auto ps = tensors(params, n);
+    for (const auto& p : ps)
+      if (p.grad().defined()) grads.push_back(p.grad());
+    if (grads.empty()) {
+      *out = new at::Tensor(at::zeros({}, ps.empty() ? at::TensorOptions(at::kFloat) : ps[0].options().dtype(at::kFloat)));
+      return;
+    }
+    std::vector<at::Tensor> norms;
+    norms.reserve(grads.size());
+    for (const auto& g : grads) norms.push_back(g.norm(2));
+    at::Tensor total = norms.size() == 1 ? norms[0] : at::stack(norms).norm(2);
+    if (std::isfinite(max_norm)) {
+      at::Tensor coef = (max_norm / (total + 1e-6)).clamp_max(1.0);
+      for (auto& g : grads) g.mul_(coef);
+    }
+    *out = new at::Tensor(total);
   });
 }
 

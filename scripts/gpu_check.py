@@ -358,9 +358,32 @@ def check(kit, out):
     checks["memory and planner"]["summary"] = summary
     save()
 
-    # 6. Throughput: GPT-2 124M's shape, oomguard and eager PyTorch alternated, timed by
-    # window_rate on both sides, under the PYTORCH_ALLOC_CONF oomguard logged, as MFU.
-    gpt2 = {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "vocab_size": 50304}
+    # 6. Syncs: oomguard's own count of its reads back from the device (step records'
+    # d2h_reads, at most 1 a step) against CUDA's sync-debug mode (OOMGUARD_CUDA_SYNC_DEBUG=1:
+    # the records' cuda_syncs, the training thread's synchronizing calls so far; the lines other
+    # threads print to stderr counted too), 4 micro-batches a step, both losses and precisions.
+    syncs = {}
+    for prec in precisions:
+        for loss in ("full", "fused"):
+            d = work / f"syncs-{prec}-{loss}"
+            d.mkdir()
+            yaml = TINY.format(extra="").replace("vocab_size: 256}", f"vocab_size: 50257, loss: {loss}}}").replace(
+                "micro_batch_size: 16, grad_accum_steps: 1, max_steps: 3", f"micro_batch_size: 4, grad_accum_steps: 4, max_steps: 6, precision: {prec}")
+            (d / "c.yaml").write_text(yaml)
+            r = sh([og, "train", d / "c.yaml", "--run-dir", d / "run"], extra_env={"OOMGUARD_CUDA_SYNC_DEBUG": "1"})
+            steps = step_records(d / "run")
+            counts = [s.get("cuda_syncs") for s in steps]
+            per_step = [b - a for a, b in zip(counts, counts[1:]) if a is not None and b is not None]
+            syncs[f"{prec} {loss}"] = {"exit": r.returncode, "d2h_reads": [s.get("d2h_reads") for s in steps], "cuda_syncs_per_step": per_step,
+                                       "stderr_sync_warnings": r.stderr.count("synchronizing CUDA operation")}
+    checks["syncs per step"] = {"ok": all(v["exit"] == 0 and v["d2h_reads"] and all(n == 1 for n in v["d2h_reads"]) and v["cuda_syncs_per_step"] for v in syncs.values()),
+                                "by_run": syncs, "note": "cuda_syncs_per_step above d2h_reads are syncs inside libtorch's own kernels or elsewhere: read them"}
+    save()
+
+    # 7. Throughput: GPT-2 124M's shape, oomguard (model.loss full and fused) and eager PyTorch
+    # (full logits) alternated, timed by window_rate on both sides, under the PYTORCH_ALLOC_CONF
+    # oomguard logged, as MFU; the peak memory of each, and the largest micro-batch that fits.
+    gpt2 = {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "vocab_size": 50257}
     peak = report["host"].get("mfu_peak_tflops")
     print(f"MFU peak: {peak['label']} (bf16 {peak['bf16']}, fp32 {peak['fp32']} dense TFLOP/s) for {report['host'].get('gpu')}" if peak
           else f"MFU peak: {report['host'].get('gpu')} with {report['host'].get('total_memory', 0) / 2**30:.1f} GiB is not in PEAKS: MFU not computed", flush=True)
@@ -368,27 +391,50 @@ def check(kit, out):
     for prec in precisions:
         shp = dict(gpt2, micro_batch_size=8, grad_accum_steps=4, steps=12, precision=prec)
         tokens_per_step = 8 * 4 * gpt2["block_size"]
-        og_rates, eager_rates, n_params, confs = [], [], None, []
+        og_rates, og_peaks, eager_rates, eager_peaks, n_params, confs = {"full": [], "fused": []}, {"full": [], "fused": []}, [], [], None, []
         for rnd in range(2):
-            code, steps, og_alloc = og_run(work / f"tp-{prec}-{rnd}", f"model: {json.dumps(gpt2)}\ndata: {{source: embedded, embedded_bytes: 8388608}}\ntrain: {{micro_batch_size: 8, grad_accum_steps: 4, max_steps: 12, eval_every: 0, device: cuda, precision: {prec}}}\nlog: {{every: 1}}\n")
-            if code == 0 and len(steps) == 12:
-                og_rates.append(window_rate([s["elapsed_s"] for s in steps], tokens_per_step))
+            for loss in ("full", "fused") if rnd % 2 == 0 else ("fused", "full"):
+                model = dict(gpt2, loss=loss)
+                code, steps, og_alloc = og_run(work / f"tp-{prec}-{loss}-{rnd}", f"model: {json.dumps(model)}\ndata: {{source: embedded, embedded_bytes: 8388608}}\ntrain: {{micro_batch_size: 8, grad_accum_steps: 4, max_steps: 12, eval_every: 0, device: cuda, precision: {prec}}}\nlog: {{every: 1}}\n")
+                if code == 0 and len(steps) == 12:
+                    og_rates[loss].append(window_rate([s["elapsed_s"] for s in steps], tokens_per_step))
+                    og_peaks[loss].append(max(s["memory"]["peak_bytes"] for s in steps))
+                confs.append({"oomguard": og_alloc})
             m = eager_run(shp, og_alloc)
             if m:
                 eager_rates.append(m["tokens_per_s"])
+                eager_peaks.append(m["peak_bytes"])
                 n_params = m["params"]
-            confs.append({"oomguard": og_alloc, "eager": m.get("alloc_conf")})
+            confs[-1]["eager"] = m.get("alloc_conf")
         fpt = flops_per_token(gpt2, n_params) if n_params else None
         top = peak and peak["bf16" if prec == "bf16" else "fp32"]
         mfu = lambda r: r * fpt / (top * 1e12) if (top and fpt and r) else None
-        og_tp, eager_tp = (statistics.median(og_rates) if og_rates else None), (statistics.median(eager_rates) if eager_rates else None)
-        tp[prec] = {"oomguard_tokens_per_s": og_tp, "eager_tokens_per_s": eager_tp, "ratio": ratio(og_tp, eager_tp),
-                    "oomguard_mfu": mfu(og_tp), "eager_mfu": mfu(eager_tp), "mfu_peak_tflops": top, "mfu_peak_label": peak and peak["label"],
-                    "rounds": {"oomguard": og_rates, "eager": eager_rates}, "alloc_conf": confs}
-        checks["throughput gpt2-124m"] = {"ok": bool(og_rates) and all(c["oomguard"] == c["eager"] for c in confs), "by_precision": tp,
-                                          "timing": "tokens/s over steps 2-11 of 12: wall clock between step ends, each after a device synchronise, on both sides"}
+        med = lambda v: statistics.median(v) if v else None
+        eager_tp = med(eager_rates)
+        tp[prec] = {"eager_tokens_per_s": eager_tp, "eager_mfu": mfu(eager_tp), "eager_peak_bytes": max(eager_peaks, default=None),
+                    "mfu_peak_tflops": top, "mfu_peak_label": peak and peak["label"], "alloc_conf": confs, "by_loss": {}}
+        for loss in ("full", "fused"):
+            og_tp = med(og_rates[loss])
+            tp[prec]["by_loss"][loss] = {"oomguard_tokens_per_s": og_tp, "ratio": ratio(og_tp, eager_tp), "oomguard_mfu": mfu(og_tp),
+                                         "oomguard_peak_bytes": max(og_peaks[loss], default=None), "rounds": og_rates[loss]}
+        tp[prec]["rounds_eager"] = eager_rates
+        checks["throughput gpt2-124m"] = {"ok": all(og_rates.values()) and all(c["oomguard"] == c.get("eager", c["oomguard"]) for c in confs), "by_precision": tp,
+                                          "timing": "tokens/s over steps 2-11 of 12: wall clock between step ends (oomguard's: its one read a step, after the update; eager's: a device synchronise), on both sides"}
         save()
 
+    # 8. The largest micro-batch that fits the card, GPT-2 124M at T 1024, per loss and
+    # precision: micro_batch_size auto (real trial steps on the card) with global batch 512.
+    fit = {}
+    for prec in precisions:
+        for loss in ("full", "fused"):
+            model = dict(gpt2, loss=loss)
+            code, _, _ = og_run(work / f"fit-{prec}-{loss}", f"model: {json.dumps(model)}\ndata: {{source: embedded, embedded_bytes: 8388608}}\ntrain: {{micro_batch_size: auto, global_batch_size: 512, max_steps: 1, eval_every: 0, device: cuda, precision: {prec}}}\nmemory: {{auto_margin: 0.0}}\nlog: {{every: 1}}\n")
+            rec = [json.loads(l) for l in (work / f"fit-{prec}-{loss}" / "run" / "metrics.jsonl").read_text().splitlines() if '"auto_micro_batch"' in l] if code == 0 else []
+            fit[f"{prec} {loss}"] = rec[0].get("largest_fitting") if rec else None
+        fit[f"{prec} fused/full"] = ratio(fit[f"{prec} fused"], fit[f"{prec} full"])
+        checks["largest micro-batch gpt2-124m"] = {"ok": all(v for k, v in fit.items() if "/" not in k), "by_run": fit,
+                                                   "how": "micro_batch_size: auto, global batch 512, T 1024: the largest size a real trial step fit"}
+        save()
 
 if __name__ == "__main__":
     cmd = sys.argv[1] if len(sys.argv) > 1 else ""

@@ -76,6 +76,13 @@ pub struct StepRecord {
     /// Data parallel: of `comm_s`, seconds in the ranks' agreements.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agree_s: Option<f64>,
+    /// Device-to-host reads the step made (`ops::read`; 1, more only after an OOM retry).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub d2h_reads: Option<u64>,
+    /// `OOMGUARD_CUDA_SYNC_DEBUG=1`: CUDA's count of synchronizing calls so far on the
+    /// training thread (sync-debug mode), to check `d2h_reads` against.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda_syncs: Option<u64>,
 }
 
 /// A device as step records name it: `cpu`, `cuda:N`.

@@ -14,9 +14,9 @@ extern "C" {
     fn og_adamw_commit(
         params: *const *mut c_void, exp_avgs: *const *mut c_void, exp_avg_sqs: *const *mut c_void,
         steps: *const *mut c_void, next_steps: *const *mut c_void, n: i32, lr: f64, beta1: f64, beta2: f64,
-        weight_decay: f64, eps: f64,
+        weight_decay: f64, eps: f64, found_inf: *mut c_void,
     ) -> *mut c_char;
-    fn og_clip_grad_norm(params: *const *mut c_void, n: i32, max_norm: f64, total_norm: *mut f64) -> *mut c_char;
+    fn og_clip_grad_norm(params: *const *mut c_void, n: i32, max_norm: f64, out: *mut *mut c_void) -> *mut c_char;
     fn og_zero_missing_grads(params: *const *mut c_void, n: i32) -> *mut c_char;
 }
 
@@ -101,6 +101,7 @@ fn ptrs(ts: &[Tensor]) -> Vec<*mut c_void> {
 pub struct Prepared {
     step: u64,
     next: Vec<Vec<Tensor>>,
+    found_inf: Option<Tensor>,
 }
 
 /// AdamW over a model's trainable parameters.
@@ -150,45 +151,51 @@ impl AdamW {
         check(unsafe { og_zero_missing_grads(ptrs(&params).as_ptr(), params.len() as i32) })
     }
 
-    /// Scales gradients so their global norm is at most `max_norm`; returns the norm before.
-    pub fn clip_grad_norm(&self, max_norm: f64) -> Result<f64, TchError> {
+    /// Scales gradients so their global norm is at most `max_norm` (0: no clipping), on the
+    /// device; returns the norm before, a 0-dim tensor there (read with the step's read-out).
+    pub fn clip_grad_norm(&self, max_norm: f64) -> Result<Tensor, TchError> {
         let params: Vec<Tensor> = self.all_params().filter(|p| p.grad().defined()).map(|p| p.shallow_clone()).collect();
-        let mut norm = 0.0;
         let max = if max_norm > 0.0 { max_norm } else { f64::INFINITY };
-        check(unsafe { og_clip_grad_norm(ptrs(&params).as_ptr(), params.len() as i32, max, &mut norm) })?;
-        Ok(norm)
+        let mut out: *mut c_void = std::ptr::null_mut();
+        check(unsafe { og_clip_grad_norm(ptrs(&params).as_ptr(), params.len() as i32, max, &mut out) })?;
+        // SAFETY: on success the C++ side returned a new torch::Tensor* we now own.
+        Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
     }
 
     /// Applies optimizer step `step` (once: a second call for the same step is refused):
     /// `prepare` then `commit`.
     pub fn step(&mut self, step: u64, lr: f64) -> OgResult<()> {
-        let prepared = self.prepare(step)?;
+        let prepared = self.prepare(step, None)?;
         self.commit(prepared, lr)
     }
 
     /// The allocating half of a step, which changes nothing: the step counts after the
-    /// update. An OOM here leaves the optimizer exactly as it was.
-    pub fn prepare(&self, step: u64) -> OgResult<Prepared> {
+    /// update (unchanged where fp16's `found_inf` is 1: the update will be skipped, on the
+    /// device). An OOM here leaves the optimizer exactly as it was.
+    pub fn prepare(&self, step: u64, found_inf: Option<&Tensor>) -> OgResult<Prepared> {
         if self.last_step.is_some_and(|last| step <= last) {
             return Err(Error::Torch(TchError::Kind(format!("optimizer step {step} was already applied (last: {:?})", self.last_step))));
         }
-        let next = self
-            .groups
-            .iter()
-            .map(|g| g.steps.iter().map(|s| crate::ops::add_scalar(s, 1.0)).collect::<Result<_, _>>())
-            .collect::<Result<_, TchError>>()?;
-        Ok(Prepared { step, next })
+        // 1 - found_inf: 1 for an update, 0 for a skipped one.
+        let increment = found_inf.map(|f| crate::ops::add_scalar(&f.f_neg()?, 1.0)).transpose()?;
+        let next_count = |s: &Tensor| match &increment {
+            Some(i) => s.f_add(i),
+            None => crate::ops::add_scalar(s, 1.0),
+        };
+        let next = self.groups.iter().map(|g| g.steps.iter().map(next_count).collect::<Result<_, _>>()).collect::<Result<_, TchError>>()?;
+        Ok(Prepared { step, next, found_inf: found_inf.map(Tensor::shallow_clone) })
     }
 
     /// The half that changes the parameters, moments and step counts; it allocates nothing,
     /// so once begun it completes.
     pub fn commit(&mut self, prepared: Prepared, lr: f64) -> OgResult<()> {
-        let Prepared { step, next } = prepared;
+        let Prepared { step, next, found_inf } = prepared;
+        let inf = found_inf.as_ref().map_or(std::ptr::null_mut(), |f| f.as_ptr() as *mut c_void);
         for (g, next) in self.groups.iter().zip(&next) {
             let n = g.params.len() as i32;
             let (p, m, v, s, ns) = (ptrs(&g.params), ptrs(&g.exp_avg), ptrs(&g.exp_avg_sq), ptrs(&g.steps), ptrs(next));
             let done = check(unsafe {
-                og_adamw_commit(p.as_ptr(), m.as_ptr(), v.as_ptr(), s.as_ptr(), ns.as_ptr(), n, lr, self.cfg.beta1, self.cfg.beta2, g.weight_decay, self.cfg.eps)
+                og_adamw_commit(p.as_ptr(), m.as_ptr(), v.as_ptr(), s.as_ptr(), ns.as_ptr(), n, lr, self.cfg.beta1, self.cfg.beta2, g.weight_decay, self.cfg.eps, inf)
             });
             if let Err(e) = done {
                 // Never retried (it is not an OOM to the guard): a group may be half updated.

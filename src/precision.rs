@@ -182,13 +182,18 @@ impl Scaler {
         })
     }
 
-    /// Unscales the gradients in place; true if any is inf or nan (the step must be skipped).
-    pub fn unscale(&self, grads: &[Tensor]) -> Result<bool, TchError> {
+    /// Unscales the gradients in place and sets `found_inf` (on the device, not read here) to
+    /// 1 if any is inf or nan: the update is then skipped on the device.
+    pub fn unscale(&self, grads: &[Tensor]) -> Result<(), TchError> {
         let inv = self.scale.f_reciprocal()?;
         let _ = self.found_inf.shallow_clone().f_zero_()?;
         let ptrs: Vec<*mut c_void> = grads.iter().map(|t| t.as_ptr() as *mut c_void).collect();
-        check(unsafe { og_amp_unscale(ptrs.as_ptr(), ptrs.len() as i32, self.found_inf.as_ptr() as *mut c_void, inv.as_ptr() as *mut c_void) })?;
-        Ok(self.found_inf.f_double_value(&[])? > 0.0)
+        check(unsafe { og_amp_unscale(ptrs.as_ptr(), ptrs.len() as i32, self.found_inf.as_ptr() as *mut c_void, inv.as_ptr() as *mut c_void) })
+    }
+
+    /// The last `unscale`'s overflow flag (1.0 or 0.0), on the device.
+    pub fn found_inf(&self) -> &Tensor {
+        &self.found_inf
     }
 
     /// After the step: back off if it was skipped, else count towards growing.
@@ -198,13 +203,15 @@ impl Scaler {
         check(unsafe { og_amp_update_scale(p(&self.scale), p(&self.growth_tracker), p(&self.found_inf), c.growth_factor, c.backoff_factor, c.growth_interval.into()) })
     }
 
+    /// The scale, read from the device (checkpoints and tests; a step reads it with its
+    /// read-out).
     pub fn value(&self) -> f64 {
-        self.scale.f_double_value(&[]).unwrap_or(f64::NAN)
+        crate::ops::read_one(&self.scale).unwrap_or(f64::NAN)
     }
 
     /// (scale, growth tracker), for checkpoints.
     pub fn state(&self) -> (f64, i64) {
-        (self.value(), self.growth_tracker.f_int64_value(&[]).unwrap_or(0))
+        (self.value(), crate::ops::read_one(&self.growth_tracker).map_or(0, |t| t as i64))
     }
 
     pub fn load_state(&self, scale: f64, tracker: i64) -> Result<(), TchError> {

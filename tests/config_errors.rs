@@ -60,3 +60,10 @@ fn float_beyond_libtorch() {
     fails_with("optim:\n  grad_clip: 1e+308\n", &["--check"], &["bad.yaml", "optim.grad_clip: is 1e308; libtorch holds it as a 32-bit float"]);
     fails_with("", &["--check", "--set", "optim.eps=1e-60"], &["optim.eps", "it is 0"]);
 }
+
+/// `model.loss` takes `fused` or `full`; anything else is refused by `--check`, naming the key.
+#[test]
+fn bad_model_loss() {
+    fails_with("model:\n  loss: chunked\n", &["--check"], &["bad.yaml:2", "model.loss: unknown variant `chunked`, expected `fused` or `full`"]);
+    fails_with("model:\n  kind: torchscript\n  path: m.pt\n  loss: full\n", &["--check"], &["model.loss", "is a key of the built-in GPT"]);
+}

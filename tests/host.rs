@@ -151,14 +151,15 @@ impl Drop for MemoryCgroup {
 
 const MIB: u64 = 1 << 20;
 
-/// A GPT whose configured micro-batch needs about 1.6 GiB (its logits: 64 x 256 tokens x
-/// 8192 words), far above the cgroups below: only the budget's OOMs keep it alive.
+/// A GPT whose configured micro-batch needs about 1.6 GiB (its full logits: 64 x 256 tokens
+/// x 8192 words, `model.loss: full`), far above the cgroups below: only the budget's OOMs
+/// keep it alive.
 fn hungry(dir: &Path, steps: u64) -> PathBuf {
     write_config(
         dir,
         "hungry.yaml",
         &format!(
-            "model: {{n_layer: 1, n_head: 2, n_embd: 32, block_size: 256, vocab_size: 8192}}\n\
+            "model: {{n_layer: 1, n_head: 2, n_embd: 32, block_size: 256, vocab_size: 8192, loss: full}}\n\
              data: {{source: embedded, embedded_bytes: 65536}}\n\
              optim: {{lr: 1.0e-3, warmup_steps: 1}}\n\
              train: {{micro_batch_size: 64, grad_accum_steps: 1, max_steps: {steps}, eval_every: 0, eval_batch_size: 4, eval_batches: 1, seed: 3, device: cpu, num_threads: 1}}\n\

@@ -3,21 +3,26 @@
 mod common;
 use common::*;
 
-/// Per-step losses of the tiny run match tests/golden/tiny_losses.json. Regenerate with
-/// OOMGUARD_BLESS=1 after a deliberate change to the model, data or optimiser.
+/// Per-step losses of the tiny run match tests/golden/: `tiny_losses.json` with
+/// `model.loss: full` (the values from before the fused loss existed), `tiny_losses_fused.json`
+/// with `fused` (the default). Regenerate with OOMGUARD_BLESS=1 after a deliberate change to
+/// the model, data or optimiser.
 #[test]
 fn golden_losses() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = write_config(dir.path(), "tiny.yaml", TINY);
-    let got = losses(&train_ok(dir.path(), &cfg, &[]));
-    let golden = common::root().join("tests/golden/tiny_losses.json");
-    if std::env::var_os("OOMGUARD_BLESS").is_some() {
-        std::fs::write(&golden, serde_json::to_string_pretty(&got).unwrap()).unwrap();
-    }
-    let want: Vec<f64> = serde_json::from_str(&std::fs::read_to_string(&golden).unwrap()).unwrap();
-    assert_eq!(got.len(), want.len());
-    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        assert!((g - w).abs() < 1e-4, "step {i}: loss {g} but golden {w}");
+    for (loss, file) in [("full", "tiny_losses.json"), ("fused", "tiny_losses_fused.json")] {
+        let run = train_into(dir.path(), &cfg, loss, &["--set", &format!("model.loss={loss}")]);
+        let got = losses(&run);
+        let golden = common::root().join("tests/golden").join(file);
+        if std::env::var_os("OOMGUARD_BLESS").is_some() {
+            std::fs::write(&golden, serde_json::to_string_pretty(&got).unwrap()).unwrap();
+        }
+        let want: Vec<f64> = serde_json::from_str(&std::fs::read_to_string(&golden).unwrap()).unwrap();
+        assert_eq!(got.len(), want.len());
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!((g - w).abs() < 1e-4, "{loss}: step {i}: loss {g} but golden {w}");
+        }
     }
 }
 

@@ -20,7 +20,7 @@ impl Samples for Rows {
     fn batch(&self, positions: &[usize], device: Device) -> Result<(Tensor, Tensor)> {
         let idx: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
         let idx = Tensor::f_from_slice(&idx)?;
-        let pick = |t: &Tensor| t.f_index_select(0, &idx)?.f_to_device(device);
+        let pick = |t: &Tensor| crate::ops::upload(&t.f_index_select(0, &idx)?, device);
         Ok((pick(&self.inputs)?, pick(&self.targets)?))
     }
     fn name(&self) -> String {

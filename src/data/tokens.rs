@@ -67,7 +67,7 @@ impl Split {
             )));
         }
         let shape = [offsets.len() as i64, block as i64];
-        let to = |v: Vec<i64>| Tensor::f_from_slice(&v)?.f_view(shape)?.f_to_device(device);
+        let to = |v: Vec<i64>| crate::ops::upload(&Tensor::f_from_slice(&v)?.f_view(shape)?, device);
         Ok((to(x)?, to(y)?))
     }
 }

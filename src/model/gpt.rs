@@ -1,10 +1,13 @@
 //! A GPT (decoder-only transformer, as in nanoGPT): token and position embeddings, pre-LN
 //! blocks with causal scaled-dot-product attention and a GELU MLP, a final LayerNorm and an
-//! LM head tied to the token embedding. Every op is fallible (`f_*`): an OOM inside the
-//! forward is an `Err`, never a panic.
+//! LM head tied to the token embedding (its gradient is the sum of the embedding's and the
+//! head's, as autograd sums any two uses of a tensor; the fused loss passes the tied weight
+//! to its autograd function like any other input). Every op is fallible (`f_*`): an OOM
+//! inside the forward is an `Err`, never a panic.
 use serde::{Deserialize, Serialize};
 use tch::{nn, Kind, Reduction, TchError, Tensor};
 
+use super::loss::{fused_linear_cross_entropy, padded_vocab, LossKind};
 use crate::error::ConfigError;
 use crate::precision::Amp;
 
@@ -18,11 +21,14 @@ pub struct GptConfig {
     pub vocab_size: i64,
     pub dropout: f64,
     pub bias: bool,
+    /// `model.loss`: the fused head and cross-entropy, or the full logits.
+    #[serde(default)]
+    pub loss: LossKind,
 }
 
 impl Default for GptConfig {
     fn default() -> Self {
-        GptConfig { n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab_size: 256, dropout: 0.0, bias: true }
+        GptConfig { n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab_size: 256, dropout: 0.0, bias: true, loss: LossKind::Fused }
     }
 }
 
@@ -74,6 +80,24 @@ fn var(p: &nn::Path, name: &str, dims: &[i64], init: Init) -> Result<Tensor, Tch
         Init::Ones => Tensor::f_ones(dims, opts)?,
     };
     Ok(p.add(name, t, true))
+}
+
+/// The token embedding `[vocab, C]`, drawn exactly as an unpadded one (the same random
+/// draws, so nothing else's initialisation moves), in a storage of `padded_vocab` rows whose
+/// padding is zero: the fused head's matmuls see the padded shape without a copy
+/// (csrc/loss.cpp); the parameter, its gradient, AdamW's state and every saved file keep the
+/// configured vocabulary.
+fn padded_var(p: &nn::Path, name: &str, vocab: i64, c: i64, std: f64) -> Result<Tensor, TchError> {
+    let vp = padded_vocab(vocab);
+    if vp == vocab {
+        return var(p, name, &[vocab, c], Init::Normal(std));
+    }
+    let drawn = Tensor::f_randn([vocab, c], (Kind::Float, p.device()))?;
+    crate::ops::mul_scalar_(&drawn, std)?;
+    let storage = Tensor::f_zeros([vp, c], (Kind::Float, p.device()))?;
+    let rows = storage.f_narrow(0, 0, vocab)?;
+    rows.shallow_clone().f_copy_(&drawn)?;
+    Ok(p.add(name, rows.f_detach()?, true))
 }
 
 #[derive(Clone, Copy)]
@@ -159,7 +183,7 @@ impl Gpt {
             .collect::<Result<_, TchError>>()?;
         Ok(Gpt {
             cfg: cfg.clone(),
-            wte: var(p, "wte", &[cfg.vocab_size, c], init)?,
+            wte: padded_var(p, "wte", cfg.vocab_size, c, std)?,
             wpe: var(p, "wpe", &[cfg.block_size, c], init)?,
             blocks,
             ln_f: LayerNorm::new(p / "ln_f", c, cfg.bias)?,
@@ -190,13 +214,34 @@ impl Gpt {
         self.ln_f.forward(x)?.f_linear(&self.wte, None::<Tensor>)
     }
 
-    /// Logits `[B, T, vocab]` for token ids `[B, T]`.
-    pub fn logits(&self, idx: &Tensor, train: bool) -> Result<Tensor, TchError> {
+    /// The last block's output `[B, T, C]` for token ids `[B, T]`.
+    fn trunk(&self, idx: &Tensor, train: bool) -> Result<Tensor, TchError> {
         let mut x = self.embed(idx, train)?;
         for block in &self.blocks {
             x = self.block(block, &x, train)?;
         }
-        self.head(&x)
+        Ok(x)
+    }
+
+    /// Logits `[B, T, vocab]` for token ids `[B, T]`.
+    pub fn logits(&self, idx: &Tensor, train: bool) -> Result<Tensor, TchError> {
+        self.head(&self.trunk(idx, train)?)
+    }
+
+    /// The mean loss from the last block's output, as `model.loss` says.
+    fn head_loss(&self, x: &Tensor, targets: &Tensor) -> Result<Tensor, TchError> {
+        match self.cfg.loss {
+            LossKind::Full => self.cross_entropy(&self.head(x)?, targets),
+            LossKind::Fused => {
+                let h = self.ln_f.forward(x)?;
+                fused_linear_cross_entropy(&h.f_view([-1, self.cfg.n_embd])?, &self.wte, &targets.f_view([-1])?)
+            }
+        }
+    }
+
+    /// `model.loss` from now on (the guard's ladder turns `fused` on).
+    pub fn set_loss(&mut self, loss: LossKind) {
+        self.cfg.loss = loss;
     }
 
     fn attention(&self, block: &Block, x: &Tensor, b: i64, t: i64, train: bool) -> Result<Tensor, TchError> {
@@ -212,7 +257,7 @@ impl Gpt {
 
     /// Mean cross-entropy of next-token predictions.
     pub fn loss(&self, idx: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor, TchError> {
-        self.cross_entropy(&self.logits(idx, train)?, targets)
+        self.head_loss(&self.trunk(idx, train)?, targets)
     }
 
     fn cross_entropy(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor, TchError> {
@@ -227,8 +272,8 @@ impl Gpt {
     /// block's parameter gradients and its input's gradient. Activation memory drops to about
     /// one block's worth plus the block inputs; the gradients are the plain path's. Dropout
     /// masks are replayed (the generators' states are kept per block). Returns the weighted
-    /// loss, like `task::backward`.
-    pub fn checkpointed_forward_backward(&self, idx: &Tensor, targets: &Tensor, weight: f64, amp: &Amp) -> crate::Result<f64> {
+    /// loss (on the device), like `task::backward`.
+    pub fn checkpointed_forward_backward(&self, idx: &Tensor, targets: &Tensor, weight: f64, amp: &Amp) -> crate::Result<Tensor> {
         let (inputs, last, rng) = self.checkpointed_forward(idx, amp).map_err(|e| crate::Error::from(e).in_phase(crate::error::Phase::Forward))?;
         self.recomputing_backward(idx, targets, weight, amp, inputs, last, rng).map_err(|e| crate::Error::from(e).in_phase(crate::error::Phase::Backward))
     }
@@ -260,13 +305,13 @@ impl Gpt {
     fn recomputing_backward(
         &self, idx: &Tensor, targets: &Tensor, weight: f64, amp: &Amp, inputs: Vec<(Tensor, Option<Vec<Tensor>>)>, last: Tensor,
         rng: [Option<Vec<Tensor>>; 2],
-    ) -> Result<f64, TchError> {
+    ) -> Result<Tensor, TchError> {
         let device = idx.device();
         let [at_embed, after_forward] = rng;
         let last = last.f_detach()?.set_requires_grad(true);
         let loss = {
             let _autocast = amp.autocast()?;
-            self.cross_entropy(&self.head(&last)?, targets)?
+            self.head_loss(&last, targets)?
         };
         let weighted = crate::ops::mul_scalar(&loss, weight)?;
         amp.scale(&weighted)?.f_backward()?;
@@ -294,7 +339,7 @@ impl Gpt {
         if let Some(s) = &after_forward {
             crate::rng::restore(s, device)?; // where the plain path leaves the generators
         }
-        weighted.f_double_value(&[])
+        weighted.f_detach()
     }
 }
 

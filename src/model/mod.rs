@@ -8,8 +8,10 @@
 //! The section keeps every key optional, so that each kind refuses the keys of another
 //! by name; `gpt()` resolves the GPT's defaults.
 mod gpt;
+pub mod loss;
 
 pub use gpt::{no_weight_decay, Gpt, GptConfig};
+pub use loss::LossKind;
 
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -57,6 +59,9 @@ pub struct ModelConfig {
     pub bias: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub activation_checkpointing: Option<ActivationCheckpointing>,
+    /// `fused` (default) or `full`: how the GPT's head computes the loss (model/loss.rs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss: Option<LossKind>,
     /// Starting weights (safetensors, named as the model names its parameters).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub init_from: Option<PathBuf>,
@@ -85,6 +90,7 @@ impl ModelConfig {
             vocab_size: self.vocab_size.unwrap_or(d.vocab_size),
             dropout: self.dropout.unwrap_or(d.dropout),
             bias: self.bias.unwrap_or(d.bias),
+            loss: self.loss.unwrap_or(d.loss),
         }
     }
 
@@ -102,6 +108,7 @@ impl ModelConfig {
             vocab_size: Some(g.vocab_size),
             dropout: Some(g.dropout),
             bias: Some(g.bias),
+            loss: Some(g.loss),
             activation_checkpointing: Some(self.activation_checkpointing.unwrap_or_default()),
             ..self.clone()
         }
@@ -137,6 +144,9 @@ impl ModelConfig {
             kind => {
                 if let Some(key) = self.set_keys().first() {
                     return not_for(key, "is a key of the built-in GPT; this model's shape comes from the model itself (remove it)");
+                }
+                if self.loss.is_some() {
+                    return not_for("loss", "is a key of the built-in GPT (kind: gpt); this model computes its own loss (remove it)");
                 }
                 if self.activation_checkpointing.is_some_and(|a| a != ActivationCheckpointing::None) {
                     return not_for("activation_checkpointing", "is available for the built-in GPT only (kind: gpt)");

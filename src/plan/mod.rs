@@ -5,8 +5,12 @@
 //! oomguard's own step (fused scaled-dot-product attention, fp32 AdamW, grads dropped
 //! between steps): the peak comes at the start of backward, with every layer's saved
 //! activations (16 B*T*C values per layer), the logits, their log-softmax and gradient
-//! (3 B*T*V), and the embeddings (about 2.3 B*T*C) alive on top of weights and optimizer
-//! state. tests/plan.rs keeps the estimate within 20% of measurement on several shapes.
+//! (3 B*T*V, `model.loss: full`), and the embeddings (about 2.3 B*T*C) alive on top of weights
+//! and optimizer state. With `model.loss: fused` the logits term is the hidden states'
+//! gradient (B*T*C, formed in the forward) and one chunk's share (about as much again), plus
+//! the head weight's gradient (V*C, fp32) and a chunk at its floor size, which do not scale
+//! with the micro-batch. tests/plan.rs keeps the estimate within 20% of measurement on
+//! several shapes, for both.
 mod profile;
 mod search;
 
@@ -17,7 +21,8 @@ pub use search::{auto_micro_batch, cached, remember, search, AutoResult, AutoSea
 use serde::Serialize;
 
 use crate::memory::human_bytes;
-use crate::model::GptConfig;
+use crate::model::loss::{chunk_floor, padded_vocab};
+use crate::model::{GptConfig, LossKind};
 
 pub use crate::precision::Precision;
 
@@ -37,7 +42,15 @@ pub struct Estimate {
     /// Fused attention (flash / memory-efficient, as oomguard uses) keeps no B*H*T*T
     /// scores; this is what materialised scores would take, per sample and layer.
     pub attention_scores_if_materialized_per_sample: u64,
+    /// `model.loss`, and its logits term: per sample, and what does not scale with the
+    /// micro-batch (the fused head's weight gradient and smallest chunk).
+    pub loss: LossKind,
     pub logits_per_sample: u64,
+    pub logits_fixed_bytes: u64,
+    /// The other setting's logits term (per sample, fixed), for `oomguard plan` to show both.
+    pub other_loss: LossKind,
+    pub other_logits_per_sample: u64,
+    pub other_logits_fixed_bytes: u64,
     pub embeddings_per_sample: u64,
     /// Share added for the caching allocator's rounding and fragmentation (CUDA).
     pub allocator_overhead: f64,
@@ -64,10 +77,31 @@ impl Estimate {
         Estimate { activation_checkpointing: on, ..self }
     }
 
+    /// With the other `model.loss` (the ladder's rung, `oomguard plan`'s second row).
+    pub fn with_loss(self, loss: LossKind) -> Estimate {
+        if loss == self.loss {
+            return self;
+        }
+        Estimate {
+            loss,
+            logits_per_sample: self.other_logits_per_sample,
+            logits_fixed_bytes: self.other_logits_fixed_bytes,
+            other_loss: self.loss,
+            other_logits_per_sample: self.logits_per_sample,
+            other_logits_fixed_bytes: self.logits_fixed_bytes,
+            ..self
+        }
+    }
+
     pub fn new(m: &GptConfig, precision: Precision, cuda: bool) -> Estimate {
         let p = m.num_params() as u64;
-        let (t, c, v, h) = (m.block_size as f64, m.n_embd as f64, m.vocab_size as f64, m.n_head as f64);
+        let (t, c, h) = (m.block_size as f64, m.n_embd as f64, m.n_head as f64);
         let a = precision.activation_bytes();
+        let terms = |loss| logits_bytes(m, loss, precision, cuda);
+        let other = match m.loss {
+            LossKind::Fused => LossKind::Full,
+            LossKind::Full => LossKind::Fused,
+        };
         Estimate {
             num_params: p,
             params_bytes: 4 * p,
@@ -76,7 +110,12 @@ impl Estimate {
             activations_per_layer_per_sample: (ACT_PER_LAYER * t * c * a) as u64,
             n_layer: m.n_layer as u64,
             attention_scores_if_materialized_per_sample: (h * t * t * a) as u64,
-            logits_per_sample: (LOGITS * t * v * 4.0) as u64, // cross-entropy runs in fp32
+            loss: m.loss,
+            logits_per_sample: terms(m.loss).0,
+            logits_fixed_bytes: terms(m.loss).1,
+            other_loss: other,
+            other_logits_per_sample: terms(other).0,
+            other_logits_fixed_bytes: terms(other).1,
             embeddings_per_sample: (EMBED * t * c * a) as u64,
             allocator_overhead: if cuda { CUDA_OVERHEAD } else { 0.0 },
             workspace_bytes: if cuda { CUDA_WORKSPACES } else { 0 },
@@ -101,9 +140,10 @@ impl Estimate {
     }
 
     /// Peak bytes of one step at `micro` samples per micro-batch: the larger of the
-    /// forward's saved activations and the gradients, over the fixed part.
+    /// forward's saved activations (with the fused loss's fixed part) and the gradients,
+    /// over the fixed part.
     pub fn peak(&self, micro: usize) -> u64 {
-        let step = (self.per_sample_bytes() * micro as u64).max(self.grads_bytes);
+        let step = (self.per_sample_bytes() * micro as u64 + self.logits_fixed_bytes).max(self.grads_bytes);
         ((self.fixed_bytes() + step) as f64 * (1.0 + self.allocator_overhead)) as u64
     }
 
@@ -111,10 +151,11 @@ impl Estimate {
     pub fn largest_fitting(&self, memory: u64, max: usize) -> usize {
         let budget = memory as f64 / (1.0 + self.allocator_overhead);
         let room = budget - self.fixed_bytes() as f64;
-        if room < self.grads_bytes as f64 || room < self.per_sample_bytes() as f64 {
+        let for_samples = room - self.logits_fixed_bytes as f64;
+        if room < self.grads_bytes as f64 || for_samples < self.per_sample_bytes() as f64 {
             return 0;
         }
-        ((room / self.per_sample_bytes() as f64) as usize).min(max)
+        ((for_samples / self.per_sample_bytes() as f64) as usize).min(max)
     }
 
     /// The table `oomguard plan` prints.
@@ -127,12 +168,41 @@ impl Estimate {
             row("optimizer state (AdamW)", self.optimizer_bytes),
             (format!("activations per layer (x{})", self.n_layer), human_bytes(self.activations_per_layer_per_sample * b)),
             ("attention scores".into(), format!("0 (fused attention; {} per layer if materialised)", human_bytes(self.attention_scores_if_materialized_per_sample * b))),
-            ("logits (B x T x vocab, x3)".into(), human_bytes(self.logits_per_sample * b)),
+            (logits_label(self.loss), human_bytes(self.logits_per_sample * b + self.logits_fixed_bytes)),
+            (format!("  if model.loss: {}", self.other_loss.name()), human_bytes(self.other_logits_per_sample * b + self.other_logits_fixed_bytes)),
             row("embeddings and the rest", self.embeddings_per_sample * b),
             row("cuBLAS workspaces", self.workspace_bytes),
             ("allocator overhead".into(), format!("{:.0}%", self.allocator_overhead * 100.0)),
             row("peak", self.peak(micro)),
         ]
+    }
+}
+
+/// The logits row's name in `oomguard plan`'s table.
+fn logits_label(loss: LossKind) -> String {
+    match loss {
+        LossKind::Full => "logits (full: B x T x vocab x3)".into(),
+        LossKind::Fused => "logits (fused: in chunks)".into(),
+    }
+}
+
+/// The logits term of `loss`: (per sample, fixed) bytes.
+/// - `full`: the logits, their log-softmax and gradient, B x T x vocab each, fp32 (cross-entropy
+///   runs in fp32 under autocast too).
+/// - `fused` (csrc/loss.cpp): the hidden states' gradient, B x T x C in fp32, formed in the
+///   forward; a chunk of logits, about as large again (Liger's rule) in fp32, plus its bf16
+///   copies under autocast; fixed, the head weight's fp32 gradient (padded vocab x C) and the
+///   chunk at its floor size.
+fn logits_bytes(m: &GptConfig, loss: LossKind, precision: Precision, cuda: bool) -> (u64, u64) {
+    let (t, c, v) = (m.block_size as f64, m.n_embd as f64, m.vocab_size as f64);
+    match loss {
+        LossKind::Full => ((LOGITS * t * v * 4.0) as u64, 0),
+        LossKind::Fused => {
+            let vp = padded_vocab(m.vocab_size) as f64;
+            let per_logit = if precision == Precision::Fp32 { 4.0 } else { 8.0 };
+            let floor = chunk_floor(cuda) as f64;
+            ((t * c * 4.0 + t * c * per_logit) as u64, (vp * c * 4.0 + floor * vp * per_logit) as u64)
+        }
     }
 }
 
@@ -173,6 +243,10 @@ pub fn suggestions(m: &GptConfig, precision: Precision, cuda: bool, memory: u64)
     if v < m.vocab_size && fits(&GptConfig { vocab_size: v, ..m.clone() }, precision) {
         out.push(format!("a smaller vocabulary: model.vocab_size {v} (from {})", m.vocab_size));
     }
+    let fused = GptConfig { loss: LossKind::Fused, ..m.clone() };
+    if m.loss == LossKind::Full && fits(&fused, precision) {
+        out.push("the fused loss: model.loss: fused (the guard switches to it by itself when micro-batch 1 does not fit)".into());
+    }
     let ckpt = |m: &GptConfig, p: Precision| Estimate::new(m, p, cuda).with_checkpointing(true).largest_fitting(memory, usize::MAX) >= 1;
     if ckpt(m, precision) {
         out.push("activation checkpointing: model.activation_checkpointing: blocks (the guard turns it on by itself unless memory.allow_activation_checkpointing is false)".into());
@@ -203,7 +277,7 @@ mod tests {
     use super::*;
 
     fn gpt2() -> GptConfig {
-        GptConfig { n_layer: 12, n_head: 12, n_embd: 768, block_size: 1024, vocab_size: 50304, dropout: 0.0, bias: true }
+        GptConfig { n_layer: 12, n_head: 12, n_embd: 768, block_size: 1024, vocab_size: 50304, dropout: 0.0, bias: true, loss: LossKind::Full }
     }
 
     #[test]

@@ -123,7 +123,7 @@ pub fn auto_micro_batch(task: &dyn Task, data: &dyn StepBatches, clear_grads: im
     let (found, trials) = search(start, max, |m| {
         let outcome = (|| -> Result<()> {
             let (x, y) = data.micro_batch(0, 0..m)?;
-            task.forward_backward(&x, &y, 1.0, amp)?;
+            let _ = task.forward_backward(&x, &y, 1.0, amp)?;
             Ok(())
         })();
         clear_grads();

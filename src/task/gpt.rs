@@ -3,7 +3,7 @@
 use tch::{nn::VarStore, Device, TchError, Tensor};
 
 use super::{Fingerprint, Task};
-use crate::model::{no_weight_decay, Gpt, GptConfig};
+use crate::model::{no_weight_decay, Gpt, GptConfig, LossKind};
 use crate::plan::{Estimate, Precision};
 use crate::precision::Amp;
 
@@ -31,7 +31,7 @@ impl Task for GptTask {
     fn loss(&self, inputs: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor, TchError> {
         self.model.loss(inputs, targets, train)
     }
-    fn forward_backward(&self, inputs: &Tensor, targets: &Tensor, weight: f64, amp: &Amp) -> crate::Result<f64> {
+    fn forward_backward(&self, inputs: &Tensor, targets: &Tensor, weight: f64, amp: &Amp) -> crate::Result<Tensor> {
         if self.checkpointing {
             return self.model.checkpointed_forward_backward(inputs, targets, weight, amp);
         }
@@ -43,6 +43,12 @@ impl Task for GptTask {
     }
     fn set_activation_checkpointing(&mut self, on: bool) {
         self.checkpointing = on;
+    }
+    fn loss_kind(&self) -> Option<LossKind> {
+        Some(self.model.config().loss)
+    }
+    fn set_loss_kind(&mut self, loss: LossKind) {
+        self.model.set_loss(loss);
     }
     fn no_weight_decay(&self, name: &str, _param: &Tensor) -> bool {
         no_weight_decay(name)

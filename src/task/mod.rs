@@ -33,11 +33,12 @@ pub trait Task {
     /// failure must come back as `Err`, never a panic.
     fn loss(&self, inputs: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor, TchError>;
     /// A micro-batch's forward and backward: gradients accumulate into the parameters,
-    /// weighted by `weight` (its share of the global batch). Returns the weighted loss. By
-    /// default the loss under autocast, then backward (scaled for fp16); a model that
-    /// recomputes activations in backward does both itself.
-    /// Errors are tagged with their phase (forward or backward).
-    fn forward_backward(&self, inputs: &Tensor, targets: &Tensor, weight: f64, amp: &Amp) -> Result<f64> {
+    /// weighted by `weight` (its share of the global batch). Returns the weighted loss, a
+    /// detached scalar left on the device (never read here: the step reads its losses back
+    /// once, after the update; see `ops::read`). By default the loss under autocast, then
+    /// backward (scaled for fp16); a model that recomputes activations in backward does both
+    /// itself. Errors are tagged with their phase (forward or backward).
+    fn forward_backward(&self, inputs: &Tensor, targets: &Tensor, weight: f64, amp: &Amp) -> Result<Tensor> {
         let loss = forward(|| self.loss(inputs, targets, true), amp)?;
         backward(&loss, weight, amp)
     }
@@ -47,6 +48,12 @@ pub trait Task {
     }
     /// Turns activation checkpointing on or off (models that can).
     fn set_activation_checkpointing(&mut self, _on: bool) {}
+    /// How the loss is computed (`model.loss`); `None` if the model has no such choice.
+    fn loss_kind(&self) -> Option<crate::model::LossKind> {
+        None
+    }
+    /// Changes `model.loss` (models that have the choice).
+    fn set_loss_kind(&mut self, _loss: crate::model::LossKind) {}
     /// The evaluation loss (no grad is recorded around it); by default the loss in eval mode.
     fn eval_loss(&self, inputs: &Tensor, targets: &Tensor) -> Result<Tensor, TchError> {
         self.loss(inputs, targets, false)
@@ -84,13 +91,13 @@ pub fn forward(f: impl FnOnce() -> Result<Tensor, TchError>, amp: &Amp) -> Resul
     f().map_err(|e| Error::from(e).in_phase(crate::error::Phase::Forward))
 }
 
-/// Backward of `loss x weight` (scaled for fp16); returns the weighted loss. An error is
-/// tagged as the backward's.
-pub fn backward(loss: &Tensor, weight: f64, amp: &Amp) -> Result<f64> {
-    let run = || -> Result<f64, TchError> {
+/// Backward of `loss x weight` (scaled for fp16); returns the weighted loss, detached, on
+/// the device. An error is tagged as the backward's.
+pub fn backward(loss: &Tensor, weight: f64, amp: &Amp) -> Result<Tensor> {
+    let run = || -> Result<Tensor, TchError> {
         let weighted = crate::ops::mul_scalar(loss, weight)?;
         amp.scale(&weighted)?.f_backward()?;
-        weighted.f_double_value(&[])
+        weighted.f_detach()
     };
     run().map_err(|e| Error::from(e).in_phase(crate::error::Phase::Backward))
 }

@@ -1,6 +1,7 @@
 //! Evaluation: the mean loss over fixed held-out batches (the same ones every time), no
-//! grad, each batch split by the evaluation guard's current size.
-use tch::Device;
+//! grad, each batch split by the evaluation guard's current size; one read back from the
+//! device per evaluation.
+use tch::{Device, Kind, Tensor};
 
 use super::step::split_range;
 use crate::dist::{ProcessGroup, Topic};
@@ -27,29 +28,45 @@ pub fn evaluate(task: &dyn Task, spec: &EvalSpec, guard: &mut Guard, step: u64, 
     let seed = eval_seed(spec.seed);
     let batch = spec.batch_size;
     let shard = pg.map_or(0..batch, |p| p.shard(batch));
-    let mut total = 0.0;
+    let in_eval = |e: Error| e.in_phase(Phase::Eval);
+    // The batches' weighted losses add up on the device; one read at the end.
+    let mut total: Option<Tensor> = None;
     for k in 0..spec.num_batches as u64 {
         let positions = sample_positions(seed, k, batch, spec.samples.num_positions());
-        total += guard.run(
+        // Each attempt adds its batch to the total so far (a new tensor, inside the guard: an
+        // OOM in the addition is retried like any other).
+        let so_far = total.as_ref();
+        total = Some(guard.run(
             step,
             &mut (),
             |_, mb| {
                 let local = (|| {
-                    let mut sum = 0.0;
+                    let mut sum: Option<Tensor> = None;
                     for part in split_range(shard.clone(), mb) {
-                        let in_eval = |e: Error| e.in_phase(Phase::Eval);
                         let (x, y) = spec.samples.batch(&positions[part.clone()], spec.device).map_err(in_eval)?;
-                        let loss = task.eval_loss(&x, &y).map_err(|e| in_eval(e.into()))?;
-                        sum += loss.f_double_value(&[]).map_err(|e| in_eval(e.into()))? * part.len() as f64 / batch as f64;
+                        let weighted = (|| {
+                            let loss = task.eval_loss(&x, &y)?.f_to_kind(Kind::Double)?;
+                            let w = crate::ops::mul_scalar(&loss, part.len() as f64 / batch as f64)?;
+                            sum.as_ref().map_or(Ok(w.shallow_clone()), |s| s.f_add(&w))
+                        })();
+                        sum = Some(weighted.map_err(|e| in_eval(e.into()))?);
                     }
-                    Ok(sum)
+                    let sum = sum.expect("a shard has at least one sample");
+                    so_far.map_or(Ok(sum.shallow_clone()), |t| t.f_add(&sum)).map_err(|e| in_eval(e.into()))
                 })();
-                let Some(pg) = pg else { return local };
-                let sum = pg.agree(local)?;
-                pg.sum_f64(Topic::EvalLosses, sum)
+                match pg {
+                    Some(pg) => pg.agree(local),
+                    None => local,
+                }
             },
             |_| (),
-        )?;
+        )?);
     }
+    let total = total.map_or(Ok(0.0), |t| crate::ops::read_one(&t)).map_err(|e| in_eval(e.into()))?;
+    // Each rank's part of every batch, summed over the ranks once.
+    let total = match pg {
+        Some(pg) => pg.sum_f64(Topic::EvalLosses, total)?,
+        None => total,
+    };
     Ok(total / spec.num_batches as f64)
 }

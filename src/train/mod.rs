@@ -8,7 +8,7 @@ mod trainer;
 
 pub use eval::{evaluate, EvalSpec};
 pub use run::{check_world, Builder};
-pub use step::{accumulate, commit_update, dist_step, micro_batches, prepare_update, split_range, step_with, train_step, update, StepStats, Update};
+pub use step::{accumulate, commit_update, dist_step, micro_batches, prepare_update, split_range, step_with, train_step, update, Outcome, StepStats, Update};
 pub use trainer::{train, train_with, Options, Resume, Summary};
 
 use serde::{Deserialize, Serialize};

@@ -20,7 +20,7 @@ use crate::dist::{ProcessGroup, Topic};
 use crate::guard::{Agree, Guard, GuardEvent, Policy};
 use crate::memory::{self, allocator, human_bytes, PressureSchedule};
 use crate::metrics::{device_label, EvalRecord, MetricsWriter, Record, RungRecord, StepRecord};
-use crate::model::{ActivationCheckpointing, ModelKind};
+use crate::model::{ActivationCheckpointing, LossKind, ModelKind};
 use crate::optim::AdamW;
 use crate::plan::{self, AutoResult, AutoSearch};
 use crate::precision::{bf16_is_fast, Amp, Precision, Scaler};
@@ -81,6 +81,9 @@ impl<'a> Run<'a> {
             memory::cuda_set_device(local_rank).map_err(Error::Torch)?;
         }
         memory::prepare(&c.memory, settings, device)?;
+        if device.is_cuda() && std::env::var("OOMGUARD_CUDA_SYNC_DEBUG").is_ok_and(|v| v == "1") && !crate::ops::cuda_sync_debug() {
+            tracing::warn!("OOMGUARD_CUDA_SYNC_DEBUG=1: this libtorch has no CUDA sync-debug state to set; syncs are not counted");
+        }
         // Threads from this process's CPU share (affinity, cgroup quota, Slurm), unless set.
         let threads = match c.train.num_threads {
             Some(n) => Threads { n, why: "train.num_threads".into() },
@@ -169,6 +172,9 @@ impl<'a> Run<'a> {
                 if state.extra.get("activation_checkpointing").and_then(|v| v.as_bool()) == Some(true) {
                     task.set_activation_checkpointing(true);
                 }
+                if state.extra.get("loss").and_then(|v| v.as_str()) == Some(LossKind::Fused.name()) {
+                    task.set_loss_kind(LossKind::Fused);
+                }
                 let saved: Option<Precision> = state.extra.get("precision").and_then(|v| serde_json::from_value(v.clone()).ok());
                 let precision_from = resumed_precision(&mut precision, saved, options.precision_set);
                 let configured = match c.train.micro_batch_size {
@@ -244,6 +250,7 @@ impl<'a> Run<'a> {
         let c = &self.cfg.raw;
         let lr = c.optim.lr_at(step, c.train.max_steps);
         let t0 = Instant::now();
+        let reads_before = crate::ops::d2h_reads();
         let result = loop {
             let mut batches = StepSamples::new(self.data.train.as_ref(), c.train.seed, c.train.global_batch_size(), self.device);
             if let Some(pg) = &self.pg {
@@ -285,9 +292,9 @@ impl<'a> Run<'a> {
             }
         };
         let stats = self.after_guarded(result, step)?;
-        // CUDA runs ahead of the host: without this, a step's time (and tokens/s) would be
-        // the time to queue it, not to run it.
-        memory::synchronize(self.device)?;
+        // The step's time is the time to run it, not to queue it: its one read (after the
+        // update) waited for everything queued before it. No separate synchronize: that
+        // would be a second sync per step.
         if let Some(pg) = &self.pg {
             // Rank 0's buffers (BatchNorm statistics) for every rank after each step, as
             // DDP's broadcast_buffers: evaluation, checkpoints and the next step see one set.
@@ -304,7 +311,8 @@ impl<'a> Run<'a> {
             micro_batch_size: stats.micro_batch_size, grad_accum_steps: stats.num_micro_batches, num_samples: stats.num_samples,
             world_size: self.world_size(), step_time_s: dt, elapsed_s: self.progress.elapsed(), eta_s: eta, memory: mem, device: device_label(self.device),
             precision: self.precision, activation_checkpointing: self.task.activation_checkpointing() == Some(true),
-            loss_scale: self.scaler.as_ref().map(Scaler::value), skipped: stats.skipped, comm_s: stats.comm_s, agree_s: stats.agree_s,
+            loss_scale: stats.loss_scale, skipped: stats.skipped, comm_s: stats.comm_s, agree_s: stats.agree_s,
+            d2h_reads: Some(crate::ops::d2h_reads() - reads_before), cuda_syncs: crate::ops::cuda_syncs(),
         };
         if stats.skipped {
             tracing::warn!("step {step}: fp16 gradients overflowed: update skipped, loss scale now {}", rec.loss_scale.unwrap_or(f64::NAN));
@@ -359,12 +367,13 @@ impl<'a> Run<'a> {
     /// logged. The guard starts again from micro-batch 1 (and may grow back from there).
     fn climb(&mut self, step: u64) -> Result<bool> {
         let m = &self.cfg.raw.memory;
-        let at = ladder::Footing { checkpointing: self.task.activation_checkpointing(), precision: self.precision };
+        let at = ladder::Footing { checkpointing: self.task.activation_checkpointing(), precision: self.precision, loss: self.task.loss_kind() };
         let allowed = ladder::Allowed {
             checkpointing: m.allow_activation_checkpointing, precision_fallback: m.allow_precision_fallback, bf16_fast: bf16_is_fast(self.device),
         };
         let Some(rung) = ladder::next_rung(at, allowed) else { return Ok(false) };
         match rung {
+            Rung::FusedLoss => self.task.set_loss_kind(LossKind::Fused),
             Rung::ActivationCheckpointing => self.task.set_activation_checkpointing(true),
             Rung::Bf16 => self.precision = Precision::Bf16,
         }
@@ -372,6 +381,7 @@ impl<'a> Run<'a> {
             self.write(&Record::from(e))?;
         }
         let what = match rung {
+            Rung::FusedLoss => "the fused loss (model.loss: fused: the logits a chunk of tokens at a time)",
             Rung::ActivationCheckpointing => "activation checkpointing on (blocks are recomputed in backward)",
             Rung::Bf16 => "bf16 autocast (master weights and optimizer state stay fp32)",
         };
@@ -451,6 +461,10 @@ impl<'a> Run<'a> {
         let mut extra = BTreeMap::new();
         extra.insert("precision".into(), serde_json::json!(self.precision));
         extra.insert("activation_checkpointing".into(), serde_json::json!(self.task.activation_checkpointing() == Some(true)));
+        // The fused-loss rung, when climbed (a configured loss is the config's to change).
+        if self.cfg.raw.model.kind == ModelKind::Gpt && self.task.loss_kind().is_some_and(|l| l != self.cfg.raw.model.gpt().loss) {
+            extra.insert("loss".into(), serde_json::json!(LossKind::Fused.name()));
+        }
         if let Some((scale, tracker)) = self.scaler.as_ref().map(Scaler::state) {
             extra.insert("loss_scale".into(), serde_json::json!(scale));
             extra.insert("growth_tracker".into(), serde_json::json!(tracker));

@@ -2,7 +2,14 @@
 //! each micro-batch's loss weighted by its share of the global batch, then clipping and the
 //! AdamW update. Only fallible tch calls: any failure, an OOM included, returns `Err`, and
 //! the parameters are updated either exactly once or not at all.
+//!
+//! The host reads nothing back from the device until the update is queued: the losses add
+//! up on the device, clipping's coefficient and fp16's overflow flag stay there (a skipped
+//! update is skipped by the kernel), and the loss, gradient norm, overflow flag and loss
+//! scale come back together in one read (`ops::read`), the step's only one. Each read would
+//! drain a GPU's queue and leave it idle while the host queues the next kernels.
 use std::ops::Range;
+use tch::{Kind, Tensor};
 
 use crate::data::StepBatches;
 use crate::dist::{Buckets, ProcessGroup, Topic};
@@ -28,6 +35,8 @@ pub struct StepStats {
     /// Data parallel: of those, seconds in the agreements (and the loss's sum), waiting for
     /// the slowest rank included.
     pub agree_s: Option<f64>,
+    /// fp16: the loss scale after the step.
+    pub loss_scale: Option<f64>,
 }
 
 /// How a step updates: learning rate, clipping, precision.
@@ -55,70 +64,105 @@ pub fn micro_batches(global: usize, micro: usize) -> Vec<Range<usize>> {
 
 /// Forward and backward over this process's samples: gradients accumulate, weighted so that
 /// their sum over all micro-batches (and ranks) is the gradient of the global batch's mean
-/// loss. Returns (the weighted loss sum, micro-batches run).
-pub fn accumulate(task: &dyn Task, data: &dyn StepBatches, step: u64, micro_batch_size: usize, amp: &Amp) -> Result<(f64, usize)> {
+/// loss. Returns (the weighted loss sum, an f64 scalar on the device, micro-batches run).
+pub fn accumulate(task: &dyn Task, data: &dyn StepBatches, step: u64, micro_batch_size: usize, amp: &Amp) -> Result<(Tensor, usize)> {
     let global = data.global_batch_size();
     let parts = split_range(data.shard(), micro_batch_size);
-    let mut loss_sum = 0.0;
+    let mut loss_sum: Option<Tensor> = None;
     for (i, part) in parts.iter().enumerate() {
         let weight = part.len() as f64 / global as f64;
         let at = |phase: Phase| move |e: Error| e.in_phase(phase).at_micro_batch(i);
         let (x, y) = data.micro_batch(step, part.clone()).map_err(at(Phase::Data))?;
         // One call (a model may recompute in backward); it tags forward or backward.
-        loss_sum += task.forward_backward(&x, &y, weight, amp).map_err(|e| e.at_micro_batch(i))?;
+        let loss = task.forward_backward(&x, &y, weight, amp).map_err(|e| e.at_micro_batch(i))?;
+        let add = || loss_sum.as_ref().map_or_else(|| loss.f_to_kind(Kind::Double), |s| s.f_add(&loss.f_to_kind(Kind::Double)?));
+        loss_sum = Some(add().map_err(|e| at(Phase::Backward)(e.into()))?);
     }
     assert_eq!(parts.iter().map(|p| p.len()).sum::<usize>(), data.shard().len(), "global-batch invariant: every sample exactly once");
+    let loss_sum = loss_sum.expect("a shard has at least one sample");
     Ok((loss_sum, parts.len()))
 }
 
-/// What `prepare_update` decided: apply (with the optimizer's allocations made and the
-/// gradient norm), or skip (fp16 overflow).
+/// The optimizer's allocations made, and the step's read-out: `[loss, gradient norm,
+/// found_inf, loss scale]` as f64 on the device, allocated here so that the commit
+/// allocates nothing.
 pub struct Ready {
-    grad_norm: f64,
-    prepared: Option<crate::optim::Prepared>,
+    prepared: crate::optim::Prepared,
+    readout: Tensor,
 }
 
-/// The allocating half of the update, which changes no parameter: unscaling (fp16; an
-/// overflow means skip), clipping, the optimizer's allocations. Gradients are already
+/// What the step's one read brought back.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Outcome {
+    pub loss: f64,
+    /// Before clipping; infinite on a skipped step.
+    pub grad_norm: f64,
+    /// fp16: the gradients held inf or nan, and the update was skipped.
+    pub skipped: bool,
+    pub loss_scale: Option<f64>,
+}
+
+/// The allocating half of the update, which changes no parameter: unscaling (fp16: the
+/// overflow flag stays on the device), clipping, the optimizer's allocations and the
+/// read-out holding `loss` (the step's loss sum, on the device). Gradients are already
 /// accumulated (and reduced across ranks).
-pub fn prepare_update(opt: &mut AdamW, step: u64, u: &Update) -> Result<Ready> {
+pub fn prepare_update(opt: &mut AdamW, step: u64, u: &Update, loss: &Tensor) -> Result<Ready> {
     let clip = |e: tch::TchError| Error::from(e).in_phase(Phase::Clip);
-    if let Some(scaler) = u.scaler {
-        if scaler.unscale(&opt.grads()).map_err(clip)? {
-            return Ok(Ready { grad_norm: f64::INFINITY, prepared: None });
+    let found_inf = match u.scaler {
+        Some(scaler) => {
+            scaler.unscale(&opt.grads()).map_err(clip)?;
+            Some(scaler.found_inf())
         }
-    }
+        None => None,
+    };
     let grad_norm = opt.clip_grad_norm(u.grad_clip).map_err(clip)?;
-    let prepared = opt.prepare(step).map_err(|e| e.in_phase(Phase::Optimizer))?;
-    Ok(Ready { grad_norm, prepared: Some(prepared) })
+    let prepared = opt.prepare(step, found_inf).map_err(|e| e.in_phase(Phase::Optimizer))?;
+    let readout = (|| {
+        let f64_of = |t: &Tensor| t.f_to_kind(Kind::Double)?.f_view([1]);
+        let zero = loss.f_zeros_like()?.f_to_kind(Kind::Double)?.f_view([1])?;
+        let inf = found_inf.map(f64_of).transpose()?.unwrap_or(zero.shallow_clone());
+        Tensor::f_cat(&[f64_of(loss)?, f64_of(&grad_norm)?, inf, zero], 0)
+    })()
+    .map_err(|e| Error::from(e).in_phase(Phase::Optimizer))?;
+    Ok(Ready { prepared, readout })
 }
 
-/// The half that changes things: the loss scale's update and the optimizer's commit, neither
-/// of which allocates. Returns (gradient norm, skipped).
-pub fn commit_update(opt: &mut AdamW, ready: Ready, u: &Update) -> Result<(f64, bool)> {
+/// The half that changes things: the loss scale's update and the optimizer's commit
+/// (skipped on the device if fp16 overflowed), neither of which allocates; then the step's
+/// one read.
+pub fn commit_update(opt: &mut AdamW, ready: Ready, u: &Update) -> Result<Outcome> {
+    let Ready { prepared, readout } = ready;
+    let optimizer = |e: tch::TchError| Error::from(e).in_phase(Phase::Optimizer);
     if let Some(scaler) = u.scaler {
-        scaler.update().map_err(|e| Error::from(e).in_phase(Phase::Optimizer))?;
+        scaler.update().map_err(optimizer)?;
+        readout.f_select(0, 3).and_then(|slot| slot.shallow_clone().f_copy_(&scaler.scale)).map_err(optimizer)?;
     }
-    let skipped = ready.prepared.is_none();
-    if let Some(p) = ready.prepared {
-        opt.commit(p, u.lr)?;
-    }
+    opt.commit(prepared, u.lr)?;
     opt.clear_grads();
-    Ok((ready.grad_norm, skipped))
+    let v = crate::ops::read(&readout).map_err(optimizer)?;
+    let skipped = v[2] > 0.0;
+    Ok(Outcome { loss: v[0], grad_norm: if skipped { f64::INFINITY } else { v[1] }, skipped, loss_scale: u.scaler.map(|_| v[3]) })
 }
 
-/// `prepare_update` then `commit_update`: every allocation comes before anything changes,
-/// so a retried attempt never applies (or counts) anything twice.
+/// `prepare_update` then `commit_update` with no loss to report: every allocation comes
+/// before anything changes, so a retried attempt never applies (or counts) anything twice.
+/// Returns (gradient norm, skipped).
 pub fn update(opt: &mut AdamW, step: u64, u: &Update) -> Result<(f64, bool)> {
-    let ready = prepare_update(opt, step, u)?;
-    commit_update(opt, ready, u)
+    let zero = Tensor::f_zeros([], (Kind::Double, u.amp.device)).map_err(Error::from)?;
+    let ready = prepare_update(opt, step, u, &zero)?;
+    let out = commit_update(opt, ready, u)?;
+    Ok((out.grad_norm, out.skipped))
 }
 
 /// A whole optimizer step in one process, with `u`'s precision.
 pub fn step_with(task: &dyn Task, opt: &mut AdamW, data: &dyn StepBatches, step: u64, micro_batch_size: usize, u: &Update) -> Result<StepStats> {
     let (loss, num_micro_batches) = accumulate(task, data, step, micro_batch_size, &u.amp)?;
-    let (grad_norm, skipped) = update(opt, step, u)?;
-    Ok(StepStats { loss, grad_norm, micro_batch_size, num_micro_batches, num_samples: data.global_batch_size(), skipped, comm_s: None, agree_s: None })
+    let ready = prepare_update(opt, step, u, &loss)?;
+    let out = commit_update(opt, ready, u)?;
+    Ok(StepStats {
+        loss: out.loss, grad_norm: out.grad_norm, micro_batch_size, num_micro_batches, num_samples: data.global_batch_size(),
+        skipped: out.skipped, comm_s: None, agree_s: None, loss_scale: out.loss_scale,
+    })
 }
 
 /// Gradients travel in buckets of this size (as PyTorch DDP's default).
@@ -138,12 +182,16 @@ pub fn dist_step(pg: &ProcessGroup, task: &dyn Task, opt: &mut AdamW, data: &dyn
     let ((loss, num_micro_batches), grads, buckets) = timed(&mut agree_s, || pg.agree(local))?;
     timed(&mut reduce_s, || buckets.reduce_into(pg, &grads))?;
     drop(buckets);
-    let loss = timed(&mut agree_s, || pg.sum_f64(Topic::Losses, loss))?;
-    let ready = prepare_update(opt, step, u);
+    let ready = prepare_update(opt, step, u, &loss);
     let ready = timed(&mut agree_s, || pg.agree(ready))?;
-    let (grad_norm, skipped) = commit_update(opt, ready, u)?;
+    let out = commit_update(opt, ready, u)?;
+    // This rank's loss came back with the read-out; the global batch's is their sum.
+    let loss = timed(&mut agree_s, || pg.sum_f64(Topic::Losses, out.loss))?;
     let (comm_s, agree_s) = (Some(agree_s + reduce_s), Some(agree_s));
-    Ok(StepStats { loss, grad_norm, micro_batch_size, num_micro_batches, num_samples: data.global_batch_size(), skipped, comm_s, agree_s })
+    Ok(StepStats {
+        loss, grad_norm: out.grad_norm, micro_batch_size, num_micro_batches, num_samples: data.global_batch_size(),
+        skipped: out.skipped, comm_s, agree_s, loss_scale: out.loss_scale,
+    })
 }
 
 /// Runs `f`, adding the seconds it took to `acc`.

@@ -164,7 +164,7 @@ pub fn tiny_gpt() -> TinyGpt {
     use oomguard::{data, model, optim};
     oomguard::memory::install_cpu_allocator();
     tch::manual_seed(0);
-    let cfg = model::GptConfig { n_layer: 2, n_head: 2, n_embd: 32, block_size: 32, vocab_size: 256, dropout: 0.0, bias: true };
+    let cfg = model::GptConfig { n_layer: 2, n_head: 2, n_embd: 32, block_size: 32, vocab_size: 256, dropout: 0.0, bias: true, loss: Default::default() };
     let shape = data::TokenShape { block_size: 32, vocab_size: Some(256) };
     let data = data::Dataset::open(&data::DataConfig { embedded_bytes: 65536, ..Default::default() }, Path::new("."), Some(shape)).unwrap();
     let task = oomguard::task::gpt::GptTask::new(&cfg, tch::Device::Cpu).unwrap();

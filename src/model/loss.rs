@@ -1,0 +1,87 @@
+//! `model.loss`: how the GPT turns its last hidden states into the loss.
+//! - `fused` (the default): the LM head and cross-entropy in one autograd function
+//!   (csrc/loss.cpp, Liger Kernel's FusedLinearCrossEntropy), a chunk of tokens at a time:
+//!   no more than one chunk of logits is ever alive; the gradients of the hidden states and
+//!   of the head's weight are formed in the forward and only scaled in backward.
+//! - `full`: the plain path, the whole `B x T x vocab` logits, their log-softmax and
+//!   gradient alive together (3 values per token per vocabulary entry).
+//!
+//! The vocabulary is padded to a multiple of 64 inside the head's weight storage
+//! (nanoGPT's 50304 for GPT-2's 50257): the fused head's matmuls run on the padded shape and
+//! the padding's logits are masked out of the loss. The parameter, checkpoints and
+//! `model.safetensors` keep the configured vocabulary.
+use serde::{Deserialize, Serialize};
+use std::ffi::{c_char, c_void};
+use tch::{TchError, Tensor};
+
+extern "C" {
+    fn og_fused_linear_ce(hidden: *mut c_void, weight: *mut c_void, targets: *mut c_void, vp: i64, chunk: i64, out: *mut *mut c_void) -> *mut c_char;
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossKind {
+    #[default]
+    Fused,
+    Full,
+}
+
+impl LossKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            LossKind::Fused => "fused",
+            LossKind::Full => "full",
+        }
+    }
+}
+
+/// The vocabulary rounded up to a multiple of 64 (tensor-core friendly shapes).
+pub fn padded_vocab(vocab: i64) -> i64 {
+    (vocab + 63) / 64 * 64
+}
+
+/// Rows (tokens) per chunk of the fused loss, a pure function of the shapes, never of the
+/// memory left (so a run's numbers do not depend on what else is allocated): Liger's rule,
+/// the power of two nearest above `N / ceil(vocab / n_embd)`, which makes a chunk's logits
+/// about as large as the hidden states they come from; at least 256 tokens (1024 on a GPU)
+/// so that each chunk's matmul stays efficient, and at most `N`.
+pub fn chunk_rows(n: i64, vocab: i64, n_embd: i64, cuda: bool) -> i64 {
+    let liger = (n as u64).div_ceil(((vocab + n_embd - 1) / n_embd).max(1) as u64).next_power_of_two() as i64;
+    liger.max(chunk_floor(cuda)).min(n).max(1)
+}
+
+/// The fewest rows a chunk of the fused loss has (unless the micro-batch has fewer tokens).
+pub fn chunk_floor(cuda: bool) -> i64 {
+    if cuda { 1024 } else { 256 }
+}
+
+/// The mean cross-entropy of `hidden [N, C] @ weight[:V]^T` against `targets [N]`, fused
+/// (csrc/loss.cpp). `weight`'s storage holds `padded_vocab(V)` rows (or it is padded).
+pub fn fused_linear_cross_entropy(hidden: &Tensor, weight: &Tensor, targets: &Tensor) -> Result<Tensor, TchError> {
+    let (n, c) = hidden.size2()?;
+    let v = weight.size2()?.0;
+    let chunk = chunk_rows(n, padded_vocab(v), c, hidden.device().is_cuda());
+    let p = |t: &Tensor| t.as_ptr() as *mut c_void;
+    let mut out: *mut c_void = std::ptr::null_mut();
+    crate::memory::check(unsafe { og_fused_linear_ce(p(hidden), p(weight), p(targets), padded_vocab(v), chunk, &mut out) })?;
+    // SAFETY: on success the C++ side returned a new torch::Tensor* we now own.
+    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn padding_and_chunks() {
+        assert_eq!(padded_vocab(50257), 50304);
+        assert_eq!(padded_vocab(256), 256);
+        assert_eq!(padded_vocab(1), 64);
+        // GPT-2 at 8 x 1024: 8192 / 66 -> 128 rows, raised to the GPU's floor of 1024.
+        assert_eq!(chunk_rows(8192, 50304, 768, true), 1024);
+        assert_eq!(chunk_rows(8192, 50304, 768, false), 256);
+        // A small vocabulary: one chunk of logits is as large as the hidden states.
+        assert_eq!(chunk_rows(65536, 256, 128, false), 32768);
+        assert_eq!(chunk_rows(100, 50304, 768, true), 100);
+    }
+}
