@@ -3,7 +3,8 @@
 #   gpu-kit/scripts/gpu-check.sh [OUT_DIR]
 # Finds the host's libtorch from its python3 (or $PYTHON), points the kit's binaries at it,
 # and runs every check of the CUDA path (scripts/gpu_check.py): the CUDA-gated tests (a real
-# CUDA OOM recovered among them), the allocator settings, oomguard's memory stats and the
+# CUDA OOM recovered among them), the allocator settings, the memory snapshot of a CUDA OOM
+# (read by the host's torch.cuda._memory_viz), oomguard's memory stats and the
 # planner against the host's PyTorch, and GPT-2 124M throughput next to eager PyTorch.
 # Writes OUT_DIR/gpu-check.json (results) and OUT_DIR/gpu-check.log (everything printed).
 set -euo pipefail

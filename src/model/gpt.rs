@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 use tch::{nn, Kind, Reduction, TchError, Tensor};
 
 use crate::error::ConfigError;
+use crate::memory::snapshot;
 use crate::precision::Amp;
 
 /// A GPT's shape (the `model` section of kind `gpt`, defaults filled in).
@@ -192,10 +193,15 @@ impl Gpt {
 
     /// Logits `[B, T, vocab]` for token ids `[B, T]`.
     pub fn logits(&self, idx: &Tensor, train: bool) -> Result<Tensor, TchError> {
-        let mut x = self.embed(idx, train)?;
-        for block in &self.blocks {
+        let mut x = {
+            let _s = snapshot::scope("embed");
+            self.embed(idx, train)?
+        };
+        for (i, block) in self.blocks.iter().enumerate() {
+            let _s = snapshot::scope(&format!("block.{i}"));
             x = self.block(block, &x, train)?;
         }
+        let _s = snapshot::scope("logits");
         self.head(&x)
     }
 
@@ -212,7 +218,9 @@ impl Gpt {
 
     /// Mean cross-entropy of next-token predictions.
     pub fn loss(&self, idx: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor, TchError> {
-        self.cross_entropy(&self.logits(idx, train)?, targets)
+        let logits = self.logits(idx, train)?;
+        let _s = snapshot::scope("loss");
+        self.cross_entropy(&logits, targets)
     }
 
     fn cross_entropy(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor, TchError> {
@@ -230,6 +238,7 @@ impl Gpt {
     /// loss, like `task::backward`.
     pub fn checkpointed_forward_backward(&self, idx: &Tensor, targets: &Tensor, weight: f64, amp: &Amp) -> crate::Result<f64> {
         let (inputs, last, rng) = self.checkpointed_forward(idx, amp).map_err(|e| crate::Error::from(e).in_phase(crate::error::Phase::Forward))?;
+        snapshot::set_phase(crate::error::Phase::Backward, None);
         self.recomputing_backward(idx, targets, weight, amp, inputs, last, rng).map_err(|e| crate::Error::from(e).in_phase(crate::error::Phase::Backward))
     }
 

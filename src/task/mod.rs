@@ -87,6 +87,7 @@ pub fn forward(f: impl FnOnce() -> Result<Tensor, TchError>, amp: &Amp) -> Resul
 /// Backward of `loss x weight` (scaled for fp16); returns the weighted loss. An error is
 /// tagged as the backward's.
 pub fn backward(loss: &Tensor, weight: f64, amp: &Amp) -> Result<f64> {
+    crate::memory::snapshot::set_phase(crate::error::Phase::Backward, None);
     let run = || -> Result<f64, TchError> {
         let weighted = crate::ops::mul_scalar(loss, weight)?;
         amp.scale(&weighted)?.f_backward()?;

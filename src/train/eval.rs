@@ -36,6 +36,7 @@ pub fn evaluate(task: &dyn Task, spec: &EvalSpec, guard: &mut Guard, step: u64, 
             |_, mb| {
                 let local = (|| {
                     let mut sum = 0.0;
+                    crate::memory::snapshot::set_phase(Phase::Eval, None);
                     for part in split_range(shard.clone(), mb) {
                         let in_eval = |e: Error| e.in_phase(Phase::Eval);
                         let (x, y) = spec.samples.batch(&positions[part.clone()], spec.device).map_err(in_eval)?;

@@ -7,6 +7,7 @@ use std::ops::Range;
 use crate::data::StepBatches;
 use crate::dist::{Buckets, ProcessGroup, Topic};
 use crate::error::{Error, Phase, Result};
+use crate::memory::snapshot;
 use crate::optim::AdamW;
 use crate::precision::{Amp, Scaler};
 use crate::task::Task;
@@ -60,7 +61,9 @@ pub fn accumulate(task: &dyn Task, data: &dyn StepBatches, step: u64, micro_batc
     for (i, part) in parts.iter().enumerate() {
         let weight = part.len() as f64 / global as f64;
         let at = |phase: Phase| move |e: Error| e.in_phase(phase).at_micro_batch(i);
+        snapshot::set_phase(Phase::Data, Some(i));
         let (x, y) = data.micro_batch(step, part.clone()).map_err(at(Phase::Data))?;
+        snapshot::set_phase(Phase::Forward, None);
         // One call (a model may recompute in backward); it tags forward or backward.
         loss_sum += task.forward_backward(&x, &y, weight, amp).map_err(|e| e.at_micro_batch(i))?;
     }
@@ -80,12 +83,14 @@ pub struct Ready {
 /// accumulated (and reduced across ranks).
 pub fn prepare_update(opt: &mut AdamW, step: u64, u: &Update) -> Result<Ready> {
     let clip = |e: tch::TchError| Error::from(e).in_phase(Phase::Clip);
+    snapshot::set_phase(Phase::Clip, None);
     if let Some(scaler) = u.scaler {
         if scaler.unscale(&opt.grads()).map_err(clip)? {
             return Ok(Ready { grad_norm: f64::INFINITY, prepared: None });
         }
     }
     let grad_norm = opt.clip_grad_norm(u.grad_clip).map_err(clip)?;
+    snapshot::set_phase(Phase::Optimizer, None);
     let prepared = opt.prepare(step).map_err(|e| e.in_phase(Phase::Optimizer))?;
     Ok(Ready { grad_norm, prepared: Some(prepared) })
 }
