@@ -33,6 +33,7 @@ struct Capture {
 };
 Capture g_oom;
 bool g_have_oom = false;
+at::CallbackHandle g_callback = 0;
 
 // Names (ops and modules), interned: id 0 is "".
 std::mutex g_names_mu;
@@ -173,16 +174,15 @@ using namespace oomguard::snap;
 extern "C" {
 
 int og_snap_start(int64_t max_events) {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    at::addGlobalCallback(at::RecordFunctionCallback(&op_start, &op_end)
-                              .needsInputs(false)
-                              .needsOutputs(false)
-                              .needsIds(false)
-                              .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
-  });
   {
     std::lock_guard<std::mutex> g(g_mu);
+    if (g_callback == 0) {
+      g_callback = at::addGlobalCallback(at::RecordFunctionCallback(&op_start, &op_end)
+                                             .needsInputs(false)
+                                             .needsOutputs(false)
+                                             .needsIds(false)
+                                             .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
+    }
     if (static_cast<int64_t>(g_ring.size()) != max_events) {
       g_ring.assign(static_cast<size_t>(std::max<int64_t>(max_events, 1)), og_snap_rec{});
       g_head = 0;
@@ -193,7 +193,14 @@ int og_snap_start(int64_t max_events) {
   return 1;
 }
 
-void og_snap_stop() { g_on.store(false); }
+// Recording and the op-name callback off (what `memory.snapshot: off` never turns on).
+void og_snap_stop() {
+  g_on.store(false);
+  std::lock_guard<std::mutex> g(g_mu);
+  if (g_callback != 0) at::removeCallback(g_callback);
+  g_callback = 0;
+  g_live.clear();
+}
 
 void og_snap_set_context(int64_t step, int32_t phase, int32_t micro_batch) {
   g_step.store(step, std::memory_order_relaxed);

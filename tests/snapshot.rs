@@ -86,6 +86,17 @@ fn a_budget_oom_writes_a_snapshot_pytorch_reads_and_every_byte_is_accounted_for(
     let trace = python(&["-m", "torch.cuda._memory_viz", "trace", snap]);
     assert!(trace.contains(&format!("{} entries", s["events_kept"].as_u64().unwrap() + count_frees(&trace))), "{}", &trace[..200.min(trace.len())]);
     assert!(trace.contains("raise OutOfMemoryError"), "the trace ends at the OOM");
+
+    // The report: a panel per OOM (the timeline by category, the largest allocations with
+    // their op and module), inline in the HTML page; the paragraph in what it prints.
+    let html = dir.path().join("report.html");
+    let o = oomguard(&["report", run.to_str().unwrap(), "--out", html.to_str().unwrap()], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains(&format!("oom/001              {text}")));
+    let page = std::fs::read_to_string(&html).unwrap();
+    for want in ["oom/001 (out of memory)", "largest live allocations", "allocation events of the failing attempt", "gradients", "aten::"] {
+        assert!(page.contains(want), "the report has no {want:?}");
+    }
 }
 
 /// `trace` prints each free twice (requested, completed): the entries are the events plus

@@ -193,6 +193,13 @@ impl Guard {
                     return Ok(out);
                 }
                 Err(Error::Oom(oom)) if self.enabled => oom,
+                Err(Error::Oom(oom)) => {
+                    // The guard is off: the run ends, explained all the same.
+                    if let Some(d) = self.dump(step, &oom, mb) {
+                        tracing::warn!("{} ({}/)", d.text, d.folder);
+                    }
+                    return Err(Error::Oom(oom));
+                }
                 Err(e) => return Err(e),
             };
             // Before cleanup: the failed attempt's gradients still show as gradients.

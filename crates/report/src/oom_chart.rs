@@ -177,7 +177,8 @@ fn largest<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, o: &Oom) -> Result
         area.draw(&Rectangle::new([(8, y - 8), (8 + len, y + 8)], color(&o.timeline.categories, &a.category).filled())).map_err(draw_err)?;
         let what = if a.op.is_empty() { "(no op)".to_string() } else { a.op.clone() };
         let module = if a.module.is_empty() { String::new() } else { format!(" in {}", a.module) };
-        let s = format!("{}  {what}{module}  [{}]", draw::human_bytes(a.bytes as f64), label(&a.category));
+        let size = if a.bytes < 1 << 20 { format!("{:.1} KiB", a.bytes as f64 / 1024.0) } else { draw::human_bytes(a.bytes as f64) };
+        let s = format!("{size}  {what}{module}  [{}]", label(&a.category));
         area.draw(&Text::new(s, (bar_w as i32 + 16, y), text_at(11, HPos::Left))).map_err(draw_err)?;
     }
     Ok(())

@@ -55,8 +55,8 @@ pub struct Roles {
     pub optimizer_state: Vec<u64>,
 }
 
-/// Where and how the OOM happened, as the runtime saw it.
-#[derive(Debug, Clone, Default)]
+/// Where and how the OOM happened, as the runtime saw it (and, filled in, in summary.json).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct Context {
     pub step: Option<u64>,
     pub phase: Option<Phase>,
@@ -67,6 +67,7 @@ pub struct Context {
     pub limit_bytes: Option<u64>,
     pub free_bytes: Option<u64>,
     pub reserved_bytes: Option<u64>,
+    /// CUDA only.
     pub largest_free_block_bytes: Option<u64>,
     pub device: String,
 }
@@ -97,18 +98,9 @@ pub struct Timeline {
 pub struct Breakdown {
     /// `oom`, or `end` for `always`'s dump at the end.
     pub kind: String,
-    pub device: String,
-    pub step: Option<u64>,
-    pub phase: Option<Phase>,
-    pub micro_batch_index: Option<usize>,
-    pub micro_batch_size: Option<usize>,
-    pub request_bytes: Option<u64>,
-    pub limit_bytes: Option<u64>,
+    #[serde(flatten)]
+    pub at: Context,
     pub live_bytes: u64,
-    pub free_bytes: Option<u64>,
-    pub reserved_bytes: Option<u64>,
-    /// CUDA only.
-    pub largest_free_block_bytes: Option<u64>,
     /// Every live byte (and the allocator's reserve): they sum to `reserved_bytes` (or
     /// `live_bytes` on the CPU).
     pub categories: BTreeMap<Category, u64>,
@@ -149,16 +141,17 @@ fn by_context(r: &Rec, op_seq: Option<u64>, names: &dyn Fn(i32) -> String) -> Ca
     }
 }
 
-/// Assigns each role's pointers to the live allocation that holds them.
-fn role_of(live: &[Rec], roles: &Roles) -> HashMap<u64, Category> {
-    let mut sorted: Vec<(u64, u64)> = live.iter().map(|r| (r.addr, r.addr + r.size.max(0) as u64)).collect();
+/// Assigns each role's pointers to the live allocation that holds them, keyed by (address,
+/// number): an earlier allocation at a reused address is not a parameter.
+fn role_of(live: &[Rec], roles: &Roles) -> HashMap<(u64, u64), Category> {
+    let mut sorted: Vec<(u64, u64, u64)> = live.iter().map(|r| (r.addr, r.addr + r.size.max(0) as u64, r.seq)).collect();
     sorted.sort_unstable();
     let mut out = HashMap::new();
     for (cat, ptrs) in [(Category::Parameters, &roles.parameters), (Category::Gradients, &roles.gradients), (Category::OptimizerState, &roles.optimizer_state)] {
         for &p in ptrs {
-            let i = sorted.partition_point(|&(a, _)| a <= p);
+            let i = sorted.partition_point(|&(a, _, _)| a <= p);
             if i > 0 && p < sorted[i - 1].1.max(sorted[i - 1].0 + 1) {
-                out.entry(sorted[i - 1].0).or_insert(cat);
+                out.entry((sorted[i - 1].0, sorted[i - 1].2)).or_insert(cat);
             }
         }
     }
@@ -169,7 +162,7 @@ pub fn breakdown(cap: &Capture, roles: &Roles, ctx: &Context, names: &dyn Fn(i32
     let oom = ctx.request_bytes.is_some();
     let op_seq = (oom && cap.info.op_seq < cap.info.seq).then_some(cap.info.op_seq);
     let roles_at = role_of(&cap.live, roles);
-    let category = |r: &Rec| roles_at.get(&r.addr).copied().unwrap_or_else(|| by_context(r, op_seq, names));
+    let category = |r: &Rec| roles_at.get(&(r.addr, r.seq)).copied().unwrap_or_else(|| by_context(r, op_seq, names));
     let mut categories: BTreeMap<Category, u64> = CATEGORIES.iter().map(|&c| (c, 0)).collect();
     let mut by_module = BTreeMap::<String, u64>::new();
     let mut earlier = 0;
@@ -192,19 +185,16 @@ pub fn breakdown(cap: &Capture, roles: &Roles, ctx: &Context, names: &dyn Fn(i32
     largest.sort_by_key(|r| std::cmp::Reverse(r.size));
     let largest = largest.into_iter().take(12).map(|r| allocation(r, category(r), names)).collect();
     let failing = &cap.info.failing;
-    let mut b = Breakdown {
-        kind: if oom { "oom" } else { "end" }.into(),
-        device: ctx.device.clone(),
-        step: ctx.step,
+    let at = Context {
         phase: ctx.phase.or(phase_of(failing.phase)).filter(|_| oom),
-        micro_batch_index: ctx.micro_batch_index,
-        micro_batch_size: ctx.micro_batch_size,
-        request_bytes: ctx.request_bytes,
-        limit_bytes: ctx.limit_bytes,
-        live_bytes,
         free_bytes: ctx.free_bytes.or_else(|| ctx.limit_bytes.map(|l| l.saturating_sub(live_bytes))),
         reserved_bytes: ctx.reserved_bytes.or(Some(live_bytes)),
-        largest_free_block_bytes: ctx.largest_free_block_bytes,
+        ..ctx.clone()
+    };
+    let mut b = Breakdown {
+        kind: if oom { "oom" } else { "end" }.into(),
+        at,
+        live_bytes,
         categories,
         activations_by_module: by_module,
         activations_from_earlier_steps_bytes: earlier,
@@ -293,30 +283,30 @@ fn share(part: u64, whole: u64) -> String {
 /// first (activations by module), the failing op and, where there is one, the plan.
 pub fn text(b: &Breakdown) -> String {
     let mut where_ = Vec::new();
-    if let Some(s) = b.step {
+    if let Some(s) = b.at.step {
         where_.push(format!("step {s}"));
     }
-    if let Some(p) = b.phase {
+    if let Some(p) = b.at.phase {
         where_.push(phase_name(Some(p)));
     }
-    if let Some(i) = b.micro_batch_index {
+    if let Some(i) = b.at.micro_batch_index {
         where_.push(format!("micro-batch {i}"));
     }
-    if let Some(m) = b.micro_batch_size {
+    if let Some(m) = b.at.micro_batch_size {
         where_.push(format!("micro-batch size {m}"));
     }
-    let head = match b.request_bytes {
+    let head = match b.at.request_bytes {
         Some(r) => format!(
             "Out of memory at {}: asked {} with {} live{}{}",
             if where_.is_empty() { "start".into() } else { where_.join(", ") },
             human_bytes(r),
             human_bytes(b.live_bytes),
-            b.limit_bytes.map(|l| format!(" of a {} limit", human_bytes(l))).unwrap_or_default(),
-            b.free_bytes.map(|f| format!(" ({} free{})", human_bytes(f), b.largest_free_block_bytes.map(|l| format!(", largest free block {}", human_bytes(l))).unwrap_or_default())).unwrap_or_default(),
+            b.at.limit_bytes.map(|l| format!(" of a {} limit", human_bytes(l))).unwrap_or_default(),
+            b.at.free_bytes.map(|f| format!(" ({} free{})", human_bytes(f), b.at.largest_free_block_bytes.map(|l| format!(", largest free block {}", human_bytes(l))).unwrap_or_default())).unwrap_or_default(),
         ),
         None => format!("Memory at the end ({}): {} live", where_.join(", "), human_bytes(b.live_bytes)),
     };
-    let whole = b.reserved_bytes.unwrap_or(b.live_bytes).max(b.live_bytes);
+    let whole = b.at.reserved_bytes.unwrap_or(b.live_bytes).max(b.live_bytes);
     let mut cats: Vec<(&Category, &u64)> = b.categories.iter().filter(|(_, &v)| v > 0).collect();
     cats.sort_by_key(|(_, &v)| std::cmp::Reverse(v));
     let parts: Vec<String> = cats
@@ -401,7 +391,7 @@ mod tests {
         assert_eq!(b.live_bytes, 790);
         assert_eq!(b.activations_from_earlier_steps_bytes, 50);
         assert_eq!(b.activations_by_module["block.0"], 120);
-        assert_eq!(b.free_bytes, Some(10));
+        assert_eq!(b.at.free_bytes, Some(10));
         assert_eq!(b.largest[0].category, Category::LossLogits);
         assert_eq!(b.failing_op.as_deref(), Some("aten::mm"));
         // The timeline starts at the attempt (3 allocations live) and ends at the live set.
