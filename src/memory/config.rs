@@ -92,7 +92,7 @@ impl Default for MemoryConfig {
             allow_precision_fallback: true,
             auto_margin: 0.1,
             pressure: Vec::new(),
-            snapshot: None,
+            snapshot: Some(super::snapshot::SnapshotConfig::default().to_raw()),
         }
     }
 }

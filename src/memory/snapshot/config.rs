@@ -36,6 +36,14 @@ fn mode(v: &serde_yaml::Value) -> Result<SnapshotMode, ConfigError> {
 }
 
 impl SnapshotConfig {
+    /// The long form, as the resolved config.yaml writes it.
+    pub fn to_raw(&self) -> serde_yaml::Value {
+        let mut m = serde_yaml::Mapping::new();
+        m.insert("mode".into(), serde_yaml::to_value(self.mode).unwrap_or_default());
+        m.insert("max_events".into(), (self.max_events as u64).into());
+        serde_yaml::Value::Mapping(m)
+    }
+
     /// The validated form of `memory.snapshot` as written (`None`: absent).
     pub fn from_raw(raw: Option<&serde_yaml::Value>) -> Result<SnapshotConfig, ConfigError> {
         let Some(v) = raw else { return Ok(SnapshotConfig::default()) };
@@ -75,6 +83,7 @@ mod tests {
     #[test]
     fn shorthand_long_form_and_refusals() {
         assert_eq!(SnapshotConfig::from_raw(None).unwrap(), SnapshotConfig::default());
+        assert_eq!(SnapshotConfig::from_raw(Some(&SnapshotConfig::default().to_raw())).unwrap(), SnapshotConfig::default());
         assert_eq!(parse("always").unwrap().mode, SnapshotMode::Always);
         assert_eq!(parse("off").unwrap().mode, SnapshotMode::Off);
         assert_eq!(parse("{mode: off, max_events: 7}").unwrap(), SnapshotConfig { mode: SnapshotMode::Off, max_events: 7 });
