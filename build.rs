@@ -12,9 +12,9 @@ fn main() {
     let torch_dir = lib_dir.parent().expect("libtorch lib dir has a parent").to_path_buf();
     let include = torch_dir.join("include");
 
-    const SOURCES: [&str; 8] = [
-        "csrc/memory.cpp", "csrc/optim.cpp", "csrc/rng.cpp", "csrc/torchscript.cpp", "csrc/ops.cpp", "csrc/amp.cpp", "csrc/dist.cpp",
-        "csrc/loss.cpp",
+    const SOURCES: [&str; 9] = [
+        "csrc/memory.cpp", "csrc/snapshot.cpp", "csrc/optim.cpp", "csrc/rng.cpp", "csrc/torchscript.cpp", "csrc/ops.cpp", "csrc/amp.cpp",
+        "csrc/dist.cpp", "csrc/loss.cpp",
     ];
     let base = || {
         let mut b = cc::Build::new();
@@ -44,9 +44,19 @@ fn main() {
         "CUDA and NCCL headers are missing under {}: run `make setup`",
         nvidia.display()
     );
-    base().define("USE_C10D_NCCL", None).include(cuda_inc).include(nccl_inc).flag("-w").file("csrc/dist_nccl.cpp").compile("oomguard_nccl");
+    base().define("USE_C10D_NCCL", None).include(&cuda_inc).include(nccl_inc).flag("-w").file("csrc/dist_nccl.cpp").compile("oomguard_nccl");
+    // The CUDA memory snapshot needs libtorch_cuda's symbols: only against a libtorch that has
+    // them; Rust sees `cfg(oomguard_cuda_snapshot)` (a CPU-only libtorch builds without it).
+    println!("cargo:rustc-check-cfg=cfg(oomguard_cuda_snapshot)");
+    if lib_dir.join("libtorch_cuda.so").exists() {
+        base().include(&cuda_inc).flag("-w").file("csrc/snapshot_cuda.cpp").compile("oomguard_cuda_snapshot");
+        println!("cargo:rustc-cfg=oomguard_cuda_snapshot");
+        // --as-needed keeps them only where the snapshot is referenced (not in `oomguard`).
+        println!("cargo:rustc-link-lib=dylib=torch_cuda");
+        println!("cargo:rustc-link-lib=dylib=c10_cuda");
+    }
 
-    for f in SOURCES.iter().chain(&["csrc/dist_nccl.cpp", "csrc/oomguard.h"]) {
+    for f in SOURCES.iter().chain(&["csrc/dist_nccl.cpp", "csrc/snapshot_cuda.cpp", "csrc/snapshot.h", "csrc/oomguard.h"]) {
         println!("cargo:rerun-if-changed={f}");
     }
     // An rpath makes nothing load: harmless for the libtorch-free `oomguard` binary.

@@ -5,27 +5,20 @@
 //!    time at the size it falls back to (floor: at most 1.5 steps), with the budget placed so
 //!    that the failure comes early (mid-forward) and late (just under the full step's peak).
 //!    Every timed step must have had exactly that one OOM, or there is no recovery to time.
+mod common;
 use std::time::Instant;
 use tch::Device;
 
-use oomguard::data::{DataConfig, Dataset, StepSamples, TokenShape};
+use oomguard::data::StepSamples;
 use oomguard::guard::{Guard, GuardEvent};
 use oomguard::memory::{self, MemoryConfig};
-use oomguard::model::GptConfig;
-use oomguard::optim::{AdamW, OptimConfig};
-use oomguard::task::{gpt::GptTask, Task};
+use oomguard::optim::AdamW;
 use oomguard::train::train_step;
 
 const GLOBAL: usize = 16;
 
 fn main() {
-    memory::install_cpu_allocator();
-    tch::manual_seed(0);
-    let cfg = GptConfig { n_layer: 4, n_head: 4, n_embd: 256, block_size: 128, vocab_size: 256, dropout: 0.0, bias: true, loss: Default::default() };
-    let shape = TokenShape { block_size: 128, vocab_size: Some(256) };
-    let data = Dataset::open(&DataConfig::default(), std::path::Path::new("."), Some(shape)).unwrap();
-    let task = GptTask::new(&cfg, Device::Cpu).unwrap();
-    let mut opt = AdamW::new(task.parameters(), &OptimConfig::default(), |n, t| task.no_weight_decay(n, t)).unwrap();
+    let (task, mut opt, data) = common::bench_gpt();
     let batches = StepSamples::new(data.train.as_ref(), 1, GLOBAL, Device::Cpu);
     let mem_cfg = MemoryConfig::default();
     let mut step_no = 0u64;

@@ -1,6 +1,7 @@
 // The memory layer: a counting CPU allocator with a budget, and CUDA cache/stats through
 // c10's device-allocator interface (so no CUDA headers are needed to build).
 #include "oomguard.h"
+#include "snapshot.h"
 
 #include <c10/core/AllocatorConfig.h>
 #include <c10/core/CPUAllocator.h>
@@ -47,6 +48,7 @@ class CountingAllocator final : public c10::Allocator {
       g_injected.fetch_add(1);
       g_ooms.fetch_add(1);
       const int64_t budget = g_budget.load();
+      if (oomguard::snap::g_on.load(std::memory_order_relaxed)) oomguard::snap::on_oom(n, live, budget);
       // The same error, and the same message shape, as a real budget overrun.
       if (budget >= 0) {
         TORCH_CHECK_WITH(OutOfMemoryError, false, "oomguard memory budget exceeded: tried to allocate ", n,
@@ -60,6 +62,8 @@ class CountingAllocator final : public c10::Allocator {
       const int64_t budget = g_budget.load();
       if (budget >= 0 && live + want > budget) {
         g_ooms.fetch_add(1);
+        // The history's copy, before unwinding frees the failed attempt's tensors.
+        if (oomguard::snap::g_on.load(std::memory_order_relaxed)) oomguard::snap::on_oom(n, live, budget);
         TORCH_CHECK_WITH(OutOfMemoryError, false,
                          "oomguard memory budget exceeded: tried to allocate ", n,
                          " bytes with ", live, " bytes in use of a budget of ", budget,
@@ -79,6 +83,7 @@ class CountingAllocator final : public c10::Allocator {
     }
     *static_cast<size_t*>(base) = n;
     void* data = static_cast<char*>(base) + kHeader;
+    if (oomguard::snap::g_on.load(std::memory_order_relaxed)) oomguard::snap::on_alloc(data, n);
     return {data, data, &CountingAllocator::free, c10::Device(c10::DeviceType::CPU)};
   }
 
@@ -92,6 +97,7 @@ class CountingAllocator final : public c10::Allocator {
   static void free(void* data) {
     if (!data) return;
     void* base = static_cast<char*>(data) - kHeader;
+    if (oomguard::snap::g_on.load(std::memory_order_relaxed)) oomguard::snap::on_free(data);
     g_live.fetch_sub(static_cast<int64_t>(*static_cast<size_t*>(base)));
     instance_base()->raw_deallocate(base);
   }

@@ -59,6 +59,13 @@ pub struct Spirals {
     len: usize,
 }
 
+impl Spirals {
+    /// `len` samples from position `from` on (training and validation take apart ranges).
+    pub fn new(from: usize, len: usize) -> Spirals {
+        Spirals { from, len }
+    }
+}
+
 impl Samples for Spirals {
     fn num_positions(&self) -> usize {
         self.len
@@ -96,7 +103,7 @@ pub fn build(ctx: &BuildContext) -> oomguard::Result<Built> {
         let layer = &p / format!("l{i}");
         layers.push((layer.add("weight", weight, true), layer.add("bias", bias, true)));
     }
-    let data = Dataset { train: Box::new(Spirals { from: 0, len: 1 << 20 }), val: Box::new(Spirals { from: 1 << 20, len: 4096 }) };
+    let data = Dataset { train: Box::new(Spirals::new(0, 1 << 20)), val: Box::new(Spirals::new(1 << 20, 4096)) };
     Ok(Built::new(Mlp { vs, layers }).with_data(data))
 }
 

@@ -3,10 +3,12 @@
 #   gpu-kit/scripts/gpu-check.sh [OUT_DIR]
 # Finds the host's libtorch from its python3 (or $PYTHON), points the kit's binaries at it,
 # and runs every check of the CUDA path (scripts/gpu_check.py): the CUDA-gated tests (a real
-# CUDA OOM recovered among them), the allocator settings, oomguard's memory stats and the
-# planner against the host's PyTorch, syncs per step (oomguard's read counter against CUDA's
-# sync-debug mode), GPT-2 124M throughput, MFU and peak memory with model.loss full and fused
-# next to eager PyTorch, and the largest micro-batch that fits the card with each.
+# CUDA OOM recovered among them), the allocator settings, the memory snapshot of a CUDA OOM
+# (read by the host's torch.cuda._memory_viz), oomguard's memory stats and the planner
+# against the host's PyTorch, syncs per step (oomguard's read counter against CUDA's
+# sync-debug mode), a 1-rank NCCL group, GPT-2 124M throughput, MFU and peak memory with
+# model.loss full and fused next to eager PyTorch, and the largest micro-batch that fits the
+# card with each.
 # Writes OUT_DIR/gpu-check.json (results) and OUT_DIR/gpu-check.log (everything printed).
 set -euo pipefail
 KIT="$(cd "$(dirname "$0")/.." && pwd)"

@@ -289,6 +289,28 @@ def check(kit, out):
     checks["nccl group of one rank"] = nccl
     save()
 
+    # 3c. The memory snapshot of a real CUDA OOM (issue 24): libtorch's recorder and OOM
+    # observer write oom/001/snapshot.pickle, which this host's torch.cuda._memory_viz reads,
+    # and summary.json, whose reserved bytes agree with the snapshot's segments.
+    r, log, _ = train("snapshot", "memory: {allocator: {per_process_memory_fraction: 0.0008}}")
+    snap = work / "snapshot" / "run" / "oom" / "001"
+    viz = {}
+    for cmd in ("stats", "trace"):
+        v = sh([sys.executable, "-m", "torch.cuda._memory_viz", cmd, snap / "snapshot.pickle"]) if snap.exists() else None
+        viz[cmd] = v is not None and v.returncode == 0
+    summary = json.loads((snap / "summary.json").read_text()) if (snap / "summary.json").exists() else {}
+    seg_total = None
+    if snap.exists():
+        import pickle
+        with open(snap / "snapshot.pickle", "rb") as f:
+            seg_total = sum(x["total_size"] for x in pickle.load(f)["segments"])
+    checks["memory snapshot on a CUDA OOM"] = {
+        "ok": r.returncode in (0, 3) and all(viz.values()) and summary.get("reserved_bytes") == seg_total and seg_total is not None
+        and sum(summary.get("categories", {}).values()) == seg_total,
+        "exit": r.returncode, "memory_viz": viz, "summary_reserved": summary.get("reserved_bytes"), "segments_total": seg_total,
+        "text": summary.get("text")}
+    save()
+
     def og_run(d, yaml):
         """oomguard trains `yaml` in d/run: (exit, step records, the allocator settings it logged)."""
         d.mkdir()

@@ -39,6 +39,13 @@ fn cuda_oom_is_recovered_with_the_same_result() {
     let ooms = records(&run, "oom");
     assert!(!ooms.is_empty(), "the fraction should have forced an OOM");
     assert!(ooms.iter().all(|e| e["source"] == "cuda"), "{ooms:?}");
+    // Issue 24: libtorch's snapshot, taken by the OOM observer, and a summary whose
+    // categories add up to what the allocator reserved (not yet run on a GPU).
+    assert_eq!(ooms[0]["snapshot"], "oom/001", "{:?}", ooms[0]);
+    let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(run.join("oom/001/summary.json")).unwrap()).unwrap();
+    let sum: u64 = s["categories"].as_object().unwrap().values().map(|v| v.as_u64().unwrap()).sum();
+    assert_eq!(Some(sum), s["reserved_bytes"].as_u64(), "{s}");
+    assert!(s["largest_free_block_bytes"].is_u64() && std::fs::metadata(run.join("oom/001/snapshot.pickle")).unwrap().len() > 0);
     assert!(records(&run, "grow").is_empty(), "the limit never lets 64 fit again");
     let steps = records(&run, "step");
     assert!(steps.iter().all(|s| s["device"] == "cuda:0"), "every step on the GPU: {steps:?}");

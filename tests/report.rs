@@ -59,7 +59,9 @@ fn a_recorded_run_with_an_oom_gives_pictures_whose_series_match_its_metrics() {
     // Default: RUN/report.png, the figures on stdout.
     let o = report(&[run.to_str().unwrap()], dir.path());
     assert!(o.status.success(), "{}", stderr(&o));
-    assert_eq!(png_size(&run.join("report.png")), (run_chart::WIDTH, run_chart::HEIGHT));
+    // A panel per OOM snapshot under the run's four (RUN_DIR/oom/NNN/, at most 8).
+    let panels = ooms.len().min(oomguard_report::oom_chart::MAX_PANELS) as u32;
+    assert_eq!(png_size(&run.join("report.png")), (run_chart::WIDTH, run_chart::HEIGHT + panels * oomguard_report::oom_chart::PANEL));
     let out = stdout(&o);
     assert!(out.contains(&format!("OOMs                 {}", ooms.len())), "{out}");
     assert!(out.contains("steps                6"), "{out}");

@@ -13,6 +13,7 @@ use tch::Device;
 pub use policy::{Adjust, LeakWatch, Observation, OnOom, Policy, PolicyConfig};
 
 use crate::error::{Error, OomError, OomSource, Phase, Result};
+use crate::memory::snapshot::{self, Dumped, Dumper, OomAt};
 use crate::memory::{self, human_bytes, MemoryConfig, MemoryStats};
 
 /// `{"event":"oom", ...}`: one per out-of-memory error the guard recovered from (or not).
@@ -36,6 +37,12 @@ pub struct OomEvent {
     /// Wall time of the failed attempt and its cleanup.
     pub time_lost_s: f64,
     pub message: String,
+    /// What filled memory, in a paragraph (memory.snapshot; absent when off or not written).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_summary: Option<String>,
+    /// Its folder under the run directory: `oom/NNN`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<String>,
 }
 
 /// `{"event":"grow", ...}` and `{"event":"shrink", ...}`.
@@ -85,7 +92,11 @@ pub struct Guard {
     /// Memory right after the last successful attempt (read once, for the policy and the
     /// caller's step record).
     last_memory: MemoryStats,
+    /// Writes RUN_DIR/oom/NNN/ at each OOM (shared by the training and evaluation guards).
+    snapshot: Option<SharedDumper>,
 }
+
+pub type SharedDumper = std::rc::Rc<std::cell::RefCell<Dumper>>;
 
 impl Guard {
     pub fn new(cfg: &MemoryConfig, micro_batch_size: usize, device: Device) -> Guard {
@@ -106,7 +117,14 @@ impl Guard {
             eval: false,
             events: Vec::new(),
             last_memory: MemoryStats::default(),
+            snapshot: None,
         }
+    }
+
+    /// Dump what filled memory at each OOM.
+    pub fn with_snapshot(mut self, dumper: Option<SharedDumper>) -> Guard {
+        self.snapshot = dumper;
+        self
     }
 
     /// A guard for evaluation batches: halves on OOM, never grows, leaves training alone.
@@ -165,6 +183,9 @@ impl Guard {
         loop {
             let mb = self.policy.current;
             memory::reset_peak(self.device);
+            if self.snapshot.is_some() {
+                snapshot::mark_attempt(step);
+            }
             let t0 = Instant::now();
             let oom = match attempt(ctx, mb) {
                 Ok(out) => {
@@ -172,8 +193,17 @@ impl Guard {
                     return Ok(out);
                 }
                 Err(Error::Oom(oom)) if self.enabled => oom,
+                Err(Error::Oom(oom)) => {
+                    // The guard is off: the run ends, explained all the same.
+                    if let Some(d) = self.dump(step, &oom, mb) {
+                        tracing::warn!("{} ({}/)", d.text, d.folder);
+                    }
+                    return Err(Error::Oom(oom));
+                }
                 Err(e) => return Err(e),
             };
+            // Before cleanup: the failed attempt's gradients still show as gradients.
+            let dumped = self.dump(step, &oom, mb);
             // Every tensor of the attempt is dropped by now (it returned); gradients are not.
             cleanup(ctx);
             memory::empty_cache(self.device)?;
@@ -189,15 +219,21 @@ impl Guard {
                 OnOom::Retry { micro_batch_size } => micro_batch_size,
                 OnOom::GiveUp => 0,
             };
-            let event = self.oom_event(step, &oom, baseline, after, mb, new, t0.elapsed().as_secs_f64());
+            let mut event = self.oom_event(step, &oom, baseline, after, mb, new, t0.elapsed().as_secs_f64());
             tracing::warn!(
                 "OOM at step {step} ({} phase): {}; micro-batch {mb} -> {}",
                 event.phase.map_or("unknown".into(), |p| format!("{p:?}").to_lowercase()), oom.message,
                 if new == 0 { "none left".to_string() } else { new.to_string() }
             );
+            if let Some(d) = &dumped {
+                tracing::warn!("{} ({}/)", d.text, d.folder);
+                event.memory_summary = Some(d.text.clone());
+                event.snapshot = Some(d.folder.clone());
+            }
             self.events.push(GuardEvent::Oom(event));
             if decision == OnOom::GiveUp {
-                return Err(Error::Infeasible(infeasible_message(step, &oom, baseline, self.eval)));
+                let what = dumped.map(|d| format!(" What filled memory ({}/): {}", d.folder, d.text)).unwrap_or_default();
+                return Err(Error::Infeasible(format!("{}{what}", infeasible_message(step, &oom, baseline, self.eval))));
             }
         }
     }
@@ -210,6 +246,18 @@ impl Guard {
         let mut event = self.oom_event(step, oom, live, live, mb, mb, 0.0);
         event.phase = Some(phase);
         self.events.push(GuardEvent::Oom(event));
+    }
+
+    /// RUN_DIR/oom/NNN/ for this OOM, if snapshots are on (a failure is only a warning).
+    fn dump(&self, step: u64, oom: &OomError, mb: usize) -> Option<Dumped> {
+        let at = OomAt {
+            step,
+            phase: if self.eval { Some(Phase::Eval) } else { oom.phase },
+            micro_batch_index: oom.micro_batch,
+            micro_batch_size: mb,
+            requested_bytes: oom.requested_bytes,
+        };
+        self.snapshot.as_ref()?.borrow_mut().on_oom(&at)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -227,6 +275,8 @@ impl Guard {
             new_micro_batch_size: new,
             time_lost_s: lost,
             message: oom.message.clone(),
+            memory_summary: None,
+            snapshot: None,
         }
     }
 

@@ -44,6 +44,10 @@ pub struct MemoryConfig {
     /// Simulated memory pressure: real allocations held during a range of steps, as another
     /// tenant would (for demos and tests).
     pub pressure: Vec<Pressure>,
+    /// What every OOM leaves in RUN_DIR/oom/NNN/: `on_oom` (default), `off`, `always` (also
+    /// at the end), or `{mode: on_oom, max_events: 50000}` (see snapshot/config.rs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<serde_yaml::Value>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -88,6 +92,7 @@ impl Default for MemoryConfig {
             allow_precision_fallback: true,
             auto_margin: 0.1,
             pressure: Vec::new(),
+            snapshot: Some(super::snapshot::SnapshotConfig::default().to_raw()),
         }
     }
 }
@@ -104,6 +109,7 @@ impl MemoryConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.budget()?;
         self.allocator_settings()?;
+        self.snapshot()?;
         if !(self.budget_fraction > 0.0 && self.budget_fraction <= 1.0) {
             return Err(ConfigError::invalid("memory.budget_fraction", format!("is {}; it must be in (0, 1]", self.budget_fraction)));
         }
@@ -131,6 +137,10 @@ impl MemoryConfig {
                 ConfigError::invalid("memory.budget", format!("`{s}` is not a size; use auto, none or a size like 2GiB"))
             }),
         }
+    }
+
+    pub fn snapshot(&self) -> Result<super::snapshot::SnapshotConfig, ConfigError> {
+        super::snapshot::SnapshotConfig::from_raw(self.snapshot.as_ref())
     }
 
     pub fn allocator_settings(&self) -> Result<AllocatorSettings, ConfigError> {

@@ -10,6 +10,7 @@ pub mod budget;
 mod config;
 pub mod inject;
 mod pressure;
+pub mod snapshot;
 pub use config::{Budget, MemoryConfig, Pressure};
 pub use pressure::PressureSchedule;
 
@@ -120,6 +121,7 @@ pub fn set_allocator_settings(settings: &str) -> Result<(), TchError> {
 /// smaller, where one is set too). Returns the budget in bytes, if any.
 pub fn prepare(cfg: &MemoryConfig, settings: &allocator::AllocatorSettings, device: Device) -> Result<Option<u64>, crate::Error> {
     install_cpu_allocator();
+    snapshot::begin(cfg.snapshot()?, device);
     let mut settings = settings.clone();
     let mut described = None;
     let budget = match (device, cfg.budget()?) {

@@ -9,6 +9,7 @@ use tch::{nn, Kind, Reduction, TchError, Tensor};
 
 use super::loss::{fused_linear_cross_entropy, padded_vocab, LossKind};
 use crate::error::ConfigError;
+use crate::memory::snapshot;
 use crate::precision::Amp;
 
 /// A GPT's shape (the `model` section of kind `gpt`, defaults filled in).
@@ -216,8 +217,12 @@ impl Gpt {
 
     /// The last block's output `[B, T, C]` for token ids `[B, T]`.
     fn trunk(&self, idx: &Tensor, train: bool) -> Result<Tensor, TchError> {
-        let mut x = self.embed(idx, train)?;
-        for block in &self.blocks {
+        let mut x = {
+            let _s = snapshot::scope("embed");
+            self.embed(idx, train)?
+        };
+        for (i, block) in self.blocks.iter().enumerate() {
+            let _s = snapshot::scope(&format!("block.{i}"));
             x = self.block(block, &x, train)?;
         }
         Ok(x)
@@ -225,15 +230,25 @@ impl Gpt {
 
     /// Logits `[B, T, vocab]` for token ids `[B, T]`.
     pub fn logits(&self, idx: &Tensor, train: bool) -> Result<Tensor, TchError> {
-        self.head(&self.trunk(idx, train)?)
+        let x = self.trunk(idx, train)?;
+        let _s = snapshot::scope("logits");
+        self.head(&x)
     }
 
     /// The mean loss from the last block's output, as `model.loss` says.
     fn head_loss(&self, x: &Tensor, targets: &Tensor) -> Result<Tensor, TchError> {
         match self.cfg.loss {
-            LossKind::Full => self.cross_entropy(&self.head(x)?, targets),
+            LossKind::Full => {
+                let logits = {
+                    let _s = snapshot::scope("logits");
+                    self.head(x)?
+                };
+                let _s = snapshot::scope("loss");
+                self.cross_entropy(&logits, targets)
+            }
             LossKind::Fused => {
                 let h = self.ln_f.forward(x)?;
+                let _s = snapshot::scope("loss");
                 fused_linear_cross_entropy(&h.f_view([-1, self.cfg.n_embd])?, &self.wte, &targets.f_view([-1])?)
             }
         }
@@ -275,6 +290,7 @@ impl Gpt {
     /// loss (on the device), like `task::backward`.
     pub fn checkpointed_forward_backward(&self, idx: &Tensor, targets: &Tensor, weight: f64, amp: &Amp) -> crate::Result<Tensor> {
         let (inputs, last, rng) = self.checkpointed_forward(idx, amp).map_err(|e| crate::Error::from(e).in_phase(crate::error::Phase::Forward))?;
+        snapshot::set_phase(crate::error::Phase::Backward, None);
         self.recomputing_backward(idx, targets, weight, amp, inputs, last, rng).map_err(|e| crate::Error::from(e).in_phase(crate::error::Phase::Backward))
     }
 

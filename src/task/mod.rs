@@ -94,6 +94,7 @@ pub fn forward(f: impl FnOnce() -> Result<Tensor, TchError>, amp: &Amp) -> Resul
 /// Backward of `loss x weight` (scaled for fp16); returns the weighted loss, detached, on
 /// the device. An error is tagged as the backward's.
 pub fn backward(loss: &Tensor, weight: f64, amp: &Amp) -> Result<Tensor> {
+    crate::memory::snapshot::set_phase(crate::error::Phase::Backward, None);
     let run = || -> Result<Tensor, TchError> {
         let weighted = crate::ops::mul_scalar(loss, weight)?;
         amp.scale(&weighted)?.f_backward()?;

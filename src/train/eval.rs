@@ -42,6 +42,7 @@ pub fn evaluate(task: &dyn Task, spec: &EvalSpec, guard: &mut Guard, step: u64, 
             |_, mb| {
                 let local = (|| {
                     let mut sum: Option<Tensor> = None;
+                    crate::memory::snapshot::set_phase(Phase::Eval, None);
                     for part in split_range(shard.clone(), mb) {
                         let (x, y) = spec.samples.batch(&positions[part.clone()], spec.device).map_err(in_eval)?;
                         let weighted = (|| {

@@ -17,7 +17,7 @@ use crate::data::{Dataset, StepSamples};
 use crate::error::{ConfigError, Error, Phase, Result};
 use crate::guard::ladder::{self, Rung};
 use crate::dist::{ProcessGroup, Topic};
-use crate::guard::{Agree, Guard, GuardEvent, Policy};
+use crate::guard::{Agree, Guard, GuardEvent, Policy, SharedDumper};
 use crate::memory::{self, allocator, human_bytes, PressureSchedule};
 use crate::metrics::{device_label, EvalRecord, MetricsWriter, Record, RungRecord, StepRecord};
 use crate::model::{ActivationCheckpointing, LossKind, ModelKind};
@@ -68,6 +68,8 @@ pub(super) struct Run<'a> {
     pub summary: Summary,
     /// Elapsed time, the ETA and the live bar.
     pub progress: Progress,
+    /// RUN_DIR/oom/NNN/ writer (memory.snapshot), shared with both guards.
+    snapshot: Option<SharedDumper>,
 }
 
 impl<'a> Run<'a> {
@@ -220,7 +222,11 @@ impl<'a> Run<'a> {
             }
         }
         let agree = pg.clone().map(|p| p as Rc<dyn Agree>);
-        let (guard, eval_guard) = (guard.with_agreement(agree.clone()), eval_guard.with_agreement(agree));
+        let snapshot = snapshot_dumper(cfg, run_dir, device, task.as_ref(), &opt, pg.as_ref().map(|p| p.rank))?;
+        let (guard, eval_guard) = (
+            guard.with_agreement(agree.clone()).with_snapshot(snapshot.clone()),
+            eval_guard.with_agreement(agree).with_snapshot(snapshot.clone()),
+        );
         let scaler = (precision == Precision::Fp16).then(|| Scaler::new(&c.train.grad_scaler, device)).transpose().map_err(|e| init_failure(e.into(), cfg, device, "creating the loss scaler"))?;
         if let (Some(s), Some(scale)) = (&scaler, resumed_extra.get("loss_scale").and_then(|v| v.as_f64())) {
             s.load_state(scale, resumed_extra.get("growth_tracker").and_then(|v| v.as_i64()).unwrap_or(0))?;
@@ -240,7 +246,15 @@ impl<'a> Run<'a> {
             eval_history, verified: BTreeMap::new(), checkpointed: None, cache_key: options.inject_oom.is_none().then_some(cache_key), pg, lead,
             summary: Summary { steps: c.train.max_steps, first_loss: f64::NAN, best_val_loss: best, ..Default::default() },
             progress: Progress::new(cfg.schedule(), next_step, lead),
+            snapshot,
         })
+    }
+
+    /// `memory.snapshot: always`: what is in memory at the end, in oom/NNN/ too.
+    pub fn snapshot_at_end(&self) {
+        if let Some(d) = &self.snapshot {
+            d.borrow_mut().at_end(self.next_step, self.guard.micro_batch_size());
+        }
     }
 
     /// One optimizer step under the guard, recorded and logged. When even micro-batch 1
@@ -754,4 +768,13 @@ fn resolve(run_dir: &Path, resume: Resume) -> Result<Option<(PathBuf, TrainState
         Resume::Newest => checkpoint::newest_valid(run_dir).map(Some),
         Resume::From(dir) => checkpoint::verify(&dir).map(|s| Some((dir, s))),
     }
+}
+
+/// The snapshot writer for this run (none with `memory.snapshot: off`): the parameters and
+/// optimizer state it attributes by address, and the planner's formula where there is one.
+fn snapshot_dumper(cfg: &Config, run_dir: &Path, device: Device, task: &dyn Task, opt: &AdamW, rank: Option<usize>) -> Result<Option<SharedDumper>> {
+    let params = task.parameters().into_iter().map(|(_, t)| t).collect();
+    let state = opt.state().into_iter().map(|(_, t)| t.shallow_clone()).collect();
+    let d = memory::snapshot::Dumper::new(run_dir, cfg.raw.memory.snapshot()?, device, params, state, task.formula(), rank);
+    Ok(d.map(|d| Rc::new(std::cell::RefCell::new(d))))
 }

@@ -14,6 +14,7 @@ use tch::{Kind, Tensor};
 use crate::data::StepBatches;
 use crate::dist::{Buckets, ProcessGroup, Topic};
 use crate::error::{Error, Phase, Result};
+use crate::memory::snapshot;
 use crate::optim::AdamW;
 use crate::precision::{Amp, Scaler};
 use crate::task::Task;
@@ -72,7 +73,9 @@ pub fn accumulate(task: &dyn Task, data: &dyn StepBatches, step: u64, micro_batc
     for (i, part) in parts.iter().enumerate() {
         let weight = part.len() as f64 / global as f64;
         let at = |phase: Phase| move |e: Error| e.in_phase(phase).at_micro_batch(i);
+        snapshot::set_phase(Phase::Data, Some(i));
         let (x, y) = data.micro_batch(step, part.clone()).map_err(at(Phase::Data))?;
+        snapshot::set_phase(Phase::Forward, None);
         // One call (a model may recompute in backward); it tags forward or backward.
         let loss = task.forward_backward(&x, &y, weight, amp).map_err(|e| e.at_micro_batch(i))?;
         let add = || loss_sum.as_ref().map_or_else(|| loss.f_to_kind(Kind::Double), |s| s.f_add(&loss.f_to_kind(Kind::Double)?));
@@ -108,6 +111,7 @@ pub struct Outcome {
 /// accumulated (and reduced across ranks).
 pub fn prepare_update(opt: &mut AdamW, step: u64, u: &Update, loss: &Tensor) -> Result<Ready> {
     let clip = |e: tch::TchError| Error::from(e).in_phase(Phase::Clip);
+    snapshot::set_phase(Phase::Clip, None);
     let found_inf = match u.scaler {
         Some(scaler) => {
             scaler.unscale(&opt.grads()).map_err(clip)?;
@@ -116,6 +120,7 @@ pub fn prepare_update(opt: &mut AdamW, step: u64, u: &Update, loss: &Tensor) -> 
         None => None,
     };
     let grad_norm = opt.clip_grad_norm(u.grad_clip).map_err(clip)?;
+    snapshot::set_phase(Phase::Optimizer, None);
     let prepared = opt.prepare(step, found_inf).map_err(|e| e.in_phase(Phase::Optimizer))?;
     let readout = (|| {
         let f64_of = |t: &Tensor| t.f_to_kind(Kind::Double)?.f_view([1]);

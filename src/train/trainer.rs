@@ -94,6 +94,7 @@ pub fn train_with(cfg: &Config, run_dir: &Path, settings: &AllocatorSettings, op
     }
     run.checkpoint(c.train.max_steps)?;
     run.save_weights()?;
+    run.snapshot_at_end();
     run.progress.finish();
     let s = &mut run.summary;
     s.wall_s = run.progress.elapsed();

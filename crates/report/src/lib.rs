@@ -7,6 +7,7 @@ pub mod atomic;
 pub mod draw;
 pub mod html;
 pub mod jsonl;
+pub mod oom_chart;
 pub mod run_chart;
 pub mod series;
 pub mod sweep;
@@ -116,18 +117,26 @@ pub fn report(dir: &Path, out: Option<&Path>) -> Result<Outcome, Error> {
     let name = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
     let name = name.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
     let (bytes, text, warnings) = match source {
-        Source::Run(s) => {
+        Source::Run(mut s) => {
             let title = format!("oomguard run: {name}");
-            let (w, h) = (run_chart::WIDTH, run_chart::HEIGHT);
+            let ooms = oom_chart::read(dir, &mut s.warnings);
+            let shown = &ooms[..ooms.len().min(oom_chart::MAX_PANELS)];
+            let (w, h) = (run_chart::WIDTH, run_chart::HEIGHT + shown.len() as u32 * oom_chart::PANEL);
             let bytes = match format {
-                Format::Png => png((w, h), |root| run_chart::draw(root, &title, &s))?,
-                Format::Svg => svg((w, h), |root| run_chart::draw(root, &title, &s))?.into_bytes(),
+                Format::Png => png((w, h), |root| draw_run(root, &title, &s, shown))?,
+                Format::Svg => svg((w, h), |root| draw_run(root, &title, &s, shown))?.into_bytes(),
                 Format::Html => {
-                    let svg = svg((w, h), |root| run_chart::draw(root, &title, &s))?;
+                    let svg = svg((w, h), |root| draw_run(root, &title, &s, shown))?;
                     html::run(&title, &s.summary(), &svg, &s.warnings).into_bytes()
                 }
             };
-            let text = s.summary().rows().iter().map(|(k, v)| format!("{k:<20} {v}\n")).collect();
+            let mut text: String = s.summary().rows().iter().map(|(k, v)| format!("{k:<20} {v}\n")).collect();
+            for o in &ooms {
+                text += &format!("{:<20} {}\n", o.folder, o.text);
+            }
+            if ooms.len() > shown.len() {
+                s.warnings.push(format!("{} snapshots under oom/: the picture shows the first {}", ooms.len(), shown.len()));
+            }
             (bytes, text, s.warnings)
         }
         Source::Sweep(s) => {
@@ -147,6 +156,20 @@ pub fn report(dir: &Path, out: Option<&Path>) -> Result<Outcome, Error> {
     // Written whole: a reader never sees half a picture.
     atomic::write(&out, &bytes).map_err(|e| Error::io(&out, "cannot write", e))?;
     Ok(Outcome { out, text, warnings })
+}
+
+/// The run's picture, then a panel per OOM snapshot below it.
+fn draw_run<DB: plotters::prelude::DrawingBackend>(root: &Root<DB>, title: &str, s: &RunSeries, ooms: &[oom_chart::Oom]) -> Result<(), Error> {
+    root.fill(&plotters::style::colors::WHITE).map_err(draw::draw_err)?;
+    let (run, rest) = root.split_vertically(run_chart::HEIGHT);
+    run_chart::draw(&run, title, s)?;
+    if ooms.is_empty() {
+        return Ok(());
+    }
+    for (o, area) in ooms.iter().zip(rest.split_evenly((ooms.len(), 1)).iter()) {
+        oom_chart::draw(area, o)?;
+    }
+    Ok(())
 }
 
 type Root<'a, DB> = plotters::drawing::DrawingArea<DB, plotters::coord::Shift>;
