@@ -63,19 +63,22 @@ fn dropout_resumes_exactly_on_two_ranks() {
     assert_eq!(losses(&whole)[3..], losses(&run)[3..]);
 }
 
+/// A TorchScript model and its data from tests/scripts/NAME.py, and a config training it on
+/// the CPU with `train` (the config's `train:` line).
+fn torchscript_config(dir: &Path, name: &str, train: &str) -> PathBuf {
+    let script = root().join(format!("tests/scripts/{name}.py"));
+    let (model, data) = (format!("{name}.pt"), format!("{name}.safetensors"));
+    let o = Command::new(root().join(".venv/bin/python3")).arg(&script).args(["--out", &model, "--data", &data]).current_dir(dir).env("PYTHONWARNINGS", "ignore").output().expect("python3 from the set-up's venv");
+    assert!(o.status.success(), "{}", text(&o));
+    write_config(dir, &format!("{name}.yaml"), &format!(
+        "model: {{kind: torchscript, path: {model}}}\ndata: {{source: tensors, path: {data}, val_fraction: 0.2}}\noptim: {{lr: 1.0e-2, warmup_steps: 2, decay_steps: 10}}\ntrain: {train}\n"
+    ))
+}
+
 #[test]
 fn a_parameter_unused_on_some_ranks_is_reduced_as_zeros() {
     let dir = tempfile::tempdir().unwrap();
-    let py = root().join(".venv/bin/python3");
-    let script = root().join("tests/scripts/ts_branch.py");
-    let o = Command::new(&py).arg(&script).args(["--out", "branch.pt", "--data", "branch.safetensors"]).current_dir(dir.path()).env("PYTHONWARNINGS", "ignore").output().expect("python3 from the set-up's venv");
-    assert!(o.status.success(), "{}", text(&o));
-    let cfg = write_config(dir.path(), "branch.yaml", "
-model: {kind: torchscript, path: branch.pt}
-data: {source: tensors, path: branch.safetensors, val_fraction: 0.2}
-optim: {lr: 1.0e-2, warmup_steps: 2, decay_steps: 10}
-train: {micro_batch_size: 2, global_batch_size: 8, max_steps: 10, eval_every: 0, eval_batch_size: 8, eval_batches: 1, seed: 3, device: cpu, num_threads: 1}
-");
+    let cfg = torchscript_config(dir.path(), "ts_branch", "{micro_batch_size: 2, global_batch_size: 8, max_steps: 10, eval_every: 0, eval_batch_size: 8, eval_batches: 1, seed: 3, device: cpu, num_threads: 1}");
     let t = Instant::now();
     let o = two_ranks(dir.path(), &cfg, &["--run-dir", "r"]).stdout(Stdio::null()).output().unwrap();
     assert!(o.status.success(), "{}", text(&o));
@@ -89,16 +92,7 @@ train: {micro_batch_size: 2, global_batch_size: 8, max_steps: 10, eval_every: 0,
 #[test]
 fn batchnorm_buffers_are_equal_on_both_ranks_after_training() {
     let dir = tempfile::tempdir().unwrap();
-    let py = root().join(".venv/bin/python3");
-    let script = root().join("tests/scripts/ts_bn.py");
-    let o = Command::new(&py).arg(&script).args(["--out", "bn.pt", "--data", "bn.safetensors"]).current_dir(dir.path()).env("PYTHONWARNINGS", "ignore").output().expect("python3 from the set-up's venv");
-    assert!(o.status.success(), "{}", text(&o));
-    let cfg = write_config(dir.path(), "bn.yaml", "
-model: {kind: torchscript, path: bn.pt}
-data: {source: tensors, path: bn.safetensors, val_fraction: 0.2}
-optim: {lr: 1.0e-2, warmup_steps: 2, decay_steps: 10}
-train: {micro_batch_size: 4, global_batch_size: 16, max_steps: 8, eval_every: 4, eval_batch_size: 8, eval_batches: 1, seed: 3, device: cpu, num_threads: 1}
-");
+    let cfg = torchscript_config(dir.path(), "ts_bn", "{micro_batch_size: 4, global_batch_size: 16, max_steps: 8, eval_every: 4, eval_batch_size: 8, eval_batches: 1, seed: 3, device: cpu, num_threads: 1}");
     let o = two_ranks(dir.path(), &cfg, &["--run-dir", "r"]).env("OOMGUARD_TEST_RANK_WEIGHTS", "1").stdout(Stdio::null()).output().unwrap();
     assert!(o.status.success(), "{}", text(&o));
     let run = dir.path().join("r");

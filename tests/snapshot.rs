@@ -15,8 +15,9 @@ fn category(s: &Value, name: &str) -> u64 {
     s["categories"][name].as_u64().unwrap_or_else(|| panic!("no category {name}: {}", s["categories"]))
 }
 
-/// The number in a line of `_memory_viz stats` such as `total_allocated: 1.2MiB`, in bytes.
-fn viz_bytes(out: &str, key: &str) -> f64 {
+/// The number in a line of `_memory_viz stats` such as `total_allocated: 1.2MiB`, in bytes,
+/// and its unit (it prints one decimal).
+fn viz_bytes(out: &str, key: &str) -> (f64, f64) {
     let line = out.lines().find(|l| l.starts_with(key)).unwrap_or_else(|| panic!("no {key} in {out}"));
     let v = line.split(':').nth(1).unwrap().trim();
     let split = v.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(v.len());
@@ -27,7 +28,7 @@ fn viz_bytes(out: &str, key: &str) -> f64 {
         "GiB" => 1024.0 * 1024.0 * 1024.0,
         u => panic!("unit {u} in {line}"),
     };
-    v[..split].parse::<f64>().unwrap() * unit
+    (v[..split].parse::<f64>().unwrap() * unit, unit)
 }
 
 /// A budget between the first micro-batch's peak and the second's: the second (with every
@@ -80,8 +81,8 @@ fn a_budget_oom_writes_a_snapshot_pytorch_reads_and_every_byte_is_accounted_for(
     let stats = python(&["-m", "torch.cuda._memory_viz", "stats", snap]);
     let live = s["live_bytes"].as_u64().unwrap() as f64;
     for key in ["total_allocated", "total_reserved"] {
-        let b = viz_bytes(&stats, key);
-        assert!((b - live).abs() <= 0.01 * live, "{key}: {b} vs summary's {live}: {stats}");
+        let (b, unit) = viz_bytes(&stats, key);
+        assert!((b - live).abs() <= (0.01 * live).max(0.05 * unit), "{key}: {b} vs summary's {live}: {stats}");
     }
     let trace = python(&["-m", "torch.cuda._memory_viz", "trace", snap]);
     assert!(trace.contains(&format!("{} entries", s["events_kept"].as_u64().unwrap() + count_frees(&trace))), "{}", &trace[..200.min(trace.len())]);
@@ -112,7 +113,9 @@ fn a_logits_dominated_model_says_so() {
     let dir = tempfile::tempdir().unwrap();
     let yaml = TINY
         .replace("n_layer: 2, n_head: 2, n_embd: 32, block_size: 32, vocab_size: 256", "n_layer: 1, n_head: 2, n_embd: 16, block_size: 64, vocab_size: 8192")
-        .replace("max_steps: 6", "max_steps: 1");
+        .replace("max_steps: 6", "max_steps: 1")
+        .replace("vocab_size: 8192}", "vocab_size: 8192, loss: full}");
+    // The plain loss: the fused one (the default) never holds the logits whole.
     let cfg = write_config(dir.path(), "logits.yaml", &yaml);
     // Logits of micro-batch 8 are 8 x 64 x 8192 x 4 bytes = 16 MiB: they fit, their
     // log-softmax (as much again) does not.
