@@ -169,7 +169,7 @@ pub fn breakdown(cap: &Capture, roles: &Roles, ctx: &Context, names: &dyn Fn(i32
     let live_bytes: u64 = cap.live.iter().map(|r| r.size.max(0) as u64).sum();
     for r in &cap.live {
         let (c, b) = (category(r), r.size.max(0) as u64);
-        *categories.get_mut(&c).unwrap() += b;
+        *categories.entry(c).or_default() += b;
         if c == Category::Activations {
             let m = names(r.module);
             let key = if m.is_empty() { format!("({})", phase_name(phase_of(r.phase))) } else { m };
@@ -180,7 +180,7 @@ pub fn breakdown(cap: &Capture, roles: &Roles, ctx: &Context, names: &dyn Fn(i32
         }
     }
     let reserve = ctx.reserved_bytes.map_or(0, |r| r.saturating_sub(live_bytes));
-    *categories.get_mut(&Category::AllocatorReserve).unwrap() += reserve;
+    *categories.entry(Category::AllocatorReserve).or_default() += reserve;
     let mut largest: Vec<&Rec> = cap.live.iter().collect();
     largest.sort_by_key(|r| std::cmp::Reverse(r.size));
     let largest = largest.into_iter().take(12).map(|r| allocation(r, category(r), names)).collect();
@@ -250,7 +250,7 @@ fn timeline(cap: &Capture, category: &dyn Fn(&Rec) -> Category) -> Timeline {
             _ => {}
         }
     }
-    let index = |c: Category| CATEGORIES.iter().position(|&x| x == c).unwrap();
+    let index = |c: Category| CATEGORIES.iter().position(|&x| x == c).unwrap_or(0); // every category is listed
     let mut now = vec![0u64; CATEGORIES.len()];
     for r in live.values() {
         now[index(category(r))] += r.size.max(0) as u64;
