@@ -1,12 +1,12 @@
 //! The crate's error type. OOM is typed: every libtorch error passes through `From<TchError>`
-//! below, which asks `classify_oom` (oomguard-launch's oom.rs, the one place that knows
+//! below, which asks `classify_oom` (oomguard-host's oom.rs, the one place that knows
 //! libtorch's messages).
 use tch::TchError;
 
-pub use oomguard_launch::oom::{classify_oom, OomError, OomSource, Phase};
-/// Config errors live in this leaf module's reach (the torch-free crate), so that the
+pub use oomguard_host::oom::{classify_oom, OomError, OomSource, Phase};
+/// Config errors live in this leaf module's reach (the torch-free oomguard-console), so that the
 /// component sections and config/ never import each other.
-pub use oomguard_launch::ConfigError;
+pub use oomguard_console::ConfigError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

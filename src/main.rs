@@ -1,12 +1,12 @@
 //! `oomguard`: runs `launch` and `report` here (no libtorch is loaded) and hands every
 //! other command to oomguard-torch beside it.
 use clap::Parser;
-use oomguard_launch::cli::{self, Cli, Command};
+use oomguard_cli::{self as cli, Cli, Command};
 
 fn main() {
     let args = Cli::parse();
     // In the Docker image: refuse at once on a host whose driver is too old for its CUDA.
-    if let Err(why) = oomguard_launch::driver::check_image() {
+    if let Err(why) = oomguard_host::driver::check_image() {
         eprintln!("oomguard: {why}");
         std::process::exit(2);
     }
@@ -17,7 +17,7 @@ fn main() {
         }
         Command::Sweep(a) => {
             cli::init_tracing(args.log_format);
-            oomguard_launch::sweep::run(a)
+            oomguard_sweep::run(a)
         }
         Command::Report(a) => {
             cli::init_tracing(args.log_format);

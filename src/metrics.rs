@@ -5,7 +5,7 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
-pub use oomguard_launch::logfile::{set_log_file, LogFileWriter};
+pub use oomguard_console::logfile::{set_log_file, LogFileWriter};
 
 use crate::error::ConfigError;
 use crate::error::{Error, Result};

@@ -5,7 +5,7 @@
 mod common;
 
 use common::{dies_with_test, isolated, records, write_config, TINY};
-use oomguard_launch::host::cgroup::Cgroup;
+use oomguard_host::cgroup::Cgroup;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 

@@ -1,18 +1,18 @@
 //! The libtorch side of the command line: `oomguard-torch` runs every command; the
-//! definitions (and `launch`) live in the oomguard-launch crate, which `oomguard` links alone.
+//! definitions live in the oomguard-cli crate (launch, sweep and report in their own crates), which `oomguard` links alone.
 pub mod plan;
 pub mod train;
 
-pub use oomguard_launch::cli::{exec_torch_binary, init_tracing, Cli, Command, ExitCode, LogFormat};
+pub use oomguard_cli::{exec_torch_binary, init_tracing, Cli, Command, ExitCode, LogFormat};
 
 /// Runs a command in the libtorch binary (every command is available there).
 pub fn run_torch(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Train(a) => train::exec(a),
-        Command::Launch(a) => oomguard_launch::cli::launch(a),
+        Command::Launch(a) => oomguard_cli::launch(a),
         Command::Plan(a) => plan::exec(a),
-        Command::Sweep(a) => oomguard_launch::sweep::run(a),
-        Command::Report(a) => oomguard_launch::cli::report(a),
+        Command::Sweep(a) => oomguard_sweep::run(a),
+        Command::Report(a) => oomguard_cli::report(a),
     }
 }
 
@@ -26,11 +26,11 @@ pub fn exit_code(err: &anyhow::Error) -> i32 {
         None if err.downcast_ref::<plan::NothingFits>().is_some() => 3,
         Some(crate::Error::Interrupted { signal, .. }) => signal.exit_code(),
         Some(_) => 1,
-        None => oomguard_launch::cli::exit_code(err).unwrap_or(1),
+        None => oomguard_cli::exit_code(err).unwrap_or(1),
     }
 }
 
 /// Logs a failure and returns the process's exit code.
 pub fn finish(result: anyhow::Result<()>) -> i32 {
-    oomguard_launch::cli::finish(result, exit_code)
+    oomguard_cli::finish(result, exit_code)
 }

@@ -8,7 +8,7 @@ use crate::plan::{device_memory, measure, suggestions, Estimate, Precision, CUDA
 use crate::task::{self, BuildContext};
 use crate::Error;
 
-pub use oomguard_launch::cli::PlanArgs;
+pub use oomguard_cli::PlanArgs;
 
 /// Nothing fits: exit code 3, the message already printed.
 #[derive(Debug, thiserror::Error)]
@@ -90,7 +90,7 @@ fn measured(cfg: &Config, args: &PlanArgs, memory: u64, cuda: bool, what: &str) 
     tch::manual_seed(c.train.seed as i64);
     let base = cfg.base_dir();
     let built = task::build_from_config(&BuildContext { device, model: &c.model, base_dir: &base, config_path: &cfg.path })?;
-    let data = task::data_for(cfg, built.data)?;
+    let data = task::data_for(&cfg.raw.model, &cfg.raw.data, &cfg.base_dir(), built.data)?;
     let t = built.task;
     let opt = AdamW::new(t.parameters(), &c.optim, |n, p| t.no_weight_decay(n, p))?;
     let global = c.train.global_batch_size();

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use std::os::unix::process::CommandExt;
 
-pub use oomguard_launch::cli::TrainArgs;
+pub use oomguard_cli::TrainArgs;
 
 use crate::config::{self, ConfigError};
 use crate::memory::allocator;
@@ -118,7 +118,7 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
     let s = train::train_with(&cfg, &run_dir, &settings, train::Options { resume, inject_oom, precision_set }, build)?;
     tracing::info!(
         "done: {} steps in {} wall time | loss {:.4} -> {:.4}{} | {:.0} tok/s | peak memory {} | {} OOMs recovered, micro-batch {} at the end",
-        s.steps, oomguard_launch::progress::human_duration(s.wall_s), s.first_loss, s.final_loss,
+        s.steps, oomguard_console::progress::human_duration(s.wall_s), s.first_loss, s.final_loss,
         s.val_loss.map(|v| format!(" | val loss {v:.4}")).unwrap_or_default(),
         s.tokens_per_s, crate::memory::human_bytes(s.peak_bytes), s.num_ooms, s.final_micro_batch_size
     );
@@ -174,7 +174,7 @@ fn launch_self(nproc: &str, run_dir: Option<&Path>) -> anyhow::Result<()> {
         args.extend(["--run-dir".into(), d.as_os_str().to_owned()]);
     }
     match super::Cli::try_parse_from(args).context("building the launch command")?.command {
-        super::Command::Launch(l) => oomguard_launch::cli::launch(l),
+        super::Command::Launch(l) => oomguard_cli::launch(l),
         _ => anyhow::bail!("building the launch command"),
     }
 }

@@ -81,9 +81,9 @@ impl Config {
     }
 
     /// When the run evaluates and checkpoints (the loop and its ETA ask the same).
-    pub fn schedule(&self) -> oomguard_launch::progress::Schedule {
+    pub fn schedule(&self) -> oomguard_console::progress::Schedule {
         let r = &self.raw;
-        oomguard_launch::progress::Schedule { max_steps: r.train.max_steps, eval_every: r.train.eval_every, checkpoint_every: r.checkpoint.every_steps }
+        oomguard_console::progress::Schedule { max_steps: r.train.max_steps, eval_every: r.train.eval_every, checkpoint_every: r.checkpoint.every_steps }
     }
 
     /// Checks that the data files exist (training needs them; planning does not).

@@ -1,11 +1,11 @@
 //! How much memory a run may use: on the CPU, what the machine and its cgroup leave
 //! available; on CUDA, a share of the card.
-pub use oomguard_launch::host::HostMemory;
+pub use oomguard_host::HostMemory;
 
 use super::config::Budget;
 
 /// What this process may use of the host's memory now (cgroups from its own up, and a
-/// launcher's or sweep's share: oomguard_launch::host), with a notice when a cgroup could
+/// launcher's or sweep's share: oomguard_host), with a notice when a cgroup could
 /// not be read.
 pub fn host_memory() -> Option<HostMemory> {
     let m = HostMemory::of_self();
@@ -52,7 +52,7 @@ mod tests {
         assert_eq!(resolve(Budget::None, 5, Some(100)), None);
         assert_eq!(resolve(Budget::Bytes(64), 5, Some(100)), Some(64));
         assert_eq!(resolve(Budget::Auto { fraction: 0.5 }, 10, Some(100)), Some(60));
-        let host = HostMemory { available: 100 << 20, source: oomguard_launch::host::memory::Source::MemAvailable, notice: None };
+        let host = HostMemory { available: 100 << 20, source: oomguard_host::memory::Source::MemAvailable, notice: None };
         let (b, why) = resolve_described(Budget::Auto { fraction: 0.8 }, "auto", 0, Some(&host)).unwrap();
         assert_eq!((b, why.as_str()), (80 << 20, "memory.budget: auto: 80% of 100.0 MiB available (MemAvailable)"));
         assert_eq!(resolve_described(Budget::Bytes(7), "7", 0, Some(&host)).unwrap().1, "memory.budget: 7");

@@ -4,8 +4,8 @@ use std::ffi::{c_char, c_void, CStr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use tch::{Device, TchError, Tensor};
 
-pub use oomguard_launch::allocator;
-pub use oomguard_launch::oom::unit_multiplier;
+pub use oomguard_host::allocator;
+pub use oomguard_host::oom::unit_multiplier;
 pub mod budget;
 mod config;
 pub mod inject;
@@ -240,7 +240,7 @@ pub fn parse_size(text: &str) -> Option<u64> {
     (bytes.is_finite() && bytes >= 0.0).then_some(bytes.round() as u64)
 }
 
-pub use oomguard_launch::units::human_bytes;
+pub use oomguard_console::units::human_bytes;
 
 #[cfg(test)]
 mod tests {

@@ -10,7 +10,7 @@ pub mod torchscript;
 use std::path::Path;
 use tch::{Device, TchError, Tensor};
 
-use crate::data::Dataset;
+use crate::data::{DataConfig, Dataset};
 use crate::error::{Error, Result};
 use crate::model::{ModelConfig, ModelKind};
 use crate::plan::Estimate;
@@ -176,18 +176,18 @@ impl Built {
     }
 }
 
-/// The data a run trains on: what the model brought, or the config's `data` section cut to
-/// the model's sequence length.
-pub fn data_for(cfg: &crate::config::Config, brought: Option<Dataset>) -> Result<Dataset> {
+/// The data a run trains on: what the model brought, or the config's `data` section
+/// (relative paths from `base_dir`, the config file's folder) cut to the model's sequence
+/// length.
+pub fn data_for(m: &ModelConfig, data: &DataConfig, base_dir: &Path, brought: Option<Dataset>) -> Result<Dataset> {
     if let Some(d) = brought {
         return Ok(d);
     }
-    let m = &cfg.raw.model;
     let shape = m.block_size().map(|t| crate::data::TokenShape {
         block_size: t as usize,
         vocab_size: (m.kind == ModelKind::Gpt).then(|| m.gpt().vocab_size),
     });
-    Dataset::open(&cfg.raw.data, &cfg.base_dir(), shape)
+    Dataset::open(data, base_dir, shape)
 }
 
 /// Builds the model a config names (`gpt` or `torchscript`; `rust` models come through

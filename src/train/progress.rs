@@ -1,8 +1,8 @@
-//! A run's clock: elapsed time, the ETA (oomguard_launch::progress's estimator) and, for
+//! A run's clock: elapsed time, the ETA (oomguard_console::progress's estimator) and, for
 //! rank 0 on a terminal, the live bar.
 use std::time::Instant;
 
-use oomguard_launch::progress::{self, Bar, Eta, Schedule};
+use oomguard_console::progress::{self, Bar, Eta, Schedule};
 
 /// indicatif's template for a training run (`{clock}`: elapsed<ETA).
 const TEMPLATE: &str = "{pos}/{len} [{bar:20}] {clock} {msg}";

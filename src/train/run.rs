@@ -25,9 +25,9 @@ use crate::optim::AdamW;
 use crate::plan::{self, AutoResult, AutoSearch};
 use crate::precision::{bf16_is_fast, Amp, Precision, Scaler};
 use crate::task::{self, fingerprint_key, BuildContext, Built, Task};
-use oomguard_launch::host::Threads;
-use oomguard_launch::launch::{FAILED_MICRO_BATCH_VAR, MICRO_BATCH_VAR};
-use oomguard_launch::progress;
+use oomguard_host::Threads;
+use oomguard_launch::{FAILED_MICRO_BATCH_VAR, MICRO_BATCH_VAR};
+use oomguard_console::progress;
 
 /// Attempts at writing a checkpoint or the final weights when they run out of memory.
 const WRITE_ATTEMPTS: u32 = 4;
@@ -110,7 +110,7 @@ impl<'a> Run<'a> {
             task.set_activation_checkpointing(true);
         }
         let mut precision = c.train.precision.resolve(device);
-        let data = task::data_for(cfg, data).map_err(|e| init_failure(e, cfg, device, "loading the data"))?;
+        let data = task::data_for(&cfg.raw.model, &cfg.raw.data, &cfg.base_dir(), data).map_err(|e| init_failure(e, cfg, device, "loading the data"))?;
         let mut opt = AdamW::new(task.parameters(), &c.optim, |n, t| task.no_weight_decay(n, t))
             .map_err(|e| init_failure(e.into(), cfg, device, "creating the optimizer state"))?;
         check_loss(task.as_ref(), &data, device, cfg, precision)?;

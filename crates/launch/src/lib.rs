@@ -1,18 +1,329 @@
-//! The parts of oomguard that need no libtorch: the command line, the torchrun-compatible
-//! launcher, allocator settings, config errors and OOM classification. The `oomguard`
-//! binary links this crate alone, so it starts in milliseconds; the `oomguard` library
-//! (with libtorch) builds on it.
-pub mod allocator;
-pub mod cli;
-pub mod driver;
-mod error;
-pub mod host;
-pub mod launch;
-pub mod logfile;
-pub mod oom;
-pub mod proc;
-pub mod progress;
-pub mod sweep;
-pub mod units;
+//! A torchrun-compatible launcher (no libtorch needed): validated options, the workers'
+//! environment (pure), and supervision (supervise.rs) with restarts that halve the
+//! micro-batch after an out-of-memory death.
+mod args;
+mod group;
+mod output;
+mod supervise;
 
-pub use error::ConfigError;
+pub use args::LaunchArgs;
+pub use supervise::run;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use oomguard_console::ConfigError;
+use oomguard_host::allocator::{self, AllocatorSettings};
+use oomguard_host::{num_gpus, HostMemory, Threads};
+
+/// Why a launch could not run (a failed worker is an exit code, not an error).
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A worker could not be started.
+    #[error("{0}")]
+    Start(String),
+    #[error("{context}: {source}")]
+    Io { context: String, source: std::io::Error },
+}
+
+type Error = LaunchError;
+
+/// Which streams go to files (and whether also to the console), per local rank.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Streams {
+    pub stdout: bool,
+    pub stderr: bool,
+}
+
+/// The validated launch.
+#[derive(Debug, Clone)]
+pub struct LaunchSpec {
+    pub nnodes: usize,
+    pub nproc_per_node: usize,
+    pub node_rank: usize,
+    pub master_addr: String,
+    /// 0: pick a free port.
+    pub master_port: u16,
+    pub run_id: String,
+    pub role: String,
+    pub max_restarts: u32,
+    pub monitor_interval: std::time::Duration,
+    /// SIGTERM to SIGKILL: how long workers get to exit (torchrun's --shutdown-timeout).
+    pub shutdown_timeout: std::time::Duration,
+    pub log_dir: Option<PathBuf>,
+    pub redirects: BTreeMap<usize, Streams>,
+    pub tee: BTreeMap<usize, Streams>,
+    pub console_ranks: Option<Vec<usize>>,
+    /// The worker's program and arguments (python3 added unless --no-python).
+    pub program: Vec<String>,
+    pub allocator: AllocatorSettings,
+    /// OMP_NUM_THREADS for each worker: this host's threads divided among the local workers
+    /// (when it is unset and there is more than one), and the host's figure for the log.
+    pub worker_threads: Option<(usize, Threads)>,
+    /// Each local worker's share of this host's memory (more than one worker per node).
+    pub worker_memory: Option<HostMemory>,
+    /// The micro-batch the first attempt runs with, when known.
+    pub micro_batch_size: Option<usize>,
+    /// What ranks check in the store so that two runs on one port cannot join each other:
+    /// this launch's own on one node, the `--rdzv-id` shared by every node's launcher.
+    pub token: String,
+}
+
+fn bad(flag: &str, message: String) -> Error {
+    LaunchError::Config(ConfigError { origin: flag.into(), line_col: None, key: String::new(), message })
+}
+
+impl LaunchSpec {
+    pub fn from_args(a: &LaunchArgs) -> Result<LaunchSpec, Error> {
+        let nnodes = parse_nnodes(if a.standalone { "1" } else { &a.nnodes })?;
+        let nproc_per_node = parse_nproc(&a.nproc_per_node)?;
+        let node_rank = a.node_rank.unwrap_or(0);
+        if node_rank >= nnodes {
+            return Err(bad("--node-rank", format!("{node_rank} is not below --nnodes {nnodes}")));
+        }
+        let (mut master_addr, mut master_port) = (a.master_addr.clone(), a.master_port);
+        if a.standalone {
+            (master_addr, master_port) = ("127.0.0.1".into(), 0);
+        } else if !a.rdzv_endpoint.is_empty() {
+            let (host, port) = match a.rdzv_endpoint.rsplit_once(':') {
+                Some((h, p)) => (h.to_string(), p.parse().map_err(|_| bad("--rdzv-endpoint", format!("`{}` is not HOST:PORT", a.rdzv_endpoint)))?),
+                None => (a.rdzv_endpoint.clone(), 29400),
+            };
+            (master_addr, master_port) = (host, port);
+        }
+        match a.rdzv_backend.as_str() {
+            "static" => {}
+            "c10d" if nnodes == 1 || a.node_rank.is_some() => {}
+            "c10d" => {
+                return Err(bad("--rdzv-backend", "c10d over several nodes needs --node-rank here: oomguard assigns ranks statically".into()));
+            }
+            other => return Err(bad("--rdzv-backend", format!("`{other}` is not supported; use static or c10d"))),
+        }
+        if !(a.monitor_interval > 0.0 && a.monitor_interval.is_finite()) {
+            return Err(bad("--monitor-interval", format!("{} must be a positive number of seconds", a.monitor_interval)));
+        }
+        if !(a.shutdown_timeout >= 0.0 && a.shutdown_timeout.is_finite()) {
+            return Err(bad("--shutdown-timeout", format!("{} must be 0 or more seconds", a.shutdown_timeout)));
+        }
+        let from_env = allocator::effective(&default_allocator(), |v| std::env::var(v).ok())?;
+        Ok(LaunchSpec {
+            nnodes,
+            nproc_per_node,
+            node_rank,
+            master_addr,
+            master_port,
+            run_id: a.rdzv_id.clone(),
+            role: a.role.clone(),
+            max_restarts: a.max_restarts,
+            monitor_interval: std::time::Duration::from_secs_f64(a.monitor_interval),
+            shutdown_timeout: std::time::Duration::from_secs_f64(a.shutdown_timeout),
+            log_dir: a.log_dir.clone(),
+            redirects: parse_streams("--redirects", &a.redirects, nproc_per_node)?,
+            tee: parse_streams("--tee", &a.tee, nproc_per_node)?,
+            console_ranks: parse_filter(&a.local_ranks_filter)?,
+            program: worker_program(a),
+            allocator: from_env,
+            worker_threads: (nproc_per_node > 1 && std::env::var_os("OMP_NUM_THREADS").is_none()).then(|| {
+                let t = Threads::of_self();
+                (t.share(nproc_per_node), t)
+            }),
+            worker_memory: (nproc_per_node > 1).then(HostMemory::of_self).flatten(),
+            micro_batch_size: std::env::var(MICRO_BATCH_VAR).ok().and_then(|v| v.parse().ok()),
+            token: if nnodes == 1 { format!("{}.{}.{}", a.rdzv_id, std::process::id(), now_nanos()) } else { a.rdzv_id.clone() },
+        })
+    }
+}
+
+/// Read by `oomguard train`; set by the launcher after an out-of-memory death.
+pub const MICRO_BATCH_VAR: &str = "OOMGUARD_MICRO_BATCH_SIZE";
+/// The size the worker died at, so the relaunched run lets it cool down before growing back.
+pub const FAILED_MICRO_BATCH_VAR: &str = "OOMGUARD_FAILED_MICRO_BATCH_SIZE";
+
+fn now_nanos() -> u128 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
+}
+
+fn default_allocator() -> AllocatorSettings {
+    AllocatorSettings::parse("expandable_segments:True", "").unwrap_or_default()
+}
+
+fn parse_nnodes(s: &str) -> Result<usize, Error> {
+    let (min, max) = s.split_once(':').unwrap_or((s, s));
+    match (min.parse::<usize>(), max.parse::<usize>()) {
+        (Ok(a), Ok(b)) if a == b && a >= 1 => Ok(a),
+        (Ok(a), Ok(b)) if a >= 1 && b > a => Err(bad("--nnodes", format!("elastic {s} (MIN:MAX) is not supported; give a fixed number of nodes"))),
+        _ => Err(bad("--nnodes", format!("`{s}` is not a number of nodes"))),
+    }
+}
+
+fn parse_nproc(s: &str) -> Result<usize, Error> {
+    let cpus = || std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    match s {
+        "cpu" => Ok(cpus()),
+        "gpu" => match num_gpus() {
+            0 => Err(bad("--nproc-per-node", "gpu: no GPU is visible".into())),
+            n => Ok(n),
+        },
+        "auto" => Ok(match num_gpus() {
+            0 => cpus(),
+            n => n,
+        }),
+        n => n.parse().ok().filter(|&n| n >= 1).ok_or_else(|| bad("--nproc-per-node", format!("`{n}` is not a number, auto, cpu or gpu"))),
+    }
+}
+
+
+/// `3`, or per local rank `0:1,1:2` (1 stdout, 2 stderr, 3 both).
+fn parse_streams(flag: &str, s: &str, nproc: usize) -> Result<BTreeMap<usize, Streams>, Error> {
+    let code = |c: &str| -> Result<Streams, Error> {
+        match c.trim() {
+            "0" => Ok(Streams::default()),
+            "1" => Ok(Streams { stdout: true, stderr: false }),
+            "2" => Ok(Streams { stdout: false, stderr: true }),
+            "3" => Ok(Streams { stdout: true, stderr: true }),
+            other => Err(bad(flag, format!("`{other}` is not 0, 1, 2 or 3"))),
+        }
+    };
+    if !s.contains(':') {
+        let all = code(s)?;
+        return Ok((0..nproc).map(|r| (r, all)).collect());
+    }
+    s.split(',')
+        .map(|item| {
+            let (r, c) = item.split_once(':').ok_or_else(|| bad(flag, format!("`{item}` is not RANK:CODE")))?;
+            Ok((r.trim().parse().map_err(|_| bad(flag, format!("`{r}` is not a local rank")))?, code(c)?))
+        })
+        .collect()
+}
+
+fn parse_filter(s: &str) -> Result<Option<Vec<usize>>, Error> {
+    if s.trim().is_empty() {
+        return Ok(None);
+    }
+    s.split(',').map(|r| r.trim().parse().map_err(|_| bad("--local-ranks-filter", format!("`{r}` is not a local rank")))).collect::<Result<_, _>>().map(Some)
+}
+
+/// The command each worker runs: under python3 (as torchrun does) unless --no-python.
+fn worker_program(a: &LaunchArgs) -> Vec<String> {
+    let (script, rest) = (&a.command[0], &a.command[1..]);
+    let mut p: Vec<String> = if a.no_python {
+        vec![script.clone()]
+    } else if a.module {
+        vec!["python3".into(), "-u".into(), "-m".into(), script.clone()]
+    } else if a.run_path {
+        let code = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')";
+        vec!["python3".into(), "-u".into(), "-c".into(), code.into(), script.clone()]
+    } else {
+        vec!["python3".into(), "-u".into(), script.clone()]
+    };
+    p.extend(rest.iter().cloned());
+    p
+}
+
+/// Everything the launcher sets in one worker's environment, as torchrun does.
+pub fn worker_env(spec: &LaunchSpec, local_rank: usize, master_port: u16, restart_count: u32, error_file: &std::path::Path, micro: Micro) -> Vec<(String, String)> {
+    let world = spec.nnodes * spec.nproc_per_node;
+    let rank = spec.node_rank * spec.nproc_per_node + local_rank;
+    let mut env: Vec<(String, String)> = [
+        ("RANK", rank.to_string()),
+        ("LOCAL_RANK", local_rank.to_string()),
+        ("GROUP_RANK", spec.node_rank.to_string()),
+        ("ROLE_RANK", rank.to_string()),
+        ("ROLE_NAME", spec.role.clone()),
+        ("LOCAL_WORLD_SIZE", spec.nproc_per_node.to_string()),
+        ("WORLD_SIZE", world.to_string()),
+        ("GROUP_WORLD_SIZE", spec.nnodes.to_string()),
+        ("ROLE_WORLD_SIZE", world.to_string()),
+        ("MASTER_ADDR", spec.master_addr.clone()),
+        ("MASTER_PORT", master_port.to_string()),
+        ("TORCHELASTIC_RESTART_COUNT", restart_count.to_string()),
+        ("TORCHELASTIC_MAX_RESTARTS", spec.max_restarts.to_string()),
+        ("TORCHELASTIC_RUN_ID", spec.run_id.clone()),
+        ("TORCHELASTIC_ERROR_FILE", error_file.display().to_string()),
+        ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1".into()),
+        ("OOMGUARD_RUN_TOKEN", spec.token.clone()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    if let Some((n, _)) = &spec.worker_threads {
+        env.push(("OMP_NUM_THREADS".into(), n.to_string()));
+    }
+    if let Some(m) = &spec.worker_memory {
+        env.extend(m.share_env(spec.nproc_per_node));
+    }
+    if !spec.allocator.is_empty() {
+        for var in allocator::ENV_VARS {
+            env.push((var.into(), spec.allocator.render()));
+        }
+    }
+    if let Some(mb) = micro.size {
+        env.push((MICRO_BATCH_VAR.into(), mb.to_string()));
+    }
+    if let Some(f) = micro.failed {
+        env.push((FAILED_MICRO_BATCH_VAR.into(), f.to_string()));
+    }
+    env
+}
+
+/// The micro-batch an attempt runs with, and the size an earlier attempt died of an OOM at.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Micro {
+    pub size: Option<usize>,
+    pub failed: Option<usize>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn spec(args: &[&str]) -> Result<LaunchSpec, Error> {
+        #[derive(Parser)]
+        struct Launch {
+            #[command(flatten)]
+            args: LaunchArgs,
+        }
+        let cli = Launch::try_parse_from([&["oomguard launch"], args].concat()).map_err(|e| bad("cli", e.to_string()))?;
+        LaunchSpec::from_args(&cli.args)
+    }
+
+    #[test]
+    fn torchrun_spellings_and_env() {
+        let s = spec(&["--nproc_per_node=2", "--nnodes", "2", "--node-rank", "1", "--master_addr", "10.0.0.1", "--max_restarts", "3", "train.py", "--lr", "3"]).unwrap();
+        assert_eq!((s.nproc_per_node, s.nnodes, s.node_rank, s.max_restarts), (2, 2, 1, 3));
+        assert_eq!(s.shutdown_timeout, std::time::Duration::from_secs(30), "torchrun's default");
+        assert_eq!(spec(&["--shutdown-timeout", "600", "x.py"]).unwrap().shutdown_timeout, std::time::Duration::from_secs(600));
+        assert!(spec(&["--shutdown-timeout", "-1", "x.py"]).is_err());
+        assert_eq!(s.program, ["python3", "-u", "train.py", "--lr", "3"]);
+        let env: BTreeMap<String, String> =
+            worker_env(&s, 1, 29500, 2, std::path::Path::new("/e.json"), Micro { size: Some(4), failed: Some(8) }).into_iter().collect();
+        for (k, v) in [
+            ("RANK", "3"), ("LOCAL_RANK", "1"), ("GROUP_RANK", "1"), ("ROLE_RANK", "3"), ("ROLE_NAME", "default"),
+            ("LOCAL_WORLD_SIZE", "2"), ("WORLD_SIZE", "4"), ("GROUP_WORLD_SIZE", "2"), ("ROLE_WORLD_SIZE", "4"),
+            ("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "29500"), ("TORCHELASTIC_RESTART_COUNT", "2"),
+            ("TORCHELASTIC_MAX_RESTARTS", "3"), ("TORCHELASTIC_RUN_ID", "none"), ("TORCHELASTIC_ERROR_FILE", "/e.json"),
+            ("OOMGUARD_MICRO_BATCH_SIZE", "4"), ("OOMGUARD_FAILED_MICRO_BATCH_SIZE", "8"),
+        ] {
+            assert_eq!(env.get(k).map(String::as_str), Some(v), "{k}");
+        }
+    }
+
+    #[test]
+    fn programs_and_refusals() {
+        assert_eq!(spec(&["--no-python", "oomguard", "train", "c.yaml"]).unwrap().program, ["oomguard", "train", "c.yaml"]);
+        assert_eq!(spec(&["-m", "pkg.train", "-x"]).unwrap().program, ["python3", "-u", "-m", "pkg.train", "-x"]);
+        assert!(spec(&["--nnodes", "1:4", "x.py"]).unwrap_err().to_string().contains("elastic 1:4 (MIN:MAX) is not supported"));
+        assert_eq!(spec(&["--nnodes", "2:2", "--node_rank", "1", "x.py"]).unwrap().nnodes, 2);
+        assert!(spec(&["--nnodes", "2", "--rdzv-backend", "c10d", "x.py"]).is_err());
+        assert!(spec(&["--rdzv-backend", "etcd", "x.py"]).is_err());
+        let s = spec(&["--standalone", "--redirects", "0:3,1:2", "--local-ranks-filter", "0", "--nproc-per-node", "2", "x.py"]).unwrap();
+        assert_eq!(s.master_port, 0);
+        assert_eq!(s.redirects[&1], Streams { stdout: false, stderr: true });
+        assert_eq!(s.console_ranks, Some(vec![0]));
+        let s = spec(&["--rdzv-endpoint", "host:1234", "--rdzv_backend", "c10d", "x.py"]).unwrap();
+        assert_eq!((s.master_addr.as_str(), s.master_port), ("host", 1234));
+    }
+}

@@ -7,6 +7,7 @@ pub mod atomic;
 pub mod draw;
 pub mod html;
 pub mod jsonl;
+pub mod labels;
 pub mod oom_chart;
 pub mod run_chart;
 pub mod series;

@@ -7,7 +7,7 @@ use plotters::prelude::*;
 use serde::Deserialize;
 use std::path::Path;
 
-use crate::draw::{self, draw_err, text, text_at, HPos, MUTED, PALETTE};
+use crate::draw::{draw_err, text, text_at, HPos, MUTED, PALETTE};
 use crate::Error;
 
 pub const PANEL: u32 = 340;
@@ -115,7 +115,7 @@ pub fn draw<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, o: &Oom) -> Resul
 fn timeline<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, o: &Oom) -> Result<(), Error> {
     let t = &o.timeline;
     let top = t.bytes.iter().map(|v| v.iter().sum::<u64>()).chain(o.limit_bytes).max().unwrap_or(1).max(1) as f64;
-    let (div, unit) = draw::bytes_unit(top);
+    let (div, unit) = crate::labels::bytes_unit(top);
     let x_max = t.events.last().copied().unwrap_or(1).max(1) as f64;
     let mut chart = ChartBuilder::on(area)
         .margin(8)
@@ -177,7 +177,7 @@ fn largest<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, o: &Oom) -> Result
         area.draw(&Rectangle::new([(8, y - 8), (8 + len, y + 8)], color(&o.timeline.categories, &a.category).filled())).map_err(draw_err)?;
         let what = if a.op.is_empty() { "(no op)".to_string() } else { a.op.clone() };
         let module = if a.module.is_empty() { String::new() } else { format!(" in {}", a.module) };
-        let size = if a.bytes < 1 << 20 { format!("{:.1} KiB", a.bytes as f64 / 1024.0) } else { draw::human_bytes(a.bytes as f64) };
+        let size = if a.bytes < 1 << 20 { format!("{:.1} KiB", a.bytes as f64 / 1024.0) } else { crate::labels::human_bytes(a.bytes as f64) };
         let s = format!("{size}  {what}{module}  [{}]", label(&a.category));
         area.draw(&Text::new(s, (bar_w as i32 + 16, y), text_at(11, HPos::Left))).map_err(draw_err)?;
     }

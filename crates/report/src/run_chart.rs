@@ -62,13 +62,13 @@ fn trend(label: &str, points: Vec<(f64, f64)>, color: RGBColor, pale: RGBColor) 
 
 fn panels(s: &RunSeries) -> Vec<Panel<'_>> {
     let loss_fmt: fn(&f64) -> String = |v| format!("{v:.2}");
-    let number: fn(&f64) -> String = |v| draw::short_number(*v);
+    let number: fn(&f64) -> String = |v| crate::labels::short_number(*v);
     let mut eval = Line::new("eval loss", draw::to_f64(&s.eval_loss, 1.0), Stroke::solid(INK, 2));
     eval.dots = s.eval_loss.len() <= 60;
     let mut loss = trend("train loss", draw::to_f64(&s.loss, 1.0), BLUE, PALE);
     loss.push(eval);
     let max_mem = [&s.peak_bytes, &s.limit_bytes, &s.reserved_bytes, &s.live_bytes].iter().flat_map(|v| v.iter().map(|p| p.1)).fold(0.0, f64::max);
-    let (div, unit) = draw::bytes_unit(max_mem);
+    let (div, unit) = crate::labels::bytes_unit(max_mem);
     let mut memory = vec![
         Line::new("live", draw::to_f64(&s.live_bytes, div), Stroke::solid(BLUE, 2)),
         Line::new("peak", draw::to_f64(&s.peak_bytes, div), Stroke::solid(TEAL, 2)),

@@ -213,7 +213,7 @@ impl Summary {
             ("final eval loss", f(self.final_eval_loss, 4)),
             ("best eval loss", f(self.best_eval_loss, 4)),
             ("mean tokens/s", f(self.mean_tokens_per_s, 0)),
-            ("peak memory", self.peak_bytes.map_or("-".into(), crate::draw::human_bytes)),
+            ("peak memory", self.peak_bytes.map_or("-".into(), crate::labels::human_bytes)),
             ("final micro-batch", self.final_micro_batch.map_or("-".into(), |v| v.to_string())),
             ("OOMs", self.ooms.to_string()),
             ("shrinks", self.shrinks.to_string()),

@@ -46,3 +46,9 @@ impl ConfigError {
         ConfigError { origin: origin.to_string(), line_col, key, message }
     }
 }
+
+/// A child's exit code passed through as this process's own (its summary is already
+/// printed, so nothing more is logged).
+#[derive(Debug, thiserror::Error)]
+#[error("exit code {0}")]
+pub struct ExitCode(pub i32);

@@ -3,7 +3,7 @@
 //! runs, applied inside libtorch and exported to child processes.
 use std::collections::BTreeMap;
 
-use crate::ConfigError;
+use oomguard_console::ConfigError;
 
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Kind {

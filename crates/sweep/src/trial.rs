@@ -5,25 +5,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
 use super::spec::Trial;
-use super::store::Status;
-use crate::units::human_bytes;
-
-/// What a trial's metrics.jsonl says (the record's fields of the same names).
-#[derive(Debug, Default, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct Summary {
-    /// The last evaluation's loss, and the lowest.
-    pub final_eval_loss: Option<f64>,
-    pub best_eval_loss: Option<f64>,
-    /// The last step's training loss.
-    #[serde(default)]
-    pub final_loss: Option<f64>,
-    /// Mean over the trial's steps.
-    pub tokens_per_s: Option<f64>,
-    pub final_micro_batch_size: Option<usize>,
-    pub ooms: u64,
-    /// Optimizer steps done.
-    pub steps: u64,
-}
+use crate::record::{Status, Summary};
+use oomguard_console::units::human_bytes;
 
 /// Reads a run directory's metrics.jsonl (missing or torn lines are skipped).
 pub fn summarize(run_dir: &Path) -> Summary {
@@ -140,7 +123,7 @@ impl Launch<'_> {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(self.log_path())?;
         let mut cmd = self.command(&["train"]);
         cmd.arg("--run-dir").arg(&self.run_dir).arg("--resume").stdout(log.try_clone()?).stderr(log);
-        crate::proc::spawn_shimmed(&mut cmd)
+        oomguard_host::proc::spawn_shimmed(&mut cmd)
     }
 
     pub fn log_path(&self) -> PathBuf {

@@ -3,7 +3,7 @@
 //! `decide` is pure; `HostMemory::of_self` reads /proc and the cgroup files.
 use super::cgroup::Cgroup;
 use super::{read_u64, stat_field};
-use crate::units::human_bytes;
+use oomguard_console::units::human_bytes;
 
 /// Set by `oomguard launch` and `oomguard sweep` for each local worker or parallel trial:
 /// the bytes it may use in all (its share of what the parent could use), and where that

@@ -156,7 +156,7 @@ impl Parzen {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sweep::domain::Scale;
+    use crate::domain::Scale;
 
     /// Branin (minimum 0.397887 at three points), and a band of it that "does not fit".
     fn branin(x: f64, y: f64) -> f64 {

@@ -1,12 +1,16 @@
 //! The command line, shared by both binaries: `oomguard` (this crate only: it starts in
 //! milliseconds and runs `launch` itself) and `oomguard-torch` (links libtorch; `oomguard`
 //! hands it every other command by exec, so signals and exit codes pass straight through).
-use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use tracing_subscriber::{fmt, prelude::*, EnvFilter};
 
-use crate::launch::{self, LaunchSpec};
+use oomguard_console::{logfile, progress, ConfigError};
+use oomguard_launch::{self as launch, LaunchSpec};
+
+pub use oomguard_console::ExitCode;
+pub use oomguard_launch::LaunchArgs;
 
 #[derive(Debug, Parser)]
 #[command(name = "oomguard", version, about = "A training runtime that never dies of an out-of-memory error")]
@@ -34,7 +38,7 @@ pub enum Command {
     Plan(PlanArgs),
     /// Run a hyper-parameter sweep (ours or a W&B sweep file): one guarded `oomguard train`
     /// per trial, resumable; grid, random or model-based (TPE) search, early stopping (ASHA).
-    Sweep(crate::sweep::SweepArgs),
+    Sweep(oomguard_sweep::SweepArgs),
     /// Draw a run (loss, tokens/s, memory, micro-batch, OOM events) or a sweep (its trials).
     Report(ReportArgs),
 }
@@ -111,84 +115,6 @@ pub struct TrainArgs {
     pub inject_oom: Option<String>,
 }
 
-/// `oomguard launch`: torchrun's options, spelled with hyphens or underscores, or set through
-/// their PET_* environment variables.
-#[derive(Debug, Args)]
-pub struct LaunchArgs {
-    /// Nodes: N (or N:N; elastic MIN:MAX is refused).
-    #[arg(long, env = "PET_NNODES", default_value = "1")]
-    pub nnodes: String,
-    /// Workers per node: N, auto, cpu or gpu.
-    #[arg(long = "nproc-per-node", alias = "nproc_per_node", env = "PET_NPROC_PER_NODE", default_value = "1")]
-    pub nproc_per_node: String,
-    /// This node's rank among the nodes [default: 0].
-    #[arg(long = "node-rank", alias = "node_rank", env = "PET_NODE_RANK")]
-    pub node_rank: Option<usize>,
-    /// Address of the rank-0 node (static rendezvous).
-    #[arg(long = "master-addr", alias = "master_addr", env = "PET_MASTER_ADDR", default_value = "127.0.0.1")]
-    pub master_addr: String,
-    /// Port on the rank-0 node (static rendezvous).
-    #[arg(long = "master-port", alias = "master_port", env = "PET_MASTER_PORT", default_value_t = 29500)]
-    pub master_port: u16,
-    /// Rendezvous backend: static or c10d.
-    #[arg(long = "rdzv-backend", alias = "rdzv_backend", env = "PET_RDZV_BACKEND", default_value = "static")]
-    pub rdzv_backend: String,
-    /// Rendezvous endpoint HOST[:PORT] (c10d; overrides --master-addr/--master-port).
-    #[arg(long = "rdzv-endpoint", alias = "rdzv_endpoint", env = "PET_RDZV_ENDPOINT", default_value = "")]
-    pub rdzv_endpoint: String,
-    /// The job's id, shared by its nodes.
-    #[arg(long = "rdzv-id", alias = "rdzv_id", env = "PET_RDZV_ID", default_value = "none")]
-    pub rdzv_id: String,
-    /// Extra rendezvous settings (accepted for compatibility).
-    #[arg(long = "rdzv-conf", alias = "rdzv_conf", env = "PET_RDZV_CONF", default_value = "")]
-    pub rdzv_conf: String,
-    /// Single node on a free local port (c10d on localhost:0).
-    #[arg(long, env = "PET_STANDALONE", action = ArgAction::SetTrue)]
-    pub standalone: bool,
-    /// Restarts of the worker group before giving up.
-    #[arg(long = "max-restarts", alias = "max_restarts", env = "PET_MAX_RESTARTS", default_value_t = 0)]
-    pub max_restarts: u32,
-    /// Seconds the workers get to exit after SIGTERM (a checkpoint being written, say) before
-    /// SIGKILL, as torchrun's --shutdown-timeout.
-    #[arg(long = "shutdown-timeout", alias = "shutdown_timeout", env = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", default_value_t = 30.0, value_name = "SECONDS")]
-    pub shutdown_timeout: f64,
-    /// Seconds between checks of the workers.
-    #[arg(long = "monitor-interval", alias = "monitor_interval", env = "PET_MONITOR_INTERVAL", default_value_t = 0.1)]
-    pub monitor_interval: f64,
-    /// Folder for the workers' log and error files.
-    #[arg(long = "log-dir", alias = "log_dir", env = "PET_LOG_DIR")]
-    pub log_dir: Option<std::path::PathBuf>,
-    /// Streams to files only: 0 none, 1 stdout, 2 stderr, 3 both; or per rank, e.g. 0:1,1:2.
-    #[arg(short = 'r', long, env = "PET_REDIRECTS", default_value = "0")]
-    pub redirects: String,
-    /// Streams to files and the console, same values as --redirects.
-    #[arg(short = 't', long, env = "PET_TEE", default_value = "0")]
-    pub tee: String,
-    /// Show only these local ranks' output on the console, e.g. 0 or 0,2.
-    #[arg(long = "local-ranks-filter", alias = "local_ranks_filter", env = "PET_LOCAL_RANKS_FILTER", default_value = "")]
-    pub local_ranks_filter: String,
-    /// The workers' role name.
-    #[arg(long, env = "PET_ROLE", default_value = "default")]
-    pub role: String,
-    /// Run the script as a program, not under python3.
-    #[arg(long = "no-python", alias = "no_python", env = "PET_NO_PYTHON", action = ArgAction::SetTrue, conflicts_with = "module")]
-    pub no_python: bool,
-    /// Run the script as a Python module (python3 -m).
-    #[arg(short = 'm', long = "module", env = "PET_MODULE", action = ArgAction::SetTrue)]
-    pub module: bool,
-    /// Run the script with runpy.run_path.
-    #[arg(long = "run-path", alias = "run_path", env = "PET_RUN_PATH", action = ArgAction::SetTrue)]
-    pub run_path: bool,
-    /// The training script (or program, or module) and its arguments.
-    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "SCRIPT_OR_CMD [ARGS]...")]
-    pub command: Vec<String>,
-}
-
-/// A worker failure's exit code, passed through as the launcher's (the summary is printed).
-#[derive(Debug, thiserror::Error)]
-#[error("exit code {0}")]
-pub struct ExitCode(pub i32);
-
 /// Runs `oomguard launch`.
 pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
     let spec = LaunchSpec::from_args(&args)?;
@@ -221,7 +147,7 @@ pub fn exit_code(err: &anyhow::Error) -> Option<i32> {
     match err.downcast_ref::<launch::LaunchError>() {
         Some(launch::LaunchError::Config(_) | launch::LaunchError::Start(_)) => Some(2),
         Some(launch::LaunchError::Io { .. }) => Some(1),
-        None => err.downcast_ref::<crate::ConfigError>().map(|_| 2),
+        None => err.downcast_ref::<ConfigError>().map(|_| 2),
     }
 }
 
@@ -254,11 +180,11 @@ pub fn exec_torch_binary() -> anyhow::Error {
 /// once a run directory is known, to its log file.
 pub fn init_tracing(format: LogFormat) {
     let filter = || EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let file = fmt::layer().with_ansi(false).with_target(false).with_writer(|| crate::logfile::LogFileWriter);
+    let file = fmt::layer().with_ansi(false).with_target(false).with_writer(|| logfile::LogFileWriter);
     let registry = tracing_subscriber::registry().with(file.with_filter(filter()));
-    let console = crate::progress::Console::decide(format == LogFormat::Json, std::io::stderr().is_terminal(), &|v| std::env::var(v).ok());
-    crate::progress::allow_bars(console.bar);
-    let stderr = fmt::layer().with_writer(crate::progress::StderrWriter::default()).with_target(false).with_ansi(console.colour);
+    let console = progress::Console::decide(format == LogFormat::Json, std::io::stderr().is_terminal(), &|v| std::env::var(v).ok());
+    progress::allow_bars(console.bar);
+    let stderr = fmt::layer().with_writer(progress::StderrWriter::default()).with_target(false).with_ansi(console.colour);
     // try_init: a program that trains several times in one process initialises once.
     let _ = match format {
         LogFormat::Human => registry.with(stderr.with_filter(filter())).try_init(),

@@ -4,6 +4,7 @@
 //! was: finished trials skipped, unfinished ones resumed from their checkpoints.
 mod asha;
 mod domain;
+mod record;
 mod spec;
 mod status;
 mod store;
@@ -13,15 +14,16 @@ mod sweeper;
 mod trial;
 
 pub use spec::{load, Metric, Sweep, Trial};
-pub use store::{Record, Status, Store};
+pub use record::{Record, Status};
+pub use store::Store;
 
 use anyhow::Context;
 use std::path::{Path, PathBuf};
 
-use crate::host::{HostMemory, Threads};
-use crate::proc::Signals;
-use crate::units::human_bytes;
-use crate::ConfigError;
+use oomguard_host::{HostMemory, Threads};
+use oomguard_host::proc::Signals;
+use oomguard_console::units::human_bytes;
+use oomguard_console::ConfigError;
 use store::TrialLock;
 use sweeper::Sweeper;
 
@@ -89,7 +91,7 @@ pub fn shard(flag: Option<&str>, shards: Option<usize>, env: &dyn Fn(&str) -> Op
 fn visible_gpus() -> Vec<String> {
     match std::env::var("CUDA_VISIBLE_DEVICES") {
         Ok(v) => v.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect(),
-        Err(_) => (0..crate::launch::num_gpus()).map(|i| i.to_string()).collect(),
+        Err(_) => (0..oomguard_host::num_gpus()).map(|i| i.to_string()).collect(),
     }
 }
 
@@ -115,7 +117,7 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
         return Err(ConfigError { origin: "--parallel".into(), line_col: None, key: String::new(), message: m }.into());
     }
     std::fs::create_dir_all(out.join("trials")).with_context(|| format!("creating {}", out.display()))?;
-    crate::logfile::set_log_file(&out.join("sweep.log"))?;
+    oomguard_console::logfile::set_log_file(&out.join("sweep.log"))?;
     for n in &sweep.notices {
         tracing::info!("{n}");
     }
@@ -166,7 +168,7 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     let trials = sweeper::known(&sweep, &records, (0, 1));
     print!("{}", table::render(&trials, &records, &|t| open_state(&out, t), sweep.metric, sweep.count));
     match stopped {
-        Some(sig) => Err(crate::cli::ExitCode(128 + sig).into()),
+        Some(sig) => Err(oomguard_console::ExitCode(128 + sig).into()),
         None => Ok(()),
     }
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 pub use super::domain::Domain;
 use super::domain::{same, Quantum, Scale, SplitMix};
-use crate::ConfigError;
+use oomguard_console::ConfigError;
 
 /// The sweep file as written: ours, or W&B's (whose keys are read as W&B defines them).
 #[derive(Debug, Deserialize)]

@@ -2,82 +2,12 @@
 //! exclusive lock (flock on results.lock), renamed into place: a kill at any moment leaves
 //! the old file or the new, never a torn one, and concurrent sweeps (shards sharing the
 //! directory) never lose each other's records nor hold a trial twice.
-use serde::{Deserialize, Serialize};
-use serde_json::Value;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
-use super::trial::Summary;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Status {
-    Ok,
-    /// Does not fit even at micro-batch 1 (exit 3), told by the planner or the run.
-    Infeasible,
-    /// Exited with another code; `message` says why.
-    Failed,
-    /// Ran past `trial.timeout` (stopped with a checkpoint).
-    Timeout,
-    /// The sweep (or someone) stopped it: the next start of the sweep resumes it.
-    Interrupted,
-    /// Early stopping: below the top 1/eta at its rung (`rung`); it may be promoted later.
-    StoppedEarly,
-    /// Early stopping: in the top at its rung, going on to the next (not final).
-    Promoted,
-    /// Model-based search proposed it (its parameters kept for a restart); not run to its end yet.
-    Proposed,
-}
-
-impl Status {
-    pub fn name(self) -> &'static str {
-        match self {
-            Status::Ok => "ok",
-            Status::Infeasible => "infeasible",
-            Status::Failed => "failed",
-            Status::Timeout => "timeout",
-            Status::Interrupted => "interrupted",
-            Status::StoppedEarly => "stopped_early",
-            Status::Promoted => "promoted",
-            Status::Proposed => "proposed",
-        }
-    }
-    /// Finished (a stopped_early trial unless promoted later): a restarted sweep skips it.
-    pub fn is_final(self) -> bool {
-        !matches!(self, Status::Interrupted | Status::Promoted | Status::Proposed)
-    }
-}
-
-/// One line of results.jsonl (a contract: fields are added, never renamed).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Record {
-    pub trial: String,
-    pub index: usize,
-    pub params: BTreeMap<String, Value>,
-    pub status: Status,
-    /// Infeasible: "planner" (before the trial ran) or "run" (the run exited 3).
-    pub told_by: Option<String>,
-    pub exit_code: Option<i32>,
-    /// What its metrics.jsonl says: eval losses, tokens/s, final micro-batch, OOMs, steps.
-    #[serde(flatten)]
-    pub summary: Summary,
-    /// Wall-clock seconds, over every start of the trial.
-    pub duration_s: f64,
-    /// Relative to the sweep directory.
-    pub run_dir: String,
-    pub message: Option<String>,
-    /// `I/N`: the shard that ran it.
-    pub shard: String,
-    pub finished_at: String,
-    /// Early stopping: the rung (its step) where a `stopped_early` trial stopped.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rung: Option<u64>,
-    /// Early stopping: what it reported at each rung and the decision (replayed on restart).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub rungs: Vec<super::asha::Rung>,
-}
+use crate::record::Record;
 
 pub struct Store {
     path: PathBuf,
@@ -185,7 +115,7 @@ fn exclusive(path: &Path, nonblocking: bool) -> anyhow::Result<Option<File>> {
 /// Why a flock failed, with the fix where the filesystem lacks flock.
 pub fn lock_error(path: &Path, e: std::io::Error) -> anyhow::Error {
     match e.raw_os_error() {
-        Some(libc::ENOLCK | libc::EOPNOTSUPP | libc::ENOSYS | libc::EINVAL) => crate::ConfigError {
+        Some(libc::ENOLCK | libc::EOPNOTSUPP | libc::ENOSYS | libc::EINVAL) => oomguard_console::ConfigError {
             origin: path.display().to_string(), line_col: None, key: String::new(),
             message: format!(
                 "cannot take a lock here ({e}): this filesystem does not support flock, which the sweep needs so that no trial runs twice; \
@@ -230,6 +160,7 @@ fn held_in(locks: &str, ino: u64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::record::{Status, Summary};
 
     fn record(trial: &str, index: usize, status: Status) -> Record {
         Record {
@@ -265,10 +196,10 @@ mod tests {
     fn a_filesystem_without_flock_is_exit_2_with_the_fix() {
         for errno in [libc::ENOLCK, libc::EOPNOTSUPP] {
             let e = lock_error(Path::new("/lustre/out/results.lock"), std::io::Error::from_raw_os_error(errno));
-            let c = e.downcast_ref::<crate::ConfigError>().expect("a config error: exit 2");
+            let c = e.downcast_ref::<oomguard_console::ConfigError>().expect("a config error: exit 2");
             assert!(c.message.contains("-o flock") && c.origin.contains("/lustre/out"), "{c}");
         }
-        assert!(lock_error(Path::new("x"), std::io::Error::from_raw_os_error(libc::EIO)).downcast_ref::<crate::ConfigError>().is_none());
+        assert!(lock_error(Path::new("x"), std::io::Error::from_raw_os_error(libc::EIO)).downcast_ref::<oomguard_console::ConfigError>().is_none());
     }
 
     #[test]

@@ -6,13 +6,14 @@ use std::path::PathBuf;
 use std::process::Child;
 use std::time::{Duration, Instant, SystemTime};
 
-use super::asha::{self, Decision, Rung};
+use super::asha;
+use crate::record::{Decision, Record, Rung, Status};
 use super::spec::{self, Sweep, Trial};
 use super::status;
-use super::store::{Record, Status, Store, TrialLock};
+use super::store::{Store, TrialLock};
 use super::tpe::{self, Observation, Outcome};
 use super::trial::{self, Launch, Stop};
-use crate::proc::{signal_group, Signals};
+use oomguard_host::proc::{signal_group, Signals};
 
 /// This shard's trials known so far: every one of a grid or random sweep; for model-based
 /// search, those proposed (their parameters are in their records).

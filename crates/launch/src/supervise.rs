@@ -12,8 +12,8 @@ use super::output::{pump, Sink, Tail};
 use super::group::{Group, Report, ToNode};
 use super::{worker_env, LaunchSpec, Micro, Streams};
 use super::LaunchError as Error;
-use crate::oom::classify_oom;
-use crate::proc::Signals;
+use oomguard_host::oom::classify_oom;
+use oomguard_host::proc::Signals;
 
 /// What to do after the group failed: a pure decision.
 #[derive(Debug, PartialEq, Eq)]
@@ -132,7 +132,7 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
         tracing::warn!("OMP_NUM_THREADS is unset: setting it to {per} for each of the {n} workers (this host gives {host}), to avoid oversubscribing the CPU; set it yourself to tune");
     }
     if let Some(m) = &spec.worker_memory {
-        tracing::info!("host memory: {}; each of the {n} workers gets {}", m.describe(), crate::units::human_bytes(m.share(n).0));
+        tracing::info!("host memory: {}; each of the {n} workers gets {}", m.describe(), oomguard_console::units::human_bytes(m.share(n).0));
     }
     let temp = spec.log_dir.is_none().then(|| std::env::temp_dir().join(format!("oomguard-launch-{}", std::process::id())));
     let base = spec.log_dir.clone().or(temp.clone()).unwrap_or_default().join(&spec.run_id);
@@ -229,7 +229,7 @@ fn spawn(spec: &LaunchSpec, local_rank: usize, port: u16, attempt: u32, dir: &Pa
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    let mut child = crate::proc::spawn_shimmed(&mut cmd).map_err(|e| Error::Start(format!("cannot start worker `{}`: {e}", spec.program[0])))?;
+    let mut child = oomguard_host::proc::spawn_shimmed(&mut cmd).map_err(|e| Error::Start(format!("cannot start worker `{}`: {e}", spec.program[0])))?;
     let (redirect, tee) = (streams_of(&spec.redirects, local_rank), streams_of(&spec.tee, local_rank));
     let shown = spec.console_ranks.as_ref().is_none_or(|r| r.contains(&local_rank));
     let prefix = format!("[{}{local_rank}]:", spec.role);

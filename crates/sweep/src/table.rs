@@ -2,7 +2,7 @@
 use std::collections::BTreeMap;
 
 use super::spec::{Metric, Trial};
-use super::store::Record;
+use crate::record::Record;
 
 /// A trial's state where it has no record yet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,10 +44,10 @@ pub fn render(trials: &[Trial], records: &BTreeMap<String, Record>, open: &dyn F
             Some(r) => {
                 let status = match (&r.told_by, r.rungs.last()) {
                     (Some(by), _) => format!("{} ({by})", r.status.name()),
-                    (None, Some(g)) if r.status != super::store::Status::Ok => format!("{} (step {})", r.status.name(), g.step),
+                    (None, Some(g)) if r.status != crate::record::Status::Ok => format!("{} (step {})", r.status.name(), g.step),
                     _ => r.status.name().to_string(),
                 };
-                if let Some(m) = r.message.as_ref().filter(|_| r.status.is_final() && r.status != super::store::Status::Ok) {
+                if let Some(m) = r.message.as_ref().filter(|_| r.status.is_final() && r.status != crate::record::Status::Ok) {
                     notes.push(format!("  {}: {m}", r.trial));
                 }
                 vec![
@@ -95,13 +95,13 @@ pub fn render(trials: &[Trial], records: &BTreeMap<String, Record>, open: &dyn F
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sweep::store::Status;
+    use crate::record::Status;
 
     #[test]
     fn best_skips_trials_without_the_metric() {
         let r = |t: &str, l: Option<f64>, s: Status| Record {
             trial: t.into(), index: 0, params: BTreeMap::new(), status: s, told_by: None, exit_code: None,
-            summary: crate::sweep::trial::Summary { final_eval_loss: l, best_eval_loss: l, tokens_per_s: l.map(|l| 100.0 / l), ..Default::default() }, duration_s: 0.0,
+            summary: crate::record::Summary { final_eval_loss: l, best_eval_loss: l, tokens_per_s: l.map(|l| 100.0 / l), ..Default::default() }, duration_s: 0.0,
             run_dir: String::new(), message: None, shard: String::new(), finished_at: String::new(), rung: None, rungs: vec![],
         };
         let rs = [r("a", Some(2.0), Status::Ok), r("b", None, Status::Infeasible), r("c", Some(1.5), Status::Ok)];

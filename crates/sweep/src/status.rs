@@ -5,9 +5,9 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use super::spec::{Metric, Trial};
-use super::store::{Record, Status};
+use crate::record::{Record, Status};
 use super::table;
-use crate::progress::{self, Bar, Pace};
+use oomguard_console::progress::{self, Bar, Pace};
 
 /// A status line at least this often (besides one after each trial).
 const EVERY: Duration = Duration::from_secs(60);
@@ -124,7 +124,7 @@ impl Reporter {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sweep::trial::Summary;
+    use crate::record::Summary;
 
     fn trial(i: usize) -> Trial {
         Trial { id: format!("{i:03}-x"), index: i, params: BTreeMap::new() }

@@ -6,33 +6,10 @@
 //! can be promoted later, when enough trials have reported there that it is in the top, and
 //! then resumes from its checkpoint. Every decision is written into the trial's record
 //! (`rungs`) and read back, never made again: a restarted sweep replays them.
-use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::spec::{EarlyStop, RungMetric, Trial};
-use super::store::{Record, Status};
-
-/// What a trial reported at a rung, and what was decided.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Rung {
-    pub step: u64,
-    /// The rung's metric (None: not a finite number, a diverged trial).
-    pub value: Option<f64>,
-    pub decision: Decision,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Decision {
-    /// In the top 1/eta at its rung: on to the next.
-    Continue,
-    /// Below it: stopped here.
-    Stop,
-    /// Stopped here, promoted later.
-    Promoted,
-    /// The last rung: max_steps.
-    Done,
-}
+use crate::record::{Decision, Record, Rung, Status};
 
 /// The next segment to run: trial `index` up to `target` steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -181,7 +158,7 @@ pub fn after_segment(previous: &[Rung], step: u64, value: Option<f64>, decision:
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sweep::trial::Summary;
+    use crate::record::Summary;
 
     fn es() -> EarlyStop {
         EarlyStop { metric: RungMetric::ValLoss, min_steps: 3, eta: 3, max_steps: 27 }

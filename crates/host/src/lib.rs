@@ -1,0 +1,35 @@
+//! The machine and the processes on it, with no libtorch. What this host gives this
+//! process, read as the kernel enforces it: memory (memory.rs) and CPU threads
+//! (threads.rs), from the process's own cgroup (cgroup.rs), its affinity mask and the
+//! scheduler's variables; the GPUs it can see; the CUDA caching allocator's settings
+//! (allocator.rs); the Docker image's driver check (driver.rs); child processes and
+//! signals (proc.rs); and telling an out-of-memory death from others (oom.rs). Launchers
+//! and sweeps divide memory and threads among the processes they start on one host.
+pub mod allocator;
+pub mod cgroup;
+pub mod driver;
+pub mod memory;
+pub mod oom;
+pub mod proc;
+pub mod threads;
+
+pub use memory::HostMemory;
+pub use threads::Threads;
+
+fn read_u64(path: &std::path::Path) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// `key value` from a memory.stat-style file.
+fn stat_field(text: &str, key: &str) -> Option<u64> {
+    text.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// GPUs visible to this process, without loading CUDA: CUDA_VISIBLE_DEVICES, else the
+/// NVIDIA driver's device list.
+pub fn num_gpus() -> usize {
+    if let Ok(v) = std::env::var("CUDA_VISIBLE_DEVICES") {
+        return v.split(',').filter(|d| !d.trim().is_empty() && !d.trim().starts_with('-')).count();
+    }
+    std::fs::read_dir("/proc/driver/nvidia/gpus").map(|d| d.count()).unwrap_or(0)
+}

@@ -1,0 +1,75 @@
+//! `oomguard launch`'s flags: torchrun's, with the same names and environment variables.
+use clap::{ArgAction, Args};
+
+/// `oomguard launch`: torchrun's options, spelled with hyphens or underscores, or set through
+/// their PET_* environment variables.
+#[derive(Debug, Args)]
+pub struct LaunchArgs {
+    /// Nodes: N (or N:N; elastic MIN:MAX is refused).
+    #[arg(long, env = "PET_NNODES", default_value = "1")]
+    pub nnodes: String,
+    /// Workers per node: N, auto, cpu or gpu.
+    #[arg(long = "nproc-per-node", alias = "nproc_per_node", env = "PET_NPROC_PER_NODE", default_value = "1")]
+    pub nproc_per_node: String,
+    /// This node's rank among the nodes [default: 0].
+    #[arg(long = "node-rank", alias = "node_rank", env = "PET_NODE_RANK")]
+    pub node_rank: Option<usize>,
+    /// Address of the rank-0 node (static rendezvous).
+    #[arg(long = "master-addr", alias = "master_addr", env = "PET_MASTER_ADDR", default_value = "127.0.0.1")]
+    pub master_addr: String,
+    /// Port on the rank-0 node (static rendezvous).
+    #[arg(long = "master-port", alias = "master_port", env = "PET_MASTER_PORT", default_value_t = 29500)]
+    pub master_port: u16,
+    /// Rendezvous backend: static or c10d.
+    #[arg(long = "rdzv-backend", alias = "rdzv_backend", env = "PET_RDZV_BACKEND", default_value = "static")]
+    pub rdzv_backend: String,
+    /// Rendezvous endpoint HOST[:PORT] (c10d; overrides --master-addr/--master-port).
+    #[arg(long = "rdzv-endpoint", alias = "rdzv_endpoint", env = "PET_RDZV_ENDPOINT", default_value = "")]
+    pub rdzv_endpoint: String,
+    /// The job's id, shared by its nodes.
+    #[arg(long = "rdzv-id", alias = "rdzv_id", env = "PET_RDZV_ID", default_value = "none")]
+    pub rdzv_id: String,
+    /// Extra rendezvous settings (accepted for compatibility).
+    #[arg(long = "rdzv-conf", alias = "rdzv_conf", env = "PET_RDZV_CONF", default_value = "")]
+    pub rdzv_conf: String,
+    /// Single node on a free local port (c10d on localhost:0).
+    #[arg(long, env = "PET_STANDALONE", action = ArgAction::SetTrue)]
+    pub standalone: bool,
+    /// Restarts of the worker group before giving up.
+    #[arg(long = "max-restarts", alias = "max_restarts", env = "PET_MAX_RESTARTS", default_value_t = 0)]
+    pub max_restarts: u32,
+    /// Seconds the workers get to exit after SIGTERM (a checkpoint being written, say) before
+    /// SIGKILL, as torchrun's --shutdown-timeout.
+    #[arg(long = "shutdown-timeout", alias = "shutdown_timeout", env = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", default_value_t = 30.0, value_name = "SECONDS")]
+    pub shutdown_timeout: f64,
+    /// Seconds between checks of the workers.
+    #[arg(long = "monitor-interval", alias = "monitor_interval", env = "PET_MONITOR_INTERVAL", default_value_t = 0.1)]
+    pub monitor_interval: f64,
+    /// Folder for the workers' log and error files.
+    #[arg(long = "log-dir", alias = "log_dir", env = "PET_LOG_DIR")]
+    pub log_dir: Option<std::path::PathBuf>,
+    /// Streams to files only: 0 none, 1 stdout, 2 stderr, 3 both; or per rank, e.g. 0:1,1:2.
+    #[arg(short = 'r', long, env = "PET_REDIRECTS", default_value = "0")]
+    pub redirects: String,
+    /// Streams to files and the console, same values as --redirects.
+    #[arg(short = 't', long, env = "PET_TEE", default_value = "0")]
+    pub tee: String,
+    /// Show only these local ranks' output on the console, e.g. 0 or 0,2.
+    #[arg(long = "local-ranks-filter", alias = "local_ranks_filter", env = "PET_LOCAL_RANKS_FILTER", default_value = "")]
+    pub local_ranks_filter: String,
+    /// The workers' role name.
+    #[arg(long, env = "PET_ROLE", default_value = "default")]
+    pub role: String,
+    /// Run the script as a program, not under python3.
+    #[arg(long = "no-python", alias = "no_python", env = "PET_NO_PYTHON", action = ArgAction::SetTrue, conflicts_with = "module")]
+    pub no_python: bool,
+    /// Run the script as a Python module (python3 -m).
+    #[arg(short = 'm', long = "module", env = "PET_MODULE", action = ArgAction::SetTrue)]
+    pub module: bool,
+    /// Run the script with runpy.run_path.
+    #[arg(long = "run-path", alias = "run_path", env = "PET_RUN_PATH", action = ArgAction::SetTrue)]
+    pub run_path: bool,
+    /// The training script (or program, or module) and its arguments.
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "SCRIPT_OR_CMD [ARGS]...")]
+    pub command: Vec<String>,
+}
