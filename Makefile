@@ -1,5 +1,5 @@
 # The README's commands. `setup` installs what is missing (once per machine, cached).
-.PHONY: setup build run test bench gpu-kit gpu-kit-test docker-test clean
+.PHONY: setup build run test docs docs-picture bench gpu-kit gpu-kit-test docker-test clean
 
 setup:
 	@scripts/setup.sh
@@ -10,8 +10,23 @@ build: setup
 run: build
 	./target/release/oomguard train configs/demo.yaml
 
-test: setup
+test: setup docs
 	cargo test --release --workspace
+
+# The Rust API docs, warnings denied (broken intra-doc links, bad HTML); the doc tests run in
+# `cargo test` above. --release reuses the release build's build-script outputs (csrc/).
+# tests/docs.rs checks README.md and docs/ against the code.
+docs: setup
+	RUSTDOCFLAGS="-D warnings" cargo doc --release --no-deps --workspace
+
+# docs/demo-report.png, the README's picture: the whole demo (configs/demo.yaml, 300 steps,
+# about 100 s on 2 cores) from an empty micro-batch cache, so that it starts at a micro-batch
+# that does not fit: the picture shows the OOM, the shrink, and the grow-back once the
+# simulated pressure lifts at step 120. Then `oomguard report` draws it.
+docs-picture: build
+	rm -rf runs/docs-picture
+	cache=$$(mktemp -d) && OOMGUARD_CACHE=$$cache ./target/release/oomguard train configs/demo.yaml --run-dir runs/docs-picture; status=$$?; rm -rf $$cache; exit $$status
+	./target/release/oomguard report runs/docs-picture --out docs/demo-report.png
 
 bench: setup
 	cargo bench --bench throughput --bench guard --bench launch --bench auto --bench dist --bench precision --bench torchscript --bench report --bench sweep --bench eager_gpt --bench fused_fit --bench snapshot

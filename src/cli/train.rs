@@ -34,7 +34,17 @@ pub fn main_with(build: Builder) -> i32 {
     run_with(std::env::args_os(), build)
 }
 
-/// `main_with` on given arguments (the first is the program's name).
+/// `main_with` on given arguments (the first is the program's name): the same command line
+/// and exit codes, for tests and for programs that build their arguments.
+///
+/// ```
+/// # use oomguard::task::{BuildContext, Built};
+/// # fn my_model(_: &BuildContext) -> oomguard::Result<Built> { unreachable!("--help trains nothing") }
+/// use oomguard::cli::train::run_with;
+/// // `--help` prints the flags (those of `oomguard train`) and exits 0; a bad flag exits 2.
+/// assert_eq!(run_with(["my-trainer", "--help"], &my_model), 0);
+/// assert_eq!(run_with(["my-trainer", "config.yaml", "--no-such-flag"], &my_model), 2);
+/// ```
 pub fn run_with(args: impl IntoIterator<Item = impl Into<OsString> + Clone>, build: Builder) -> i32 {
     #[derive(Parser)]
     #[command(about = "Train a model under oomguard's allocation guard")]

@@ -20,6 +20,42 @@ use crate::precision::Amp;
 /// shape is refused naming each difference, and the micro-batch cache keys on it.
 pub type Fingerprint = Vec<(String, String)>;
 
+/// A model as the trainer sees it: its named parameters and buffers and the fallible loss
+/// of a micro-batch. Everything else has a default (autocast and backward, evaluation, weight
+/// decay, the shape fingerprint), so a model implements two methods. Use only fallible calls
+/// (`f_*`; [`crate::ops`] for scalar arithmetic): an allocation failure must come back as
+/// `Err`, which the guard recovers from, never as a panic.
+///
+/// ```
+/// use oomguard::task::Task;
+/// use tch::{Device, Kind, Reduction, TchError, Tensor};
+///
+/// /// Least squares: one weight matrix, the mean squared error.
+/// struct Linear {
+///     w: Tensor,
+/// }
+///
+/// impl Task for Linear {
+///     fn parameters(&self) -> Vec<(String, Tensor)> {
+///         vec![("w".into(), self.w.shallow_clone())]
+///     }
+///     fn loss(&self, x: &Tensor, y: &Tensor, _train: bool) -> Result<Tensor, TchError> {
+///         x.f_matmul(&self.w)?.f_mse_loss(y, Reduction::Mean)
+///     }
+/// }
+///
+/// let cpu = (Kind::Float, Device::Cpu);
+/// let model = Linear { w: Tensor::f_zeros([3, 1], cpu)?.f_set_requires_grad(true)? };
+/// let (x, y) = (Tensor::f_ones([4, 3], cpu)?, Tensor::f_ones([4, 1], cpu)?);
+/// assert_eq!(model.loss(&x, &y, true)?.f_double_value(&[])?, 1.0);
+/// // The defaults: 1-D parameters get no weight decay, the fingerprint is every shape.
+/// assert!(!model.no_weight_decay("w", &model.w));
+/// assert_eq!(model.fingerprint(), [("parameter w".to_string(), "[3, 1]".to_string())]);
+/// # Ok::<(), TchError>(())
+/// ```
+///
+/// To train it, hand a builder that makes it to [`crate::cli::train::main_with`]
+/// (`examples/mlp.rs` is a whole program).
 pub trait Task {
     /// The trainable parameters by name (PyTorch's names where the model has them), each
     /// tensor once, in a stable order.
@@ -136,7 +172,8 @@ pub fn fingerprint_key(f: &Fingerprint) -> String {
 }
 
 /// What a model is built from: the device, the `model` section, the config file's folder
-/// (relative paths), and the data (a model may need its shape).
+/// (relative paths), and the data (a model may need its shape). A Rust program's builder
+/// receives one and returns a [`Built`].
 pub struct BuildContext<'a> {
     pub device: Device,
     pub model: &'a ModelConfig,
@@ -161,7 +198,34 @@ impl BuildContext<'_> {
     }
 }
 
-/// A task and, for a model that brings its own, its data.
+/// A task and, for a model that brings its own, its data (else the config's `data` section
+/// is used).
+///
+/// ```
+/// use oomguard::task::{BuildContext, Built, Task};
+/// use tch::{Device, Kind, TchError, Tensor};
+///
+/// struct Mean(Tensor);
+/// impl Task for Mean {
+///     fn parameters(&self) -> Vec<(String, Tensor)> {
+///         vec![("mean".into(), self.0.shallow_clone())]
+///     }
+///     fn loss(&self, x: &Tensor, _y: &Tensor, _train: bool) -> Result<Tensor, TchError> {
+///         x.f_sub(&self.0)?.f_square()?.f_mean(Kind::Float)
+///     }
+/// }
+///
+/// /// A builder, as `main_with` takes it: the device comes from the config.
+/// fn build(ctx: &BuildContext) -> oomguard::Result<Built> {
+///     Ok(Built::new(Mean(Tensor::f_zeros([1], (Kind::Float, ctx.device))?)))
+/// }
+/// # let (model, dir) = (oomguard::model::ModelConfig::default(), std::path::Path::new("."));
+/// # let ctx = BuildContext { device: Device::Cpu, model: &model, base_dir: dir, config_path: dir };
+/// let built = build(&ctx)?;
+/// assert_eq!(built.task.parameters().len(), 1);
+/// assert!(built.data.is_none());
+/// # Ok::<(), oomguard::Error>(())
+/// ```
 pub struct Built {
     pub task: Box<dyn Task>,
     pub data: Option<Dataset>,

@@ -82,8 +82,8 @@ pub struct TrainArgs {
     /// Override a config key, typed and validated like the file: --set train.max_steps=50
     #[arg(long = "set", value_name = "KEY.PATH=VALUE")]
     pub set: Vec<String>,
-    /// Where the resolved config, metrics.jsonl and train.log go [default: runs/<config name>/NNN].
-    #[arg(long)]
+    // `help =`, not a doc comment: rustdoc would read `<config name>` as an HTML tag.
+    #[arg(long, help = "Where the resolved config, metrics.jsonl and train.log go [default: runs/<config name>/NNN]")]
     pub run_dir: Option<PathBuf>,
     /// Shorthand for --set train.max_steps=N.
     #[arg(long)]

@@ -1,6 +1,15 @@
 //! What an oomguard process shows its user, with no libtorch: errors that name the file,
 //! the key and the fix (exit 2) and the exit codes passed through, the run's log file, the
 //! live progress line, and sizes and durations for people.
+//!
+//! ```
+//! use oomguard_console::{units::human_bytes, ConfigError};
+//!
+//! let mut e = ConfigError::invalid("train.max_steps", "must be at least 1");
+//! e.origin = "demo.yaml".into();
+//! assert_eq!(e.to_string(), "demo.yaml: train.max_steps: must be at least 1");
+//! assert_eq!(human_bytes(3 << 29), "1.5 GiB");
+//! ```
 mod error;
 pub mod logfile;
 pub mod progress;

@@ -5,6 +5,14 @@
 //! (allocator.rs); the Docker image's driver check (driver.rs); child processes and
 //! signals (proc.rs); and telling an out-of-memory death from others (oom.rs). Launchers
 //! and sweeps divide memory and threads among the processes they start on one host.
+//!
+//! ```
+//! use oomguard_host::oom::{classify_oom, OomSource};
+//!
+//! let oom = classify_oom("CUDA out of memory. Tried to allocate 2.00 GiB").expect("an OOM");
+//! assert_eq!((oom.source, oom.requested_bytes), (OomSource::Cuda, Some(2 << 30)));
+//! assert!(classify_oom("shape mismatch").is_none());
+//! ```
 pub mod allocator;
 pub mod cgroup;
 pub mod driver;

@@ -1,6 +1,22 @@
 //! A torchrun-compatible launcher (no libtorch needed): validated options, the workers'
 //! environment (pure), and supervision (supervise.rs) with restarts that halve the
 //! micro-batch after an out-of-memory death.
+//!
+//! ```
+//! use clap::Parser;
+//! use oomguard_launch::{LaunchArgs, LaunchSpec};
+//!
+//! #[derive(Parser)]
+//! struct Launch {
+//!     #[command(flatten)]
+//!     args: LaunchArgs,
+//! }
+//! // torchrun's spellings, with underscores or hyphens.
+//! let l = Launch::parse_from(["launch", "--nproc_per_node=2", "--master-port", "29400", "train.py"]);
+//! let spec = LaunchSpec::from_args(&l.args)?;
+//! assert_eq!((spec.nproc_per_node, spec.master_port, spec.nnodes), (2, 29400, 1));
+//! # Ok::<(), oomguard_launch::LaunchError>(())
+//! ```
 mod args;
 mod group;
 mod output;
