@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs `cargo bench --bench NAME` and keeps its output under docs/measurements/, headed by
-# the date, the machine, the commit and the load, so a README figure can name its raw output:
+# the date, the machine, the commit and the load, so a figure in docs/benchmarks.md can name its raw output:
 #   benches/scripts/record.sh NAME      -> docs/measurements/bench-NAME-YYYY-MM-DD.txt
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"

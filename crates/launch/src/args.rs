@@ -23,8 +23,8 @@ pub struct LaunchArgs {
     /// Rendezvous backend: static or c10d.
     #[arg(long = "rdzv-backend", alias = "rdzv_backend", env = "PET_RDZV_BACKEND", default_value = "static")]
     pub rdzv_backend: String,
-    /// Rendezvous endpoint HOST[:PORT] (c10d; overrides --master-addr/--master-port).
-    #[arg(long = "rdzv-endpoint", alias = "rdzv_endpoint", env = "PET_RDZV_ENDPOINT", default_value = "")]
+    // `help =`, not a doc comment: rustdoc would read `[:PORT]` as a link.
+    #[arg(help = "Rendezvous endpoint HOST[:PORT] (c10d; overrides --master-addr/--master-port)", long = "rdzv-endpoint", alias = "rdzv_endpoint", env = "PET_RDZV_ENDPOINT", default_value = "")]
     pub rdzv_endpoint: String,
     /// The job's id, shared by its nodes.
     #[arg(long = "rdzv-id", alias = "rdzv_id", env = "PET_RDZV_ID", default_value = "none")]

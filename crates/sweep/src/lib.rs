@@ -35,9 +35,8 @@ pub struct SweepArgs {
     /// Grid, random or model-based (bayes/tpe) search; early stopping (ASHA) with early_stop
     /// or W&B's early_terminate.
     pub sweep: PathBuf,
-    /// The sweep directory: results.jsonl, sweep.log and trials/ID/ (each trial's run
-    /// directory) [default: runs/<sweep file name>].
-    #[arg(long)]
+    // `help =`, not a doc comment: rustdoc would read `<sweep file name>` as an HTML tag.
+    #[arg(long, help = "The sweep directory: results.jsonl, sweep.log and trials/ID/ (each trial's run directory) [default: runs/<sweep file name>]")]
     pub out: Option<PathBuf>,
     /// Trials at once: one GPU each where there are GPUs; on the CPU the cores are split
     /// between them.
