@@ -1,6 +1,20 @@
-//! The command line, shared by both binaries: `oomguard` (this crate only: it starts in
-//! milliseconds and runs `launch` itself) and `oomguard-torch` (links libtorch; `oomguard`
-//! hands it every other command by exec, so signals and exit codes pass straight through).
+//! The command line, shared by both binaries: `oomguard` (the libtorch-free crates only: it
+//! starts in milliseconds and runs `launch`, `sweep` and `report` itself) and
+//! `oomguard-torch` (links libtorch; `oomguard` hands it every other command by exec, so
+//! signals and exit codes pass straight through).
+//!
+//! ```
+//! use clap::Parser;
+//! use oomguard_cli::{Cli, Command};
+//!
+//! let cli = Cli::try_parse_from(["oomguard", "train", "configs/demo.yaml", "--max-steps", "50"])?;
+//! let Command::Train(train) = cli.command else { unreachable!() };
+//! assert_eq!(train.max_steps, Some(50));
+//! // torchrun's spellings, as `oomguard launch` takes them.
+//! let cli = Cli::try_parse_from(["oomguard", "launch", "--nproc_per_node=2", "train.py"])?;
+//! assert!(matches!(cli.command, Command::Launch(l) if l.nproc_per_node == "2"));
+//! # Ok::<(), clap::Error>(())
+//! ```
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::io::IsTerminal;
 use std::path::PathBuf;

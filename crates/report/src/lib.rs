@@ -1,6 +1,18 @@
 //! `oomguard report`: pictures of a run (metrics.jsonl) and of a sweep (results.jsonl), as
 //! PNG, SVG or a self-contained HTML page; and the TensorBoard event writer the trainer
 //! uses for `log.tensorboard`. No libtorch, no Python, no system fonts.
+//!
+//! ```
+//! // Two steps and an evaluation of a run, drawn as a self-contained HTML page.
+//! let dir = tempfile::tempdir()?;
+//! let step = |s: u64, loss: f64| format!(r#"{{"event":"step","step":{s},"loss":{loss},"tokens_per_s":100.0,"micro_batch_size":8,"grad_accum_steps":1,"memory":{{"live_bytes":1048576,"peak_bytes":2097152}}}}"#);
+//! let eval = r#"{"event":"eval","step":1,"val_loss":1.5}"#;
+//! std::fs::write(dir.path().join("metrics.jsonl"), [step(0, 2.0), step(1, 1.0), eval.into()].join("\n"))?;
+//! let outcome = oomguard_report::report(dir.path(), Some(&dir.path().join("run.html")))?;
+//! assert!(outcome.out.is_file() && outcome.warnings.is_empty(), "{:?}", outcome.warnings);
+//! assert!(outcome.text.contains("1.5"), "{}", outcome.text);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 use std::path::{Path, PathBuf};
 
 pub mod atomic;

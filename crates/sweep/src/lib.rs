@@ -2,6 +2,22 @@
 //! `oomguard train` child per trial, so no trial can take the sweep down; results.jsonl holds
 //! one record per trial; a sweep killed at any moment (kill -9 too) starts again where it
 //! was: finished trials skipped, unfinished ones resumed from their checkpoints.
+//!
+//! ```
+//! // A grid over two keys: every combination, each trial a base config with overrides.
+//! let dir = std::env::temp_dir().join(format!("oomguard-sweep-doc-{}", std::process::id()));
+//! std::fs::create_dir_all(&dir)?;
+//! std::fs::write(dir.join("base.yaml"), "train: {max_steps: 10}\n")?;
+//! std::fs::write(dir.join("sweep.yaml"), "base: base.yaml\nmethod: grid\nparameters:\n  optim.lr: {values: [1.0e-3, 3.0e-3]}\n  model.n_layer: {values: [2, 4]}\n")?;
+//! let sweep = oomguard_sweep::load(&dir.join("sweep.yaml"))?;
+//! assert_eq!(sweep.trials.len(), 4);
+//! // A key the file format does not know is refused, naming the file and the key (exit 2).
+//! std::fs::write(dir.join("bad.yaml"), "base: base.yaml\nmethdo: grid\n")?;
+//! let e = oomguard_sweep::load(&dir.join("bad.yaml")).unwrap_err();
+//! assert!(e.to_string().contains("methdo"), "{e}");
+//! std::fs::remove_dir_all(&dir)?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 mod asha;
 mod domain;
 mod record;
