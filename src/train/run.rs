@@ -21,7 +21,7 @@ use crate::guard::{Agree, Guard, GuardEvent, Policy, SharedDumper};
 use crate::memory::{self, allocator, human_bytes, PressureSchedule};
 use crate::metrics::{device_label, EvalRecord, MetricsWriter, Record, RungRecord, StepRecord};
 use crate::model::{ActivationCheckpointing, LossKind, ModelKind};
-use crate::optim::AdamW;
+use crate::optim::{AdamW, Comm, FullState, Shard};
 use crate::plan::{self, AutoResult, AutoSearch};
 use crate::precision::{bf16_is_fast, Amp, Precision, Scaler};
 use crate::task::{self, fingerprint_key, BuildContext, Built, Task};
@@ -70,6 +70,15 @@ pub(super) struct Run<'a> {
     pub progress: Progress,
     /// RUN_DIR/oom/NNN/ writer (memory.snapshot), shared with both guards.
     snapshot: Option<SharedDumper>,
+    /// A sharding rung's way back down.
+    shard_back: ShardBack,
+}
+
+/// Clean steps since the sharding last changed, and when a lower stage last failed.
+#[derive(Debug, Clone, Copy, Default)]
+struct ShardBack {
+    clean_steps: u64,
+    failed_at: Option<u64>,
 }
 
 impl<'a> Run<'a> {
@@ -111,8 +120,7 @@ impl<'a> Run<'a> {
         }
         let mut precision = c.train.precision.resolve(device);
         let data = task::data_for(cfg, data).map_err(|e| init_failure(e, cfg, device, "loading the data"))?;
-        let mut opt = AdamW::new(task.parameters(), &c.optim, |n, t| task.no_weight_decay(n, t))
-            .map_err(|e| init_failure(e.into(), cfg, device, "creating the optimizer state"))?;
+        let (mut opt, init_rung) = new_optimizer(cfg, task.as_ref(), pg.as_ref(), device)?;
         check_loss(task.as_ref(), &data, device, cfg, precision)?;
         if lead {
             checkpoint::clean_partial(run_dir);
@@ -129,6 +137,10 @@ impl<'a> Run<'a> {
             limit.map_or(0, |l| l >> 26) // in 64 MiB steps: an auto budget moves a little
         );
         // Where to start: rank 0 decides (and reads the checkpoint); the others learn it.
+        let agree = |r: Result<()>| match &pg {
+            Some(pg) => pg.agree(r),
+            None => r,
+        };
         let from = match &pg {
             None => resolve(run_dir, options.resume.clone())?,
             Some(pg) => shared_start(pg, run_dir, &options.resume)?,
@@ -167,6 +179,14 @@ impl<'a> Run<'a> {
                 if !changes.is_empty() {
                     return Err(Error::Checkpoint(format!("{}: the model's shape changed since this checkpoint: {}", dir.display(), changes.join("; "))));
                 }
+                // A sharding rung climbed before the checkpoint stays climbed (it may come
+                // back down); the checkpoint's state is whole, whatever the sharding.
+                let saved_shard: Option<Shard> = state.extra.get("shard").and_then(|v| serde_json::from_value(v.clone()).ok());
+                if let (Some(s), Some(pg)) = (saved_shard, &pg) {
+                    if s > opt.shard() {
+                        opt.set_shard(s, Some(pg.clone() as Rc<dyn Comm>), &agree)?;
+                    }
+                }
                 if lead {
                     checkpoint::restore(&dir, task.as_ref(), &mut opt, device).map_err(|e| init_failure(e, cfg, device, "restoring the checkpoint"))?;
                 }
@@ -198,9 +218,17 @@ impl<'a> Run<'a> {
             }
         };
         if let Some(pg) = &pg {
-            // Rank 0's parameters (its initial ones, or the checkpoint's) and optimizer state.
+            // Rank 0's parameters (its initial ones, or the checkpoint's) and optimizer state
+            // (sharded: each rank's part of the checkpoint's; a fresh one is zeros).
             pg.broadcast(&task.state().into_iter().map(|(_, t)| t).collect::<Vec<_>>(), 0)?;
-            pg.broadcast(&opt.state().into_iter().map(|(_, t)| t.shallow_clone()).collect::<Vec<_>>(), 0)?;
+            if opt.shard() == Shard::None {
+                pg.broadcast(&opt.state().into_iter().map(|(_, t)| t.shallow_clone()).collect::<Vec<_>>(), 0)?;
+            } else if next_step > 0 {
+                opt.share_restored(&agree)?;
+            }
+        }
+        if let (Some(rung), Some(m)) = (init_rung, metrics.as_mut()) {
+            m.write(&Record::Rung(RungRecord { step: next_step, rung, reason: "the optimizer state did not fit".into() }))?;
         }
         if let Some(mb) = launcher_micro_batch(MICRO_BATCH_VAR)? {
             let failed = launcher_micro_batch(FAILED_MICRO_BATCH_VAR)?;
@@ -247,6 +275,7 @@ impl<'a> Run<'a> {
             summary: Summary { steps: c.train.max_steps, first_loss: f64::NAN, best_val_loss: best, ..Default::default() },
             progress: Progress::new(cfg.schedule(), next_step, lead),
             snapshot,
+            shard_back: ShardBack::default(),
         })
     }
 
@@ -265,6 +294,7 @@ impl<'a> Run<'a> {
         let lr = c.optim.lr_at(step, c.train.max_steps);
         let t0 = Instant::now();
         let reads_before = crate::ops::d2h_reads();
+        let ooms_before = self.guard.policy.num_ooms;
         let result = loop {
             let mut batches = StepSamples::new(self.data.train.as_ref(), c.train.seed, c.train.global_batch_size(), self.device);
             if let Some(pg) = &self.pg {
@@ -306,6 +336,7 @@ impl<'a> Run<'a> {
             }
         };
         let stats = self.after_guarded(result, step)?;
+        self.maybe_unshard(step, self.guard.policy.num_ooms != ooms_before)?;
         // The step's time is the time to run it, not to queue it: its one read (after the
         // update) waited for everything queued before it. No separate synchronize: that
         // would be a second sync per step.
@@ -326,7 +357,7 @@ impl<'a> Run<'a> {
             world_size: self.world_size(), step_time_s: dt, elapsed_s: self.progress.elapsed(), eta_s: eta, memory: mem, device: device_label(self.device),
             precision: self.precision, activation_checkpointing: self.task.activation_checkpointing() == Some(true),
             loss_scale: stats.loss_scale, skipped: stats.skipped, comm_s: stats.comm_s, agree_s: stats.agree_s,
-            d2h_reads: Some(crate::ops::d2h_reads() - reads_before), cuda_syncs: crate::ops::cuda_syncs(),
+            d2h_reads: Some(crate::ops::d2h_reads() - reads_before), cuda_syncs: crate::ops::cuda_syncs(), shard: self.opt.shard(),
         };
         if stats.skipped {
             tracing::warn!("step {step}: fp16 gradients overflowed: update skipped, loss scale now {}", rec.loss_scale.unwrap_or(f64::NAN));
@@ -381,23 +412,40 @@ impl<'a> Run<'a> {
     /// logged. The guard starts again from micro-batch 1 (and may grow back from there).
     fn climb(&mut self, step: u64) -> Result<bool> {
         let m = &self.cfg.raw.memory;
-        let at = ladder::Footing { checkpointing: self.task.activation_checkpointing(), precision: self.precision, loss: self.task.loss_kind() };
+        let at = ladder::Footing {
+            checkpointing: self.task.activation_checkpointing(), precision: self.precision, loss: self.task.loss_kind(),
+            shard: self.pg.as_ref().map(|_| self.opt.shard()),
+        };
         let allowed = ladder::Allowed {
             checkpointing: m.allow_activation_checkpointing, precision_fallback: m.allow_precision_fallback, bf16_fast: bf16_is_fast(self.device),
+            sharding: m.allow_sharding,
         };
-        let Some(rung) = ladder::next_rung(at, allowed) else { return Ok(false) };
+        let Some(rung) = ladder::next_rung(at, allowed, &self.savings()) else { return Ok(false) };
+        let world = self.world_size();
         match rung {
             Rung::FusedLoss => self.task.set_loss_kind(LossKind::Fused),
             Rung::ActivationCheckpointing => self.task.set_activation_checkpointing(true),
             Rung::Bf16 => self.precision = Precision::Bf16,
+            Rung::ShardOptimizer | Rung::ShardGradients => {
+                let pg = self.pg.clone().expect("sharding rungs need a group");
+                let agree = |r: Result<()>| pg.agree(r);
+                memory::empty_cache(self.device)?;
+                match self.opt.set_shard(rung.shard().expect("a sharding rung"), Some(pg.clone() as Rc<dyn Comm>), &agree) {
+                    Err(Error::Oom(_)) => return Ok(false),
+                    other => other?,
+                }
+                self.shard_back = ShardBack { clean_steps: 0, failed_at: Some(step) };
+            }
         }
         for e in self.guard.drain_events() {
             self.write(&Record::from(e))?;
         }
         let what = match rung {
-            Rung::FusedLoss => "the fused loss (model.loss: fused: the logits a chunk of tokens at a time)",
-            Rung::ActivationCheckpointing => "activation checkpointing on (blocks are recomputed in backward)",
-            Rung::Bf16 => "bf16 autocast (master weights and optimizer state stay fp32)",
+            Rung::FusedLoss => "the fused loss (model.loss: fused: the logits a chunk of tokens at a time)".to_string(),
+            Rung::ActivationCheckpointing => "activation checkpointing on (blocks are recomputed in backward)".to_string(),
+            Rung::Bf16 => "bf16 autocast (master weights and optimizer state stay fp32)".to_string(),
+            Rung::ShardOptimizer => format!("AdamW's state sharded across the {world} ranks (ZeRO-1: each keeps 1/{world} of the moments)"),
+            Rung::ShardGradients => format!("the gradients sharded too (ZeRO-2: a reduce-scatter; each rank keeps 1/{world} of the summed gradients)"),
         };
         tracing::warn!("step {step}: micro-batch 1 does not fit; climbing down a rung: {what}; retrying the step");
         self.write(&Record::Rung(RungRecord { step, rung, reason: "micro-batch 1 did not fit".into() }))?;
@@ -405,13 +453,77 @@ impl<'a> Run<'a> {
         Ok(true)
     }
 
-    /// The planner's view of what does not fit and what would, for models it has a formula for.
+    /// What each rung would save on this rank: one sample's activations (the planner's
+    /// formula, else the parameters' size as a stand-in), AdamW's moments, the gradients.
+    fn savings(&self) -> ladder::Savings {
+        let gradients: u64 = self.task.parameters().iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum();
+        let activations = self.task.formula().map_or(gradients, |e| e.per_sample_bytes());
+        ladder::Savings { activations, optimizer_state: self.opt.state_bytes(), gradients, world: self.world_size() as u64 }
+    }
+
+    /// A run that climbed to a sharding rung comes back down a stage when memory allows
+    /// (`ladder::unshard`: the micro-batch's hysteresis and cool-down), every rank alike: the
+    /// decision is on the ranks' largest peak, and the gather's allocation is agreed.
+    fn maybe_unshard(&mut self, step: u64, oomed: bool) -> Result<()> {
+        let Some(pg) = self.pg.clone() else { return Ok(()) };
+        let configured = self.cfg.raw.train.shard;
+        let at = self.opt.shard();
+        if at <= configured {
+            return Ok(());
+        }
+        self.shard_back.clean_steps = if oomed { 0 } else { self.shard_back.clean_steps + 1 };
+        let mem = self.guard.last_memory();
+        let mut peak = [mem.peak_bytes as f64];
+        pg.exchange(Topic::Shard, &mut peak)?;
+        let world = self.world_size() as u64;
+        let saved = match at {
+            Shard::Gradients => self.savings().gradients * (world - 1) / world,
+            _ => self.opt.state_bytes() * (world - 1),
+        };
+        let m = &self.cfg.raw.memory;
+        let back = ladder::Back {
+            at, configured, clean_steps: self.shard_back.clean_steps, failed_at: self.shard_back.failed_at, step,
+            peak_bytes: peak[0] as u64, limit_bytes: mem.limit_bytes, saved_bytes: saved,
+        };
+        let Some(below) = ladder::unshard(back, m.grow_after_steps, m.cooldown_steps, m.grow_headroom) else { return Ok(()) };
+        let agree = |r: Result<()>| pg.agree(r);
+        let left = if at == Shard::Gradients { Rung::ShardGradients } else { Rung::ShardOptimizer };
+        match self.opt.set_shard(below, Some(pg.clone() as Rc<dyn Comm>), &agree) {
+            Ok(()) => {
+                tracing::info!("step {step}: memory allows it: back to train.shard: {} (the peak was {})", below.name(), human_bytes(back.peak_bytes));
+                self.write(&Record::RungDown(RungRecord { step, rung: left, reason: format!("memory allows shard: {}", below.name()) }))?;
+                self.shard_back.clean_steps = 0;
+            }
+            Err(Error::Oom(o)) => {
+                tracing::info!("step {step}: coming back to train.shard: {} ran out of memory ({}); staying sharded", below.name(), o.message);
+                memory::empty_cache(self.device)?;
+                self.shard_back = ShardBack { clean_steps: 0, failed_at: Some(step) };
+            }
+            Err(e) => return Err(e),
+        }
+        Ok(())
+    }
+
+    /// The planner's view of what does not fit and what would, for models it has a formula
+    /// for; with data parallel, what sharding would save per rank.
     fn advice(&self) -> String {
         let c = &self.cfg.raw;
-        match (c.model.kind, memory::stats(self.device).limit_bytes) {
+        let mut out = match (c.model.kind, memory::stats(self.device).limit_bytes) {
             (ModelKind::Gpt, Some(limit)) => format!(" {}", plan::advice(&c.model.gpt(), limit, self.device.is_cuda())),
             _ => String::new(),
+        };
+        let world = self.world_size() as u64;
+        if world > 1 && self.opt.shard() < Shard::Gradients {
+            let s = self.savings();
+            let state = if self.opt.shard() == Shard::None { s.optimizer_state } else { 0 };
+            let saved = (state + s.gradients) - (state + s.gradients) / world;
+            let how = if c.memory.allow_sharding { "train.shard: gradients" } else { "memory.allow_sharding: true (the guard climbs to it), or train.shard: optimizer / gradients" };
+            out.push_str(&format!(
+                " Sharding AdamW's state and the gradients across the {world} ranks (ZeRO-1/2) would save up to {} per rank: {how}.",
+                human_bytes(saved)
+            ));
         }
+        out
     }
 
     pub fn evaluate(&mut self, step: u64) -> Result<()> {
@@ -441,7 +553,9 @@ impl<'a> Run<'a> {
         if self.checkpointed == Some(next_step) {
             return Ok(());
         }
-        let written = if self.lead { self.write_checkpoint(next_step) } else { Ok(()) };
+        // Sharded: every rank takes part in gathering the whole state.
+        let full = self.gathered_state(next_step)?;
+        let written = if self.lead { self.write_checkpoint(next_step, &full) } else { Ok(()) };
         // Agreed, not a bare barrier: a write that failed on rank 0 (an OOM past its retries
         // included) fails every rank alike, at once.
         match &self.pg {
@@ -453,14 +567,25 @@ impl<'a> Run<'a> {
         Ok(())
     }
 
-    fn write_checkpoint(&mut self, next_step: u64) -> Result<()> {
+    /// The optimizer's whole state, for a checkpoint (a sharded one gathered, its buffer's
+    /// allocation agreed and retried like a write).
+    fn gathered_state(&mut self, step: u64) -> Result<FullState> {
+        let pg = self.pg.clone();
+        let agree = |r: Result<()>| match &pg {
+            Some(pg) => pg.agree(r),
+            None => r,
+        };
+        self.retrying_oom(step, |run| run.opt.full_state(&agree))
+    }
+
+    fn write_checkpoint(&mut self, next_step: u64, opt_state: &FullState) -> Result<()> {
         let c = &self.cfg.raw;
         let state = TrainState {
             format: checkpoint::FORMAT, next_step, samples_seen: next_step * c.train.global_batch_size() as u64,
             policy: self.guard.policy.clone(), eval_policy: self.eval_guard.policy.clone(), val_loss: self.summary.val_loss,
             eval_history: self.eval_history.clone(), model: self.task.fingerprint(), extra: self.extra_state(), files: Default::default(),
         };
-        let dir = self.retrying_oom(next_step, |run| checkpoint::save(&run.run_dir, &state, run.task.as_ref(), &run.opt, run.device))?;
+        let dir = self.retrying_oom(next_step, |run| checkpoint::save(&run.run_dir, &state, run.task.as_ref(), &opt_state.tensors, run.device))?;
         tracing::info!("checkpoint {}", dir.display());
         self.verified.insert(next_step, true);
         let verified = &mut self.verified;
@@ -475,6 +600,9 @@ impl<'a> Run<'a> {
         let mut extra = BTreeMap::new();
         extra.insert("precision".into(), serde_json::json!(self.precision));
         extra.insert("activation_checkpointing".into(), serde_json::json!(self.task.activation_checkpointing() == Some(true)));
+        if self.opt.shard() != Shard::None {
+            extra.insert("shard".into(), serde_json::json!(self.opt.shard()));
+        }
         // The fused-loss rung, when climbed (a configured loss is the config's to change).
         if self.cfg.raw.model.kind == ModelKind::Gpt && self.task.loss_kind().is_some_and(|l| l != self.cfg.raw.model.gpt().loss) {
             extra.insert("loss".into(), serde_json::json!(LossKind::Fused.name()));
@@ -568,6 +696,7 @@ impl StepCtx<'_> {
     /// the guard would count it as a leak and halve twice.
     fn undo(&mut self, task: &dyn Task) {
         self.opt.clear_grads();
+        self.opt.clear_shard_grads();
         if let Some(saved) = self.buffers.take() {
             let _no_grad = tch::no_grad_guard();
             for ((name, b), s) in task.buffers().iter().zip(&saved) {
@@ -575,6 +704,33 @@ impl StepCtx<'_> {
                     tracing::warn!("could not restore buffer {name} after a failed attempt: {e}");
                 }
             }
+        }
+    }
+}
+
+/// AdamW as `train.shard` asks (data parallel only). When even its state does not fit,
+/// and `memory.allow_sharding` allows it, the ranks shard it together; returns the rung
+/// so climbed at start.
+fn new_optimizer(cfg: &Config, task: &dyn Task, pg: Option<&Rc<ProcessGroup>>, device: Device) -> Result<(AdamW, Option<Rung>)> {
+    let c = &cfg.raw;
+    let no_decay = |n: &str, t: &Tensor| task.no_weight_decay(n, t);
+    let Some(pg) = pg else {
+        if c.train.shard != Shard::None {
+            tracing::info!("train.shard: {}: a single process has nothing to split it with; ignored", c.train.shard.name());
+        }
+        return AdamW::new(task.parameters(), &c.optim, no_decay).map(|o| (o, None)).map_err(|e| init_failure(e.into(), cfg, device, "creating the optimizer state"));
+    };
+    let mut stage = c.train.shard;
+    loop {
+        let opt = AdamW::sharded(task.parameters(), &c.optim, no_decay, stage, Some(pg.clone() as Rc<dyn Comm>));
+        match pg.agree(opt) {
+            Ok(opt) => return Ok((opt, (stage != c.train.shard).then_some(Rung::ShardOptimizer))),
+            Err(Error::Oom(o)) if c.memory.allow_sharding && stage == Shard::None => {
+                tracing::warn!("the optimizer state does not fit on every rank ({}); sharding it across the {} ranks (ZeRO-1)", o.message, pg.world);
+                memory::empty_cache(device)?;
+                stage = Shard::Optimizer;
+            }
+            Err(e) => return Err(init_failure(e, cfg, device, "creating the optimizer state")),
         }
     }
 }
