@@ -28,7 +28,15 @@ namespace {
 struct Group {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::Backend> backend;
+  // The backend lacks the flat reduce-scatter / all-gather (learnt at the first call, the
+  // same on every rank: an unsupported collective throws before any traffic).
+  bool no_reduce_scatter = false, no_all_gather = false;
 };
+
+bool unsupported(const std::exception& e) {
+  const std::string m = e.what();
+  return m.find("does not support") != std::string::npos || m.find("not supported") != std::string::npos;
+}
 
 Group* group(void* p) { return static_cast<Group*>(p); }
 
@@ -138,6 +146,57 @@ char* og_dist_broadcast(void* g, void** ts, int n, int root) {
     c10d::BroadcastOptions o;
     o.rootRank = root;
     each_then_wait(tensors(ts, n), [&](std::vector<at::Tensor>& one) { return group(g)->backend->broadcast(one, o); });
+  });
+}
+
+// ZeRO's collectives over flat buffers. Reduce-scatter: out[S] = the sum over ranks of
+// in[rank*S, (rank+1)*S); `in` (W*S) is scratch. Where the backend has no flat
+// reduce-scatter: an all-reduce of `in`, then this rank's slice. *fallback: 1 when so.
+char* og_dist_reduce_scatter(void* g, void* in, void* out, int* fallback) {
+  return oomguard::guarded([&] {
+    auto* G = group(g);
+    auto& input = *static_cast<at::Tensor*>(in);
+    auto& output = *static_cast<at::Tensor*>(out);
+    if (!G->no_reduce_scatter) {
+      try {
+        G->backend->_reduce_scatter_base(output, input, c10d::ReduceScatterOptions())->wait();
+        *fallback = 0;
+        return;
+      } catch (const std::exception& e) {
+        if (!unsupported(e)) throw;
+        G->no_reduce_scatter = true;
+      }
+    }
+    std::vector<at::Tensor> one{input};
+    G->backend->allreduce(one, c10d::AllreduceOptions())->wait();
+    const int64_t S = output.numel();
+    output.copy_(input.narrow(0, G->backend->getRank() * S, S));
+    *fallback = 1;
+  });
+}
+
+// All-gather: out[r*S, (r+1)*S) = rank r's in[S], on every rank. Fallback: the list form.
+char* og_dist_all_gather(void* g, void* in, void* out, int* fallback) {
+  return oomguard::guarded([&] {
+    auto* G = group(g);
+    auto& input = *static_cast<at::Tensor*>(in);
+    auto& output = *static_cast<at::Tensor*>(out);
+    if (!G->no_all_gather) {
+      try {
+        G->backend->_allgather_base(output, input, c10d::AllgatherOptions())->wait();
+        *fallback = 0;
+        return;
+      } catch (const std::exception& e) {
+        if (!unsupported(e)) throw;
+        G->no_all_gather = true;
+      }
+    }
+    const int64_t S = input.numel(), W = G->backend->getSize();
+    std::vector<std::vector<at::Tensor>> outs(1);
+    for (int64_t r = 0; r < W; ++r) outs[0].push_back(output.narrow(0, r * S, S));
+    std::vector<at::Tensor> ins{input};
+    G->backend->allgather(outs, ins, c10d::AllgatherOptions())->wait();
+    *fallback = 1;
   });
 }
 

@@ -15,6 +15,17 @@ std::vector<at::Tensor> tensors(void** ptrs, int n) {
   for (int i = 0; i < n; ++i) out.push_back(*static_cast<at::Tensor*>(ptrs[i]));
   return out;
 }
+
+// Like torch.optim.AdamW(fused=True): the kernel reads the already-incremented step.
+void fused_adamw(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g, const std::vector<at::Tensor>& m,
+                 const std::vector<at::Tensor>& v, const std::vector<at::Tensor>& s, double lr, double beta1, double beta2,
+                 double weight_decay, double eps, void* found_inf) {
+  if (p.empty()) return;
+  std::optional<at::Tensor> inf;
+  if (found_inf) inf = *static_cast<at::Tensor*>(found_inf);
+  at::_fused_adamw_(p, g, m, v, {}, s, lr, beta1, beta2, weight_decay, eps,
+                    /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, inf);
+}
 }  // namespace
 
 extern "C" {
@@ -42,12 +53,18 @@ char* og_adamw_commit(void** params, void** exp_avgs, void** exp_avg_sqs, void**
       s.push_back(*static_cast<at::Tensor*>(steps[i]));
       s.back().copy_(*static_cast<at::Tensor*>(next_steps[i]));
     }
-    if (p.empty()) return;
-    // Like torch.optim.AdamW(fused=True): the kernel reads the already-incremented step.
-    std::optional<at::Tensor> inf;
-    if (found_inf) inf = *static_cast<at::Tensor*>(found_inf);
-    at::_fused_adamw_(p, g, m, v, {}, s, lr, beta1, beta2, weight_decay, eps,
-                      /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, inf);
+    fused_adamw(p, g, m, v, s, lr, beta1, beta2, weight_decay, eps, found_inf);
+  });
+}
+
+// The same kernel over explicit tensors (ZeRO: views of this rank's pieces of the
+// parameters, their gradients and the moments' shard); the step counts are already set.
+char* og_adamw_update(void** params, void** grads, void** exp_avgs, void** exp_avg_sqs, void** steps, int n,
+                      double lr, double beta1, double beta2, double weight_decay, double eps, void* found_inf) {
+  return oomguard::guarded([&] {
+    torch::NoGradGuard no_grad;
+    fused_adamw(tensors(params, n), tensors(grads, n), tensors(exp_avgs, n), tensors(exp_avg_sqs, n), tensors(steps, n), lr,
+                beta1, beta2, weight_decay, eps, found_inf);
   });
 }
 

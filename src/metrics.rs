@@ -76,6 +76,10 @@ pub struct StepRecord {
     /// Data parallel: of `comm_s`, seconds in the ranks' agreements.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agree_s: Option<f64>,
+    /// Data parallel: what the ranks split (`none`, `optimizer`, `gradients`): the
+    /// configured `train.shard`, or a rung climbed.
+    #[serde(default)]
+    pub shard: crate::optim::Shard,
     /// Device-to-host reads the step made (`ops::read`; 1, more only after an OOM retry).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub d2h_reads: Option<u64>,
@@ -137,6 +141,8 @@ pub enum Record {
     Shrink(ResizeEvent),
     LeakWarning(LeakEvent),
     Rung(RungRecord),
+    /// A sharding rung left when memory allowed (`rung`: the one left).
+    RungDown(RungRecord),
 }
 
 impl From<GuardEvent> for Record {

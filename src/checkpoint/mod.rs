@@ -22,6 +22,7 @@ use crate::error::{Error, Result};
 use crate::guard::Policy;
 use crate::optim::AdamW;
 use crate::task::{tensors, Fingerprint, Task};
+use tch::Tensor;
 
 /// The `checkpoint` section.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -94,7 +95,9 @@ pub fn checkpoints_dir(run_dir: &Path) -> PathBuf {
 /// Writes a checkpoint of `state` atomically; returns its folder. A valid checkpoint of the
 /// same step is kept as it is; a corrupt one is replaced (the new one is complete before the
 /// old one goes).
-pub fn save(run_dir: &Path, state: &TrainState, task: &dyn Task, opt: &AdamW, device: tch::Device) -> Result<PathBuf> {
+/// `opt_state`: the optimizer's whole state (`AdamW::full_state`), one format whatever the
+/// sharding.
+pub fn save(run_dir: &Path, state: &TrainState, task: &dyn Task, opt_state: &[(String, Tensor)], device: tch::Device) -> Result<PathBuf> {
     let parent = checkpoints_dir(run_dir);
     let final_dir = parent.join(format!("step-{:08}", state.next_step));
     let replaces = match final_dir.exists().then(|| verify(&final_dir)) {
@@ -110,7 +113,7 @@ pub fn save(run_dir: &Path, state: &TrainState, task: &dyn Task, opt: &AdamW, de
     let _ = std::fs::remove_dir_all(&tmp); // a failed attempt's leftovers
     std::fs::create_dir_all(&tmp).map_err(io("cannot create", &tmp))?;
     tensors::save(&task.state(), &tmp.join(FILES[0]))?;
-    tensors::save(&opt.state().into_iter().map(|(n, t)| (n, t.shallow_clone())).collect::<Vec<_>>(), &tmp.join(FILES[1]))?;
+    tensors::save(opt_state, &tmp.join(FILES[1]))?;
     tensors::save(&rng::get_states(device)?, &tmp.join(FILES[2]))?;
 
     // tensors::save fsyncs each file; the manifest is written last.

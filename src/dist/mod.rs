@@ -18,6 +18,8 @@ extern "C" {
     fn og_dist_free(group: *mut c_void);
     fn og_dist_all_reduce(group: *mut c_void, tensors: *const *mut c_void, n: i32, op: i32) -> *mut c_char;
     fn og_dist_broadcast(group: *mut c_void, tensors: *const *mut c_void, n: i32, root: i32) -> *mut c_char;
+    fn og_dist_reduce_scatter(group: *mut c_void, input: *mut c_void, out: *mut c_void, fallback: *mut i32) -> *mut c_char;
+    fn og_dist_all_gather(group: *mut c_void, input: *mut c_void, out: *mut c_void, fallback: *mut i32) -> *mut c_char;
     fn og_dist_store_set(group: *mut c_void, key: *const c_char, data: *const u8, len: i64) -> *mut c_char;
     fn og_dist_store_get(group: *mut c_void, key: *const c_char, out: *mut *mut u8, len: *mut i64) -> *mut c_char;
     fn og_free(p: *mut c_char);
@@ -38,6 +40,8 @@ pub struct ProcessGroup {
     pub local_rank: usize,
     device: Device,
     exchange: Exchange,
+    /// The fallbacks for a backend's missing collectives, said once each.
+    said: std::cell::Cell<[bool; 2]>,
 }
 
 /// Every small collective of a run (the agreements, the guard's inputs, the loss) is one
@@ -73,6 +77,7 @@ pub enum Topic {
     Start = 4,
     Stop = 5,
     EvalLosses = 6,
+    Shard = 7,
 }
 
 fn topic_name(k: f64) -> &'static str {
@@ -83,6 +88,7 @@ fn topic_name(k: f64) -> &'static str {
         4 => "the start",
         5 => "a stop signal",
         6 => "the evaluation's losses",
+        7 => "the sharding's way back",
         _ => "an unknown exchange",
     }
 }
@@ -138,7 +144,7 @@ impl ProcessGroup {
         check(unsafe { og_dist_init(caddr.as_ptr(), port as i32, ctoken.as_ptr(), rank as i32, world as i32, cuda, timeout.as_millis() as i64, &mut ptr) })
             .map_err(dist_error(&format!("rank {rank} of {world} joining the group at {addr}:{port}")))?;
         tracing::info!("rank {rank} of {world} ({}) joined the group at {addr}:{port}", if cuda < 0 { "gloo" } else { "nccl" });
-        let mut pg = ProcessGroup { ptr, rank, world, local_rank, device, exchange: Exchange::empty() };
+        let mut pg = ProcessGroup { ptr, rank, world, local_rank, device, exchange: Exchange::empty(), said: Default::default() };
         pg.exchange = Exchange::new(world, device).map_err(dist_error("allocating the agreement's buffer"))?;
         Ok(Some(pg))
     }
@@ -205,6 +211,36 @@ impl ProcessGroup {
         slots[self.rank] = value;
         self.exchange(topic, &mut slots)?;
         Ok(slots.iter().sum())
+    }
+
+    /// ZeRO's reduce-scatter: `out` (S values) becomes the sum over ranks of their
+    /// `input[rank*S..(rank+1)*S]`; `input` (world x S) is scratch.
+    pub fn reduce_scatter(&self, input: &Tensor, out: &Tensor) -> Result<()> {
+        let mut fallback = 0;
+        check(unsafe { og_dist_reduce_scatter(self.ptr, input.as_ptr() as *mut c_void, out.as_ptr() as *mut c_void, &mut fallback) })
+            .map_err(dist_error("reduce-scatter"))?;
+        self.say_fallback(0, fallback, "reduce-scatter", "an all-reduce, then this rank's slice (the same sums, twice the traffic)");
+        Ok(())
+    }
+
+    /// ZeRO's all-gather: `out[r*S..(r+1)*S]` becomes rank r's `input` (S values).
+    pub fn all_gather(&self, input: &Tensor, out: &Tensor) -> Result<()> {
+        let mut fallback = 0;
+        check(unsafe { og_dist_all_gather(self.ptr, input.as_ptr() as *mut c_void, out.as_ptr() as *mut c_void, &mut fallback) })
+            .map_err(dist_error("all-gather"))?;
+        self.say_fallback(1, fallback, "all-gather", "the list all-gather into views of the flat buffer (the same bytes, one copy more)");
+        Ok(())
+    }
+
+    fn say_fallback(&self, which: usize, fallback: i32, what: &str, instead: &str) {
+        let mut said = self.said.get();
+        if fallback == 1 && !said[which] {
+            said[which] = true;
+            self.said.set(said);
+            if self.rank == 0 {
+                tracing::info!("the process group's backend has no flat {what} in this libtorch; sharding uses {instead}");
+            }
+        }
     }
 
     /// Rank `root`'s values into every rank's tensors.
@@ -367,6 +403,30 @@ impl Buckets {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+impl crate::optim::Comm for ProcessGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world(&self) -> usize {
+        self.world
+    }
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<()> {
+        self.all_reduce(std::slice::from_ref(t), Op::Sum)
+    }
+    fn all_reduce_max(&self, t: &Tensor) -> Result<()> {
+        self.all_reduce(std::slice::from_ref(t), Op::Max)
+    }
+    fn reduce_scatter(&self, input: &Tensor, out: &Tensor) -> Result<()> {
+        ProcessGroup::reduce_scatter(self, input, out)
+    }
+    fn all_gather(&self, input: &Tensor, out: &Tensor) -> Result<()> {
+        ProcessGroup::all_gather(self, input, out)
+    }
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<()> {
+        ProcessGroup::broadcast(self, std::slice::from_ref(t), root)
     }
 }
 

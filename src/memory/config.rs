@@ -39,6 +39,9 @@ pub struct MemoryConfig {
     pub allow_activation_checkpointing: bool,
     /// Below micro-batch 1: fall back from fp32 to bf16 autocast.
     pub allow_precision_fallback: bool,
+    /// Data parallel, below micro-batch 1: shard AdamW's state (ZeRO-1), then the gradients
+    /// too (ZeRO-2), across the ranks.
+    pub allow_sharding: bool,
     /// `micro_batch_size: auto` trains at the largest size found less this share.
     pub auto_margin: f64,
     /// Simulated memory pressure: real allocations held during a range of steps, as another
@@ -90,6 +93,7 @@ impl Default for MemoryConfig {
             retries_at_one: 8,
             allow_activation_checkpointing: true,
             allow_precision_fallback: true,
+            allow_sharding: true,
             auto_margin: 0.1,
             pressure: Vec::new(),
             snapshot: Some(super::snapshot::SnapshotConfig::default().to_raw()),

@@ -75,13 +75,16 @@ pub struct TrainConfig {
     pub grad_scaler: crate::precision::GradScalerConfig,
     /// Data parallel: how long a collective may wait for the other ranks (seconds).
     pub dist_timeout_s: u64,
+    /// Data parallel: `none`, `optimizer` (ZeRO-1: AdamW's moments split across the ranks)
+    /// or `gradients` (ZeRO-2: the summed gradients too). A single process ignores it.
+    pub shard: crate::optim::Shard,
 }
 
 impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
             micro_batch_size: MicroBatch::Size(8), grad_accum_steps: 1, global_batch_size: None, max_steps: 100, eval_every: 50,
-            eval_batch_size: 16, eval_batches: 4, seed: 1337, device: "auto".into(), num_threads: None, precision: Default::default(), grad_scaler: Default::default(), dist_timeout_s: 1800,
+            eval_batch_size: 16, eval_batches: 4, seed: 1337, device: "auto".into(), num_threads: None, precision: Default::default(), grad_scaler: Default::default(), dist_timeout_s: 1800, shard: Default::default(),
         }
     }
 }

@@ -110,11 +110,11 @@ pub struct Outcome {
 /// read-out holding `loss` (the step's loss sum, on the device). Gradients are already
 /// accumulated (and reduced across ranks).
 pub fn prepare_update(opt: &mut AdamW, step: u64, u: &Update, loss: &Tensor) -> Result<Ready> {
-    let clip = |e: tch::TchError| Error::from(e).in_phase(Phase::Clip);
+    let clip = |e: Error| e.in_phase(Phase::Clip);
     snapshot::set_phase(Phase::Clip, None);
     let found_inf = match u.scaler {
         Some(scaler) => {
-            scaler.unscale(&opt.grads()).map_err(clip)?;
+            scaler.unscale(&opt.grads()).map_err(|e| clip(e.into()))?;
             Some(scaler.found_inf())
         }
         None => None,
@@ -138,6 +138,13 @@ pub fn prepare_update(opt: &mut AdamW, step: u64, u: &Update, loss: &Tensor) -> 
 pub fn commit_update(opt: &mut AdamW, ready: Ready, u: &Update) -> Result<Outcome> {
     let Ready { prepared, readout } = ready;
     let optimizer = |e: tch::TchError| Error::from(e).in_phase(Phase::Optimizer);
+    // Stage 2: the ranks' norm and overflow flag, summed from their shards, into the read-out.
+    if let Some(norm) = opt.shard_stats(u.scaler.map(|s| s.found_inf()))? {
+        readout.f_select(0, 1).and_then(|slot| slot.shallow_clone().f_copy_(&norm)).map_err(optimizer)?;
+        if let Some(s) = u.scaler {
+            readout.f_select(0, 2).and_then(|slot| slot.shallow_clone().f_copy_(s.found_inf())).map_err(optimizer)?;
+        }
+    }
     if let Some(scaler) = u.scaler {
         scaler.update().map_err(optimizer)?;
         readout.f_select(0, 3).and_then(|slot| slot.shallow_clone().f_copy_(&scaler.scale)).map_err(optimizer)?;
@@ -178,15 +185,25 @@ const BUCKET_BYTES: usize = 25 << 20;
 /// allocations they agree again, then every rank commits.
 pub fn dist_step(pg: &ProcessGroup, task: &dyn Task, opt: &mut AdamW, data: &dyn StepBatches, step: u64, micro_batch_size: usize, u: &Update) -> Result<StepStats> {
     let local = accumulate(task, data, step, micro_batch_size, &u.amp).and_then(|r| {
-        opt.zero_missing_grads().map_err(|e| Error::from(e).in_phase(Phase::Backward))?;
-        let grads = opt.grads();
-        let buckets = Buckets::pack(&grads, BUCKET_BYTES).map_err(|e| Error::from(e).in_phase(Phase::Backward))?;
-        Ok((r, grads, buckets))
+        let backward = |e: tch::TchError| Error::from(e).in_phase(Phase::Backward);
+        opt.zero_missing_grads().map_err(backward)?;
+        // Stage 2 reduce-scatters into this rank's shard; otherwise every gradient is summed.
+        let reduce = match opt.scatter_buffers().map_err(backward)? {
+            Some(bufs) => Reduce::Scatter(bufs),
+            None => {
+                let grads = opt.grads();
+                let buckets = Buckets::pack(&grads, BUCKET_BYTES).map_err(backward)?;
+                Reduce::All(grads, buckets)
+            }
+        };
+        Ok((r, reduce))
     });
     let (mut agree_s, mut reduce_s) = (0.0, 0.0);
-    let ((loss, num_micro_batches), grads, buckets) = timed(&mut agree_s, || pg.agree(local))?;
-    timed(&mut reduce_s, || buckets.reduce_into(pg, &grads))?;
-    drop(buckets);
+    let ((loss, num_micro_batches), reduce) = timed(&mut agree_s, || pg.agree(local))?;
+    timed(&mut reduce_s, || match reduce {
+        Reduce::All(grads, buckets) => buckets.reduce_into(pg, &grads),
+        Reduce::Scatter(bufs) => opt.reduce_scatter_grads(bufs),
+    })?;
     let ready = prepare_update(opt, step, u, &loss);
     let ready = timed(&mut agree_s, || pg.agree(ready))?;
     let out = commit_update(opt, ready, u)?;
@@ -197,6 +214,12 @@ pub fn dist_step(pg: &ProcessGroup, task: &dyn Task, opt: &mut AdamW, data: &dyn
         loss, grad_norm: out.grad_norm, micro_batch_size, num_micro_batches, num_samples: data.global_batch_size(),
         skipped: out.skipped, comm_s, agree_s, loss_scale: out.loss_scale,
     })
+}
+
+/// How a data-parallel step sums its gradients.
+enum Reduce {
+    All(Vec<Tensor>, Buckets),
+    Scatter((crate::optim::zero::Buffers, Tensor)),
 }
 
 /// Runs `f`, adding the seconds it took to `acc`.

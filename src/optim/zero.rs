@@ -1,0 +1,254 @@
+//! ZeRO stages 1 and 2 (Rajbhandari et al., 2019) over the flat parameter space: the
+//! parameters, in the optimizer's order, laid end to end and cut into one equal shard per
+//! rank (the last padded). Each rank keeps AdamW's moments for its shard only (stage 1,
+//! `shard: optimizer`) and, with stage 2 (`shard: gradients`), only its shard of the summed
+//! gradients: a reduce-scatter replaces the all-reduce and the full gradients are dropped
+//! before the update. Each rank updates its shard; an all-gather brings every rank the
+//! updated parameters. Collectives move `world x chunk` elements at a time, so no buffer
+//! is ever the model's size.
+use serde::{Deserialize, Serialize};
+use std::rc::Rc;
+use tch::{Kind, TchError, Tensor};
+
+use crate::error::Result;
+
+/// `train.shard`: what data-parallel ranks split between them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Shard {
+    /// Every rank holds the whole optimizer state and gradients (plain data parallel).
+    #[default]
+    None,
+    /// ZeRO-1: AdamW's moments, 8 bytes per parameter, split across the ranks.
+    Optimizer,
+    /// ZeRO-2: the moments and the summed gradients.
+    Gradients,
+}
+
+impl Shard {
+    pub fn name(self) -> &'static str {
+        match self {
+            Shard::None => "none",
+            Shard::Optimizer => "optimizer",
+            Shard::Gradients => "gradients",
+        }
+    }
+}
+
+/// The collectives sharding needs; `ProcessGroup` implements them (this module stays a
+/// leaf).
+pub trait Comm {
+    fn rank(&self) -> usize;
+    fn world(&self) -> usize;
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<()>;
+    fn all_reduce_max(&self, t: &Tensor) -> Result<()>;
+    /// `out` (S values) becomes the sum over ranks of their `input[rank*S..]`.
+    fn reduce_scatter(&self, input: &Tensor, out: &Tensor) -> Result<()>;
+    /// `out[r*S..(r+1)*S]` becomes rank r's `input` (S values).
+    fn all_gather(&self, input: &Tensor, out: &Tensor) -> Result<()>;
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<()>;
+}
+
+/// The fewest collectives a shard is moved in.
+const CHUNKS_PER_SHARD: i64 = 16;
+
+/// Where each parameter lies in the flat space, and which part is whose.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Layout {
+    pub rank: usize,
+    pub world: usize,
+    offsets: Vec<i64>,
+    numels: Vec<i64>,
+    /// Elements of all parameters.
+    pub total: i64,
+    /// Elements per rank: the flat space is padded to `world x shard`.
+    pub shard: i64,
+    /// Elements per rank in one collective (its buffer holds `world x chunk`).
+    pub chunk: i64,
+}
+
+/// A parameter's part in this rank's shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Piece {
+    pub param: usize,
+    /// Where it starts inside the parameter (flattened), and how long it is.
+    pub at: i64,
+    pub len: i64,
+    /// Where it starts inside the shard.
+    pub in_shard: i64,
+}
+
+impl Layout {
+    /// `numels`: the parameters' sizes in the optimizer's order; `bucket_elems`: the most
+    /// elements one collective moves over all ranks.
+    pub fn new(numels: &[i64], rank: usize, world: usize, bucket_elems: i64) -> Layout {
+        let mut offsets = Vec::with_capacity(numels.len());
+        let mut total = 0;
+        for n in numels {
+            offsets.push(total);
+            total += n;
+        }
+        let shard = (total + world as i64 - 1) / world as i64;
+        // A sixteenth of the shard at most: the buffers ((world + 1) x chunk) stay small
+        // against what sharding saves, even for a model smaller than one bucket.
+        let chunk = (bucket_elems / world as i64).min((shard + CHUNKS_PER_SHARD - 1) / CHUNKS_PER_SHARD).clamp(1, shard.max(1));
+        Layout { rank, world, offsets, numels: numels.to_vec(), total, shard, chunk }
+    }
+
+    /// The parts of parameters in flat `[lo, lo + len)`: (parameter, start inside it,
+    /// length, start relative to `lo`).
+    fn within(&self, lo: i64, len: i64) -> impl Iterator<Item = (usize, i64, i64, i64)> + '_ {
+        let hi = lo + len;
+        (0..self.numels.len()).filter_map(move |i| {
+            let (o, n) = (self.offsets[i], self.numels[i]);
+            let (a, b) = (lo.max(o), hi.min(o + n));
+            (a < b).then_some((i, a - o, b - a, a - lo))
+        })
+    }
+
+    /// This rank's pieces, in shard order.
+    pub fn pieces(&self) -> Vec<Piece> {
+        let lo = self.rank as i64 * self.shard;
+        self.within(lo, self.shard).map(|(param, at, len, in_shard)| Piece { param, at, len, in_shard }).collect()
+    }
+
+    /// The collectives' chunks of a shard: (start inside the shard, length).
+    pub fn chunks(&self) -> Vec<(i64, i64)> {
+        (0..self.shard).step_by(self.chunk.max(1) as usize).map(|s| (s, self.chunk.min(self.shard - s))).collect()
+    }
+
+    /// Copies flat `[lo, lo + dst.numel())` of `flat` (one flattened view per parameter)
+    /// into `dst`; zeros past the last parameter. Allocates nothing.
+    pub fn pack(&self, flat: &[Tensor], lo: i64, dst: &Tensor) -> std::result::Result<(), TchError> {
+        let len = dst.numel() as i64;
+        let mut covered = 0;
+        for (i, at, n, rel) in self.within(lo, len) {
+            dst.f_narrow(0, rel, n)?.f_copy_(&flat[i].f_narrow(0, at, n)?)?;
+            covered = covered.max(rel + n);
+        }
+        if covered < len {
+            let _ = dst.f_narrow(0, covered, len - covered)?.f_zero_()?;
+        }
+        Ok(())
+    }
+
+    /// The reverse of `pack`: `src`'s values into the parameters' flat `[lo, ..)`.
+    pub fn unpack(&self, src: &Tensor, lo: i64, flat: &[Tensor]) -> std::result::Result<(), TchError> {
+        for (i, at, n, rel) in self.within(lo, src.numel() as i64) {
+            flat[i].f_narrow(0, at, n)?.f_copy_(&src.f_narrow(0, rel, n)?)?;
+        }
+        Ok(())
+    }
+
+    /// Shard chunk `(start, len)` of every rank in a `world x len` buffer and back.
+    pub fn pack_all(&self, flat: &[Tensor], (start, len): (i64, i64), buf: &Tensor) -> std::result::Result<(), TchError> {
+        for r in 0..self.world as i64 {
+            self.pack(flat, r * self.shard + start, &buf.f_narrow(0, r * len, len)?)?;
+        }
+        Ok(())
+    }
+
+    pub fn unpack_all(&self, buf: &Tensor, (start, len): (i64, i64), flat: &[Tensor]) -> std::result::Result<(), TchError> {
+        for r in 0..self.world as i64 {
+            self.unpack(&buf.f_narrow(0, r * len, len)?, r * self.shard + start, flat)?;
+        }
+        Ok(())
+    }
+}
+
+/// A sharded optimizer's own state: the layout, this rank's moments and (stage 2) its
+/// gradient shard.
+pub struct Zero {
+    pub stage: Shard,
+    pub layout: Layout,
+    pub pieces: Vec<Piece>,
+    pub comm: Rc<dyn Comm>,
+    /// `[shard]` each: this rank's part of AdamW's moments.
+    pub exp_avg: Tensor,
+    pub exp_avg_sq: Tensor,
+    /// Stage 2: this rank's part of the summed gradients, from the reduce-scatter to the
+    /// update.
+    pub grad: Option<Tensor>,
+    /// A checkpoint's full state read on rank 0, until `AdamW::share_restored` hands each
+    /// rank its part.
+    pub restored: Option<Vec<(String, Tensor)>>,
+    /// Stage 2: the clipping prepared for the ranks' agreement.
+    pub clip: Option<Clip>,
+}
+
+/// Stage 2's clipping, allocated before the ranks agree: this shard's sum of squares, and
+/// the norm and coefficient it becomes once summed over the ranks.
+pub struct Clip {
+    pub sq: Tensor,
+    pub norm: Tensor,
+    pub coef: Tensor,
+    pub max_norm: f64,
+}
+
+/// A collective's buffers: `world x chunk` and one chunk.
+pub struct Buffers {
+    pub all: Tensor,
+    pub own: Tensor,
+}
+
+impl Buffers {
+    pub fn new(layout: &Layout, kind: Kind, device: tch::Device) -> std::result::Result<Buffers, TchError> {
+        Ok(Buffers {
+            all: Tensor::f_empty([layout.world as i64 * layout.chunk], (kind, device))?,
+            own: Tensor::f_empty([layout.chunk], (kind, device))?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_cover_the_flat_space_once() {
+        let numels = [5, 3, 8, 1];
+        for world in 1..=5 {
+            let mut seen = vec![0; 17];
+            for rank in 0..world {
+                let l = Layout::new(&numels, rank, world, 4);
+                assert_eq!(l.shard, (17 + world as i64 - 1) / world as i64);
+                let mut at_shard = 0;
+                for p in l.pieces() {
+                    assert_eq!(p.in_shard, at_shard, "pieces are contiguous in the shard");
+                    at_shard += p.len;
+                    let o: i64 = numels[..p.param].iter().sum();
+                    for e in o + p.at..o + p.at + p.len {
+                        seen[e as usize] += 1;
+                    }
+                }
+                let chunks = l.chunks();
+                assert_eq!(chunks.iter().map(|c| c.1).sum::<i64>(), l.shard);
+                assert!(chunks.iter().all(|c| c.1 <= l.chunk));
+            }
+            assert!(seen.iter().all(|&s| s == 1), "world {world}: {seen:?}");
+        }
+    }
+
+    #[test]
+    fn pack_and_unpack_round_trip_with_padding() {
+        let params: Vec<Tensor> = [5i64, 3, 8, 1].iter().map(|&n| Tensor::arange(n, (Kind::Float, tch::Device::Cpu)) + 100 * n).collect();
+        let l = Layout::new(&[5, 3, 8, 1], 1, 3, 6);
+        let buf = Tensor::zeros([l.world as i64 * l.chunk], (Kind::Float, tch::Device::Cpu));
+        let out: Vec<Tensor> = params.iter().map(|p| p.zeros_like()).collect();
+        for c in l.chunks() {
+            let b = buf.narrow(0, 0, l.world as i64 * c.1);
+            l.pack_all(&params, c, &b).unwrap();
+            l.unpack_all(&b, c, &out).unwrap();
+        }
+        for (p, o) in params.iter().zip(&out) {
+            assert!(p.equal(o));
+        }
+        // The last rank's shard runs past the parameters: zeros there.
+        let last = Layout::new(&[5, 3, 8, 1], 2, 3, 100);
+        let t = Tensor::ones([last.shard], (Kind::Float, tch::Device::Cpu));
+        last.pack(&params, 2 * last.shard, &t).unwrap();
+        assert_eq!(t.narrow(0, 5, 1).double_value(&[0]), 0.0);
+        assert_eq!(t.narrow(0, 4, 1).double_value(&[0]), 100.0); // the last parameter's one value
+        assert_eq!(t.narrow(0, 0, 1).double_value(&[0]), 804.0); // the third's fifth
+    }
+}

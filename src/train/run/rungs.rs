@@ -1,0 +1,124 @@
+//! The rungs below micro-batch 1, applied to a run: climbing one (the ladder's pure choice,
+//! from what each would save for what it costs), coming back down from sharding when memory
+//! allows, and the planner's advice when none is left.
+use super::*;
+
+impl Run<'_> {
+    /// The next rung below micro-batch 1, if one is left and allowed: applied, recorded and
+    /// logged. The guard starts again from micro-batch 1 (and may grow back from there).
+    pub(super) fn climb(&mut self, step: u64) -> Result<bool> {
+        let m = &self.cfg.raw.memory;
+        let at = ladder::Footing {
+            checkpointing: self.task.activation_checkpointing(), precision: self.precision, loss: self.task.loss_kind(),
+            shard: self.pg.as_ref().map(|_| self.opt.shard()),
+        };
+        let allowed = ladder::Allowed {
+            checkpointing: m.allow_activation_checkpointing, precision_fallback: m.allow_precision_fallback, bf16_fast: bf16_is_fast(self.device),
+            sharding: m.allow_sharding,
+        };
+        let Some(rung) = ladder::next_rung(at, allowed, &self.savings()) else { return Ok(false) };
+        let world = self.world_size();
+        match rung {
+            Rung::FusedLoss => self.task.set_loss_kind(LossKind::Fused),
+            Rung::ActivationCheckpointing => self.task.set_activation_checkpointing(true),
+            Rung::Bf16 => self.precision = Precision::Bf16,
+            Rung::ShardOptimizer | Rung::ShardGradients => {
+                let pg = self.pg.clone().expect("sharding rungs need a group");
+                let agree = |r: Result<()>| pg.agree(r);
+                memory::empty_cache(self.device)?;
+                match self.opt.set_shard(rung.shard().expect("a sharding rung"), Some(pg.clone() as Rc<dyn Comm>), &agree) {
+                    Err(Error::Oom(_)) => return Ok(false),
+                    other => other?,
+                }
+                self.shard_back = ShardBack { clean_steps: 0, failed_at: Some(step) };
+            }
+        }
+        for e in self.guard.drain_events() {
+            self.write(&Record::from(e))?;
+        }
+        let what = match rung {
+            Rung::FusedLoss => "the fused loss (model.loss: fused: the logits a chunk of tokens at a time)".to_string(),
+            Rung::ActivationCheckpointing => "activation checkpointing on (blocks are recomputed in backward)".to_string(),
+            Rung::Bf16 => "bf16 autocast (master weights and optimizer state stay fp32)".to_string(),
+            Rung::ShardOptimizer => format!("AdamW's state sharded across the {world} ranks (ZeRO-1: each keeps 1/{world} of the moments)"),
+            Rung::ShardGradients => format!("the gradients sharded too (ZeRO-2: a reduce-scatter; each rank keeps 1/{world} of the summed gradients)"),
+        };
+        tracing::warn!("step {step}: micro-batch 1 does not fit; climbing down a rung: {what}; retrying the step");
+        self.write(&Record::Rung(RungRecord { step, rung, reason: "micro-batch 1 did not fit".into() }))?;
+        self.guard.policy.rung_climbed();
+        Ok(true)
+    }
+
+    /// What each rung would save on this rank: one sample's activations (the planner's
+    /// formula, else the parameters' size as a stand-in), AdamW's moments, the gradients.
+    fn savings(&self) -> ladder::Savings {
+        let gradients: u64 = self.task.parameters().iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum();
+        let activations = self.task.formula().map_or(gradients, |e| e.per_sample_bytes());
+        ladder::Savings { activations, optimizer_state: self.opt.state_bytes(), gradients, world: self.world_size() as u64 }
+    }
+
+    /// A run that climbed to a sharding rung comes back down a stage when memory allows
+    /// (`ladder::unshard`: the micro-batch's hysteresis and cool-down), every rank alike: the
+    /// decision is on the ranks' largest peak, and the gather's allocation is agreed.
+    pub(super) fn maybe_unshard(&mut self, step: u64, oomed: bool) -> Result<()> {
+        let Some(pg) = self.pg.clone() else { return Ok(()) };
+        let configured = self.cfg.raw.train.shard;
+        let at = self.opt.shard();
+        if at <= configured {
+            return Ok(());
+        }
+        self.shard_back.clean_steps = if oomed { 0 } else { self.shard_back.clean_steps + 1 };
+        let mem = self.guard.last_memory();
+        let mut peak = [mem.peak_bytes as f64];
+        pg.exchange(Topic::Shard, &mut peak)?;
+        let world = self.world_size() as u64;
+        let saved = match at {
+            Shard::Gradients => self.savings().gradients * (world - 1) / world,
+            _ => self.opt.state_bytes() * (world - 1),
+        };
+        let m = &self.cfg.raw.memory;
+        let back = ladder::Back {
+            at, configured, clean_steps: self.shard_back.clean_steps, failed_at: self.shard_back.failed_at, step,
+            peak_bytes: peak[0] as u64, limit_bytes: mem.limit_bytes, saved_bytes: saved,
+        };
+        let Some(below) = ladder::unshard(back, m.grow_after_steps, m.cooldown_steps, m.grow_headroom) else { return Ok(()) };
+        let agree = |r: Result<()>| pg.agree(r);
+        let left = if at == Shard::Gradients { Rung::ShardGradients } else { Rung::ShardOptimizer };
+        match self.opt.set_shard(below, Some(pg.clone() as Rc<dyn Comm>), &agree) {
+            Ok(()) => {
+                tracing::info!("step {step}: memory allows it: back to train.shard: {} (the peak was {})", below.name(), human_bytes(back.peak_bytes));
+                self.write(&Record::RungDown(RungRecord { step, rung: left, reason: format!("memory allows shard: {}", below.name()) }))?;
+                self.shard_back.clean_steps = 0;
+            }
+            Err(Error::Oom(o)) => {
+                tracing::info!("step {step}: coming back to train.shard: {} ran out of memory ({}); staying sharded", below.name(), o.message);
+                memory::empty_cache(self.device)?;
+                self.shard_back = ShardBack { clean_steps: 0, failed_at: Some(step) };
+            }
+            Err(e) => return Err(e),
+        }
+        Ok(())
+    }
+
+    /// The planner's view of what does not fit and what would, for models it has a formula
+    /// for; with data parallel, what sharding would save per rank.
+    pub(super) fn advice(&self) -> String {
+        let c = &self.cfg.raw;
+        let mut out = match (c.model.kind, memory::stats(self.device).limit_bytes) {
+            (ModelKind::Gpt, Some(limit)) => format!(" {}", plan::advice(&c.model.gpt(), limit, self.device.is_cuda())),
+            _ => String::new(),
+        };
+        let world = self.world_size() as u64;
+        if world > 1 && self.opt.shard() < Shard::Gradients {
+            let s = self.savings();
+            let state = if self.opt.shard() == Shard::None { s.optimizer_state } else { 0 };
+            let saved = (state + s.gradients) - (state + s.gradients) / world;
+            let how = if c.memory.allow_sharding { "train.shard: gradients" } else { "memory.allow_sharding: true (the guard climbs to it), or train.shard: optimizer / gradients" };
+            out.push_str(&format!(
+                " Sharding AdamW's state and the gradients across the {world} ranks (ZeRO-1/2) would save up to {} per rank: {how}.",
+                human_bytes(saved)
+            ));
+        }
+        out
+    }
+}
