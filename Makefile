@@ -14,7 +14,7 @@ test: setup
 	cargo test --release --workspace
 
 bench: setup
-	cargo bench --bench throughput --bench guard --bench launch --bench auto --bench dist --bench precision --bench torchscript --bench report --bench sweep --bench eager_gpt --bench fused_fit --bench snapshot
+	cargo bench --bench throughput --bench guard --bench launch --bench auto --bench dist --bench precision --bench torchscript --bench report --bench sweep --bench eager_gpt --bench fused_fit --bench snapshot --bench shard
 
 # Binaries for a GPU host's own PyTorch (default 2.11): see scripts/gpu-kit.sh.
 gpu-kit:
