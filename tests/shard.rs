@@ -223,3 +223,35 @@ fn an_oom_in_the_sharded_update_on_any_rank_is_agreed_and_redone() {
         assert!(d < 1e-5, "shard {stage}: differs from the clean run by {d}");
     }
 }
+
+/// Memory pressure on every rank for the first steps: the run climbs to sharding; when the
+/// pressure lifts it comes back down (after `grow_after_steps` clean steps, with headroom),
+/// a `rung_down` event, and it ends where an unconstrained run does.
+#[test]
+fn a_run_that_sharded_under_pressure_comes_back_down() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = state_heavy(dir.path());
+    let (plain, sharded) = (peak_at_one(dir.path(), &cfg, "none"), peak_at_one(dir.path(), &cfg, "optimizer"));
+    let budget = plain + plain / 10;
+    // Held on each rank during steps 0..3: the unsharded step no longer fits, the sharded does.
+    let held = budget - (plain + sharded) / 2;
+    let yaml = std::fs::read_to_string(&cfg).unwrap().replace("max_steps: 4", "max_steps: 10").replace(
+        "memory: {snapshot: off,",
+        &format!("memory: {{budget: {budget}, grow_after_steps: 2, grow_headroom: 0.0, cooldown_steps: 2, pressure: [{{from_step: 0, to_step: 3, size: {held}}}], snapshot: off,"),
+    );
+    let cfg = write_config(dir.path(), "pressure.yaml", &yaml);
+    let free = dir.path().join("free");
+    ok(train_n(dir.path(), &cfg, &free, 2, &["--memory-budget", "none", "--set", "memory.pressure=[]"]));
+    let run = dir.path().join("run");
+    let err = ok(train_n(dir.path(), &cfg, &run, 2, &[]));
+    let up = records(&run, "rung");
+    let down = records(&run, "rung_down");
+    assert!(up.iter().any(|r| r["rung"] == "shard_optimizer"), "{up:?}\n{err}");
+    assert!(down.iter().any(|r| r["rung"] == "shard_optimizer" && r["step"].as_u64().unwrap() >= 3), "{down:?}\n{err}");
+    let shards: Vec<String> = records(&run, "step").iter().map(|s| s["shard"].as_str().unwrap().to_string()).collect();
+    assert_eq!(shards.len(), 10);
+    assert_eq!(shards[0], "optimizer", "{shards:?}");
+    assert_eq!(shards.last().unwrap(), "none", "{shards:?}");
+    let d = max_abs_diff(&weights(&free), &weights(&run));
+    assert!(d < 1e-5, "differs from the unconstrained run by {d}");
+}
