@@ -28,6 +28,8 @@ namespace {
 struct Group {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::Backend> backend;
+  // Gloo (the CPU): ZeRO's collectives as in-place all-reduces (below).
+  bool gloo = false;
   // The backend lacks the flat reduce-scatter / all-gather (learnt at the first call, the
   // same on every rank: an unsupported collective throws before any traffic).
   bool no_reduce_scatter = false, no_all_gather = false;
@@ -123,6 +125,7 @@ char* og_dist_init(const char* addr, int port, const char* token, int rank, int 
                            : is_loopback(addr)      ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
                                                     : c10d::ProcessGroupGloo::createDefaultDevice());
       g->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(g->store, rank, world, o);
+      g->gloo = true;
     } else {
       g->backend = og_make_nccl(g->store, rank, world, timeout);
     }
@@ -150,14 +153,17 @@ char* og_dist_broadcast(void* g, void** ts, int n, int root) {
 }
 
 // ZeRO's collectives over flat buffers. Reduce-scatter: out[S] = the sum over ranks of
-// in[rank*S, (rank+1)*S); `in` (W*S) is scratch. Where the backend has no flat
-// reduce-scatter: an all-reduce of `in`, then this rank's slice. *fallback: 1 when so.
+// in[rank*S, (rank+1)*S); `in` (W*S) is scratch. A collective runs after the ranks agreed,
+// so it must not allocate: an OOM inside it would fail one rank mid-collective. Gloo's flat
+// forms allocate temporaries from the process's allocator, so on Gloo (and where a backend
+// has no flat form) both are in-place all-reduces, which allocate nothing: here of `in`,
+// then this rank's slice. *fallback: 2 Gloo by design, 1 unsupported, 0 the flat form.
 char* og_dist_reduce_scatter(void* g, void* in, void* out, int* fallback) {
   return oomguard::guarded([&] {
     auto* G = group(g);
     auto& input = *static_cast<at::Tensor*>(in);
     auto& output = *static_cast<at::Tensor*>(out);
-    if (!G->no_reduce_scatter) {
+    if (!G->no_reduce_scatter && !G->gloo) {
       try {
         G->backend->_reduce_scatter_base(output, input, c10d::ReduceScatterOptions())->wait();
         *fallback = 0;
@@ -171,17 +177,19 @@ char* og_dist_reduce_scatter(void* g, void* in, void* out, int* fallback) {
     G->backend->allreduce(one, c10d::AllreduceOptions())->wait();
     const int64_t S = output.numel();
     output.copy_(input.narrow(0, G->backend->getRank() * S, S));
-    *fallback = 1;
+    *fallback = G->gloo ? 2 : 1;
   });
 }
 
-// All-gather: out[r*S, (r+1)*S) = rank r's in[S], on every rank. Fallback: the list form.
+// All-gather: out[r*S, (r+1)*S) = rank r's in[S], on every rank. On Gloo (or unsupported):
+// the zeros of `out` with this rank's slice in place, summed over the ranks (x + 0 is x
+// exactly), allocating nothing.
 char* og_dist_all_gather(void* g, void* in, void* out, int* fallback) {
   return oomguard::guarded([&] {
     auto* G = group(g);
     auto& input = *static_cast<at::Tensor*>(in);
     auto& output = *static_cast<at::Tensor*>(out);
-    if (!G->no_all_gather) {
+    if (!G->no_all_gather && !G->gloo) {
       try {
         G->backend->_allgather_base(output, input, c10d::AllgatherOptions())->wait();
         *fallback = 0;
@@ -191,12 +199,12 @@ char* og_dist_all_gather(void* g, void* in, void* out, int* fallback) {
         G->no_all_gather = true;
       }
     }
-    const int64_t S = input.numel(), W = G->backend->getSize();
-    std::vector<std::vector<at::Tensor>> outs(1);
-    for (int64_t r = 0; r < W; ++r) outs[0].push_back(output.narrow(0, r * S, S));
-    std::vector<at::Tensor> ins{input};
-    G->backend->allgather(outs, ins, c10d::AllgatherOptions())->wait();
-    *fallback = 1;
+    const int64_t S = input.numel();
+    output.zero_();
+    output.narrow(0, G->backend->getRank() * S, S).copy_(input);
+    std::vector<at::Tensor> one{output};
+    G->backend->allreduce(one, c10d::AllreduceOptions())->wait();
+    *fallback = G->gloo ? 2 : 1;
   });
 }
 

@@ -43,6 +43,9 @@ pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
     let model = c.model.gpt();
     let estimate = Estimate::new(&model, precision, cuda);
     let global = c.train.global_batch_size();
+    if args.nproc_per_node > 1 {
+        return per_rank(&args, &estimate, memory, global, &what);
+    }
     let fit = estimate.largest_fitting(memory, global);
     let shown = fit.max(1);
     let configured = match c.train.micro_batch_size {
@@ -79,6 +82,56 @@ pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
         return Err(NothingFits(human_bytes(memory)).into());
     }
     Ok(())
+}
+
+/// `--nproc-per-node N`: each `train.shard` stage per rank, which fits at what micro-batch,
+/// and when none does, how many ranks would.
+fn per_rank(args: &PlanArgs, estimate: &Estimate, memory: u64, global: usize, what: &str) -> anyhow::Result<()> {
+    use crate::optim::Shard;
+    let n = args.nproc_per_node;
+    let samples = global.div_ceil(n as usize); // the largest rank's share of a step
+    let stages: Vec<(Shard, Estimate, usize)> = [Shard::None, Shard::Optimizer, Shard::Gradients]
+        .into_iter()
+        .map(|s| {
+            let e = estimate.clone().with_shard(s, n);
+            let fit = e.largest_fitting(memory, samples);
+            (s, e, fit)
+        })
+        .collect();
+    let best = stages.iter().find(|(_, _, fit)| *fit > 0);
+    let ranks = estimate.ranks_to_fit(memory);
+    if args.json {
+        let rows: Vec<_> = stages.iter().map(|(s, e, fit)| serde_json::json!({
+            "shard": s, "optimizer_bytes": e.optimizer_bytes, "peak_bytes_at_1": e.peak(1), "largest_micro_batch_size": fit,
+        })).collect();
+        println!("{}", serde_json::to_string_pretty(&serde_json::json!({
+            "memory_bytes": memory, "nproc_per_node": n, "global_batch_size": global, "samples_per_rank": samples,
+            "shards": rows, "fits": best.map(|b| b.0), "ranks_to_fit": ranks,
+        }))?);
+    } else {
+        println!("{} over {n} ranks ({samples} samples each per step), per rank, against {} ({what}):", args.config.display(), human_bytes(memory));
+        for (s, e, fit) in &stages {
+            println!(
+                "  train.shard: {:<10} AdamW's state {:>10}, micro-batch 1 peaks near {:>10}, largest micro-batch {fit}",
+                s.name(), human_bytes(e.optimizer_bytes), human_bytes(e.peak(1))
+            );
+        }
+        println!("  (gradients: the summed gradients are sharded after backward, where each is whole, so its peak counts as optimizer's)");
+        match best {
+            Some((s, _, fit)) => println!(
+                "fits: train.shard: {} at micro-batch {fit}{}", s.name(),
+                if *s == Shard::None { String::new() } else { " (the guard climbs to it by itself unless memory.allow_sharding is false)".into() }
+            ),
+            None => match ranks {
+                Some(w) => println!("nothing fits on {n} ranks, even sharded; {w} ranks with train.shard: optimizer would fit micro-batch 1"),
+                None => println!("nothing fits on any number of ranks: the parameters, their gradients and one sample alone need more than {}", human_bytes(memory)),
+            },
+        }
+    }
+    match best {
+        Some(_) => Ok(()),
+        None => Err(NothingFits(human_bytes(memory)).into()),
+    }
 }
 
 /// A model without a formula: measured by trial steps (on the CPU, or the config's GPU

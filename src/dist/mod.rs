@@ -219,7 +219,7 @@ impl ProcessGroup {
         let mut fallback = 0;
         check(unsafe { og_dist_reduce_scatter(self.ptr, input.as_ptr() as *mut c_void, out.as_ptr() as *mut c_void, &mut fallback) })
             .map_err(dist_error("reduce-scatter"))?;
-        self.say_fallback(0, fallback, "reduce-scatter", "an all-reduce, then this rank's slice (the same sums, twice the traffic)");
+        self.say_fallback(0, fallback, "reduce-scatter", "an in-place all-reduce, then this rank's slice (the same sums, twice the traffic)");
         Ok(())
     }
 
@@ -228,17 +228,21 @@ impl ProcessGroup {
         let mut fallback = 0;
         check(unsafe { og_dist_all_gather(self.ptr, input.as_ptr() as *mut c_void, out.as_ptr() as *mut c_void, &mut fallback) })
             .map_err(dist_error("all-gather"))?;
-        self.say_fallback(1, fallback, "all-gather", "the list all-gather into views of the flat buffer (the same bytes, one copy more)");
+        self.say_fallback(1, fallback, "all-gather", "an in-place all-reduce of the zero-padded shards (the same values, twice the traffic)");
         Ok(())
     }
 
+    /// Says once how a ZeRO collective runs when not in its flat form: on Gloo by design
+    /// (its flat forms allocate temporaries, which an OOM could fail after the ranks
+    /// agreed), else because the backend lacks it.
     fn say_fallback(&self, which: usize, fallback: i32, what: &str, instead: &str) {
         let mut said = self.said.get();
-        if fallback == 1 && !said[which] {
+        if fallback > 0 && !said[which] {
             said[which] = true;
             self.said.set(said);
             if self.rank == 0 {
-                tracing::info!("the process group's backend has no flat {what} in this libtorch; sharding uses {instead}");
+                let why = if fallback == 2 { "Gloo's flat form allocates inside the collective, where an OOM would fail one rank after the ranks agreed" } else { "this backend has no flat form" };
+                tracing::info!("sharding: the {what} is {instead}: {why}");
             }
         }
     }

@@ -52,6 +52,51 @@ impl FromStr for InjectOom {
     }
 }
 
+/// Test-only: `OOMGUARD_TEST_OOM_IN=PHASE:RANK:STEP[,...]` fails the first allocation made
+/// after that phase begins on that rank at that step, once each: a real OOM from the
+/// counting allocator where random injection rarely lands (the update's allocations come
+/// last in a step, after the attempts that failed earlier). Not with `--inject-oom`.
+pub mod targeted {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Mutex, OnceLock};
+
+    static RANK: AtomicU64 = AtomicU64::new(0);
+    static STEP: AtomicU64 = AtomicU64::new(0);
+
+    fn targets() -> &'static Mutex<Vec<(String, u64, u64)>> {
+        static T: OnceLock<Mutex<Vec<(String, u64, u64)>>> = OnceLock::new();
+        T.get_or_init(|| {
+            let spec = std::env::var("OOMGUARD_TEST_OOM_IN").unwrap_or_default();
+            let parse = |t: &str| {
+                let mut f = t.split(':');
+                Some((f.next()?.trim().to_string(), f.next()?.trim().parse().ok()?, f.next()?.trim().parse().ok()?))
+            };
+            Mutex::new(spec.split(',').filter_map(parse).collect())
+        })
+    }
+
+    /// Whether any target was given (so the hot path costs one load otherwise).
+    pub fn wanted() -> bool {
+        static W: OnceLock<bool> = OnceLock::new();
+        *W.get_or_init(|| std::env::var_os("OOMGUARD_TEST_OOM_IN").is_some())
+    }
+
+    pub fn at(rank: usize, step: u64) {
+        RANK.store(rank as u64, Ordering::Relaxed);
+        STEP.store(step, Ordering::Relaxed);
+    }
+
+    /// `phase` (its snake_case name) begins on the training thread.
+    pub fn phase_begins(phase: &str) {
+        let Ok(mut t) = targets().lock() else { return };
+        let (r, s) = (RANK.load(Ordering::Relaxed), STEP.load(Ordering::Relaxed));
+        if let Some(i) = t.iter().position(|(p, tr, ts)| p == phase && *tr == r && *ts == s) {
+            t.remove(i);
+            super::arm(&[super::alloc_count()]);
+        }
+    }
+}
+
 /// `count` distinct allocation numbers in `from..from + span`, seeded: a pure function.
 pub fn positions(count: u32, seed: u64, from: u64, span: u64) -> Vec<u64> {
     let span = span.max(count as u64).max(1);

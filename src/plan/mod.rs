@@ -77,6 +77,32 @@ impl Estimate {
         Estimate { activation_checkpointing: on, ..self }
     }
 
+    /// Per rank, with `shard` across `world` data-parallel ranks: AdamW's moments split
+    /// (ZeRO-1 and 2). Stage 2's gradients are summed into 1/world shards only after
+    /// backward, where every gradient is whole, so its peak is counted like stage 1's.
+    pub fn with_shard(self, shard: crate::optim::Shard, world: u64) -> Estimate {
+        if shard == crate::optim::Shard::None || world <= 1 {
+            return self;
+        }
+        Estimate { optimizer_bytes: self.optimizer_bytes.div_ceil(world), ..self }
+    }
+
+    /// The fewest data-parallel ranks (up to 4096) over which the optimizer-sharded state
+    /// lets micro-batch 1 fit `memory`; `None` when no number does (the parameters,
+    /// gradients and one sample alone exceed it).
+    pub fn ranks_to_fit(&self, memory: u64) -> Option<u64> {
+        let fits = |w: u64| self.clone().with_shard(crate::optim::Shard::Optimizer, w).largest_fitting(memory, 1) >= 1;
+        if !fits(4096) {
+            return None;
+        }
+        let (mut lo, mut hi) = (1u64, 4096u64); // fits(hi); find the smallest
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            if fits(mid) { hi = mid } else { lo = mid + 1 }
+        }
+        Some(lo)
+    }
+
     /// With the other `model.loss` (the ladder's rung, `oomguard plan`'s second row).
     pub fn with_loss(self, loss: LossKind) -> Estimate {
         if loss == self.loss {
@@ -256,6 +282,9 @@ pub fn suggestions(m: &GptConfig, precision: Precision, cuda: bool, memory: u64)
     } else if precision == Precision::Fp32 && ckpt(m, Precision::Bf16) {
         out.push("activation checkpointing and bf16 together (the guard climbs to both by itself)".into());
     }
+    if let Some(w) = Estimate::new(m, precision, cuda).ranks_to_fit(memory).filter(|&w| w > 1) {
+        out.push(format!("data parallel over {w} or more ranks with AdamW's state sharded across them: train.shard: optimizer (ZeRO-1; the guard climbs to it by itself unless memory.allow_sharding is false)"));
+    }
     if out.is_empty() {
         out.push(format!("a device with more than {} of memory, or a smaller model", human_bytes(memory)));
     }
@@ -296,6 +325,23 @@ mod tests {
         assert!(e.peak(b) <= m && e.peak(b + 1) > m);
         assert!(e.largest_fitting(device_memory("H100").unwrap(), 512) > b);
         assert_eq!(e.largest_fitting(1 << 30, 512), 0);
+    }
+
+    #[test]
+    fn sharding_splits_the_optimizer_state_and_names_the_ranks_that_fit() {
+        use crate::optim::Shard;
+        let e = Estimate::new(&gpt2(), Precision::Fp32, true);
+        assert_eq!(e.clone().with_shard(Shard::Optimizer, 4).optimizer_bytes, e.optimizer_bytes / 4);
+        assert_eq!(e.clone().with_shard(Shard::None, 4).optimizer_bytes, e.optimizer_bytes);
+        assert_eq!(e.clone().with_shard(Shard::Gradients, 1).optimizer_bytes, e.optimizer_bytes);
+        // Between the sharded and the whole state's peaks: some number of ranks fits.
+        let m = (e.clone().with_shard(Shard::Optimizer, 8).peak(1) + e.peak(1)) / 2;
+        let w = e.ranks_to_fit(m).unwrap();
+        assert!(w > 1 && w <= 8, "{w}");
+        assert!(e.clone().with_shard(Shard::Optimizer, w).largest_fitting(m, 1) == 1);
+        assert!(e.clone().with_shard(Shard::Optimizer, w - 1).largest_fitting(m, 1) == 0);
+        // The parameters and gradients alone do not fit: no number of ranks helps.
+        assert_eq!(e.ranks_to_fit(e.params_bytes), None);
     }
 
     #[test]

@@ -102,6 +102,7 @@ impl<'a> Run<'a> {
         let lr = c.optim.lr_at(step, c.train.max_steps);
         let t0 = Instant::now();
         let reads_before = crate::ops::d2h_reads();
+        memory::inject::targeted::at(self.rank(), step);
         let ooms_before = self.guard.policy.num_ooms;
         let result = loop {
             let mut batches = StepSamples::new(self.data.train.as_ref(), c.train.seed, c.train.global_batch_size(), self.device);

@@ -83,6 +83,10 @@ pub struct PlanArgs {
     /// Precision to plan for: fp32 (what oomguard train runs) or bf16 (bf16 activations).
     #[arg(long, default_value = "fp32", value_parser = ["fp32", "bf16"])]
     pub precision: String,
+    /// Data-parallel ranks: also plan each `train.shard` stage per rank (none, optimizer,
+    /// gradients), and which fits at what micro-batch.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub nproc_per_node: u64,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,

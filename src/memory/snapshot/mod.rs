@@ -111,6 +111,9 @@ pub fn mark_attempt(step: u64) {
 
 /// What the runtime is doing now (and, with `Some`, in which micro-batch).
 pub fn set_phase(phase: Phase, micro_batch: Option<usize>) {
+    if crate::memory::inject::targeted::wanted() {
+        crate::memory::inject::targeted::phase_begins(&serde_json::to_value(phase).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default());
+    }
     unsafe { ffi::og_snap_set_phase(phase_code(Some(phase)), micro_batch.map_or(-2, |m| m as i32)) }
 }
 

@@ -34,7 +34,7 @@ impl<'a> Run<'a> {
             // Every rank refuses alike, before any collective: none is left waiting.
             check_world(c.train.global_batch_size(), pg.world, &cfg.path.display().to_string())?;
         }
-        refuse_what_cannot_fit(cfg, device)?;
+        refuse_what_cannot_fit(cfg, device, pg.as_ref().map_or(1, |p| p.world))?;
         let base = cfg.base_dir();
         let ctx = BuildContext { device, model: &c.model, base_dir: &base, config_path: &cfg.path };
         let Built { mut task, data } = build(&ctx).map_err(|e| init_failure(e, cfg, device, "creating the model"))?;
@@ -264,12 +264,14 @@ fn init_failure(e: Error, cfg: &Config, device: Device, doing: &str) -> Error {
 }
 
 /// A GPT whose weights, gradients and AdamW state alone exceed the memory (exact sizes,
-/// no estimate) is refused before anything is allocated, as `oomguard plan` would.
-fn refuse_what_cannot_fit(cfg: &Config, device: Device) -> Result<()> {
+/// no estimate; the state split over `world` ranks where sharding is configured or allowed)
+/// is refused before anything is allocated, as `oomguard plan` would.
+fn refuse_what_cannot_fit(cfg: &Config, device: Device, world: usize) -> Result<()> {
     let c = &cfg.raw;
     let stats = memory::stats(device);
     let (ModelKind::Gpt, Some(limit)) = (c.model.kind, stats.limit_bytes) else { return Ok(()) };
-    let est = plan::Estimate::new(&c.model.gpt(), plan::Precision::Fp32, device.is_cuda());
+    let shard = if world > 1 && c.memory.allow_sharding { Shard::Gradients } else if world > 1 { c.train.shard } else { Shard::None };
+    let est = plan::Estimate::new(&c.model.gpt(), plan::Precision::Fp32, device.is_cuda()).with_shard(shard, world as u64);
     let state = est.params_bytes + est.grads_bytes + est.optimizer_bytes;
     if stats.live_bytes + state <= limit {
         return Ok(());
