@@ -3,7 +3,10 @@
 //! of 3 each. Efficiency = tokens/s with 2 ranks / (2 x tokens/s with 1) (floor 0.85). Also
 //! the all-reduce and agreement time per step against the step's time, the agreements'
 //! share alone, and 3 ranks (1 thread each, more ranks than cores) as a correctness-under-load
-//! run, not a speed figure: its parameters against one process's.
+//! run, not a speed figure: its parameters against one process's. And the machine's own
+//! ceiling: two independent one-rank runs at once against one alone (no communication at
+//! all), so the efficiency can be read against what two busy cores give here, and the ranks
+//! left unbound to cores (OOMGUARD_CPU_BIND=0).
 mod common;
 use common::{events, median};
 use std::path::Path;
@@ -30,7 +33,13 @@ fn measure(run: &Path) -> (f64, f64, f64) {
 }
 
 fn launch(bin: &str, nproc: &str, cfg: &Path, run: &Path, cache: &Path) {
+    launch_with(bin, nproc, cfg, run, cache, "1");
+}
+
+/// `bind`: OOMGUARD_CPU_BIND (0: the ranks' cores left to the scheduler).
+fn launch_with(bin: &str, nproc: &str, cfg: &Path, run: &Path, cache: &Path, bind: &str) {
     let ok = Command::new(bin)
+        .env("OOMGUARD_CPU_BIND", bind)
         .args(["launch", "--nproc-per-node", nproc, "--master-port", "0", "--standalone", "--no-python", bin, "train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()])
         .env("OMP_NUM_THREADS", "1").env("OOMGUARD_CACHE", cache).stdout(std::process::Stdio::null()).status().unwrap();
     assert!(ok.success());
@@ -51,20 +60,35 @@ fn main() {
     let cfg = dir.path().join("ddp.yaml");
     std::fs::write(&cfg, CONFIG).unwrap();
     let bin = env!("CARGO_BIN_EXE_oomguard");
-    let (mut one, mut two, mut comm, mut agree) = (vec![], vec![], vec![], vec![]);
+    let (mut one, mut two, mut comm, mut agree, mut pair, mut unbound) = (vec![], vec![], vec![], vec![], vec![], vec![]);
     for round in 0..3 {
         let run1 = dir.path().join(format!("one{round}"));
         let ok = Command::new(bin).args(["train", cfg.to_str().unwrap(), "--run-dir", run1.to_str().unwrap()]).env("OMP_NUM_THREADS", "1").env("OOMGUARD_CACHE", dir.path()).status().unwrap();
         assert!(ok.success());
         one.push(measure(&run1).0);
+        // Two independent single-rank runs at once: what two busy cores give, no collective.
+        let solo = |name: String| {
+            let run = dir.path().join(name);
+            let child = Command::new(bin).args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()]).env("OMP_NUM_THREADS", "1").env("OOMGUARD_CACHE", dir.path()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap();
+            (run, child)
+        };
+        let (mut a, mut b) = (solo(format!("pa{round}")), solo(format!("pb{round}")));
+        assert!(a.1.wait().unwrap().success() && b.1.wait().unwrap().success());
+        pair.push(measure(&a.0).0 + measure(&b.0).0);
         let run2 = dir.path().join(format!("two{round}"));
         launch(bin, "2", &cfg, &run2, dir.path());
         let (t, c, a) = measure(&run2);
         (two.push(t), comm.push(c), agree.push(a));
+        let run_u = dir.path().join(format!("unbound{round}"));
+        launch_with(bin, "2", &cfg, &run_u, dir.path(), "0");
+        unbound.push(measure(&run_u).0);
         println!("round {round}: 1 rank {:.0} tok/s, 2 ranks {:.0} tok/s", one[round], two[round]);
     }
     let (a, b) = (median(one), median(two));
     println!("2-rank scaling efficiency (1 thread per rank, GPT 4x128, global batch 32): {:.2} (floor 0.85)", b / (2.0 * a));
+    println!("  the same with the ranks' cores left to the scheduler (OOMGUARD_CPU_BIND=0): {:.2}", median(unbound) / (2.0 * a));
+    let ceiling = median(pair) / (2.0 * a);
+    println!("the machine's ceiling (two independent 1-thread runs at once over 2 x one alone): {ceiling:.2}; the efficiency against it: {:.2}", b / (2.0 * a) / ceiling);
     println!("all-reduce and agreements: {:.1}% of a data-parallel step, of which the agreements (waiting for the slower rank included) {:.1}%", 100.0 * median(comm), 100.0 * median(agree));
     let run3 = dir.path().join("three");
     launch(bin, "3", &cfg, &run3, dir.path());

@@ -217,3 +217,18 @@ fn a_signal_before_the_first_step_exits_at_once() {
     assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
     assert_eq!(o.status.code(), Some(143), "{}", text(&o));
 }
+
+/// An evaluation batch smaller than the world (1 sample, 2 ranks): the rank with no sample
+/// adds nothing and still takes part in every agreement; the loss is one process's.
+#[test]
+fn an_evaluation_batch_smaller_than_the_world_is_evaluated_by_the_ranks_that_have_samples() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny(dir.path(), "e.yaml", |t| t.replace("eval_every: 0, eval_batch_size: 8, eval_batches: 2", "eval_every: 3, eval_batch_size: 1, eval_batches: 2"));
+    let single = train_ok(dir.path(), &cfg, &[]);
+    let o = two_ranks(dir.path(), &cfg, &["--run-dir", "two"]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let val = |r: &Path| records(r, "eval").iter().map(|e| e["val_loss"].as_f64().unwrap()).collect::<Vec<_>>();
+    let (a, b) = (val(&single), val(&dir.path().join("two")));
+    assert_eq!(a.len(), 2);
+    assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-5), "{a:?} {b:?}");
+}

@@ -5,8 +5,6 @@
 //! time limit (no hang, no abort) and with the clean run's parameters within 1e-5.
 mod common;
 use common::*;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 const PER_RANK: u64 = 12;
 
@@ -29,27 +27,8 @@ fn injected_ooms_on_any_subset_of_ranks_neither_hang_nor_drift() {
     for (world, seeds) in [(2u64, 0..12u64), (3, 100..108)] {
         for seed in seeds {
             let run = dir.path().join(format!("w{world}s{seed}"));
-            let mut c = Command::new(bin());
-            isolated(dies_with_test(&mut c), dir.path())
-                .args(["train", cfg.to_str().unwrap(), "--nproc-per-node", &world.to_string(), "--run-dir", run.to_str().unwrap(), "--inject-oom", &format!("{PER_RANK}:{seed}")])
-                .current_dir(dir.path())
-                .env_remove("OMP_NUM_THREADS")
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped());
-            let t = Instant::now();
-            let mut child = c.spawn().unwrap();
-            while child.try_wait().unwrap().is_none() {
-                if t.elapsed() > Duration::from_secs(120) {
-                    let _ = child.kill();
-                    panic!("{world} ranks, seed {seed}: still running after 120 s (a hang)");
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let o = child.wait_with_output().unwrap();
-            let err = String::from_utf8_lossy(&o.stderr);
-            assert!(o.status.success(), "{world} ranks, seed {seed}: {err}");
-            let fired: u64 = err.lines().filter_map(|l| l.split("--inject-oom: ").nth(1)?.split(' ').next()?.parse::<u64>().ok()).sum();
-            assert!(fired >= PER_RANK * world * 3 / 4, "{world} ranks, seed {seed}: only {fired} injected\n{err}");
+            let fired = train_injected(dir.path(), &cfg, &run, world, &format!("{PER_RANK}:{seed}"), &[], &format!("{world} ranks, seed {seed}"));
+            assert!(fired >= PER_RANK * world * 3 / 4, "{world} ranks, seed {seed}: only {fired} injected");
             injected += fired;
             for o in records(&run, "oom") {
                 *phases.entry(o["phase"].as_str().unwrap_or("none").to_string()).or_default() += 1;

@@ -8,8 +8,7 @@
 mod common;
 use common::*;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output};
 
 /// A global batch of 15: shards of 8 and 7, micro-batches of 4 (uneven everywhere).
 fn config(dir: &Path, name: &str, extra: &str) -> PathBuf {
@@ -155,28 +154,9 @@ fn injected_ooms_under_each_stage_neither_hang_nor_drift() {
     for stage in ["optimizer", "gradients"] {
         for seed in 0..5u64 {
             let run = dir.path().join(format!("{stage}{seed}"));
-            let mut c = Command::new(bin());
-            isolated(dies_with_test(&mut c), dir.path())
-                .args(["train", cfg.to_str().unwrap(), "--nproc-per-node", "2", "--run-dir", run.to_str().unwrap(), "--inject-oom", &format!("{PER_RANK}:{seed}")])
-                .args(["--set", &format!("train.shard={stage}")])
-                .current_dir(dir.path())
-                .env_remove("OMP_NUM_THREADS")
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped());
-            let t = Instant::now();
-            let mut child = c.spawn().unwrap();
-            while child.try_wait().unwrap().is_none() {
-                if t.elapsed() > Duration::from_secs(120) {
-                    let _ = child.kill();
-                    panic!("shard {stage}, seed {seed}: still running after 120 s (a hang)");
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let o = child.wait_with_output().unwrap();
-            let err = String::from_utf8_lossy(&o.stderr);
-            assert!(o.status.success(), "shard {stage}, seed {seed}: {err}");
-            let fired: u64 = err.lines().filter_map(|l| l.split("--inject-oom: ").nth(1)?.split(' ').next()?.parse::<u64>().ok()).sum();
-            assert!(fired >= PER_RANK * 2 * 3 / 4, "shard {stage}, seed {seed}: only {fired} injected\n{err}");
+            let what = format!("shard {stage}, seed {seed}");
+            let fired = train_injected(dir.path(), &cfg, &run, 2, &format!("{PER_RANK}:{seed}"), &["--set", &format!("train.shard={stage}")], &what);
+            assert!(fired >= PER_RANK * 2 * 3 / 4, "{what}: only {fired} injected");
             injected += fired;
             for o in records(&run, "oom") {
                 *phases.entry(o["phase"].as_str().unwrap_or("none").to_string()).or_default() += 1;

@@ -13,6 +13,8 @@ use tch::{Device, TchError, Tensor};
 use crate::error::{ConfigError, Error, OomError, OomSource, Phase, Result};
 use crate::memory::check;
 
+pub mod bind;
+
 extern "C" {
     fn og_dist_init(addr: *const c_char, port: i32, token: *const c_char, rank: i32, world: i32, cuda_index: i32, timeout_ms: i64, out: *mut *mut c_void) -> *mut c_char;
     fn og_dist_free(group: *mut c_void);
@@ -321,6 +323,12 @@ impl ProcessGroup {
 const AGREE_SLOT: usize = 6;
 /// `Phase as u8` back to the phase.
 const PHASES: [Phase; 8] = [Phase::Data, Phase::Forward, Phase::Backward, Phase::Clip, Phase::Optimizer, Phase::Eval, Phase::Checkpoint, Phase::Init];
+
+/// LOCAL_WORLD_SIZE (else WORLD_SIZE) in a data-parallel run: the ranks on this node.
+pub fn local_world() -> Option<usize> {
+    let num = |k: &str| std::env::var(k).ok().and_then(|v| v.trim().parse::<usize>().ok());
+    num("LOCAL_WORLD_SIZE").or_else(|| num("WORLD_SIZE")).filter(|&w| w > 1)
+}
 
 /// LOCAL_RANK in a data-parallel run (WORLD_SIZE above 1), before the group forms.
 pub fn local_rank() -> Result<Option<usize>> {

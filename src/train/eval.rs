@@ -52,7 +52,12 @@ pub fn evaluate(task: &dyn Task, spec: &EvalSpec, guard: &mut Guard, step: u64, 
                         })();
                         sum = Some(weighted.map_err(|e| in_eval(e.into()))?);
                     }
-                    let sum = sum.expect("a shard has at least one sample");
+                    // An evaluation batch smaller than the ranks leaves some with no sample:
+                    // they add nothing (a zero) and still take part in every agreement.
+                    let sum = match sum {
+                        Some(s) => s,
+                        None => Tensor::f_zeros([], (Kind::Double, spec.device)).map_err(|e| in_eval(e.into()))?,
+                    };
                     so_far.map_or(Ok(sum.shallow_clone()), |t| t.f_add(&sum)).map_err(|e| in_eval(e.into()))
                 })();
                 match pg {

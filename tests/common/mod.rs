@@ -176,3 +176,31 @@ pub fn tiny_gpt() -> TinyGpt {
 pub fn tiny_batches(data: &oomguard::data::Dataset, global_batch: usize) -> oomguard::data::StepSamples<'_> {
     oomguard::data::StepSamples::new(data.train.as_ref(), 1, global_batch, tch::Device::Cpu)
 }
+
+/// `oomguard train CONFIG --nproc-per-node WORLD --run-dir RUN --inject-oom SPEC [extra]`,
+/// one thread per rank: it must exit 0 within 120 s (longer is a hang). Returns the
+/// failures the ranks injected, as their logs count them.
+pub fn train_injected(dir: &Path, cfg: &Path, run: &Path, world: u64, spec: &str, extra: &[&str], what: &str) -> u64 {
+    use std::time::{Duration, Instant};
+    let mut c = Command::new(bin());
+    isolated(dies_with_test(&mut c), dir)
+        .args(["train", cfg.to_str().unwrap(), "--nproc-per-node", &world.to_string(), "--run-dir", run.to_str().unwrap(), "--inject-oom", spec])
+        .args(extra)
+        .current_dir(dir)
+        .env_remove("OMP_NUM_THREADS")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    let t = Instant::now();
+    let mut child = c.spawn().unwrap();
+    while child.try_wait().unwrap().is_none() {
+        if t.elapsed() > Duration::from_secs(120) {
+            let _ = child.kill();
+            panic!("{what}: still running after 120 s (a hang)");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{what}: {err}");
+    err.lines().filter_map(|l| l.split("--inject-oom: ").nth(1)?.split(' ').next()?.parse::<u64>().ok()).sum()
+}

@@ -18,6 +18,12 @@ impl<'a> Run<'a> {
         if device.is_cuda() && std::env::var("OOMGUARD_CUDA_SYNC_DEBUG").is_ok_and(|v| v == "1") && !crate::ops::cuda_sync_debug() {
             tracing::warn!("OOMGUARD_CUDA_SYNC_DEBUG=1: this libtorch has no CUDA sync-debug state to set; syncs are not counted");
         }
+        if let (Device::Cpu, Some(rank), Some(world)) = (device, crate::dist::local_rank()?, crate::dist::local_world()) {
+            // Before the thread count: the rank's own cores are its CPU share.
+            if let Some(cpus) = crate::dist::bind::bind_rank(rank, world) {
+                tracing::info!("rank {rank} of {world} on this node bound to CPU cores {cpus:?} (OOMGUARD_CPU_BIND=0: unbound)");
+            }
+        }
         // Threads from this process's CPU share (affinity, cgroup quota, Slurm), unless set.
         let threads = match c.train.num_threads {
             Some(n) => Threads { n, why: "train.num_threads".into() },
