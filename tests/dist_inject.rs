@@ -11,16 +11,7 @@ const PER_RANK: u64 = 12;
 #[test]
 fn injected_ooms_on_any_subset_of_ranks_neither_hang_nor_drift() {
     let dir = tempfile::tempdir().unwrap();
-    // A global batch of 12: 6+6 on 2 ranks, 4+4+4 on 3; evaluation and checkpoints too.
-    // Injected failures look like memory facts: many at micro-batch 1 would climb to bf16,
-    // which changes the numbers, so that rung is off (activation checkpointing is exact);
-    // the ranks' failures add up within a step, so more retries at micro-batch 1. No memory
-    // snapshots (tests/snapshot.rs proves them; hundreds of dumps would only cost time).
-    let yaml = TINY
-        .replace("micro_batch_size: 8, grad_accum_steps: 2", "micro_batch_size: 4, global_batch_size: 12")
-        .replace("max_steps: 6, eval_every: 0, eval_batch_size: 8", "max_steps: 8, eval_every: 4, eval_batch_size: 12")
-        + "checkpoint: {every_steps: 2, keep: 2}\nmemory: {cooldown_steps: 2, grow_after_steps: 1, grow_headroom: 0.0, retries_at_one: 40, allow_precision_fallback: false, snapshot: off}\n";
-    let cfg = write_config(dir.path(), "c.yaml", &yaml);
+    let cfg = inject_config(dir.path());
     let clean = train_ok(dir.path(), &cfg, &[]);
     let mut injected = 0;
     let mut phases = std::collections::BTreeMap::<String, u64>::new();

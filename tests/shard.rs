@@ -141,13 +141,7 @@ const PER_RANK: u64 = 12;
 #[test]
 fn injected_ooms_under_each_stage_neither_hang_nor_drift() {
     let dir = tempfile::tempdir().unwrap();
-    // As tests/dist_inject.rs: bf16 would change the numbers, so that rung is off; the
-    // ranks' failures add up within a step, so more retries at micro-batch 1.
-    let yaml = TINY
-        .replace("micro_batch_size: 8, grad_accum_steps: 2", "micro_batch_size: 4, global_batch_size: 12")
-        .replace("max_steps: 6, eval_every: 0, eval_batch_size: 8", "max_steps: 8, eval_every: 4, eval_batch_size: 12")
-        + "checkpoint: {every_steps: 2, keep: 2}\nmemory: {cooldown_steps: 2, grow_after_steps: 1, grow_headroom: 0.0, retries_at_one: 40, allow_precision_fallback: false, snapshot: off}\n";
-    let cfg = write_config(dir.path(), "c.yaml", &yaml);
+    let cfg = inject_config(dir.path());
     let clean = train_ok(dir.path(), &cfg, &[]);
     let mut injected = 0;
     let mut phases = std::collections::BTreeMap::<String, u64>::new();

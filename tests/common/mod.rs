@@ -204,3 +204,17 @@ pub fn train_injected(dir: &Path, cfg: &Path, run: &Path, world: u64, spec: &str
     assert!(o.status.success(), "{what}: {err}");
     err.lines().filter_map(|l| l.split("--inject-oom: ").nth(1)?.split(' ').next()?.parse::<u64>().ok()).sum()
 }
+
+/// The injection marathons' config (tests/dist_inject.rs, tests/shard.rs): a global batch
+/// of 12 (6+6 on 2 ranks, 4+4+4 on 3), evaluation and checkpoints too. Injected failures
+/// look like memory facts: many at micro-batch 1 would climb to bf16, which changes the
+/// numbers, so that rung is off (activation checkpointing is exact); the ranks' failures add
+/// up within a step, so more retries at micro-batch 1. No memory snapshots (tests/snapshot.rs
+/// proves them; hundreds of dumps would only cost time).
+pub fn inject_config(dir: &Path) -> PathBuf {
+    let yaml = TINY
+        .replace("micro_batch_size: 8, grad_accum_steps: 2", "micro_batch_size: 4, global_batch_size: 12")
+        .replace("max_steps: 6, eval_every: 0, eval_batch_size: 8", "max_steps: 8, eval_every: 4, eval_batch_size: 12")
+        + "checkpoint: {every_steps: 2, keep: 2}\nmemory: {cooldown_steps: 2, grow_after_steps: 1, grow_headroom: 0.0, retries_at_one: 40, allow_precision_fallback: false, snapshot: off}\n";
+    write_config(dir, "inject.yaml", &yaml)
+}
