@@ -113,7 +113,15 @@ fn second_signal_exits_at_once() {
     let run = dir.path().join("run");
     let mut child = spawn(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()], dir.path());
     wait_for_steps(&run, 2, &mut child);
-    std::thread::sleep(Duration::from_millis(300)); // past step 2's checkpoint, inside step 3
+    // Past step 2's checkpoint (a slow disk or a busy machine can take longer than a step to
+    // write it: a signal inside the write would stop the run before the second arrives),
+    // then inside step 3.
+    let written = run.join("checkpoints/step-00000002");
+    let t = std::time::Instant::now();
+    while !written.exists() && t.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(100));
     signal(&child, "-INT");
     std::thread::sleep(Duration::from_millis(50));
     signal(&child, "-INT");
