@@ -109,6 +109,29 @@ fn ptrs(ts: &[Tensor]) -> Vec<*mut c_void> {
     ts.iter().map(|t| t.as_ptr() as *mut c_void).collect()
 }
 
+/// The trainable parameters in a stable order (reproducible kernels), grouped by
+/// `no_decay(name, tensor)`, with their step counts and (`moments`) zeroed moments.
+fn groups(params: Vec<(String, Tensor)>, cfg: &OptimConfig, no_decay: impl Fn(&str, &Tensor) -> bool, moments: bool) -> Result<Vec<Group>, TchError> {
+    let mut named: Vec<(String, Tensor)> = params.into_iter().filter(|(_, t)| t.requires_grad()).collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut groups = Vec::new();
+    for (decay, wd) in [(true, cfg.weight_decay), (false, 0.0)] {
+        let members: Vec<&(String, Tensor)> = named.iter().filter(|(n, t)| no_decay(n, t) != decay).collect();
+        let params: Vec<Tensor> = members.iter().map(|(_, t)| t.shallow_clone()).collect();
+        let zeros = |p: &Tensor| -> Result<Tensor, TchError> { p.f_zeros_like() };
+        let moment = || if moments { params.iter().map(zeros).collect::<Result<Vec<_>, _>>() } else { Ok(Vec::new()) };
+        groups.push(Group {
+            exp_avg: moment()?,
+            exp_avg_sq: moment()?,
+            steps: params.iter().map(|p| Tensor::f_zeros([], (Kind::Float, p.device()))).collect::<Result<_, _>>()?,
+            names: members.iter().map(|(n, _)| n.clone()).collect(),
+            params,
+            weight_decay: wd,
+        });
+    }
+    Ok(groups)
+}
+
 /// A step's allocations, made before anything changes (`AdamW::prepare`).
 pub struct Prepared {
     step: u64,
@@ -140,23 +163,7 @@ impl AdamW {
     /// Groups the parameters by `no_decay(name, tensor)`; allocates the moment buffers up
     /// front, so that memory is stable from the first step.
     pub fn new(params: Vec<(String, Tensor)>, cfg: &OptimConfig, no_decay: impl Fn(&str, &Tensor) -> bool) -> Result<AdamW, TchError> {
-        let mut named: Vec<(String, Tensor)> = params.into_iter().filter(|(_, t)| t.requires_grad()).collect();
-        named.sort_by(|a, b| a.0.cmp(&b.0)); // a stable order for reproducible kernels
-        let mut groups = Vec::new();
-        for (decay, wd) in [(true, cfg.weight_decay), (false, 0.0)] {
-            let members: Vec<&(String, Tensor)> = named.iter().filter(|(n, t)| no_decay(n, t) != decay).collect();
-            let params: Vec<Tensor> = members.iter().map(|(_, t)| t.shallow_clone()).collect();
-            let zeros = |p: &Tensor| -> Result<Tensor, TchError> { p.f_zeros_like() };
-            groups.push(Group {
-                exp_avg: params.iter().map(zeros).collect::<Result<_, _>>()?,
-                exp_avg_sq: params.iter().map(zeros).collect::<Result<_, _>>()?,
-                steps: params.iter().map(|p| Tensor::f_zeros([], (Kind::Float, p.device()))).collect::<Result<_, _>>()?,
-                names: members.iter().map(|(n, _)| n.clone()).collect(),
-                params,
-                weight_decay: wd,
-            });
-        }
-        Ok(AdamW { groups, cfg: cfg.clone(), last_step: None, zero: None })
+        Ok(AdamW { groups: groups(params, cfg, no_decay, true)?, cfg: cfg.clone(), last_step: None, zero: None })
     }
 
     /// `new` with the moments sharded from the start (`Shard::None`: `new`), so that the
@@ -164,21 +171,7 @@ impl AdamW {
     pub fn sharded(params: Vec<(String, Tensor)>, cfg: &OptimConfig, no_decay: impl Fn(&str, &Tensor) -> bool, stage: Shard, comm: Option<Rc<dyn Comm>>) -> OgResult<AdamW> {
         let (Some(comm), true) = (comm, stage != Shard::None) else { return Ok(AdamW::new(params, cfg, no_decay)?) };
         // Groups without moments first, then the shard's.
-        let mut opt = AdamW { groups: Vec::new(), cfg: cfg.clone(), last_step: None, zero: None };
-        let mut named: Vec<(String, Tensor)> = params.into_iter().filter(|(_, t)| t.requires_grad()).collect();
-        named.sort_by(|a, b| a.0.cmp(&b.0));
-        for (decay, wd) in [(true, cfg.weight_decay), (false, 0.0)] {
-            let members: Vec<&(String, Tensor)> = named.iter().filter(|(n, t)| no_decay(n, t) != decay).collect();
-            let params: Vec<Tensor> = members.iter().map(|(_, t)| t.shallow_clone()).collect();
-            opt.groups.push(Group {
-                exp_avg: Vec::new(),
-                exp_avg_sq: Vec::new(),
-                steps: params.iter().map(|p| Tensor::f_zeros([], (Kind::Float, p.device()))).collect::<Result<_, _>>()?,
-                names: members.iter().map(|(n, _)| n.clone()).collect(),
-                params,
-                weight_decay: wd,
-            });
-        }
+        let mut opt = AdamW { groups: groups(params, cfg, no_decay, false)?, cfg: cfg.clone(), last_step: None, zero: None };
         opt.zero = Some(opt.new_zero(stage, comm)?);
         Ok(opt)
     }
