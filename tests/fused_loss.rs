@@ -1,9 +1,10 @@
 //! `model.loss: fused` against `full` on the same model and samples, in-process: the loss, every
 //! gradient (plain and under activation checkpointing), the padded vocabulary, one step's
 //! peak memory by the counting allocator against the planner, and the step's one read back
-//! from the device. Alone in its file: the counting allocator and the read counter are
-//! process-wide. (End-to-end runs, the forced OOM included, are in tests/fused_runs.rs; every
-//! allocation of a fused step failing in turn, in tests/inject_sweep.rs.)
+//! from the device. Alone in its file, its tests one at a time (`common::exclusive()`): the
+//! random generator, the counting allocator and the read counter are process-wide.
+//! (End-to-end runs, the forced OOM included, are in tests/fused_runs.rs; every allocation
+//! of a fused step failing in turn, in tests/inject_sweep.rs.)
 mod common;
 use oomguard::data::StepBatches;
 use oomguard::memory;
@@ -36,6 +37,7 @@ fn max_diff(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> (f64, String) {
 /// padding is invisible: the embedding keeps the configured rows, its gradient too.
 #[test]
 fn fused_gives_the_full_loss_and_gradients() {
+    let _one_at_a_time = common::exclusive();
     let common::TinyGpt { data, .. } = common::tiny_gpt();
     let batches = common::tiny_batches(&data, 8);
     let (x, y) = batches.micro_batch(0, 0..8).unwrap();
@@ -63,6 +65,7 @@ fn fused_gives_the_full_loss_and_gradients() {
 /// Twenty optimizer steps (2 micro-batches each) end with the same parameters, within 1e-5.
 #[test]
 fn twenty_steps_end_with_the_same_parameters() {
+    let _one_at_a_time = common::exclusive();
     let common::TinyGpt { data, .. } = common::tiny_gpt();
     let batches = common::tiny_batches(&data, 8);
     let run = |loss| {
@@ -82,6 +85,7 @@ fn twenty_steps_end_with_the_same_parameters() {
 /// loss at most half the full one's; the planner within 20% of each.
 #[test]
 fn fused_step_peaks_at_most_half_of_full() {
+    let _one_at_a_time = common::exclusive();
     memory::install_cpu_allocator();
     let cfg = |loss| GptConfig { n_layer: 2, n_head: 2, n_embd: 64, block_size: 256, vocab_size: 16384, dropout: 0.0, bias: true, loss };
     let micro = 4;
@@ -114,6 +118,7 @@ fn fused_step_peaks_at_most_half_of_full() {
 /// scale comes back with it.
 #[test]
 fn a_step_reads_from_the_device_once() {
+    let _one_at_a_time = common::exclusive();
     let common::TinyGpt { data, task, mut opt } = common::tiny_gpt();
     let batches = common::tiny_batches(&data, 16);
     let scaler = Scaler::new(&Default::default(), Device::Cpu).unwrap();

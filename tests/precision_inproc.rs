@@ -1,5 +1,6 @@
 //! Activation checkpointing's gradients, and the fp16 loss scaler, in-process. Alone in its
-//! file: the random generators and the counting allocator are process-wide.
+//! file: the random generators and the counting allocator are process-wide, so its tests take
+//! `common::exclusive()` too.
 mod common;
 use oomguard::data::StepBatches;
 use oomguard::model::GptConfig;
@@ -16,6 +17,7 @@ fn grads(task: &GptTask) -> Vec<(String, Tensor)> {
 /// included: the masks are replayed.
 #[test]
 fn checkpointing_gives_the_same_gradients() {
+    let _one_at_a_time = common::exclusive();
     let common::TinyGpt { data, .. } = common::tiny_gpt();
     let batches = common::tiny_batches(&data, 8);
     for dropout in [0.0, 0.1] {
@@ -44,6 +46,7 @@ fn checkpointing_gives_the_same_gradients() {
 /// moves), the scale halves; a clean step applies and keeps the scale.
 #[test]
 fn fp16_scaler_skips_an_overflowing_step_and_backs_off() {
+    let _one_at_a_time = common::exclusive();
     let common::TinyGpt { data, task, mut opt } = common::tiny_gpt();
     let batches = common::tiny_batches(&data, 4);
     let scaler = Scaler::new(&Default::default(), Device::Cpu).unwrap();

@@ -152,6 +152,15 @@ pub fn max_abs_diff(a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)]) ->
         .fold(0.0, f64::max)
 }
 
+/// One in-process test at a time. The tests of a file run on parallel threads, and the global
+/// random generator, the counting allocator's peak and the read counter are process-wide: a
+/// test that compares seeded builds, a peak or a count takes this first (a neighbour's draw
+/// between `manual_seed` and an init gave two "identical" models different weights).
+pub fn exclusive() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// The tiny GPT in-process, with its data and optimizer, counting CPU memory from the start.
 pub struct TinyGpt {
     pub data: oomguard::data::Dataset,
