@@ -11,6 +11,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -35,10 +36,11 @@ Capture g_oom;
 bool g_have_oom = false;
 at::CallbackHandle g_callback = 0;
 
-// Names (ops and modules), interned: id 0 is "".
+// Names (ops and modules), interned: id 0 is "". Both maps are keyed by views into g_names,
+// so a lookup allocates nothing.
 std::mutex g_names_mu;
 std::deque<std::string> g_names{""};  // a deque: references stay valid as it grows
-std::unordered_map<std::string, int32_t> g_ids{{"", 0}};
+std::unordered_map<std::string_view, int32_t> g_ids{{g_names.front(), 0}};
 
 std::atomic<int64_t> g_step{-1};
 std::atomic<int32_t> g_phase{0}, g_micro_batch{-1}, g_module{0};
@@ -55,22 +57,27 @@ int64_t now_us() {
   return duration_cast<microseconds>(steady_clock::now().time_since_epoch()).count();
 }
 
+// Called for every op. Names come from a bounded set (about a hundred in a GPT's step), but
+// many arrive as fresh heap strings (a backward node's name is built per call): a cache keyed
+// by pointer gained a node per new address, and those small long-lived nodes, scattered
+// between a step's large buffers, fragmented the heap until RSS grew ~40 MB a step. Keyed by
+// content through views, a lookup allocates nothing and the maps stop growing.
 int32_t intern(const char* name) {
-  // A per-thread cache by pointer (op names are mostly static strings), checked by content.
-  thread_local std::unordered_map<const char*, std::pair<int32_t, const std::string*>> cache;
-  auto c = cache.find(name);
-  if (c != cache.end() && *c->second.second == name) return c->second.first;
+  const std::string_view key(name);
+  thread_local std::unordered_map<std::string_view, int32_t> cache;  // views into g_names
+  auto c = cache.find(key);
+  if (c != cache.end()) return c->second;
   std::lock_guard<std::mutex> g(g_names_mu);
-  auto it = g_ids.find(name);
+  auto it = g_ids.find(key);
   int32_t id;
   if (it != g_ids.end()) {
     id = it->second;
   } else {
     id = static_cast<int32_t>(g_names.size());
-    g_names.emplace_back(name);
+    g_names.emplace_back(key);
     g_ids.emplace(g_names.back(), id);
   }
-  cache[name] = {id, &g_names[id]};
+  cache.emplace(g_names[id], id);
   return id;
 }
 

@@ -177,6 +177,7 @@ fn tensorboard_scalars(record: &Record) -> Option<(u64, Vec<(&'static str, f64)>
                 ("memory/peak_bytes", r.memory.peak_bytes as f64),
             ];
             v.extend(r.memory.limit_bytes.map(|l| ("memory/limit_bytes", l as f64)));
+            v.extend(r.memory.host_rss_anon_bytes.map(|b| ("memory/host_rss_anon_bytes", b as f64)));
             (r.step, v)
         }
         Record::Eval(e) => (e.step, vec![("eval/val_loss", e.val_loss)]),

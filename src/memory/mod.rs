@@ -194,6 +194,10 @@ pub struct MemoryStats {
     pub alloc_retries: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub device_free_bytes: Option<u64>,
+    /// This process's anonymous resident host memory (RssAnon), on every device: flat over
+    /// a run unless something on the host leaks. Step records only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_rss_anon_bytes: Option<u64>,
 }
 
 pub fn stats(device: Device) -> MemoryStats {
@@ -219,6 +223,7 @@ fn cuda_stats(index: usize) -> Result<MemoryStats, TchError> {
         alloc_retries: Some(u(out[3])),
         device_free_bytes: Some(u(out[5])),
         limit_bytes: Some((u(out[6]) as f64 * f64::from_bits(CUDA_FRACTION.load(Ordering::Relaxed))) as u64),
+        host_rss_anon_bytes: None,
     })
 }
 

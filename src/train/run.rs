@@ -26,7 +26,7 @@ use crate::error::{ConfigError, Error, Phase, Result};
 use crate::guard::ladder::{self, Rung};
 use crate::dist::{ProcessGroup, Topic};
 use crate::guard::{Agree, Guard, GuardEvent, Policy, SharedDumper};
-use crate::memory::{self, allocator, human_bytes, PressureSchedule};
+use crate::memory::{self, allocator, human_bytes, MemoryStats, PressureSchedule};
 use crate::metrics::{device_label, EvalRecord, MetricsWriter, Record, RungRecord, StepRecord};
 use crate::model::{ActivationCheckpointing, LossKind, ModelKind};
 use crate::optim::{AdamW, Comm, FullState, Shard};
@@ -159,7 +159,7 @@ impl<'a> Run<'a> {
         }
         let dt = t0.elapsed().as_secs_f64();
         let eta = self.progress.step_done(step);
-        let mem = self.guard.last_memory();
+        let mem = MemoryStats { host_rss_anon_bytes: oomguard_host::memory::own_anonymous_bytes(), ..self.guard.last_memory() };
         let rec = StepRecord {
             step, loss: stats.loss, lr, grad_norm: stats.grad_norm, tokens_per_s: self.units_per_step as f64 / dt,
             micro_batch_size: stats.micro_batch_size, grad_accum_steps: stats.num_micro_batches, num_samples: stats.num_samples,
