@@ -24,11 +24,6 @@ fn host_memory_stays_flat_over_a_run() {
     // After warm-up (the allocator's pools, the first checkpoint's buffers), medians of ten
     // steps 60 steps apart (glibc hands memory back in bursts): a leak of 100 KiB a step
     // would show as 6 MiB.
-    let median = |s: &[f64]| {
-        let mut v = s.to_vec();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let (settled, end) = (median(&rss[10..20]), median(&rss[70..80]));
+    let (settled, end) = (median(rss[10..20].to_vec()), median(rss[70..80].to_vec()));
     assert!(end - settled < 4.0, "host memory grew from {settled:.1} MiB (steps 11-20) to {end:.1} MiB (steps 71-80): {rss:.1?}");
 }

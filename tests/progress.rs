@@ -3,7 +3,7 @@
 //! pseudo-terminal, its screen rebuilt from the bytes the run wrote).
 mod common;
 
-use common::{dies_with_test, isolated, write_config, TINY};
+use common::{dies_with_test, isolated, median, write_config, TINY};
 use std::io::{BufRead, BufReader, Read};
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::Path;
@@ -47,11 +47,6 @@ fn train_cmd(dir: &Path, config: &Path, run: &str, extra: &[&str]) -> Command {
     }
     dies_with_test(&mut cmd);
     cmd
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// stderr into a pipe, each line stamped as it arrives; a line stamped when the summary came.

@@ -152,6 +152,12 @@ pub fn max_abs_diff(a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)]) ->
         .fold(0.0, f64::max)
 }
 
+/// The middle value (the upper one of an even count).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 /// One in-process test at a time. The tests of a file run on parallel threads, and the global
 /// random generator, the counting allocator's peak and the read counter are process-wide: a
 /// test that compares seeded builds, a peak or a count takes this first (a neighbour's draw

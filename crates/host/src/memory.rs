@@ -110,10 +110,9 @@ pub struct Share {
     pub own_use: u64,
 }
 
-/// This process's anonymous memory (its heap and tensors; shared library pages are
-/// charged to whoever read them first).
-/// This process's anonymous resident memory (RssAnon: its heap and stacks, not the libraries
-/// it maps): what a host-side leak grows. None where /proc cannot be read.
+/// This process's anonymous resident memory (RssAnon: its heap, stacks and CPU tensors, not
+/// the libraries it maps; those pages are charged to whoever read them first): what a
+/// host-side leak grows. None where /proc cannot be read.
 pub fn own_anonymous_bytes() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     meminfo_kib(&status, "RssAnon:").map(|k| k * 1024)
