@@ -14,6 +14,10 @@ use crate::error::{ConfigError, Error, OomError, OomSource, Phase, Result};
 use crate::memory::check;
 
 pub mod bind;
+mod exchange;
+
+pub use exchange::Topic;
+use exchange::{Channel, Exchange};
 
 extern "C" {
     fn og_dist_init(addr: *const c_char, port: i32, token: *const c_char, rank: i32, world: i32, cuda_index: i32, timeout_ms: i64, out: *mut *mut c_void) -> *mut c_char;
@@ -46,54 +50,12 @@ pub struct ProcessGroup {
     said: std::cell::Cell<[bool; 2]>,
 }
 
-/// Every small collective of a run (the agreements, the guard's inputs, the loss) is one
-/// all-reduce (MAX) of this buffer, allocated once when the group forms, so an OOM can
-/// never reach inside the protocol, and always of the same size, so two ranks at different
-/// points of the protocol meet in the same collective and see it in the header instead of
-/// misaligning every later one: `[seq, -seq, topic, -topic, step, -step, payload...]`.
-struct Exchange {
-    cpu: Tensor,
-    /// NCCL reduces on the device: the buffer's twin there.
-    device: Option<Tensor>,
-    /// Exchanges so far, and the step the run is at (`ProcessGroup::at_step`).
-    seq: std::cell::Cell<u64>,
-    step: std::cell::Cell<i64>,
-    /// Test-only: `OOMGUARD_TEST_MISALIGN=RANK:SEQ` makes that rank claim the next
-    /// exchange number at exchange SEQ, as a rank that skipped one would.
-    misalign: Option<(usize, u64)>,
-}
-
 /// Set by `oomguard launch`: one value per launch (per `--rdzv-id` across nodes).
 pub const TOKEN_VAR: &str = "OOMGUARD_RUN_TOKEN";
 
-const HEADER: usize = 6;
-/// Payload slots: enough for the guard's inputs, and an agreement's slot per rank.
+/// Payload slots of an exchange: enough for the guard's inputs, and an agreement's slot per
+/// rank.
 const PAYLOAD_MIN: usize = 16;
-
-/// What an exchange is for (its topic in the header).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Topic {
-    Agreement = 1,
-    GuardInputs = 2,
-    Losses = 3,
-    Start = 4,
-    Stop = 5,
-    EvalLosses = 6,
-    Shard = 7,
-}
-
-fn topic_name(k: f64) -> &'static str {
-    match k as i64 {
-        1 => "the agreement on an attempt",
-        2 => "the guard's inputs",
-        3 => "the losses",
-        4 => "the start",
-        5 => "a stop signal",
-        6 => "the evaluation's losses",
-        7 => "the sharding's way back",
-        _ => "an unknown exchange",
-    }
-}
 
 impl Drop for ProcessGroup {
     fn drop(&mut self) {
@@ -141,13 +103,15 @@ impl ProcessGroup {
         let caddr = CString::new(addr.clone()).map_err(|_| Error::Dist("MASTER_ADDR holds a NUL byte".into()))?;
         // The launch's token, checked in the store before the group forms (TOKEN_VAR).
         let token = var(TOKEN_VAR).or_else(|| var("TORCHELASTIC_RUN_ID")).unwrap_or_default();
-        let ctoken = CString::new(token).map_err(|_| Error::Dist(format!("{TOKEN_VAR} holds a NUL byte")))?;
+        let ctoken = CString::new(token.clone()).map_err(|_| Error::Dist(format!("{TOKEN_VAR} holds a NUL byte")))?;
         let mut ptr: *mut c_void = std::ptr::null_mut();
         check(unsafe { og_dist_init(caddr.as_ptr(), port as i32, ctoken.as_ptr(), rank as i32, world as i32, cuda, timeout.as_millis() as i64, &mut ptr) })
             .map_err(dist_error(&format!("rank {rank} of {world} joining the group at {addr}:{port}")))?;
         tracing::info!("rank {rank} of {world} ({}) joined the group at {addr}:{port}", if cuda < 0 { "gloo" } else { "nccl" });
-        let mut pg = ProcessGroup { ptr, rank, world, local_rank, device, exchange: Exchange::empty(), said: Default::default() };
-        pg.exchange = Exchange::new(world, device).map_err(dist_error("allocating the agreement's buffer"))?;
+        let payload = PAYLOAD_MIN.max(AGREE_SLOT * world);
+        let mut pg = ProcessGroup { ptr, rank, world, local_rank, device, exchange: Exchange::new(Channel::alone(), payload), said: Default::default() };
+        let channel = Channel::open(rank, world, &addr, &token, timeout, |k, b| pg.share(k, b))?;
+        pg.exchange = Exchange::new(channel, payload);
         Ok(Some(pg))
     }
 
@@ -158,42 +122,9 @@ impl ProcessGroup {
 
     /// One exchange of `payload` (at most the buffer's payload, reduced with MAX in place),
     /// after which every rank knows that all ranks were at the same exchange of the same
-    /// step, or fails naming both views.
+    /// step, or fails naming both views (exchange.rs).
     pub fn exchange(&self, topic: Topic, payload: &mut [f64]) -> Result<()> {
-        let x = &self.exchange;
-        let cap = x.cpu.numel() - HEADER;
-        assert!(payload.len() <= cap, "an exchange of {} values in a buffer of {cap}", payload.len());
-        let mut seq = x.seq.get() + 1;
-        x.seq.set(seq);
-        if x.misalign == Some((self.rank, seq)) {
-            seq += 1;
-        }
-        let (k, step) = (topic as i64 as f64, x.step.get() as f64);
-        let mut msg = vec![f64::NEG_INFINITY; HEADER + cap];
-        msg[..HEADER].copy_from_slice(&[seq as f64, -(seq as f64), k, -k, step, -step]);
-        msg[HEADER..HEADER + payload.len()].copy_from_slice(payload);
-        // SAFETY: `cpu` is a contiguous f64 CPU tensor of HEADER + cap elements, owned here.
-        unsafe { std::ptr::copy_nonoverlapping(msg.as_ptr(), x.cpu.data_ptr() as *mut f64, msg.len()) };
-        let reduce = |t: &Tensor| self.all_reduce(std::slice::from_ref(t), Op::Max);
-        match &x.device {
-            None => reduce(&x.cpu)?,
-            Some(d) => {
-                d.shallow_clone().f_copy_(&x.cpu).map_err(dist_error("exchange"))?;
-                reduce(d)?;
-                x.cpu.shallow_clone().f_copy_(d).map_err(dist_error("exchange"))?;
-            }
-        }
-        // SAFETY: as above.
-        unsafe { std::ptr::copy_nonoverlapping(x.cpu.data_ptr() as *const f64, msg.as_mut_ptr(), msg.len()) };
-        let h = &msg[..HEADER];
-        if h[0] != -h[1] || h[2] != -h[3] || h[4] != -h[5] {
-            return Err(Error::Dist(format!(
-                "collective mismatch: this rank is at exchange {seq} ({}, step {}); the ranks are at exchanges {}..{}, steps {}..{}, doing {} .. {}.                  Their collectives no longer line up, so the run stops here rather than mix buffers",
-                topic_name(k), step, -h[1], h[0], -h[5], h[4], topic_name(-h[3]), topic_name(h[2])
-            )));
-        }
-        payload.copy_from_slice(&msg[HEADER..HEADER + payload.len()]);
-        Ok(())
+        self.exchange.run(topic, payload)
     }
 
     pub fn device(&self) -> Device {
@@ -445,26 +376,6 @@ impl crate::optim::Comm for ProcessGroup {
 impl crate::guard::Agree for ProcessGroup {
     fn max(&self, values: &mut [f64]) -> Result<()> {
         self.exchange(Topic::GuardInputs, values)
-    }
-}
-
-impl Exchange {
-    fn empty() -> Exchange {
-        Exchange { cpu: Tensor::new(), device: None, seq: 0.into(), step: 0.into(), misalign: None }
-    }
-
-    fn new(world: usize, device: Device) -> Result<Exchange, TchError> {
-        let n = (HEADER + PAYLOAD_MIN.max(AGREE_SLOT * world)) as i64;
-        let cpu = Tensor::f_zeros([n], (tch::Kind::Double, Device::Cpu))?;
-        let device = match device {
-            Device::Cpu => None,
-            d => Some(Tensor::f_zeros([n], (tch::Kind::Double, d))?),
-        };
-        let misalign = std::env::var("OOMGUARD_TEST_MISALIGN").ok().and_then(|v| {
-            let (r, s) = v.split_once(':')?;
-            Some((r.parse().ok()?, s.parse().ok()?))
-        });
-        Ok(Exchange { cpu, device, seq: 0.into(), step: 0.into(), misalign })
     }
 }
 

@@ -1,0 +1,342 @@
+//! The ranks' exchanges: every small collective of a run (each agreement, the guard's
+//! inputs, the losses, a stop signal, the start) is one element-wise MAX over the ranks of a
+//! buffer allocated once when the group forms, always of the same size, headed by
+//! `[seq, -seq, topic, -topic, step, -step]`: two ranks at different points of the
+//! protocol meet in the same exchange and see it in the header, instead of misaligning
+//! every later collective.
+//!
+//! They travel on their own channel, not through Gloo or NCCL: one TCP connection from each
+//! rank to rank 0, which reduces and answers, on the calling thread. An exchange is one
+//! round trip (0.1 ms on 2 ranks here, docs/benchmarks.md), where a Gloo all-reduce of the
+//! same few values hands each message between its worker and loop threads (1.8 ms), and an
+//! NCCL one would copy the buffer to the GPU and back, a sync each. The channel listens on
+//! MASTER_ADDR's own interface, as the store does, and a connection that does not bring
+//! the run's token is dropped.
+use std::cell::{Cell, RefCell};
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+
+/// What an exchange is for (its topic in the header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Topic {
+    Agreement = 1,
+    GuardInputs = 2,
+    Losses = 3,
+    Start = 4,
+    Stop = 5,
+    EvalLosses = 6,
+    Shard = 7,
+}
+
+fn topic_name(k: f64) -> &'static str {
+    match k as i64 {
+        1 => "the agreement on an attempt",
+        2 => "the guard's inputs",
+        3 => "the losses",
+        4 => "the start",
+        5 => "a stop signal",
+        6 => "the evaluation's losses",
+        7 => "the sharding's way back",
+        _ => "an unknown exchange",
+    }
+}
+
+const HEADER: usize = 6;
+
+pub(super) struct Exchange {
+    channel: Channel,
+    /// The message, header and payload: its size is fixed for the run.
+    msg: RefCell<Vec<f64>>,
+    /// Exchanges so far, and the step the run is at (`ProcessGroup::at_step`).
+    seq: Cell<u64>,
+    pub step: Cell<i64>,
+    /// Test-only: `OOMGUARD_TEST_MISALIGN=RANK:SEQ` makes that rank claim the next
+    /// exchange number at exchange SEQ, as a rank that skipped one would.
+    misalign: Option<(usize, u64)>,
+}
+
+impl Exchange {
+    /// `payload`: the values an exchange carries at most.
+    pub fn new(channel: Channel, payload: usize) -> Exchange {
+        let misalign = std::env::var("OOMGUARD_TEST_MISALIGN").ok().and_then(|v| {
+            let (r, s) = v.split_once(':')?;
+            Some((r.parse().ok()?, s.parse().ok()?))
+        });
+        Exchange { channel, msg: RefCell::new(vec![0.0; HEADER + payload]), seq: 0.into(), step: 0.into(), misalign }
+    }
+
+    /// One exchange of `payload`, reduced with MAX in place, after which every rank knows
+    /// that all ranks were at the same exchange of the same step, or fails naming both
+    /// views.
+    pub fn run(&self, topic: Topic, payload: &mut [f64]) -> Result<()> {
+        let mut msg = self.msg.borrow_mut();
+        let cap = msg.len() - HEADER;
+        assert!(payload.len() <= cap, "an exchange of {} values in a buffer of {cap}", payload.len());
+        let mut seq = self.seq.get() + 1;
+        self.seq.set(seq);
+        if self.misalign == Some((self.channel.rank, seq)) {
+            seq += 1;
+        }
+        let (k, step) = (topic as i64 as f64, self.step.get() as f64);
+        msg.fill(f64::NEG_INFINITY);
+        msg[..HEADER].copy_from_slice(&[seq as f64, -(seq as f64), k, -k, step, -step]);
+        msg[HEADER..HEADER + payload.len()].copy_from_slice(payload);
+        self.channel.max(&mut msg)?;
+        let h = &msg[..HEADER];
+        if h[0] != -h[1] || h[2] != -h[3] || h[4] != -h[5] {
+            return Err(Error::Dist(format!(
+                "collective mismatch: this rank is at exchange {seq} ({}, step {}); the ranks are at exchanges {}..{}, steps {}..{}, doing {} .. {}. \
+                 Their collectives no longer line up, so the run stops here rather than mix buffers",
+                topic_name(k), step, -h[1], h[0], -h[5], h[4], topic_name(-h[3]), topic_name(h[2])
+            )));
+        }
+        payload.copy_from_slice(&msg[HEADER..HEADER + payload.len()]);
+        Ok(())
+    }
+}
+
+/// The exchanges' connections: rank 0 holds one per other rank, in rank order; every other
+/// rank holds one, to rank 0. A group of one holds none.
+pub(super) struct Channel {
+    rank: usize,
+    streams: Vec<TcpStream>,
+    bytes: RefCell<Vec<u8>>,
+}
+
+const HELLO: &[u8; 4] = b"OGX1";
+/// A connection has this long to introduce itself (a stray one is dropped after it).
+const HELLO_WAIT: Duration = Duration::from_secs(10);
+
+fn io_error(what: String) -> impl Fn(std::io::Error) -> Error {
+    move |e| {
+        let why = match e.kind() {
+            std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe => {
+                "the connection closed (that rank failed or exited)".to_string()
+            }
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => "timed out (train.dist_timeout_s)".to_string(),
+            _ => e.to_string(),
+        };
+        Error::Dist(format!("{what}: {why}"))
+    }
+}
+
+impl Channel {
+    /// No connection (a placeholder until the group's channel opens).
+    pub fn alone() -> Channel {
+        Channel { rank: 0, streams: vec![], bytes: RefCell::new(vec![]) }
+    }
+
+    /// Connects the ranks: rank 0 listens on `addr`'s interface at a free port, which it
+    /// publishes through the store (`share`: rank 0 sets a key, every rank reads it), and
+    /// waits up to `timeout` for every other rank to connect with `token`.
+    pub fn open(rank: usize, world: usize, addr: &str, token: &str, timeout: Duration, share: impl Fn(&str, Option<&[u8]>) -> Result<Vec<u8>>) -> Result<Channel> {
+        let key = "oomguard/exchange-port";
+        let timeout = timeout.max(Duration::from_millis(1));
+        let streams = if world < 2 {
+            vec![]
+        } else if rank == 0 {
+            let listener = TcpListener::bind((addr, 0)).map_err(io_error(format!("the exchange's listener on {addr}")))?;
+            let port = listener.local_addr().map_err(io_error("the exchange's listener".into()))?.port();
+            share(key, Some(port.to_string().as_bytes()))?;
+            accept(&listener, world, token, timeout)?
+        } else {
+            let port = String::from_utf8_lossy(&share(key, None)?).parse::<u16>().map_err(|_| Error::Dist("the store's exchange port is not a port".into()))?;
+            let what = format!("rank {rank} connecting to the exchange at {addr}:{port}");
+            let mut s = connect(addr, port, timeout).map_err(io_error(what.clone()))?;
+            let mut hello = HELLO.to_vec();
+            hello.extend((rank as u32).to_le_bytes());
+            hello.extend((token.len() as u32).to_le_bytes());
+            hello.extend(token.as_bytes());
+            s.write_all(&hello).map_err(io_error(what))?;
+            vec![s]
+        };
+        for s in &streams {
+            let setup = io_error("the exchange's connection".into());
+            s.set_nodelay(true).map_err(&setup)?;
+            s.set_read_timeout(Some(timeout)).map_err(&setup)?;
+            s.set_write_timeout(Some(timeout)).map_err(&setup)?;
+        }
+        Ok(Channel { rank, streams, bytes: RefCell::new(vec![]) })
+    }
+
+    /// `values` becomes the element-wise maximum over the ranks (a NaN anywhere wins: a
+    /// rank's diverged loss reaches every rank).
+    fn max(&self, values: &mut [f64]) -> Result<()> {
+        let mut bytes = self.bytes.borrow_mut();
+        bytes.resize(values.len() * 8, 0);
+        if self.rank == 0 {
+            for (i, s) in self.streams.iter().enumerate() {
+                (&*s).read_exact(&mut bytes).map_err(io_error(format!("the exchange with rank {}", i + 1)))?;
+                for (v, b) in values.iter_mut().zip(bytes.chunks_exact(8)) {
+                    let x = f64::from_le_bytes(b.try_into().expect("8 bytes"));
+                    if x.is_nan() || x > *v {
+                        *v = x;
+                    }
+                }
+            }
+            encode(values, &mut bytes);
+            for (i, s) in self.streams.iter().enumerate() {
+                (&*s).write_all(&bytes).map_err(io_error(format!("the exchange with rank {}", i + 1)))?;
+            }
+        } else if let Some(s) = self.streams.first() {
+            encode(values, &mut bytes);
+            (&*s).write_all(&bytes).map_err(io_error("the exchange with rank 0".into()))?;
+            (&*s).read_exact(&mut bytes).map_err(io_error("the exchange with rank 0".into()))?;
+            for (v, b) in values.iter_mut().zip(bytes.chunks_exact(8)) {
+                *v = f64::from_le_bytes(b.try_into().expect("8 bytes"));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn encode(values: &[f64], bytes: &mut [u8]) {
+    for (v, b) in values.iter().zip(bytes.chunks_exact_mut(8)) {
+        b.copy_from_slice(&v.to_le_bytes());
+    }
+}
+
+fn connect(addr: &str, port: u16, timeout: Duration) -> std::io::Result<TcpStream> {
+    let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "MASTER_ADDR resolves to no address");
+    for a in (addr, port).to_socket_addrs()? {
+        match TcpStream::connect_timeout(&a, timeout) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
+
+/// Rank 0: a connection from every other rank, in rank order. One that does not introduce
+/// itself with the run's token (another run, a stray client) is dropped with a warning.
+fn accept(listener: &TcpListener, world: usize, token: &str, timeout: Duration) -> Result<Vec<TcpStream>> {
+    let failed = io_error("rank 0 waiting for the ranks at the exchange".into());
+    listener.set_nonblocking(true).map_err(&failed)?;
+    let deadline = Instant::now() + timeout;
+    let mut peers: Vec<Option<TcpStream>> = (1..world).map(|_| None).collect();
+    while peers.iter().any(Option::is_none) {
+        let mut s = match listener.accept() {
+            Ok((s, _)) => s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(1));
+                continue;
+            }
+            Err(e) => return Err(failed(e)),
+        };
+        let hello = (|| -> std::io::Result<Option<usize>> {
+            s.set_nonblocking(false)?;
+            s.set_read_timeout(Some(HELLO_WAIT))?;
+            let mut head = [0u8; 12];
+            s.read_exact(&mut head)?;
+            let len = u32::from_le_bytes(head[8..12].try_into().expect("4 bytes")) as usize;
+            if &head[..4] != HELLO || len != token.len() {
+                return Ok(None);
+            }
+            let mut theirs = vec![0u8; len];
+            s.read_exact(&mut theirs)?;
+            let rank = u32::from_le_bytes(head[4..8].try_into().expect("4 bytes")) as usize;
+            Ok((theirs == token.as_bytes() && (1..world).contains(&rank)).then_some(rank))
+        })();
+        match hello {
+            Ok(Some(r)) if peers[r - 1].is_none() => peers[r - 1] = Some(s),
+            _ => tracing::warn!("the exchange dropped a connection from {} that is not a rank of this run", s.peer_addr().map_or("?".into(), |a| a.to_string())),
+        }
+    }
+    Ok(peers.into_iter().flatten().collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Condvar, Mutex};
+
+    /// The store's part in `Channel::open`: rank 0 sets the key, the others wait for it.
+    #[derive(Clone, Default)]
+    struct Store(Arc<(Mutex<Option<Vec<u8>>>, Condvar)>);
+
+    impl Store {
+        fn share(&self, _key: &str, value: Option<&[u8]>) -> Result<Vec<u8>> {
+            let (m, c) = &*self.0;
+            let mut v = m.lock().unwrap();
+            if let Some(value) = value {
+                *v = Some(value.to_vec());
+                c.notify_all();
+            }
+            Ok(c.wait_while(v, |v| v.is_none()).unwrap().clone().unwrap())
+        }
+    }
+
+    fn open(store: &Store, rank: usize, world: usize, token: &str) -> Result<Channel> {
+        let s = store.clone();
+        Channel::open(rank, world, "127.0.0.1", token, Duration::from_secs(20), move |k, v| s.share(k, v))
+    }
+
+    #[test]
+    fn ranks_meet_at_the_maximum_and_strangers_are_turned_away() {
+        let store = Store::default();
+        let s = store.clone();
+        let zero = std::thread::spawn(move || {
+            let x = Exchange::new(open(&s, 0, 3, "tok").unwrap(), 4);
+            let mut v = [1.0, f64::NAN, -3.0];
+            x.run(Topic::Losses, &mut v).unwrap();
+            v
+        });
+        let port: u16 = String::from_utf8(store.share("", None).unwrap()).unwrap().parse().unwrap();
+        // A stray client with the wrong token, and one claiming rank 0: both dropped.
+        let mut wrong = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        wrong.write_all(b"OGX1\x01\0\0\0\x03\0\0\0bad").unwrap();
+        let mut zero_again = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        zero_again.write_all(b"OGX1\0\0\0\0\x03\0\0\0tok").unwrap();
+        let others: Vec<_> = [(1, [2.0, 0.0, -5.0]), (2, [0.5, 7.0, -4.0])]
+            .into_iter()
+            .map(|(rank, mut v)| {
+                let s = store.clone();
+                std::thread::spawn(move || {
+                    Exchange::new(open(&s, rank, 3, "tok").unwrap(), 4).run(Topic::Losses, &mut v).unwrap();
+                    v
+                })
+            })
+            .collect();
+        let want = [2.0, f64::NAN, -3.0];
+        for v in std::iter::once(zero).chain(others).map(|t| t.join().unwrap()) {
+            assert_eq!(format!("{v:?}"), format!("{want:?}"));
+        }
+        // The strangers' connections were closed without an answer.
+        let mut byte = [0u8];
+        assert_eq!(wrong.read(&mut byte).unwrap(), 0);
+        assert_eq!(zero_again.read(&mut byte).unwrap(), 0);
+    }
+
+    #[test]
+    fn a_rank_that_goes_away_is_an_error_not_a_hang() {
+        let store = Store::default();
+        let s = store.clone();
+        let one = std::thread::spawn(move || drop(open(&s, 1, 2, "").unwrap()));
+        let x = Exchange::new(open(&store, 0, 2, "").unwrap(), 1);
+        one.join().unwrap();
+        let err = x.run(Topic::Stop, &mut [0.0]).unwrap_err().to_string();
+        assert!(err.contains("the exchange with rank 1: the connection closed"), "{err}");
+    }
+
+    #[test]
+    fn ranks_at_different_exchanges_fail_naming_both() {
+        let store = Store::default();
+        let s = store.clone();
+        let one = std::thread::spawn(move || {
+            let x = Exchange::new(open(&s, 1, 2, "").unwrap(), 1);
+            x.step.set(7);
+            x.run(Topic::Agreement, &mut [0.0]).unwrap_err().to_string()
+        });
+        let x = Exchange::new(open(&store, 0, 2, "").unwrap(), 1);
+        x.step.set(7);
+        let zero = x.run(Topic::Losses, &mut [0.0]).unwrap_err().to_string();
+        let one = one.join().unwrap();
+        for e in [&zero, &one] {
+            assert!(e.contains("collective mismatch") && e.contains("the agreement on an attempt .. the losses"), "{e}");
+        }
+        assert!(zero.contains("this rank is at exchange 1 (the losses, step 7)"), "{zero}");
+    }
+}
