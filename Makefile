@@ -1,5 +1,5 @@
 # The README's commands. `setup` installs what is missing (once per machine, cached).
-.PHONY: setup build run test docs docs-picture bench gpu-kit gpu-kit-test docker-test clean
+.PHONY: setup build run test fmt docs docs-picture bench gpu-kit gpu-kit-test docker-test clean
 
 setup:
 	@scripts/setup.sh
@@ -11,7 +11,12 @@ run: build
 	./target/release/oomguard train configs/demo.yaml
 
 test: setup docs
+	cargo fmt --all --check
 	cargo test --release --workspace
+
+# rustfmt.toml's style, applied to every file (`make fmt`); `make test` checks it.
+fmt:
+	cargo fmt --all
 
 # The Rust API docs, warnings denied (broken intra-doc links, bad HTML); the doc tests run in
 # `cargo test` above. --release reuses the release build's build-script outputs (csrc/).

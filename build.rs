@@ -13,8 +13,15 @@ fn main() {
     let include = torch_dir.join("include");
 
     const SOURCES: [&str; 9] = [
-        "csrc/memory.cpp", "csrc/snapshot.cpp", "csrc/optim.cpp", "csrc/rng.cpp", "csrc/torchscript.cpp", "csrc/ops.cpp", "csrc/amp.cpp",
-        "csrc/dist.cpp", "csrc/loss.cpp",
+        "csrc/memory.cpp",
+        "csrc/snapshot.cpp",
+        "csrc/optim.cpp",
+        "csrc/rng.cpp",
+        "csrc/torchscript.cpp",
+        "csrc/ops.cpp",
+        "csrc/amp.cpp",
+        "csrc/dist.cpp",
+        "csrc/loss.cpp",
     ];
     let base = || {
         let mut b = cc::Build::new();
@@ -34,7 +41,10 @@ fn main() {
         std::path::Path::new("/usr/include/gloo/config.h").exists(),
         "gloo headers are missing: run `make setup` (it installs Debian's libgloo-dev)"
     );
-    base().define("USE_C10D_GLOO", None).files(SOURCES).compile("oomguard_csrc");
+    base()
+        .define("USE_C10D_GLOO", None)
+        .files(SOURCES)
+        .compile("oomguard_csrc");
     // NCCL's c10d header needs nccl.h and the CUDA runtime headers: the pip nvidia packages
     // beside torch (scripts/setup.sh installs the two header-only ones).
     let nvidia = torch_dir.parent().expect("site-packages").join("nvidia");
@@ -44,19 +54,34 @@ fn main() {
         "CUDA and NCCL headers are missing under {}: run `make setup`",
         nvidia.display()
     );
-    base().define("USE_C10D_NCCL", None).include(&cuda_inc).include(nccl_inc).flag("-w").file("csrc/dist_nccl.cpp").compile("oomguard_nccl");
+    base()
+        .define("USE_C10D_NCCL", None)
+        .include(&cuda_inc)
+        .include(nccl_inc)
+        .flag("-w")
+        .file("csrc/dist_nccl.cpp")
+        .compile("oomguard_nccl");
     // The CUDA memory snapshot needs libtorch_cuda's symbols: only against a libtorch that has
     // them; Rust sees `cfg(oomguard_cuda_snapshot)` (a CPU-only libtorch builds without it).
     println!("cargo:rustc-check-cfg=cfg(oomguard_cuda_snapshot)");
     if lib_dir.join("libtorch_cuda.so").exists() {
-        base().include(&cuda_inc).flag("-w").file("csrc/snapshot_cuda.cpp").compile("oomguard_cuda_snapshot");
+        base()
+            .include(&cuda_inc)
+            .flag("-w")
+            .file("csrc/snapshot_cuda.cpp")
+            .compile("oomguard_cuda_snapshot");
         println!("cargo:rustc-cfg=oomguard_cuda_snapshot");
         // --as-needed keeps them only where the snapshot is referenced (not in `oomguard`).
         println!("cargo:rustc-link-lib=dylib=torch_cuda");
         println!("cargo:rustc-link-lib=dylib=c10_cuda");
     }
 
-    for f in SOURCES.iter().chain(&["csrc/dist_nccl.cpp", "csrc/snapshot_cuda.cpp", "csrc/snapshot.h", "csrc/oomguard.h"]) {
+    for f in SOURCES.iter().chain(&[
+        "csrc/dist_nccl.cpp",
+        "csrc/snapshot_cuda.cpp",
+        "csrc/snapshot.h",
+        "csrc/oomguard.h",
+    ]) {
         println!("cargo:rerun-if-changed={f}");
     }
     // An rpath makes nothing load: harmless for the libtorch-free `oomguard` binary.

@@ -17,7 +17,10 @@ fn main() {
     c.train.device = "cpu".into();
     c.memory.budget = "60MiB".into();
     c.log.every = 1000;
-    let cfg = Config { raw: c, path: dir.path().join("auto.yaml") };
+    let cfg = Config {
+        raw: c,
+        path: dir.path().join("auto.yaml"),
+    };
     let run = dir.path().join("run");
     std::fs::create_dir_all(&run).unwrap();
     let s = train(&cfg, &run, &Default::default(), Default::default()).unwrap();

@@ -28,8 +28,15 @@ fn measure(run: &Path) -> (f64, f64, f64) {
     let steps: Vec<serde_json::Value> = events(run, "step").into_iter().skip(5).collect();
     let tps: Vec<f64> = steps.iter().map(|s| s["tokens_per_s"].as_f64().unwrap()).collect();
     let share = |key: &str| {
-        let v: Vec<f64> = steps.iter().filter_map(|s| Some(s[key].as_f64()? / s["step_time_s"].as_f64()?)).collect();
-        if v.is_empty() { f64::NAN } else { v.iter().sum::<f64>() / v.len() as f64 }
+        let v: Vec<f64> = steps
+            .iter()
+            .filter_map(|s| Some(s[key].as_f64()? / s["step_time_s"].as_f64()?))
+            .collect();
+        if v.is_empty() {
+            f64::NAN
+        } else {
+            v.iter().sum::<f64>() / v.len() as f64
+        }
     };
     (median(tps), share("comm_s"), share("agree_s"))
 }
@@ -42,8 +49,25 @@ fn launch(bin: &str, nproc: &str, cfg: &Path, run: &Path, cache: &Path) {
 fn launch_with(bin: &str, nproc: &str, cfg: &Path, run: &Path, cache: &Path, bind: &str) {
     let ok = Command::new(bin)
         .env("OOMGUARD_CPU_BIND", bind)
-        .args(["launch", "--nproc-per-node", nproc, "--master-port", "0", "--standalone", "--no-python", bin, "train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()])
-        .env("OMP_NUM_THREADS", "1").env("OOMGUARD_CACHE", cache).stdout(std::process::Stdio::null()).status().unwrap();
+        .args([
+            "launch",
+            "--nproc-per-node",
+            nproc,
+            "--master-port",
+            "0",
+            "--standalone",
+            "--no-python",
+            bin,
+            "train",
+            cfg.to_str().unwrap(),
+            "--run-dir",
+            run.to_str().unwrap(),
+        ])
+        .env("OMP_NUM_THREADS", "1")
+        .env("OOMGUARD_CACHE", cache)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
     assert!(ok.success());
 }
 
@@ -54,7 +78,11 @@ fn max_diff(a: &Path, b: &Path) -> f64 {
         w.sort_by(|x, y| x.0.cmp(&y.0));
         w
     };
-    read(a).iter().zip(read(b)).map(|((_, x), (_, y))| (x - y).abs().max().double_value(&[])).fold(0.0, f64::max)
+    read(a)
+        .iter()
+        .zip(read(b))
+        .map(|((_, x), (_, y))| (x - y).abs().max().double_value(&[]))
+        .fold(0.0, f64::max)
 }
 
 const ROUNDS: usize = 5;
@@ -64,16 +92,29 @@ fn main() {
     let cfg = dir.path().join("ddp.yaml");
     std::fs::write(&cfg, CONFIG).unwrap();
     let bin = env!("CARGO_BIN_EXE_oomguard");
-    let (mut one, mut two, mut comm, mut agree, mut pair, mut unbound) = (vec![], vec![], vec![], vec![], vec![], vec![]);
+    let (mut one, mut two, mut comm, mut agree, mut pair, mut unbound) =
+        (vec![], vec![], vec![], vec![], vec![], vec![]);
     for round in 0..ROUNDS {
         let run1 = dir.path().join(format!("one{round}"));
-        let ok = Command::new(bin).args(["train", cfg.to_str().unwrap(), "--run-dir", run1.to_str().unwrap()]).env("OMP_NUM_THREADS", "1").env("OOMGUARD_CACHE", dir.path()).status().unwrap();
+        let ok = Command::new(bin)
+            .args(["train", cfg.to_str().unwrap(), "--run-dir", run1.to_str().unwrap()])
+            .env("OMP_NUM_THREADS", "1")
+            .env("OOMGUARD_CACHE", dir.path())
+            .status()
+            .unwrap();
         assert!(ok.success());
         one.push(measure(&run1).0);
         // Two independent single-rank runs at once: what two busy cores give, no collective.
         let solo = |name: String| {
             let run = dir.path().join(name);
-            let child = Command::new(bin).args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()]).env("OMP_NUM_THREADS", "1").env("OOMGUARD_CACHE", dir.path()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap();
+            let child = Command::new(bin)
+                .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()])
+                .env("OMP_NUM_THREADS", "1")
+                .env("OOMGUARD_CACHE", dir.path())
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap();
             (run, child)
         };
         let (mut a, mut b) = (solo(format!("pa{round}")), solo(format!("pb{round}")));
@@ -86,16 +127,29 @@ fn main() {
         let run_u = dir.path().join(format!("unbound{round}"));
         launch_with(bin, "2", &cfg, &run_u, dir.path(), "0");
         unbound.push(measure(&run_u).0);
-        println!("round {round}: 1 rank {:.0} tok/s, 2 ranks {:.0} tok/s, efficiency {:.2}", one[round], two[round], two[round] / (2.0 * one[round]));
+        println!(
+            "round {round}: 1 rank {:.0} tok/s, 2 ranks {:.0} tok/s, efficiency {:.2}",
+            one[round],
+            two[round],
+            two[round] / (2.0 * one[round])
+        );
     }
     // Each round's ratio over its own one-rank run.
     let ratio = |x: &[f64]| -> Vec<f64> { x.iter().zip(&one).map(|(x, a)| x / (2.0 * a)).collect() };
-    let range = |v: &[f64]| (v.iter().cloned().fold(f64::INFINITY, f64::min), v.iter().cloned().fold(0.0, f64::max));
+    let range = |v: &[f64]| {
+        (
+            v.iter().cloned().fold(f64::INFINITY, f64::min),
+            v.iter().cloned().fold(0.0, f64::max),
+        )
+    };
     let eff = ratio(&two);
     let (lo, hi) = range(&eff);
     let e = median(eff);
     println!("2-rank scaling efficiency (1 thread per rank, GPT 4x128, global batch 32): {e:.2} (floor 0.85; rounds {lo:.2}..{hi:.2})");
-    println!("  the same with the ranks' cores left to the scheduler (OOMGUARD_CPU_BIND=0): {:.2}", median(ratio(&unbound)));
+    println!(
+        "  the same with the ranks' cores left to the scheduler (OOMGUARD_CPU_BIND=0): {:.2}",
+        median(ratio(&unbound))
+    );
     let ceiling = median(ratio(&pair));
     println!("the machine's ceiling (two independent 1-thread runs at once over 2 x one alone): {ceiling:.2}; the efficiency against it: {:.2}", e / ceiling);
     println!("all-reduce and agreements: {:.1}% of a data-parallel step, of which the agreements (waiting for the slower rank included) {:.1}%", 100.0 * median(comm), 100.0 * median(agree));

@@ -27,18 +27,35 @@ fn oomguard(dir: &Path, round: usize, threads: usize) -> (f64, f64) {
     let run = dir.join(format!("run{threads}-{round}"));
     let o = Command::new(env!("CARGO_BIN_EXE_oomguard"))
         .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()])
-        .env("OOMGUARD_CACHE", dir.join("cache")).output().unwrap();
+        .env("OOMGUARD_CACHE", dir.join("cache"))
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let tps: Vec<f64> = events(&run, "step").iter().skip(3).map(|v| v["tokens_per_s"].as_f64().unwrap()).collect();
+    let tps: Vec<f64> = events(&run, "step")
+        .iter()
+        .skip(3)
+        .map(|v| v["tokens_per_s"].as_f64().unwrap())
+        .collect();
     (median(tps.clone()), tps.iter().copied().fold(0.0, f64::max))
 }
 
 fn eager(root: &Path, threads: usize) -> (f64, f64) {
-    let args: Vec<String> = SHAPE.iter().chain(&[BATCH, STEPS, threads]).map(|n| n.to_string()).collect();
-    let o = Command::new(root.join(".venv/bin/python3")).arg(root.join("benches/scripts/gpt_eager.py")).args(&args).output().unwrap();
+    let args: Vec<String> = SHAPE
+        .iter()
+        .chain(&[BATCH, STEPS, threads])
+        .map(|n| n.to_string())
+        .collect();
+    let o = Command::new(root.join(".venv/bin/python3"))
+        .arg(root.join("benches/scripts/gpt_eager.py"))
+        .args(&args)
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let e = serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap();
-    (e["tokens_per_s"].as_f64().unwrap(), e["fastest_tokens_per_s"].as_f64().unwrap())
+    (
+        e["tokens_per_s"].as_f64().unwrap(),
+        e["fastest_tokens_per_s"].as_f64().unwrap(),
+    )
 }
 
 fn main() {

@@ -19,11 +19,23 @@ const BLOCK: i64 = 256;
 const MAX: usize = 1024;
 
 fn largest(loss: LossKind) -> (usize, usize, u32, f64) {
-    let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 64, block_size: BLOCK, vocab_size: VOCAB, dropout: 0.0, bias: true, loss };
+    let cfg = GptConfig {
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 64,
+        block_size: BLOCK,
+        vocab_size: VOCAB,
+        dropout: 0.0,
+        bias: true,
+        loss,
+    };
     tch::manual_seed(0);
     let task = GptTask::new(&cfg, Device::Cpu).unwrap();
     // The optimizer's state is allocated up front, as in a run.
-    let opt = oomguard::optim::AdamW::new(task.parameters(), &Default::default(), |n, t| task.no_weight_decay(n, t)).unwrap();
+    let opt = oomguard::optim::AdamW::new(task.parameters(), &Default::default(), |n, t| {
+        task.no_weight_decay(n, t)
+    })
+    .unwrap();
     let planned = Estimate::new(&cfg, Precision::Fp32, false).largest_fitting(BUDGET, MAX);
     let amp = Amp::fp32(Device::Cpu);
     let t = Instant::now();
@@ -52,8 +64,14 @@ fn main() {
     let mut found = vec![];
     for loss in [LossKind::Full, LossKind::Fused] {
         let (m, planned, trials, s) = largest(loss);
-        println!("model.loss {}: largest micro-batch that fits {m} (planner: {planned}; {trials} trial steps, {s:.1}s)", loss.name());
+        println!(
+            "model.loss {}: largest micro-batch that fits {m} (planner: {planned}; {trials} trial steps, {s:.1}s)",
+            loss.name()
+        );
         found.push(m as f64);
     }
-    println!("largest micro-batch, fused / full: {:.1}x (aim >= 2)", found[1] / found[0]);
+    println!(
+        "largest micro-batch, fused / full: {:.1}x (aim >= 2)",
+        found[1] / found[0]
+    );
 }

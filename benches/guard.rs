@@ -26,7 +26,10 @@ fn main() {
         step_no += 1;
         train_step(&task, opt, &batches, step_no, mb, 1e-4, 1.0)
     };
-    println!("GPT n_layer 4, n_head 4, n_embd 256, block 128, vocab 256, global batch {GLOBAL}, {} threads", tch::get_num_threads());
+    println!(
+        "GPT n_layer 4, n_head 4, n_embd 256, block 128, vocab 256, global batch {GLOBAL}, {} threads",
+        tch::get_num_threads()
+    );
 
     // 1. Overhead: direct and guarded steps alternate, so machine drift hits both alike.
     const STEPS: usize = 40;
@@ -41,7 +44,10 @@ fn main() {
         guard.run(s, &mut opt, &mut step, |o| o.clear_grads()).unwrap();
         guarded += t.elapsed().as_secs_f64();
     }
-    println!("guard overhead: guarded/direct tokens/s = {:.3} over {STEPS} alternating steps each (floor 0.98)", direct / guarded);
+    println!(
+        "guard overhead: guarded/direct tokens/s = {:.3} over {STEPS} alternating steps each (floor 0.98)",
+        direct / guarded
+    );
 
     // 2. Recovery cost. Peaks of a full step at 16 and at 8.
     let peak = |opt: &mut AdamW, mb: usize, step: &mut dyn FnMut(&mut AdamW, usize) -> oomguard::Result<_>| {
@@ -55,7 +61,10 @@ fn main() {
         step(&mut opt, 8).unwrap();
     }
     let step8 = t.elapsed().as_secs_f64() / 5.0;
-    for (name, budget) in [("early (mid-forward)", (p8 + p16) / 2), ("late (just under the full step's peak)", p16 - (p16 - p8) / 20)] {
+    for (name, budget) in [
+        ("early (mid-forward)", (p8 + p16) / 2),
+        ("late (just under the full step's peak)", p16 - (p16 - p8) / 20),
+    ] {
         memory::set_cpu_budget(Some(budget));
         let (mut total, mut lost, n) = (0.0, 0.0, 5);
         for i in 0..n {

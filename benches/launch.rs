@@ -9,13 +9,22 @@ use std::time::{Duration, Instant};
 
 fn peak_kib(pid: u32) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    s.lines().find(|l| l.starts_with("VmHWM:"))?.split_whitespace().nth(1)?.parse().ok()
+    s.lines()
+        .find(|l| l.starts_with("VmHWM:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
 }
 
 /// (wall seconds, launcher peak KiB) of one run.
 fn measure(cmd: &mut Command) -> (f64, u64) {
     let t = Instant::now();
-    let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("launcher starts");
+    let mut child = cmd
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("launcher starts");
     let mut peak = 0;
     loop {
         if let Some(p) = peak_kib(child.id()) {
@@ -39,25 +48,51 @@ fn main() {
     let script = script.to_str().unwrap();
     let ours = || {
         let mut c = Command::new(env!("CARGO_BIN_EXE_oomguard"));
-        c.args(["launch", "--nproc-per-node", "2", "--monitor-interval", "0.01", script]).env("PATH", &path);
+        c.args(["launch", "--nproc-per-node", "2", "--monitor-interval", "0.01", script])
+            .env("PATH", &path);
         c
     };
     let bare = || {
         let mut c = Command::new(env!("CARGO_BIN_EXE_oomguard"));
-        c.args(["launch", "--nproc-per-node", "2", "--monitor-interval", "0.01", "--no-python", "true"]);
+        c.args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--monitor-interval",
+            "0.01",
+            "--no-python",
+            "true",
+        ]);
         c
     };
     let torchrun = || {
         let mut c = Command::new(venv.join("python3"));
-        c.args(["-m", "torch.distributed.run", "--nproc-per-node", "2", "--monitor-interval", "0.01", script]).env("PATH", &path);
+        c.args([
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--monitor-interval",
+            "0.01",
+            script,
+        ])
+        .env("PATH", &path);
         c
     };
     let mut rows = vec![];
-    for (name, make) in [("oomguard launch", &ours as &dyn Fn() -> Command), ("oomguard launch --no-python true", &bare), ("torchrun", &torchrun)] {
+    for (name, make) in [
+        ("oomguard launch", &ours as &dyn Fn() -> Command),
+        ("oomguard launch --no-python true", &bare),
+        ("torchrun", &torchrun),
+    ] {
         let runs: Vec<(f64, u64)> = (0..5).map(|_| measure(&mut make())).collect();
         let wall = median(runs.iter().map(|r| r.0).collect());
         let peak = median(runs.iter().map(|r| r.1 as f64).collect());
-        println!("{name:<34} wall {:>7.1} ms   launcher peak memory {:>7.1} MiB", wall * 1e3, peak / 1024.0);
+        println!(
+            "{name:<34} wall {:>7.1} ms   launcher peak memory {:>7.1} MiB",
+            wall * 1e3,
+            peak / 1024.0
+        );
         rows.push((wall, peak));
     }
     println!(

@@ -21,21 +21,32 @@ fn main() {
         ("fp32", &[]),
         ("bf16", &["train.precision=bf16"]),
         ("fp32 + checkpointing", &["model.activation_checkpointing=blocks"]),
-        ("bf16 + checkpointing", &["train.precision=bf16", "model.activation_checkpointing=blocks"]),
+        (
+            "bf16 + checkpointing",
+            &["train.precision=bf16", "model.activation_checkpointing=blocks"],
+        ),
     ];
     let mut results: Vec<Vec<(f64, u64)>> = vec![vec![]; variants.len()];
     for round in 0..3 {
         for (i, (name, sets)) in variants.iter().enumerate() {
             let run = dir.path().join(format!("{round}-{i}"));
             let mut c = Command::new(env!("CARGO_BIN_EXE_oomguard"));
-            c.args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()]).env("OOMGUARD_CACHE", dir.path());
+            c.args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()])
+                .env("OOMGUARD_CACHE", dir.path());
             for s in *sets {
                 c.args(["--set", s]);
             }
-            assert!(c.stderr(std::process::Stdio::null()).status().unwrap().success(), "{name}");
+            assert!(
+                c.stderr(std::process::Stdio::null()).status().unwrap().success(),
+                "{name}"
+            );
             let steps: Vec<serde_json::Value> = events(&run, "step").into_iter().skip(2).collect();
             let tps: Vec<f64> = steps.iter().map(|s| s["tokens_per_s"].as_f64().unwrap()).collect();
-            let peak = steps.iter().map(|s| s["memory"]["peak_bytes"].as_u64().unwrap()).max().unwrap();
+            let peak = steps
+                .iter()
+                .map(|s| s["memory"]["peak_bytes"].as_u64().unwrap())
+                .max()
+                .unwrap();
             results[i].push((median(tps), peak));
         }
     }
@@ -49,10 +60,17 @@ fn main() {
         let mut v = results[i].clone();
         v.sort_by(|a, b| a.0.total_cmp(&b.0));
         let (tps, peak) = v[1];
-        println!("  {name:<22} {tps:>8.0} tok/s ({:.2}x fp32)   peak {:>6.1} MiB ({:.2}x fp32)", tps / base.0, peak as f64 / (1 << 20) as f64, peak as f64 / base.1 as f64);
+        println!(
+            "  {name:<22} {tps:>8.0} tok/s ({:.2}x fp32)   peak {:>6.1} MiB ({:.2}x fp32)",
+            tps / base.0,
+            peak as f64 / (1 << 20) as f64,
+            peak as f64 / base.1 as f64
+        );
     }
 }
 
 fn tch_threads() -> String {
-    std::thread::available_parallelism().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
+    std::thread::available_parallelism()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".into())
 }

@@ -36,7 +36,16 @@ const BUDGET: &str = "32MiB";
 
 fn train(bin: &str, cfg: &Path, run: &Path, shard: &str, cache: &Path) -> bool {
     Command::new(bin)
-        .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--nproc-per-node", "2", "--set", &format!("train.shard={shard}")])
+        .args([
+            "train",
+            cfg.to_str().unwrap(),
+            "--run-dir",
+            run.to_str().unwrap(),
+            "--nproc-per-node",
+            "2",
+            "--set",
+            &format!("train.shard={shard}"),
+        ])
         .env("OMP_NUM_THREADS", "1")
         .env("OOMGUARD_CACHE", cache)
         .stdout(Stdio::null())
@@ -50,7 +59,10 @@ fn train(bin: &str, cfg: &Path, run: &Path, shard: &str, cache: &Path) -> bool {
 fn measure(run: &Path) -> (f64, f64) {
     let steps: Vec<serde_json::Value> = events(run, "step").into_iter().skip(5).collect();
     let t = median(steps.iter().map(|s| s["step_time_s"].as_f64().unwrap()).collect());
-    let peak = steps.iter().map(|s| s["memory"]["peak_bytes"].as_f64().unwrap()).fold(0.0, f64::max);
+    let peak = steps
+        .iter()
+        .map(|s| s["memory"]["peak_bytes"].as_f64().unwrap())
+        .fold(0.0, f64::max);
     (t, peak)
 }
 
@@ -69,7 +81,11 @@ fn largest_vocab(bin: &str, dir: &Path, shard: &str) -> u64 {
     assert!(fits(lo * 64), "the smallest model does not fit {BUDGET}");
     while lo < hi {
         let mid = (lo + hi).div_ceil(2);
-        if fits(mid * 64) { lo = mid } else { hi = mid - 1 }
+        if fits(mid * 64) {
+            lo = mid
+        } else {
+            hi = mid - 1
+        }
     }
     lo * 64
 }
@@ -94,16 +110,34 @@ fn main() {
             time[i].push(t);
             peak[i].push(p);
         }
-        println!("round {round}: step time none {:.3}s, optimizer {:.3}s, gradients {:.3}s", time[0][round], time[1][round], time[2][round]);
+        println!(
+            "round {round}: step time none {:.3}s, optimizer {:.3}s, gradients {:.3}s",
+            time[0][round], time[1][round], time[2][round]
+        );
     }
     let t: Vec<f64> = time.into_iter().map(median).collect();
     let p: Vec<f64> = peak.into_iter().map(median).collect();
     println!("2 ranks, 1 thread each, GPT 4x128, global batch 32 (Gloo; its reduce-scatter and all-gather as in-place all-reduces):");
-    println!("  step time over plain data parallel: optimizer {:.3}x (floor 1.15), gradients {:.3}x (floor 1.25)", t[1] / t[0], t[2] / t[0]);
-    println!("  per-rank peak memory over plain: optimizer {:.3}x, gradients {:.3}x ({:.1} MiB plain)", p[1] / p[0], p[2] / p[0], p[0] / 1048576.0);
+    println!(
+        "  step time over plain data parallel: optimizer {:.3}x (floor 1.15), gradients {:.3}x (floor 1.25)",
+        t[1] / t[0],
+        t[2] / t[0]
+    );
+    println!(
+        "  per-rank peak memory over plain: optimizer {:.3}x, gradients {:.3}x ({:.1} MiB plain)",
+        p[1] / p[0],
+        p[2] / p[0],
+        p[0] / 1048576.0
+    );
     let v: Vec<u64> = STAGES.iter().map(|s| largest_vocab(bin, dir.path(), s)).collect();
-    println!("largest model at micro-batch 1 under {BUDGET} per rank (2 ranks; GPT 2x64, block 8, the vocabulary grown):");
+    println!(
+        "largest model at micro-batch 1 under {BUDGET} per rank (2 ranks; GPT 2x64, block 8, the vocabulary grown):"
+    );
     for (s, &vocab) in STAGES.iter().zip(&v) {
-        println!("  train.shard: {s:<10} vocabulary {vocab:>6}: {:.2}M parameters, {:.2}x plain (aim 1.8x)", params(vocab) as f64 / 1e6, params(vocab) as f64 / params(v[0]) as f64);
+        println!(
+            "  train.shard: {s:<10} vocabulary {vocab:>6}: {:.2}M parameters, {:.2}x plain (aim 1.8x)",
+            params(vocab) as f64 / 1e6,
+            params(vocab) as f64 / params(v[0]) as f64
+        );
     }
 }

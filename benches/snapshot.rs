@@ -52,7 +52,10 @@ fn main() {
         rss_seen.push(rss());
     }
     // Medians of the first and last ten: glibc returns memory in bursts of tens of MiB.
-    let (rss_before, rss_after) = (common::median(rss_seen[..10].to_vec()), common::median(rss_seen[STEPS - 10..].to_vec()));
+    let (rss_before, rss_after) = (
+        common::median(rss_seen[..10].to_vec()),
+        common::median(rss_seen[STEPS - 10..].to_vec()),
+    );
     let events = snapshot::now().events.len();
     println!("recording (on_oom, always): {:.4} x the step time with it off, over {STEPS} alternating steps each ({:.3} s vs {:.3} s a step; goal at most 1.01)", on / off, on / STEPS as f64, off / STEPS as f64);
 
@@ -63,13 +66,22 @@ fn main() {
     let dir = tempfile::tempdir().unwrap();
     let params = task.parameters().into_iter().map(|(_, t)| t).collect();
     let state = opt.state().into_iter().map(|(_, t)| t.shallow_clone()).collect();
-    let always = snapshot::SnapshotConfig { mode: snapshot::SnapshotMode::Always, ..defaults };
-    let mut dumper = snapshot::Dumper::new(dir.path(), always, Device::Cpu, params, state, task.formula(), None).unwrap();
+    let always = snapshot::SnapshotConfig {
+        mode: snapshot::SnapshotMode::Always,
+        ..defaults
+    };
+    let mut dumper =
+        snapshot::Dumper::new(dir.path(), always, Device::Cpu, params, state, task.formula(), None).unwrap();
     let t = Instant::now();
     let d = dumper.at_end(step_no, 8).expect("the dump is written");
     let dump_s = t.elapsed().as_secs_f64();
-    let size = std::fs::metadata(dir.path().join(&d.folder).join("snapshot.pickle")).unwrap().len();
-    println!("one dump: {dump_s:.3} s, snapshot.pickle {:.1} MiB, {events} events in the ring (goal under 2 s)", size as f64 / (1 << 20) as f64);
+    let size = std::fs::metadata(dir.path().join(&d.folder).join("snapshot.pickle"))
+        .unwrap()
+        .len();
+    println!(
+        "one dump: {dump_s:.3} s, snapshot.pickle {:.1} MiB, {events} events in the ring (goal under 2 s)",
+        size as f64 / (1 << 20) as f64
+    );
     let run_s = 1000.0 * off / STEPS as f64;
     println!("always over a 1000-step run: {:.4} x (recording, plus the dump's {dump_s:.3} s over {run_s:.0} s of steps; goal at most 1.03)", on / off + dump_s / run_s);
 }

@@ -21,8 +21,18 @@ const ROUNDS: usize = 5;
 const BLOCK: i64 = 128;
 
 fn config(threads: usize) -> RawConfig {
-    let model = ModelConfig { n_layer: Some(4), n_head: Some(4), n_embd: Some(256), block_size: Some(BLOCK), vocab_size: Some(256), ..Default::default() };
-    let mut c = RawConfig { model, ..Default::default() };
+    let model = ModelConfig {
+        n_layer: Some(4),
+        n_head: Some(4),
+        n_embd: Some(256),
+        block_size: Some(BLOCK),
+        vocab_size: Some(256),
+        ..Default::default()
+    };
+    let mut c = RawConfig {
+        model,
+        ..Default::default()
+    };
     c.train.micro_batch_size = oomguard::train::MicroBatch::Size(16);
     c.train.grad_accum_steps = 1;
     c.train.max_steps = STEPS;
@@ -46,16 +56,25 @@ struct Rate {
 
 fn rates(ends: &[f64], tokens_per_step: usize) -> Rate {
     let fastest = ends.windows(2).map(|w| w[1] - w[0]).fold(f64::INFINITY, f64::min);
-    Rate { window: ((ends.len() - 1) * tokens_per_step) as f64 / (ends[ends.len() - 1] - ends[0]), best_step: tokens_per_step as f64 / fastest }
+    Rate {
+        window: ((ends.len() - 1) * tokens_per_step) as f64 / (ends[ends.len() - 1] - ends[0]),
+        best_step: tokens_per_step as f64 / fastest,
+    }
 }
 
 fn hand_loop(c: &RawConfig) -> Rate {
     tch::manual_seed(c.train.seed as i64);
-    let shape = TokenShape { block_size: BLOCK as usize, vocab_size: Some(256) };
+    let shape = TokenShape {
+        block_size: BLOCK as usize,
+        vocab_size: Some(256),
+    };
     let data = Dataset::open(&c.data, std::path::Path::new("."), Some(shape)).unwrap();
     let vs = nn::VarStore::new(tch::Device::Cpu);
     let model = Gpt::new(&vs.root(), &c.model.gpt()).unwrap();
-    let mut opt = AdamW::new(vs.variables().into_iter().collect(), &c.optim, |n, _| no_weight_decay(n)).unwrap();
+    let mut opt = AdamW::new(vs.variables().into_iter().collect(), &c.optim, |n, _| {
+        no_weight_decay(n)
+    })
+    .unwrap();
     let batch = c.train.global_batch_size();
     let batches = StepSamples::new(data.train.as_ref(), c.train.seed, batch, tch::Device::Cpu);
     let start = Instant::now();
@@ -75,9 +94,15 @@ fn hand_loop(c: &RawConfig) -> Rate {
 
 fn oomguard_loop(c: &RawConfig) -> Rate {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = Config { raw: c.clone(), path: dir.path().join("bench.yaml") };
+    let cfg = Config {
+        raw: c.clone(),
+        path: dir.path().join("bench.yaml"),
+    };
     oomguard::train::train(&cfg, dir.path(), &Default::default(), Default::default()).unwrap();
-    let ends: Vec<f64> = common::events(dir.path(), "step").iter().map(|s| s["elapsed_s"].as_f64().unwrap()).collect();
+    let ends: Vec<f64> = common::events(dir.path(), "step")
+        .iter()
+        .map(|s| s["elapsed_s"].as_f64().unwrap())
+        .collect();
     assert_eq!(ends.len(), STEPS as usize);
     rates(&ends, c.train.global_batch_size() * BLOCK as usize)
 }

@@ -20,7 +20,11 @@ fn main() {
     let python = root.join(".venv/bin/python3");
     let dir = tempfile::tempdir().unwrap();
     let pt = dir.path().join("m.pt");
-    let o = Command::new(&python).arg(root.join("examples/torchscript/mu_sota.py")).args(["--out", pt.to_str().unwrap(), "--layers", LAYERS, "--block-size", BLOCK]).output().unwrap();
+    let o = Command::new(&python)
+        .arg(root.join("examples/torchscript/mu_sota.py"))
+        .args(["--out", pt.to_str().unwrap(), "--layers", LAYERS, "--block-size", BLOCK])
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let cfg = dir.path().join("ts.yaml");
     std::fs::write(&cfg, format!(
@@ -33,15 +37,27 @@ fn main() {
         let run = dir.path().join(format!("run{round}"));
         let o = Command::new(env!("CARGO_BIN_EXE_oomguard"))
             .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()])
-            .env("OOMGUARD_CACHE", dir.path().join("cache")).output().unwrap();
+            .env("OOMGUARD_CACHE", dir.path().join("cache"))
+            .output()
+            .unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let tps: Vec<f64> = events(&run, "step").iter().skip(3).map(|v| v["tokens_per_s"].as_f64().unwrap()).collect();
+        let tps: Vec<f64> = events(&run, "step")
+            .iter()
+            .skip(3)
+            .map(|v| v["tokens_per_s"].as_f64().unwrap())
+            .collect();
         let (ours, ours_fastest) = (median(tps.clone()), tps.iter().copied().fold(0.0, f64::max));
-        let o = Command::new(&python).arg(root.join("benches/scripts/ts_eager.py"))
-            .args([LAYERS, BLOCK, &BATCH.to_string(), &STEPS.to_string(), "2"]).output().unwrap();
+        let o = Command::new(&python)
+            .arg(root.join("benches/scripts/ts_eager.py"))
+            .args([LAYERS, BLOCK, &BATCH.to_string(), &STEPS.to_string(), "2"])
+            .output()
+            .unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let e = serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap();
-        let (eager, eager_fastest) = (e["tokens_per_s"].as_f64().unwrap(), e["fastest_tokens_per_s"].as_f64().unwrap());
+        let (eager, eager_fastest) = (
+            e["tokens_per_s"].as_f64().unwrap(),
+            e["fastest_tokens_per_s"].as_f64().unwrap(),
+        );
         println!(
             "round {}: median step: oomguard {ours:.0} tok/s, eager {eager:.0} (ratio {:.3}); fastest step: oomguard {ours_fastest:.0}, eager {eager_fastest:.0} (ratio {:.3})",
             round + 1, ours / eager, ours_fastest / eager_fastest
@@ -50,5 +66,9 @@ fn main() {
         fastest_ratios.push(ours_fastest / eager_fastest);
     }
     println!("torchscript: MU-SOTA {LAYERS} layers, {BLOCK}-token windows, batch {BATCH}, 2 threads, eager with fused AdamW, 3 alternated rounds");
-    println!("  ratio oomguard / eager, median of the rounds: fastest step {:.3}, median step {:.3}", median(fastest_ratios), median(median_ratios));
+    println!(
+        "  ratio oomguard / eager, median of the rounds: fastest step {:.3}, median step {:.3}",
+        median(fastest_ratios),
+        median(median_ratios)
+    );
 }

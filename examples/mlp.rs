@@ -73,7 +73,10 @@ impl Samples for Spirals {
     fn batch(&self, positions: &[usize], device: Device) -> oomguard::Result<(Tensor, Tensor)> {
         // Computed in Rust, then one fallible copy each: tch's scalar ops (f_mul_scalar, ...)
         // panic when their allocation fails; see oomguard::ops.
-        let (mut x, mut y) = (Vec::with_capacity(2 * positions.len()), Vec::with_capacity(positions.len()));
+        let (mut x, mut y) = (
+            Vec::with_capacity(2 * positions.len()),
+            Vec::with_capacity(positions.len()),
+        );
         for &p in positions {
             let i = (p + self.from) as f64;
             let (t, label) = ((i * 0.0137) % 12.0, (i % 2.0) as i64);
@@ -94,7 +97,10 @@ pub fn build(ctx: &BuildContext) -> oomguard::Result<Built> {
     let s: MlpSettings = ctx.settings()?;
     let vs = nn::VarStore::new(ctx.device);
     let p = vs.root();
-    let dims: Vec<i64> = std::iter::once(2).chain(std::iter::repeat_n(s.hidden, s.layers)).chain([2]).collect();
+    let dims: Vec<i64> = std::iter::once(2)
+        .chain(std::iter::repeat_n(s.hidden, s.layers))
+        .chain([2])
+        .collect();
     let mut layers = Vec::new();
     for (i, w) in dims.windows(2).enumerate() {
         let bound = 1.0 / (w[0] as f64).sqrt();
@@ -103,7 +109,10 @@ pub fn build(ctx: &BuildContext) -> oomguard::Result<Built> {
         let layer = &p / format!("l{i}");
         layers.push((layer.add("weight", weight, true), layer.add("bias", bias, true)));
     }
-    let data = Dataset { train: Box::new(Spirals::new(0, 1 << 20)), val: Box::new(Spirals::new(1 << 20, 4096)) };
+    let data = Dataset {
+        train: Box::new(Spirals::new(0, 1 << 20)),
+        val: Box::new(Spirals::new(1 << 20, 4096)),
+    };
     Ok(Built::new(Mlp { vs, layers }).with_data(data))
 }
 

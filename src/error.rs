@@ -3,10 +3,10 @@
 //! libtorch's messages).
 use tch::TchError;
 
-pub use oomguard_host::oom::{classify_oom, OomError, OomSource, Phase};
 /// Config errors live in this leaf module's reach (the torch-free oomguard-console), so that the
 /// component sections and config/ never import each other.
 pub use oomguard_console::ConfigError;
+pub use oomguard_host::oom::{classify_oom, OomError, OomSource, Phase};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -41,7 +41,10 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
-        Error::Io { context: context.into(), source }
+        Error::Io {
+            context: context.into(),
+            source,
+        }
     }
     pub fn is_oom(&self) -> bool {
         matches!(self, Error::Oom(_))
@@ -49,14 +52,20 @@ impl Error {
     /// Tags an OOM with the phase of the step it happened in.
     pub fn in_phase(self, phase: Phase) -> Self {
         match self {
-            Error::Oom(o) => Error::Oom(OomError { phase: Some(phase), ..o }),
+            Error::Oom(o) => Error::Oom(OomError {
+                phase: Some(phase),
+                ..o
+            }),
             e => e,
         }
     }
     /// Tags an OOM with the micro-batch of the step it happened in.
     pub fn at_micro_batch(self, index: usize) -> Self {
         match self {
-            Error::Oom(o) => Error::Oom(OomError { micro_batch: Some(index), ..o }),
+            Error::Oom(o) => Error::Oom(OomError {
+                micro_batch: Some(index),
+                ..o
+            }),
             e => e,
         }
     }
@@ -74,4 +83,3 @@ impl From<TchError> for Error {
         }
     }
 }
-

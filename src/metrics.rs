@@ -25,7 +25,10 @@ pub struct LogConfig {
 
 impl Default for LogConfig {
     fn default() -> Self {
-        LogConfig { every: 10, tensorboard: false }
+        LogConfig {
+            every: 10,
+            tensorboard: false,
+        }
     }
 }
 
@@ -119,7 +122,10 @@ pub struct EvalRecord {
 pub enum Record {
     Step(StepRecord),
     /// The run stopped on a signal (after its checkpoint).
-    Stopped { step: u64, signal: String },
+    Stopped {
+        step: u64,
+        signal: String,
+    },
     /// `micro_batch_size: auto` resolved (searched or cached).
     AutoMicroBatch(crate::plan::AutoResult),
     /// The run resumed from a checkpoint, in `precision`, which came from `precision_from`:
@@ -177,13 +183,29 @@ fn tensorboard_scalars(record: &Record) -> Option<(u64, Vec<(&'static str, f64)>
                 ("memory/peak_bytes", r.memory.peak_bytes as f64),
             ];
             v.extend(r.memory.limit_bytes.map(|l| ("memory/limit_bytes", l as f64)));
-            v.extend(r.memory.host_rss_anon_bytes.map(|b| ("memory/host_rss_anon_bytes", b as f64)));
+            v.extend(
+                r.memory
+                    .host_rss_anon_bytes
+                    .map(|b| ("memory/host_rss_anon_bytes", b as f64)),
+            );
             (r.step, v)
         }
         Record::Eval(e) => (e.step, vec![("eval/val_loss", e.val_loss)]),
-        Record::Oom(o) => (o.step, vec![("guard/oom", 1.0), ("guard/oom_new_micro_batch_size", o.new_micro_batch_size as f64)]),
-        Record::Shrink(r) => (r.step, vec![("guard/shrink_micro_batch_size", r.new_micro_batch_size as f64)]),
-        Record::Grow(r) => (r.step, vec![("guard/grow_micro_batch_size", r.new_micro_batch_size as f64)]),
+        Record::Oom(o) => (
+            o.step,
+            vec![
+                ("guard/oom", 1.0),
+                ("guard/oom_new_micro_batch_size", o.new_micro_batch_size as f64),
+            ],
+        ),
+        Record::Shrink(r) => (
+            r.step,
+            vec![("guard/shrink_micro_batch_size", r.new_micro_batch_size as f64)],
+        ),
+        Record::Grow(r) => (
+            r.step,
+            vec![("guard/grow_micro_batch_size", r.new_micro_batch_size as f64)],
+        ),
         Record::Resumed { step, .. } => (*step, vec![("guard/resumed", 1.0)]),
         _ => return None,
     })
@@ -202,15 +224,26 @@ impl MetricsWriter {
             let step = v.as_ref().and_then(|v| v.get("step").and_then(|s| s.as_u64()));
             // The micro-batch search ran before its step; the resumed run does not redo it.
             let before = v.as_ref().is_some_and(|v| v["event"] == "auto_micro_batch");
-            let out = if step.is_some_and(|s| s < next_step || (before && s <= next_step)) { &mut keep } else { &mut replaced };
+            let out = if step.is_some_and(|s| s < next_step || (before && s <= next_step)) {
+                &mut keep
+            } else {
+                &mut replaced
+            };
             out.push_str(line);
             out.push('\n');
         }
         if !replaced.is_empty() {
             let r = dir.join("metrics.replaced.jsonl");
-            let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&r).map_err(|e| Error::io(format!("cannot open {}", r.display()), e))?;
-            f.write_all(replaced.as_bytes()).and_then(|_| f.sync_all()).map_err(|e| Error::io(format!("cannot write {}", r.display()), e))?;
-            oomguard_report::atomic::write(&path, keep.as_bytes()).map_err(|e| Error::io(format!("cannot rewrite {}", path.display()), e))?;
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&r)
+                .map_err(|e| Error::io(format!("cannot open {}", r.display()), e))?;
+            f.write_all(replaced.as_bytes())
+                .and_then(|_| f.sync_all())
+                .map_err(|e| Error::io(format!("cannot write {}", r.display()), e))?;
+            oomguard_report::atomic::write(&path, keep.as_bytes())
+                .map_err(|e| Error::io(format!("cannot rewrite {}", path.display()), e))?;
         }
         Self::open(dir)
     }
@@ -220,7 +253,11 @@ impl MetricsWriter {
         let path = dir.join("metrics.jsonl");
         let file = std::fs::OpenOptions::new().create(true).append(true).open(&path);
         let file = file.map_err(|e| Error::io(format!("cannot open {}", path.display()), e))?;
-        Ok(MetricsWriter { out: BufWriter::new(file), path: path.display().to_string(), tensorboard: None })
+        Ok(MetricsWriter {
+            out: BufWriter::new(file),
+            path: path.display().to_string(),
+            tensorboard: None,
+        })
     }
 
     /// `log.tensorboard`: every record also goes to `dir/tensorboard/` as scalars. TensorBoard
@@ -229,20 +266,27 @@ impl MetricsWriter {
         if enabled {
             match EventWriter::create(&dir.join("tensorboard")) {
                 Ok(w) => self.tensorboard = Some(w),
-                Err(e) => tracing::warn!("log.tensorboard: cannot create an event file in {}: {e}; metrics.jsonl only", dir.join("tensorboard").display()),
+                Err(e) => tracing::warn!(
+                    "log.tensorboard: cannot create an event file in {}: {e}; metrics.jsonl only",
+                    dir.join("tensorboard").display()
+                ),
             }
         }
         self
     }
 
     pub fn write(&mut self, record: &Record) -> Result<()> {
-        let line = serde_json::to_string(record).map_err(|e| Error::Data(format!("cannot encode a metrics record: {e}")))?;
+        let line =
+            serde_json::to_string(record).map_err(|e| Error::Data(format!("cannot encode a metrics record: {e}")))?;
         writeln!(self.out, "{line}")
             .and_then(|_| self.out.flush())
             .map_err(|e| Error::io(format!("cannot write {}", self.path), e))?;
         if let (Some(tb), Some((step, scalars))) = (self.tensorboard.as_mut(), tensorboard_scalars(record)) {
             if let Err(e) = tb.scalars(step, &scalars) {
-                tracing::warn!("log.tensorboard: cannot write {}: {e}; TensorBoard logging stops, metrics.jsonl goes on", tb.path().display());
+                tracing::warn!(
+                    "log.tensorboard: cannot write {}: {e}; TensorBoard logging stops, metrics.jsonl goes on",
+                    tb.path().display()
+                );
                 self.tensorboard = None;
             }
         }

@@ -52,7 +52,10 @@ pub fn arange_like(end: i64, like: &Tensor) -> Result<Tensor, TchError> {
 
 /// A 0-dim tensor holding `v`.
 pub fn scalar(v: f64, kind: tch::Kind, device: tch::Device) -> Result<Tensor, TchError> {
-    Tensor::f_from_slice(&[v])?.f_to_kind(kind)?.f_view([] as [i64; 0])?.f_to_device(device)
+    Tensor::f_from_slice(&[v])?
+        .f_to_kind(kind)?
+        .f_view([] as [i64; 0])?
+        .f_to_device(device)
 }
 
 /// A host tensor onto `device` with no sync: on CUDA through pinned memory, copied without
@@ -60,7 +63,9 @@ pub fn scalar(v: f64, kind: tch::Kind, device: tch::Device) -> Result<Tensor, Tc
 /// micro-batch). Elsewhere a plain `to`.
 pub fn upload(t: &Tensor, device: Device) -> Result<Tensor, TchError> {
     match device {
-        Device::Cuda(_) if t.device() == Device::Cpu => t.f_pin_memory(device)?.f_to_device_(device, t.kind(), true, false),
+        Device::Cuda(_) if t.device() == Device::Cpu => {
+            t.f_pin_memory(device)?.f_to_device_(device, t.kind(), true, false)
+        }
         _ => t.f_to_device(device),
     }
 }
@@ -84,7 +89,10 @@ pub fn read(t: &Tensor) -> Result<Vec<f64>, TchError> {
 
 /// `read` of a one-element tensor.
 pub fn read_one(t: &Tensor) -> Result<f64, TchError> {
-    read(t)?.first().copied().ok_or_else(|| TchError::Shape(format!("read_one: an empty tensor {:?}", t.size())))
+    read(t)?
+        .first()
+        .copied()
+        .ok_or_else(|| TchError::Shape(format!("read_one: an empty tensor {:?}", t.size())))
 }
 
 /// How many reads `read` and `read_one` have made.

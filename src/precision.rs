@@ -16,8 +16,16 @@ extern "C" {
     fn og_cuda_bf16_native() -> i32;
     fn og_autocast_enter(cuda: i32, half: i32, was_enabled: *mut i32, was_dtype: *mut i32) -> *mut c_char;
     fn og_autocast_exit(cuda: i32, was_enabled: i32, was_dtype: i32) -> *mut c_char;
-    fn og_amp_unscale(grads: *const *mut c_void, n: i32, found_inf: *mut c_void, inv_scale: *mut c_void) -> *mut c_char;
-    fn og_amp_update_scale(scale: *mut c_void, growth_tracker: *mut c_void, found_inf: *mut c_void, growth: f64, backoff: f64, interval: i64) -> *mut c_char;
+    fn og_amp_unscale(grads: *const *mut c_void, n: i32, found_inf: *mut c_void, inv_scale: *mut c_void)
+        -> *mut c_char;
+    fn og_amp_update_scale(
+        scale: *mut c_void,
+        growth_tracker: *mut c_void,
+        found_inf: *mut c_void,
+        growth: f64,
+        backoff: f64,
+        interval: i64,
+    ) -> *mut c_char;
 }
 
 /// The precision a run computes its forward in.
@@ -32,7 +40,11 @@ pub enum Precision {
 impl Precision {
     /// Bytes per activation value.
     pub fn activation_bytes(self) -> f64 {
-        if self == Precision::Fp32 { 4.0 } else { 2.0 }
+        if self == Precision::Fp32 {
+            4.0
+        } else {
+            2.0
+        }
     }
     pub fn name(self) -> &'static str {
         match self {
@@ -89,7 +101,10 @@ impl Autocast {
         let cuda = device.is_cuda() as i32;
         let (mut enabled, mut dtype) = (0, 0);
         check(unsafe { og_autocast_enter(cuda, half, &mut enabled, &mut dtype) })?;
-        Ok(Some(Autocast { cuda, was: (enabled, dtype) }))
+        Ok(Some(Autocast {
+            cuda,
+            was: (enabled, dtype),
+        }))
     }
 }
 
@@ -111,7 +126,11 @@ pub struct Amp<'a> {
 
 impl<'a> Amp<'a> {
     pub fn fp32(device: Device) -> Amp<'static> {
-        Amp { precision: Precision::Fp32, device, loss_scale: None }
+        Amp {
+            precision: Precision::Fp32,
+            device,
+            loss_scale: None,
+        }
     }
     pub fn autocast(&self) -> Result<Option<Autocast>, TchError> {
         Autocast::enter(self.precision, self.device)
@@ -141,7 +160,12 @@ pub struct GradScalerConfig {
 
 impl Default for GradScalerConfig {
     fn default() -> Self {
-        GradScalerConfig { init_scale: 65536.0, growth_factor: 2.0, backoff_factor: 0.5, growth_interval: 2000 }
+        GradScalerConfig {
+            init_scale: 65536.0,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 2000,
+        }
     }
 }
 
@@ -149,13 +173,25 @@ impl GradScalerConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |key: &str, message: String| Err(ConfigError::invalid(&format!("train.grad_scaler.{key}"), message));
         if !(self.init_scale.is_finite() && self.init_scale > 0.0) {
-            return bad("init_scale", format!("is {}; it must be a positive number (GradScaler's default: 65536)", self.init_scale));
+            return bad(
+                "init_scale",
+                format!(
+                    "is {}; it must be a positive number (GradScaler's default: 65536)",
+                    self.init_scale
+                ),
+            );
         }
         if !(self.growth_factor.is_finite() && self.growth_factor > 1.0) {
-            return bad("growth_factor", format!("is {}; it must be above 1 (default 2.0)", self.growth_factor));
+            return bad(
+                "growth_factor",
+                format!("is {}; it must be above 1 (default 2.0)", self.growth_factor),
+            );
         }
         if !(self.backoff_factor > 0.0 && self.backoff_factor < 1.0) {
-            return bad("backoff_factor", format!("is {}; it must be between 0 and 1 (default 0.5)", self.backoff_factor));
+            return bad(
+                "backoff_factor",
+                format!("is {}; it must be between 0 and 1 (default 0.5)", self.backoff_factor),
+            );
         }
         if self.growth_interval == 0 {
             return bad("growth_interval", "is 0; it must be at least 1 (default 2000)".into());
@@ -188,7 +224,14 @@ impl Scaler {
         let inv = self.scale.f_reciprocal()?;
         let _ = self.found_inf.shallow_clone().f_zero_()?;
         let ptrs: Vec<*mut c_void> = grads.iter().map(|t| t.as_ptr() as *mut c_void).collect();
-        check(unsafe { og_amp_unscale(ptrs.as_ptr(), ptrs.len() as i32, self.found_inf.as_ptr() as *mut c_void, inv.as_ptr() as *mut c_void) })
+        check(unsafe {
+            og_amp_unscale(
+                ptrs.as_ptr(),
+                ptrs.len() as i32,
+                self.found_inf.as_ptr() as *mut c_void,
+                inv.as_ptr() as *mut c_void,
+            )
+        })
     }
 
     /// The last `unscale`'s overflow flag (1.0 or 0.0), on the device.
@@ -200,7 +243,16 @@ impl Scaler {
     pub fn update(&self) -> Result<(), TchError> {
         let p = |t: &Tensor| t.as_ptr() as *mut c_void;
         let c = &self.cfg;
-        check(unsafe { og_amp_update_scale(p(&self.scale), p(&self.growth_tracker), p(&self.found_inf), c.growth_factor, c.backoff_factor, c.growth_interval.into()) })
+        check(unsafe {
+            og_amp_update_scale(
+                p(&self.scale),
+                p(&self.growth_tracker),
+                p(&self.found_inf),
+                c.growth_factor,
+                c.backoff_factor,
+                c.growth_interval.into(),
+            )
+        })
     }
 
     /// The scale, read from the device (checkpoints and tests; a step reads it with its
@@ -211,13 +263,20 @@ impl Scaler {
 
     /// (scale, growth tracker), for checkpoints.
     pub fn state(&self) -> (f64, i64) {
-        (self.value(), crate::ops::read_one(&self.growth_tracker).map_or(0, |t| t as i64))
+        (
+            self.value(),
+            crate::ops::read_one(&self.growth_tracker).map_or(0, |t| t as i64),
+        )
     }
 
     pub fn load_state(&self, scale: f64, tracker: i64) -> Result<(), TchError> {
         let device = self.scale.device();
-        self.scale.shallow_clone().f_copy_(&scalar(scale, Kind::Float, device)?)?;
-        self.growth_tracker.shallow_clone().f_copy_(&scalar(tracker as f64, Kind::Int, device)?)?;
+        self.scale
+            .shallow_clone()
+            .f_copy_(&scalar(scale, Kind::Float, device)?)?;
+        self.growth_tracker
+            .shallow_clone()
+            .f_copy_(&scalar(tracker as f64, Kind::Int, device)?)?;
         Ok(())
     }
 }

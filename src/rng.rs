@@ -21,7 +21,11 @@ fn generators(device: Device) -> Vec<(String, i32)> {
 }
 
 pub fn get_states(device: Device) -> Result<Vec<(String, Tensor)>> {
-    Ok(capture(device)?.into_iter().zip(generators(device)).map(|(t, (name, _))| (name, t)).collect())
+    Ok(capture(device)?
+        .into_iter()
+        .zip(generators(device))
+        .map(|(t, (name, _))| (name, t))
+        .collect())
 }
 
 /// The generators' states now (CPU, then the CUDA device's).
@@ -48,7 +52,9 @@ pub fn restore(states: &[Tensor], device: Device) -> Result<(), TchError> {
 pub fn set_states(saved: &[(String, Tensor)], device: Device) -> Result<()> {
     for (name, index) in generators(device) {
         let Some((_, t)) = saved.iter().find(|(n, _)| *n == name) else {
-            return Err(Error::Checkpoint(format!("rng.safetensors has no `{name}` generator state")));
+            return Err(Error::Checkpoint(format!(
+                "rng.safetensors has no `{name}` generator state"
+            )));
         };
         check(unsafe { og_rng_set_state(index, t.as_ptr() as *mut c_void) })?;
     }

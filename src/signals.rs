@@ -45,7 +45,12 @@ pub fn install() -> std::io::Result<()> {
     if FLAGS.get().is_some() {
         return Ok(());
     }
-    let flags = Flags { any: Arc::default(), starting: Arc::new(AtomicBool::new(true)), int: Arc::default(), term: Arc::default() };
+    let flags = Flags {
+        any: Arc::default(),
+        starting: Arc::new(AtomicBool::new(true)),
+        int: Arc::default(),
+        term: Arc::default(),
+    };
     for (sig, which, code) in [(SIGINT, &flags.int, 130), (SIGTERM, &flags.term, 143)] {
         signal_hook::flag::register_conditional_shutdown(sig, code, Arc::clone(&flags.starting))?;
         // Registered first, so it sees `any` as it was before this signal set it.

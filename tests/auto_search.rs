@@ -29,13 +29,35 @@ fn search_lands_within_10_percent_of_brute_force() {
             Err(e) => panic!("{e}"),
         }
     }
-    assert!(truth > 4 && truth < GLOBAL, "the budget should cut somewhere inside: {truth}");
+    assert!(
+        truth > 4 && truth < GLOBAL,
+        "the budget should cut somewhere inside: {truth}"
+    );
 
-    let spec = AutoSearch { key: "test".into(), start: 2, max: GLOBAL, margin: 0.1 };
-    let r = auto_micro_batch(&task, &batches, || opt.clear_grads(), &oomguard::precision::Amp::fp32(Device::Cpu), spec).unwrap();
+    let spec = AutoSearch {
+        key: "test".into(),
+        start: 2,
+        max: GLOBAL,
+        margin: 0.1,
+    };
+    let r = auto_micro_batch(
+        &task,
+        &batches,
+        || opt.clear_grads(),
+        &oomguard::precision::Amp::fp32(Device::Cpu),
+        spec,
+    )
+    .unwrap();
     memory::set_cpu_budget(None);
     let found = r.largest_fitting;
-    assert!(found <= truth + truth / 10 && found as f64 >= 0.9 * truth as f64, "found {found}, truth {truth}");
-    assert!(r.trials as f64 <= 2.0 * (truth as f64).log2().ceil() + 2.0, "{} trials", r.trials);
+    assert!(
+        found <= truth + truth / 10 && found as f64 >= 0.9 * truth as f64,
+        "found {found}, truth {truth}"
+    );
+    assert!(
+        r.trials as f64 <= 2.0 * (truth as f64).log2().ceil() + 2.0,
+        "{} trials",
+        r.trials
+    );
     assert_eq!(r.micro_batch_size, ((found as f64) * 0.9).floor() as usize);
 }

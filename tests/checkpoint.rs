@@ -19,12 +19,20 @@ fn spawn(args: &[&str], cwd: &Path) -> Child {
 }
 
 fn signal(child: &Child, sig: &str) {
-    assert!(Command::new("kill").args([sig, &child.id().to_string()]).status().unwrap().success());
+    assert!(Command::new("kill")
+        .args([sig, &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
 }
 
 fn wait_for_steps(run: &Path, n: usize, child: &mut Child) {
     let t = Instant::now();
-    while std::fs::read_to_string(run.join("metrics.jsonl")).map(|m| m.matches("\"event\":\"step\"").count()).unwrap_or(0) < n {
+    while std::fs::read_to_string(run.join("metrics.jsonl"))
+        .map(|m| m.matches("\"event\":\"step\"").count())
+        .unwrap_or(0)
+        < n
+    {
         assert!(child.try_wait().unwrap().is_none(), "the run ended early");
         assert!(t.elapsed() < Duration::from_secs(60), "no progress");
         std::thread::sleep(Duration::from_millis(10));
@@ -32,16 +40,31 @@ fn wait_for_steps(run: &Path, n: usize, child: &mut Child) {
 }
 
 fn checkpoints(run: &Path) -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(run.join("checkpoints")).unwrap().flatten().map(|e| e.path())
-        .filter(|p| p.file_name().unwrap().to_str().unwrap().starts_with("step-")).collect();
+    let mut v: Vec<PathBuf> = std::fs::read_dir(run.join("checkpoints"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.file_name().unwrap().to_str().unwrap().starts_with("step-"))
+        .collect();
     v.sort();
     v
 }
 
 /// The fields of step records that must match between runs (not the timings).
 fn step_fields(run: &Path) -> Vec<Value> {
-    records(run, "step").into_iter()
-        .map(|r| serde_json::json!([r["step"], r["loss"], r["lr"], r["grad_norm"], r["micro_batch_size"], r["grad_accum_steps"], r["num_samples"]]))
+    records(run, "step")
+        .into_iter()
+        .map(|r| {
+            serde_json::json!([
+                r["step"],
+                r["loss"],
+                r["lr"],
+                r["grad_norm"],
+                r["micro_batch_size"],
+                r["grad_accum_steps"],
+                r["num_samples"]
+            ])
+        })
         .collect()
 }
 
@@ -55,19 +78,34 @@ fn assert_same_weights(a: &Path, b: &Path) {
 fn exact_resume() {
     let dir = tempfile::tempdir().unwrap();
     // decay_steps fixed: the 4-step run must follow the 8-step run's LR schedule.
-    let yaml = TINY.replace("vocab_size: 256}", "vocab_size: 256, dropout: 0.1}").replace("max_steps: 6", "max_steps: 8").replace("warmup_steps: 2}", "warmup_steps: 2, decay_steps: 8}");
+    let yaml = TINY
+        .replace("vocab_size: 256}", "vocab_size: 256, dropout: 0.1}")
+        .replace("max_steps: 6", "max_steps: 8")
+        .replace("warmup_steps: 2}", "warmup_steps: 2, decay_steps: 8}");
     let cfg = write_config(dir.path(), "tiny.yaml", &yaml);
     let full = train_ok(dir.path(), &cfg, &[]);
     std::fs::rename(&full, dir.path().join("full")).unwrap();
     let full = dir.path().join("full");
     let half = train_ok(dir.path(), &cfg, &["--max-steps", "4"]);
     assert_eq!(checkpoints(&half).last().unwrap().file_name().unwrap(), "step-00000004");
-    let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", half.to_str().unwrap(), "--resume"], dir.path());
+    let o = oomguard(
+        &[
+            "train",
+            cfg.to_str().unwrap(),
+            "--run-dir",
+            half.to_str().unwrap(),
+            "--resume",
+        ],
+        dir.path(),
+    );
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("resumed from"), "{}", stderr(&o));
     assert_same_weights(&full, &half);
     assert_eq!(step_fields(&full), step_fields(&half));
-    assert_eq!(records(&full, "eval").last().unwrap()["val_loss"], records(&half, "eval").last().unwrap()["val_loss"]);
+    assert_eq!(
+        records(&full, "eval").last().unwrap()["val_loss"],
+        records(&half, "eval").last().unwrap()["val_loss"]
+    );
 }
 
 /// SIGTERM mid-run: a checkpoint at the next step boundary, metrics flushed, exit 143;
@@ -77,7 +115,10 @@ fn sigterm_then_resume() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = write_config(dir.path(), "tiny.yaml", &TINY.replace("max_steps: 6", "max_steps: 300"));
     let run = dir.path().join("run");
-    let mut child = spawn(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()], dir.path());
+    let mut child = spawn(
+        &["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()],
+        dir.path(),
+    );
     wait_for_steps(&run, 20, &mut child);
     signal(&child, "-TERM");
     let out = child.wait_with_output().unwrap();
@@ -91,7 +132,16 @@ fn sigterm_then_resume() {
     assert!(steps_done < 300);
     assert_eq!(stopped[0]["step"].as_u64().unwrap() as usize, steps_done - 1);
 
-    let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--resume"], dir.path());
+    let o = oomguard(
+        &[
+            "train",
+            cfg.to_str().unwrap(),
+            "--run-dir",
+            run.to_str().unwrap(),
+            "--resume",
+        ],
+        dir.path(),
+    );
     assert!(o.status.success(), "{}", stderr(&o));
     std::fs::rename(&run, dir.path().join("stopped")).unwrap();
     let run = dir.path().join("stopped");
@@ -106,12 +156,21 @@ fn sigterm_then_resume() {
 fn second_signal_exits_at_once() {
     let dir = tempfile::tempdir().unwrap();
     // Steps of about a second, so the second signal lands inside one.
-    let yaml = TINY.replace("n_embd: 32, block_size: 32", "n_embd: 256, block_size: 256").replace("embedded_bytes: 65536", "embedded_bytes: 262144")
-        .replace("max_steps: 6", "max_steps: 100").replace("micro_batch_size: 8, grad_accum_steps: 2", "micro_batch_size: 16, grad_accum_steps: 4")
+    let yaml = TINY
+        .replace("n_embd: 32, block_size: 32", "n_embd: 256, block_size: 256")
+        .replace("embedded_bytes: 65536", "embedded_bytes: 262144")
+        .replace("max_steps: 6", "max_steps: 100")
+        .replace(
+            "micro_batch_size: 8, grad_accum_steps: 2",
+            "micro_batch_size: 16, grad_accum_steps: 4",
+        )
         + "checkpoint: {every_steps: 1}\n";
     let cfg = write_config(dir.path(), "slow.yaml", &yaml);
     let run = dir.path().join("run");
-    let mut child = spawn(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()], dir.path());
+    let mut child = spawn(
+        &["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()],
+        dir.path(),
+    );
     wait_for_steps(&run, 2, &mut child);
     // Past step 2's checkpoint (a slow disk or a busy machine can take longer than a step to
     // write it: a signal inside the write would stop the run before the second arrives),
@@ -127,8 +186,22 @@ fn second_signal_exits_at_once() {
     signal(&child, "-INT");
     let out = child.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(130), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(records(&run, "stopped").is_empty(), "the second signal should not wait for the checkpoint");
-    let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--resume", "--max-steps", "3"], dir.path());
+    assert!(
+        records(&run, "stopped").is_empty(),
+        "the second signal should not wait for the checkpoint"
+    );
+    let o = oomguard(
+        &[
+            "train",
+            cfg.to_str().unwrap(),
+            "--run-dir",
+            run.to_str().unwrap(),
+            "--resume",
+            "--max-steps",
+            "3",
+        ],
+        dir.path(),
+    );
     assert!(o.status.success(), "{}", stderr(&o));
 }
 
@@ -138,7 +211,12 @@ fn second_signal_exits_at_once() {
 fn resumes(run: &Path) -> usize {
     ["metrics.jsonl", "metrics.replaced.jsonl"]
         .iter()
-        .map(|f| std::fs::read_to_string(run.join(f)).unwrap_or_default().matches("\"event\":\"resumed\"").count())
+        .map(|f| {
+            std::fs::read_to_string(run.join(f))
+                .unwrap_or_default()
+                .matches("\"event\":\"resumed\"")
+                .count()
+        })
         .sum()
 }
 
@@ -147,24 +225,49 @@ fn resumes(run: &Path) -> usize {
 #[test]
 fn kill_9_during_checkpoint_writes() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = write_config(dir.path(), "tiny.yaml", &(TINY.replace("max_steps: 6", "max_steps: 100000") + "checkpoint: {every_steps: 1, keep: 2}\n"));
+    let cfg = write_config(
+        dir.path(),
+        "tiny.yaml",
+        &(TINY.replace("max_steps: 6", "max_steps: 100000") + "checkpoint: {every_steps: 1, keep: 2}\n"),
+    );
     let run = dir.path().join("run");
-    let mut child = spawn(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()], dir.path());
+    let mut child = spawn(
+        &["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()],
+        dir.path(),
+    );
     wait_for_steps(&run, 3, &mut child);
     let mut rng = 0x5EEDu64;
     for i in 0..20 {
         rng = oomguard::data::splitmix64(rng);
         std::thread::sleep(Duration::from_millis(20 + rng % 180));
-        assert!(child.try_wait().unwrap().is_none(), "kill {i}: the resumed run had already exited: {:?}", child.wait_with_output().map(|o| String::from_utf8_lossy(&o.stderr).into_owned()));
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "kill {i}: the resumed run had already exited: {:?}",
+            child
+                .wait_with_output()
+                .map(|o| String::from_utf8_lossy(&o.stderr).into_owned())
+        );
         signal(&child, "-KILL");
         child.wait().unwrap();
         // It must get through start-up (checkpoint verified and loaded) to training again.
         let before = resumes(&run);
-        child = spawn(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--resume"], dir.path());
+        child = spawn(
+            &[
+                "train",
+                cfg.to_str().unwrap(),
+                "--run-dir",
+                run.to_str().unwrap(),
+                "--resume",
+            ],
+            dir.path(),
+        );
         let t = Instant::now();
         while resumes(&run) == before {
             if let Some(status) = child.try_wait().unwrap() {
-                panic!("kill {i}: resume failed ({status}): {}", String::from_utf8_lossy(&child.wait_with_output().unwrap().stderr));
+                panic!(
+                    "kill {i}: resume failed ({status}): {}",
+                    String::from_utf8_lossy(&child.wait_with_output().unwrap().stderr)
+                );
             }
             assert!(t.elapsed() < Duration::from_secs(30));
             std::thread::sleep(Duration::from_millis(5));
@@ -177,8 +280,13 @@ fn kill_9_during_checkpoint_writes() {
 
 /// Files in `run` (not in folders) whose names start with a dot: temporary files.
 fn hidden_files(run: &Path) -> Vec<String> {
-    std::fs::read_dir(run).unwrap().flatten().filter(|e| e.file_type().unwrap().is_file())
-        .map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with('.')).collect()
+    std::fs::read_dir(run)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_type().unwrap().is_file())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('.'))
+        .collect()
 }
 
 /// A corrupt or truncated checkpoint is named; --resume falls back to the newest valid one.
@@ -187,17 +295,38 @@ fn hidden_files(run: &Path) -> Vec<String> {
 #[test]
 fn corrupt_and_truncated_checkpoints() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = write_config(dir.path(), "tiny.yaml", &(TINY.to_string() + "checkpoint: {every_steps: 2, keep: 3}\n"));
+    let cfg = write_config(
+        dir.path(),
+        "tiny.yaml",
+        &(TINY.to_string() + "checkpoint: {every_steps: 2, keep: 3}\n"),
+    );
     let run = dir.path().join("run");
-    let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()], dir.path());
+    let o = oomguard(
+        &["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()],
+        dir.path(),
+    );
     let err = stderr(&o);
     assert!(o.status.success(), "{err}");
     let ckpts = checkpoints(&run);
-    assert_eq!(ckpts.iter().map(|p| p.file_name().unwrap().to_str().unwrap().to_string()).collect::<Vec<_>>(), ["step-00000002", "step-00000004", "step-00000006"]);
+    assert_eq!(
+        ckpts
+            .iter()
+            .map(|p| p.file_name().unwrap().to_str().unwrap().to_string())
+            .collect::<Vec<_>>(),
+        ["step-00000002", "step-00000004", "step-00000006"]
+    );
     for c in &ckpts {
-        assert_eq!(err.matches(&format!("checkpoint {}\n", c.display())).count(), 1, "{err}");
+        assert_eq!(
+            err.matches(&format!("checkpoint {}\n", c.display())).count(),
+            1,
+            "{err}"
+        );
     }
-    assert_eq!(hidden_files(&run), Vec::<String>::new(), "every file is renamed into place");
+    assert_eq!(
+        hidden_files(&run),
+        Vec::<String>::new(),
+        "every file is renamed into place"
+    );
 
     // Flip a byte in the newest optimizer state; truncate the next one's weights.
     let opt = ckpts[2].join("optimizer.safetensors");
@@ -207,29 +336,92 @@ fn corrupt_and_truncated_checkpoints() {
     std::fs::write(&opt, bytes).unwrap();
     let model = ckpts[1].join("model.safetensors");
     let len = std::fs::metadata(&model).unwrap().len();
-    std::fs::OpenOptions::new().write(true).open(&model).unwrap().set_len(len / 2).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&model)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
 
-    let o = oomguard(&["train", cfg.to_str().unwrap(), "--resume-from", ckpts[2].to_str().unwrap(), "--max-steps", "8"], dir.path());
+    let o = oomguard(
+        &[
+            "train",
+            cfg.to_str().unwrap(),
+            "--resume-from",
+            ckpts[2].to_str().unwrap(),
+            "--max-steps",
+            "8",
+        ],
+        dir.path(),
+    );
     assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("step-00000006/optimizer.safetensors: corrupt"), "{}", stderr(&o));
-    let o = oomguard(&["train", cfg.to_str().unwrap(), "--resume-from", ckpts[1].to_str().unwrap(), "--max-steps", "8"], dir.path());
+    assert!(
+        stderr(&o).contains("step-00000006/optimizer.safetensors: corrupt"),
+        "{}",
+        stderr(&o)
+    );
+    let o = oomguard(
+        &[
+            "train",
+            cfg.to_str().unwrap(),
+            "--resume-from",
+            ckpts[1].to_str().unwrap(),
+            "--max-steps",
+            "8",
+        ],
+        dir.path(),
+    );
     assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("step-00000004/model.safetensors: truncated"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("step-00000004/model.safetensors: truncated"),
+        "{}",
+        stderr(&o)
+    );
 
     // A final weights file a kill interrupted mid-write: the temporary file, never the real one.
     std::fs::write(run.join(".model.safetensors.99999.tmp"), b"half a file").unwrap();
-    let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--resume", "--max-steps", "8"], dir.path());
+    let o = oomguard(
+        &[
+            "train",
+            cfg.to_str().unwrap(),
+            "--run-dir",
+            run.to_str().unwrap(),
+            "--resume",
+            "--max-steps",
+            "8",
+        ],
+        dir.path(),
+    );
     let err = stderr(&o);
     assert!(o.status.success(), "{err}");
     assert_eq!(hidden_files(&run), Vec::<String>::new());
-    assert!(err.contains("skipping checkpoint") && err.contains("resumed from") && err.contains("step-00000002 at step 2"), "{err}");
+    assert!(
+        err.contains("skipping checkpoint") && err.contains("resumed from") && err.contains("step-00000002 at step 2"),
+        "{err}"
+    );
     // The resumed run replaced steps 2.. and kept the earlier records.
-    assert_eq!(records(&run, "step").iter().map(|r| r["step"].as_u64().unwrap()).collect::<Vec<_>>(), (0..8).collect::<Vec<_>>());
+    assert_eq!(
+        records(&run, "step")
+            .iter()
+            .map(|r| r["step"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        (0..8).collect::<Vec<_>>()
+    );
     assert!(run.join("metrics.replaced.jsonl").is_file());
     // Passing steps 4 and 6 again, it replaced the truncated and the corrupt checkpoints
     // there (atomically): both load now.
     for ckpt in &ckpts[1..] {
-        let o = oomguard(&["train", cfg.to_str().unwrap(), "--resume-from", ckpt.to_str().unwrap(), "--max-steps", "8"], dir.path());
+        let o = oomguard(
+            &[
+                "train",
+                cfg.to_str().unwrap(),
+                "--resume-from",
+                ckpt.to_str().unwrap(),
+                "--max-steps",
+                "8",
+            ],
+            dir.path(),
+        );
         assert!(o.status.success(), "{}", stderr(&o));
     }
 }
@@ -239,18 +431,49 @@ fn corrupt_and_truncated_checkpoints() {
 #[test]
 fn keep_best_across_a_resume() {
     let dir = tempfile::tempdir().unwrap();
-    let yaml = TINY.replace("max_steps: 6, eval_every: 0", "max_steps: 4, eval_every: 2").replace("warmup_steps: 2}", "warmup_steps: 2, decay_steps: 40}")
+    let yaml = TINY
+        .replace("max_steps: 6, eval_every: 0", "max_steps: 4, eval_every: 2")
+        .replace("warmup_steps: 2}", "warmup_steps: 2, decay_steps: 40}")
         + "checkpoint: {every_steps: 2, keep: 1, keep_best: true}\n";
     let cfg = write_config(dir.path(), "tiny.yaml", &yaml);
     let run = train_ok(dir.path(), &cfg, &[]);
-    let best_before = records(&run, "eval").iter().map(|e| e["val_loss"].as_f64().unwrap()).fold(f64::MAX, f64::min);
+    let best_before = records(&run, "eval")
+        .iter()
+        .map(|e| e["val_loss"].as_f64().unwrap())
+        .fold(f64::MAX, f64::min);
     // Resumed with a learning rate that wrecks the model: every later evaluation is worse.
-    let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--resume", "--max-steps", "10", "--set", "optim.lr=50.0", "--set", "optim.min_lr=50.0"], dir.path());
+    let o = oomguard(
+        &[
+            "train",
+            cfg.to_str().unwrap(),
+            "--run-dir",
+            run.to_str().unwrap(),
+            "--resume",
+            "--max-steps",
+            "10",
+            "--set",
+            "optim.lr=50.0",
+            "--set",
+            "optim.min_lr=50.0",
+        ],
+        dir.path(),
+    );
     assert!(o.status.success(), "{}", stderr(&o));
-    let later: Vec<f64> = records(&run, "eval").iter().filter(|e| e["step"].as_u64().unwrap() >= 4).map(|e| e["val_loss"].as_f64().unwrap()).collect();
+    let later: Vec<f64> = records(&run, "eval")
+        .iter()
+        .filter(|e| e["step"].as_u64().unwrap() >= 4)
+        .map(|e| e["val_loss"].as_f64().unwrap())
+        .collect();
     assert!(later.iter().all(|&l| l > best_before), "{later:?} vs {best_before}");
-    let names: Vec<String> = checkpoints(&run).iter().map(|p| p.file_name().unwrap().to_str().unwrap().to_string()).collect();
-    assert_eq!(names, ["step-00000004", "step-00000010"], "the newest and the best (step 4, from before the resume)");
+    let names: Vec<String> = checkpoints(&run)
+        .iter()
+        .map(|p| p.file_name().unwrap().to_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        names,
+        ["step-00000004", "step-00000010"],
+        "the newest and the best (step 4, from before the resume)"
+    );
 }
 
 /// `micro_batch_size: auto` ran before step 0; a resumed run keeps its record in
@@ -258,10 +481,26 @@ fn keep_best_across_a_resume() {
 #[test]
 fn auto_micro_batch_record_survives_a_resume() {
     let dir = tempfile::tempdir().unwrap();
-    let yaml = TINY.replace("micro_batch_size: 8, grad_accum_steps: 2", "micro_batch_size: auto, global_batch_size: 16").replace("warmup_steps: 2}", "warmup_steps: 2, decay_steps: 6}");
+    let yaml = TINY
+        .replace(
+            "micro_batch_size: 8, grad_accum_steps: 2",
+            "micro_batch_size: auto, global_batch_size: 16",
+        )
+        .replace("warmup_steps: 2}", "warmup_steps: 2, decay_steps: 6}");
     let cfg = write_config(dir.path(), "auto.yaml", &yaml);
     let run = train_ok(dir.path(), &cfg, &["--max-steps", "3", "--memory-budget", "64MiB"]);
-    let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--resume", "--memory-budget", "64MiB"], dir.path());
+    let o = oomguard(
+        &[
+            "train",
+            cfg.to_str().unwrap(),
+            "--run-dir",
+            run.to_str().unwrap(),
+            "--resume",
+            "--memory-budget",
+            "64MiB",
+        ],
+        dir.path(),
+    );
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(records(&run, "auto_micro_batch").len(), 1);
     let replaced = std::fs::read_to_string(run.join("metrics.replaced.jsonl")).unwrap_or_default();
@@ -273,7 +512,20 @@ fn changed_model_shape_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = write_config(dir.path(), "tiny.yaml", TINY);
     let run = train_ok(dir.path(), &cfg, &["--max-steps", "2"]);
-    let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--resume", "--set", "model.n_layer=3", "--set", "model.n_embd=64"], dir.path());
+    let o = oomguard(
+        &[
+            "train",
+            cfg.to_str().unwrap(),
+            "--run-dir",
+            run.to_str().unwrap(),
+            "--resume",
+            "--set",
+            "model.n_layer=3",
+            "--set",
+            "model.n_embd=64",
+        ],
+        dir.path(),
+    );
     assert_eq!(o.status.code(), Some(2));
     let err = stderr(&o);
     assert!(err.contains("the model's shape changed since this checkpoint: model.n_layer: 2 in the checkpoint, 3 in the config; model.n_embd: 32 in the checkpoint, 64 in the config"), "{err}");

@@ -21,49 +21,98 @@ fn unknown_key() {
     fails_with(
         "model:\n  n_layer: 2\n  n_layerz: 3\n",
         &[],
-        &["bad.yaml:3:3", "model: unknown key `n_layerz`, expected one of `kind`, `n_layer`, `n_head`"],
+        &[
+            "bad.yaml:3:3",
+            "model: unknown key `n_layerz`, expected one of `kind`, `n_layer`, `n_head`",
+        ],
     );
 }
 
 #[test]
 fn unknown_section() {
-    fails_with("trian:\n  max_steps: 3\n", &[], &["bad.yaml:1:1", "unknown key `trian`", "`train`"]);
+    fails_with(
+        "trian:\n  max_steps: 3\n",
+        &[],
+        &["bad.yaml:1:1", "unknown key `trian`", "`train`"],
+    );
 }
 
 #[test]
 fn wrong_type() {
-    fails_with("train:\n  max_steps: lots\n", &[], &["bad.yaml:2:14", "train.max_steps: invalid type: string \"lots\""]);
+    fails_with(
+        "train:\n  max_steps: lots\n",
+        &[],
+        &["bad.yaml:2:14", "train.max_steps: invalid type: string \"lots\""],
+    );
 }
 
 #[test]
 fn bad_value() {
-    fails_with("model:\n  n_embd: 100\n  n_head: 3\n", &[], &["bad.yaml", "model.n_embd: 100 is not divisible by model.n_head 3"]);
-    fails_with("train:\n  device: tpu\n", &[], &["train.device: `tpu` is not a device; use auto, cpu, cuda or cuda:N"]);
+    fails_with(
+        "model:\n  n_embd: 100\n  n_head: 3\n",
+        &[],
+        &["bad.yaml", "model.n_embd: 100 is not divisible by model.n_head 3"],
+    );
+    fails_with(
+        "train:\n  device: tpu\n",
+        &[],
+        &["train.device: `tpu` is not a device; use auto, cpu, cuda or cuda:N"],
+    );
 }
 
 #[test]
 fn bad_override() {
-    fails_with("", &["--set", "train.max_stepz=3"], &["--set train.max_stepz=3", "unknown key `max_stepz`"]);
-    fails_with("", &["--set", "train.max_steps=-1"], &["--set train.max_steps=-1", "train.max_steps: invalid value"]);
+    fails_with(
+        "",
+        &["--set", "train.max_stepz=3"],
+        &["--set train.max_stepz=3", "unknown key `max_stepz`"],
+    );
+    fails_with(
+        "",
+        &["--set", "train.max_steps=-1"],
+        &["--set train.max_steps=-1", "train.max_steps: invalid value"],
+    );
     fails_with("", &["--set", "nonsense"], &["expected key.path=value"]);
 }
 
 #[test]
 fn missing_file() {
-    fails_with("", &["--set", "data.source=text", "--set", "data.path=nope.txt"], &["nope.txt"]);
+    fails_with(
+        "",
+        &["--set", "data.source=text", "--set", "data.path=nope.txt"],
+        &["nope.txt"],
+    );
 }
 
 /// A float libtorch cannot hold as a 32-bit float is refused at --check, naming the key (it
 /// used to pass and die later with exit 1).
 #[test]
 fn float_beyond_libtorch() {
-    fails_with("optim:\n  grad_clip: 1e+308\n", &["--check"], &["bad.yaml", "optim.grad_clip: is 1e308; libtorch holds it as a 32-bit float"]);
+    fails_with(
+        "optim:\n  grad_clip: 1e+308\n",
+        &["--check"],
+        &[
+            "bad.yaml",
+            "optim.grad_clip: is 1e308; libtorch holds it as a 32-bit float",
+        ],
+    );
     fails_with("", &["--check", "--set", "optim.eps=1e-60"], &["optim.eps", "it is 0"]);
 }
 
 /// `model.loss` takes `fused` or `full`; anything else is refused by `--check`, naming the key.
 #[test]
 fn bad_model_loss() {
-    fails_with("model:\n  loss: chunked\n", &["--check"], &["bad.yaml:2", "model.loss: unknown variant `chunked`, expected `fused` or `full`"]);
-    fails_with("model:\n  kind: torchscript\n  path: m.pt\n  loss: full\n", &["--check"], &["model.loss", "is a key of the built-in GPT"]);
+    fails_with(
+        "model:\n  loss: chunked\n",
+        &["--check"],
+        &[
+            "bad.yaml:2",
+            "model.loss: unknown variant `chunked`, expected `fused` or `full`",
+        ],
+    );
+    fails_with(
+        "model:\n  kind: torchscript\n  path: m.pt\n  loss: full\n",
+        &["--check"],
+        &["model.loss", "is a key of the built-in GPT"],
+    );
 }

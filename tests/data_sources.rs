@@ -5,7 +5,10 @@ use oomguard::data::{sample_offsets, DataConfig, DataSource, Dataset, TokenShape
 use tch::{Device, Kind, Tensor};
 
 fn shape(block_size: usize, vocab: i64) -> Option<TokenShape> {
-    Some(TokenShape { block_size, vocab_size: Some(vocab) })
+    Some(TokenShape {
+        block_size,
+        vocab_size: Some(vocab),
+    })
 }
 use std::path::Path;
 
@@ -14,12 +17,20 @@ fn text_file_is_byte_level() {
     let dir = tempfile::tempdir().unwrap();
     let text: String = (0..400).map(|i| format!("line {i}: héllo wörld\n")).collect();
     std::fs::write(dir.path().join("in.txt"), &text).unwrap();
-    let cfg = DataConfig { source: DataSource::Text, path: Some("in.txt".into()), val_fraction: 0.25, ..Default::default() };
+    let cfg = DataConfig {
+        source: DataSource::Text,
+        path: Some("in.txt".into()),
+        val_fraction: 0.25,
+        ..Default::default()
+    };
     let ds = Dataset::open(&cfg, dir.path(), shape(16, 256)).unwrap();
     let n = text.len();
     let n_val = (n as f64 * 0.25).round() as usize;
     // Windows of 16 tokens and their next-token targets start at 0..tokens - 17.
-    assert_eq!((ds.train.num_positions(), ds.val.num_positions()), (n - n_val - 17, n_val - 17));
+    assert_eq!(
+        (ds.train.num_positions(), ds.val.num_positions()),
+        (n - n_val - 17, n_val - 17)
+    );
     assert_eq!(ds.train.units_per_sample(), 16);
     let (x, y) = ds.train.batch(&[5, 100], Device::Cpu).unwrap();
     assert_eq!(x.size(), [2, 16]);
@@ -41,7 +52,11 @@ fn nanogpt_token_files_are_memory_mapped_u16() {
     let train: Vec<u16> = (0..1000).map(|i| (i * 37 % 50_000) as u16).collect();
     write_tokens(&dir.path().join("train.bin"), &train);
     write_tokens(&dir.path().join("val.bin"), &train[..200]);
-    let cfg = DataConfig { source: DataSource::Tokens, path: Some(dir.path().to_path_buf()), ..Default::default() };
+    let cfg = DataConfig {
+        source: DataSource::Tokens,
+        path: Some(dir.path().to_path_buf()),
+        ..Default::default()
+    };
     let ds = Dataset::open(&cfg, Path::new("/"), shape(8, 50_304)).unwrap();
     assert_eq!((ds.train.num_positions(), ds.val.num_positions()), (1000 - 9, 200 - 9));
     let (x, y) = ds.train.batch(&[990 - 8], Device::Cpu).unwrap();
@@ -52,7 +67,10 @@ fn nanogpt_token_files_are_memory_mapped_u16() {
     // A token outside the vocabulary is an error naming the file, not a crash.
     let small = Dataset::open(&cfg, Path::new("/"), shape(8, 100)).unwrap();
     let err = small.train.batch(&[0], Device::Cpu).unwrap_err().to_string();
-    assert!(err.contains("train.bin") && err.contains("model.vocab_size 100"), "{err}");
+    assert!(
+        err.contains("train.bin") && err.contains("model.vocab_size 100"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -60,9 +78,19 @@ fn odd_sized_token_file_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("train.bin"), [1u8; 301]).unwrap();
     write_tokens(&dir.path().join("val.bin"), &[1; 100]);
-    let cfg = DataConfig { source: DataSource::Tokens, path: Some(dir.path().to_path_buf()), ..Default::default() };
-    let err = Dataset::open(&cfg, Path::new("/"), shape(8, 256)).err().unwrap().to_string();
-    assert!(err.contains("train.bin") && err.contains("whole number of u16"), "{err}");
+    let cfg = DataConfig {
+        source: DataSource::Tokens,
+        path: Some(dir.path().to_path_buf()),
+        ..Default::default()
+    };
+    let err = Dataset::open(&cfg, Path::new("/"), shape(8, 256))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("train.bin") && err.contains("whole number of u16"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -77,9 +105,18 @@ fn step_samples_do_not_depend_on_the_split() {
 #[test]
 fn trains_on_a_text_file_through_the_binary() {
     let dir = tempfile::tempdir().unwrap();
-    let text: String = (0..300).map(|i| format!("{i} bottles of beer on the wall.\n")).collect();
+    let text: String = (0..300)
+        .map(|i| format!("{i} bottles of beer on the wall.\n"))
+        .collect();
     std::fs::write(dir.path().join("beer.txt"), text).unwrap();
-    let cfg = write_config(dir.path(), "t.yaml", &TINY.replace("{source: embedded, embedded_bytes: 65536}", "{source: text, path: beer.txt}"));
+    let cfg = write_config(
+        dir.path(),
+        "t.yaml",
+        &TINY.replace(
+            "{source: embedded, embedded_bytes: 65536}",
+            "{source: text, path: beer.txt}",
+        ),
+    );
     let run = train_ok(dir.path(), &cfg, &["--max-steps", "2"]);
     assert_eq!(records(&run, "step").len(), 2);
 }
@@ -93,18 +130,29 @@ fn tensor_files_hold_samples_along_dim_0() {
     let targets = Tensor::arange(40, (Kind::Int64, Device::Cpu));
     let path = dir.path().join("d.safetensors");
     Tensor::write_safetensors(&[("inputs", &inputs), ("targets", &targets)], &path).unwrap();
-    let cfg = DataConfig { source: DataSource::Tensors, path: Some("d.safetensors".into()), val_fraction: 0.25, ..Default::default() };
+    let cfg = DataConfig {
+        source: DataSource::Tensors,
+        path: Some("d.safetensors".into()),
+        val_fraction: 0.25,
+        ..Default::default()
+    };
     let ds = Dataset::open(&cfg, dir.path(), None).unwrap();
     assert_eq!((ds.train.num_positions(), ds.val.num_positions()), (30, 10));
     let (x, y) = ds.train.batch(&[2, 29], Device::Cpu).unwrap();
-    assert_eq!(Vec::<f32>::try_from(x.view([-1])).unwrap(), vec![6.0, 7.0, 8.0, 87.0, 88.0, 89.0]);
+    assert_eq!(
+        Vec::<f32>::try_from(x.view([-1])).unwrap(),
+        vec![6.0, 7.0, 8.0, 87.0, 88.0, 89.0]
+    );
     assert_eq!(Vec::<i64>::try_from(y).unwrap(), vec![2, 29]);
     let (_, y) = ds.val.batch(&[0], Device::Cpu).unwrap();
     assert_eq!(Vec::<i64>::try_from(y).unwrap(), vec![30]);
 
     Tensor::write_safetensors(&[("inputs", &inputs)], &path).unwrap();
     let err = Dataset::open(&cfg, dir.path(), None).err().unwrap().to_string();
-    assert!(err.contains("d.safetensors") && err.contains("has no tensor `targets`"), "{err}");
+    assert!(
+        err.contains("d.safetensors") && err.contains("has no tensor `targets`"),
+        "{err}"
+    );
     Tensor::write_safetensors(&[("inputs", &inputs), ("targets", &targets.narrow(0, 0, 7))], &path).unwrap();
     let err = Dataset::open(&cfg, dir.path(), None).err().unwrap().to_string();
     assert!(err.contains("same number of samples along dim 0"), "{err}");

@@ -12,7 +12,11 @@ use std::time::{Duration, Instant};
 /// --master-port + 1).
 fn port() -> String {
     loop {
-        let p = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let p = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
         if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
             return p.to_string();
         }
@@ -25,7 +29,12 @@ fn bin() -> &'static str {
 
 fn launch(dir: &Path, args: &[&str]) -> Command {
     let mut c = Command::new(bin());
-    isolated(dies_with_test(&mut c), dir).arg("launch").args(["--master-port", &port(), "--monitor-interval", "0.05"]).args(args).current_dir(dir).env_remove("OMP_NUM_THREADS");
+    isolated(dies_with_test(&mut c), dir)
+        .arg("launch")
+        .args(["--master-port", &port(), "--monitor-interval", "0.05"])
+        .args(args)
+        .current_dir(dir)
+        .env_remove("OMP_NUM_THREADS");
     c
 }
 
@@ -37,13 +46,24 @@ fn ok(o: Output) -> String {
 
 /// A global batch of 15: shards of 8 and 7, micro-batches of 4 (uneven everywhere).
 fn config(dir: &Path, steps: u64, extra: &str) -> PathBuf {
-    let yaml = TINY.replace("micro_batch_size: 8, grad_accum_steps: 2", "micro_batch_size: 4, global_batch_size: 15")
-        .replace("max_steps: 6", &format!("max_steps: {steps}")).replace("warmup_steps: 2}", "warmup_steps: 2, decay_steps: 40}");
+    let yaml = TINY
+        .replace(
+            "micro_batch_size: 8, grad_accum_steps: 2",
+            "micro_batch_size: 4, global_batch_size: 15",
+        )
+        .replace("max_steps: 6", &format!("max_steps: {steps}"))
+        .replace("warmup_steps: 2}", "warmup_steps: 2, decay_steps: 40}");
     write_config(dir, &format!("c{steps}.yaml"), &(yaml + extra))
 }
 
 fn train_args<'a>(cfg: &'a Path, run: &'a Path) -> Vec<&'a str> {
-    vec![bin(), "train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()]
+    vec![
+        bin(),
+        "train",
+        cfg.to_str().unwrap(),
+        "--run-dir",
+        run.to_str().unwrap(),
+    ]
 }
 
 #[test]
@@ -58,14 +78,27 @@ fn two_ranks_end_where_one_process_does() {
     ok(launch(dir.path(), &args).output().unwrap());
     let steps = records(&run, "step");
     assert_eq!(steps.len(), 6);
-    assert!(steps.iter().all(|s| s["world_size"] == 2 && s["num_samples"] == 15), "{steps:?}");
+    assert!(
+        steps.iter().all(|s| s["world_size"] == 2 && s["num_samples"] == 15),
+        "{steps:?}"
+    );
     let d = max_abs_diff(&weights(&dir.path().join("single")), &weights(&run));
     assert!(d < 1e-5, "2 ranks differ from 1 process by {d}");
     let (a, b) = (losses(&dir.path().join("single")), losses(&run));
     assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-5), "{a:?} {b:?}");
     // The shorthand: oomguard train CONFIG --nproc-per-node 2.
     let short = dir.path().join("short");
-    let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", short.to_str().unwrap(), "--nproc-per-node", "2"], dir.path());
+    let o = oomguard(
+        &[
+            "train",
+            cfg.to_str().unwrap(),
+            "--run-dir",
+            short.to_str().unwrap(),
+            "--nproc-per-node",
+            "2",
+        ],
+        dir.path(),
+    );
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(max_abs_diff(&weights(&run), &weights(&short)), 0.0);
 }
@@ -76,7 +109,13 @@ fn two_ranks_end_where_one_process_does() {
 fn an_oom_on_one_rank_shrinks_both() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), 4, "");
-    let cfg = write_config(dir.path(), "fixed.yaml", &std::fs::read_to_string(&cfg).unwrap().replace("micro_batch_size: 4,", "micro_batch_size: 8,"));
+    let cfg = write_config(
+        dir.path(),
+        "fixed.yaml",
+        &std::fs::read_to_string(&cfg)
+            .unwrap()
+            .replace("micro_batch_size: 4,", "micro_batch_size: 8,"),
+    );
     let budget = budget_between_4_and_8(dir.path(), &cfg);
     let single = train_ok(dir.path(), &cfg, &["--memory-budget", "none"]);
     let run = dir.path().join("two");
@@ -85,13 +124,24 @@ fn an_oom_on_one_rank_shrinks_both() {
         b = bin(), c = cfg.display(), r = run.display()
     );
     let t = Instant::now();
-    let err = ok(launch(dir.path(), &["--nproc-per-node", "2", "--no-python", "sh", "-c", &script]).output().unwrap());
+    let err = ok(launch(
+        dir.path(),
+        &["--nproc-per-node", "2", "--no-python", "sh", "-c", &script],
+    )
+    .output()
+    .unwrap());
     assert!(t.elapsed() < Duration::from_secs(60), "took {:?}", t.elapsed());
     assert!(err.contains("[default1]") && err.contains("OOM at step 0"), "{err}");
     let ooms = records(&run, "oom");
-    assert!(ooms.iter().any(|o| o["message"] == "rank 1 ran out of memory"), "rank 0 records the shared OOM: {ooms:?}");
+    assert!(
+        ooms.iter().any(|o| o["message"] == "rank 1 ran out of memory"),
+        "rank 0 records the shared OOM: {ooms:?}"
+    );
     // Both ranks run at the size rank 1 could afford (the step records are rank 0's).
-    let sizes: Vec<_> = records(&run, "step").iter().map(|s| s["micro_batch_size"].as_u64().unwrap()).collect();
+    let sizes: Vec<_> = records(&run, "step")
+        .iter()
+        .map(|s| s["micro_batch_size"].as_u64().unwrap())
+        .collect();
     assert!(sizes.iter().all(|&s| s == sizes[0] && s < 8), "{sizes:?}");
     let d = max_abs_diff(&weights(&single), &weights(&run));
     assert!(d < 1e-5, "differ by {d}");
@@ -101,7 +151,21 @@ fn an_oom_on_one_rank_shrinks_both() {
 fn budget_between_4_and_8(dir: &Path, cfg: &Path) -> u64 {
     let peak = |mb: &str| {
         let r = dir.join(format!("p{mb}"));
-        let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", r.to_str().unwrap(), "--max-steps", "1", "--memory-budget", "none", "--set", &format!("train.micro_batch_size={mb}")], dir);
+        let o = oomguard(
+            &[
+                "train",
+                cfg.to_str().unwrap(),
+                "--run-dir",
+                r.to_str().unwrap(),
+                "--max-steps",
+                "1",
+                "--memory-budget",
+                "none",
+                "--set",
+                &format!("train.micro_batch_size={mb}"),
+            ],
+            dir,
+        );
         assert!(o.status.success(), "{}", stderr(&o));
         records(&r, "step")[0]["memory"]["peak_bytes"].as_u64().unwrap()
     };
@@ -115,22 +179,54 @@ fn budget_between_4_and_8(dir: &Path, cfg: &Path) -> u64 {
 fn ranks_whose_caches_disagree_start_at_the_smallest_size() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), 4, "memory: {cooldown_steps: 1000}\n");
-    let cfg = write_config(dir.path(), "fixed.yaml", &std::fs::read_to_string(&cfg).unwrap().replace("micro_batch_size: 4,", "micro_batch_size: 8,"));
+    let cfg = write_config(
+        dir.path(),
+        "fixed.yaml",
+        &std::fs::read_to_string(&cfg)
+            .unwrap()
+            .replace("micro_batch_size: 4,", "micro_batch_size: 8,"),
+    );
     let budget = budget_between_4_and_8(dir.path(), &cfg);
     let single = train_ok(dir.path(), &cfg, &["--memory-budget", "none"]);
     // Rank 1's cache learns its size from a run under its budget.
     let (cache0, cache1) = (dir.path().join("cache0"), dir.path().join("cache1"));
-    let learn = Command::new(bin()).args(["train", cfg.to_str().unwrap(), "--run-dir", "learn", "--max-steps", "1", "--memory-budget", &budget.to_string()])
-        .current_dir(dir.path()).env("OOMGUARD_CACHE", &cache1).env("OMP_NUM_THREADS", "1").output().unwrap();
-    assert!(learn.status.success() && !records(&dir.path().join("learn"), "oom").is_empty(), "{}", stderr(&learn));
+    let learn = Command::new(bin())
+        .args([
+            "train",
+            cfg.to_str().unwrap(),
+            "--run-dir",
+            "learn",
+            "--max-steps",
+            "1",
+            "--memory-budget",
+            &budget.to_string(),
+        ])
+        .current_dir(dir.path())
+        .env("OOMGUARD_CACHE", &cache1)
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    assert!(
+        learn.status.success() && !records(&dir.path().join("learn"), "oom").is_empty(),
+        "{}",
+        stderr(&learn)
+    );
     let run = dir.path().join("two");
     let script = format!(
         "if [ \"$RANK\" = 1 ]; then export OOMGUARD_CACHE={c1}; B={budget}; else export OOMGUARD_CACHE={c0}; B=none; fi; exec {b} train {c} --run-dir {r} --memory-budget $B",
         b = bin(), c = cfg.display(), r = run.display(), c0 = cache0.display(), c1 = cache1.display()
     );
-    let err = ok(launch(dir.path(), &["--nproc-per-node", "2", "--no-python", "sh", "-c", &script]).output().unwrap());
+    let err = ok(launch(
+        dir.path(),
+        &["--nproc-per-node", "2", "--no-python", "sh", "-c", &script],
+    )
+    .output()
+    .unwrap());
     assert!(records(&run, "oom").is_empty(), "no rank ran out of memory: {err}");
-    let sizes: Vec<_> = records(&run, "step").iter().map(|s| s["micro_batch_size"].as_u64().unwrap()).collect();
+    let sizes: Vec<_> = records(&run, "step")
+        .iter()
+        .map(|s| s["micro_batch_size"].as_u64().unwrap())
+        .collect();
     assert_eq!(sizes, [4, 4, 4, 4], "{err}");
     let d = max_abs_diff(&weights(&single), &weights(&run));
     assert!(d < 1e-5, "differ by {d}");
@@ -155,13 +251,31 @@ fn two_nodes_over_loopback() {
 fn two_nodes(dir: &Path, cfg: &Path, run: &Path, extra: &[&str], train_extra: &[&str], marker: &str) -> [Child; 2] {
     let p = port();
     ["0", "1"].map(|rank| {
-        let mut args = vec!["--nnodes", "2", "--node-rank", rank, "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", &p, "--monitor-interval", "0.05"];
+        let mut args = vec![
+            "--nnodes",
+            "2",
+            "--node-rank",
+            rank,
+            "--nproc-per-node",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &p,
+            "--monitor-interval",
+            "0.05",
+        ];
         args.extend(extra);
         args.push("--no-python");
         args.extend(train_args(cfg, run));
         args.extend(train_extra);
         let mut c = Command::new(bin());
-        isolated(dies_with_test(&mut c), dir).arg("launch").args(&args).current_dir(dir).env("OOMGUARD_TEST_MARKER", marker).env("OMP_NUM_THREADS", "1");
+        isolated(dies_with_test(&mut c), dir)
+            .arg("launch")
+            .args(&args)
+            .current_dir(dir)
+            .env("OOMGUARD_TEST_MARKER", marker)
+            .env("OMP_NUM_THREADS", "1");
         c.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
     })
 }
@@ -171,26 +285,50 @@ fn two_nodes(dir: &Path, cfg: &Path, run: &Path, extra: &[&str], train_extra: &[
 #[test]
 fn a_worker_death_on_one_node_restarts_every_node_within_seconds() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = config(dir.path(), 40, "memory: {budget: 64MiB}\ncheckpoint: {every_steps: 5}\n");
+    let cfg = config(
+        dir.path(),
+        40,
+        "memory: {budget: 64MiB}\ncheckpoint: {every_steps: 5}\n",
+    );
     let run = dir.path().join("nodes");
     let marker = format!("oomguard-nodes-kill-{}", std::process::id());
     let nodes = two_nodes(dir.path(), &cfg, &run, &["--max-restarts", "2"], &["--resume"], &marker);
     wait_for_steps(&run, 12);
-    let (old0, old1) = (rank_process(&marker, "0").expect("rank 0"), rank_process(&marker, "1").expect("rank 1"));
-    assert!(Command::new("kill").args(["-KILL", &old1.to_string()]).status().unwrap().success());
+    let (old0, old1) = (
+        rank_process(&marker, "0").expect("rank 0"),
+        rank_process(&marker, "1").expect("rank 1"),
+    );
+    assert!(Command::new("kill")
+        .args(["-KILL", &old1.to_string()])
+        .status()
+        .unwrap()
+        .success());
     let t = Instant::now();
     let fresh = |rank: &str, old: u32| rank_process(&marker, rank).is_some_and(|p| p != old);
     while !(fresh("0", old0) && fresh("1", old1)) {
-        assert!(t.elapsed() < Duration::from_secs(10), "both nodes' workers were not restarted within 10 s");
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "both nodes' workers were not restarted within 10 s"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     let logs = nodes.map(|n| ok(n.wait_with_output().unwrap()));
     for (node, log) in logs.iter().enumerate() {
-        assert!(log.contains("attempt 1:") && !log.contains("attempt 2:"), "node {node} restarted once: {log}");
+        assert!(
+            log.contains("attempt 1:") && !log.contains("attempt 2:"),
+            "node {node} restarted once: {log}"
+        );
     }
-    assert!(logs[0].contains("restart") && logs[0].contains("node 1"), "node 0 names node 1's failure: {}", logs[0]);
+    assert!(
+        logs[0].contains("restart") && logs[0].contains("node 1"),
+        "node 0 names node 1's failure: {}",
+        logs[0]
+    );
     assert_eq!(records(&run, "resumed").len(), 1);
-    let steps: Vec<u64> = records(&run, "step").iter().map(|s| s["step"].as_u64().unwrap()).collect();
+    let steps: Vec<u64> = records(&run, "step")
+        .iter()
+        .map(|s| s["step"].as_u64().unwrap())
+        .collect();
     assert_eq!(steps, (0..40).collect::<Vec<_>>());
 }
 
@@ -202,7 +340,11 @@ fn ctrl_c_on_one_node_stops_every_node() {
     let run = dir.path().join("nodes");
     let nodes = two_nodes(dir.path(), &cfg, &run, &["--max-restarts", "3"], &[], "none");
     wait_for_steps(&run, 5);
-    assert!(Command::new("kill").args(["-INT", &nodes[1].id().to_string()]).status().unwrap().success());
+    assert!(Command::new("kill")
+        .args(["-INT", &nodes[1].id().to_string()])
+        .status()
+        .unwrap()
+        .success());
     let t = Instant::now();
     let outs = nodes.map(|n| n.wait_with_output().unwrap());
     assert!(t.elapsed() < Duration::from_secs(30), "took {:?}", t.elapsed());
@@ -215,12 +357,20 @@ fn ctrl_c_on_one_node_stops_every_node() {
 }
 
 fn spawn_launch(dir: &Path, args: &[&str]) -> Child {
-    launch(dir, args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
+    launch(dir, args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
 }
 
 fn wait_for_steps(run: &Path, n: usize) {
     let t = Instant::now();
-    while std::fs::read_to_string(run.join("metrics.jsonl")).map(|m| m.matches("\"event\":\"step\"").count()).unwrap_or(0) < n {
+    while std::fs::read_to_string(run.join("metrics.jsonl"))
+        .map(|m| m.matches("\"event\":\"step\"").count())
+        .unwrap_or(0)
+        < n
+    {
         assert!(t.elapsed() < Duration::from_secs(60), "no progress");
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -242,15 +392,27 @@ fn sigint_then_resume_exactly() {
     args.extend(train_args(&cfg, &run));
     let child = spawn_launch(dir.path(), &args);
     wait_for_steps(&run, 5);
-    assert!(Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap().success());
+    assert!(Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
     let out = child.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(130), "{}", String::from_utf8_lossy(&out.stderr));
-    let ckpts: Vec<_> = std::fs::read_dir(run.join("checkpoints")).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().starts_with("step-")).collect();
+    let ckpts: Vec<_> = std::fs::read_dir(run.join("checkpoints"))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("step-"))
+        .collect();
     assert_eq!(ckpts.len(), 1, "one consistent checkpoint");
     assert_eq!(records(&run, "stopped").len(), 1);
     args.push("--resume");
     ok(launch(dir.path(), &args).output().unwrap());
-    assert_eq!(max_abs_diff(&weights(&whole), &weights(&run)), 0.0, "resume is not exact");
+    assert_eq!(
+        max_abs_diff(&weights(&whole), &weights(&run)),
+        0.0,
+        "resume is not exact"
+    );
 }
 
 /// kill -9 of one rank: the launcher restarts the group, which resumes from the last
@@ -258,30 +420,50 @@ fn sigint_then_resume_exactly() {
 #[test]
 fn a_killed_rank_restarts_the_group_from_the_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = config(dir.path(), 60, "memory: {budget: 64MiB}\ncheckpoint: {every_steps: 5}\n");
+    let cfg = config(
+        dir.path(),
+        60,
+        "memory: {budget: 64MiB}\ncheckpoint: {every_steps: 5}\n",
+    );
     let run = dir.path().join("run");
     let marker = format!("oomguard-dist-kill-{}", std::process::id());
     let mut args = vec!["--nproc-per-node", "2", "--max-restarts", "2", "--no-python"];
     args.extend(train_args(&cfg, &run));
     args.push("--resume");
-    let child = launch(dir.path(), &args).env("OOMGUARD_TEST_MARKER", &marker).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let child = launch(dir.path(), &args)
+        .env("OOMGUARD_TEST_MARKER", &marker)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     wait_for_steps(&run, 12);
     let rank1 = rank_process(&marker, "1").expect("rank 1's process");
-    assert!(Command::new("kill").args(["-KILL", &rank1.to_string()]).status().unwrap().success());
+    assert!(Command::new("kill")
+        .args(["-KILL", &rank1.to_string()])
+        .status()
+        .unwrap()
+        .success());
     let err = ok(child.wait_with_output().unwrap());
     assert!(err.contains("restarting the group"), "{err}");
     let resumed = records(&run, "resumed");
     assert_eq!(resumed.len(), 1, "{resumed:?}");
     let steps = records(&run, "step");
-    assert_eq!(steps.iter().map(|s| s["step"].as_u64().unwrap()).collect::<Vec<_>>(), (0..60).collect::<Vec<_>>());
+    assert_eq!(
+        steps.iter().map(|s| s["step"].as_u64().unwrap()).collect::<Vec<_>>(),
+        (0..60).collect::<Vec<_>>()
+    );
 }
 
 /// The training process (not its shim) of rank `rank` of the launch marked `marker`.
 fn rank_process(marker: &str, rank: &str) -> Option<u32> {
     let (m, r) = (format!("OOMGUARD_TEST_MARKER={marker}"), format!("RANK={rank}"));
-    std::fs::read_dir("/proc").ok()?.flatten().filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok()).find(|pid| {
-        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-        let vars: Vec<&[u8]> = env.split(|&b| b == 0).collect();
-        vars.contains(&m.as_bytes()) && vars.contains(&r.as_bytes())
-    })
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .find(|pid| {
+            let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            let vars: Vec<&[u8]> = env.split(|&b| b == 0).collect();
+            vars.contains(&m.as_bytes()) && vars.contains(&r.as_bytes())
+        })
 }

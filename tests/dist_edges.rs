@@ -14,7 +14,11 @@ fn bin() -> &'static str {
 /// `oomguard train CONFIG --nproc-per-node 2 ARGS` (the launcher picks a free port).
 fn two_ranks(dir: &Path, cfg: &Path, args: &[&str]) -> Command {
     let mut c = Command::new(bin());
-    isolated(dies_with_test(&mut c), dir).args(["train", cfg.to_str().unwrap(), "--nproc-per-node", "2"]).args(args).current_dir(dir).env_remove("OMP_NUM_THREADS");
+    isolated(dies_with_test(&mut c), dir)
+        .args(["train", cfg.to_str().unwrap(), "--nproc-per-node", "2"])
+        .args(args)
+        .current_dir(dir)
+        .env_remove("OMP_NUM_THREADS");
     c
 }
 
@@ -29,37 +33,84 @@ fn tiny(dir: &Path, name: &str, edit: impl Fn(String) -> String) -> PathBuf {
 #[test]
 fn a_global_batch_smaller_than_the_world_is_refused_up_front() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = tiny(dir.path(), "one.yaml", |t| t.replace("micro_batch_size: 8, grad_accum_steps: 2", "micro_batch_size: 1, grad_accum_steps: 1"));
+    let cfg = tiny(dir.path(), "one.yaml", |t| {
+        t.replace(
+            "micro_batch_size: 8, grad_accum_steps: 2",
+            "micro_batch_size: 1, grad_accum_steps: 1",
+        )
+    });
     let o = two_ranks(dir.path(), &cfg, &["--check"]).output().unwrap();
     let err = text(&o);
     assert_eq!(o.status.code(), Some(2), "{err}");
-    assert!(err.contains("train.global_batch_size") && err.contains("use a global batch of at least 2"), "{err}");
+    assert!(
+        err.contains("train.global_batch_size") && err.contains("use a global batch of at least 2"),
+        "{err}"
+    );
     // Run for real, every rank refuses alike before any collective: no abort, no hang.
     let t = Instant::now();
     let o = two_ranks(dir.path(), &cfg, &["--run-dir", "r"]).output().unwrap();
     let err = text(&o);
     assert!(!o.status.success() && t.elapsed() < Duration::from_secs(60), "{err}");
-    assert!(err.contains("use a global batch of at least 2") && !err.contains("SIGABRT") && !err.contains("size doesn't match"), "{err}");
+    assert!(
+        err.contains("use a global batch of at least 2")
+            && !err.contains("SIGABRT")
+            && !err.contains("size doesn't match"),
+        "{err}"
+    );
     // No stray run directories from the other rank.
-    let o = two_ranks(dir.path(), &tiny(dir.path(), "two.yaml", |t| t.replace("max_steps: 6", "max_steps: 1")), &[]).output().unwrap();
+    let o = two_ranks(
+        dir.path(),
+        &tiny(dir.path(), "two.yaml", |t| t.replace("max_steps: 6", "max_steps: 1")),
+        &[],
+    )
+    .output()
+    .unwrap();
     assert!(o.status.success(), "{}", text(&o));
-    let runs: Vec<_> = std::fs::read_dir(dir.path().join("runs/two")).unwrap().flatten().map(|e| e.file_name()).collect();
+    let runs: Vec<_> = std::fs::read_dir(dir.path().join("runs/two"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
     assert_eq!(runs.len(), 1, "one run directory for both ranks: {runs:?}");
 }
 
 #[test]
 fn dropout_resumes_exactly_on_two_ranks() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = tiny(dir.path(), "drop.yaml", |t| t.replace("vocab_size: 256}", "vocab_size: 256, dropout: 0.1}").replace("max_steps: 6", "max_steps: 8"));
+    let cfg = tiny(dir.path(), "drop.yaml", |t| {
+        t.replace("vocab_size: 256}", "vocab_size: 256, dropout: 0.1}")
+            .replace("max_steps: 6", "max_steps: 8")
+    });
     let whole = dir.path().join("whole");
-    let o = two_ranks(dir.path(), &cfg, &["--run-dir", whole.to_str().unwrap()]).output().unwrap();
+    let o = two_ranks(dir.path(), &cfg, &["--run-dir", whole.to_str().unwrap()])
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", text(&o));
     let run = dir.path().join("run");
-    let o = two_ranks(dir.path(), &cfg, &["--run-dir", run.to_str().unwrap(), "--max-steps", "3", "--set", "optim.decay_steps=8"]).output().unwrap();
+    let o = two_ranks(
+        dir.path(),
+        &cfg,
+        &[
+            "--run-dir",
+            run.to_str().unwrap(),
+            "--max-steps",
+            "3",
+            "--set",
+            "optim.decay_steps=8",
+        ],
+    )
+    .output()
+    .unwrap();
     assert!(o.status.success(), "{}", text(&o));
-    let o = two_ranks(dir.path(), &cfg, &["--run-dir", run.to_str().unwrap(), "--resume"]).output().unwrap();
+    let o = two_ranks(dir.path(), &cfg, &["--run-dir", run.to_str().unwrap(), "--resume"])
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", text(&o));
-    assert_eq!(max_abs_diff(&weights(&whole), &weights(&run)), 0.0, "resume with dropout is not exact");
+    assert_eq!(
+        max_abs_diff(&weights(&whole), &weights(&run)),
+        0.0,
+        "resume with dropout is not exact"
+    );
     assert_eq!(losses(&whole)[3..], losses(&run)[3..]);
 }
 
@@ -68,7 +119,13 @@ fn dropout_resumes_exactly_on_two_ranks() {
 fn torchscript_config(dir: &Path, name: &str, train: &str) -> PathBuf {
     let script = root().join(format!("tests/scripts/{name}.py"));
     let (model, data) = (format!("{name}.pt"), format!("{name}.safetensors"));
-    let o = Command::new(root().join(".venv/bin/python3")).arg(&script).args(["--out", &model, "--data", &data]).current_dir(dir).env("PYTHONWARNINGS", "ignore").output().expect("python3 from the set-up's venv");
+    let o = Command::new(root().join(".venv/bin/python3"))
+        .arg(&script)
+        .args(["--out", &model, "--data", &data])
+        .current_dir(dir)
+        .env("PYTHONWARNINGS", "ignore")
+        .output()
+        .expect("python3 from the set-up's venv");
     assert!(o.status.success(), "{}", text(&o));
     write_config(dir, &format!("{name}.yaml"), &format!(
         "model: {{kind: torchscript, path: {model}}}\ndata: {{source: tensors, path: {data}, val_fraction: 0.2}}\noptim: {{lr: 1.0e-2, warmup_steps: 2, decay_steps: 10}}\ntrain: {train}\n"
@@ -80,7 +137,10 @@ fn a_parameter_unused_on_some_ranks_is_reduced_as_zeros() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = torchscript_config(dir.path(), "ts_branch", "{micro_batch_size: 2, global_batch_size: 8, max_steps: 10, eval_every: 0, eval_batch_size: 8, eval_batches: 1, seed: 3, device: cpu, num_threads: 1}");
     let t = Instant::now();
-    let o = two_ranks(dir.path(), &cfg, &["--run-dir", "r"]).stdout(Stdio::null()).output().unwrap();
+    let o = two_ranks(dir.path(), &cfg, &["--run-dir", "r"])
+        .stdout(Stdio::null())
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", text(&o));
     assert!(t.elapsed() < Duration::from_secs(120));
     assert_eq!(records(&dir.path().join("r"), "step").len(), 10);
@@ -93,15 +153,29 @@ fn a_parameter_unused_on_some_ranks_is_reduced_as_zeros() {
 fn batchnorm_buffers_are_equal_on_both_ranks_after_training() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = torchscript_config(dir.path(), "ts_bn", "{micro_batch_size: 4, global_batch_size: 16, max_steps: 8, eval_every: 4, eval_batch_size: 8, eval_batches: 1, seed: 3, device: cpu, num_threads: 1}");
-    let o = two_ranks(dir.path(), &cfg, &["--run-dir", "r"]).env("OOMGUARD_TEST_RANK_WEIGHTS", "1").stdout(Stdio::null()).output().unwrap();
+    let o = two_ranks(dir.path(), &cfg, &["--run-dir", "r"])
+        .env("OOMGUARD_TEST_RANK_WEIGHTS", "1")
+        .stdout(Stdio::null())
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", text(&o));
     let run = dir.path().join("r");
     let (rank0, rank1) = (weights(&run), safetensors(&run.join("model.rank-1.safetensors")));
     let names: Vec<&str> = rank0.iter().map(|(n, _)| n.as_str()).collect();
-    assert!(names.contains(&"bn.running_mean") && names.contains(&"bn.running_var"), "{names:?}");
+    assert!(
+        names.contains(&"bn.running_mean") && names.contains(&"bn.running_var"),
+        "{names:?}"
+    );
     let mean = &rank0.iter().find(|(n, _)| n == "bn.running_mean").unwrap().1;
-    assert!(mean.abs().sum(tch::Kind::Double).double_value(&[]) > 0.0, "the statistics moved");
-    assert_eq!(max_abs_diff(&rank0, &rank1), 0.0, "the ranks' parameters or buffers differ");
+    assert!(
+        mean.abs().sum(tch::Kind::Double).double_value(&[]) > 0.0,
+        "the statistics moved"
+    );
+    assert_eq!(
+        max_abs_diff(&rank0, &rank1),
+        0.0,
+        "the ranks' parameters or buffers differ"
+    );
 }
 
 #[test]
@@ -110,11 +184,18 @@ fn a_collective_mismatch_fails_fast_naming_both_views() {
     let cfg = tiny(dir.path(), "c.yaml", |t| t.replace("max_steps: 6", "max_steps: 4"));
     let t = Instant::now();
     // Rank 1 claims the next exchange at its third, as a rank that skipped one would.
-    let o = two_ranks(dir.path(), &cfg, &["--run-dir", "r"]).env("OOMGUARD_TEST_MISALIGN", "1:3").output().unwrap();
+    let o = two_ranks(dir.path(), &cfg, &["--run-dir", "r"])
+        .env("OOMGUARD_TEST_MISALIGN", "1:3")
+        .output()
+        .unwrap();
     let err = text(&o);
     assert!(!o.status.success(), "{err}");
     assert!(t.elapsed() < Duration::from_secs(30), "took {:?}: {err}", t.elapsed());
-    assert!(err.contains("collective mismatch: this rank is at exchange 3") && err.contains("the ranks are at exchanges 3..4"), "{err}");
+    assert!(
+        err.contains("collective mismatch: this rank is at exchange 3")
+            && err.contains("the ranks are at exchanges 3..4"),
+        "{err}"
+    );
 }
 
 /// Sockets listening on `port` (IPv4 and IPv6), as /proc/net shows them: the local address
@@ -123,7 +204,14 @@ fn listeners(port: u16) -> Vec<String> {
     let want = format!(":{port:04X}");
     ["/proc/net/tcp", "/proc/net/tcp6"]
         .iter()
-        .flat_map(|f| std::fs::read_to_string(f).unwrap_or_default().lines().skip(1).map(str::to_string).collect::<Vec<_>>())
+        .flat_map(|f| {
+            std::fs::read_to_string(f)
+                .unwrap_or_default()
+                .lines()
+                .skip(1)
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
         .filter_map(|l| {
             let f: Vec<&str> = l.split_whitespace().collect();
             (f.len() > 3 && f[3] == "0A" && f[1].ends_with(&want)).then(|| f[1].to_string())
@@ -139,7 +227,18 @@ fn the_store_listens_on_loopback_only_and_a_second_run_on_its_port_cannot_join()
     let launch = |run: &str| {
         let mut c = Command::new(bin());
         isolated(dies_with_test(&mut c), dir.path())
-            .args(["launch", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", &port.to_string(), "--no-python", bin(), "train"])
+            .args([
+                "launch",
+                "--nproc-per-node",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                &port.to_string(),
+                "--no-python",
+                bin(),
+                "train",
+            ])
             .args([cfg.to_str().unwrap(), "--run-dir", run])
             .current_dir(dir.path())
             .stdout(Stdio::null())
@@ -148,19 +247,27 @@ fn the_store_listens_on_loopback_only_and_a_second_run_on_its_port_cannot_join()
     };
     let first = launch("a").spawn().unwrap();
     let t = Instant::now();
-    while std::fs::read_to_string(dir.path().join("a/metrics.jsonl")).map_or(true, |m| !m.contains("\"event\":\"step\"")) {
+    while std::fs::read_to_string(dir.path().join("a/metrics.jsonl"))
+        .map_or(true, |m| !m.contains("\"event\":\"step\""))
+    {
         assert!(t.elapsed() < Duration::from_secs(60), "the first run never stepped");
         std::thread::sleep(Duration::from_millis(50));
     }
     let l = listeners(port);
-    assert!(!l.is_empty() && l.iter().all(|a| a == &format!("0100007F:{port:04X}")), "the store listens beyond loopback: {l:?}");
+    assert!(
+        !l.is_empty() && l.iter().all(|a| a == &format!("0100007F:{port:04X}")),
+        "the store listens beyond loopback: {l:?}"
+    );
     // A second run on the same port: its rank 0 cannot listen, its rank 1 meets the first
     // run's store, sees another run's token and stops.
     let t = Instant::now();
     let o = launch("b").output().unwrap();
     let err = text(&o);
     assert!(!o.status.success() && t.elapsed() < Duration::from_secs(60), "{err}");
-    assert!(err.contains("belongs to another run") || err.contains("cannot listen on 127.0.0.1"), "{err}");
+    assert!(
+        err.contains("belongs to another run") || err.contains("cannot listen on 127.0.0.1"),
+        "{err}"
+    );
     let o = first.wait_with_output().unwrap();
     assert!(o.status.success(), "the first run suffered: {}", text(&o));
     assert_eq!(records(&dir.path().join("a"), "step").len(), 400);
@@ -173,20 +280,41 @@ fn the_store_listens_on_loopback_only_and_a_second_run_on_its_port_cannot_join()
 fn a_run_resumes_at_another_world_size() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = tiny(dir.path(), "w.yaml", |t| {
-        t.replace("micro_batch_size: 8, grad_accum_steps: 2", "micro_batch_size: 2, global_batch_size: 12").replace("warmup_steps: 2}", "warmup_steps: 2, decay_steps: 6}")
+        t.replace(
+            "micro_batch_size: 8, grad_accum_steps: 2",
+            "micro_batch_size: 2, global_batch_size: 12",
+        )
+        .replace("warmup_steps: 2}", "warmup_steps: 2, decay_steps: 6}")
     });
     let single = train_ok(dir.path(), &cfg, &[]);
     let run = dir.path().join("grown");
-    let o = two_ranks(dir.path(), &cfg, &["--run-dir", run.to_str().unwrap(), "--max-steps", "3"]).output().unwrap();
+    let o = two_ranks(
+        dir.path(),
+        &cfg,
+        &["--run-dir", run.to_str().unwrap(), "--max-steps", "3"],
+    )
+    .output()
+    .unwrap();
     assert!(o.status.success(), "{}", text(&o));
     let mut three = Command::new(bin());
     isolated(dies_with_test(&mut three), dir.path())
-        .args(["train", cfg.to_str().unwrap(), "--nproc-per-node", "3", "--run-dir", run.to_str().unwrap(), "--resume"])
+        .args([
+            "train",
+            cfg.to_str().unwrap(),
+            "--nproc-per-node",
+            "3",
+            "--run-dir",
+            run.to_str().unwrap(),
+            "--resume",
+        ])
         .current_dir(dir.path())
         .env_remove("OMP_NUM_THREADS");
     let o = three.output().unwrap();
     assert!(o.status.success(), "{}", text(&o));
-    let worlds: Vec<_> = records(&run, "step").iter().map(|s| s["world_size"].as_u64().unwrap()).collect();
+    let worlds: Vec<_> = records(&run, "step")
+        .iter()
+        .map(|s| s["world_size"].as_u64().unwrap())
+        .collect();
     assert_eq!(worlds, [2, 2, 2, 3, 3, 3]);
     let d = max_abs_diff(&weights(&single), &weights(&run));
     assert!(d < 1e-5, "2 then 3 ranks differ from one process by {d}");
@@ -199,19 +327,46 @@ fn a_run_resumes_at_another_world_size() {
 fn a_signal_before_the_first_step_exits_at_once() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = tiny(dir.path(), "c.yaml", |t| t);
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
     let mut c = Command::new(bin());
     let child = isolated(dies_with_test(&mut c), dir.path())
-        .args(["train", cfg.to_str().unwrap(), "--run-dir", "r", "--set", "train.dist_timeout_s=20"])
-        .envs([("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", &port), ("OMP_NUM_THREADS", "1")])
-        .current_dir(dir.path()).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+        .args([
+            "train",
+            cfg.to_str().unwrap(),
+            "--run-dir",
+            "r",
+            "--set",
+            "train.dist_timeout_s=20",
+        ])
+        .envs([
+            ("RANK", "0"),
+            ("LOCAL_RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", &port),
+            ("OMP_NUM_THREADS", "1"),
+        ])
+        .current_dir(dir.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     // Rank 0 is waiting for rank 1 once its store listens.
     let t = Instant::now();
     while std::net::TcpStream::connect(("127.0.0.1", port.parse::<u16>().unwrap())).is_err() {
         assert!(t.elapsed() < Duration::from_secs(60), "rank 0's store never listened");
         std::thread::sleep(Duration::from_millis(50));
     }
-    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+    assert!(Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
     let t = Instant::now();
     let o = child.wait_with_output().unwrap();
     assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
@@ -223,11 +378,21 @@ fn a_signal_before_the_first_step_exits_at_once() {
 #[test]
 fn an_evaluation_batch_smaller_than_the_world_is_evaluated_by_the_ranks_that_have_samples() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = tiny(dir.path(), "e.yaml", |t| t.replace("eval_every: 0, eval_batch_size: 8, eval_batches: 2", "eval_every: 3, eval_batch_size: 1, eval_batches: 2"));
+    let cfg = tiny(dir.path(), "e.yaml", |t| {
+        t.replace(
+            "eval_every: 0, eval_batch_size: 8, eval_batches: 2",
+            "eval_every: 3, eval_batch_size: 1, eval_batches: 2",
+        )
+    });
     let single = train_ok(dir.path(), &cfg, &[]);
     let o = two_ranks(dir.path(), &cfg, &["--run-dir", "two"]).output().unwrap();
     assert!(o.status.success(), "{}", text(&o));
-    let val = |r: &Path| records(r, "eval").iter().map(|e| e["val_loss"].as_f64().unwrap()).collect::<Vec<_>>();
+    let val = |r: &Path| {
+        records(r, "eval")
+            .iter()
+            .map(|e| e["val_loss"].as_f64().unwrap())
+            .collect::<Vec<_>>()
+    };
     let (a, b) = (val(&single), val(&dir.path().join("two")));
     assert_eq!(a.len(), 2);
     assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-5), "{a:?} {b:?}");

@@ -18,21 +18,40 @@ fn injected_ooms_on_any_subset_of_ranks_neither_hang_nor_drift() {
     for (world, seeds) in [(2u64, 0..12u64), (3, 100..108)] {
         for seed in seeds {
             let run = dir.path().join(format!("w{world}s{seed}"));
-            let fired = train_injected(dir.path(), &cfg, &run, world, &format!("{PER_RANK}:{seed}"), &[], &format!("{world} ranks, seed {seed}"));
-            assert!(fired >= PER_RANK * world * 3 / 4, "{world} ranks, seed {seed}: only {fired} injected");
+            let fired = train_injected(
+                dir.path(),
+                &cfg,
+                &run,
+                world,
+                &format!("{PER_RANK}:{seed}"),
+                &[],
+                &format!("{world} ranks, seed {seed}"),
+            );
+            assert!(
+                fired >= PER_RANK * world * 3 / 4,
+                "{world} ranks, seed {seed}: only {fired} injected"
+            );
             injected += fired;
             for o in records(&run, "oom") {
-                *phases.entry(o["phase"].as_str().unwrap_or("none").to_string()).or_default() += 1;
+                *phases
+                    .entry(o["phase"].as_str().unwrap_or("none").to_string())
+                    .or_default() += 1;
             }
             let d = max_abs_diff(&weights(&clean), &weights(&run));
-            assert!(d < 1e-5, "{world} ranks, seed {seed}: parameters differ from the clean run by {d}");
+            assert!(
+                d < 1e-5,
+                "{world} ranks, seed {seed}: parameters differ from the clean run by {d}"
+            );
             std::fs::remove_dir_all(&run).unwrap();
         }
     }
     println!("{injected} injected OOMs over 20 data-parallel runs, all recovered; agreed OOMs by phase: {phases:?}");
     assert!(injected >= 500, "{injected}");
     for p in ["data", "forward", "backward", "eval"] {
-        assert!(phases.get(p).is_some_and(|&n| n > 0), "no OOM landed in {p}: {phases:?}");
+        assert!(
+            phases.get(p).is_some_and(|&n| n > 0),
+            "no OOM landed in {p}: {phases:?}"
+        );
     }
     assert!(phases.len() >= 5, "{phases:?}");
 }

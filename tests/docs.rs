@@ -40,7 +40,11 @@ fn config_keys() -> BTreeSet<String> {
     while let Some(path) = todo.pop() {
         match serde_fields(&path) {
             Some(fields) => {
-                assert!(!fields.is_empty() || !path.is_empty(), "no sections found: {:?}", serde_fields(&[]));
+                assert!(
+                    !fields.is_empty() || !path.is_empty(),
+                    "no sections found: {:?}",
+                    serde_fields(&[])
+                );
                 for f in fields {
                     todo.push(path.iter().cloned().chain([f]).collect());
                 }
@@ -64,11 +68,18 @@ fn table_keys(text: &str) -> Vec<String> {
 #[test]
 fn the_configuration_reference_lists_every_key_and_only_real_keys() {
     let keys = config_keys();
-    assert!(keys.contains("train.grad_scaler.init_scale") && keys.contains("model.settings"), "the walk missed nested or optional keys: {keys:?}");
+    assert!(
+        keys.contains("train.grad_scaler.init_scale") && keys.contains("model.settings"),
+        "the walk missed nested or optional keys: {keys:?}"
+    );
     let doc = read(&root().join("docs/configuration.md"));
     let listed = table_keys(&doc);
     let listed_set: BTreeSet<String> = listed.iter().cloned().collect();
-    assert_eq!(listed.len(), listed_set.len(), "a key is listed twice in docs/configuration.md");
+    assert_eq!(
+        listed.len(),
+        listed_set.len(),
+        "a key is listed twice in docs/configuration.md"
+    );
     let missing: Vec<_> = keys.difference(&listed_set).collect();
     let unknown: Vec<_> = listed_set.difference(&keys).collect();
     assert!(
@@ -78,7 +89,11 @@ fn the_configuration_reference_lists_every_key_and_only_real_keys() {
 }
 
 fn help(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_oomguard")).args(args).arg("--help").output().expect("running oomguard --help");
+    let out = Command::new(env!("CARGO_BIN_EXE_oomguard"))
+        .args(args)
+        .arg("--help")
+        .output()
+        .expect("running oomguard --help");
     assert!(out.status.success(), "oomguard {args:?} --help exited {:?}", out.status);
     String::from_utf8(out.stdout).expect("utf-8 help")
 }
@@ -115,14 +130,20 @@ fn the_command_line_reference_lists_each_subcommands_flags() {
     for part in doc.split("\n## oomguard ").skip(1) {
         let (name, body) = part.split_once('\n').unwrap_or((part, ""));
         let body = body.split("\n## ").next().unwrap_or(body);
-        sections.insert(name.trim().to_string(), table_keys(body).into_iter().filter(|k| k.starts_with('-')).collect());
+        sections.insert(
+            name.trim().to_string(),
+            table_keys(body).into_iter().filter(|k| k.starts_with('-')).collect(),
+        );
     }
     let subs = subcommands();
     assert!(subs.len() >= 5, "subcommands: {subs:?}");
     let mut problems = vec![];
     for sub in &subs {
         let flags = help_flags(&help(&[sub]));
-        assert!(flags.contains("--log-format <LOG_FORMAT>"), "{sub}: help parsed as {flags:?}");
+        assert!(
+            flags.contains("--log-format <LOG_FORMAT>"),
+            "{sub}: help parsed as {flags:?}"
+        );
         let Some(listed) = sections.get(sub) else {
             problems.push(format!("`oomguard {sub}` has no `## oomguard {sub}` section"));
             continue;
@@ -137,7 +158,11 @@ fn the_command_line_reference_lists_each_subcommands_flags() {
     for name in sections.keys().filter(|n| !subs.contains(n)) {
         problems.push(format!("docs/cli.md documents `oomguard {name}`, which does not exist"));
     }
-    assert!(problems.is_empty(), "docs/cli.md is out of step with --help:\n  {}", problems.join("\n  "));
+    assert!(
+        problems.is_empty(),
+        "docs/cli.md is out of step with --help:\n  {}",
+        problems.join("\n  ")
+    );
 }
 
 /// GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens, and
@@ -150,7 +175,13 @@ fn anchors(markdown: &str) -> BTreeSet<String> {
         if line.starts_with("```") {
             in_code = !in_code;
         }
-        let Some(title) = line.strip_prefix('#').filter(|_| !in_code).map(|t| t.trim_start_matches('#')) else { continue };
+        let Some(title) = line
+            .strip_prefix('#')
+            .filter(|_| !in_code)
+            .map(|t| t.trim_start_matches('#'))
+        else {
+            continue;
+        };
         let slug: String = title
             .trim()
             .to_lowercase()
@@ -187,7 +218,11 @@ fn links(markdown: &str) -> Vec<String> {
 
 fn manual() -> Vec<PathBuf> {
     let mut files = vec![root().join("README.md")];
-    let mut docs: Vec<PathBuf> = std::fs::read_dir(root().join("docs")).expect("docs/").map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|e| e == "md")).collect();
+    let mut docs: Vec<PathBuf> = std::fs::read_dir(root().join("docs"))
+        .expect("docs/")
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .collect();
     docs.sort();
     files.extend(docs);
     files
@@ -206,15 +241,25 @@ fn every_relative_link_in_the_manual_resolves() {
                 continue;
             }
             checked += 1;
-            let (path, anchor) = link.split_once('#').map_or((link.as_str(), None), |(p, a)| (p, Some(a)));
-            let target = if path.is_empty() { file.clone() } else { file.parent().unwrap().join(path) };
+            let (path, anchor) = link
+                .split_once('#')
+                .map_or((link.as_str(), None), |(p, a)| (p, Some(a)));
+            let target = if path.is_empty() {
+                file.clone()
+            } else {
+                file.parent().unwrap().join(path)
+            };
             if !target.exists() {
                 broken.push(format!("{}: `{link}`: no such file", file.display()));
                 continue;
             }
             if let Some(a) = anchor.filter(|_| target.extension().is_some_and(|e| e == "md")) {
                 if !anchors(&read(&target)).contains(a) {
-                    broken.push(format!("{}: `{link}`: no heading with that anchor in {}", file.display(), target.display()));
+                    broken.push(format!(
+                        "{}: `{link}`: no heading with that anchor in {}",
+                        file.display(),
+                        target.display()
+                    ));
                 }
             }
         }
@@ -226,7 +271,11 @@ fn every_relative_link_in_the_manual_resolves() {
 #[test]
 fn the_readme_is_short_and_each_page_says_whom_it_is_for() {
     let readme = read(&root().join("README.md"));
-    assert!(readme.lines().count() <= 180, "README.md has {} lines: keep it about 150, move the rest to docs/", readme.lines().count());
+    assert!(
+        readme.lines().count() <= 180,
+        "README.md has {} lines: keep it about 150, move the rest to docs/",
+        readme.lines().count()
+    );
     for file in manual().iter().skip(1) {
         let text = read(file);
         let mut lines = text.lines().filter(|l| !l.trim().is_empty());

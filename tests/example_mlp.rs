@@ -1,9 +1,9 @@
 //! The examples/ MLP, a Rust program's own model, gets what the built-in GPT gets: the
 //! guard under a tight budget, checkpoints, and a resume that ends bitwise where an
 //! uninterrupted run ends. In-process, through the library's `train` command.
+mod common;
 #[path = "../examples/mlp.rs"]
 mod mlp;
-mod common;
 use common::*;
 
 fn train(args: &[&str]) -> i32 {
@@ -25,16 +25,41 @@ fn own_model_trains_under_the_guard_and_resumes_exactly() {
     assert!(steps.iter().all(|s| s["num_samples"] == 512));
     assert!(steps.last().unwrap()["micro_batch_size"].as_u64().unwrap() < 512);
     let l = losses(&full);
-    assert!(l[145..].iter().sum::<f64>() < 0.7 * l[..5].iter().sum::<f64>(), "loss did not fall: {:?} .. {:?}", &l[..5], &l[145..]);
+    assert!(
+        l[145..].iter().sum::<f64>() < 0.7 * l[..5].iter().sum::<f64>(),
+        "loss did not fall: {:?} .. {:?}",
+        &l[..5],
+        &l[145..]
+    );
 
     // Half the run, then --resume for the rest: the same parameters, bit for bit.
     let half = dir.path().join("half");
-    assert_eq!(train(&[cfg, "--run-dir", half.to_str().unwrap(), "--max-steps", "75"]), 0);
+    assert_eq!(
+        train(&[cfg, "--run-dir", half.to_str().unwrap(), "--max-steps", "75"]),
+        0
+    );
     assert_eq!(train(&[cfg, "--run-dir", half.to_str().unwrap(), "--resume"]), 0);
     assert_eq!(records(&half, "resumed").len(), 1);
-    assert_eq!(max_abs_diff(&weights(&full), &weights(&half)), 0.0, "resume is not exact");
+    assert_eq!(
+        max_abs_diff(&weights(&full), &weights(&half)),
+        0.0,
+        "resume is not exact"
+    );
 
     // A bad key in the model's own settings is refused, naming it.
-    let bad = write_config(dir.path(), "bad.yaml", &std::fs::read_to_string(cfg).unwrap().replace("layers: 2}", "layers: 2, width: 3}"));
-    assert_eq!(train(&[bad.to_str().unwrap(), "--run-dir", dir.path().join("bad").to_str().unwrap()]), 2);
+    let bad = write_config(
+        dir.path(),
+        "bad.yaml",
+        &std::fs::read_to_string(cfg)
+            .unwrap()
+            .replace("layers: 2}", "layers: 2, width: 3}"),
+    );
+    assert_eq!(
+        train(&[
+            bad.to_str().unwrap(),
+            "--run-dir",
+            dir.path().join("bad").to_str().unwrap()
+        ]),
+        2
+    );
 }

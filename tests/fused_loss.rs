@@ -18,18 +18,34 @@ use tch::{Device, Tensor};
 
 fn gpt(loss: LossKind, vocab: i64) -> GptTask {
     tch::manual_seed(11);
-    let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 32, block_size: 32, vocab_size: vocab, dropout: 0.0, bias: true, loss };
+    let cfg = GptConfig {
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 32,
+        block_size: 32,
+        vocab_size: vocab,
+        dropout: 0.0,
+        bias: true,
+        loss,
+    };
     GptTask::new(&cfg, Device::Cpu).unwrap()
 }
 
 fn grads(task: &GptTask) -> Vec<(String, Tensor)> {
-    let g = task.parameters().into_iter().map(|(n, p)| (n, p.grad().copy())).collect();
+    let g = task
+        .parameters()
+        .into_iter()
+        .map(|(n, p)| (n, p.grad().copy()))
+        .collect();
     task.parameters().iter().for_each(|(_, p)| memory::clear_grad(p));
     g
 }
 
 fn max_diff(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> (f64, String) {
-    a.iter().zip(b).map(|((n, x), (_, y))| ((x - y).abs().max().double_value(&[]), n.clone())).fold((0.0, String::new()), |m, d| if d.0 > m.0 { d } else { m })
+    a.iter()
+        .zip(b)
+        .map(|((n, x), (_, y))| ((x - y).abs().max().double_value(&[]), n.clone()))
+        .fold((0.0, String::new()), |m, d| if d.0 > m.0 { d } else { m })
 }
 
 /// Loss within 1e-6 and every gradient within 1e-5 (fp32), plain and under activation
@@ -45,18 +61,31 @@ fn fused_gives_the_full_loss_and_gradients() {
     for vocab in [300, 256] {
         let (mut full, mut fused) = (gpt(LossKind::Full, vocab), gpt(LossKind::Fused, vocab));
         let wte = &fused.parameters().into_iter().find(|(n, _)| n == "wte").unwrap().1;
-        assert_eq!(wte.size(), vec![vocab, 32], "the parameter keeps the configured vocabulary");
+        assert_eq!(
+            wte.size(),
+            vec![vocab, 32],
+            "the parameter keeps the configured vocabulary"
+        );
         for checkpointing in [false, true] {
             full.set_activation_checkpointing(checkpointing);
             fused.set_activation_checkpointing(checkpointing);
             let a = full.forward_backward(&x, &y, 0.5, &amp).unwrap().double_value(&[]);
             let b = fused.forward_backward(&x, &y, 0.5, &amp).unwrap().double_value(&[]);
-            assert!((a - b).abs() < 1e-6, "vocab {vocab}, checkpointing {checkpointing}: loss {a} (full) vs {b} (fused)");
+            assert!(
+                (a - b).abs() < 1e-6,
+                "vocab {vocab}, checkpointing {checkpointing}: loss {a} (full) vs {b} (fused)"
+            );
             let (d, name) = max_diff(&grads(&full), &grads(&fused));
-            assert!(d < 1e-5, "vocab {vocab}, checkpointing {checkpointing}: {name}'s gradients differ by {d}");
+            assert!(
+                d < 1e-5,
+                "vocab {vocab}, checkpointing {checkpointing}: {name}'s gradients differ by {d}"
+            );
             // The evaluation loss (no grad recorded) too.
             let _no_grad = tch::no_grad_guard();
-            let (a, b) = (full.eval_loss(&x, &y).unwrap().double_value(&[]), fused.eval_loss(&x, &y).unwrap().double_value(&[]));
+            let (a, b) = (
+                full.eval_loss(&x, &y).unwrap().double_value(&[]),
+                fused.eval_loss(&x, &y).unwrap().double_value(&[]),
+            );
             assert!((a - b).abs() < 1e-6, "vocab {vocab}: eval loss {a} vs {b}");
         }
     }
@@ -70,15 +99,34 @@ fn twenty_steps_end_with_the_same_parameters() {
     let batches = common::tiny_batches(&data, 8);
     let run = |loss| {
         let task = gpt(loss, 300);
-        let mut opt = AdamW::new(task.parameters(), &OptimConfig::default(), |n, t| task.no_weight_decay(n, t)).unwrap();
-        let u = Update { lr: 3e-3, grad_clip: 1.0, amp: Amp::fp32(Device::Cpu), scaler: None };
-        let losses: Vec<f64> = (0..20).map(|step| step_with(&task, &mut opt, &batches, step, 4, &u).unwrap().loss).collect();
-        (task.parameters().into_iter().map(|(n, p)| (n, p.detach().copy())).collect::<Vec<_>>(), losses)
+        let mut opt = AdamW::new(task.parameters(), &OptimConfig::default(), |n, t| {
+            task.no_weight_decay(n, t)
+        })
+        .unwrap();
+        let u = Update {
+            lr: 3e-3,
+            grad_clip: 1.0,
+            amp: Amp::fp32(Device::Cpu),
+            scaler: None,
+        };
+        let losses: Vec<f64> = (0..20)
+            .map(|step| step_with(&task, &mut opt, &batches, step, 4, &u).unwrap().loss)
+            .collect();
+        (
+            task.parameters()
+                .into_iter()
+                .map(|(n, p)| (n, p.detach().copy()))
+                .collect::<Vec<_>>(),
+            losses,
+        )
     };
     let ((full, lf), (fused, lu)) = (run(LossKind::Full), run(LossKind::Fused));
     assert!(lf[19] < lf[0] - 0.1, "it trains: {lf:?}");
     let (d, name) = max_diff(&full, &fused);
-    assert!(d < 1e-5, "after 20 steps {name} differs by {d}; losses {lf:?} vs {lu:?}");
+    assert!(
+        d < 1e-5,
+        "after 20 steps {name} differs by {d}; losses {lf:?} vs {lu:?}"
+    );
 }
 
 /// Peak memory of one step at vocabulary 16384, T 256, by the counting allocator: the fused
@@ -87,28 +135,54 @@ fn twenty_steps_end_with_the_same_parameters() {
 fn fused_step_peaks_at_most_half_of_full() {
     let _one_at_a_time = common::exclusive();
     memory::install_cpu_allocator();
-    let cfg = |loss| GptConfig { n_layer: 2, n_head: 2, n_embd: 64, block_size: 256, vocab_size: 16384, dropout: 0.0, bias: true, loss };
+    let cfg = |loss| GptConfig {
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 64,
+        block_size: 256,
+        vocab_size: 16384,
+        dropout: 0.0,
+        bias: true,
+        loss,
+    };
     let micro = 4;
     let inputs = Tensor::randint(16384, [micro, 256], (tch::Kind::Int64, Device::Cpu));
     let targets = inputs.roll([-1], [1]);
     let peak = |loss| {
         tch::manual_seed(5);
         let task = GptTask::new(&cfg(loss), Device::Cpu).unwrap();
-        let mut opt = AdamW::new(task.parameters(), &OptimConfig::default(), |n, t| task.no_weight_decay(n, t)).unwrap();
+        let mut opt = AdamW::new(task.parameters(), &OptimConfig::default(), |n, t| {
+            task.no_weight_decay(n, t)
+        })
+        .unwrap();
         let amp = Amp::fp32(Device::Cpu);
         memory::reset_peak(Device::Cpu);
         let _ = task.forward_backward(&inputs, &targets, 1.0, &amp).unwrap();
-        let u = Update { lr: 1e-3, grad_clip: 1.0, amp, scaler: None };
+        let u = Update {
+            lr: 1e-3,
+            grad_clip: 1.0,
+            amp,
+            scaler: None,
+        };
         oomguard::train::update(&mut opt, 0, &u).unwrap();
         memory::stats(Device::Cpu).peak_bytes as f64
     };
     let (full, fused) = (peak(LossKind::Full), peak(LossKind::Fused));
-    println!("one step's peak: full {:.1} MiB, fused {:.1} MiB ({:.2}x)", full / 1048576.0, fused / 1048576.0, fused / full);
+    println!(
+        "one step's peak: full {:.1} MiB, fused {:.1} MiB ({:.2}x)",
+        full / 1048576.0,
+        fused / 1048576.0,
+        fused / full
+    );
     assert!(fused <= 0.5 * full, "fused peaks at {fused}, full at {full}");
     for (loss, measured) in [(LossKind::Full, full), (LossKind::Fused, fused)] {
         let planned = Estimate::new(&cfg(loss), Precision::Fp32, false).peak(micro as usize) as f64;
         let err = (planned - measured).abs() / measured;
-        assert!(err < 0.2, "{loss:?}: planned {planned}, measured {measured} ({:.1}% off)", err * 100.0);
+        assert!(
+            err < 0.2,
+            "{loss:?}: planned {planned}, measured {measured} ({:.1}% off)",
+            err * 100.0
+        );
     }
 }
 
@@ -125,9 +199,18 @@ fn a_step_reads_from_the_device_once() {
     for fp16 in [false, true] {
         let amp = match fp16 {
             false => Amp::fp32(Device::Cpu),
-            true => Amp { precision: Precision::Fp16, device: Device::Cpu, loss_scale: Some(&scaler.scale) },
+            true => Amp {
+                precision: Precision::Fp16,
+                device: Device::Cpu,
+                loss_scale: Some(&scaler.scale),
+            },
         };
-        let u = Update { lr: 1e-3, grad_clip: 1.0, amp, scaler: fp16.then_some(&scaler) };
+        let u = Update {
+            lr: 1e-3,
+            grad_clip: 1.0,
+            amp,
+            scaler: fp16.then_some(&scaler),
+        };
         let step = fp16 as u64;
         // The reference, read separately: the four micro-batches' mean loss before the step.
         let want: f64 = (0..4)
@@ -142,8 +225,15 @@ fn a_step_reads_from_the_device_once() {
         let stats = step_with(&task, &mut opt, &batches, step, 4, &u).unwrap();
         assert_eq!(stats.num_micro_batches, 4);
         assert_eq!(oomguard::ops::d2h_reads() - before, 1, "fp16 {fp16}: reads in one step");
-        assert!((stats.loss - want).abs() < 1e-5, "fp16 {fp16}: loss {} but the micro-batches' mean is {want}", stats.loss);
-        assert!(stats.grad_norm.is_finite() && stats.grad_norm > 0.0 && !stats.skipped, "{stats:?}");
+        assert!(
+            (stats.loss - want).abs() < 1e-5,
+            "fp16 {fp16}: loss {} but the micro-batches' mean is {want}",
+            stats.loss
+        );
+        assert!(
+            stats.grad_norm.is_finite() && stats.grad_norm > 0.0 && !stats.skipped,
+            "{stats:?}"
+        );
         assert_eq!(stats.loss_scale, fp16.then_some(65536.0), "{stats:?}");
     }
 }

@@ -10,7 +10,11 @@ use common::*;
 #[test]
 fn fused_run_recovers_from_ooms_with_the_clean_parameters() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = write_config(dir.path(), "tiny.yaml", &TINY.replace("vocab_size: 256", "vocab_size: 300"));
+    let cfg = write_config(
+        dir.path(),
+        "tiny.yaml",
+        &TINY.replace("vocab_size: 256", "vocab_size: 300"),
+    );
     let run = |name: &str, extra: &[&str]| train_into(dir.path(), &cfg, name, extra);
     let full = run("full", &["--set", "model.loss=full"]);
     let clean = run("clean", &["--set", "model.loss=fused"]);
@@ -24,7 +28,11 @@ fn fused_run_recovers_from_ooms_with_the_clean_parameters() {
     let wte = weights(&clean).into_iter().find(|(n, _)| n == "wte").unwrap().1;
     assert_eq!(wte.size(), vec![300, 32]);
     // One read back from the device per step.
-    assert!(records(&clean, "step").iter().all(|s| s["d2h_reads"] == 1), "{:?}", records(&clean, "step"));
+    assert!(
+        records(&clean, "step").iter().all(|s| s["d2h_reads"] == 1),
+        "{:?}",
+        records(&clean, "step")
+    );
 }
 
 /// A GPT on `model.loss: full` whose micro-batch 1 does not fit its budget climbs the
@@ -43,5 +51,10 @@ fn full_loss_that_does_not_fit_climbs_to_fused() {
     assert_eq!(rungs[0]["rung"], "fused_loss");
     let steps = records(&run, "step");
     assert_eq!(steps.len(), 2);
-    assert!(steps.iter().all(|s| s["memory"]["peak_bytes"].as_u64().unwrap() <= 50 << 20), "{steps:?}");
+    assert!(
+        steps
+            .iter()
+            .all(|s| s["memory"]["peak_bytes"].as_u64().unwrap() <= 50 << 20),
+        "{steps:?}"
+    );
 }

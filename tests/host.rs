@@ -17,14 +17,20 @@ fn run(cmd: &mut Command) -> (Output, String) {
 
 fn oomguard(dir: &Path) -> Command {
     let mut c = Command::new(common::bin());
-    isolated(&mut c, dir).current_dir(dir).env_remove("OMP_NUM_THREADS").env_remove("SLURM_CPUS_PER_TASK");
+    isolated(&mut c, dir)
+        .current_dir(dir)
+        .env_remove("OMP_NUM_THREADS")
+        .env_remove("SLURM_CPUS_PER_TASK");
     c
 }
 
 /// `cmd` with its CPU affinity narrowed to CPU 0, as Slurm's task/affinity or `taskset` do.
 fn on_one_cpu(cmd: &Command) -> Command {
     let mut c = Command::new("taskset");
-    c.args(["-c", "0"]).arg(cmd.get_program()).args(cmd.get_args()).current_dir(cmd.get_current_dir().unwrap());
+    c.args(["-c", "0"])
+        .arg(cmd.get_program())
+        .args(cmd.get_args())
+        .current_dir(cmd.get_current_dir().unwrap());
     for (k, v) in cmd.get_envs() {
         match v {
             Some(v) => c.env(k, v),
@@ -36,7 +42,13 @@ fn on_one_cpu(cmd: &Command) -> Command {
 
 /// TINY with the thread count left to the host.
 fn untuned(dir: &Path) -> PathBuf {
-    write_config(dir, "c.yaml", &TINY.replace(", num_threads: 1", "").replace("max_steps: 6", "max_steps: 2"))
+    write_config(
+        dir,
+        "c.yaml",
+        &TINY
+            .replace(", num_threads: 1", "")
+            .replace("max_steps: 6", "max_steps: 2"),
+    )
 }
 
 #[test]
@@ -50,14 +62,18 @@ fn train_takes_its_threads_from_the_affinity_mask_and_from_slurm() {
     assert!(err.contains("(1 thread (affinity mask of 1 CPU),"), "{err}");
 
     let mut slurm = oomguard(dir.path());
-    slurm.args(["train", cfg.to_str().unwrap(), "--run-dir", "b"]).env("SLURM_CPUS_PER_TASK", "1");
+    slurm
+        .args(["train", cfg.to_str().unwrap(), "--run-dir", "b"])
+        .env("SLURM_CPUS_PER_TASK", "1");
     let (o, err) = run(&mut slurm);
     assert!(o.status.success(), "{err}");
     assert!(err.contains("(1 thread (SLURM_CPUS_PER_TASK=1),"), "{err}");
 
     // OMP_NUM_THREADS, set by the user, wins over both.
     let mut omp = oomguard(dir.path());
-    omp.args(["train", cfg.to_str().unwrap(), "--run-dir", "c"]).env("SLURM_CPUS_PER_TASK", "1").env("OMP_NUM_THREADS", "2");
+    omp.args(["train", cfg.to_str().unwrap(), "--run-dir", "c"])
+        .env("SLURM_CPUS_PER_TASK", "1")
+        .env("OMP_NUM_THREADS", "2");
     let (o, err) = run(&mut on_one_cpu(&omp));
     assert!(o.status.success(), "{err}");
     assert!(err.contains("(2 threads (OMP_NUM_THREADS=2),"), "{err}");
@@ -67,7 +83,11 @@ fn train_takes_its_threads_from_the_affinity_mask_and_from_slurm() {
 fn sweep_trials_get_their_share_of_the_affinity_mask_and_of_slurm() {
     let dir = tempfile::tempdir().unwrap();
     untuned(dir.path());
-    let file = write_config(dir.path(), "s.yaml", "base: c.yaml\nparameters:\n  optim.lr: {values: [1.0e-3, 3.0e-3]}\n");
+    let file = write_config(
+        dir.path(),
+        "s.yaml",
+        "base: c.yaml\nparameters:\n  optim.lr: {values: [1.0e-3, 3.0e-3]}\n",
+    );
     for (name, slurm, parallel) in [("taskset", None, "1"), ("slurm", Some("1"), "2")] {
         let mut sweep = oomguard(dir.path());
         sweep.args(["sweep", file.to_str().unwrap(), "--out", name, "--parallel", parallel]);
@@ -80,15 +100,25 @@ fn sweep_trials_get_their_share_of_the_affinity_mask_and_of_slurm() {
         };
         let (o, err) = run(&mut cmd);
         assert!(o.status.success(), "{name}: {err}");
-        let trials: Vec<PathBuf> = std::fs::read_dir(dir.path().join(name).join("trials")).unwrap().map(|e| e.unwrap().path()).collect();
+        let trials: Vec<PathBuf> = std::fs::read_dir(dir.path().join(name).join("trials"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
         assert_eq!(trials.len(), 2);
         for t in trials {
             let log = std::fs::read_to_string(t.join("trial.log")).unwrap();
-            let want = if slurm.is_some() { "(1 thread (train.num_threads)," } else { "(1 thread (affinity mask of 1 CPU)," };
+            let want = if slurm.is_some() {
+                "(1 thread (train.num_threads),"
+            } else {
+                "(1 thread (affinity mask of 1 CPU),"
+            };
             assert!(log.contains(want), "{name}: {log}");
         }
         if slurm.is_some() {
-            assert!(err.contains("each trial gets 1 CPU thread (this host gives 1 thread (SLURM_CPUS_PER_TASK=1))"), "{err}");
+            assert!(
+                err.contains("each trial gets 1 CPU thread (this host gives 1 thread (SLURM_CPUS_PER_TASK=1))"),
+                "{err}"
+            );
         }
     }
 }
@@ -119,7 +149,10 @@ impl MemoryCgroup {
     /// `cmd`, started inside this cgroup (the shell joins it, then execs the command).
     fn wrap(&self, cmd: &Command) -> Command {
         let mut c = Command::new("sh");
-        c.args(["-c", "echo $$ > \"$0\" && exec \"$@\""]).arg(self.dir.join("cgroup.procs")).arg(cmd.get_program()).args(cmd.get_args());
+        c.args(["-c", "echo $$ > \"$0\" && exec \"$@\""])
+            .arg(self.dir.join("cgroup.procs"))
+            .arg(cmd.get_program())
+            .args(cmd.get_args());
         c.current_dir(cmd.get_current_dir().unwrap());
         for (k, v) in cmd.get_envs() {
             match v {
@@ -134,7 +167,9 @@ impl MemoryCgroup {
     fn oom_kills(&self) -> u64 {
         let file = if self.v2 { "memory.events" } else { "memory.oom_control" };
         let text = std::fs::read_to_string(self.dir.join(file)).unwrap_or_default();
-        text.lines().find_map(|l| l.strip_prefix("oom_kill ")?.trim().parse().ok()).unwrap_or(0)
+        text.lines()
+            .find_map(|l| l.strip_prefix("oom_kill ")?.trim().parse().ok())
+            .unwrap_or(0)
     }
 }
 
@@ -171,7 +206,11 @@ fn hungry(dir: &Path, steps: u64) -> PathBuf {
 /// Runs `cmd` in `cg`; asserts it ends with exit 0 and no kernel kill there.
 fn survives(cg: &MemoryCgroup, name: &str, cmd: &Command) -> String {
     let (o, err) = run(&mut cg.wrap(cmd));
-    assert_eq!(cg.oom_kills(), 0, "{name}: the kernel killed a process in the cgroup\n{err}");
+    assert_eq!(
+        cg.oom_kills(),
+        0,
+        "{name}: the kernel killed a process in the cgroup\n{err}"
+    );
     assert!(o.status.success(), "{name}: {:?}\n{err}", o.status);
     err
 }
@@ -186,11 +225,19 @@ fn a_run_inside_a_small_memory_cgroup_adapts_instead_of_being_killed() {
     let cfg = hungry(dir.path(), 3);
     let mut train = oomguard(dir.path());
     train.args(["train", cfg.to_str().unwrap(), "--run-dir", "run"]);
-    let Some(cg) = MemoryCgroup::make("train", 700 * MIB) else { return };
+    let Some(cg) = MemoryCgroup::make("train", 700 * MIB) else {
+        return;
+    };
     let err = survives(&cg, "train", &train);
     let rd = dir.path().join("run");
-    assert!(err.contains("free under the cgroup limit 700.0 MiB at /"), "the budget names the cgroup:\n{err}");
-    assert!(ooms(&rd) > 0, "the budget, not the kernel, stopped the configured micro-batch");
+    assert!(
+        err.contains("free under the cgroup limit 700.0 MiB at /"),
+        "the budget names the cgroup:\n{err}"
+    );
+    assert!(
+        ooms(&rd) > 0,
+        "the budget, not the kernel, stopped the configured micro-batch"
+    );
     assert_eq!(records(&rd, "step").len(), 3);
     // `oomguard plan` plans with the same figure.
     let (o, err) = run(&mut cg.wrap(oomguard(dir.path()).args(["plan", cfg.to_str().unwrap()])));
@@ -204,11 +251,27 @@ fn launched_workers_and_parallel_trials_each_get_their_share_of_the_cgroup() {
     let cfg = hungry(dir.path(), 2);
     let bin = common::bin();
     let mut launch = oomguard(dir.path());
-    launch.args(["launch", "--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.05", "--no-python"]).arg(&bin).args(["train", cfg.to_str().unwrap(), "--run-dir", "dp"]);
-    let Some(cg) = MemoryCgroup::make("launch", 1000 * MIB) else { return };
+    launch
+        .args([
+            "launch",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--monitor-interval",
+            "0.05",
+            "--no-python",
+        ])
+        .arg(&bin)
+        .args(["train", cfg.to_str().unwrap(), "--run-dir", "dp"]);
+    let Some(cg) = MemoryCgroup::make("launch", 1000 * MIB) else {
+        return;
+    };
     let err = survives(&cg, "launch", &launch);
     assert!(err.contains("each of the 2 workers gets"), "{err}");
-    assert!(err.contains("free of this process's share"), "each worker's budget is its share:\n{err}");
+    assert!(
+        err.contains("free of this process's share"),
+        "each worker's budget is its share:\n{err}"
+    );
     let dp = dir.path().join("dp");
     assert!(ooms(&dp) > 0);
     assert_eq!(records(&dp, "step").len(), 2);
@@ -217,10 +280,16 @@ fn launched_workers_and_parallel_trials_each_get_their_share_of_the_cgroup() {
     let dir = dir.path().join("sweep");
     std::fs::create_dir(&dir).unwrap();
     hungry(&dir, 2);
-    let file = write_config(&dir, "s.yaml", "base: hungry.yaml\nparameters:\n  optim.lr: {values: [1.0e-3, 3.0e-3]}\n");
+    let file = write_config(
+        &dir,
+        "s.yaml",
+        "base: hungry.yaml\nparameters:\n  optim.lr: {values: [1.0e-3, 3.0e-3]}\n",
+    );
     let mut sweep = oomguard(&dir);
     sweep.args(["sweep", file.to_str().unwrap(), "--out", "sweep", "--parallel", "2"]);
-    let Some(cg) = MemoryCgroup::make("sweep", 1000 * MIB) else { return };
+    let Some(cg) = MemoryCgroup::make("sweep", 1000 * MIB) else {
+        return;
+    };
     let err = survives(&cg, "sweep", &sweep);
     assert!(err.contains("each of the 2 slots gets"), "{err}");
     let results = std::fs::read_to_string(dir.join("sweep/results.jsonl")).unwrap();
@@ -228,10 +297,17 @@ fn launched_workers_and_parallel_trials_each_get_their_share_of_the_cgroup() {
     assert_eq!(results.len(), 2);
     for r in &results {
         assert_eq!(r["status"], "ok", "{r}");
-        assert!(r["final_micro_batch_size"].as_u64().unwrap() < 64, "the configured micro-batch does not fit a share: {r}");
-        let log = std::fs::read_to_string(dir.join("sweep").join(r["run_dir"].as_str().unwrap()).join("trial.log")).unwrap();
+        assert!(
+            r["final_micro_batch_size"].as_u64().unwrap() < 64,
+            "the configured micro-batch does not fit a share: {r}"
+        );
+        let log =
+            std::fs::read_to_string(dir.join("sweep").join(r["run_dir"].as_str().unwrap()).join("trial.log")).unwrap();
         assert!(log.contains("free of this process's share"), "{log}");
     }
     // A trial may start at a size the other already found (the shared cache); not both.
-    assert!(results.iter().map(|r| r["ooms"].as_u64().unwrap()).sum::<u64>() > 0, "{results:?}");
+    assert!(
+        results.iter().map(|r| r["ooms"].as_u64().unwrap()).sum::<u64>() > 0,
+        "{results:?}"
+    );
 }

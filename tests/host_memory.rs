@@ -19,11 +19,22 @@ fn host_memory_stays_flat_over_a_run() {
          log: {every: 1000}\n",
     );
     let run = train_ok(dir.path(), &cfg, &[]);
-    let rss: Vec<f64> = records(&run, "step").iter().map(|s| s["memory"]["host_rss_anon_bytes"].as_f64().expect("every step record carries it") / 1048576.0).collect();
+    let rss: Vec<f64> = records(&run, "step")
+        .iter()
+        .map(|s| {
+            s["memory"]["host_rss_anon_bytes"]
+                .as_f64()
+                .expect("every step record carries it")
+                / 1048576.0
+        })
+        .collect();
     assert_eq!(rss.len(), 80);
     // After warm-up (the allocator's pools, the first checkpoint's buffers), medians of ten
     // steps 60 steps apart (glibc hands memory back in bursts): a leak of 100 KiB a step
     // would show as 6 MiB.
     let (settled, end) = (median(rss[10..20].to_vec()), median(rss[70..80].to_vec()));
-    assert!(end - settled < 4.0, "host memory grew from {settled:.1} MiB (steps 11-20) to {end:.1} MiB (steps 71-80): {rss:.1?}");
+    assert!(
+        end - settled < 4.0,
+        "host memory grew from {settled:.1} MiB (steps 11-20) to {end:.1} MiB (steps 71-80): {rss:.1?}"
+    );
 }

@@ -26,22 +26,48 @@ fn a_thousand_injected_ooms_change_nothing() {
     // Two runs at a time (one thread each, on 2 cores).
     let one = |seed: u64| -> Vec<String> {
         let run = dir.path().join(format!("run{seed}"));
-        let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--inject-oom", &format!("{PER_RUN}:{seed}")], dir.path());
+        let o = oomguard(
+            &[
+                "train",
+                cfg.to_str().unwrap(),
+                "--run-dir",
+                run.to_str().unwrap(),
+                "--inject-oom",
+                &format!("{PER_RUN}:{seed}"),
+            ],
+            dir.path(),
+        );
         let err = stderr(&o);
         assert!(o.status.success(), "seed {seed}: {err}");
-        assert!(err.contains(&format!("--inject-oom: {PER_RUN} of {PER_RUN} allocation failures injected")), "seed {seed}: {err}");
+        assert!(
+            err.contains(&format!(
+                "--inject-oom: {PER_RUN} of {PER_RUN} allocation failures injected"
+            )),
+            "seed {seed}: {err}"
+        );
         let steps = records(&run, "step");
-        assert_eq!(steps.iter().map(|s| s["step"].as_u64().unwrap()).collect::<Vec<_>>(), (0..24).collect::<Vec<_>>(), "seed {seed}: each step once");
-        assert!(steps.iter().all(|s| s["num_samples"] == 16), "seed {seed}: a step without its full global batch");
+        assert_eq!(
+            steps.iter().map(|s| s["step"].as_u64().unwrap()).collect::<Vec<_>>(),
+            (0..24).collect::<Vec<_>>(),
+            "seed {seed}: each step once"
+        );
+        assert!(
+            steps.iter().all(|s| s["num_samples"] == 16),
+            "seed {seed}: a step without its full global batch"
+        );
         let ooms = records(&run, "oom");
         assert_eq!(ooms.len() as u64, PER_RUN, "seed {seed}: {ooms:?}");
         let d = max_abs_diff(&weights(&clean), &weights(&run));
         assert!(d < 1e-5, "seed {seed}: parameters differ from the clean run by {d}");
         std::fs::remove_dir_all(&run).unwrap();
-        ooms.iter().map(|e| e["phase"].as_str().unwrap_or("none").to_string()).collect()
+        ooms.iter()
+            .map(|e| e["phase"].as_str().unwrap_or("none").to_string())
+            .collect()
     };
     let phases_of_all: Vec<String> = std::thread::scope(|s| {
-        let halves: Vec<_> = (0..2).map(|h| s.spawn(move || (h..RUNS).step_by(2).flat_map(one).collect::<Vec<_>>())).collect();
+        let halves: Vec<_> = (0..2)
+            .map(|h| s.spawn(move || (h..RUNS).step_by(2).flat_map(one).collect::<Vec<_>>()))
+            .collect();
         halves.into_iter().flat_map(|h| h.join().unwrap()).collect()
     });
     let injected = phases_of_all.len() as u64;
@@ -54,6 +80,9 @@ fn a_thousand_injected_ooms_change_nothing() {
     // (Checkpoint writing makes one allocation on the CPU, the random generators' state: a
     // run may not hit it; tests/inject_sweep.rs fails every allocation of a write in turn.)
     for p in ["data", "forward", "backward", "clip", "optimizer", "eval"] {
-        assert!(phases.get(p).is_some_and(|&n| n > 0), "no injection landed in {p}: {phases:?}");
+        assert!(
+            phases.get(p).is_some_and(|&n| n > 0),
+            "no injection landed in {p}: {phases:?}"
+        );
     }
 }

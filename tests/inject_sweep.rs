@@ -21,7 +21,10 @@ fn copies(named: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> {
 }
 
 fn max_diff(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> f64 {
-    a.iter().zip(b).map(|((_, x), (_, y))| (x - y).abs().max().double_value(&[])).fold(0.0, f64::max)
+    a.iter()
+        .zip(b)
+        .map(|((_, x), (_, y))| (x - y).abs().max().double_value(&[]))
+        .fold(0.0, f64::max)
 }
 
 /// Runs `f` with the allocation `k` allocations from now made to fail; returns its result
@@ -45,14 +48,22 @@ fn allocations(f: impl FnOnce()) -> u64 {
 fn an_oom_at_every_allocation_changes_nothing() {
     let common::TinyGpt { data, task, mut opt } = common::tiny_gpt();
     let batches = common::tiny_batches(&data, 16);
-    let (start_params, start_opt) = (copies(task.state()), copies(opt.state().into_iter().map(|(n, t)| (n, t.shallow_clone())).collect()));
+    let (start_params, start_opt) = (
+        copies(task.state()),
+        copies(opt.state().into_iter().map(|(n, t)| (n, t.shallow_clone())).collect()),
+    );
     let reset = |opt: &mut AdamW| {
         tensors::copy_into(&start_params, &task.state()).unwrap();
         opt.load_state(&start_opt).unwrap();
     };
     let step = |opt: &mut AdamW| {
         let mut guard = Guard::new(&MemoryConfig::default(), 8, Device::Cpu);
-        let r = guard.run(0, opt, |opt, mb| train_step(&task, opt, &batches as &StepSamples, 0, mb, 1e-3, 1.0), |o| o.clear_grads());
+        let r = guard.run(
+            0,
+            opt,
+            |opt, mb| train_step(&task, opt, &batches as &StepSamples, 0, mb, 1e-3, 1.0),
+            |o| o.clear_grads(),
+        );
         (r, guard.drain_events())
     };
 
@@ -72,10 +83,17 @@ fn an_oom_at_every_allocation_changes_nothing() {
             }
         }
         let d = max_diff(&clean, &task.state());
-        assert!(d < 1e-5, "allocation {k} of {n}: parameters differ from a clean step by {d}");
+        assert!(
+            d < 1e-5,
+            "allocation {k} of {n}: parameters differ from a clean step by {d}"
+        );
         for (name, t) in opt.state() {
             if name.ends_with(".step") {
-                assert_eq!(t.double_value(&[]), 1.0, "allocation {k}: {name}: updated other than exactly once");
+                assert_eq!(
+                    t.double_value(&[]),
+                    1.0,
+                    "allocation {k}: {name}: updated other than exactly once"
+                );
             }
         }
     }
@@ -85,8 +103,23 @@ fn an_oom_at_every_allocation_changes_nothing() {
     println!("step: an OOM at each of its {n} allocations recovered ({phases:?})");
 
     // 2. Every allocation of one evaluation (2 batches of 16).
-    let spec = EvalSpec { samples: data.val.as_ref() as &dyn Samples, seed: 1, batch_size: 16, num_batches: 2, device: Device::Cpu };
-    let eval = || evaluate(&task, &spec, &mut Guard::for_eval(&MemoryConfig::default(), 16, Device::Cpu), 0, &Amp::fp32(Device::Cpu), None);
+    let spec = EvalSpec {
+        samples: data.val.as_ref() as &dyn Samples,
+        seed: 1,
+        batch_size: 16,
+        num_batches: 2,
+        device: Device::Cpu,
+    };
+    let eval = || {
+        evaluate(
+            &task,
+            &spec,
+            &mut Guard::for_eval(&MemoryConfig::default(), 16, Device::Cpu),
+            0,
+            &Amp::fp32(Device::Cpu),
+            None,
+        )
+    };
     let reference = eval().unwrap();
     let m = allocations(|| {
         eval().unwrap();
@@ -95,15 +128,26 @@ fn an_oom_at_every_allocation_changes_nothing() {
         let (v, fired) = with_failure_at(k, eval);
         assert!(fired);
         let v = v.unwrap_or_else(|e| panic!("evaluation allocation {k} of {m}: {e}"));
-        assert!((v - reference).abs() < 1e-6, "evaluation allocation {k}: {v} != {reference}");
+        assert!(
+            (v - reference).abs() < 1e-6,
+            "evaluation allocation {k}: {v} != {reference}"
+        );
     }
 
     // 3. Every allocation of a checkpoint write, then of a restore: an OOM error (never a
     // panic), and a retry that succeeds with the same tensors.
     let dir = tempfile::tempdir().unwrap();
     let state = TrainState {
-        format: checkpoint::FORMAT, next_step: 1, samples_seen: 16, policy: Policy::new(8), eval_policy: Policy::new(16),
-        val_loss: None, eval_history: Default::default(), model: task.fingerprint(), extra: Default::default(), files: Default::default(),
+        format: checkpoint::FORMAT,
+        next_step: 1,
+        samples_seen: 16,
+        policy: Policy::new(8),
+        eval_policy: Policy::new(16),
+        val_loss: None,
+        eval_history: Default::default(),
+        model: task.fingerprint(),
+        extra: Default::default(),
+        files: Default::default(),
     };
     let full = opt.full_state(&|r| r).unwrap();
     let save = || checkpoint::save(dir.path(), &state, &task, &full.tensors, Device::Cpu);
@@ -115,7 +159,10 @@ fn an_oom_at_every_allocation_changes_nothing() {
     for k in 0..w {
         std::fs::remove_dir_all(&saved).unwrap();
         let (r, fired) = with_failure_at(k, save);
-        assert!(fired && matches!(r, Err(Error::Oom(_))), "checkpoint allocation {k} of {w}: {r:?}");
+        assert!(
+            fired && matches!(r, Err(Error::Oom(_))),
+            "checkpoint allocation {k} of {w}: {r:?}"
+        );
         assert!(!saved.exists(), "a failed write left a checkpoint behind");
         save().unwrap();
         checkpoint::verify(&saved).unwrap();
@@ -124,7 +171,10 @@ fn an_oom_at_every_allocation_changes_nothing() {
     let r_allocs = allocations(|| checkpoint::restore(&saved, &task, &mut opt, Device::Cpu).unwrap());
     for k in 0..r_allocs {
         let (r, fired) = with_failure_at(k, || checkpoint::restore(&saved, &task, &mut opt, Device::Cpu));
-        assert!(fired && matches!(r, Err(Error::Oom(_))), "restore allocation {k} of {r_allocs}: {r:?}");
+        assert!(
+            fired && matches!(r, Err(Error::Oom(_))),
+            "restore allocation {k} of {r_allocs}: {r:?}"
+        );
         checkpoint::restore(&saved, &task, &mut opt, Device::Cpu).unwrap();
         assert_eq!(max_diff(&before, &task.state()), 0.0);
     }

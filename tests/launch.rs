@@ -18,28 +18,45 @@ fn script(name: &str) -> String {
 /// PATH with the set-up's venv (python3 with torch, torchrun) first.
 fn path_with_venv() -> String {
     let venv = root().join(".venv/bin");
-    assert!(venv.join("python3").exists(), "{} is missing: run `make setup`", venv.display());
+    assert!(
+        venv.join("python3").exists(),
+        "{} is missing: run `make setup`",
+        venv.display()
+    );
     format!("{}:{}", venv.display(), std::env::var("PATH").unwrap_or_default())
 }
 
 fn launcher(args: &[&str]) -> Command {
     let mut c = Command::new(common::bin());
     dies_with_test(&mut c);
-    c.arg("launch").args(args).env("PATH", path_with_venv()).env_remove("OMP_NUM_THREADS").stdin(Stdio::null());
+    c.arg("launch")
+        .args(args)
+        .env("PATH", path_with_venv())
+        .env_remove("OMP_NUM_THREADS")
+        .stdin(Stdio::null());
     c
 }
 
 fn text(o: &Output) -> (String, String) {
-    (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
 }
 
 /// The workers' RESULT objects, wherever they fall: without prefixes (torchrun) two workers'
 /// writes can share a line.
 fn results(stdout: &str) -> BTreeSet<String> {
-    stdout.split("RESULT ").skip(1).filter_map(|r| r.find("\"world\": ").map(|i| &r[..i]).and_then(|head| {
-        let tail = &r[head.len()..];
-        tail.find('}').map(|j| format!("{head}{}", &tail[..=j]))
-    })).collect()
+    stdout
+        .split("RESULT ")
+        .skip(1)
+        .filter_map(|r| {
+            r.find("\"world\": ").map(|i| &r[..i]).and_then(|head| {
+                let tail = &r[head.len()..];
+                tail.find('}').map(|j| format!("{head}{}", &tail[..=j]))
+            })
+        })
+        .collect()
 }
 
 #[test]
@@ -48,12 +65,19 @@ fn ddp_script_runs_exactly_as_under_torchrun() {
     let ours = launcher(&["--master-port", "29533"]).args(args).output().unwrap();
     let (out, err) = text(&ours);
     assert!(ours.status.success(), "{out}\n{err}");
-    assert!(out.contains("[default0]:RESULT") && out.contains("[default1]:RESULT"), "per-rank prefixes: {out}");
+    assert!(
+        out.contains("[default0]:RESULT") && out.contains("[default1]:RESULT"),
+        "per-rank prefixes: {out}"
+    );
     assert!(err.contains("OMP_NUM_THREADS is unset: setting it to 1"), "{err}");
 
     let torchrun = Command::new(root().join(".venv/bin/python3"))
-        .args(["-m", "torch.distributed.run", "--master-port", "29534"]).args(args)
-        .env("PATH", path_with_venv()).env_remove("OMP_NUM_THREADS").output().unwrap();
+        .args(["-m", "torch.distributed.run", "--master-port", "29534"])
+        .args(args)
+        .env("PATH", path_with_venv())
+        .env_remove("OMP_NUM_THREADS")
+        .output()
+        .unwrap();
     let (tout, terr) = text(&torchrun);
     assert!(torchrun.status.success(), "{tout}\n{terr}");
     let (a, b) = (results(&out), results(&tout));
@@ -64,16 +88,35 @@ fn ddp_script_runs_exactly_as_under_torchrun() {
 #[test]
 fn crash_restarts_then_summary_with_first_failure() {
     let logs = tempfile::tempdir().unwrap();
-    let o = launcher(&["--nproc-per-node", "2", "--max-restarts", "2", "--monitor-interval", "0.05", "--log-dir", logs.path().to_str().unwrap(), "--tee", "3", &script("crash.py")])
-        .output().unwrap();
+    let o = launcher(&[
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        "--monitor-interval",
+        "0.05",
+        "--log-dir",
+        logs.path().to_str().unwrap(),
+        "--tee",
+        "3",
+        &script("crash.py"),
+    ])
+    .output()
+    .unwrap();
     let (out, err) = text(&o);
     assert_eq!(o.status.code(), Some(7), "{out}\n{err}");
     for attempt in 0..3 {
         assert!(out.contains(&format!("attempt {attempt} rank 1")), "{out}");
     }
-    assert!(err.contains("restarting the group (1/2)") && err.contains("restarting the group (2/2)"), "{err}");
+    assert!(
+        err.contains("restarting the group (1/2)") && err.contains("restarting the group (2/2)"),
+        "{err}"
+    );
     assert!(err.contains("Root Cause (first observed failure)"), "{err}");
-    assert!(err.contains("rank      : 1 (local_rank: 1)") && err.contains("exitcode  : 7"), "{err}");
+    assert!(
+        err.contains("rank      : 1 (local_rank: 1)") && err.contains("exitcode  : 7"),
+        "{err}"
+    );
     assert!(err.contains("traceback : ValueError: rank 1 is broken"), "{err}");
     assert!(err.contains("about to fail"), "stderr tail in the summary: {err}");
     // Per-rank log files under --log-dir, one folder per attempt.
@@ -84,8 +127,18 @@ fn crash_restarts_then_summary_with_first_failure() {
 
 #[test]
 fn oom_death_relaunches_with_half_the_micro_batch() {
-    let o = launcher(&["--nproc-per-node", "2", "--max-restarts", "3", "--monitor-interval", "0.05", &script("oom.py")])
-        .env("OOMGUARD_MICRO_BATCH_SIZE", "16").output().unwrap();
+    let o = launcher(&[
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "3",
+        "--monitor-interval",
+        "0.05",
+        &script("oom.py"),
+    ])
+    .env("OOMGUARD_MICRO_BATCH_SIZE", "16")
+    .output()
+    .unwrap();
     let (out, err) = text(&o);
     assert!(o.status.success(), "{out}\n{err}");
     // Whichever rank dies first stops the other, maybe before it printed: either will do.
@@ -93,17 +146,32 @@ fn oom_death_relaunches_with_half_the_micro_batch() {
         assert!(out.contains(&format!(" micro-batch {mb}\n")), "{out}");
     }
     assert!(!out.contains("micro-batch 2"), "{out}");
-    assert!(err.contains("relaunching with OOMGUARD_MICRO_BATCH_SIZE=8") && err.contains("OOMGUARD_MICRO_BATCH_SIZE=4"), "{err}");
+    assert!(
+        err.contains("relaunching with OOMGUARD_MICRO_BATCH_SIZE=8") && err.contains("OOMGUARD_MICRO_BATCH_SIZE=4"),
+        "{err}"
+    );
 }
 
 /// A script that prints its micro-batch on stdout (Python's print) is understood: after its
 /// out-of-memory death the relaunch halves that size, until it fits.
 #[test]
 fn micro_batch_printed_on_stdout_is_halved_after_an_oom() {
-    let o = launcher(&["--max-restarts", "3", "--monitor-interval", "0.05", &script("oom_print.py")]).env_remove("OOMGUARD_MICRO_BATCH_SIZE").output().unwrap();
+    let o = launcher(&[
+        "--max-restarts",
+        "3",
+        "--monitor-interval",
+        "0.05",
+        &script("oom_print.py"),
+    ])
+    .env_remove("OOMGUARD_MICRO_BATCH_SIZE")
+    .output()
+    .unwrap();
     let (out, err) = text(&o);
     assert!(o.status.success(), "{out}\n{err}");
-    assert!(err.contains("relaunching with OOMGUARD_MICRO_BATCH_SIZE=128") && err.contains("OOMGUARD_MICRO_BATCH_SIZE=64"), "{err}");
+    assert!(
+        err.contains("relaunching with OOMGUARD_MICRO_BATCH_SIZE=128") && err.contains("OOMGUARD_MICRO_BATCH_SIZE=64"),
+        "{err}"
+    );
     assert!(out.contains("micro_batch_size=64"), "{out}");
 }
 
@@ -111,9 +179,15 @@ fn micro_batch_printed_on_stdout_is_halved_after_an_oom() {
 /// launcher, its workers and theirs).
 fn processes_with(marker: &str) -> Vec<u32> {
     let needle = format!("OOMGUARD_TEST_MARKER={marker}");
-    std::fs::read_dir("/proc").unwrap().flatten()
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| std::fs::read(format!("/proc/{pid}/environ")).map(|c| String::from_utf8_lossy(&c).contains(&needle)).unwrap_or(false))
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .map(|c| String::from_utf8_lossy(&c).contains(&needle))
+                .unwrap_or(false)
+        })
         .collect()
 }
 
@@ -129,13 +203,33 @@ fn wait_until(what: &str, f: impl Fn() -> bool) {
 /// (or killed), or one worker crashes. Nothing may be left behind.
 fn leaves_nothing_behind(how: &str, marker: &str) {
     let crash = "sleep 300 & sleep 301 & if [ \"$LOCAL_RANK\" = 1 ]; then sleep 0.2; exit 3; fi; wait";
-    let body = if how == "crash" { crash } else { "sleep 300 & sleep 301 & wait" };
-    let mut child = launcher(&["--nproc-per-node", "2", "--monitor-interval", "0.05", "--no-python", "sh", "-c", body])
-        .env("OOMGUARD_TEST_MARKER", marker).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let body = if how == "crash" {
+        crash
+    } else {
+        "sleep 300 & sleep 301 & wait"
+    };
+    let mut child = launcher(&[
+        "--nproc-per-node",
+        "2",
+        "--monitor-interval",
+        "0.05",
+        "--no-python",
+        "sh",
+        "-c",
+        body,
+    ])
+    .env("OOMGUARD_TEST_MARKER", marker)
+    .stdout(Stdio::null())
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
     // The launcher, and for each worker its shim, the shell and the shell's two children.
     wait_until("the workers", || processes_with(marker).len() >= 9);
     if how != "crash" {
-        Command::new("kill").args([how, &child.id().to_string()]).status().unwrap();
+        Command::new("kill")
+            .args([how, &child.id().to_string()])
+            .status()
+            .unwrap();
     }
     let status = child.wait().unwrap();
     match how {
@@ -144,7 +238,9 @@ fn leaves_nothing_behind(how: &str, marker: &str) {
         "crash" => assert_eq!(status.code(), Some(3)),
         _ => {}
     }
-    wait_until(&format!("every process of case {marker} ({how}) to be gone"), || processes_with(marker).is_empty());
+    wait_until(&format!("every process of case {marker} ({how}) to be gone"), || {
+        processes_with(marker).is_empty()
+    });
 }
 
 /// 50 cases of launcher kill -9, SIGTERM, SIGINT and a worker crash, with workers that start
@@ -161,14 +257,33 @@ fn launcher_deaths_and_worker_crashes_leave_no_process_behind() {
 #[test]
 fn python_script_and_module_modes() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("hello.py"), "import os; print('hello', os.environ['RANK'])").unwrap();
-    let o = launcher(&["--nproc_per_node=2", "hello.py"]).current_dir(dir.path()).output().unwrap();
+    std::fs::write(
+        dir.path().join("hello.py"),
+        "import os; print('hello', os.environ['RANK'])",
+    )
+    .unwrap();
+    let o = launcher(&["--nproc_per_node=2", "hello.py"])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
     let (out, err) = text(&o);
     assert!(o.status.success(), "{err}");
-    assert!(out.contains("[default0]:hello 0") && out.contains("[default1]:hello 1"), "{out}");
-    let o = launcher(&["-m", "hello"]).current_dir(dir.path()).env("PYTHONPATH", dir.path()).env("PET_NPROC_PER_NODE", "1").output().unwrap();
+    assert!(
+        out.contains("[default0]:hello 0") && out.contains("[default1]:hello 1"),
+        "{out}"
+    );
+    let o = launcher(&["-m", "hello"])
+        .current_dir(dir.path())
+        .env("PYTHONPATH", dir.path())
+        .env("PET_NPROC_PER_NODE", "1")
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{:?}", text(&o));
-    assert!(text(&o).0.contains("[default0]:hello 0") && !text(&o).0.contains("hello 1"), "{:?}", text(&o));
+    assert!(
+        text(&o).0.contains("[default0]:hello 0") && !text(&o).0.contains("hello 1"),
+        "{:?}",
+        text(&o)
+    );
 }
 
 /// `oomguard train` with the guard off dies of a real OOM under its budget; the launcher
@@ -185,30 +300,66 @@ memory: {guard: false, budget: 1275000}
 ").unwrap();
     let run = dir.path().join("run");
     let torch_bin = common::bin();
-    let o = launcher(&["--max-restarts", "3", "--monitor-interval", "0.05", "--no-python", torch_bin.to_str().unwrap(), "train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--resume"])
-        .env("OOMGUARD_CACHE", dir.path().join(".cache"))
-        .output().unwrap();
+    let o = launcher(&[
+        "--max-restarts",
+        "3",
+        "--monitor-interval",
+        "0.05",
+        "--no-python",
+        torch_bin.to_str().unwrap(),
+        "train",
+        cfg.to_str().unwrap(),
+        "--run-dir",
+        run.to_str().unwrap(),
+        "--resume",
+    ])
+    .env("OOMGUARD_CACHE", dir.path().join(".cache"))
+    .output()
+    .unwrap();
     let (out, err) = text(&o);
     assert!(o.status.success(), "{out}\n{err}");
     assert!(err.contains("ran out of memory at micro_batch_size=8"), "{err}");
     assert!(err.contains("relaunching with OOMGUARD_MICRO_BATCH_SIZE=4"), "{err}");
     // The relaunched run knows which size killed its predecessor, and lets it cool down.
-    assert!(err.contains("starting at micro-batch 4 (8 ran out of memory before the relaunch: it cools down)"), "{err}");
+    assert!(
+        err.contains("starting at micro-batch 4 (8 ran out of memory before the relaunch: it cools down)"),
+        "{err}"
+    );
     let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
-    let steps: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).filter(|v: &serde_json::Value| v["event"] == "step").collect();
+    let steps: Vec<serde_json::Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|v: &serde_json::Value| v["event"] == "step")
+        .collect();
     assert_eq!(steps.len(), 4);
-    assert!(steps.iter().all(|s| s["micro_batch_size"].as_u64().unwrap() <= 4 && s["num_samples"] == 16));
+    assert!(steps
+        .iter()
+        .all(|s| s["micro_batch_size"].as_u64().unwrap() <= 4 && s["num_samples"] == 16));
 }
 
 /// A worker that recovered from an OOM (its traceback printed) and later failed for another
 /// reason is relaunched at the same micro-batch: only the error that ended it counts.
 #[test]
 fn a_recovered_oom_then_another_crash_restarts_at_the_same_micro_batch() {
-    let o = launcher(&["--max-restarts", "2", "--monitor-interval", "0.05", &script("recovered_then_crash.py")]).env("OOMGUARD_MICRO_BATCH_SIZE", "16").output().unwrap();
+    let o = launcher(&[
+        "--max-restarts",
+        "2",
+        "--monitor-interval",
+        "0.05",
+        &script("recovered_then_crash.py"),
+    ])
+    .env("OOMGUARD_MICRO_BATCH_SIZE", "16")
+    .output()
+    .unwrap();
     let (out, err) = text(&o);
     assert!(o.status.success(), "{out}\n{err}");
     assert!(out.contains("attempt 1 micro_batch_size=16"), "{out}\n{err}");
-    assert!(err.contains("restarting the group (1/2)") && !err.contains("out of memory; restarting") && !err.contains("relaunching with"), "{err}");
+    assert!(
+        err.contains("restarting the group (1/2)")
+            && !err.contains("out of memory; restarting")
+            && !err.contains("relaunching with"),
+        "{err}"
+    );
 }
 
 /// Exit 3 (does not fit even at micro-batch 1) is not restarted: restarts cannot help.
@@ -223,13 +374,32 @@ train: {micro_batch_size: 8, grad_accum_steps: 2, max_steps: 4, eval_every: 0, e
 memory: {budget: 256MiB}
 ").unwrap();
     let bin = common::bin();
-    let o = launcher(&["--max-restarts", "3", "--monitor-interval", "0.05", "--no-python", bin.to_str().unwrap(), "train", cfg.to_str().unwrap(), "--run-dir", dir.path().join("run").to_str().unwrap()])
-        .env("OOMGUARD_CACHE", dir.path().join(".cache")).output().unwrap();
+    let o = launcher(&[
+        "--max-restarts",
+        "3",
+        "--monitor-interval",
+        "0.05",
+        "--no-python",
+        bin.to_str().unwrap(),
+        "train",
+        cfg.to_str().unwrap(),
+        "--run-dir",
+        dir.path().join("run").to_str().unwrap(),
+    ])
+    .env("OOMGUARD_CACHE", dir.path().join(".cache"))
+    .output()
+    .unwrap();
     let (out, err) = text(&o);
     assert_eq!(o.status.code(), Some(3), "{out}\n{err}");
     assert!(!err.contains("restarting the group"), "{err}");
-    assert!(err.contains("exited 3: it does not fit in memory even at micro-batch 1"), "{err}");
-    assert!(err.contains("vocab"), "the planner's message (what would fit) is shown: {err}");
+    assert!(
+        err.contains("exited 3: it does not fit in memory even at micro-batch 1"),
+        "{err}"
+    );
+    assert!(
+        err.contains("vocab"),
+        "the planner's message (what would fit) is shown: {err}"
+    );
 }
 
 /// SIGTERM to the launcher: the workers get --shutdown-timeout to finish (a checkpoint being
@@ -239,8 +409,19 @@ fn workers_get_the_shutdown_timeout_after_sigterm() {
     for (timeout, written) in [("10", true), ("0", false)] {
         let dir = tempfile::tempdir().unwrap();
         let done = dir.path().join("done");
-        let child = launcher(&["--shutdown-timeout", timeout, "--monitor-interval", "0.05", &script("slow_exit.py")])
-            .env("SLOW_EXIT_S", "1.5").env("DONE_FILE", &done).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        let child = launcher(&[
+            "--shutdown-timeout",
+            timeout,
+            "--monitor-interval",
+            "0.05",
+            &script("slow_exit.py"),
+        ])
+        .env("SLOW_EXIT_S", "1.5")
+        .env("DONE_FILE", &done)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
         let pid = child.id();
         let ready = dir.path().join("done.ready");
         wait_until("the worker's SIGTERM handler", || ready.exists());

@@ -13,6 +13,10 @@ fn a_refused_allocation_gives_its_bytes_back() {
     let r = Tensor::f_empty([1i64 << 50], (Kind::Float, Device::Cpu));
     let e = oomguard::Error::from(r.expect_err("a 4 PiB tensor cannot be allocated"));
     assert!(e.is_oom(), "{e}");
-    assert_eq!(memory::cpu_live_bytes(), before, "the refused allocation's bytes are still counted as live");
+    assert_eq!(
+        memory::cpu_live_bytes(),
+        before,
+        "the refused allocation's bytes are still counted as live"
+    );
     drop(keep);
 }

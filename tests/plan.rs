@@ -24,15 +24,39 @@ fn planned_peak(dir: &Path, cfg: &Path) -> u64 {
 fn planner_peak_within_20_percent_of_measured() {
     let dir = tempfile::tempdir().unwrap();
     // Shapes unlike the ones the planner was calibrated on.
-    for (i, (l, h, c, t, v, b)) in [(3, 3, 48, 48, 300, 6), (1, 4, 96, 96, 256, 3), (5, 2, 40, 24, 700, 10), (2, 6, 192, 32, 512, 5), (4, 1, 24, 128, 256, 2), (2, 4, 64, 64, 4096, 4)].into_iter().enumerate() {
+    for (i, (l, h, c, t, v, b)) in [
+        (3, 3, 48, 48, 300, 6),
+        (1, 4, 96, 96, 256, 3),
+        (5, 2, 40, 24, 700, 10),
+        (2, 6, 192, 32, 512, 5),
+        (4, 1, 24, 128, 256, 2),
+        (2, 4, 64, 64, 4096, 4),
+    ]
+    .into_iter()
+    .enumerate()
+    {
         let cfg = write_config(dir.path(), &format!("s{i}.yaml"), &shape_yaml(l, h, c, t, v, b));
         let run = dir.path().join(format!("run{i}"));
-        let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--memory-budget", "none"], dir.path());
+        let o = oomguard(
+            &[
+                "train",
+                cfg.to_str().unwrap(),
+                "--run-dir",
+                run.to_str().unwrap(),
+                "--memory-budget",
+                "none",
+            ],
+            dir.path(),
+        );
         assert!(o.status.success(), "{}", stderr(&o));
         let measured = records(&run, "step")[1]["memory"]["peak_bytes"].as_u64().unwrap() as f64;
         let planned = planned_peak(dir.path(), &cfg) as f64;
         let err = (planned - measured).abs() / measured;
-        assert!(err < 0.2, "shape {i}: planned {planned} measured {measured} ({:.1}% off)", err * 100.0);
+        assert!(
+            err < 0.2,
+            "shape {i}: planned {planned} measured {measured} ({:.1}% off)",
+            err * 100.0
+        );
     }
 }
 
@@ -40,7 +64,17 @@ fn planner_peak_within_20_percent_of_measured() {
 fn nothing_fits_says_what_would() {
     let dir = tempfile::tempdir().unwrap();
     let gpt2 = common::root().join("configs/gpt2-124m.yaml");
-    let o = oomguard(&["plan", gpt2.to_str().unwrap(), "--device-memory", "T4", "--set", "model.block_size=65536"], dir.path());
+    let o = oomguard(
+        &[
+            "plan",
+            gpt2.to_str().unwrap(),
+            "--device-memory",
+            "T4",
+            "--set",
+            "model.block_size=65536",
+        ],
+        dir.path(),
+    );
     assert_eq!(o.status.code(), Some(3));
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(out.contains("nothing fits: even micro-batch 1 needs"), "{out}");
@@ -54,13 +88,28 @@ fn nothing_fits_says_what_would() {
 #[test]
 fn auto_micro_batch_is_cached() {
     let dir = tempfile::tempdir().unwrap();
-    let yaml = TINY.replace("micro_batch_size: 8, grad_accum_steps: 2", "micro_batch_size: auto, global_batch_size: 64").replace("max_steps: 6", "max_steps: 2");
+    let yaml = TINY
+        .replace(
+            "micro_batch_size: 8, grad_accum_steps: 2",
+            "micro_batch_size: auto, global_batch_size: 64",
+        )
+        .replace("max_steps: 6", "max_steps: 2");
     let cfg = write_config(dir.path(), "auto.yaml", &yaml);
     let run = |name: &str| {
         let run = dir.path().join(name);
         let o = std::process::Command::new(common::bin())
-            .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--memory-budget", "3MiB"])
-            .env("OOMGUARD_CACHE", dir.path().join("cache")).env("OMP_NUM_THREADS", "1").output().unwrap();
+            .args([
+                "train",
+                cfg.to_str().unwrap(),
+                "--run-dir",
+                run.to_str().unwrap(),
+                "--memory-budget",
+                "3MiB",
+            ])
+            .env("OOMGUARD_CACHE", dir.path().join("cache"))
+            .env("OMP_NUM_THREADS", "1")
+            .output()
+            .unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         records(&run, "auto_micro_batch").remove(0)
     };
@@ -68,12 +117,23 @@ fn auto_micro_batch_is_cached() {
     assert_eq!(first["from_cache"], false);
     let trials = first["trials"].as_u64().unwrap();
     let found = first["largest_fitting"].as_u64().unwrap();
-    assert!(trials >= 2 && (trials as f64) <= 2.0 * (found as f64).log2().ceil() + 2.0 && found < 64, "{first}");
-    assert!(first["micro_batch_size"].as_u64().unwrap() < found, "a safety margin: {first}");
+    assert!(
+        trials >= 2 && (trials as f64) <= 2.0 * (found as f64).log2().ceil() + 2.0 && found < 64,
+        "{first}"
+    );
+    assert!(
+        first["micro_batch_size"].as_u64().unwrap() < found,
+        "a safety margin: {first}"
+    );
     let second = run("b");
-    assert_eq!((second["from_cache"].as_bool(), second["trials"].as_u64()), (Some(true), Some(0)));
+    assert_eq!(
+        (second["from_cache"].as_bool(), second["trials"].as_u64()),
+        (Some(true), Some(0))
+    );
     assert_eq!(second["micro_batch_size"], first["micro_batch_size"]);
-    assert!(records(&dir.path().join("b"), "step").iter().all(|s| s["num_samples"] == 64));
+    assert!(records(&dir.path().join("b"), "step")
+        .iter()
+        .all(|s| s["num_samples"] == 64));
 }
 
 /// Planning against a device's memory is the same whether the device is named by its card
@@ -83,10 +143,17 @@ fn device_memory_by_size_or_by_card_is_the_same_plan() {
     let dir = tempfile::tempdir().unwrap();
     let gpt2 = common::root().join("configs/gpt2-124m.yaml");
     let plan = |memory: &str| {
-        let o = oomguard(&["plan", gpt2.to_str().unwrap(), "--device-memory", memory, "--json"], dir.path());
+        let o = oomguard(
+            &["plan", gpt2.to_str().unwrap(), "--device-memory", memory, "--json"],
+            dir.path(),
+        );
         assert!(o.status.success(), "{}", stderr(&o));
         let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-        (v["largest_micro_batch_size"].clone(), v["peak_bytes"].clone(), v["estimate"]["allocator_overhead"].clone())
+        (
+            v["largest_micro_batch_size"].clone(),
+            v["peak_bytes"].clone(),
+            v["estimate"]["allocator_overhead"].clone(),
+        )
     };
     assert_eq!(plan("24GiB"), plan("L4"));
     assert_eq!(plan("24GiB").2, 0.1);

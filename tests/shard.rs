@@ -12,7 +12,11 @@ use std::process::{Command, Output};
 
 /// A global batch of 15: shards of 8 and 7, micro-batches of 4 (uneven everywhere).
 fn config(dir: &Path, name: &str, extra: &str) -> PathBuf {
-    let yaml = TINY.replace("micro_batch_size: 8, grad_accum_steps: 2", "micro_batch_size: 4, global_batch_size: 15")
+    let yaml = TINY
+        .replace(
+            "micro_batch_size: 8, grad_accum_steps: 2",
+            "micro_batch_size: 4, global_batch_size: 15",
+        )
         .replace("warmup_steps: 2}", "warmup_steps: 2, decay_steps: 40}");
     write_config(dir, name, &(yaml + "memory: {snapshot: off}\n" + extra))
 }
@@ -48,10 +52,19 @@ fn both_stages_end_where_one_process_does_with_a_world_share_of_the_state() {
     let params: u64 = weights(&single).iter().map(|(_, t)| t.numel() as u64 * 4).sum();
     for stage in ["optimizer", "gradients"] {
         let run = dir.path().join(stage);
-        ok(train_n(dir.path(), &cfg, &run, 2, &["--set", &format!("train.shard={stage}")]));
+        ok(train_n(
+            dir.path(),
+            &cfg,
+            &run,
+            2,
+            &["--set", &format!("train.shard={stage}")],
+        ));
         let steps = records(&run, "step");
         assert_eq!(steps.len(), 6);
-        assert!(steps.iter().all(|s| s["shard"] == stage && s["world_size"] == 2), "{steps:?}");
+        assert!(
+            steps.iter().all(|s| s["shard"] == stage && s["world_size"] == 2),
+            "{steps:?}"
+        );
         let d = max_abs_diff(&weights(&single), &weights(&run));
         assert!(d < 1e-5, "shard: {stage} on 2 ranks differs from 1 process by {d}");
         let (a, b) = (losses(&single), losses(&run));
@@ -61,16 +74,32 @@ fn both_stages_end_where_one_process_does_with_a_world_share_of_the_state() {
         let live = |r: &Path| last_step(r)["memory"]["live_bytes"].as_u64().unwrap() as f64;
         let saved = live(&plain) - live(&run);
         let expected = params as f64; // (8 bytes per parameter) x (1 - 1/2)
-        // Within a tenth: the collectives' chunk-sized buffers (a sixteenth of a shard each)
-        // may stay with the process group.
-        assert!((saved / expected - 1.0).abs() < 0.1, "shard: {stage}: {saved} bytes fewer live per rank, expected about {expected}");
+                                      // Within a tenth: the collectives' chunk-sized buffers (a sixteenth of a shard each)
+                                      // may stay with the process group.
+        assert!(
+            (saved / expected - 1.0).abs() < 0.1,
+            "shard: {stage}: {saved} bytes fewer live per rank, expected about {expected}"
+        );
     }
 }
 
 /// Peak bytes per rank of a step (micro-batch 1) on 2 ranks, at `shard`.
 fn peak_at_one(dir: &Path, cfg: &Path, shard: &str) -> u64 {
     let run = dir.join(format!("peak-{shard}"));
-    ok(train_n(dir, cfg, &run, 2, &["--max-steps", "2", "--memory-budget", "none", "--set", &format!("train.shard={shard}")]));
+    ok(train_n(
+        dir,
+        cfg,
+        &run,
+        2,
+        &[
+            "--max-steps",
+            "2",
+            "--memory-budget",
+            "none",
+            "--set",
+            &format!("train.shard={shard}"),
+        ],
+    ));
     last_step(&run)["memory"]["peak_bytes"].as_u64().unwrap()
 }
 
@@ -92,7 +121,10 @@ log: {every: 1}
 fn a_budget_too_small_for_the_whole_state_climbs_to_sharding() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = state_heavy(dir.path());
-    let (plain, sharded) = (peak_at_one(dir.path(), &cfg, "none"), peak_at_one(dir.path(), &cfg, "optimizer"));
+    let (plain, sharded) = (
+        peak_at_one(dir.path(), &cfg, "none"),
+        peak_at_one(dir.path(), &cfg, "optimizer"),
+    );
     assert!(sharded < plain, "sharding lowers the peak: {sharded} against {plain}");
     let budget = ((plain + sharded) / 2).to_string();
     let free = dir.path().join("free");
@@ -101,7 +133,12 @@ fn a_budget_too_small_for_the_whole_state_climbs_to_sharding() {
     let run = dir.path().join("climbs");
     let err = ok(train_n(dir.path(), &cfg, &run, 2, &["--memory-budget", &budget]));
     let rungs = records(&run, "rung");
-    assert!(rungs.iter().any(|r| r["rung"].as_str().is_some_and(|r| r.starts_with("shard_"))), "{rungs:?}\n{err}");
+    assert!(
+        rungs
+            .iter()
+            .any(|r| r["rung"].as_str().is_some_and(|r| r.starts_with("shard_"))),
+        "{rungs:?}\n{err}"
+    );
     let last = last_step(&run);
     assert_ne!(last["shard"], "none", "{last}");
     assert_eq!(records(&run, "step").len(), 4);
@@ -109,7 +146,13 @@ fn a_budget_too_small_for_the_whole_state_climbs_to_sharding() {
     assert!(d < 1e-5, "the climbed run differs from the unconstrained one by {d}");
     // Not allowed: exit 3, naming sharding as what would fit.
     let no = dir.path().join("not-allowed");
-    let o = train_n(dir.path(), &cfg, &no, 2, &["--memory-budget", &budget, "--set", "memory.allow_sharding=false"]);
+    let o = train_n(
+        dir.path(),
+        &cfg,
+        &no,
+        2,
+        &["--memory-budget", &budget, "--set", "memory.allow_sharding=false"],
+    );
     assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
     assert!(stderr(&o).contains("memory.allow_sharding"), "{}", stderr(&o));
 }
@@ -120,19 +163,52 @@ fn checkpoints_move_between_sharded_and_unsharded_runs_and_world_sizes() {
     let cfg = config(dir.path(), "c.yaml", "checkpoint: {every_steps: 3}\n");
     let whole = train_ok(dir.path(), &cfg, &[]);
     // (first half: ranks, shard), (second half: ranks, shard)
-    for (i, (a, b)) in [((2, "optimizer"), (1, "none")), ((1, "none"), (2, "gradients")), ((2, "gradients"), (2, "optimizer")), ((2, "gradients"), (2, "gradients"))].into_iter().enumerate() {
+    for (i, (a, b)) in [
+        ((2, "optimizer"), (1, "none")),
+        ((1, "none"), (2, "gradients")),
+        ((2, "gradients"), (2, "optimizer")),
+        ((2, "gradients"), (2, "gradients")),
+    ]
+    .into_iter()
+    .enumerate()
+    {
         let run = dir.path().join(format!("r{i}"));
-        ok(train_n(dir.path(), &cfg, &run, a.0, &["--max-steps", "3", "--set", &format!("train.shard={}", a.1)]));
+        ok(train_n(
+            dir.path(),
+            &cfg,
+            &run,
+            a.0,
+            &["--max-steps", "3", "--set", &format!("train.shard={}", a.1)],
+        ));
         // The checkpoint is one format: the whole optimizer state, whatever the sharding.
         let opt = safetensors(&run.join("checkpoints/step-00000003/optimizer.safetensors"));
-        assert!(opt.iter().any(|(n, _)| n.ends_with(".exp_avg")) && !opt.iter().any(|(n, _)| n.starts_with("zero.")), "{:?}", opt.iter().map(|x| &x.0).collect::<Vec<_>>());
-        ok(train_n(dir.path(), &cfg, &run, b.0, &["--resume", "--set", &format!("train.shard={}", b.1)]));
+        assert!(
+            opt.iter().any(|(n, _)| n.ends_with(".exp_avg")) && !opt.iter().any(|(n, _)| n.starts_with("zero.")),
+            "{:?}",
+            opt.iter().map(|x| &x.0).collect::<Vec<_>>()
+        );
+        ok(train_n(
+            dir.path(),
+            &cfg,
+            &run,
+            b.0,
+            &["--resume", "--set", &format!("train.shard={}", b.1)],
+        ));
         let d = max_abs_diff(&weights(&whole), &weights(&run));
-        assert!(d < 1e-5, "{a:?} then {b:?}: differs from one uninterrupted process by {d}");
+        assert!(
+            d < 1e-5,
+            "{a:?} then {b:?}: differs from one uninterrupted process by {d}"
+        );
     }
     // Within one shard setting the resume is exact.
     let straight = dir.path().join("straight");
-    ok(train_n(dir.path(), &cfg, &straight, 2, &["--set", "train.shard=gradients"]));
+    ok(train_n(
+        dir.path(),
+        &cfg,
+        &straight,
+        2,
+        &["--set", "train.shard=gradients"],
+    ));
     assert_eq!(max_abs_diff(&weights(&straight), &weights(&dir.path().join("r3"))), 0.0);
 }
 
@@ -149,16 +225,29 @@ fn injected_ooms_under_each_stage_neither_hang_nor_drift() {
         for seed in 0..5u64 {
             let run = dir.path().join(format!("{stage}{seed}"));
             let what = format!("shard {stage}, seed {seed}");
-            let fired = train_injected(dir.path(), &cfg, &run, 2, &format!("{PER_RANK}:{seed}"), &["--set", &format!("train.shard={stage}")], &what);
+            let fired = train_injected(
+                dir.path(),
+                &cfg,
+                &run,
+                2,
+                &format!("{PER_RANK}:{seed}"),
+                &["--set", &format!("train.shard={stage}")],
+                &what,
+            );
             assert!(fired >= PER_RANK * 2 * 3 / 4, "{what}: only {fired} injected");
             injected += fired;
             for o in records(&run, "oom") {
-                *phases.entry(o["phase"].as_str().unwrap_or("none").to_string()).or_default() += 1;
+                *phases
+                    .entry(o["phase"].as_str().unwrap_or("none").to_string())
+                    .or_default() += 1;
             }
             // A rung may shard further (gradients), never less.
             assert!(records(&run, "step").iter().all(|s| s["shard"] != "none"));
             let d = max_abs_diff(&weights(&clean), &weights(&run));
-            assert!(d < 1e-5, "shard {stage}, seed {seed}: parameters differ from the clean run by {d}");
+            assert!(
+                d < 1e-5,
+                "shard {stage}, seed {seed}: parameters differ from the clean run by {d}"
+            );
             std::fs::remove_dir_all(&run).unwrap();
         }
     }
@@ -179,18 +268,39 @@ fn an_oom_in_the_sharded_update_on_any_rank_is_agreed_and_redone() {
     let clean = train_ok(dir.path(), &cfg, &[]);
     for (stage, targets) in [
         ("optimizer", "optimizer:1:1,optimizer:0:2,optimizer:0:3,optimizer:1:3"),
-        ("gradients", "optimizer:1:1,clip:0:2,clip:1:3,optimizer:0:4,optimizer:1:4,clip:0:5,clip:1:5"),
+        (
+            "gradients",
+            "optimizer:1:1,clip:0:2,clip:1:3,optimizer:0:4,optimizer:1:4,clip:0:5,clip:1:5",
+        ),
     ] {
         let run = dir.path().join(stage);
         let mut c = Command::new(bin());
         isolated(dies_with_test(&mut c), dir.path())
-            .args(["train", cfg.to_str().unwrap(), "--nproc-per-node", "2", "--run-dir", run.to_str().unwrap(), "--set", &format!("train.shard={stage}")])
+            .args([
+                "train",
+                cfg.to_str().unwrap(),
+                "--nproc-per-node",
+                "2",
+                "--run-dir",
+                run.to_str().unwrap(),
+                "--set",
+                &format!("train.shard={stage}"),
+            ])
             .env("OOMGUARD_TEST_OOM_IN", targets);
         let o = c.output().unwrap();
         assert!(o.status.success(), "{}", stderr(&o));
-        let phases: Vec<String> = records(&run, "oom").iter().map(|o| o["phase"].as_str().unwrap_or("").to_string()).collect();
-        let want = targets.split(',').map(|t| t.split(':').next().unwrap()).collect::<std::collections::BTreeSet<_>>();
-        assert!(want.iter().all(|w| phases.iter().any(|p| p == w)), "shard {stage}: OOMs in {phases:?}, wanted {want:?}");
+        let phases: Vec<String> = records(&run, "oom")
+            .iter()
+            .map(|o| o["phase"].as_str().unwrap_or("").to_string())
+            .collect();
+        let want = targets
+            .split(',')
+            .map(|t| t.split(':').next().unwrap())
+            .collect::<std::collections::BTreeSet<_>>();
+        assert!(
+            want.iter().all(|w| phases.iter().any(|p| p == w)),
+            "shard {stage}: OOMs in {phases:?}, wanted {want:?}"
+        );
         // Both ranks failing in one attempt are one agreed OOM.
         assert!(phases.len() >= 3, "{phases:?}");
         let d = max_abs_diff(&weights(&clean), &weights(&run));
@@ -205,7 +315,10 @@ fn an_oom_in_the_sharded_update_on_any_rank_is_agreed_and_redone() {
 fn a_run_that_sharded_under_pressure_comes_back_down() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = state_heavy(dir.path());
-    let (plain, sharded) = (peak_at_one(dir.path(), &cfg, "none"), peak_at_one(dir.path(), &cfg, "optimizer"));
+    let (plain, sharded) = (
+        peak_at_one(dir.path(), &cfg, "none"),
+        peak_at_one(dir.path(), &cfg, "optimizer"),
+    );
     let budget = plain + plain / 10;
     // Held on each rank during steps 0..3: the unsharded step no longer fits, the sharded does.
     let held = budget - (plain + sharded) / 2;
@@ -215,14 +328,27 @@ fn a_run_that_sharded_under_pressure_comes_back_down() {
     );
     let cfg = write_config(dir.path(), "pressure.yaml", &yaml);
     let free = dir.path().join("free");
-    ok(train_n(dir.path(), &cfg, &free, 2, &["--memory-budget", "none", "--set", "memory.pressure=[]"]));
+    ok(train_n(
+        dir.path(),
+        &cfg,
+        &free,
+        2,
+        &["--memory-budget", "none", "--set", "memory.pressure=[]"],
+    ));
     let run = dir.path().join("run");
     let err = ok(train_n(dir.path(), &cfg, &run, 2, &[]));
     let up = records(&run, "rung");
     let down = records(&run, "rung_down");
     assert!(up.iter().any(|r| r["rung"] == "shard_optimizer"), "{up:?}\n{err}");
-    assert!(down.iter().any(|r| r["rung"] == "shard_optimizer" && r["step"].as_u64().unwrap() >= 3), "{down:?}\n{err}");
-    let shards: Vec<String> = records(&run, "step").iter().map(|s| s["shard"].as_str().unwrap().to_string()).collect();
+    assert!(
+        down.iter()
+            .any(|r| r["rung"] == "shard_optimizer" && r["step"].as_u64().unwrap() >= 3),
+        "{down:?}\n{err}"
+    );
+    let shards: Vec<String> = records(&run, "step")
+        .iter()
+        .map(|s| s["shard"].as_str().unwrap().to_string())
+        .collect();
     assert_eq!(shards.len(), 10);
     assert_eq!(shards[0], "optimizer", "{shards:?}");
     assert_eq!(shards.last().unwrap(), "none", "{shards:?}");

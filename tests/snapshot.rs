@@ -12,13 +12,18 @@ fn summary(run: &Path, n: u32) -> Value {
 }
 
 fn category(s: &Value, name: &str) -> u64 {
-    s["categories"][name].as_u64().unwrap_or_else(|| panic!("no category {name}: {}", s["categories"]))
+    s["categories"][name]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no category {name}: {}", s["categories"]))
 }
 
 /// The number in a line of `_memory_viz stats` such as `total_allocated: 1.2MiB`, in bytes,
 /// and its unit (it prints one decimal).
 fn viz_bytes(out: &str, key: &str) -> (f64, f64) {
-    let line = out.lines().find(|l| l.starts_with(key)).unwrap_or_else(|| panic!("no {key} in {out}"));
+    let line = out
+        .lines()
+        .find(|l| l.starts_with(key))
+        .unwrap_or_else(|| panic!("no {key} in {out}"));
     let v = line.split(':').nth(1).unwrap().trim();
     let split = v.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(v.len());
     let unit = match &v[split..] {
@@ -37,7 +42,12 @@ fn viz_bytes(out: &str, key: &str) -> (f64, f64) {
 fn a_budget_oom_writes_a_snapshot_pytorch_reads_and_every_byte_is_accounted_for() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = write_config(dir.path(), "tiny.yaml", &TINY.replace("max_steps: 6", "max_steps: 2"));
-    let free = train_into(dir.path(), &cfg, "free", &["--memory-budget", "none", "--max-steps", "1"]);
+    let free = train_into(
+        dir.path(),
+        &cfg,
+        "free",
+        &["--memory-budget", "none", "--max-steps", "1"],
+    );
     let peak = records(&free, "step")[0]["memory"]["peak_bytes"].as_u64().unwrap();
     // Parameters of the tiny GPT: wte 256x32, wpe 32x32, per block 2 LayerNorms, qkv, proj, fc, proj.
     let (c, v, t, l) = (32u64, 256u64, 32u64, 2u64);
@@ -50,52 +60,105 @@ fn a_budget_oom_writes_a_snapshot_pytorch_reads_and_every_byte_is_accounted_for(
 
     let oom = &records(&run, "oom")[0];
     assert_eq!(oom["snapshot"], "oom/001", "{oom}");
-    let text = oom["memory_summary"].as_str().expect("the oom event carries the paragraph");
+    let text = oom["memory_summary"]
+        .as_str()
+        .expect("the oom event carries the paragraph");
     let s = summary(&run, 1);
     assert_eq!(s["text"], text);
-    assert_eq!(std::fs::read_to_string(run.join("oom/001/summary.txt")).unwrap().trim(), text);
+    assert_eq!(
+        std::fs::read_to_string(run.join("oom/001/summary.txt")).unwrap().trim(),
+        text
+    );
     assert_eq!(s["micro_batch_index"], 1, "{s}");
     // Every live byte in exactly one category; the parameters, gradients and AdamW state as the
     // shapes say (moments: 2 x 4 bytes per parameter, plus a 4-byte step count per tensor).
-    let sum: u64 = s["categories"].as_object().unwrap().values().map(|v| v.as_u64().unwrap()).sum();
+    let sum: u64 = s["categories"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_u64().unwrap())
+        .sum();
     assert_eq!(sum, s["live_bytes"].as_u64().unwrap(), "{}", s["categories"]);
     assert_eq!(category(&s, "parameters"), 4 * num_params);
     assert_eq!(category(&s, "gradients"), grads);
     assert_eq!(category(&s, "optimizer_state"), 8 * num_params + 4 * tensors);
-    assert!(category(&s, "activations") > 0 && category(&s, "loss_logits") > 0, "{}", s["categories"]);
+    assert!(
+        category(&s, "activations") > 0 && category(&s, "loss_logits") > 0,
+        "{}",
+        s["categories"]
+    );
     assert_eq!(s["request_bytes"], oom["requested_bytes"]);
     assert_eq!(s["limit_bytes"].as_u64(), Some(budget));
     assert!(s["live_bytes"].as_u64().unwrap() + s["request_bytes"].as_u64().unwrap() > budget);
-    assert_eq!(s["plan"]["parameters"].as_u64(), Some(4 * num_params), "the plan beside it: {}", s["plan"]);
-    assert!(s["largest"][0]["op"].as_str().is_some_and(|o| o.starts_with("aten::") || o.contains("Backward")), "{}", s["largest"]);
-    assert!(text.contains("gradients") && text.contains("The failing op: "), "{text}");
+    assert_eq!(
+        s["plan"]["parameters"].as_u64(),
+        Some(4 * num_params),
+        "the plan beside it: {}",
+        s["plan"]
+    );
+    assert!(
+        s["largest"][0]["op"]
+            .as_str()
+            .is_some_and(|o| o.starts_with("aten::") || o.contains("Backward")),
+        "{}",
+        s["largest"]
+    );
+    assert!(
+        text.contains("gradients") && text.contains("The failing op: "),
+        "{text}"
+    );
 
     // PyTorch's own reader: the pickle loads, and stats/segsum and trace run on it.
     let snap = run.join("oom/001/snapshot.pickle");
     let snap = snap.to_str().unwrap();
     let keys = python(&["-c", "import pickle,sys; d = pickle.load(open(sys.argv[1], 'rb')); print(sorted(d), len(d['segments']), sum(b['size'] for s in d['segments'] for b in s['blocks']))", snap]);
-    assert!(keys.starts_with("['allocator_settings', 'device_traces', 'segments']"), "{keys}");
+    assert!(
+        keys.starts_with("['allocator_settings', 'device_traces', 'segments']"),
+        "{keys}"
+    );
     let total: u64 = keys.split_whitespace().last().unwrap().parse().unwrap();
     assert_eq!(total, s["live_bytes"].as_u64().unwrap(), "{keys}");
-    assert_eq!(keys.split_whitespace().nth(3).unwrap().parse::<u64>().unwrap(), s["live_allocations"].as_u64().unwrap());
+    assert_eq!(
+        keys.split_whitespace().nth(3).unwrap().parse::<u64>().unwrap(),
+        s["live_allocations"].as_u64().unwrap()
+    );
     let stats = python(&["-m", "torch.cuda._memory_viz", "stats", snap]);
     let live = s["live_bytes"].as_u64().unwrap() as f64;
     for key in ["total_allocated", "total_reserved"] {
         let (b, unit) = viz_bytes(&stats, key);
-        assert!((b - live).abs() <= (0.01 * live).max(0.05 * unit), "{key}: {b} vs summary's {live}: {stats}");
+        assert!(
+            (b - live).abs() <= (0.01 * live).max(0.05 * unit),
+            "{key}: {b} vs summary's {live}: {stats}"
+        );
     }
     let trace = python(&["-m", "torch.cuda._memory_viz", "trace", snap]);
-    assert!(trace.contains(&format!("{} entries", s["events_kept"].as_u64().unwrap() + count_frees(&trace))), "{}", &trace[..200.min(trace.len())]);
+    assert!(
+        trace.contains(&format!(
+            "{} entries",
+            s["events_kept"].as_u64().unwrap() + count_frees(&trace)
+        )),
+        "{}",
+        &trace[..200.min(trace.len())]
+    );
     assert!(trace.contains("raise OutOfMemoryError"), "the trace ends at the OOM");
 
     // The report: a panel per OOM (the timeline by category, the largest allocations with
     // their op and module), inline in the HTML page; the paragraph in what it prints.
     let html = dir.path().join("report.html");
-    let o = oomguard(&["report", run.to_str().unwrap(), "--out", html.to_str().unwrap()], dir.path());
+    let o = oomguard(
+        &["report", run.to_str().unwrap(), "--out", html.to_str().unwrap()],
+        dir.path(),
+    );
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(String::from_utf8_lossy(&o.stdout).contains(&format!("oom/001              {text}")));
     let page = std::fs::read_to_string(&html).unwrap();
-    for want in ["oom/001 (out of memory)", "largest live allocations", "allocation events of the failing attempt", "gradients", "aten::"] {
+    for want in [
+        "oom/001 (out of memory)",
+        "largest live allocations",
+        "allocation events of the failing attempt",
+        "gradients",
+        "aten::",
+    ] {
         assert!(page.contains(want), "the report has no {want:?}");
     }
 }
@@ -112,7 +175,10 @@ fn count_frees(trace: &str) -> u64 {
 fn a_logits_dominated_model_says_so() {
     let dir = tempfile::tempdir().unwrap();
     let yaml = TINY
-        .replace("n_layer: 2, n_head: 2, n_embd: 32, block_size: 32, vocab_size: 256", "n_layer: 1, n_head: 2, n_embd: 16, block_size: 64, vocab_size: 8192")
+        .replace(
+            "n_layer: 2, n_head: 2, n_embd: 32, block_size: 32, vocab_size: 256",
+            "n_layer: 1, n_head: 2, n_embd: 16, block_size: 64, vocab_size: 8192",
+        )
         .replace("max_steps: 6", "max_steps: 1")
         .replace("vocab_size: 8192}", "vocab_size: 8192, loss: full}");
     // The plain loss: the fused one (the default) never holds the logits whole.
@@ -136,7 +202,14 @@ fn a_kill_mid_dump_leaves_earlier_dumps_and_a_resumable_run() {
     let cfg = write_config(dir.path(), "tiny.yaml", &yaml);
     let run = dir.path().join("run");
     let mut child = dies_with_test(isolated(&mut std::process::Command::new(bin()), dir.path()))
-        .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--inject-oom", "6:3"])
+        .args([
+            "train",
+            cfg.to_str().unwrap(),
+            "--run-dir",
+            run.to_str().unwrap(),
+            "--inject-oom",
+            "6:3",
+        ])
         .env("OMP_NUM_THREADS", "1")
         .env("OOMGUARD_TEST_DUMP_PAUSE_MS", "1500")
         .stderr(std::process::Stdio::null())
@@ -145,25 +218,53 @@ fn a_kill_mid_dump_leaves_earlier_dumps_and_a_resumable_run() {
     let oom = run.join("oom");
     let mid_second = || {
         oom.join("001").exists()
-            && std::fs::read_dir(&oom).unwrap().flatten().any(|e| e.file_name().to_string_lossy().starts_with(".002."))
+            && std::fs::read_dir(&oom)
+                .unwrap()
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with(".002."))
     };
     let t0 = std::time::Instant::now();
     while !mid_second() {
         assert!(t0.elapsed().as_secs() < 120, "no second dump began");
-        assert!(child.try_wait().unwrap().is_none(), "the run ended before its second dump");
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before its second dump"
+        );
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     child.kill().unwrap();
     child.wait().unwrap();
     assert!(!oom.join("002").exists());
     let first = summary(&run, 1);
-    python(&["-c", "import pickle,sys; pickle.load(open(sys.argv[1], 'rb'))", run.join("oom/001/snapshot.pickle").to_str().unwrap()]);
+    python(&[
+        "-c",
+        "import pickle,sys; pickle.load(open(sys.argv[1], 'rb'))",
+        run.join("oom/001/snapshot.pickle").to_str().unwrap(),
+    ]);
 
-    let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap(), "--resume", "--inject-oom", "2:5"], dir.path());
+    let o = oomguard(
+        &[
+            "train",
+            cfg.to_str().unwrap(),
+            "--run-dir",
+            run.to_str().unwrap(),
+            "--resume",
+            "--inject-oom",
+            "2:5",
+        ],
+        dir.path(),
+    );
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(summary(&run, 1), first, "oom/001 unchanged");
-    assert!(oom.join("002/summary.json").exists(), "the resumed run's first dump is 002");
-    let leftovers: Vec<_> = std::fs::read_dir(&oom).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().starts_with('.')).collect();
+    assert!(
+        oom.join("002/summary.json").exists(),
+        "the resumed run's first dump is 002"
+    );
+    let leftovers: Vec<_> = std::fs::read_dir(&oom)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with('.'))
+        .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }
 
@@ -172,10 +273,21 @@ fn bad_settings_exit_2_naming_the_key() {
     let dir = tempfile::tempdir().unwrap();
     for (yaml, key) in [
         ("memory: {snapshot: sometimes}\n", "memory.snapshot"),
-        ("memory: {snapshot: {mode: on_oom, max_events: -1}}\n", "memory.snapshot.max_events"),
+        (
+            "memory: {snapshot: {mode: on_oom, max_events: -1}}\n",
+            "memory.snapshot.max_events",
+        ),
     ] {
         let cfg = write_config(dir.path(), "bad.yaml", &(TINY.to_string() + yaml));
-        let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", dir.path().join("bad").to_str().unwrap()], dir.path());
+        let o = oomguard(
+            &[
+                "train",
+                cfg.to_str().unwrap(),
+                "--run-dir",
+                dir.path().join("bad").to_str().unwrap(),
+            ],
+            dir.path(),
+        );
         assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
         assert!(stderr(&o).contains(key), "{key}: {}", stderr(&o));
     }

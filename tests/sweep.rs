@@ -9,7 +9,11 @@ use std::time::{Duration, Instant};
 
 fn sweep_cmd(dir: &Path, args: &[&str]) -> Command {
     let mut cmd = Command::new(common::bin());
-    isolated(&mut cmd, dir).arg("sweep").args(args).current_dir(dir).env("OMP_NUM_THREADS", "1");
+    isolated(&mut cmd, dir)
+        .arg("sweep")
+        .args(args)
+        .current_dir(dir)
+        .env("OMP_NUM_THREADS", "1");
     dies_with_test(&mut cmd);
     cmd
 }
@@ -19,7 +23,11 @@ fn sweep(dir: &Path, args: &[&str]) -> Output {
 }
 
 fn results(out: &Path) -> Vec<Value> {
-    std::fs::read_to_string(out.join("results.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    std::fs::read_to_string(out.join("results.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
 }
 
 /// A tiny base config (with a CPU budget) and a sweep file over it.
@@ -52,7 +60,10 @@ fn an_infeasible_trial_is_recorded_and_the_sweep_goes_on() {
             assert_eq!(rec["final_micro_batch_size"], 8);
             let run = out.join(rec["run_dir"].as_str().unwrap());
             let cfg = std::fs::read_to_string(run.join("config.yaml")).unwrap();
-            assert!(cfg.contains(&format!("lr: {}", rec["params"]["optim.lr"])), "the trial's value reached its config: {cfg}");
+            assert!(
+                cfg.contains(&format!("lr: {}", rec["params"]["optim.lr"])),
+                "the trial's value reached its config: {cfg}"
+            );
         }
     }
     let table = String::from_utf8_lossy(&o.stdout);
@@ -60,11 +71,22 @@ fn an_infeasible_trial_is_recorded_and_the_sweep_goes_on() {
     assert!(table.contains("infeasible (planner)"), "{table}");
 
     // Without the planner the run itself tells (exit 3, before allocating), and says so.
-    let file = write_config(dir.path(), "sweep2.yaml", "base: base.yaml\nplanner: false\nparameters:\n  model.vocab_size: {value: 10000000}\n");
+    let file = write_config(
+        dir.path(),
+        "sweep2.yaml",
+        "base: base.yaml\nplanner: false\nparameters:\n  model.vocab_size: {value: 10000000}\n",
+    );
     let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out2"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let r = results(&dir.path().join("out2"));
-    assert_eq!((r[0]["status"].as_str(), r[0]["told_by"].as_str(), r[0]["exit_code"].as_i64()), (Some("infeasible"), Some("run"), Some(3)));
+    assert_eq!(
+        (
+            r[0]["status"].as_str(),
+            r[0]["told_by"].as_str(),
+            r[0]["exit_code"].as_i64()
+        ),
+        (Some("infeasible"), Some("run"), Some(3))
+    );
 
     // --status reads the same table back.
     let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out2", "--status"]);
@@ -74,14 +96,20 @@ fn an_infeasible_trial_is_recorded_and_the_sweep_goes_on() {
 #[test]
 fn a_trial_past_its_timeout_is_stopped_with_a_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
-    let file = setup(dir.path(), "base: base.yaml\ntrial: {timeout: 3s}\nparameters:\n  train.max_steps: {value: 1000000}\n");
+    let file = setup(
+        dir.path(),
+        "base: base.yaml\ntrial: {timeout: 3s}\nparameters:\n  train.max_steps: {value: 1000000}\n",
+    );
     let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let r = results(&dir.path().join("out"));
     assert_eq!(r[0]["status"], "timeout", "{}", r[0]);
     assert!(r[0]["steps"].as_u64().unwrap() > 0);
     let run = dir.path().join("out").join(r[0]["run_dir"].as_str().unwrap());
-    assert!(std::fs::read_dir(run.join("checkpoints")).unwrap().count() > 0, "SIGTERM made the trial checkpoint");
+    assert!(
+        std::fs::read_dir(run.join("checkpoints")).unwrap().count() > 0,
+        "SIGTERM made the trial checkpoint"
+    );
 }
 
 #[test]
@@ -92,16 +120,33 @@ fn kill_9_mid_trial_then_restart_runs_every_trial_exactly_once() {
         "base: base.yaml\nparameters:\n  optim.lr: {values: [1.0e-3, 2.0e-3, 3.0e-3]}\n  train.max_steps: {value: 60}\n  checkpoint.every_steps: {value: 5}\n",
     );
     let out = dir.path().join("out");
-    let mut child = sweep_cmd(dir.path(), &[file.to_str().unwrap(), "--out", "out"]).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap();
+    let mut child = sweep_cmd(dir.path(), &[file.to_str().unwrap(), "--out", "out"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
     // Wait until the second trial is past its second checkpoint: one trial done, one mid-way.
     let t = Instant::now();
     let second_steps = || -> usize {
-        let Ok(d) = std::fs::read_dir(out.join("trials")) else { return 0 };
-        let Some(run) = d.flatten().find(|e| e.file_name().to_string_lossy().starts_with("001-")) else { return 0 };
-        std::fs::read_to_string(run.path().join("metrics.jsonl")).unwrap_or_default().matches("\"event\":\"step\"").count()
+        let Ok(d) = std::fs::read_dir(out.join("trials")) else {
+            return 0;
+        };
+        let Some(run) = d
+            .flatten()
+            .find(|e| e.file_name().to_string_lossy().starts_with("001-"))
+        else {
+            return 0;
+        };
+        std::fs::read_to_string(run.path().join("metrics.jsonl"))
+            .unwrap_or_default()
+            .matches("\"event\":\"step\"")
+            .count()
     };
     while second_steps() < 12 {
-        assert!(t.elapsed() < Duration::from_secs(120), "the second trial never got going");
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "the second trial never got going"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     child.kill().unwrap(); // SIGKILL
@@ -109,8 +154,15 @@ fn kill_9_mid_trial_then_restart_runs_every_trial_exactly_once() {
     assert_eq!(results(&out).len(), 1, "only the first trial had finished");
     // The trial's processes died with the sweep (its shim kills the group).
     std::thread::sleep(Duration::from_millis(500));
-    let ps = Command::new("pgrep").args(["-f", out.to_str().unwrap()]).output().unwrap();
-    assert!(ps.stdout.is_empty(), "a trial outlived the sweep: {}", String::from_utf8_lossy(&ps.stdout));
+    let ps = Command::new("pgrep")
+        .args(["-f", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        ps.stdout.is_empty(),
+        "a trial outlived the sweep: {}",
+        String::from_utf8_lossy(&ps.stdout)
+    );
 
     let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -119,13 +171,20 @@ fn kill_9_mid_trial_then_restart_runs_every_trial_exactly_once() {
     let ids: std::collections::BTreeSet<_> = r.iter().map(|x| x["trial"].as_str().unwrap().to_string()).collect();
     assert_eq!(ids.len(), 3);
     for rec in &r {
-        assert_eq!((rec["status"].as_str(), rec["steps"].as_u64()), (Some("ok"), Some(60)), "{rec}");
+        assert_eq!(
+            (rec["status"].as_str(), rec["steps"].as_u64()),
+            (Some("ok"), Some(60)),
+            "{rec}"
+        );
     }
     // The interrupted trial resumed from its checkpoint instead of starting over.
     let second = out.join(r[1]["run_dir"].as_str().unwrap());
     let metrics = std::fs::read_to_string(second.join("metrics.jsonl")).unwrap();
     assert!(metrics.contains("\"event\":\"resumed\""), "trial 1 resumed");
-    assert!(!String::from_utf8_lossy(&o.stderr).contains("[000-"), "the finished trial was not run again");
+    assert!(
+        !String::from_utf8_lossy(&o.stderr).contains("[000-"),
+        "the finished trial was not run again"
+    );
 }
 
 #[test]
@@ -138,12 +197,24 @@ fn concurrent_shards_are_disjoint_and_together_complete() {
         let b = sc.spawn(|| spawn("1/2").unwrap());
         (a.join().unwrap(), b.join().unwrap())
     });
-    assert!(a.status.success() && b.status.success(), "{}\n{}", String::from_utf8_lossy(&a.stderr), String::from_utf8_lossy(&b.stderr));
+    assert!(
+        a.status.success() && b.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&a.stderr),
+        String::from_utf8_lossy(&b.stderr)
+    );
     let r = results(&dir.path().join("out"));
-    assert_eq!(r.iter().map(|x| x["index"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1, 2, 3, 4]);
+    assert_eq!(
+        r.iter().map(|x| x["index"].as_u64().unwrap()).collect::<Vec<_>>(),
+        [0, 1, 2, 3, 4]
+    );
     for rec in &r {
         let shard = format!("{}/2", rec["index"].as_u64().unwrap() % 2);
-        assert_eq!((rec["status"].as_str(), rec["shard"].as_str()), (Some("ok"), Some(shard.as_str())), "{rec}");
+        assert_eq!(
+            (rec["status"].as_str(), rec["shard"].as_str()),
+            (Some("ok"), Some(shard.as_str())),
+            "{rec}"
+        );
     }
 }
 
@@ -168,7 +239,10 @@ fn a_bad_sweep_file_exits_2_naming_the_key() {
         let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out"]);
         let err = String::from_utf8_lossy(&o.stderr);
         assert_eq!(o.status.code(), Some(2), "{yaml}: {err}");
-        assert!(err.contains("bad.yaml") && err.contains(key), "{yaml}: the error names the file and {key}: {err}");
+        assert!(
+            err.contains("bad.yaml") && err.contains(key),
+            "{yaml}: the error names the file and {key}: {err}"
+        );
         assert!(!dir.path().join("out/results.jsonl").exists(), "nothing ran");
     }
 }
@@ -176,23 +250,51 @@ fn a_bad_sweep_file_exits_2_naming_the_key() {
 #[test]
 fn sigterm_stops_the_trials_with_checkpoints_and_records_them_interrupted() {
     let dir = tempfile::tempdir().unwrap();
-    let file = setup(dir.path(), "base: base.yaml\nparameters:\n  train.max_steps: {value: 1000000}\n");
+    let file = setup(
+        dir.path(),
+        "base: base.yaml\nparameters:\n  train.max_steps: {value: 1000000}\n",
+    );
     let out = dir.path().join("out");
-    let child = sweep_cmd(dir.path(), &[file.to_str().unwrap(), "--out", "out"]).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let child = sweep_cmd(dir.path(), &[file.to_str().unwrap(), "--out", "out"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
     let t = Instant::now();
-    let steps = || std::fs::read_dir(out.join("trials")).ok().and_then(|mut d| d.next()).and_then(|e| std::fs::read_to_string(e.ok()?.path().join("metrics.jsonl")).ok()).map_or(0, |m| m.lines().count());
+    let steps = || {
+        std::fs::read_dir(out.join("trials"))
+            .ok()
+            .and_then(|mut d| d.next())
+            .and_then(|e| std::fs::read_to_string(e.ok()?.path().join("metrics.jsonl")).ok())
+            .map_or(0, |m| m.lines().count())
+    };
     while steps() < 3 {
         assert!(t.elapsed() < Duration::from_secs(60), "the trial never started");
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+    assert!(Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
     let o = child.wait_with_output().unwrap();
     assert_eq!(o.status.code(), Some(143), "{}", String::from_utf8_lossy(&o.stderr));
     let r = results(&out);
-    assert_eq!((r[0]["status"].as_str(), r[0]["exit_code"].as_i64()), (Some("interrupted"), Some(143)), "{}", r[0]);
+    assert_eq!(
+        (r[0]["status"].as_str(), r[0]["exit_code"].as_i64()),
+        (Some("interrupted"), Some(143)),
+        "{}",
+        r[0]
+    );
     let run = out.join(r[0]["run_dir"].as_str().unwrap());
-    assert!(std::fs::read_dir(run.join("checkpoints")).unwrap().count() > 0, "the trial checkpointed on SIGTERM");
-    assert!(String::from_utf8_lossy(&o.stdout).contains("interrupted"), "the table says so");
+    assert!(
+        std::fs::read_dir(run.join("checkpoints")).unwrap().count() > 0,
+        "the trial checkpointed on SIGTERM"
+    );
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("interrupted"),
+        "the table says so"
+    );
 }
 
 /// A status line after each trial: done / running / left and the outcomes so far match the
@@ -213,25 +315,61 @@ fn status_lines_count_through_infeasible_and_failed_trials() {
     let mut r = results(&dir.path().join("out"));
     r.sort_by_key(|x| x["index"].as_u64());
     let statuses: Vec<&str> = r.iter().map(|x| x["status"].as_str().unwrap()).collect();
-    assert_eq!({ let mut s = statuses.clone(); s.sort(); s }, ["failed", "infeasible", "infeasible", "ok"], "{r:?}");
+    assert_eq!(
+        {
+            let mut s = statuses.clone();
+            s.sort();
+            s
+        },
+        ["failed", "infeasible", "infeasible", "ok"],
+        "{r:?}"
+    );
     // One line after each trial; one slot: trials finish in index order, so after D of them
     // the counts are theirs.
-    let lines: Vec<&str> = err.lines().filter_map(|l| l.split_once("sweep: ").map(|(_, s)| s)).filter(|l| l.contains(" done, ")).collect();
-    assert_eq!(lines.iter().map(|l| l.split('/').next().unwrap()).collect::<Vec<_>>(), ["1", "2", "3", "4"], "{err}");
+    let lines: Vec<&str> = err
+        .lines()
+        .filter_map(|l| l.split_once("sweep: ").map(|(_, s)| s))
+        .filter(|l| l.contains(" done, "))
+        .collect();
+    assert_eq!(
+        lines.iter().map(|l| l.split('/').next().unwrap()).collect::<Vec<_>>(),
+        ["1", "2", "3", "4"],
+        "{err}"
+    );
     for l in &lines {
-        let num = |after: &str| -> usize { l.split(after).nth(1).and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next()).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("`{after}` in {l}")) };
+        let num = |after: &str| -> usize {
+            l.split(after)
+                .nth(1)
+                .and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next())
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("`{after}` in {l}"))
+        };
         let done: usize = l.split('/').next().unwrap().parse().unwrap();
         let (running, left) = (num("done, "), num("running, "));
-        assert_eq!((l.split('/').nth(1).unwrap().split(' ').next(), done + running + left), (Some("4"), 4), "{l}");
+        assert_eq!(
+            (l.split('/').nth(1).unwrap().split(' ').next(), done + running + left),
+            (Some("4"), 4),
+            "{l}"
+        );
         let so_far = &statuses[..done];
         let n = |s: &str| so_far.iter().filter(|x| **x == s).count();
-        assert_eq!((num("| ok "), num("infeasible "), num("failed ")), (n("ok"), n("infeasible"), n("failed")), "{l}");
+        assert_eq!(
+            (num("| ok "), num("infeasible "), num("failed ")),
+            (n("ok"), n("infeasible"), n("failed")),
+            "{l}"
+        );
         assert!(!l.ends_with("ETA ?") || done == 0, "an ETA once a trial finished: {l}");
     }
     let last = lines.last().unwrap();
-    assert!(last.starts_with("4/4 done, 0 running, 0 left | ok 1, infeasible 2, failed 1 | best "), "{last}");
+    assert!(
+        last.starts_with("4/4 done, 0 running, 0 left | ok 1, infeasible 2, failed 1 | best "),
+        "{last}"
+    );
     let ok = r.iter().find(|x| x["status"] == "ok").unwrap();
-    assert!(last.contains(&format!("best {} ", ok["trial"].as_str().unwrap())), "the best so far is the one that trained: {last}");
+    assert!(
+        last.contains(&format!("best {} ", ok["trial"].as_str().unwrap())),
+        "the best so far is the one that trained: {last}"
+    );
     // sweep.log keeps the same lines.
     let log = std::fs::read_to_string(dir.path().join("out/sweep.log")).unwrap();
     assert!(log.contains(last), "{log}");
@@ -243,7 +381,11 @@ fn status_lines_count_through_infeasible_and_failed_trials() {
 fn two_sweeps_on_one_directory_run_every_trial_once() {
     let dir = tempfile::tempdir().unwrap();
     let file = setup(dir.path(), "base: base.yaml\nplanner: false\nparameters:\n  optim.lr: {values: [1.0e-3, 2.0e-3, 3.0e-3, 4.0e-3]}\n  train.max_steps: {value: 3}\n");
-    let run = || sweep_cmd(dir.path(), &[file.to_str().unwrap(), "--out", "out"]).output().unwrap();
+    let run = || {
+        sweep_cmd(dir.path(), &[file.to_str().unwrap(), "--out", "out"])
+            .output()
+            .unwrap()
+    };
     let (a, b) = std::thread::scope(|sc| {
         let a = sc.spawn(run);
         let b = sc.spawn(run);
@@ -256,10 +398,16 @@ fn two_sweeps_on_one_directory_run_every_trial_once() {
     assert_eq!(r.len(), 4, "{r:?}");
     for rec in &r {
         let id = rec["trial"].as_str().unwrap();
-        assert_eq!((rec["status"].as_str(), rec["steps"].as_u64()), (Some("ok"), Some(3)), "{rec}");
-        let starts = format!("{ea}{eb}").matches(&format!("[{id}] start")).count() + format!("{ea}{eb}").matches(&format!("[{id}] resume")).count();
+        assert_eq!(
+            (rec["status"].as_str(), rec["steps"].as_u64()),
+            (Some("ok"), Some(3)),
+            "{rec}"
+        );
+        let starts = format!("{ea}{eb}").matches(&format!("[{id}] start")).count()
+            + format!("{ea}{eb}").matches(&format!("[{id}] resume")).count();
         assert_eq!(starts, 1, "{id} started once: {ea}\n{eb}");
-        let metrics = std::fs::read_to_string(out.join(rec["run_dir"].as_str().unwrap()).join("metrics.jsonl")).unwrap();
+        let metrics =
+            std::fs::read_to_string(out.join(rec["run_dir"].as_str().unwrap()).join("metrics.jsonl")).unwrap();
         assert_eq!(metrics.matches("\"event\":\"step\"").count(), 3, "{id}: {metrics}");
         assert!(!metrics.contains("\"event\":\"resumed\""), "{id} ran once");
     }
@@ -273,9 +421,16 @@ fn status_in_a_loop_has_no_effect_on_a_sweep() {
     let file = setup(dir.path(), "base: base.yaml\nplanner: false\nparameters:\n  optim.lr: {values: [1.0e-3, 2.0e-3, 3.0e-3]}\n  train.max_steps: {value: 4}\n");
     let status = || sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out", "--status"]);
     let o = status();
-    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("0 of 3 trials finished"), "{o:?}");
+    assert!(
+        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("0 of 3 trials finished"),
+        "{o:?}"
+    );
     assert!(!dir.path().join("out").exists(), "--status created nothing");
-    let mut child = sweep_cmd(dir.path(), &[file.to_str().unwrap(), "--out", "out"]).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let mut child = sweep_cmd(dir.path(), &[file.to_str().unwrap(), "--out", "out"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
     let mut polls = 0;
     let mut saw_running = false;
     while child.try_wait().unwrap().is_none() {
@@ -290,7 +445,11 @@ fn status_in_a_loop_has_no_effect_on_a_sweep() {
     assert!(saw_running, "--status saw a trial running (from /proc/locks)");
     assert!(!err.contains("requeued") && !err.contains("] resume"), "{err}");
     for rec in results(&dir.path().join("out")) {
-        assert_eq!((rec["status"].as_str(), rec["steps"].as_u64()), (Some("ok"), Some(4)), "{rec}");
+        assert_eq!(
+            (rec["status"].as_str(), rec["steps"].as_u64()),
+            (Some("ok"), Some(4)),
+            "{rec}"
+        );
     }
 }
 
@@ -298,14 +457,27 @@ fn status_in_a_loop_has_no_effect_on_a_sweep() {
 #[test]
 fn a_corrupt_results_line_survives_in_results_corrupt_jsonl() {
     let dir = tempfile::tempdir().unwrap();
-    let file = setup(dir.path(), "base: base.yaml\nplanner: false\nparameters:\n  train.max_steps: {value: 2}\n");
+    let file = setup(
+        dir.path(),
+        "base: base.yaml\nplanner: false\nparameters:\n  train.max_steps: {value: 2}\n",
+    );
     std::fs::create_dir_all(dir.path().join("out")).unwrap();
-    std::fs::write(dir.path().join("out/results.jsonl"), "{\"trial\": \"999-edited by hand\", \n").unwrap();
+    std::fs::write(
+        dir.path().join("out/results.jsonl"),
+        "{\"trial\": \"999-edited by hand\", \n",
+    )
+    .unwrap();
     let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out"]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
-    assert!(err.contains("not a trial record") && err.contains("results.corrupt.jsonl"), "{err}");
-    assert_eq!(std::fs::read_to_string(dir.path().join("out/results.corrupt.jsonl")).unwrap(), "{\"trial\": \"999-edited by hand\", \n");
+    assert!(
+        err.contains("not a trial record") && err.contains("results.corrupt.jsonl"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("out/results.corrupt.jsonl")).unwrap(),
+        "{\"trial\": \"999-edited by hand\", \n"
+    );
     assert_eq!(results(&dir.path().join("out")).len(), 1);
 }
 
@@ -321,14 +493,23 @@ fn a_tpe_sweep_runs_count_trials_and_a_restart_runs_none() {
     let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let r = results(&dir.path().join("out"));
-    assert_eq!(r.iter().map(|x| x["index"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1, 2, 3, 4]);
+    assert_eq!(
+        r.iter().map(|x| x["index"].as_u64().unwrap()).collect::<Vec<_>>(),
+        [0, 1, 2, 3, 4]
+    );
     for rec in &r {
         let big = rec["params"]["model.vocab_size"] == 10000000;
         assert_eq!(rec["status"], if big { "infeasible" } else { "ok" }, "{rec}");
-        assert!((1.0e-3..=1.0e-2).contains(&rec["params"]["optim.lr"].as_f64().unwrap()), "{rec}");
+        assert!(
+            (1.0e-3..=1.0e-2).contains(&rec["params"]["optim.lr"].as_f64().unwrap()),
+            "{rec}"
+        );
     }
     let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out"]);
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success() && !err.contains("] start") && !err.contains("] resume"), "{err}");
+    assert!(
+        o.status.success() && !err.contains("] start") && !err.contains("] resume"),
+        "{err}"
+    );
     assert_eq!(results(&dir.path().join("out")), r, "nothing ran again");
 }

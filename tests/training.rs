@@ -30,7 +30,18 @@ fn golden_losses() {
 fn demo_learns() {
     let dir = tempfile::tempdir().unwrap();
     let demo = common::root().join("configs/demo.yaml");
-    let run = train_ok(dir.path(), &demo, &["--max-steps", "40", "--set", "train.eval_every=20", "--set", "optim.warmup_steps=5"]);
+    let run = train_ok(
+        dir.path(),
+        &demo,
+        &[
+            "--max-steps",
+            "40",
+            "--set",
+            "train.eval_every=20",
+            "--set",
+            "optim.warmup_steps=5",
+        ],
+    );
     let l = losses(&run);
     let head: f64 = l[..3].iter().sum::<f64>() / 3.0;
     let tail: f64 = l[l.len() - 3..].iter().sum::<f64>() / 3.0;
@@ -40,7 +51,15 @@ fn demo_learns() {
     assert!(evals[1]["val_loss"].as_f64().unwrap() < 0.7 * head);
     // Every step record carries the contract fields.
     for r in records(&run, "step") {
-        for k in ["step", "loss", "lr", "tokens_per_s", "micro_batch_size", "grad_accum_steps", "memory"] {
+        for k in [
+            "step",
+            "loss",
+            "lr",
+            "tokens_per_s",
+            "micro_batch_size",
+            "grad_accum_steps",
+            "memory",
+        ] {
             assert!(!r[k].is_null(), "{k} missing in {r}");
         }
         assert!(r["memory"]["peak_bytes"].as_u64().unwrap() > 0);
@@ -57,7 +76,11 @@ fn micro_batch_split_does_not_change_the_result() {
     let cfg = write_config(dir.path(), "tiny.yaml", TINY);
     let a = train_ok(dir.path(), &cfg, &[]);
     std::fs::rename(&a, dir.path().join("a")).unwrap();
-    let b = train_ok(dir.path(), &cfg, &["--set", "train.micro_batch_size=4", "--set", "train.grad_accum_steps=4"]);
+    let b = train_ok(
+        dir.path(),
+        &cfg,
+        &["--set", "train.micro_batch_size=4", "--set", "train.grad_accum_steps=4"],
+    );
     assert_eq!(records(&b, "step")[0]["grad_accum_steps"], 4);
     let d = max_abs_diff(&weights(&dir.path().join("a")), &weights(&b));
     assert!(d < 1e-5, "parameters differ by {d}");
@@ -69,7 +92,10 @@ fn run_dir_with_a_run_is_not_overwritten() {
     let cfg = write_config(dir.path(), "tiny.yaml", TINY);
     let run = train_ok(dir.path(), &cfg, &["--max-steps", "1"]);
     let before = std::fs::read(run.join("metrics.jsonl")).unwrap();
-    let o = oomguard(&["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()], dir.path());
+    let o = oomguard(
+        &["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()],
+        dir.path(),
+    );
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("already holds a run"));
     assert_eq!(std::fs::read(run.join("metrics.jsonl")).unwrap(), before);

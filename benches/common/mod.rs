@@ -10,19 +10,42 @@ pub fn median(mut v: Vec<f64>) -> f64 {
 /// The `event` records of a run directory's metrics.jsonl, in order.
 pub fn events(run: &Path, event: &str) -> Vec<serde_json::Value> {
     let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
-    text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()).filter(|v| v["event"] == event).collect()
+    text.lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["event"] == event)
+        .collect()
 }
 
 /// The GPT the guard and snapshot benches step (n_layer 4, n_head 4, n_embd 256, block 128,
 /// vocab 256, on the CPU under the counting allocator), its AdamW and its data.
-pub fn bench_gpt() -> (oomguard::task::gpt::GptTask, oomguard::optim::AdamW, oomguard::data::Dataset) {
+pub fn bench_gpt() -> (
+    oomguard::task::gpt::GptTask,
+    oomguard::optim::AdamW,
+    oomguard::data::Dataset,
+) {
     use oomguard::task::Task;
     oomguard::memory::install_cpu_allocator();
     tch::manual_seed(0);
-    let cfg = oomguard::model::GptConfig { n_layer: 4, n_head: 4, n_embd: 256, block_size: 128, vocab_size: 256, dropout: 0.0, bias: true, loss: Default::default() };
-    let shape = oomguard::data::TokenShape { block_size: 128, vocab_size: Some(256) };
-    let data = oomguard::data::Dataset::open(&oomguard::data::DataConfig::default(), Path::new("."), Some(shape)).unwrap();
+    let cfg = oomguard::model::GptConfig {
+        n_layer: 4,
+        n_head: 4,
+        n_embd: 256,
+        block_size: 128,
+        vocab_size: 256,
+        dropout: 0.0,
+        bias: true,
+        loss: Default::default(),
+    };
+    let shape = oomguard::data::TokenShape {
+        block_size: 128,
+        vocab_size: Some(256),
+    };
+    let data =
+        oomguard::data::Dataset::open(&oomguard::data::DataConfig::default(), Path::new("."), Some(shape)).unwrap();
     let task = oomguard::task::gpt::GptTask::new(&cfg, tch::Device::Cpu).unwrap();
-    let opt = oomguard::optim::AdamW::new(task.parameters(), &oomguard::optim::OptimConfig::default(), |n, t| task.no_weight_decay(n, t)).unwrap();
+    let opt = oomguard::optim::AdamW::new(task.parameters(), &oomguard::optim::OptimConfig::default(), |n, t| {
+        task.no_weight_decay(n, t)
+    })
+    .unwrap();
     (task, opt, data)
 }

@@ -39,14 +39,21 @@ pub struct CheckpointConfig {
 
 impl Default for CheckpointConfig {
     fn default() -> Self {
-        CheckpointConfig { every_steps: 0, keep: 3, keep_best: true }
+        CheckpointConfig {
+            every_steps: 0,
+            keep: 3,
+            keep_best: true,
+        }
     }
 }
 
 impl CheckpointConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.keep == 0 {
-            return Err(ConfigError::invalid("checkpoint.keep", "is 0; keep at least 1 checkpoint"));
+            return Err(ConfigError::invalid(
+                "checkpoint.keep",
+                "is 0; keep at least 1 checkpoint",
+            ));
         }
         Ok(())
     }
@@ -97,7 +104,13 @@ pub fn checkpoints_dir(run_dir: &Path) -> PathBuf {
 /// old one goes).
 /// `opt_state`: the optimizer's whole state (`AdamW::full_state`), one format whatever the
 /// sharding.
-pub fn save(run_dir: &Path, state: &TrainState, task: &dyn Task, opt_state: &[(String, Tensor)], device: tch::Device) -> Result<PathBuf> {
+pub fn save(
+    run_dir: &Path,
+    state: &TrainState,
+    task: &dyn Task,
+    opt_state: &[(String, Tensor)],
+    device: tch::Device,
+) -> Result<PathBuf> {
     let parent = checkpoints_dir(run_dir);
     let final_dir = parent.join(format!("step-{:08}", state.next_step));
     let replaces = match final_dir.exists().then(|| verify(&final_dir)) {
@@ -109,7 +122,10 @@ pub fn save(run_dir: &Path, state: &TrainState, task: &dyn Task, opt_state: &[(S
         None => false,
     };
     let tmp = parent.join(format!(".tmp-step-{:08}-{}", state.next_step, std::process::id()));
-    let io = |what: &str, p: &Path| { let m = format!("{what} {}", p.display()); move |e: std::io::Error| Error::io(m, e) };
+    let io = |what: &str, p: &Path| {
+        let m = format!("{what} {}", p.display());
+        move |e: std::io::Error| Error::io(m, e)
+    };
     let _ = std::fs::remove_dir_all(&tmp); // a failed attempt's leftovers
     std::fs::create_dir_all(&tmp).map_err(io("cannot create", &tmp))?;
     tensors::save(&task.state(), &tmp.join(FILES[0]))?;
@@ -123,11 +139,17 @@ pub fn save(run_dir: &Path, state: &TrainState, task: &dyn Task, opt_state: &[(S
     }
     let manifest = tmp.join("state.json");
     let text = serde_json::to_string_pretty(&state).map_err(|e| Error::Data(format!("encoding state.json: {e}")))?;
-    std::fs::write(&manifest, text).and_then(|()| atomic::sync(&manifest)).map_err(io("cannot write", &manifest))?;
+    std::fs::write(&manifest, text)
+        .and_then(|()| atomic::sync(&manifest))
+        .map_err(io("cannot write", &manifest))?;
     atomic::sync_dir(&tmp).map_err(io("cannot fsync", &tmp))?;
     // A directory cannot be renamed over a non-empty one: the corrupt one steps aside first
     // (a kill between the two renames leaves the new one complete under its .tmp- name).
-    let aside = parent.join(format!(".tmp-corrupt-step-{:08}-{}", state.next_step, std::process::id()));
+    let aside = parent.join(format!(
+        ".tmp-corrupt-step-{:08}-{}",
+        state.next_step,
+        std::process::id()
+    ));
     if replaces {
         std::fs::rename(&final_dir, &aside).map_err(io("cannot move aside", &final_dir))?;
     }
@@ -145,31 +167,47 @@ fn checksum(path: &Path) -> Result<FileSum> {
     let mut buf = vec![0u8; 1 << 20];
     let mut bytes = 0u64;
     loop {
-        let n = f.read(&mut buf).map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
+        let n = f
+            .read(&mut buf)
+            .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
         if n == 0 {
             break;
         }
         hasher.update(&buf[..n]);
         bytes += n as u64;
     }
-    Ok(FileSum { bytes, crc32: hasher.finalize() })
+    Ok(FileSum {
+        bytes,
+        crc32: hasher.finalize(),
+    })
 }
 
 /// Reads and verifies a checkpoint's manifest and files. The error names the bad file.
 pub fn verify(dir: &Path) -> Result<TrainState> {
     let bad = |p: &Path, why: String| Error::Checkpoint(format!("{}: {why}", p.display()));
     let manifest = dir.join("state.json");
-    let text = std::fs::read_to_string(&manifest).map_err(|e| bad(&manifest, format!("cannot read it ({e}); is {} a checkpoint?", dir.display())))?;
+    let text = std::fs::read_to_string(&manifest).map_err(|e| {
+        bad(
+            &manifest,
+            format!("cannot read it ({e}); is {} a checkpoint?", dir.display()),
+        )
+    })?;
     let state: TrainState = serde_json::from_str(&text).map_err(|e| bad(&manifest, format!("corrupt ({e})")))?;
     if state.format != FORMAT {
         return Err(bad(&manifest, format!("format {} is not {FORMAT}", state.format)));
     }
     for f in FILES {
         let p = dir.join(f);
-        let want = state.files.get(f).ok_or_else(|| bad(&manifest, format!("lists no {f}")))?;
+        let want = state
+            .files
+            .get(f)
+            .ok_or_else(|| bad(&manifest, format!("lists no {f}")))?;
         let got = checksum(&p).map_err(|e| bad(&p, e.to_string()))?;
         if got.bytes != want.bytes {
-            return Err(bad(&p, format!("truncated or changed: {} bytes, expected {}", got.bytes, want.bytes)));
+            return Err(bad(
+                &p,
+                format!("truncated or changed: {} bytes, expected {}", got.bytes, want.bytes),
+            ));
         }
         if got.crc32 != want.crc32 {
             return Err(bad(&p, "corrupt: its CRC32 does not match state.json".into()));
@@ -232,10 +270,21 @@ fn oom_or(why: String, other: impl Fn(String) -> Error) -> Error {
 
 /// Deletes what the retention policy no longer keeps. `valid(step)` says whether a
 /// checkpoint verifies (the caller caches it: verifying reads every byte).
-pub fn prune(run_dir: &Path, cfg: &CheckpointConfig, eval_history: &BTreeMap<u64, f64>, mut valid: impl FnMut(u64, &Path) -> bool) {
+pub fn prune(
+    run_dir: &Path,
+    cfg: &CheckpointConfig,
+    eval_history: &BTreeMap<u64, f64>,
+    mut valid: impl FnMut(u64, &Path) -> bool,
+) {
     let all = list(run_dir);
-    let candidates: Vec<retention::Candidate> =
-        all.iter().map(|(s, dir)| retention::Candidate { step: *s, loss: eval_history.get(s).copied(), valid: valid(*s, dir) }).collect();
+    let candidates: Vec<retention::Candidate> = all
+        .iter()
+        .map(|(s, dir)| retention::Candidate {
+            step: *s,
+            loss: eval_history.get(s).copied(),
+            valid: valid(*s, dir),
+        })
+        .collect();
     for step in retention(&candidates, cfg.keep, cfg.keep_best) {
         if let Some((_, dir)) = all.iter().find(|(s, _)| *s == step) {
             if !candidates.iter().any(|c| c.step == step && c.valid) {
@@ -251,10 +300,13 @@ pub fn prune(run_dir: &Path, cfg: &CheckpointConfig, eval_history: &BTreeMap<u64
 /// Removes temporary folders and files a killed writer left behind.
 pub fn clean_partial(run_dir: &Path) {
     atomic::remove_leftovers(run_dir);
-    for e in std::fs::read_dir(checkpoints_dir(run_dir)).into_iter().flatten().flatten() {
+    for e in std::fs::read_dir(checkpoints_dir(run_dir))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
         if e.file_name().to_string_lossy().starts_with(".tmp-") {
             let _ = std::fs::remove_dir_all(e.path());
         }
     }
 }
-

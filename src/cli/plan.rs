@@ -18,24 +18,38 @@ pub struct NothingFits(pub String);
 pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
     let cfg = config::load(&args.config, &args.set).map_err(Error::from)?;
     let c = &cfg.raw;
-    let precision = if args.precision == "bf16" { Precision::Bf16 } else { Precision::Fp32 };
+    let precision = if args.precision == "bf16" {
+        Precision::Bf16
+    } else {
+        Precision::Fp32
+    };
     let cuda_config = c.train.device.starts_with("cuda");
     let (memory, cuda, what) = match &args.device_memory {
         Some(text) => {
-            let bytes = device_memory(text).ok_or_else(|| Error::Config(config::ConfigError {
-                origin: "--device-memory".into(), line_col: None, key: String::new(),
-                message: format!("`{text}` is not a size (24GiB) or a known card (T4, L4, A100-40GB, A100-80GB, H100)"),
-            }))?;
+            let bytes = device_memory(text).ok_or_else(|| {
+                Error::Config(config::ConfigError {
+                    origin: "--device-memory".into(),
+                    line_col: None,
+                    key: String::new(),
+                    message: format!(
+                        "`{text}` is not a size (24GiB) or a known card (T4, L4, A100-40GB, A100-80GB, H100)"
+                    ),
+                })
+            })?;
             // A device's memory, by card name or by size alike: its caching allocator's overhead
             // applies either way.
             (bytes, true, text.clone())
         }
         None if !cuda_config => {
-            let (b, why) = budget::resolve_described(c.memory.budget()?, &c.memory.budget, 0, budget::host_memory().as_ref())
-                .ok_or_else(|| anyhow::anyhow!("memory.budget is none: give --device-memory"))?;
+            let (b, why) =
+                budget::resolve_described(c.memory.budget()?, &c.memory.budget, 0, budget::host_memory().as_ref())
+                    .ok_or_else(|| anyhow::anyhow!("memory.budget is none: give --device-memory"))?;
             (b, false, format!("the CPU budget ({why})"))
         }
-        None => anyhow::bail!("train.device is {}: give --device-memory (a size or a card such as A100)", c.train.device),
+        None => anyhow::bail!(
+            "train.device is {}: give --device-memory (a size or a card such as A100)",
+            c.train.device
+        ),
     };
     if c.model.kind != ModelKind::Gpt {
         return measured(&cfg, &args, memory, cuda, &what);
@@ -62,7 +76,11 @@ pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
         });
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        println!("{} at micro-batch {shown}, {precision:?}, against {} ({what}):", args.config.display(), human_bytes(memory));
+        println!(
+            "{} at micro-batch {shown}, {precision:?}, against {} ({what}):",
+            args.config.display(),
+            human_bytes(memory)
+        );
         for (k, v) in estimate.table(shown) {
             println!("  {k:<34} {v}");
         }
@@ -72,7 +90,11 @@ pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
                 global.div_ceil(fit)
             );
         } else {
-            println!("nothing fits: even micro-batch 1 needs {} of {}. What would fit:", human_bytes(estimate.peak(1)), human_bytes(memory));
+            println!(
+                "nothing fits: even micro-batch 1 needs {} of {}. What would fit:",
+                human_bytes(estimate.peak(1)),
+                human_bytes(memory)
+            );
             for s in suggestions(&model, precision, cuda, memory) {
                 println!("  - {s}");
             }
@@ -104,12 +126,19 @@ fn per_rank(args: &PlanArgs, estimate: &Estimate, memory: u64, global: usize, wh
         let rows: Vec<_> = stages.iter().map(|(s, e, fit)| serde_json::json!({
             "shard": s, "optimizer_bytes": e.optimizer_bytes, "peak_bytes_at_1": e.peak(1), "largest_micro_batch_size": fit,
         })).collect();
-        println!("{}", serde_json::to_string_pretty(&serde_json::json!({
-            "memory_bytes": memory, "nproc_per_node": n, "global_batch_size": global, "samples_per_rank": samples,
-            "shards": rows, "fits": best.map(|b| b.0), "ranks_to_fit": ranks,
-        }))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "memory_bytes": memory, "nproc_per_node": n, "global_batch_size": global, "samples_per_rank": samples,
+                "shards": rows, "fits": best.map(|b| b.0), "ranks_to_fit": ranks,
+            }))?
+        );
     } else {
-        println!("{} over {n} ranks ({samples} samples each per step), per rank, against {} ({what}):", args.config.display(), human_bytes(memory));
+        println!(
+            "{} over {n} ranks ({samples} samples each per step), per rank, against {} ({what}):",
+            args.config.display(),
+            human_bytes(memory)
+        );
         for (s, e, fit) in &stages {
             println!(
                 "  train.shard: {:<10} AdamW's state {:>10}, micro-batch 1 peaks near {:>10}, largest micro-batch {fit}",
@@ -138,19 +167,35 @@ fn per_rank(args: &PlanArgs, estimate: &Estimate, memory: u64, global: usize, wh
 /// where there is one), a line fitted, extrapolated to `memory`.
 fn measured(cfg: &Config, args: &PlanArgs, memory: u64, cuda: bool, what: &str) -> anyhow::Result<()> {
     let c = &cfg.raw;
-    let device = if c.train.device().is_cuda() { c.train.device() } else { tch::Device::Cpu };
+    let device = if c.train.device().is_cuda() {
+        c.train.device()
+    } else {
+        tch::Device::Cpu
+    };
     memory::install_cpu_allocator();
     tch::manual_seed(c.train.seed as i64);
     let base = cfg.base_dir();
-    let built = task::build_from_config(&BuildContext { device, model: &c.model, base_dir: &base, config_path: &cfg.path })?;
+    let built = task::build_from_config(&BuildContext {
+        device,
+        model: &c.model,
+        base_dir: &base,
+        config_path: &cfg.path,
+    })?;
     let data = task::data_for(&cfg.raw.model, &cfg.raw.data, &cfg.base_dir(), built.data)?;
     let t = built.task;
     let opt = AdamW::new(t.parameters(), &c.optim, |n, p| t.no_weight_decay(n, p))?;
     let global = c.train.global_batch_size();
     let batches = StepSamples::new(data.train.as_ref(), c.train.seed, global, device);
-    let amp = crate::precision::Amp { precision: c.train.precision.resolve(device), device, loss_scale: None };
+    let amp = crate::precision::Amp {
+        precision: c.train.precision.resolve(device),
+        device,
+        loss_scale: None,
+    };
     let Some(mut profile) = measure(t.as_ref(), &batches, &|| opt.clear_grads(), &amp, CUDA_OVERHEAD)? else {
-        anyhow::bail!("even one sample ran out of memory while measuring {} on this machine", t.describe());
+        anyhow::bail!(
+            "even one sample ran out of memory while measuring {} on this machine",
+            t.describe()
+        );
     };
     profile.allocator_overhead = if cuda { CUDA_OVERHEAD } else { 0.0 };
     let fit = profile.largest_fitting(memory, global);
@@ -167,13 +212,26 @@ fn measured(cfg: &Config, args: &PlanArgs, memory: u64, cuda: bool, what: &str) 
         });
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        println!("{} ({}), measured on {device:?}, against {} ({what}):", args.config.display(), t.describe(), human_bytes(memory));
+        println!(
+            "{} ({}), measured on {device:?}, against {} ({what}):",
+            args.config.display(),
+            t.describe(),
+            human_bytes(memory)
+        );
         for (m, p) in &profile.measured {
             println!("  {:<34} {}", format!("trial step at micro-batch {m}"), human_bytes(*p));
         }
-        println!("  {:<34} {}", "fixed (weights, grads, AdamW, ...)", human_bytes(profile.fixed_bytes));
+        println!(
+            "  {:<34} {}",
+            "fixed (weights, grads, AdamW, ...)",
+            human_bytes(profile.fixed_bytes)
+        );
         println!("  {:<34} {}", "per sample", human_bytes(profile.per_sample_bytes));
-        println!("  {:<34} {:.0}%", "allocator overhead", profile.allocator_overhead * 100.0);
+        println!(
+            "  {:<34} {:.0}%",
+            "allocator overhead",
+            profile.allocator_overhead * 100.0
+        );
         if fit > 0 {
             println!("largest micro-batch that fits: {fit} -> micro_batch_size: {fit}, grad_accum_steps: {} (global batch {global})", global.div_ceil(fit));
         } else {

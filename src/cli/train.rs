@@ -89,7 +89,11 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
     let settings = allocator_settings(&cfg)?;
     if args.check {
         // Data parallel: the world `--nproc-per-node` or the launcher's WORLD_SIZE gives.
-        let world = args.nproc_per_node.as_deref().and_then(|n| n.parse().ok()).or_else(|| std::env::var("WORLD_SIZE").ok()?.parse().ok());
+        let world = args
+            .nproc_per_node
+            .as_deref()
+            .and_then(|n| n.parse().ok())
+            .or_else(|| std::env::var("WORLD_SIZE").ok()?.parse().ok());
         if let Some(w) = world.filter(|&w: &usize| w > 1) {
             train::check_world(cfg.raw.train.global_batch_size(), w, &args.config.display().to_string())?;
         }
@@ -104,7 +108,11 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
     let run_dir = match (args.run_dir, &args.resume_from) {
         (Some(d), _) => d,
         // run_dir/checkpoints/step-N
-        (None, Some(p)) => p.parent().and_then(Path::parent).map(Path::to_path_buf).context("--resume-from needs a path like RUN_DIR/checkpoints/step-N")?,
+        (None, Some(p)) => p
+            .parent()
+            .and_then(Path::parent)
+            .map(Path::to_path_buf)
+            .context("--resume-from needs a path like RUN_DIR/checkpoints/step-N")?,
         (None, None) => next_run_dir(&args.config)?,
     };
     if lead && matches!(resume, train::Resume::Fresh) {
@@ -113,19 +121,43 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
         std::fs::create_dir_all(&run_dir).with_context(|| format!("creating run directory {}", run_dir.display()))?;
     }
     crate::signals::install().context("installing the SIGINT/SIGTERM handlers")?;
-    let inject_oom = args.inject_oom.as_deref().map(str::parse).transpose().map_err(|e: String| {
-        crate::Error::Config(ConfigError { origin: "--inject-oom".into(), line_col: None, key: String::new(), message: e })
-    })?;
+    let inject_oom = args
+        .inject_oom
+        .as_deref()
+        .map(str::parse)
+        .transpose()
+        .map_err(|e: String| {
+            crate::Error::Config(ConfigError {
+                origin: "--inject-oom".into(),
+                line_col: None,
+                key: String::new(),
+                message: e,
+            })
+        })?;
     if lead {
         let resolved = serde_yaml::to_string(&cfg.resolved()).context("encoding the resolved config")?;
         // A resumed run rewrites it: whole or not at all.
-        oomguard_report::atomic::write(&run_dir.join("config.yaml"), resolved.as_bytes()).with_context(|| format!("writing {}/config.yaml", run_dir.display()))?;
+        oomguard_report::atomic::write(&run_dir.join("config.yaml"), resolved.as_bytes())
+            .with_context(|| format!("writing {}/config.yaml", run_dir.display()))?;
         metrics::set_log_file(&run_dir.join("train.log"))?;
     }
     tracing::info!("run directory {}", run_dir.display());
 
-    let precision_set = args.set.iter().any(|s| s.split_once('=').is_some_and(|(k, _)| k.trim() == "train.precision"));
-    let s = train::train_with(&cfg, &run_dir, &settings, train::Options { resume, inject_oom, precision_set }, build)?;
+    let precision_set = args
+        .set
+        .iter()
+        .any(|s| s.split_once('=').is_some_and(|(k, _)| k.trim() == "train.precision"));
+    let s = train::train_with(
+        &cfg,
+        &run_dir,
+        &settings,
+        train::Options {
+            resume,
+            inject_oom,
+            precision_set,
+        },
+        build,
+    )?;
     tracing::info!(
         "done: {} steps in {} wall time | loss {:.4} -> {:.4}{} | {:.0} tok/s | peak memory {} | {} OOMs recovered, micro-batch {} at the end",
         s.steps, oomguard_console::progress::human_duration(s.wall_s), s.first_loss, s.final_loss,
@@ -141,15 +173,24 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
 /// The allocator settings in force (config merged with the environment). Settings libtorch
 /// reads only at load time (`backend`) re-execute this process with them in the environment.
 fn allocator_settings(cfg: &config::Config) -> anyhow::Result<allocator::AllocatorSettings> {
-    let from_config = cfg.raw.memory.allocator_settings().map_err(|e| ConfigError { origin: cfg.path.display().to_string(), ..e });
+    let from_config = cfg.raw.memory.allocator_settings().map_err(|e| ConfigError {
+        origin: cfg.path.display().to_string(),
+        ..e
+    });
     let settings = allocator::effective(&from_config.map_err(crate::Error::from)?, |v| std::env::var(v).ok())
         .map_err(crate::Error::from)?;
     let started_with = allocator::ENV_VARS.iter().rev().find_map(|v| std::env::var(v).ok());
     if allocator::startup(&settings, started_with.as_deref()) == allocator::Startup::Reexec {
         if std::env::var_os(REEXEC).is_some() {
-            anyhow::bail!("allocator backend `{}` was not in effect after restarting with it in the environment", settings.get("backend").unwrap_or("native"));
+            anyhow::bail!(
+                "allocator backend `{}` was not in effect after restarting with it in the environment",
+                settings.get("backend").unwrap_or("native")
+            );
         }
-        tracing::info!("restarting so that libtorch loads with allocator settings `{}`", settings.render());
+        tracing::info!(
+            "restarting so that libtorch loads with allocator settings `{}`",
+            settings.render()
+        );
         let exe = std::env::current_exe().context("locating this executable to restart it")?;
         let err = std::process::Command::new(exe)
             .args(std::env::args_os().skip(1))
@@ -167,7 +208,15 @@ const REEXEC: &str = "OOMGUARD_REEXECUTED";
 /// (standalone: a free port on loopback, so runs side by side never meet).
 fn launch_self(nproc: &str, run_dir: Option<&Path>) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("locating this executable")?;
-    let mut args: Vec<std::ffi::OsString> = vec!["oomguard".into(), "launch".into(), "--standalone".into(), "--nproc-per-node".into(), nproc.into(), "--no-python".into(), exe.into()];
+    let mut args: Vec<std::ffi::OsString> = vec![
+        "oomguard".into(),
+        "launch".into(),
+        "--standalone".into(),
+        "--nproc-per-node".into(),
+        nproc.into(),
+        "--no-python".into(),
+        exe.into(),
+    ];
     let mut skip = false;
     for a in std::env::args_os().skip(1) {
         let text = a.to_string_lossy();
@@ -183,7 +232,10 @@ fn launch_self(nproc: &str, run_dir: Option<&Path>) -> anyhow::Result<()> {
     if let Some(d) = run_dir {
         args.extend(["--run-dir".into(), d.as_os_str().to_owned()]);
     }
-    match super::Cli::try_parse_from(args).context("building the launch command")?.command {
+    match super::Cli::try_parse_from(args)
+        .context("building the launch command")?
+        .command
+    {
         super::Command::Launch(l) => oomguard_cli::launch(l),
         _ => anyhow::bail!("building the launch command"),
     }

@@ -55,41 +55,64 @@ pub fn load(path: &Path, overrides: &[String]) -> Result<Config, ConfigError> {
     for o in overrides {
         let set_origin = format!("--set {o}");
         apply_override(&mut value, o).map_err(|m| ConfigError {
-            origin: set_origin.clone(), line_col: None, key: String::new(), message: m,
+            origin: set_origin.clone(),
+            line_col: None,
+            key: String::new(),
+            message: m,
         })?;
         let _: RawConfig = serde_yaml::from_value(value.clone()).map_err(|e| {
             let err = yaml_error(&set_origin, e);
             // from_value does not track paths; the override names its own key.
-            let key = if err.key.is_empty() { o.split('=').next().unwrap_or_default().to_string() } else { err.key };
+            let key = if err.key.is_empty() {
+                o.split('=').next().unwrap_or_default().to_string()
+            } else {
+                err.key
+            };
             ConfigError { key, ..err }
         })?;
     }
     let raw: RawConfig = serde_yaml::from_value(value).map_err(|e| yaml_error(&origin, e))?;
     raw.validate().map_err(|e| ConfigError { origin, ..e })?;
-    Ok(Config { raw, path: path.to_path_buf() })
+    Ok(Config {
+        raw,
+        path: path.to_path_buf(),
+    })
 }
 
 impl Config {
     /// The config file's folder: relative paths in it (data, model files) start there.
     pub fn base_dir(&self) -> PathBuf {
-        self.path.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
+        self.path
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from("."))
     }
 
     /// The config as it takes effect, every default written out (the run's config.yaml).
     pub fn resolved(&self) -> RawConfig {
-        RawConfig { model: self.raw.model.resolved(), ..self.raw.clone() }
+        RawConfig {
+            model: self.raw.model.resolved(),
+            ..self.raw.clone()
+        }
     }
 
     /// When the run evaluates and checkpoints (the loop and its ETA ask the same).
     pub fn schedule(&self) -> oomguard_console::progress::Schedule {
         let r = &self.raw;
-        oomguard_console::progress::Schedule { max_steps: r.train.max_steps, eval_every: r.train.eval_every, checkpoint_every: r.checkpoint.every_steps }
+        oomguard_console::progress::Schedule {
+            max_steps: r.train.max_steps,
+            eval_every: r.train.eval_every,
+            checkpoint_every: r.checkpoint.every_steps,
+        }
     }
 
     /// Checks that the data files exist (training needs them; planning does not).
     pub fn check_data_files(&self) -> Result<(), ConfigError> {
         let base = self.path.parent().unwrap_or(Path::new("."));
-        self.raw.data.check_files(base).map_err(|e| ConfigError { origin: self.path.display().to_string(), ..e })
+        self.raw.data.check_files(base).map_err(|e| ConfigError {
+            origin: self.path.display().to_string(),
+            ..e
+        })
     }
 }
 
@@ -108,7 +131,10 @@ impl RawConfig {
         if gpt && self.data.source == crate::data::DataSource::Text && self.model.gpt().vocab_size < 256 {
             return Err(ConfigError::invalid(
                 "model.vocab_size",
-                format!("is {} but byte-level text needs 256; set model.vocab_size: 256", self.model.gpt().vocab_size),
+                format!(
+                    "is {} but byte-level text needs 256; set model.vocab_size: 256",
+                    self.model.gpt().vocab_size
+                ),
             ));
         }
         if self.model.kind == ModelKind::Torchscript && self.data.is_tokens() && self.model.block_size.is_none() {
@@ -134,10 +160,22 @@ impl RawConfig {
         for (key, v) in floats {
             let single = v as f32;
             if !v.is_finite() || single.is_infinite() {
-                return Err(ConfigError::invalid(&key, format!("is {v:e}; libtorch holds it as a 32-bit float, at most {:e} in size", f32::MAX)));
+                return Err(ConfigError::invalid(
+                    &key,
+                    format!(
+                        "is {v:e}; libtorch holds it as a 32-bit float, at most {:e} in size",
+                        f32::MAX
+                    ),
+                ));
             }
             if v != 0.0 && single == 0.0 {
-                return Err(ConfigError::invalid(&key, format!("is {v:e}; as a 32-bit float (libtorch's) it is 0; give 0 or at least {:e}", f32::from_bits(1))));
+                return Err(ConfigError::invalid(
+                    &key,
+                    format!(
+                        "is {v:e}; as a 32-bit float (libtorch's) it is 0; give 0 or at least {:e}",
+                        f32::from_bits(1)
+                    ),
+                ));
             }
         }
         Ok(())
@@ -148,8 +186,21 @@ impl RawConfig {
 fn float_keys(v: &serde_json::Value, path: String, out: &mut Vec<(String, f64)>) {
     match v {
         serde_json::Value::Number(n) if n.is_f64() => out.push((path, n.as_f64().unwrap_or(f64::NAN))),
-        serde_json::Value::Object(m) => m.iter().for_each(|(k, v)| float_keys(v, if path.is_empty() { k.clone() } else { format!("{path}.{k}") }, out)),
-        serde_json::Value::Array(a) => a.iter().enumerate().for_each(|(i, v)| float_keys(v, format!("{path}[{i}]"), out)),
+        serde_json::Value::Object(m) => m.iter().for_each(|(k, v)| {
+            float_keys(
+                v,
+                if path.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{path}.{k}")
+                },
+                out,
+            )
+        }),
+        serde_json::Value::Array(a) => a
+            .iter()
+            .enumerate()
+            .for_each(|(i, v)| float_keys(v, format!("{path}[{i}]"), out)),
         _ => {}
     }
 }
@@ -163,8 +214,8 @@ fn apply_override(root: &mut serde_yaml::Value, assignment: &str) -> Result<(), 
     let (path, raw_value) = assignment
         .split_once('=')
         .ok_or_else(|| "expected key.path=value, e.g. --set train.max_steps=100".to_string())?;
-    let parsed: serde_yaml::Value = serde_yaml::from_str(raw_value)
-        .unwrap_or_else(|_| serde_yaml::Value::String(raw_value.to_string()));
+    let parsed: serde_yaml::Value =
+        serde_yaml::from_str(raw_value).unwrap_or_else(|_| serde_yaml::Value::String(raw_value.to_string()));
     let mut node = root;
     let parts: Vec<&str> = path.trim().split('.').collect();
     if parts.iter().any(|p| p.is_empty()) {
@@ -179,7 +230,9 @@ fn apply_override(root: &mut serde_yaml::Value, assignment: &str) -> Result<(), 
             map.insert(key, parsed);
             return Ok(());
         }
-        node = map.entry(key).or_insert_with(|| serde_yaml::Value::Mapping(Default::default()));
+        node = map
+            .entry(key)
+            .or_insert_with(|| serde_yaml::Value::Mapping(Default::default()));
     }
     Ok(())
 }
@@ -231,9 +284,22 @@ mod tests {
     #[test]
     fn every_float_key_is_checked_against_libtorchs_range() {
         let mut floats = vec![];
-        float_keys(&serde_json::to_value(load_str("model: {dropout: 0.1}\n", &[]).unwrap().raw).unwrap(), String::new(), &mut floats);
+        float_keys(
+            &serde_json::to_value(load_str("model: {dropout: 0.1}\n", &[]).unwrap().raw).unwrap(),
+            String::new(),
+            &mut floats,
+        );
         let keys: Vec<&str> = floats.iter().map(|(k, _)| k.as_str()).collect();
-        for k in ["optim.lr", "optim.grad_clip", "optim.eps", "optim.weight_decay", "train.grad_scaler.init_scale", "model.dropout", "data.val_fraction", "memory.auto_margin"] {
+        for k in [
+            "optim.lr",
+            "optim.grad_clip",
+            "optim.eps",
+            "optim.weight_decay",
+            "train.grad_scaler.init_scale",
+            "model.dropout",
+            "data.val_fraction",
+            "memory.auto_margin",
+        ] {
             assert!(keys.contains(&k), "{k} in {keys:?}");
         }
         for key in &keys {
@@ -244,17 +310,29 @@ mod tests {
         }
         let e = load_str("optim: {grad_clip: 1e+308}\n", &[]).unwrap_err();
         assert!(e.key == "optim.grad_clip" && e.message.contains("32-bit float"), "{e}");
-        assert!(load_str("optim: {grad_clip: 0, weight_decay: 0.0}\n", &[]).is_ok(), "0 is exact in any float");
+        assert!(
+            load_str("optim: {grad_clip: 0, weight_decay: 0.0}\n", &[]).is_ok(),
+            "0 is exact in any float"
+        );
     }
 
     #[test]
     fn grad_scaler_defaults_are_gradscalers_and_are_validated() {
         let c = load_str("train: {grad_scaler: {growth_interval: 3}}\n", &[]).unwrap();
         let g = &c.raw.train.grad_scaler;
-        assert_eq!((g.init_scale, g.growth_factor, g.backoff_factor, g.growth_interval), (65536.0, 2.0, 0.5, 3));
+        assert_eq!(
+            (g.init_scale, g.growth_factor, g.backoff_factor, g.growth_interval),
+            (65536.0, 2.0, 0.5, 3)
+        );
         for (set, key) in [
-            ("train.grad_scaler.growth_interval=0", "train.grad_scaler.growth_interval"),
-            ("train.grad_scaler.backoff_factor=1.0", "train.grad_scaler.backoff_factor"),
+            (
+                "train.grad_scaler.growth_interval=0",
+                "train.grad_scaler.growth_interval",
+            ),
+            (
+                "train.grad_scaler.backoff_factor=1.0",
+                "train.grad_scaler.backoff_factor",
+            ),
             ("train.grad_scaler.growth_factor=0.5", "train.grad_scaler.growth_factor"),
             ("train.grad_scaler.init_scale=0", "train.grad_scaler.init_scale"),
         ] {

@@ -4,8 +4,12 @@
 //! counting runs (long-range regularity). Loss falls from ln(256) ≈ 5.5 to about 1 quickly.
 use super::splitmix64;
 
-const ADJ: &[&str] = &["red", "small", "quiet", "old", "clever", "lazy", "bright", "tiny", "brave", "green"];
-const NOUN: &[&str] = &["cat", "dog", "fox", "bird", "robot", "farmer", "teacher", "river", "engine", "child"];
+const ADJ: &[&str] = &[
+    "red", "small", "quiet", "old", "clever", "lazy", "bright", "tiny", "brave", "green",
+];
+const NOUN: &[&str] = &[
+    "cat", "dog", "fox", "bird", "robot", "farmer", "teacher", "river", "engine", "child",
+];
 const VERB: &[&str] = &["see", "chase", "follow", "help", "watch", "find", "paint", "carry"];
 const ADV: &[&str] = &["slowly", "quickly", "again", "today", "at night", "with care"];
 
@@ -31,7 +35,13 @@ fn noun_phrase(r: &mut Rng, out: &mut String) -> bool {
     let noun = r.pick(NOUN);
     out.push_str(noun);
     if plural {
-        out.push_str(if noun.ends_with('x') { "es" } else if noun == "child" { "ren" } else { "s" });
+        out.push_str(if noun.ends_with('x') {
+            "es"
+        } else if noun == "child" {
+            "ren"
+        } else {
+            "s"
+        });
     }
     plural
 }
@@ -42,7 +52,13 @@ fn sentence(r: &mut Rng, out: &mut String) {
     let verb = r.pick(VERB);
     out.push_str(verb);
     if !plural {
-        out.push_str(if verb.ends_with("ch") || verb.ends_with("sh") { "es" } else if verb.ends_with('y') { "" } else { "s" });
+        out.push_str(if verb.ends_with("ch") || verb.ends_with("sh") {
+            "es"
+        } else if verb.ends_with('y') {
+            ""
+        } else {
+            "s"
+        });
         if verb.ends_with('y') {
             out.pop();
             out.push_str("ies");

@@ -44,17 +44,28 @@ pub struct DataConfig {
 
 impl Default for DataConfig {
     fn default() -> Self {
-        DataConfig { source: DataSource::Embedded, path: None, val_fraction: 0.1, embedded_bytes: 1 << 20 }
+        DataConfig {
+            source: DataSource::Embedded,
+            path: None,
+            val_fraction: 0.1,
+            embedded_bytes: 1 << 20,
+        }
     }
 }
 
 impl DataConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.source != DataSource::Embedded && self.path.is_none() {
-            return Err(ConfigError::invalid("data.path", format!("is required for source {}: {}", self.source.name(), self.source.wants())));
+            return Err(ConfigError::invalid(
+                "data.path",
+                format!("is required for source {}: {}", self.source.name(), self.source.wants()),
+            ));
         }
         if !(self.val_fraction > 0.0 && self.val_fraction < 1.0) {
-            return Err(ConfigError::invalid("data.val_fraction", format!("is {}; it must be in (0, 1)", self.val_fraction)));
+            return Err(ConfigError::invalid(
+                "data.val_fraction",
+                format!("is {}; it must be in (0, 1)", self.val_fraction),
+            ));
         }
         if self.embedded_bytes < 4096 {
             return Err(ConfigError::invalid("data.embedded_bytes", "must be at least 4096"));
@@ -64,12 +75,16 @@ impl DataConfig {
 
     /// `data.path` resolved against `base` (the config file's folder).
     pub fn resolved_path(&self, base: &Path) -> Option<PathBuf> {
-        self.path.as_ref().map(|p| if p.is_absolute() { p.clone() } else { base.join(p) })
+        self.path
+            .as_ref()
+            .map(|p| if p.is_absolute() { p.clone() } else { base.join(p) })
     }
 
     /// Checks that the files the source needs exist, before any run starts.
     pub fn check_files(&self, base: &Path) -> Result<(), ConfigError> {
-        let Some(path) = self.resolved_path(base) else { return Ok(()) };
+        let Some(path) = self.resolved_path(base) else {
+            return Ok(());
+        };
         let needed = match self.source {
             DataSource::Embedded => vec![],
             DataSource::Text | DataSource::Tensors => vec![path],
@@ -78,7 +93,12 @@ impl DataConfig {
         match needed.iter().find(|p| !p.is_file()) {
             Some(p) => Err(ConfigError::invalid(
                 "data.path",
-                format!("{} does not exist; for source {} point data.path at {}", p.display(), self.source.name(), self.source.wants()),
+                format!(
+                    "{} does not exist; for source {} point data.path at {}",
+                    p.display(),
+                    self.source.name(),
+                    self.source.wants()
+                ),
             )),
             None => Ok(()),
         }
@@ -148,7 +168,13 @@ impl Dataset {
             return tensors::open(&path, cfg.val_fraction);
         }
         let shape = shape.ok_or_else(|| {
-            ConfigError::invalid("model.block_size", format!("is needed: data.source {} cuts a token stream into samples of model.block_size tokens", cfg.source.name()))
+            ConfigError::invalid(
+                "model.block_size",
+                format!(
+                    "is needed: data.source {} cuts a token stream into samples of model.block_size tokens",
+                    cfg.source.name()
+                ),
+            )
         })?;
         tokens::open(cfg, &path, shape)
     }
@@ -167,7 +193,9 @@ pub fn splitmix64(mut x: u64) -> u64 {
 pub fn sample_positions(seed: u64, step: u64, count: usize, num_positions: usize) -> Vec<usize> {
     let positions = num_positions.max(1) as u64;
     let base = splitmix64(seed ^ splitmix64(step));
-    (0..count as u64).map(|i| (splitmix64(base ^ splitmix64(i.wrapping_add(1) << 20)) % positions) as usize).collect()
+    (0..count as u64)
+        .map(|i| (splitmix64(base ^ splitmix64(i.wrapping_add(1) << 20)) % positions) as usize)
+        .collect()
 }
 
 /// Start offsets of a step's token windows of `block` tokens (with their next-token
@@ -208,7 +236,13 @@ pub struct StepSamples<'a> {
 
 impl<'a> StepSamples<'a> {
     pub fn new(samples: &'a dyn Samples, seed: u64, global_batch: usize, device: Device) -> StepSamples<'a> {
-        StepSamples { samples, seed, global_batch, device, shard: 0..global_batch }
+        StepSamples {
+            samples,
+            seed,
+            global_batch,
+            device,
+            shard: 0..global_batch,
+        }
     }
 }
 

@@ -52,12 +52,21 @@ pub(super) fn open(path: &Path, val_fraction: f64) -> Result<Dataset> {
     let n = rows(&inputs);
     let n_val = ((n as f64) * val_fraction).round() as i64;
     if n_val < 1 || n - n_val < 1 {
-        return Err(bad(format!("{n} samples cannot be split into training and validation by data.val_fraction {val_fraction}")));
+        return Err(bad(format!(
+            "{n} samples cannot be split into training and validation by data.val_fraction {val_fraction}"
+        )));
     }
     let part = |t: &Tensor, start: i64, len: i64| t.f_narrow(0, start, len);
     let name = path.display().to_string();
     let split = |start: i64, len: i64, which: &str| -> Result<Rows> {
-        Ok(Rows { inputs: part(&inputs, start, len)?, targets: part(&targets, start, len)?, name: format!("{name} ({which} split)") })
+        Ok(Rows {
+            inputs: part(&inputs, start, len)?,
+            targets: part(&targets, start, len)?,
+            name: format!("{name} ({which} split)"),
+        })
     };
-    Ok(Dataset { train: Box::new(split(0, n - n_val, "train")?), val: Box::new(split(n - n_val, n_val, "validation")?) })
+    Ok(Dataset {
+        train: Box::new(split(0, n - n_val, "train")?),
+        val: Box::new(split(n - n_val, n_val, "validation")?),
+    })
 }

@@ -35,7 +35,13 @@ pub struct Split {
 
 impl Split {
     fn new(storage: Arc<Storage>, width: usize, start: usize, len: usize, name: String) -> Split {
-        Split { storage, start, len, width, name }
+        Split {
+            storage,
+            start,
+            len,
+            width,
+            name,
+        }
     }
 
     pub fn num_tokens(&self) -> usize {
@@ -45,11 +51,21 @@ impl Split {
     fn token(&self, i: usize) -> i64 {
         let b = self.storage.bytes();
         let at = (self.start + i) * self.width;
-        if self.width == 1 { b[at] as i64 } else { u16::from_le_bytes([b[at], b[at + 1]]) as i64 }
+        if self.width == 1 {
+            b[at] as i64
+        } else {
+            u16::from_le_bytes([b[at], b[at + 1]]) as i64
+        }
     }
 
     /// Inputs and next-token targets `[n, block]` for the windows starting at `offsets`.
-    pub fn batch(&self, offsets: &[usize], block: usize, vocab: Option<i64>, device: Device) -> Result<(Tensor, Tensor)> {
+    pub fn batch(
+        &self,
+        offsets: &[usize],
+        block: usize,
+        vocab: Option<i64>,
+        device: Device,
+    ) -> Result<(Tensor, Tensor)> {
         let mut x = Vec::with_capacity(offsets.len() * block);
         let mut y = Vec::with_capacity(offsets.len() * block);
         for &o in offsets {
@@ -83,7 +99,8 @@ impl Samples for TokenSamples {
         self.split.num_tokens() - self.shape.block_size - 1
     }
     fn batch(&self, positions: &[usize], device: Device) -> Result<(Tensor, Tensor)> {
-        self.split.batch(positions, self.shape.block_size, self.shape.vocab_size, device)
+        self.split
+            .batch(positions, self.shape.block_size, self.shape.vocab_size, device)
     }
     fn units_per_sample(&self) -> usize {
         self.shape.block_size
@@ -95,7 +112,11 @@ impl Samples for TokenSamples {
 
 pub(super) fn open(cfg: &DataConfig, path: &Path, shape: TokenShape) -> Result<Dataset> {
     let (train, val) = match cfg.source {
-        DataSource::Embedded => split_one(Storage::Owned(embedded::corpus(cfg.embedded_bytes)), cfg.val_fraction, "embedded corpus"),
+        DataSource::Embedded => split_one(
+            Storage::Owned(embedded::corpus(cfg.embedded_bytes)),
+            cfg.val_fraction,
+            "embedded corpus",
+        ),
         DataSource::Text => split_one(map(path)?, cfg.val_fraction, &path.display().to_string()),
         DataSource::Tokens => {
             let open = |name: &str| -> Result<Split> {
@@ -103,7 +124,10 @@ pub(super) fn open(cfg: &DataConfig, path: &Path, shape: TokenShape) -> Result<D
                 let s = map(&path)?;
                 let n = s.bytes().len();
                 if n % 2 != 0 {
-                    return Err(Error::Data(format!("{}: {n} bytes is not a whole number of u16 tokens", path.display())));
+                    return Err(Error::Data(format!(
+                        "{}: {n} bytes is not a whole number of u16 tokens",
+                        path.display()
+                    )));
                 }
                 Ok(Split::new(Arc::new(s), 2, 0, n / 2, path.display().to_string()))
             };
@@ -121,7 +145,10 @@ pub(super) fn open(cfg: &DataConfig, path: &Path, shape: TokenShape) -> Result<D
             )));
         }
     }
-    Ok(Dataset { train: Box::new(TokenSamples { split: train, shape }), val: Box::new(TokenSamples { split: val, shape }) })
+    Ok(Dataset {
+        train: Box::new(TokenSamples { split: train, shape }),
+        val: Box::new(TokenSamples { split: val, shape }),
+    })
 }
 
 fn split_one(storage: Storage, val_fraction: f64, name: &str) -> (Split, Split) {
@@ -135,12 +162,14 @@ fn split_one(storage: Storage, val_fraction: f64, name: &str) -> (Split, Split) 
 }
 
 fn map(path: &Path) -> Result<Storage> {
-    let file = std::fs::File::open(path).map_err(|e| Error::Data(format!("cannot open data file {}: {e}", path.display())))?;
+    let file =
+        std::fs::File::open(path).map_err(|e| Error::Data(format!("cannot open data file {}: {e}", path.display())))?;
     if file.metadata().map(|m| m.len()).unwrap_or(0) == 0 {
         return Err(Error::Data(format!("{}: the file is empty", path.display())));
     }
     // SAFETY: read-only map of a file we do not modify; a concurrent writer would only
     // change token values, not memory safety of the slice bounds we check.
-    let m = unsafe { Mmap::map(&file) }.map_err(|e| Error::Data(format!("cannot map data file {}: {e}", path.display())))?;
+    let m = unsafe { Mmap::map(&file) }
+        .map_err(|e| Error::Data(format!("cannot map data file {}: {e}", path.display())))?;
     Ok(Storage::Mapped(m))
 }

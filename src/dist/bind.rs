@@ -25,7 +25,9 @@ pub fn bind_rank(local_rank: usize, local_world: usize) -> Option<Vec<usize>> {
         if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
             return None;
         }
-        let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &set)).collect();
+        let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &set))
+            .collect();
         let mine = share(&cpus, local_rank, local_world)?;
         let mut new: libc::cpu_set_t = std::mem::zeroed();
         for &c in &mine {

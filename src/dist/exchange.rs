@@ -65,7 +65,13 @@ impl Exchange {
             let (r, s) = v.split_once(':')?;
             Some((r.parse().ok()?, s.parse().ok()?))
         });
-        Exchange { channel, msg: RefCell::new(vec![0.0; HEADER + payload]), seq: 0.into(), step: 0.into(), misalign }
+        Exchange {
+            channel,
+            msg: RefCell::new(vec![0.0; HEADER + payload]),
+            seq: 0.into(),
+            step: 0.into(),
+            misalign,
+        }
     }
 
     /// One exchange of `payload`, reduced with MAX in place, after which every rank knows
@@ -74,7 +80,11 @@ impl Exchange {
     pub fn run(&self, topic: Topic, payload: &mut [f64]) -> Result<()> {
         let mut msg = self.msg.borrow_mut();
         let cap = msg.len() - HEADER;
-        assert!(payload.len() <= cap, "an exchange of {} values in a buffer of {cap}", payload.len());
+        assert!(
+            payload.len() <= cap,
+            "an exchange of {} values in a buffer of {cap}",
+            payload.len()
+        );
         let mut seq = self.seq.get() + 1;
         self.seq.set(seq);
         if self.misalign == Some((self.channel.rank, seq)) {
@@ -113,10 +123,12 @@ const HELLO_WAIT: Duration = Duration::from_secs(10);
 fn io_error(what: String) -> impl Fn(std::io::Error) -> Error {
     move |e| {
         let why = match e.kind() {
-            std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe => {
-                "the connection closed (that rank failed or exited)".to_string()
+            std::io::ErrorKind::UnexpectedEof
+            | std::io::ErrorKind::ConnectionReset
+            | std::io::ErrorKind::BrokenPipe => "the connection closed (that rank failed or exited)".to_string(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                "timed out (train.dist_timeout_s)".to_string()
             }
-            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => "timed out (train.dist_timeout_s)".to_string(),
             _ => e.to_string(),
         };
         Error::Dist(format!("{what}: {why}"))
@@ -126,24 +138,41 @@ fn io_error(what: String) -> impl Fn(std::io::Error) -> Error {
 impl Channel {
     /// No connection (a placeholder until the group's channel opens).
     pub fn alone() -> Channel {
-        Channel { rank: 0, streams: vec![], bytes: RefCell::new(vec![]) }
+        Channel {
+            rank: 0,
+            streams: vec![],
+            bytes: RefCell::new(vec![]),
+        }
     }
 
     /// Connects the ranks: rank 0 listens on `addr`'s interface at a free port, which it
     /// publishes through the store (`share`: rank 0 sets a key, every rank reads it), and
     /// waits up to `timeout` for every other rank to connect with `token`.
-    pub fn open(rank: usize, world: usize, addr: &str, token: &str, timeout: Duration, share: impl Fn(&str, Option<&[u8]>) -> Result<Vec<u8>>) -> Result<Channel> {
+    pub fn open(
+        rank: usize,
+        world: usize,
+        addr: &str,
+        token: &str,
+        timeout: Duration,
+        share: impl Fn(&str, Option<&[u8]>) -> Result<Vec<u8>>,
+    ) -> Result<Channel> {
         let key = "oomguard/exchange-port";
         let timeout = timeout.max(Duration::from_millis(1));
         let streams = if world < 2 {
             vec![]
         } else if rank == 0 {
-            let listener = TcpListener::bind((addr, 0)).map_err(io_error(format!("the exchange's listener on {addr}")))?;
-            let port = listener.local_addr().map_err(io_error("the exchange's listener".into()))?.port();
+            let listener =
+                TcpListener::bind((addr, 0)).map_err(io_error(format!("the exchange's listener on {addr}")))?;
+            let port = listener
+                .local_addr()
+                .map_err(io_error("the exchange's listener".into()))?
+                .port();
             share(key, Some(port.to_string().as_bytes()))?;
             accept(&listener, world, token, timeout)?
         } else {
-            let port = String::from_utf8_lossy(&share(key, None)?).parse::<u16>().map_err(|_| Error::Dist("the store's exchange port is not a port".into()))?;
+            let port = String::from_utf8_lossy(&share(key, None)?)
+                .parse::<u16>()
+                .map_err(|_| Error::Dist("the store's exchange port is not a port".into()))?;
             let what = format!("rank {rank} connecting to the exchange at {addr}:{port}");
             let mut s = connect(addr, port, timeout).map_err(io_error(what.clone()))?;
             let mut hello = HELLO.to_vec();
@@ -159,7 +188,11 @@ impl Channel {
             s.set_read_timeout(Some(timeout)).map_err(&setup)?;
             s.set_write_timeout(Some(timeout)).map_err(&setup)?;
         }
-        Ok(Channel { rank, streams, bytes: RefCell::new(vec![]) })
+        Ok(Channel {
+            rank,
+            streams,
+            bytes: RefCell::new(vec![]),
+        })
     }
 
     /// `values` becomes the element-wise maximum over the ranks (a NaN anywhere wins: a
@@ -169,7 +202,9 @@ impl Channel {
         bytes.resize(values.len() * 8, 0);
         if self.rank == 0 {
             for (i, s) in self.streams.iter().enumerate() {
-                (&*s).read_exact(&mut bytes).map_err(io_error(format!("the exchange with rank {}", i + 1)))?;
+                (&*s)
+                    .read_exact(&mut bytes)
+                    .map_err(io_error(format!("the exchange with rank {}", i + 1)))?;
                 for (v, b) in values.iter_mut().zip(bytes.chunks_exact(8)) {
                     let x = f64::from_le_bytes(b.try_into().expect("8 bytes"));
                     if x.is_nan() || x > *v {
@@ -179,12 +214,18 @@ impl Channel {
             }
             encode(values, &mut bytes);
             for (i, s) in self.streams.iter().enumerate() {
-                (&*s).write_all(&bytes).map_err(io_error(format!("the exchange with rank {}", i + 1)))?;
+                (&*s)
+                    .write_all(&bytes)
+                    .map_err(io_error(format!("the exchange with rank {}", i + 1)))?;
             }
         } else if let Some(s) = self.streams.first() {
             encode(values, &mut bytes);
-            (&*s).write_all(&bytes).map_err(io_error("the exchange with rank 0".into()))?;
-            (&*s).read_exact(&mut bytes).map_err(io_error("the exchange with rank 0".into()))?;
+            (&*s)
+                .write_all(&bytes)
+                .map_err(io_error("the exchange with rank 0".into()))?;
+            (&*s)
+                .read_exact(&mut bytes)
+                .map_err(io_error("the exchange with rank 0".into()))?;
             for (v, b) in values.iter_mut().zip(bytes.chunks_exact(8)) {
                 *v = f64::from_le_bytes(b.try_into().expect("8 bytes"));
             }
@@ -242,7 +283,10 @@ fn accept(listener: &TcpListener, world: usize, token: &str, timeout: Duration) 
         })();
         match hello {
             Ok(Some(r)) if peers[r - 1].is_none() => peers[r - 1] = Some(s),
-            _ => tracing::warn!("the exchange dropped a connection from {} that is not a rank of this run", s.peer_addr().map_or("?".into(), |a| a.to_string())),
+            _ => tracing::warn!(
+                "the exchange dropped a connection from {} that is not a rank of this run",
+                s.peer_addr().map_or("?".into(), |a| a.to_string())
+            ),
         }
     }
     Ok(peers.into_iter().flatten().collect())

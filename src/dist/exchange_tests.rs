@@ -20,7 +20,9 @@ impl Store {
 
 fn open(store: &Store, rank: usize, world: usize, token: &str) -> Result<Channel> {
     let s = store.clone();
-    Channel::open(rank, world, "127.0.0.1", token, Duration::from_secs(20), move |k, v| s.share(k, v))
+    Channel::open(rank, world, "127.0.0.1", token, Duration::from_secs(20), move |k, v| {
+        s.share(k, v)
+    })
 }
 
 #[test]
@@ -33,7 +35,10 @@ fn ranks_meet_at_the_maximum_and_strangers_are_turned_away() {
         x.run(Topic::Losses, &mut v).unwrap();
         v
     });
-    let port: u16 = String::from_utf8(store.share("", None).unwrap()).unwrap().parse().unwrap();
+    let port: u16 = String::from_utf8(store.share("", None).unwrap())
+        .unwrap()
+        .parse()
+        .unwrap();
     // A stray client with the wrong token, and one claiming rank 0: both dropped.
     let mut wrong = TcpStream::connect(("127.0.0.1", port)).unwrap();
     wrong.write_all(b"OGX1\x01\0\0\0\x03\0\0\0bad").unwrap();
@@ -44,7 +49,9 @@ fn ranks_meet_at_the_maximum_and_strangers_are_turned_away() {
         .map(|(rank, mut v)| {
             let s = store.clone();
             std::thread::spawn(move || {
-                Exchange::new(open(&s, rank, 3, "tok").unwrap(), 4).run(Topic::Losses, &mut v).unwrap();
+                Exchange::new(open(&s, rank, 3, "tok").unwrap(), 4)
+                    .run(Topic::Losses, &mut v)
+                    .unwrap();
                 v
             })
         })
@@ -84,7 +91,13 @@ fn ranks_at_different_exchanges_fail_naming_both() {
     let zero = x.run(Topic::Losses, &mut [0.0]).unwrap_err().to_string();
     let one = one.join().unwrap();
     for e in [&zero, &one] {
-        assert!(e.contains("collective mismatch") && e.contains("the agreement on an attempt .. the losses"), "{e}");
+        assert!(
+            e.contains("collective mismatch") && e.contains("the agreement on an attempt .. the losses"),
+            "{e}"
+        );
     }
-    assert!(zero.contains("this rank is at exchange 1 (the losses, step 7)"), "{zero}");
+    assert!(
+        zero.contains("this rank is at exchange 1 (the losses, step 7)"),
+        "{zero}"
+    );
 }

@@ -20,11 +20,25 @@ pub use exchange::Topic;
 use exchange::{Channel, Exchange};
 
 extern "C" {
-    fn og_dist_init(addr: *const c_char, port: i32, token: *const c_char, rank: i32, world: i32, cuda_index: i32, timeout_ms: i64, out: *mut *mut c_void) -> *mut c_char;
+    fn og_dist_init(
+        addr: *const c_char,
+        port: i32,
+        token: *const c_char,
+        rank: i32,
+        world: i32,
+        cuda_index: i32,
+        timeout_ms: i64,
+        out: *mut *mut c_void,
+    ) -> *mut c_char;
     fn og_dist_free(group: *mut c_void);
     fn og_dist_all_reduce(group: *mut c_void, tensors: *const *mut c_void, n: i32, op: i32) -> *mut c_char;
     fn og_dist_broadcast(group: *mut c_void, tensors: *const *mut c_void, n: i32, root: i32) -> *mut c_char;
-    fn og_dist_reduce_scatter(group: *mut c_void, input: *mut c_void, out: *mut c_void, fallback: *mut i32) -> *mut c_char;
+    fn og_dist_reduce_scatter(
+        group: *mut c_void,
+        input: *mut c_void,
+        out: *mut c_void,
+        fallback: *mut i32,
+    ) -> *mut c_char;
     fn og_dist_all_gather(group: *mut c_void, input: *mut c_void, out: *mut c_void, fallback: *mut i32) -> *mut c_char;
     fn og_dist_store_set(group: *mut c_void, key: *const c_char, data: *const u8, len: i64) -> *mut c_char;
     fn og_dist_store_get(group: *mut c_void, key: *const c_char, out: *mut *mut u8, len: *mut i64) -> *mut c_char;
@@ -79,7 +93,15 @@ impl ProcessGroup {
     pub fn from_env(device: Device, timeout: Duration) -> Result<Option<ProcessGroup>> {
         let var = |k: &str| std::env::var(k).ok();
         let num = |k: &str, v: &str| -> Result<usize> {
-            v.trim().parse().map_err(|_| ConfigError { origin: "environment".into(), line_col: None, key: k.into(), message: format!("`{v}` is not a whole number") }.into())
+            v.trim().parse().map_err(|_| {
+                ConfigError {
+                    origin: "environment".into(),
+                    line_col: None,
+                    key: k.into(),
+                    message: format!("`{v}` is not a whole number"),
+                }
+                .into()
+            })
         };
         let world = match var("WORLD_SIZE") {
             Some(w) => num("WORLD_SIZE", &w)?,
@@ -91,10 +113,21 @@ impl ProcessGroup {
             return Ok(None);
         }
         let rank = num("RANK", &var("RANK").unwrap_or_default())?;
-        let local_rank = var("LOCAL_RANK").map(|l| num("LOCAL_RANK", &l)).transpose()?.unwrap_or(rank);
+        let local_rank = var("LOCAL_RANK")
+            .map(|l| num("LOCAL_RANK", &l))
+            .transpose()?
+            .unwrap_or(rank);
         let addr = var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
         let port = num("MASTER_PORT", &var("MASTER_PORT").unwrap_or_else(|| "29500".into()))?;
-        check_env(rank, world, local_rank, var("LOCAL_WORLD_SIZE").map(|l| num("LOCAL_WORLD_SIZE", &l)).transpose()?, port)?;
+        check_env(
+            rank,
+            world,
+            local_rank,
+            var("LOCAL_WORLD_SIZE")
+                .map(|l| num("LOCAL_WORLD_SIZE", &l))
+                .transpose()?,
+            port,
+        )?;
         let device = match device {
             Device::Cuda(_) => Device::Cuda(local_rank),
             d => d,
@@ -102,14 +135,40 @@ impl ProcessGroup {
         let cuda = if let Device::Cuda(i) = device { i as i32 } else { -1 };
         let caddr = CString::new(addr.clone()).map_err(|_| Error::Dist("MASTER_ADDR holds a NUL byte".into()))?;
         // The launch's token, checked in the store before the group forms (TOKEN_VAR).
-        let token = var(TOKEN_VAR).or_else(|| var("TORCHELASTIC_RUN_ID")).unwrap_or_default();
+        let token = var(TOKEN_VAR)
+            .or_else(|| var("TORCHELASTIC_RUN_ID"))
+            .unwrap_or_default();
         let ctoken = CString::new(token.clone()).map_err(|_| Error::Dist(format!("{TOKEN_VAR} holds a NUL byte")))?;
         let mut ptr: *mut c_void = std::ptr::null_mut();
-        check(unsafe { og_dist_init(caddr.as_ptr(), port as i32, ctoken.as_ptr(), rank as i32, world as i32, cuda, timeout.as_millis() as i64, &mut ptr) })
-            .map_err(dist_error(&format!("rank {rank} of {world} joining the group at {addr}:{port}")))?;
-        tracing::info!("rank {rank} of {world} ({}) joined the group at {addr}:{port}", if cuda < 0 { "gloo" } else { "nccl" });
+        check(unsafe {
+            og_dist_init(
+                caddr.as_ptr(),
+                port as i32,
+                ctoken.as_ptr(),
+                rank as i32,
+                world as i32,
+                cuda,
+                timeout.as_millis() as i64,
+                &mut ptr,
+            )
+        })
+        .map_err(dist_error(&format!(
+            "rank {rank} of {world} joining the group at {addr}:{port}"
+        )))?;
+        tracing::info!(
+            "rank {rank} of {world} ({}) joined the group at {addr}:{port}",
+            if cuda < 0 { "gloo" } else { "nccl" }
+        );
         let payload = PAYLOAD_MIN.max(AGREE_SLOT * world);
-        let mut pg = ProcessGroup { ptr, rank, world, local_rank, device, exchange: Exchange::new(Channel::alone(), payload), said: Default::default() };
+        let mut pg = ProcessGroup {
+            ptr,
+            rank,
+            world,
+            local_rank,
+            device,
+            exchange: Exchange::new(Channel::alone(), payload),
+            said: Default::default(),
+        };
         let channel = Channel::open(rank, world, &addr, &token, timeout, |k, b| pg.share(k, b))?;
         pg.exchange = Exchange::new(channel, payload);
         Ok(Some(pg))
@@ -134,7 +193,8 @@ impl ProcessGroup {
     /// In place, across all ranks.
     pub fn all_reduce(&self, tensors: &[Tensor], op: Op) -> Result<()> {
         let p = ptrs(tensors);
-        check(unsafe { og_dist_all_reduce(self.ptr, p.as_ptr(), p.len() as i32, op as i32) }).map_err(dist_error("all-reduce"))
+        check(unsafe { og_dist_all_reduce(self.ptr, p.as_ptr(), p.len() as i32, op as i32) })
+            .map_err(dist_error("all-reduce"))
     }
 
     /// The sum over ranks of one value each, added in rank order (the same on every rank,
@@ -150,18 +210,42 @@ impl ProcessGroup {
     /// `input[rank*S..(rank+1)*S]`; `input` (world x S) is scratch.
     pub fn reduce_scatter(&self, input: &Tensor, out: &Tensor) -> Result<()> {
         let mut fallback = 0;
-        check(unsafe { og_dist_reduce_scatter(self.ptr, input.as_ptr() as *mut c_void, out.as_ptr() as *mut c_void, &mut fallback) })
-            .map_err(dist_error("reduce-scatter"))?;
-        self.say_fallback(0, fallback, "reduce-scatter", "an in-place all-reduce, then this rank's slice (the same sums, twice the traffic)");
+        check(unsafe {
+            og_dist_reduce_scatter(
+                self.ptr,
+                input.as_ptr() as *mut c_void,
+                out.as_ptr() as *mut c_void,
+                &mut fallback,
+            )
+        })
+        .map_err(dist_error("reduce-scatter"))?;
+        self.say_fallback(
+            0,
+            fallback,
+            "reduce-scatter",
+            "an in-place all-reduce, then this rank's slice (the same sums, twice the traffic)",
+        );
         Ok(())
     }
 
     /// ZeRO's all-gather: `out[r*S..(r+1)*S]` becomes rank r's `input` (S values).
     pub fn all_gather(&self, input: &Tensor, out: &Tensor) -> Result<()> {
         let mut fallback = 0;
-        check(unsafe { og_dist_all_gather(self.ptr, input.as_ptr() as *mut c_void, out.as_ptr() as *mut c_void, &mut fallback) })
-            .map_err(dist_error("all-gather"))?;
-        self.say_fallback(1, fallback, "all-gather", "an in-place all-reduce of the zero-padded shards (the same values, twice the traffic)");
+        check(unsafe {
+            og_dist_all_gather(
+                self.ptr,
+                input.as_ptr() as *mut c_void,
+                out.as_ptr() as *mut c_void,
+                &mut fallback,
+            )
+        })
+        .map_err(dist_error("all-gather"))?;
+        self.say_fallback(
+            1,
+            fallback,
+            "all-gather",
+            "an in-place all-reduce of the zero-padded shards (the same values, twice the traffic)",
+        );
         Ok(())
     }
 
@@ -174,7 +258,11 @@ impl ProcessGroup {
             said[which] = true;
             self.said.set(said);
             if self.rank == 0 {
-                let why = if fallback == 2 { "Gloo's flat form allocates inside the collective, where an OOM would fail one rank after the ranks agreed" } else { "this backend has no flat form" };
+                let why = if fallback == 2 {
+                    "Gloo's flat form allocates inside the collective, where an OOM would fail one rank after the ranks agreed"
+                } else {
+                    "this backend has no flat form"
+                };
                 tracing::info!("sharding: the {what} is {instead}: {why}");
             }
         }
@@ -183,17 +271,20 @@ impl ProcessGroup {
     /// Rank `root`'s values into every rank's tensors.
     pub fn broadcast(&self, tensors: &[Tensor], root: usize) -> Result<()> {
         let p = ptrs(tensors);
-        check(unsafe { og_dist_broadcast(self.ptr, p.as_ptr(), p.len() as i32, root as i32) }).map_err(dist_error("broadcast"))
+        check(unsafe { og_dist_broadcast(self.ptr, p.as_ptr(), p.len() as i32, root as i32) })
+            .map_err(dist_error("broadcast"))
     }
 
     /// Rank 0 publishes `bytes` under `key`; every rank gets them (waiting for them).
     pub fn share(&self, key: &str, bytes: Option<&[u8]>) -> Result<Vec<u8>> {
         let k = CString::new(key).map_err(|_| Error::Dist("a store key holds a NUL byte".into()))?;
         if let Some(b) = bytes {
-            check(unsafe { og_dist_store_set(self.ptr, k.as_ptr(), b.as_ptr(), b.len() as i64) }).map_err(dist_error("store set"))?;
+            check(unsafe { og_dist_store_set(self.ptr, k.as_ptr(), b.as_ptr(), b.len() as i64) })
+                .map_err(dist_error("store set"))?;
         }
         let (mut out, mut len): (*mut u8, i64) = (std::ptr::null_mut(), 0);
-        check(unsafe { og_dist_store_get(self.ptr, k.as_ptr(), &mut out, &mut len) }).map_err(dist_error("store get"))?;
+        check(unsafe { og_dist_store_get(self.ptr, k.as_ptr(), &mut out, &mut len) })
+            .map_err(dist_error("store get"))?;
         // SAFETY: on success `out` holds `len` bytes malloc'd by csrc/, ours to free.
         let v = unsafe { std::slice::from_raw_parts(out, len as usize) }.to_vec();
         unsafe { og_free(out as *mut c_char) };
@@ -218,7 +309,14 @@ impl ProcessGroup {
             Ok(_) => own[0] = 0.0,
             Err(Error::Oom(o)) => {
                 let n = |v: Option<u64>| v.map_or(-1.0, |v| v as f64);
-                own.copy_from_slice(&[1.0, o.phase.map_or(-1.0, |p| p as u8 as f64), n(o.micro_batch.map(|m| m as u64)), n(o.requested_bytes), n(o.free_bytes), o.source as u8 as f64]);
+                own.copy_from_slice(&[
+                    1.0,
+                    o.phase.map_or(-1.0, |p| p as u8 as f64),
+                    n(o.micro_batch.map(|m| m as u64)),
+                    n(o.requested_bytes),
+                    n(o.free_bytes),
+                    o.source as u8 as f64,
+                ]);
             }
             Err(_) => own[0] = 2.0,
         }
@@ -230,7 +328,9 @@ impl ProcessGroup {
                 _ => Error::Dist(format!("rank {r} failed (see its log)")),
             });
         }
-        let Some(r) = views.iter().position(|v| v[0] == 1.0) else { return local };
+        let Some(r) = views.iter().position(|v| v[0] == 1.0) else {
+            return local;
+        };
         let v = views[r];
         let n = |x: f64| (x >= 0.0).then_some(x as u64);
         let (own_message, capacity) = match &local {
@@ -238,7 +338,15 @@ impl ProcessGroup {
             _ => (None, None),
         };
         Err(Error::Oom(OomError {
-            source: [OomSource::Cuda, OomSource::CudaRuntime, OomSource::Cpu, OomSource::Budget].get(v[5] as usize).copied().unwrap_or(OomSource::Budget),
+            source: [
+                OomSource::Cuda,
+                OomSource::CudaRuntime,
+                OomSource::Cpu,
+                OomSource::Budget,
+            ]
+            .get(v[5] as usize)
+            .copied()
+            .unwrap_or(OomSource::Budget),
             requested_bytes: n(v[3]),
             capacity_bytes: capacity,
             free_bytes: n(v[4]),
@@ -253,7 +361,16 @@ impl ProcessGroup {
 /// and free bytes, and source (-1: unknown).
 const AGREE_SLOT: usize = 6;
 /// `Phase as u8` back to the phase.
-const PHASES: [Phase; 8] = [Phase::Data, Phase::Forward, Phase::Backward, Phase::Clip, Phase::Optimizer, Phase::Eval, Phase::Checkpoint, Phase::Init];
+const PHASES: [Phase; 8] = [
+    Phase::Data,
+    Phase::Forward,
+    Phase::Backward,
+    Phase::Clip,
+    Phase::Optimizer,
+    Phase::Eval,
+    Phase::Checkpoint,
+    Phase::Init,
+];
 
 /// LOCAL_WORLD_SIZE (else WORLD_SIZE) in a data-parallel run: the ranks on this node.
 pub fn local_world() -> Option<usize> {
@@ -263,11 +380,23 @@ pub fn local_world() -> Option<usize> {
 
 /// LOCAL_RANK in a data-parallel run (WORLD_SIZE above 1), before the group forms.
 pub fn local_rank() -> Result<Option<usize>> {
-    let world = std::env::var("WORLD_SIZE").ok().and_then(|w| w.trim().parse::<usize>().ok()).unwrap_or(1);
-    match (world > 1).then(|| std::env::var("LOCAL_RANK").or_else(|_| std::env::var("RANK"))).transpose() {
+    let world = std::env::var("WORLD_SIZE")
+        .ok()
+        .and_then(|w| w.trim().parse::<usize>().ok())
+        .unwrap_or(1);
+    match (world > 1)
+        .then(|| std::env::var("LOCAL_RANK").or_else(|_| std::env::var("RANK")))
+        .transpose()
+    {
         Ok(None) | Err(_) => Ok(None),
         Ok(Some(v)) => v.trim().parse().map(Some).map_err(|_| {
-            ConfigError { origin: "environment".into(), line_col: None, key: "LOCAL_RANK".into(), message: format!("`{v}` is not a whole number") }.into()
+            ConfigError {
+                origin: "environment".into(),
+                line_col: None,
+                key: "LOCAL_RANK".into(),
+                message: format!("`{v}` is not a whole number"),
+            }
+            .into()
         }),
     }
 }
@@ -304,7 +433,9 @@ impl Buckets {
                 solo.push(i);
                 continue;
             }
-            if size.saturating_add(bytes) > bucket_bytes || members.last().is_some_and(|m| grads[m[0]].kind() != g.kind()) {
+            if size.saturating_add(bytes) > bucket_bytes
+                || members.last().is_some_and(|m| grads[m[0]].kind() != g.kind())
+            {
                 members.push(vec![]);
                 size = 0;
             }
@@ -315,7 +446,14 @@ impl Buckets {
         }
         let flat = members
             .iter()
-            .map(|m| Tensor::f_cat(&m.iter().map(|&i| grads[i].f_reshape([-1])).collect::<Result<Vec<_>, _>>()?, 0))
+            .map(|m| {
+                Tensor::f_cat(
+                    &m.iter()
+                        .map(|&i| grads[i].f_reshape([-1]))
+                        .collect::<Result<Vec<_>, _>>()?,
+                    0,
+                )
+            })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Buckets { flat, members, solo })
     }
@@ -331,8 +469,14 @@ impl Buckets {
             let mut at = 0;
             for &i in m {
                 let n = grads[i].numel() as i64;
-                let part = flat.f_narrow(0, at, n).and_then(|p| p.f_view_as(&grads[i])).map_err(dist_error("unpacking gradients"))?;
-                grads[i].shallow_clone().f_copy_(&part).map_err(dist_error("unpacking gradients"))?;
+                let part = flat
+                    .f_narrow(0, at, n)
+                    .and_then(|p| p.f_view_as(&grads[i]))
+                    .map_err(dist_error("unpacking gradients"))?;
+                grads[i]
+                    .shallow_clone()
+                    .f_copy_(&part)
+                    .map_err(dist_error("unpacking gradients"))?;
                 at += n;
             }
         }
@@ -381,9 +525,20 @@ impl crate::guard::Agree for ProcessGroup {
 
 /// torchrun's variables, checked before the group forms: a bad one is exit 2 naming it.
 fn check_env(rank: usize, world: usize, local_rank: usize, local_world: Option<usize>, port: usize) -> Result<()> {
-    let bad = |key: &str, message: String| Err(ConfigError { origin: "environment".into(), line_col: None, key: key.into(), message }.into());
+    let bad = |key: &str, message: String| {
+        Err(ConfigError {
+            origin: "environment".into(),
+            line_col: None,
+            key: key.into(),
+            message,
+        }
+        .into())
+    };
     if rank >= world {
-        return bad("RANK", format!("{rank} is not below WORLD_SIZE {world}: ranks are 0..{}", world - 1));
+        return bad(
+            "RANK",
+            format!("{rank} is not below WORLD_SIZE {world}: ranks are 0..{}", world - 1),
+        );
     }
     if let Some(lw) = local_world.filter(|&lw| local_rank >= lw) {
         return bad("LOCAL_RANK", format!("{local_rank} is not below LOCAL_WORLD_SIZE {lw}"));
@@ -410,9 +565,15 @@ mod tests {
         assert!(check_env(1, 2, 1, Some(2), 29500).is_ok());
         let e = check_env(2, 2, 0, None, 29500).unwrap_err().to_string();
         assert!(e.contains("RANK") && e.contains("2 is not below WORLD_SIZE 2"), "{e}");
-        assert!(check_env(0, 2, 2, Some(2), 29500).unwrap_err().to_string().contains("LOCAL_RANK"));
+        assert!(check_env(0, 2, 2, Some(2), 29500)
+            .unwrap_err()
+            .to_string()
+            .contains("LOCAL_RANK"));
         let e = check_env(0, 2, 0, None, 70000).unwrap_err().to_string();
-        assert!(e.contains("MASTER_PORT") && e.contains("70000 is not a TCP port"), "{e}");
+        assert!(
+            e.contains("MASTER_PORT") && e.contains("70000 is not a TCP port"),
+            "{e}"
+        );
         assert!(check_env(0, 2, 0, None, 0).is_err());
     }
 
@@ -424,7 +585,10 @@ mod tests {
             assert_eq!(parts.last().unwrap().end, global);
             assert!(parts.windows(2).all(|w| w[0].end == w[1].start), "{parts:?}");
             let sizes: Vec<usize> = parts.iter().map(|p| p.len()).collect();
-            assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1, "{sizes:?}");
+            assert!(
+                sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1,
+                "{sizes:?}"
+            );
         }
     }
 }

@@ -93,13 +93,19 @@ pub fn next_rung(at: Footing, allowed: Allowed, s: &Savings) -> Option<Rung> {
     }
     let split = |bytes: u64| bytes - bytes / s.world.max(1);
     let candidates = [
-        (allowed.checkpointing && at.checkpointing == Some(false)).then_some((Rung::ActivationCheckpointing, s.activations * 2 / 3)),
+        (allowed.checkpointing && at.checkpointing == Some(false))
+            .then_some((Rung::ActivationCheckpointing, s.activations * 2 / 3)),
         (allowed.precision_fallback && at.precision == Precision::Fp32).then_some((Rung::Bf16, s.activations / 2)),
         (allowed.sharding && at.shard == Some(Shard::None)).then_some((Rung::ShardOptimizer, split(s.optimizer_state))),
-        (allowed.sharding && at.shard.is_some_and(|x| x < Shard::Gradients)).then_some((Rung::ShardGradients, split(s.gradients))),
+        (allowed.sharding && at.shard.is_some_and(|x| x < Shard::Gradients))
+            .then_some((Rung::ShardGradients, split(s.gradients))),
     ];
     let score = |&(r, saved): &(Rung, u64)| saved.max(1) as f64 / cost(r, allowed.bf16_fast).max(0.01);
-    candidates.into_iter().flatten().max_by(|a, b| score(a).total_cmp(&score(b))).map(|(r, _)| r)
+    candidates
+        .into_iter()
+        .flatten()
+        .max_by(|a, b| score(a).total_cmp(&score(b)))
+        .map(|(r, _)| r)
 }
 
 /// A sharded run's way back: after `grow_after` clean steps since it last changed, and
@@ -136,9 +142,19 @@ pub fn unshard(b: Back, grow_after: u64, cooldown: u64, headroom: f64) -> Option
 mod tests {
     use super::*;
 
-    const ALL: Allowed = Allowed { checkpointing: true, precision_fallback: true, bf16_fast: false, sharding: true };
+    const ALL: Allowed = Allowed {
+        checkpointing: true,
+        precision_fallback: true,
+        bf16_fast: false,
+        sharding: true,
+    };
     /// Activations dominate: the single-process rungs first.
-    const S: Savings = Savings { activations: 1 << 30, optimizer_state: 8 << 20, gradients: 4 << 20, world: 2 };
+    const S: Savings = Savings {
+        activations: 1 << 30,
+        optimizer_state: 8 << 20,
+        gradients: 4 << 20,
+        world: 2,
+    };
 
     fn next_rung(at: Footing, allowed: Allowed) -> Option<Rung> {
         super::next_rung(at, allowed, &S)
@@ -146,46 +162,156 @@ mod tests {
 
     #[test]
     fn fused_loss_first_for_a_gpt_on_the_full_loss() {
-        let full = Footing { checkpointing: Some(false), precision: Precision::Fp32, loss: Some(LossKind::Full), shard: None };
+        let full = Footing {
+            checkpointing: Some(false),
+            precision: Precision::Fp32,
+            loss: Some(LossKind::Full),
+            shard: None,
+        };
         assert_eq!(next_rung(full, ALL), Some(Rung::FusedLoss));
-        assert_eq!(next_rung(full, Allowed { bf16_fast: true, ..ALL }), Some(Rung::FusedLoss));
-        assert_eq!(next_rung(Footing { loss: Some(LossKind::Fused), ..full }, ALL), Some(Rung::ActivationCheckpointing));
+        assert_eq!(
+            next_rung(full, Allowed { bf16_fast: true, ..ALL }),
+            Some(Rung::FusedLoss)
+        );
+        assert_eq!(
+            next_rung(
+                Footing {
+                    loss: Some(LossKind::Fused),
+                    ..full
+                },
+                ALL
+            ),
+            Some(Rung::ActivationCheckpointing)
+        );
     }
 
     #[test]
     fn cheapest_first_then_none() {
-        let fp32 = Footing { checkpointing: Some(false), precision: Precision::Fp32, loss: None, shard: None };
+        let fp32 = Footing {
+            checkpointing: Some(false),
+            precision: Precision::Fp32,
+            loss: None,
+            shard: None,
+        };
         assert_eq!(next_rung(fp32, ALL), Some(Rung::ActivationCheckpointing));
-        assert_eq!(next_rung(Footing { checkpointing: Some(true), ..fp32 }, ALL), Some(Rung::Bf16));
-        assert_eq!(next_rung(Footing { checkpointing: Some(true), precision: Precision::Bf16, loss: None, shard: None }, ALL), None);
+        assert_eq!(
+            next_rung(
+                Footing {
+                    checkpointing: Some(true),
+                    ..fp32
+                },
+                ALL
+            ),
+            Some(Rung::Bf16)
+        );
+        assert_eq!(
+            next_rung(
+                Footing {
+                    checkpointing: Some(true),
+                    precision: Precision::Bf16,
+                    loss: None,
+                    shard: None
+                },
+                ALL
+            ),
+            None
+        );
         // On a GPU with native bf16, bf16 is the cheaper rung.
         assert_eq!(next_rung(fp32, Allowed { bf16_fast: true, ..ALL }), Some(Rung::Bf16));
     }
 
     #[test]
     fn only_what_is_allowed_and_possible() {
-        let fp32 = Footing { checkpointing: Some(false), precision: Precision::Fp32, loss: None, shard: None };
-        assert_eq!(next_rung(fp32, Allowed { checkpointing: false, ..ALL }), Some(Rung::Bf16));
-        assert_eq!(next_rung(fp32, Allowed { precision_fallback: false, checkpointing: false, ..ALL }), None);
+        let fp32 = Footing {
+            checkpointing: Some(false),
+            precision: Precision::Fp32,
+            loss: None,
+            shard: None,
+        };
+        assert_eq!(
+            next_rung(
+                fp32,
+                Allowed {
+                    checkpointing: false,
+                    ..ALL
+                }
+            ),
+            Some(Rung::Bf16)
+        );
+        assert_eq!(
+            next_rung(
+                fp32,
+                Allowed {
+                    precision_fallback: false,
+                    checkpointing: false,
+                    ..ALL
+                }
+            ),
+            None
+        );
         // A model that cannot checkpoint (a TorchScript module): only precision.
-        assert_eq!(next_rung(Footing { checkpointing: None, precision: Precision::Fp32, loss: None, shard: None }, ALL), Some(Rung::Bf16));
+        assert_eq!(
+            next_rung(
+                Footing {
+                    checkpointing: None,
+                    precision: Precision::Fp32,
+                    loss: None,
+                    shard: None
+                },
+                ALL
+            ),
+            Some(Rung::Bf16)
+        );
         // fp16 already halves activations: no precision rung.
-        assert_eq!(next_rung(Footing { checkpointing: None, precision: Precision::Fp16, loss: None, shard: None }, ALL), None);
+        assert_eq!(
+            next_rung(
+                Footing {
+                    checkpointing: None,
+                    precision: Precision::Fp16,
+                    loss: None,
+                    shard: None
+                },
+                ALL
+            ),
+            None
+        );
     }
 
     #[test]
     fn sharding_when_the_state_is_what_does_not_fit() {
         // A large model at micro-batch 1: its state dwarfs one sample's activations.
-        let big = Savings { activations: 16 << 20, optimizer_state: 2 << 30, gradients: 1 << 30, world: 2 };
-        let dp = Footing { checkpointing: Some(false), precision: Precision::Fp32, loss: None, shard: Some(Shard::None) };
+        let big = Savings {
+            activations: 16 << 20,
+            optimizer_state: 2 << 30,
+            gradients: 1 << 30,
+            world: 2,
+        };
+        let dp = Footing {
+            checkpointing: Some(false),
+            precision: Precision::Fp32,
+            loss: None,
+            shard: Some(Shard::None),
+        };
         assert_eq!(super::next_rung(dp, ALL, &big), Some(Rung::ShardOptimizer));
-        let s1 = Footing { shard: Some(Shard::Optimizer), ..dp };
+        let s1 = Footing {
+            shard: Some(Shard::Optimizer),
+            ..dp
+        };
         assert_eq!(super::next_rung(s1, ALL, &big), Some(Rung::ShardGradients));
-        let s2 = Footing { shard: Some(Shard::Gradients), ..dp };
+        let s2 = Footing {
+            shard: Some(Shard::Gradients),
+            ..dp
+        };
         assert_eq!(super::next_rung(s2, ALL, &big), Some(Rung::ActivationCheckpointing));
         // Not allowed, or a single process: never.
-        assert_eq!(super::next_rung(dp, Allowed { sharding: false, ..ALL }, &big), Some(Rung::ActivationCheckpointing));
-        assert_eq!(super::next_rung(Footing { shard: None, ..dp }, ALL, &big), Some(Rung::ActivationCheckpointing));
+        assert_eq!(
+            super::next_rung(dp, Allowed { sharding: false, ..ALL }, &big),
+            Some(Rung::ActivationCheckpointing)
+        );
+        assert_eq!(
+            super::next_rung(Footing { shard: None, ..dp }, ALL, &big),
+            Some(Rung::ActivationCheckpointing)
+        );
         // Activations dominate: checkpointing saves more for its cost.
         assert_eq!(next_rung(dp, ALL), Some(Rung::ActivationCheckpointing));
     }
@@ -193,16 +319,80 @@ mod tests {
     #[test]
     fn sharding_comes_back_down_with_hysteresis_and_cooldown() {
         let b = Back {
-            at: Shard::Gradients, configured: Shard::None, clean_steps: 20, failed_at: None, step: 100,
-            peak_bytes: 600, limit_bytes: Some(1000), saved_bytes: 200,
+            at: Shard::Gradients,
+            configured: Shard::None,
+            clean_steps: 20,
+            failed_at: None,
+            step: 100,
+            peak_bytes: 600,
+            limit_bytes: Some(1000),
+            saved_bytes: 200,
         };
         assert_eq!(unshard(b, 20, 100, 0.1), Some(Shard::Optimizer));
-        assert_eq!(unshard(Back { at: Shard::Optimizer, ..b }, 20, 100, 0.1), Some(Shard::None));
-        assert_eq!(unshard(Back { clean_steps: 19, ..b }, 20, 100, 0.1), None, "not before grow_after clean steps");
-        assert_eq!(unshard(Back { saved_bytes: 301, ..b }, 20, 100, 0.1), None, "it would not leave the headroom");
-        assert_eq!(unshard(Back { failed_at: Some(50), ..b }, 20, 100, 0.1), None, "the stage below is cooling down");
-        assert_eq!(unshard(Back { failed_at: Some(0), ..b }, 20, 100, 0.1), Some(Shard::Optimizer));
-        assert_eq!(unshard(Back { configured: Shard::Gradients, ..b }, 20, 100, 0.1), None, "never below the configured stage");
-        assert_eq!(unshard(Back { limit_bytes: None, ..b }, 20, 100, 0.1), None, "no limit known: stay");
+        assert_eq!(
+            unshard(
+                Back {
+                    at: Shard::Optimizer,
+                    ..b
+                },
+                20,
+                100,
+                0.1
+            ),
+            Some(Shard::None)
+        );
+        assert_eq!(
+            unshard(Back { clean_steps: 19, ..b }, 20, 100, 0.1),
+            None,
+            "not before grow_after clean steps"
+        );
+        assert_eq!(
+            unshard(Back { saved_bytes: 301, ..b }, 20, 100, 0.1),
+            None,
+            "it would not leave the headroom"
+        );
+        assert_eq!(
+            unshard(
+                Back {
+                    failed_at: Some(50),
+                    ..b
+                },
+                20,
+                100,
+                0.1
+            ),
+            None,
+            "the stage below is cooling down"
+        );
+        assert_eq!(
+            unshard(
+                Back {
+                    failed_at: Some(0),
+                    ..b
+                },
+                20,
+                100,
+                0.1
+            ),
+            Some(Shard::Optimizer)
+        );
+        assert_eq!(
+            unshard(
+                Back {
+                    configured: Shard::Gradients,
+                    ..b
+                },
+                20,
+                100,
+                0.1
+            ),
+            None,
+            "never below the configured stage"
+        );
+        assert_eq!(
+            unshard(Back { limit_bytes: None, ..b }, 20, 100, 0.1),
+            None,
+            "no limit known: stay"
+        );
     }
 }

@@ -129,7 +129,16 @@ impl Guard {
 
     /// A guard for evaluation batches: halves on OOM, never grows, leaves training alone.
     pub fn for_eval(cfg: &MemoryConfig, eval_batch_size: usize, device: Device) -> Guard {
-        let mut g = Guard::new(&MemoryConfig { grow_after_steps: u64::MAX, thrash_steps: 0, leak_steps: 0, ..cfg.clone() }, eval_batch_size, device);
+        let mut g = Guard::new(
+            &MemoryConfig {
+                grow_after_steps: u64::MAX,
+                thrash_steps: 0,
+                leak_steps: 0,
+                ..cfg.clone()
+            },
+            eval_batch_size,
+            device,
+        );
         g.eval = true;
         g
     }
@@ -178,7 +187,11 @@ impl Guard {
                 "live memory at step start has grown {} steps in a row, by {} per step (now {}): is a tensor or graph kept across steps?",
                 self.leak_steps, human_bytes(growth), human_bytes(baseline)
             );
-            self.events.push(GuardEvent::Leak(LeakEvent { step, live_bytes: baseline, growth_bytes_per_step: growth }));
+            self.events.push(GuardEvent::Leak(LeakEvent {
+                step,
+                live_bytes: baseline,
+                growth_bytes_per_step: growth,
+            }));
         }
         loop {
             let mb = self.policy.current;
@@ -210,11 +223,16 @@ impl Guard {
             let after = memory::stats(self.device).live_bytes;
             let leftover = after.saturating_sub(baseline);
             if leftover > 0 {
-                tracing::warn!("after cleanup {} more is live than at step start; shrinking harder", human_bytes(leftover));
+                tracing::warn!(
+                    "after cleanup {} more is live than at step start; shrinking harder",
+                    human_bytes(leftover)
+                );
             }
             // Ranks that did not run out cleaned up too, and all decide on the same inputs.
             let [severe, sig] = self.agreed([(leftover > 0) as u8 as f64, (signature(&oom) >> 11) as f64])?;
-            let decision = self.policy.on_oom(step, severe > 0.0, Some(sig as u64), self.cfg.retries_at_one);
+            let decision = self
+                .policy
+                .on_oom(step, severe > 0.0, Some(sig as u64), self.cfg.retries_at_one);
             let new = match decision {
                 OnOom::Retry { micro_batch_size } => micro_batch_size,
                 OnOom::GiveUp => 0,
@@ -222,8 +240,15 @@ impl Guard {
             let mut event = self.oom_event(step, &oom, baseline, after, mb, new, t0.elapsed().as_secs_f64());
             tracing::warn!(
                 "OOM at step {step} ({} phase): {}; micro-batch {mb} -> {}",
-                event.phase.map_or("unknown".into(), |p| format!("{p:?}").to_lowercase()), oom.message,
-                if new == 0 { "none left".to_string() } else { new.to_string() }
+                event
+                    .phase
+                    .map_or("unknown".into(), |p| format!("{p:?}").to_lowercase()),
+                oom.message,
+                if new == 0 {
+                    "none left".to_string()
+                } else {
+                    new.to_string()
+                }
             );
             if let Some(d) = &dumped {
                 tracing::warn!("{} ({}/)", d.text, d.folder);
@@ -232,8 +257,13 @@ impl Guard {
             }
             self.events.push(GuardEvent::Oom(event));
             if decision == OnOom::GiveUp {
-                let what = dumped.map(|d| format!(" What filled memory ({}/): {}", d.folder, d.text)).unwrap_or_default();
-                return Err(Error::Infeasible(format!("{}{what}", infeasible_message(step, &oom, baseline, self.eval))));
+                let what = dumped
+                    .map(|d| format!(" What filled memory ({}/): {}", d.folder, d.text))
+                    .unwrap_or_default();
+                return Err(Error::Infeasible(format!(
+                    "{}{what}",
+                    infeasible_message(step, &oom, baseline, self.eval)
+                )));
             }
         }
     }
@@ -261,7 +291,16 @@ impl Guard {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn oom_event(&self, step: u64, oom: &OomError, before: u64, after: u64, old: usize, new: usize, lost: f64) -> OomEvent {
+    fn oom_event(
+        &self,
+        step: u64,
+        oom: &OomError,
+        before: u64,
+        after: u64,
+        old: usize,
+        new: usize,
+        lost: f64,
+    ) -> OomEvent {
         OomEvent {
             step,
             phase: if self.eval { Some(Phase::Eval) } else { oom.phase },
@@ -297,12 +336,25 @@ impl Guard {
         match self.policy.after_step(step, obs, &self.cfg) {
             Adjust::Keep => {}
             Adjust::Grow { micro_batch_size } => {
-                tracing::info!("memory allows: micro-batch {old} -> {micro_batch_size} from step {}", step + 1);
-                self.events.push(GuardEvent::Grow(ResizeEvent { step, old_micro_batch_size: old, new_micro_batch_size: micro_batch_size, reason: "headroom".into() }));
+                tracing::info!(
+                    "memory allows: micro-batch {old} -> {micro_batch_size} from step {}",
+                    step + 1
+                );
+                self.events.push(GuardEvent::Grow(ResizeEvent {
+                    step,
+                    old_micro_batch_size: old,
+                    new_micro_batch_size: micro_batch_size,
+                    reason: "headroom".into(),
+                }));
             }
             Adjust::Shrink { micro_batch_size } => {
                 tracing::warn!("allocator retries rising: micro-batch {old} -> {micro_batch_size} before a hard OOM");
-                self.events.push(GuardEvent::Shrink(ResizeEvent { step, old_micro_batch_size: old, new_micro_batch_size: micro_batch_size, reason: "alloc_retries".into() }));
+                self.events.push(GuardEvent::Shrink(ResizeEvent {
+                    step,
+                    old_micro_batch_size: old,
+                    new_micro_batch_size: micro_batch_size,
+                    reason: "alloc_retries".into(),
+                }));
             }
         }
         Ok(())
@@ -314,14 +366,27 @@ impl Guard {
 fn signature(oom: &OomError) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    (oom.phase.map(|p| p as u8), oom.micro_batch, oom.requested_bytes, oom.free_bytes, oom.source as u8).hash(&mut h);
+    (
+        oom.phase.map(|p| p as u8),
+        oom.micro_batch,
+        oom.requested_bytes,
+        oom.free_bytes,
+        oom.source as u8,
+    )
+        .hash(&mut h);
     h.finish()
 }
 
 fn infeasible_message(step: u64, oom: &OomError, baseline: u64, eval: bool) -> String {
     let what = if eval { "an evaluation batch" } else { "a training step" };
-    let limit = oom.capacity_bytes.map(|c| format!(" of {}", human_bytes(c))).unwrap_or_default();
-    let wanted = oom.requested_bytes.map(|r| format!(", the failed allocation wanted {}", human_bytes(r))).unwrap_or_default();
+    let limit = oom
+        .capacity_bytes
+        .map(|c| format!(" of {}", human_bytes(c)))
+        .unwrap_or_default();
+    let wanted = oom
+        .requested_bytes
+        .map(|r| format!(", the failed allocation wanted {}", human_bytes(r)))
+        .unwrap_or_default();
     format!(
         "step {step}: {what} does not fit in memory even at micro-batch 1: {} is in use before the step (model, gradients, optimizer state){limit}{wanted}. \
          To fit: raise memory.budget or use a device with more memory, shorten model.block_size, \

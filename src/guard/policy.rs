@@ -29,7 +29,9 @@ pub struct Observation {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OnOom {
-    Retry { micro_batch_size: usize },
+    Retry {
+        micro_batch_size: usize,
+    },
     /// Already at micro-batch 1.
     GiveUp,
 }
@@ -37,9 +39,13 @@ pub enum OnOom {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Adjust {
     Keep,
-    Grow { micro_batch_size: usize },
+    Grow {
+        micro_batch_size: usize,
+    },
     /// Allocator thrash: shrink before a hard OOM.
-    Shrink { micro_batch_size: usize },
+    Shrink {
+        micro_batch_size: usize,
+    },
 }
 
 /// The micro-batch size and its history (saved with checkpoints).
@@ -63,8 +69,15 @@ pub struct Policy {
 impl Policy {
     pub fn new(configured: usize) -> Policy {
         Policy {
-            configured, current: configured, clean_steps: 0, failed: Vec::new(), retry_streak: 0, last_retries: None, num_ooms: 0,
-            ones_failed: 0, last_one_signature: None,
+            configured,
+            current: configured,
+            clean_steps: 0,
+            failed: Vec::new(),
+            retry_streak: 0,
+            last_retries: None,
+            num_ooms: 0,
+            ones_failed: 0,
+            last_one_signature: None,
         }
     }
 
@@ -80,7 +93,11 @@ impl Policy {
 
     /// A saved policy, continued under a configured size that may have changed since.
     pub fn resumed(saved: Policy, configured: usize) -> Policy {
-        Policy { configured, current: saved.current.min(configured), ..saved }
+        Policy {
+            configured,
+            current: saved.current.min(configured),
+            ..saved
+        }
     }
 
     /// An OOM at the current size: halve (quarter when cleanup left memory behind). At
@@ -105,7 +122,9 @@ impl Policy {
         self.failed.push((self.current, step));
         let divisor = if severe { 4 } else { 2 };
         self.current = self.current.div_ceil(divisor).max(1);
-        OnOom::Retry { micro_batch_size: self.current }
+        OnOom::Retry {
+            micro_batch_size: self.current,
+        }
     }
 
     /// After a rung below micro-batch 1 was climbed: memory is used differently now, so the
@@ -120,7 +139,8 @@ impl Policy {
 
     /// After a successful step: grow back, shrink on thrash, or keep.
     pub fn after_step(&mut self, step: u64, obs: Observation, cfg: &PolicyConfig) -> Adjust {
-        self.failed.retain(|&(_, at)| step.saturating_sub(at) < cfg.cooldown_steps);
+        self.failed
+            .retain(|&(_, at)| step.saturating_sub(at) < cfg.cooldown_steps);
         self.clean_steps += 1;
         self.ones_failed = 0;
         self.last_one_signature = None;
@@ -128,7 +148,9 @@ impl Policy {
             self.failed.push((self.current, step));
             self.current = self.current.div_ceil(2);
             self.clean_steps = 0;
-            return Adjust::Shrink { micro_batch_size: self.current };
+            return Adjust::Shrink {
+                micro_batch_size: self.current,
+            };
         }
         let next = (self.current * 2).min(self.configured);
         let grow = next > self.current
@@ -195,10 +217,21 @@ impl LeakWatch {
 mod tests {
     use super::*;
 
-    const CFG: PolicyConfig = PolicyConfig { grow_after_steps: 3, grow_headroom: 0.1, cooldown_steps: 10, thrash_steps: 2, retries_at_one: 0 };
+    const CFG: PolicyConfig = PolicyConfig {
+        grow_after_steps: 3,
+        grow_headroom: 0.1,
+        cooldown_steps: 10,
+        thrash_steps: 2,
+        retries_at_one: 0,
+    };
 
     fn obs(baseline: u64, peak: u64, limit: u64) -> Observation {
-        Observation { baseline_bytes: baseline, peak_bytes: peak, limit_bytes: Some(limit), alloc_retries: None }
+        Observation {
+            baseline_bytes: baseline,
+            peak_bytes: peak,
+            limit_bytes: Some(limit),
+            alloc_retries: None,
+        }
     }
 
     #[test]
@@ -207,7 +240,11 @@ mod tests {
         let sizes: Vec<OnOom> = (0..6).map(|s| p.on_oom(s, false, None, 0)).collect();
         assert_eq!(
             sizes,
-            [12, 6, 3, 2, 1].iter().map(|&m| OnOom::Retry { micro_batch_size: m }).chain([OnOom::GiveUp]).collect::<Vec<_>>()
+            [12, 6, 3, 2, 1]
+                .iter()
+                .map(|&m| OnOom::Retry { micro_batch_size: m })
+                .chain([OnOom::GiveUp])
+                .collect::<Vec<_>>()
         );
         assert_eq!(p.num_ooms, 6);
     }
@@ -224,7 +261,11 @@ mod tests {
         p.on_oom(1, false, Some(1), 3);
         assert_eq!(p.after_step(1, obs(0, 1, 100), &CFG), Adjust::Keep);
         for sig in 2..5 {
-            assert_eq!(p.on_oom(2, false, Some(sig), 3), OnOom::Retry { micro_batch_size: 1 }, "{sig}");
+            assert_eq!(
+                p.on_oom(2, false, Some(sig), 3),
+                OnOom::Retry { micro_batch_size: 1 },
+                "{sig}"
+            );
         }
         assert_eq!(p.on_oom(2, false, Some(9), 3), OnOom::GiveUp);
     }
@@ -273,7 +314,10 @@ mod tests {
         for s in 1..40 {
             assert_eq!(p.after_step(s, obs(100, 700, 1400), &CFG), Adjust::Keep);
         }
-        assert_eq!(p.after_step(40, obs(100, 500, 1400), &CFG), Adjust::Grow { micro_batch_size: 16 });
+        assert_eq!(
+            p.after_step(40, obs(100, 500, 1400), &CFG),
+            Adjust::Grow { micro_batch_size: 16 }
+        );
     }
 
     #[test]
@@ -295,7 +339,10 @@ mod tests {
     #[test]
     fn rising_alloc_retries_shrink() {
         let mut p = Policy::new(8);
-        let with = |r| Observation { alloc_retries: Some(r), ..obs(0, 1, u64::MAX) };
+        let with = |r| Observation {
+            alloc_retries: Some(r),
+            ..obs(0, 1, u64::MAX)
+        };
         assert_eq!(p.after_step(0, with(0), &CFG), Adjust::Keep);
         assert_eq!(p.after_step(1, with(2), &CFG), Adjust::Keep);
         assert_eq!(p.after_step(2, with(5), &CFG), Adjust::Shrink { micro_batch_size: 4 });
@@ -311,7 +358,10 @@ mod tests {
         assert_eq!(w.observe(3, 1300, 3), Some(100));
         assert_eq!(w.observe(4, 1300, 3), None); // flat: streak over
         for s in 5..8 {
-            assert_eq!(w.observe(s, 1300 + (s - 4) * 10, 3), if s == 7 { Some(10) } else { None });
+            assert_eq!(
+                w.observe(s, 1300 + (s - 4) * 10, 3),
+                if s == 7 { Some(10) } else { None }
+            );
         }
     }
 }

@@ -20,7 +20,9 @@ pub fn host_memory() -> Option<HostMemory> {
 pub fn resolve_described(budget: Budget, text: &str, live: u64, host: Option<&HostMemory>) -> Option<(u64, String)> {
     let bytes = resolve(budget, live, host.map(|h| h.available))?;
     let why = match (budget, host) {
-        (Budget::Auto { fraction }, Some(h)) => format!("memory.budget: {text}: {:.0}% of {}", fraction * 100.0, h.describe()),
+        (Budget::Auto { fraction }, Some(h)) => {
+            format!("memory.budget: {text}: {:.0}% of {}", fraction * 100.0, h.describe())
+        }
         _ => format!("memory.budget: {text}"),
     };
     Some((bytes, why))
@@ -52,10 +54,23 @@ mod tests {
         assert_eq!(resolve(Budget::None, 5, Some(100)), None);
         assert_eq!(resolve(Budget::Bytes(64), 5, Some(100)), Some(64));
         assert_eq!(resolve(Budget::Auto { fraction: 0.5 }, 10, Some(100)), Some(60));
-        let host = HostMemory { available: 100 << 20, source: oomguard_host::memory::Source::MemAvailable, notice: None };
+        let host = HostMemory {
+            available: 100 << 20,
+            source: oomguard_host::memory::Source::MemAvailable,
+            notice: None,
+        };
         let (b, why) = resolve_described(Budget::Auto { fraction: 0.8 }, "auto", 0, Some(&host)).unwrap();
-        assert_eq!((b, why.as_str()), (80 << 20, "memory.budget: auto: 80% of 100.0 MiB available (MemAvailable)"));
-        assert_eq!(resolve_described(Budget::Bytes(7), "7", 0, Some(&host)).unwrap().1, "memory.budget: 7");
+        assert_eq!(
+            (b, why.as_str()),
+            (
+                80 << 20,
+                "memory.budget: auto: 80% of 100.0 MiB available (MemAvailable)"
+            )
+        );
+        assert_eq!(
+            resolve_described(Budget::Bytes(7), "7", 0, Some(&host)).unwrap().1,
+            "memory.budget: 7"
+        );
     }
 
     #[test]
@@ -63,7 +78,14 @@ mod tests {
         assert_eq!(cuda_fraction(20 << 30, 80 << 30, None), 0.25);
         assert_eq!(cuda_fraction(20 << 30, 80 << 30, Some(0.1)), 0.1);
         assert_eq!(cuda_fraction(20 << 30, 80 << 30, Some(0.5)), 0.25);
-        assert_eq!(cuda_fraction(100 << 30, 80 << 30, None), 1.0, "more than the card: the card");
-        assert!(cuda_fraction(1, 80 << 30, None) > 0.0, "libtorch wants a fraction above 0");
+        assert_eq!(
+            cuda_fraction(100 << 30, 80 << 30, None),
+            1.0,
+            "more than the card: the card"
+        );
+        assert!(
+            cuda_fraction(1, 80 << 30, None) > 0.0,
+            "libtorch wants a fraction above 0"
+        );
     }
 }

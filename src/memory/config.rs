@@ -115,19 +115,33 @@ impl MemoryConfig {
         self.allocator_settings()?;
         self.snapshot()?;
         if !(self.budget_fraction > 0.0 && self.budget_fraction <= 1.0) {
-            return Err(ConfigError::invalid("memory.budget_fraction", format!("is {}; it must be in (0, 1]", self.budget_fraction)));
+            return Err(ConfigError::invalid(
+                "memory.budget_fraction",
+                format!("is {}; it must be in (0, 1]", self.budget_fraction),
+            ));
         }
         if !(0.0..1.0).contains(&self.auto_margin) {
-            return Err(ConfigError::invalid("memory.auto_margin", format!("is {}; it must be in [0, 1)", self.auto_margin)));
+            return Err(ConfigError::invalid(
+                "memory.auto_margin",
+                format!("is {}; it must be in [0, 1)", self.auto_margin),
+            ));
         }
         if !(0.0..1.0).contains(&self.grow_headroom) {
-            return Err(ConfigError::invalid("memory.grow_headroom", format!("is {}; it must be in [0, 1)", self.grow_headroom)));
+            return Err(ConfigError::invalid(
+                "memory.grow_headroom",
+                format!("is {}; it must be in [0, 1)", self.grow_headroom),
+            ));
         }
         for (i, p) in self.pressure.iter().enumerate() {
             let key = format!("memory.pressure[{i}]");
-            parse_size(&p.size).ok_or_else(|| ConfigError::invalid(&format!("{key}.size"), format!("`{}` is not a size like 64MiB", p.size)))?;
+            parse_size(&p.size).ok_or_else(|| {
+                ConfigError::invalid(&format!("{key}.size"), format!("`{}` is not a size like 64MiB", p.size))
+            })?;
             if p.to_step <= p.from_step {
-                return Err(ConfigError::invalid(&format!("{key}.to_step"), "must be greater than from_step"));
+                return Err(ConfigError::invalid(
+                    &format!("{key}.to_step"),
+                    "must be greater than from_step",
+                ));
             }
         }
         Ok(())
@@ -135,10 +149,15 @@ impl MemoryConfig {
 
     pub fn budget(&self) -> Result<Budget, ConfigError> {
         match self.budget.trim() {
-            "auto" => Ok(Budget::Auto { fraction: self.budget_fraction }),
+            "auto" => Ok(Budget::Auto {
+                fraction: self.budget_fraction,
+            }),
             "none" => Ok(Budget::None),
             s => parse_size(s).filter(|&b| b > 0).map(Budget::Bytes).ok_or_else(|| {
-                ConfigError::invalid("memory.budget", format!("`{s}` is not a size; use auto, none or a size like 2GiB"))
+                ConfigError::invalid(
+                    "memory.budget",
+                    format!("`{s}` is not a size; use auto, none or a size like 2GiB"),
+                )
             }),
         }
     }

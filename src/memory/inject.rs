@@ -47,7 +47,10 @@ impl FromStr for InjectOom {
         let (count, seed) = s.split_once(':').map_or((s, None), |(c, d)| (c, Some(d)));
         Ok(InjectOom {
             count: count.trim().parse().map_err(|_| bad())?,
-            seed: seed.map(|d| d.trim().parse().map_err(|_| bad())).transpose()?.unwrap_or(0),
+            seed: seed
+                .map(|d| d.trim().parse().map_err(|_| bad()))
+                .transpose()?
+                .unwrap_or(0),
         })
     }
 }
@@ -69,7 +72,11 @@ pub mod targeted {
             let spec = std::env::var("OOMGUARD_TEST_OOM_IN").unwrap_or_default();
             let parse = |t: &str| {
                 let mut f = t.split(':');
-                Some((f.next()?.trim().to_string(), f.next()?.trim().parse().ok()?, f.next()?.trim().parse().ok()?))
+                Some((
+                    f.next()?.trim().to_string(),
+                    f.next()?.trim().parse().ok()?,
+                    f.next()?.trim().parse().ok()?,
+                ))
             };
             Mutex::new(spec.split(',').filter_map(parse).collect())
         })
@@ -118,7 +125,10 @@ impl InjectOom {
     pub fn for_rank(self, rank: usize) -> InjectOom {
         match rank {
             0 => self,
-            r => InjectOom { seed: self.seed ^ splitmix64(r as u64 ^ 0x5EED_0F_4A4C), ..self },
+            r => InjectOom {
+                seed: self.seed ^ splitmix64(r as u64 ^ 0x5EED_0F_4A4C),
+                ..self
+            },
         }
     }
 }
@@ -143,7 +153,17 @@ pub struct Injection {
 
 impl Injection {
     pub fn new(spec: InjectOom) -> Injection {
-        Injection { spec, first: None, share: Vec::new(), step_start: 0, evaluates: false, window: [1, 0], smallest: u64::MAX, pending: 0, fired_at_arming: fired() }
+        Injection {
+            spec,
+            first: None,
+            share: Vec::new(),
+            step_start: 0,
+            evaluates: false,
+            window: [1, 0],
+            smallest: u64::MAX,
+            pending: 0,
+            fired_at_arming: fired(),
+        }
     }
 
     /// Before step `step` of a run of `max_steps` (`evaluates`: an evaluation follows it):
@@ -171,7 +191,12 @@ impl Injection {
         let due = self.share.get((step - first - 1) as usize).copied().unwrap_or(0) as u64;
         self.pending = self.pending.saturating_sub(fired_since) + due;
         self.fired_at_arming = fired();
-        arm(&positions(self.pending as u32, self.spec.seed ^ splitmix64(step), now, window));
+        arm(&positions(
+            self.pending as u32,
+            self.spec.seed ^ splitmix64(step),
+            now,
+            window,
+        ));
     }
 
     /// (failures injected, failures asked for).

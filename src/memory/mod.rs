@@ -119,7 +119,11 @@ pub fn set_allocator_settings(settings: &str) -> Result<(), TchError> {
 /// which are also exported for child processes. On the CPU the budget is oomguard's own;
 /// on CUDA a size becomes the caching allocator's `per_process_memory_fraction` (the
 /// smaller, where one is set too). Returns the budget in bytes, if any.
-pub fn prepare(cfg: &MemoryConfig, settings: &allocator::AllocatorSettings, device: Device) -> Result<Option<u64>, crate::Error> {
+pub fn prepare(
+    cfg: &MemoryConfig,
+    settings: &allocator::AllocatorSettings,
+    device: Device,
+) -> Result<Option<u64>, crate::Error> {
     install_cpu_allocator();
     snapshot::begin(cfg.snapshot()?, device);
     let mut settings = settings.clone();
@@ -129,7 +133,9 @@ pub fn prepare(cfg: &MemoryConfig, settings: &allocator::AllocatorSettings, devi
             let total = cuda_mem_info(i).map_err(crate::Error::Torch)?.1;
             let set = settings.get("per_process_memory_fraction").and_then(|f| f.parse().ok());
             let fraction = budget::cuda_fraction(b, total, set);
-            settings = settings.with("per_process_memory_fraction", &format!("{fraction:.9}")).map_err(crate::Error::from)?;
+            settings = settings
+                .with("per_process_memory_fraction", &format!("{fraction:.9}"))
+                .map_err(crate::Error::from)?;
             Some((total as f64 * fraction) as u64)
         }
         (Device::Cpu, b) => {
@@ -156,7 +162,10 @@ pub fn prepare(cfg: &MemoryConfig, settings: &allocator::AllocatorSettings, devi
         }
         tracing::info!("allocator settings: {text}");
     }
-    let fraction = settings.get("per_process_memory_fraction").and_then(|f| f.parse::<f64>().ok()).unwrap_or(1.0);
+    let fraction = settings
+        .get("per_process_memory_fraction")
+        .and_then(|f| f.parse::<f64>().ok())
+        .unwrap_or(1.0);
     CUDA_FRACTION.store(fraction.to_bits(), Ordering::Relaxed);
     set_cpu_budget(if device == Device::Cpu { budget } else { None });
     if let Some(b) = budget {

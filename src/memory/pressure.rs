@@ -12,7 +12,10 @@ pub struct PressureSchedule {
 
 impl PressureSchedule {
     pub fn new(pressure: &[Pressure], device: Device) -> PressureSchedule {
-        PressureSchedule { entries: pressure.iter().map(|p| (p.clone(), None)).collect(), device }
+        PressureSchedule {
+            entries: pressure.iter().map(|p| (p.clone(), None)).collect(),
+            device,
+        }
     }
 
     /// Holds or releases each entry's memory for `step`.
@@ -24,7 +27,12 @@ impl PressureSchedule {
                 // ones, not zeros: the pages are touched, as a real tenant's would be.
                 match Tensor::f_ones([bytes / 4], (Kind::Float, self.device)) {
                     Ok(t) => {
-                        tracing::info!("memory pressure: holding {} from step {} to {}", p.size, p.from_step, p.to_step);
+                        tracing::info!(
+                            "memory pressure: holding {} from step {} to {}",
+                            p.size,
+                            p.from_step,
+                            p.to_step
+                        );
                         *held = Some(t);
                     }
                     Err(e) => tracing::warn!("memory pressure: could not hold {}: {e}", p.size),

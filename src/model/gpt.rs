@@ -29,7 +29,16 @@ pub struct GptConfig {
 
 impl Default for GptConfig {
     fn default() -> Self {
-        GptConfig { n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab_size: 256, dropout: 0.0, bias: true, loss: LossKind::Fused }
+        GptConfig {
+            n_layer: 4,
+            n_head: 4,
+            n_embd: 128,
+            block_size: 128,
+            vocab_size: 256,
+            dropout: 0.0,
+            bias: true,
+            loss: LossKind::Fused,
+        }
     }
 }
 
@@ -49,11 +58,17 @@ impl GptConfig {
         if self.n_embd % self.n_head != 0 {
             return Err(ConfigError::invalid(
                 "model.n_embd",
-                format!("{} is not divisible by model.n_head {}; pick n_embd a multiple of n_head", self.n_embd, self.n_head),
+                format!(
+                    "{} is not divisible by model.n_head {}; pick n_embd a multiple of n_head",
+                    self.n_embd, self.n_head
+                ),
             ));
         }
         if !(0.0..1.0).contains(&self.dropout) {
-            return Err(ConfigError::invalid("model.dropout", format!("is {}; it must be in [0, 1)", self.dropout)));
+            return Err(ConfigError::invalid(
+                "model.dropout",
+                format!("is {}; it must be in [0, 1)", self.dropout),
+            ));
         }
         Ok(())
     }
@@ -62,7 +77,8 @@ impl GptConfig {
     pub fn num_params(&self) -> i64 {
         let (c, l, v, t) = (self.n_embd, self.n_layer, self.vocab_size, self.block_size);
         let b = if self.bias { 1 } else { 0 };
-        let per_layer = 2 * (c + b * c) + (3 * c * c + b * 3 * c) + (c * c + b * c) + (4 * c * c + b * 4 * c) + (4 * c * c + b * c);
+        let per_layer =
+            2 * (c + b * c) + (3 * c * c + b * 3 * c) + (c * c + b * c) + (4 * c * c + b * 4 * c) + (4 * c * c + b * c);
         v * c + t * c + l * per_layer + (c + b * c)
     }
 }
@@ -199,7 +215,8 @@ impl Gpt {
     fn embed(&self, idx: &Tensor, train: bool) -> Result<Tensor, TchError> {
         let pos = crate::ops::arange_like(idx.size2()?.1, idx)?;
         let tok = Tensor::f_embedding(&self.wte, idx, -1, false, false)?;
-        tok.f_add(&Tensor::f_embedding(&self.wpe, &pos, -1, false, false)?)?.f_dropout(self.cfg.dropout, train)
+        tok.f_add(&Tensor::f_embedding(&self.wpe, &pos, -1, false, false)?)?
+            .f_dropout(self.cfg.dropout, train)
     }
 
     /// One pre-LN block: attention, then the MLP, each added to the residual stream.
@@ -276,9 +293,13 @@ impl Gpt {
     }
 
     fn cross_entropy(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor, TchError> {
-        logits
-            .f_view([-1, self.cfg.vocab_size])?
-            .f_cross_entropy_loss(&targets.f_view([-1])?, None::<Tensor>, Reduction::Mean, -100, 0.0)
+        logits.f_view([-1, self.cfg.vocab_size])?.f_cross_entropy_loss(
+            &targets.f_view([-1])?,
+            None::<Tensor>,
+            Reduction::Mean,
+            -100,
+            0.0,
+        )
     }
 
     /// Activation checkpointing: the forward keeps only each block's input (no graph), then
@@ -288,20 +309,39 @@ impl Gpt {
     /// one block's worth plus the block inputs; the gradients are the plain path's. Dropout
     /// masks are replayed (the generators' states are kept per block). Returns the weighted
     /// loss (on the device), like `task::backward`.
-    pub fn checkpointed_forward_backward(&self, idx: &Tensor, targets: &Tensor, weight: f64, amp: &Amp) -> crate::Result<Tensor> {
-        let (inputs, last, rng) = self.checkpointed_forward(idx, amp).map_err(|e| crate::Error::from(e).in_phase(crate::error::Phase::Forward))?;
+    pub fn checkpointed_forward_backward(
+        &self,
+        idx: &Tensor,
+        targets: &Tensor,
+        weight: f64,
+        amp: &Amp,
+    ) -> crate::Result<Tensor> {
+        let (inputs, last, rng) = self
+            .checkpointed_forward(idx, amp)
+            .map_err(|e| crate::Error::from(e).in_phase(crate::error::Phase::Forward))?;
         snapshot::set_phase(crate::error::Phase::Backward, None);
-        self.recomputing_backward(idx, targets, weight, amp, inputs, last, rng).map_err(|e| crate::Error::from(e).in_phase(crate::error::Phase::Backward))
+        self.recomputing_backward(idx, targets, weight, amp, inputs, last, rng)
+            .map_err(|e| crate::Error::from(e).in_phase(crate::error::Phase::Backward))
     }
 
     /// The forward without a graph: each block's input (and the generators' state before it,
     /// when dropout draws), the last block's output, and the generators' states at the
     /// embedding and after the forward.
     #[allow(clippy::type_complexity)]
-    fn checkpointed_forward(&self, idx: &Tensor, amp: &Amp) -> Result<(Vec<(Tensor, Option<Vec<Tensor>>)>, Tensor, [Option<Vec<Tensor>>; 2]), TchError> {
+    fn checkpointed_forward(
+        &self,
+        idx: &Tensor,
+        amp: &Amp,
+    ) -> Result<(Vec<(Tensor, Option<Vec<Tensor>>)>, Tensor, [Option<Vec<Tensor>>; 2]), TchError> {
         let device = idx.device();
         let replay = self.cfg.dropout > 0.0;
-        let rng_now = || if replay { crate::rng::capture(device).map(Some) } else { Ok(None) };
+        let rng_now = || {
+            if replay {
+                crate::rng::capture(device).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
         let at_embed = rng_now()?;
         let mut inputs = Vec::with_capacity(self.blocks.len());
         let last = {
@@ -319,7 +359,13 @@ impl Gpt {
 
     #[allow(clippy::too_many_arguments)]
     fn recomputing_backward(
-        &self, idx: &Tensor, targets: &Tensor, weight: f64, amp: &Amp, inputs: Vec<(Tensor, Option<Vec<Tensor>>)>, last: Tensor,
+        &self,
+        idx: &Tensor,
+        targets: &Tensor,
+        weight: f64,
+        amp: &Amp,
+        inputs: Vec<(Tensor, Option<Vec<Tensor>>)>,
+        last: Tensor,
         rng: [Option<Vec<Tensor>>; 2],
     ) -> Result<Tensor, TchError> {
         let device = idx.device();

@@ -15,7 +15,14 @@ use std::ffi::{c_char, c_void};
 use tch::{TchError, Tensor};
 
 extern "C" {
-    fn og_fused_linear_ce(hidden: *mut c_void, weight: *mut c_void, targets: *mut c_void, vp: i64, chunk: i64, out: *mut *mut c_void) -> *mut c_char;
+    fn og_fused_linear_ce(
+        hidden: *mut c_void,
+        weight: *mut c_void,
+        targets: *mut c_void,
+        vp: i64,
+        chunk: i64,
+        out: *mut *mut c_void,
+    ) -> *mut c_char;
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -46,13 +53,19 @@ pub fn padded_vocab(vocab: i64) -> i64 {
 /// about as large as the hidden states they come from; at least 256 tokens (1024 on a GPU)
 /// so that each chunk's matmul stays efficient, and at most `N`.
 pub fn chunk_rows(n: i64, vocab: i64, n_embd: i64, cuda: bool) -> i64 {
-    let liger = (n as u64).div_ceil(((vocab + n_embd - 1) / n_embd).max(1) as u64).next_power_of_two() as i64;
+    let liger = (n as u64)
+        .div_ceil(((vocab + n_embd - 1) / n_embd).max(1) as u64)
+        .next_power_of_two() as i64;
     liger.max(chunk_floor(cuda)).min(n).max(1)
 }
 
 /// The fewest rows a chunk of the fused loss has (unless the micro-batch has fewer tokens).
 pub fn chunk_floor(cuda: bool) -> i64 {
-    if cuda { 1024 } else { 256 }
+    if cuda {
+        1024
+    } else {
+        256
+    }
 }
 
 /// The mean cross-entropy of `hidden [N, C] @ weight[:V]^T` against `targets [N]`, fused
@@ -63,7 +76,9 @@ pub fn fused_linear_cross_entropy(hidden: &Tensor, weight: &Tensor, targets: &Te
     let chunk = chunk_rows(n, padded_vocab(v), c, hidden.device().is_cuda());
     let p = |t: &Tensor| t.as_ptr() as *mut c_void;
     let mut out: *mut c_void = std::ptr::null_mut();
-    crate::memory::check(unsafe { og_fused_linear_ce(p(hidden), p(weight), p(targets), padded_vocab(v), chunk, &mut out) })?;
+    crate::memory::check(unsafe {
+        og_fused_linear_ce(p(hidden), p(weight), p(targets), padded_vocab(v), chunk, &mut out)
+    })?;
     // SAFETY: on success the C++ side returned a new torch::Tensor* we now own.
     Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
 }

@@ -124,8 +124,12 @@ impl ModelConfig {
 
     fn set_keys(&self) -> Vec<&'static str> {
         let set = [
-            self.n_layer.is_some(), self.n_head.is_some(), self.n_embd.is_some(),
-            self.vocab_size.is_some(), self.dropout.is_some(), self.bias.is_some(),
+            self.n_layer.is_some(),
+            self.n_head.is_some(),
+            self.n_embd.is_some(),
+            self.vocab_size.is_some(),
+            self.dropout.is_some(),
+            self.bias.is_some(),
         ];
         GPT_KEYS.iter().zip(set).filter(|(_, s)| *s).map(|(k, _)| *k).collect()
     }
@@ -134,7 +138,11 @@ impl ModelConfig {
         let not_for = |key: &str, why: &str| Err(ConfigError::invalid(&format!("model.{key}"), why.to_string()));
         match self.kind {
             ModelKind::Gpt => {
-                for (key, set) in [("path", self.path.is_some()), ("method", self.method.is_some()), ("settings", self.settings.is_some())] {
+                for (key, set) in [
+                    ("path", self.path.is_some()),
+                    ("method", self.method.is_some()),
+                    ("settings", self.settings.is_some()),
+                ] {
                     if set {
                         return not_for(key, "is not a key of the built-in GPT (kind: gpt); did you mean kind: torchscript or kind: rust?");
                     }
@@ -143,25 +151,46 @@ impl ModelConfig {
             }
             kind => {
                 if let Some(key) = self.set_keys().first() {
-                    return not_for(key, "is a key of the built-in GPT; this model's shape comes from the model itself (remove it)");
+                    return not_for(
+                        key,
+                        "is a key of the built-in GPT; this model's shape comes from the model itself (remove it)",
+                    );
                 }
                 if self.loss.is_some() {
-                    return not_for("loss", "is a key of the built-in GPT (kind: gpt); this model computes its own loss (remove it)");
+                    return not_for(
+                        "loss",
+                        "is a key of the built-in GPT (kind: gpt); this model computes its own loss (remove it)",
+                    );
                 }
-                if self.activation_checkpointing.is_some_and(|a| a != ActivationCheckpointing::None) {
-                    return not_for("activation_checkpointing", "is available for the built-in GPT only (kind: gpt)");
+                if self
+                    .activation_checkpointing
+                    .is_some_and(|a| a != ActivationCheckpointing::None)
+                {
+                    return not_for(
+                        "activation_checkpointing",
+                        "is available for the built-in GPT only (kind: gpt)",
+                    );
                 }
                 if kind == ModelKind::Torchscript && self.path.is_none() {
-                    return not_for("path", "is required for kind: torchscript: the file saved with torch.jit.save");
+                    return not_for(
+                        "path",
+                        "is required for kind: torchscript: the file saved with torch.jit.save",
+                    );
                 }
                 if kind == ModelKind::Rust && (self.path.is_some() || self.method.is_some()) {
-                    return not_for(if self.path.is_some() { "path" } else { "method" }, "is a key of kind: torchscript");
+                    return not_for(
+                        if self.path.is_some() { "path" } else { "method" },
+                        "is a key of kind: torchscript",
+                    );
                 }
                 if let Some(t) = self.block_size.filter(|&t| t < 1) {
                     return not_for("block_size", &format!("is {t}; it must be at least 1"));
                 }
                 if self.method.as_deref().is_some_and(|m| m.trim().is_empty()) {
-                    return not_for("method", "is empty; name the module's exported method that returns the mean loss");
+                    return not_for(
+                        "method",
+                        "is empty; name the module's exported method that returns the mean loss",
+                    );
                 }
             }
         }

@@ -12,21 +12,40 @@ use crate::error::{ConfigError, Error, Result as OgResult};
 use crate::memory::{check, clear_grad};
 
 pub mod zero;
-pub use zero::{Comm, Shard};
 use zero::{Buffers, Layout, Zero};
+pub use zero::{Comm, Shard};
 
 /// ZeRO's collectives move at most this much at a time (all ranks' chunks together).
 const ZERO_BUCKET_BYTES: i64 = 25 << 20;
 
 extern "C" {
     fn og_adamw_commit(
-        params: *const *mut c_void, exp_avgs: *const *mut c_void, exp_avg_sqs: *const *mut c_void,
-        steps: *const *mut c_void, next_steps: *const *mut c_void, n: i32, lr: f64, beta1: f64, beta2: f64,
-        weight_decay: f64, eps: f64, found_inf: *mut c_void,
+        params: *const *mut c_void,
+        exp_avgs: *const *mut c_void,
+        exp_avg_sqs: *const *mut c_void,
+        steps: *const *mut c_void,
+        next_steps: *const *mut c_void,
+        n: i32,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+        found_inf: *mut c_void,
     ) -> *mut c_char;
     fn og_adamw_update(
-        params: *const *mut c_void, grads: *const *mut c_void, exp_avgs: *const *mut c_void, exp_avg_sqs: *const *mut c_void,
-        steps: *const *mut c_void, n: i32, lr: f64, beta1: f64, beta2: f64, weight_decay: f64, eps: f64, found_inf: *mut c_void,
+        params: *const *mut c_void,
+        grads: *const *mut c_void,
+        exp_avgs: *const *mut c_void,
+        exp_avg_sqs: *const *mut c_void,
+        steps: *const *mut c_void,
+        n: i32,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+        found_inf: *mut c_void,
     ) -> *mut c_char;
     fn og_clip_grad_norm(params: *const *mut c_void, n: i32, max_norm: f64, out: *mut *mut c_void) -> *mut c_char;
     fn og_zero_missing_grads(params: *const *mut c_void, n: i32) -> *mut c_char;
@@ -52,8 +71,15 @@ pub struct OptimConfig {
 impl Default for OptimConfig {
     fn default() -> Self {
         OptimConfig {
-            lr: 1e-3, min_lr: 1e-4, warmup_steps: 20, decay_steps: None, weight_decay: 0.1,
-            beta1: 0.9, beta2: 0.95, eps: 1e-8, grad_clip: 1.0,
+            lr: 1e-3,
+            min_lr: 1e-4,
+            warmup_steps: 20,
+            decay_steps: None,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            grad_clip: 1.0,
         }
     }
 }
@@ -67,14 +93,20 @@ impl OptimConfig {
             }
         }
         if !(0.0..=self.lr).contains(&self.min_lr) {
-            return Err(ConfigError::invalid("optim.min_lr", format!("is {}; it must be in [0, optim.lr = {}]", self.min_lr, self.lr)));
+            return Err(ConfigError::invalid(
+                "optim.min_lr",
+                format!("is {}; it must be in [0, optim.lr = {}]", self.min_lr, self.lr),
+            ));
         }
         for (k, v) in [("optim.beta1", self.beta1), ("optim.beta2", self.beta2)] {
             if !(0.0..1.0).contains(&v) {
                 return Err(ConfigError::invalid(k, format!("is {v}; it must be in [0, 1)")));
             }
         }
-        for (k, v) in [("optim.weight_decay", self.weight_decay), ("optim.grad_clip", self.grad_clip)] {
+        for (k, v) in [
+            ("optim.weight_decay", self.weight_decay),
+            ("optim.grad_clip", self.grad_clip),
+        ] {
             if v < 0.0 || !v.is_finite() {
                 return Err(ConfigError::invalid(k, format!("is {v}; it must be 0 or more")));
             }
@@ -111,7 +143,12 @@ fn ptrs(ts: &[Tensor]) -> Vec<*mut c_void> {
 
 /// The trainable parameters in a stable order (reproducible kernels), grouped by
 /// `no_decay(name, tensor)`, with their step counts and (`moments`) zeroed moments.
-fn groups(params: Vec<(String, Tensor)>, cfg: &OptimConfig, no_decay: impl Fn(&str, &Tensor) -> bool, moments: bool) -> Result<Vec<Group>, TchError> {
+fn groups(
+    params: Vec<(String, Tensor)>,
+    cfg: &OptimConfig,
+    no_decay: impl Fn(&str, &Tensor) -> bool,
+    moments: bool,
+) -> Result<Vec<Group>, TchError> {
     let mut named: Vec<(String, Tensor)> = params.into_iter().filter(|(_, t)| t.requires_grad()).collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
     let mut groups = Vec::new();
@@ -119,11 +156,20 @@ fn groups(params: Vec<(String, Tensor)>, cfg: &OptimConfig, no_decay: impl Fn(&s
         let members: Vec<&(String, Tensor)> = named.iter().filter(|(n, t)| no_decay(n, t) != decay).collect();
         let params: Vec<Tensor> = members.iter().map(|(_, t)| t.shallow_clone()).collect();
         let zeros = |p: &Tensor| -> Result<Tensor, TchError> { p.f_zeros_like() };
-        let moment = || if moments { params.iter().map(zeros).collect::<Result<Vec<_>, _>>() } else { Ok(Vec::new()) };
+        let moment = || {
+            if moments {
+                params.iter().map(zeros).collect::<Result<Vec<_>, _>>()
+            } else {
+                Ok(Vec::new())
+            }
+        };
         groups.push(Group {
             exp_avg: moment()?,
             exp_avg_sq: moment()?,
-            steps: params.iter().map(|p| Tensor::f_zeros([], (Kind::Float, p.device()))).collect::<Result<_, _>>()?,
+            steps: params
+                .iter()
+                .map(|p| Tensor::f_zeros([], (Kind::Float, p.device())))
+                .collect::<Result<_, _>>()?,
             names: members.iter().map(|(n, _)| n.clone()).collect(),
             params,
             weight_decay: wd,
@@ -162,16 +208,38 @@ pub struct FullState {
 impl AdamW {
     /// Groups the parameters by `no_decay(name, tensor)`; allocates the moment buffers up
     /// front, so that memory is stable from the first step.
-    pub fn new(params: Vec<(String, Tensor)>, cfg: &OptimConfig, no_decay: impl Fn(&str, &Tensor) -> bool) -> Result<AdamW, TchError> {
-        Ok(AdamW { groups: groups(params, cfg, no_decay, true)?, cfg: cfg.clone(), last_step: None, zero: None })
+    pub fn new(
+        params: Vec<(String, Tensor)>,
+        cfg: &OptimConfig,
+        no_decay: impl Fn(&str, &Tensor) -> bool,
+    ) -> Result<AdamW, TchError> {
+        Ok(AdamW {
+            groups: groups(params, cfg, no_decay, true)?,
+            cfg: cfg.clone(),
+            last_step: None,
+            zero: None,
+        })
     }
 
     /// `new` with the moments sharded from the start (`Shard::None`: `new`), so that the
     /// whole state is never allocated on one rank.
-    pub fn sharded(params: Vec<(String, Tensor)>, cfg: &OptimConfig, no_decay: impl Fn(&str, &Tensor) -> bool, stage: Shard, comm: Option<Rc<dyn Comm>>) -> OgResult<AdamW> {
-        let (Some(comm), true) = (comm, stage != Shard::None) else { return Ok(AdamW::new(params, cfg, no_decay)?) };
+    pub fn sharded(
+        params: Vec<(String, Tensor)>,
+        cfg: &OptimConfig,
+        no_decay: impl Fn(&str, &Tensor) -> bool,
+        stage: Shard,
+        comm: Option<Rc<dyn Comm>>,
+    ) -> OgResult<AdamW> {
+        let (Some(comm), true) = (comm, stage != Shard::None) else {
+            return Ok(AdamW::new(params, cfg, no_decay)?);
+        };
         // Groups without moments first, then the shard's.
-        let mut opt = AdamW { groups: groups(params, cfg, no_decay, false)?, cfg: cfg.clone(), last_step: None, zero: None };
+        let mut opt = AdamW {
+            groups: groups(params, cfg, no_decay, false)?,
+            cfg: cfg.clone(),
+            last_step: None,
+            zero: None,
+        };
         opt.zero = Some(opt.new_zero(stage, comm)?);
         Ok(opt)
     }
@@ -180,13 +248,26 @@ impl AdamW {
     fn new_zero(&self, stage: Shard, comm: Rc<dyn Comm>) -> OgResult<Zero> {
         let params: Vec<&Tensor> = self.all_params().collect();
         if let Some(p) = params.iter().find(|p| p.kind() != Kind::Float) {
-            return Err(Error::Torch(TchError::Kind(format!("sharding needs fp32 parameters; this model has a {:?} one", p.kind()))));
+            return Err(Error::Torch(TchError::Kind(format!(
+                "sharding needs fp32 parameters; this model has a {:?} one",
+                p.kind()
+            ))));
         }
         let numels: Vec<i64> = params.iter().map(|p| p.numel() as i64).collect();
         let layout = Layout::new(&numels, comm.rank(), comm.world(), ZERO_BUCKET_BYTES / 4);
         let device = params.first().map_or(tch::Device::Cpu, |p| p.device());
         let zeros = || Tensor::f_zeros([layout.shard], (Kind::Float, device));
-        Ok(Zero { stage, pieces: layout.pieces(), exp_avg: zeros()?, exp_avg_sq: zeros()?, layout, comm, grad: None, restored: None, clip: None })
+        Ok(Zero {
+            stage,
+            pieces: layout.pieces(),
+            exp_avg: zeros()?,
+            exp_avg_sq: zeros()?,
+            layout,
+            comm,
+            grad: None,
+            restored: None,
+            clip: None,
+        })
     }
 
     fn all_params(&self) -> impl Iterator<Item = &Tensor> {
@@ -200,7 +281,11 @@ impl AdamW {
 
     /// (group, index in it) of each parameter, in the flat space's order.
     fn index(&self) -> Vec<(usize, usize)> {
-        self.groups.iter().enumerate().flat_map(|(g, grp)| (0..grp.params.len()).map(move |i| (g, i))).collect()
+        self.groups
+            .iter()
+            .enumerate()
+            .flat_map(|(g, grp)| (0..grp.params.len()).map(move |i| (g, i)))
+            .collect()
     }
 
     /// What the ranks split (`Shard::None` unless sharded).
@@ -213,7 +298,12 @@ impl AdamW {
         let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
         match &self.zero {
             Some(z) => bytes(&z.exp_avg) + bytes(&z.exp_avg_sq),
-            None => self.groups.iter().flat_map(|g| g.exp_avg.iter().chain(&g.exp_avg_sq)).map(bytes).sum(),
+            None => self
+                .groups
+                .iter()
+                .flat_map(|g| g.exp_avg.iter().chain(&g.exp_avg_sq))
+                .map(bytes)
+                .sum(),
         }
     }
 
@@ -229,15 +319,23 @@ impl AdamW {
     /// Stage 2: the reduce-scatter's buffers and the gradient shard it fills, allocated
     /// before the ranks agree (`None` unless sharding gradients).
     pub fn scatter_buffers(&self) -> Result<Option<(Buffers, Tensor)>, TchError> {
-        let Some(z) = self.zero.as_ref().filter(|z| z.stage == Shard::Gradients) else { return Ok(None) };
+        let Some(z) = self.zero.as_ref().filter(|z| z.stage == Shard::Gradients) else {
+            return Ok(None);
+        };
         let device = z.exp_avg.device();
-        Ok(Some((Buffers::new(&z.layout, Kind::Float, device)?, Tensor::f_zeros([z.layout.shard], (Kind::Float, device))?)))
+        Ok(Some((
+            Buffers::new(&z.layout, Kind::Float, device)?,
+            Tensor::f_zeros([z.layout.shard], (Kind::Float, device))?,
+        )))
     }
 
     /// Stage 2: sums the ranks' gradients into this rank's shard, a chunk at a time, then
     /// drops the full gradients (the memory stage 2 saves).
     pub fn reduce_scatter_grads(&mut self, (bufs, grad): (Buffers, Tensor)) -> OgResult<()> {
-        let flat: Vec<Tensor> = self.all_params().map(|p| p.grad().f_view([-1])).collect::<Result<_, _>>()?;
+        let flat: Vec<Tensor> = self
+            .all_params()
+            .map(|p| p.grad().f_view([-1]))
+            .collect::<Result<_, _>>()?;
         let z = self.zero.as_mut().expect("stage 2");
         let w = z.layout.world as i64;
         for c in z.layout.chunks() {
@@ -292,15 +390,25 @@ impl AdamW {
             // and the clipping wait for the ranks' agreement (`shard_stats`).
             let g = z.grad.as_ref().expect("stage 2 gradients");
             let sq = g.f_square()?.f_sum(Kind::Float)?;
-            let clip = zero::Clip { norm: sq.f_zeros_like()?, coef: sq.f_zeros_like()?, sq, max_norm };
+            let clip = zero::Clip {
+                norm: sq.f_zeros_like()?,
+                coef: sq.f_zeros_like()?,
+                sq,
+                max_norm,
+            };
             let norm = clip.norm.shallow_clone();
             z.clip = Some(clip);
             return Ok(norm);
         }
-        let params: Vec<Tensor> = self.all_params().filter(|p| p.grad().defined()).map(|p| p.shallow_clone()).collect();
+        let params: Vec<Tensor> = self
+            .all_params()
+            .filter(|p| p.grad().defined())
+            .map(|p| p.shallow_clone())
+            .collect();
         let max = if max_norm > 0.0 { max_norm } else { f64::INFINITY };
         let mut out: *mut c_void = std::ptr::null_mut();
-        check(unsafe { og_clip_grad_norm(ptrs(&params).as_ptr(), params.len() as i32, max, &mut out) }).map_err(Error::from)?;
+        check(unsafe { og_clip_grad_norm(ptrs(&params).as_ptr(), params.len() as i32, max, &mut out) })
+            .map_err(Error::from)?;
         // SAFETY: on success the C++ side returned a new torch::Tensor* we now own.
         Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
     }
@@ -317,24 +425,49 @@ impl AdamW {
     /// device). An OOM here leaves the optimizer exactly as it was.
     pub fn prepare(&self, step: u64, found_inf: Option<&Tensor>) -> OgResult<Prepared> {
         if self.last_step.is_some_and(|last| step <= last) {
-            return Err(Error::Torch(TchError::Kind(format!("optimizer step {step} was already applied (last: {:?})", self.last_step))));
+            return Err(Error::Torch(TchError::Kind(format!(
+                "optimizer step {step} was already applied (last: {:?})",
+                self.last_step
+            ))));
         }
         // 1 - found_inf: 1 for an update, 0 for a skipped one.
-        let increment = found_inf.map(|f| crate::ops::add_scalar(&f.f_neg()?, 1.0)).transpose()?;
+        let increment = found_inf
+            .map(|f| crate::ops::add_scalar(&f.f_neg()?, 1.0))
+            .transpose()?;
         let next_count = |s: &Tensor| match &increment {
             Some(i) => s.f_add(i),
             None => crate::ops::add_scalar(s, 1.0),
         };
-        let next = self.groups.iter().map(|g| g.steps.iter().map(next_count).collect::<Result<_, _>>()).collect::<Result<_, TchError>>()?;
-        let gather = self.zero.as_ref().map(|z| Buffers::new(&z.layout, Kind::Float, z.exp_avg.device())).transpose()?;
-        Ok(Prepared { step, next, found_inf: found_inf.map(Tensor::shallow_clone), gather })
+        let next = self
+            .groups
+            .iter()
+            .map(|g| g.steps.iter().map(next_count).collect::<Result<_, _>>())
+            .collect::<Result<_, TchError>>()?;
+        let gather = self
+            .zero
+            .as_ref()
+            .map(|z| Buffers::new(&z.layout, Kind::Float, z.exp_avg.device()))
+            .transpose()?;
+        Ok(Prepared {
+            step,
+            next,
+            found_inf: found_inf.map(Tensor::shallow_clone),
+            gather,
+        })
     }
 
     /// The half that changes the parameters, moments and step counts; it allocates nothing,
     /// so once begun it completes.
     pub fn commit(&mut self, prepared: Prepared, lr: f64) -> OgResult<()> {
-        let Prepared { step, next, found_inf, gather } = prepared;
-        let inf = found_inf.as_ref().map_or(std::ptr::null_mut(), |f| f.as_ptr() as *mut c_void);
+        let Prepared {
+            step,
+            next,
+            found_inf,
+            gather,
+        } = prepared;
+        let inf = found_inf
+            .as_ref()
+            .map_or(std::ptr::null_mut(), |f| f.as_ptr() as *mut c_void);
         if let Some(gather) = gather {
             self.commit_shard(&next, inf, lr).map_err(|e| partial(step, e))?;
             // Every rank's updated shard to every rank. A failure here is a collective's
@@ -348,9 +481,28 @@ impl AdamW {
         }
         for (g, next) in self.groups.iter().zip(&next) {
             let n = g.params.len() as i32;
-            let (p, m, v, s, ns) = (ptrs(&g.params), ptrs(&g.exp_avg), ptrs(&g.exp_avg_sq), ptrs(&g.steps), ptrs(next));
+            let (p, m, v, s, ns) = (
+                ptrs(&g.params),
+                ptrs(&g.exp_avg),
+                ptrs(&g.exp_avg_sq),
+                ptrs(&g.steps),
+                ptrs(next),
+            );
             let done = check(unsafe {
-                og_adamw_commit(p.as_ptr(), m.as_ptr(), v.as_ptr(), s.as_ptr(), ns.as_ptr(), n, lr, self.cfg.beta1, self.cfg.beta2, g.weight_decay, self.cfg.eps, inf)
+                og_adamw_commit(
+                    p.as_ptr(),
+                    m.as_ptr(),
+                    v.as_ptr(),
+                    s.as_ptr(),
+                    ns.as_ptr(),
+                    n,
+                    lr,
+                    self.cfg.beta1,
+                    self.cfg.beta2,
+                    g.weight_decay,
+                    self.cfg.eps,
+                    inf,
+                )
             });
             if let Err(e) = done {
                 return Err(partial(step, e));
@@ -385,7 +537,20 @@ impl AdamW {
             }
             let (p, gr, m, v, s) = (ptrs(&p), ptrs(&gr), ptrs(&m), ptrs(&v), ptrs(&s));
             check(unsafe {
-                og_adamw_update(p.as_ptr(), gr.as_ptr(), m.as_ptr(), v.as_ptr(), s.as_ptr(), p.len() as i32, lr, self.cfg.beta1, self.cfg.beta2, g.weight_decay, self.cfg.eps, inf)
+                og_adamw_update(
+                    p.as_ptr(),
+                    gr.as_ptr(),
+                    m.as_ptr(),
+                    v.as_ptr(),
+                    s.as_ptr(),
+                    p.len() as i32,
+                    lr,
+                    self.cfg.beta1,
+                    self.cfg.beta2,
+                    g.weight_decay,
+                    self.cfg.eps,
+                    inf,
+                )
             })?;
         }
         Ok(())
@@ -422,13 +587,19 @@ impl AdamW {
                 Ok(())
             }
             (None, s) => {
-                let comm = comm.ok_or_else(|| Error::Torch(TchError::Kind("sharding needs a data-parallel group".into())))?;
+                let comm =
+                    comm.ok_or_else(|| Error::Torch(TchError::Kind("sharding needs a data-parallel group".into())))?;
                 let z = agreed(agree, self.new_zero(s, comm))?;
                 let index = self.index();
                 for p in &z.pieces {
                     let (g, i) = index[p.param];
-                    for (full, shard) in [(&self.groups[g].exp_avg[i], &z.exp_avg), (&self.groups[g].exp_avg_sq[i], &z.exp_avg_sq)] {
-                        shard.f_narrow(0, p.in_shard, p.len)?.f_copy_(&full.f_view([-1])?.f_narrow(0, p.at, p.len)?)?;
+                    for (full, shard) in [
+                        (&self.groups[g].exp_avg[i], &z.exp_avg),
+                        (&self.groups[g].exp_avg_sq[i], &z.exp_avg_sq),
+                    ] {
+                        shard
+                            .f_narrow(0, p.in_shard, p.len)?
+                            .f_copy_(&full.f_view([-1])?.f_narrow(0, p.at, p.len)?)?;
                     }
                 }
                 for g in &mut self.groups {
@@ -442,11 +613,14 @@ impl AdamW {
                 // Back to whole moments on every rank: gathered, chunk by chunk.
                 let z = self.zero.as_ref().expect("sharded");
                 let zeros = |p: &Tensor| p.f_zeros_like();
-                let (m, v, b) = agreed(agree, (|| {
-                    let m: Vec<Tensor> = self.all_params().map(zeros).collect::<Result<_, _>>()?;
-                    let v: Vec<Tensor> = self.all_params().map(zeros).collect::<Result<_, _>>()?;
-                    Ok((m, v, Buffers::new(&z.layout, Kind::Float, z.exp_avg.device())?))
-                })())?;
+                let (m, v, b) = agreed(
+                    agree,
+                    (|| {
+                        let m: Vec<Tensor> = self.all_params().map(zeros).collect::<Result<_, _>>()?;
+                        let v: Vec<Tensor> = self.all_params().map(zeros).collect::<Result<_, _>>()?;
+                        Ok((m, v, Buffers::new(&z.layout, Kind::Float, z.exp_avg.device())?))
+                    })(),
+                )?;
                 for (shard, full) in [(&z.exp_avg, &m), (&z.exp_avg_sq, &v)] {
                     let flat: Vec<Tensor> = full.iter().map(|t| t.f_view([-1])).collect::<Result<_, _>>()?;
                     gather_into(z, &b, shard, &flat)?;
@@ -467,7 +641,10 @@ impl AdamW {
     /// allocation is agreed before the collectives).
     pub fn full_state(&self, agree: &Agreed) -> OgResult<FullState> {
         let Some(z) = &self.zero else {
-            return Ok(FullState { tensors: self.state().into_iter().map(|(n, t)| (n, t.shallow_clone())).collect(), _host: Vec::new() });
+            return Ok(FullState {
+                tensors: self.state().into_iter().map(|(n, t)| (n, t.shallow_clone())).collect(),
+                _host: Vec::new(),
+            });
         };
         let _no_grad = tch::no_grad_guard();
         let mut host: Vec<Vec<f32>> = Vec::new();
@@ -475,13 +652,24 @@ impl AdamW {
             let mut buf = vec![0f32; p.numel()];
             // SAFETY: `buf` lives in `FullState::_host` as long as the tensor viewing it; a
             // Vec's heap block does not move when the Vec is moved.
-            let t = unsafe { Tensor::f_from_blob(buf.as_mut_ptr() as *const u8, &p.size(), &[], Kind::Float, tch::Device::Cpu) };
+            let t = unsafe {
+                Tensor::f_from_blob(
+                    buf.as_mut_ptr() as *const u8,
+                    &p.size(),
+                    &[],
+                    Kind::Float,
+                    tch::Device::Cpu,
+                )
+            };
             host.push(buf);
             t
         };
         let m: Vec<Tensor> = self.all_params().map(&mut views).collect::<Result<_, _>>()?;
         let v: Vec<Tensor> = self.all_params().map(&mut views).collect::<Result<_, _>>()?;
-        let b = agreed(agree, Buffers::new(&z.layout, Kind::Float, z.exp_avg.device()).map_err(Error::from))?;
+        let b = agreed(
+            agree,
+            Buffers::new(&z.layout, Kind::Float, z.exp_avg.device()).map_err(Error::from),
+        )?;
         for (shard, full) in [(&z.exp_avg, &m), (&z.exp_avg_sq, &v)] {
             let flat: Vec<Tensor> = full.iter().map(|t| t.f_view([-1])).collect::<Result<_, _>>()?;
             gather_into(z, &b, shard, &flat)?;
@@ -548,9 +736,14 @@ impl AdamW {
                 for (name, p) in g.names.iter().zip(&g.params) {
                     for (key, shape) in [("exp_avg", p.size()), ("exp_avg_sq", p.size()), ("step", vec![])] {
                         let k = format!("{name}.{key}");
-                        let src = by_name.get(k.as_str()).ok_or_else(|| TchError::FileFormat(format!("optimizer state has no `{k}`")))?;
+                        let src = by_name
+                            .get(k.as_str())
+                            .ok_or_else(|| TchError::FileFormat(format!("optimizer state has no `{k}`")))?;
                         if src.size() != shape {
-                            return Err(TchError::Shape(format!("optimizer state `{k}` has shape {:?}, expected {shape:?}", src.size())));
+                            return Err(TchError::Shape(format!(
+                                "optimizer state `{k}` has shape {:?}, expected {shape:?}",
+                                src.size()
+                            )));
                         }
                     }
                 }
@@ -562,9 +755,15 @@ impl AdamW {
         }
         let saved = by_name;
         for (name, t) in self.state() {
-            let src = saved.get(name.as_str()).ok_or_else(|| TchError::FileFormat(format!("optimizer state has no `{name}`")))?;
+            let src = saved
+                .get(name.as_str())
+                .ok_or_else(|| TchError::FileFormat(format!("optimizer state has no `{name}`")))?;
             if src.size() != t.size() {
-                return Err(TchError::Shape(format!("optimizer state `{name}` has shape {:?}, expected {:?}", src.size(), t.size())));
+                return Err(TchError::Shape(format!(
+                    "optimizer state `{name}` has shape {:?}, expected {:?}",
+                    src.size(),
+                    t.size()
+                )));
             }
             t.shallow_clone().f_copy_(src)?;
         }
@@ -579,7 +778,9 @@ pub type Agreed<'a> = dyn Fn(OgResult<()>) -> OgResult<()> + 'a;
 fn agreed<T>(agree: &Agreed, r: OgResult<T>) -> OgResult<T> {
     match r {
         Ok(v) => agree(Ok(())).map(|()| v),
-        Err(e) => Err(agree(Err(e)).err().unwrap_or_else(|| Error::Dist("an agreement on a failure came back as a success".into()))),
+        Err(e) => Err(agree(Err(e))
+            .err()
+            .unwrap_or_else(|| Error::Dist("an agreement on a failure came back as a success".into()))),
     }
 }
 
@@ -614,7 +815,10 @@ impl AdamW {
         // One buffer for the largest parameter, agreed before the broadcasts.
         let largest = self.all_params().map(|p| p.numel() as i64).max().unwrap_or(0);
         let device = z.exp_avg.device();
-        let tmp = agreed(agree, Tensor::f_zeros([largest], (Kind::Float, device)).map_err(Error::from))?;
+        let tmp = agreed(
+            agree,
+            Tensor::f_zeros([largest], (Kind::Float, device)).map_err(Error::from),
+        )?;
         let mut pieces = z.pieces.iter().peekable();
         for (flat_i, &(g, i)) in index.iter().enumerate() {
             let (name, p) = (&self.groups[g].names[i], &self.groups[g].params[i]);
@@ -626,7 +830,9 @@ impl AdamW {
                 }
                 z.comm.broadcast(&full, 0)?;
                 if let Some(pc) = piece {
-                    shard.f_narrow(0, pc.in_shard, pc.len)?.f_copy_(&full.f_view([-1])?.f_narrow(0, pc.at, pc.len)?)?;
+                    shard
+                        .f_narrow(0, pc.in_shard, pc.len)?
+                        .f_copy_(&full.f_view([-1])?.f_narrow(0, pc.at, pc.len)?)?;
                 }
             }
             let step = &self.groups[g].steps[i];
@@ -645,7 +851,13 @@ mod tests {
 
     #[test]
     fn warmup_then_cosine() {
-        let c = OptimConfig { lr: 1.0, min_lr: 0.1, warmup_steps: 10, decay_steps: Some(110), ..Default::default() };
+        let c = OptimConfig {
+            lr: 1.0,
+            min_lr: 0.1,
+            warmup_steps: 10,
+            decay_steps: Some(110),
+            ..Default::default()
+        };
         assert!((c.lr_at(0, 0) - 0.1).abs() < 1e-12);
         assert!((c.lr_at(9, 0) - 1.0).abs() < 1e-12);
         assert!((c.lr_at(10, 0) - 1.0).abs() < 1e-12);

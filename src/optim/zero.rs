@@ -91,8 +91,18 @@ impl Layout {
         let shard = (total + world as i64 - 1) / world as i64;
         // A sixteenth of the shard at most: the buffers ((world + 1) x chunk) stay small
         // against what sharding saves, even for a model smaller than one bucket.
-        let chunk = (bucket_elems / world as i64).min((shard + CHUNKS_PER_SHARD - 1) / CHUNKS_PER_SHARD).clamp(1, shard.max(1));
-        Layout { rank, world, offsets, numels: numels.to_vec(), total, shard, chunk }
+        let chunk = (bucket_elems / world as i64)
+            .min((shard + CHUNKS_PER_SHARD - 1) / CHUNKS_PER_SHARD)
+            .clamp(1, shard.max(1));
+        Layout {
+            rank,
+            world,
+            offsets,
+            numels: numels.to_vec(),
+            total,
+            shard,
+            chunk,
+        }
     }
 
     /// The parts of parameters in flat `[lo, lo + len)`: (parameter, start inside it,
@@ -109,12 +119,22 @@ impl Layout {
     /// This rank's pieces, in shard order.
     pub fn pieces(&self) -> Vec<Piece> {
         let lo = self.rank as i64 * self.shard;
-        self.within(lo, self.shard).map(|(param, at, len, in_shard)| Piece { param, at, len, in_shard }).collect()
+        self.within(lo, self.shard)
+            .map(|(param, at, len, in_shard)| Piece {
+                param,
+                at,
+                len,
+                in_shard,
+            })
+            .collect()
     }
 
     /// The collectives' chunks of a shard: (start inside the shard, length).
     pub fn chunks(&self) -> Vec<(i64, i64)> {
-        (0..self.shard).step_by(self.chunk.max(1) as usize).map(|s| (s, self.chunk.min(self.shard - s))).collect()
+        (0..self.shard)
+            .step_by(self.chunk.max(1) as usize)
+            .map(|s| (s, self.chunk.min(self.shard - s)))
+            .collect()
     }
 
     /// Copies flat `[lo, lo + dst.numel())` of `flat` (one flattened view per parameter)
@@ -141,14 +161,24 @@ impl Layout {
     }
 
     /// Shard chunk `(start, len)` of every rank in a `world x len` buffer and back.
-    pub fn pack_all(&self, flat: &[Tensor], (start, len): (i64, i64), buf: &Tensor) -> std::result::Result<(), TchError> {
+    pub fn pack_all(
+        &self,
+        flat: &[Tensor],
+        (start, len): (i64, i64),
+        buf: &Tensor,
+    ) -> std::result::Result<(), TchError> {
         for r in 0..self.world as i64 {
             self.pack(flat, r * self.shard + start, &buf.f_narrow(0, r * len, len)?)?;
         }
         Ok(())
     }
 
-    pub fn unpack_all(&self, buf: &Tensor, (start, len): (i64, i64), flat: &[Tensor]) -> std::result::Result<(), TchError> {
+    pub fn unpack_all(
+        &self,
+        buf: &Tensor,
+        (start, len): (i64, i64),
+        flat: &[Tensor],
+    ) -> std::result::Result<(), TchError> {
         for r in 0..self.world as i64 {
             self.unpack(&buf.f_narrow(0, r * len, len)?, r * self.shard + start, flat)?;
         }
@@ -231,7 +261,10 @@ mod tests {
 
     #[test]
     fn pack_and_unpack_round_trip_with_padding() {
-        let params: Vec<Tensor> = [5i64, 3, 8, 1].iter().map(|&n| Tensor::arange(n, (Kind::Float, tch::Device::Cpu)) + 100 * n).collect();
+        let params: Vec<Tensor> = [5i64, 3, 8, 1]
+            .iter()
+            .map(|&n| Tensor::arange(n, (Kind::Float, tch::Device::Cpu)) + 100 * n)
+            .collect();
         let l = Layout::new(&[5, 3, 8, 1], 1, 3, 6);
         let buf = Tensor::zeros([l.world as i64 * l.chunk], (Kind::Float, tch::Device::Cpu));
         let out: Vec<Tensor> = params.iter().map(|p| p.zeros_like()).collect();

@@ -74,7 +74,10 @@ impl Estimate {
     /// With activation checkpointing: each layer keeps its input, and one block's activations
     /// are alive at a time while it is recomputed.
     pub fn with_checkpointing(self, on: bool) -> Estimate {
-        Estimate { activation_checkpointing: on, ..self }
+        Estimate {
+            activation_checkpointing: on,
+            ..self
+        }
     }
 
     /// Per rank, with `shard` across `world` data-parallel ranks: AdamW's moments split
@@ -84,21 +87,33 @@ impl Estimate {
         if shard == crate::optim::Shard::None || world <= 1 {
             return self;
         }
-        Estimate { optimizer_bytes: self.optimizer_bytes.div_ceil(world), ..self }
+        Estimate {
+            optimizer_bytes: self.optimizer_bytes.div_ceil(world),
+            ..self
+        }
     }
 
     /// The fewest data-parallel ranks (up to 4096) over which the optimizer-sharded state
     /// lets micro-batch 1 fit `memory`; `None` when no number does (the parameters,
     /// gradients and one sample alone exceed it).
     pub fn ranks_to_fit(&self, memory: u64) -> Option<u64> {
-        let fits = |w: u64| self.clone().with_shard(crate::optim::Shard::Optimizer, w).largest_fitting(memory, 1) >= 1;
+        let fits = |w: u64| {
+            self.clone()
+                .with_shard(crate::optim::Shard::Optimizer, w)
+                .largest_fitting(memory, 1)
+                >= 1
+        };
         if !fits(4096) {
             return None;
         }
         let (mut lo, mut hi) = (1u64, 4096u64); // fits(hi); find the smallest
         while lo < hi {
             let mid = (lo + hi) / 2;
-            if fits(mid) { hi = mid } else { lo = mid + 1 }
+            if fits(mid) {
+                hi = mid
+            } else {
+                lo = mid + 1
+            }
         }
         Some(lo)
     }
@@ -189,16 +204,41 @@ impl Estimate {
         let b = micro as u64;
         let row = |k: &str, v: u64| (k.to_string(), human_bytes(v));
         vec![
-            ("parameters".into(), format!("{} ({:.1}M)", human_bytes(self.params_bytes), self.num_params as f64 / 1e6)),
+            (
+                "parameters".into(),
+                format!(
+                    "{} ({:.1}M)",
+                    human_bytes(self.params_bytes),
+                    self.num_params as f64 / 1e6
+                ),
+            ),
             row("gradients", self.grads_bytes),
             row("optimizer state (AdamW)", self.optimizer_bytes),
-            (format!("activations per layer (x{})", self.n_layer), human_bytes(self.activations_per_layer_per_sample * b)),
-            ("attention scores".into(), format!("0 (fused attention; {} per layer if materialised)", human_bytes(self.attention_scores_if_materialized_per_sample * b))),
-            (logits_label(self.loss), human_bytes(self.logits_per_sample * b + self.logits_fixed_bytes)),
-            (format!("  if model.loss: {}", self.other_loss.name()), human_bytes(self.other_logits_per_sample * b + self.other_logits_fixed_bytes)),
+            (
+                format!("activations per layer (x{})", self.n_layer),
+                human_bytes(self.activations_per_layer_per_sample * b),
+            ),
+            (
+                "attention scores".into(),
+                format!(
+                    "0 (fused attention; {} per layer if materialised)",
+                    human_bytes(self.attention_scores_if_materialized_per_sample * b)
+                ),
+            ),
+            (
+                logits_label(self.loss),
+                human_bytes(self.logits_per_sample * b + self.logits_fixed_bytes),
+            ),
+            (
+                format!("  if model.loss: {}", self.other_loss.name()),
+                human_bytes(self.other_logits_per_sample * b + self.other_logits_fixed_bytes),
+            ),
             row("embeddings and the rest", self.embeddings_per_sample * b),
             row("cuBLAS workspaces", self.workspace_bytes),
-            ("allocator overhead".into(), format!("{:.0}%", self.allocator_overhead * 100.0)),
+            (
+                "allocator overhead".into(),
+                format!("{:.0}%", self.allocator_overhead * 100.0),
+            ),
             row("peak", self.peak(micro)),
         ]
     }
@@ -227,7 +267,10 @@ fn logits_bytes(m: &GptConfig, loss: LossKind, precision: Precision, cuda: bool)
             let vp = padded_vocab(m.vocab_size) as f64;
             let per_logit = if precision == Precision::Fp32 { 4.0 } else { 8.0 };
             let floor = chunk_floor(cuda) as f64;
-            ((t * c * 4.0 + t * c * per_logit) as u64, (vp * c * 4.0 + floor * vp * per_logit) as u64)
+            (
+                (t * c * 4.0 + t * c * per_logit) as u64,
+                (vp * c * 4.0 + floor * vp * per_logit) as u64,
+            )
         }
     }
 }
@@ -253,27 +296,84 @@ pub fn suggestions(m: &GptConfig, precision: Precision, cuda: bool, memory: u64)
     let fits = |m: &GptConfig, p: Precision| Estimate::new(m, p, cuda).largest_fitting(memory, usize::MAX) >= 1;
     let mut out = Vec::new();
     let mut t = m.block_size;
-    while t > 1 && !fits(&GptConfig { block_size: t, ..m.clone() }, precision) {
+    while t > 1
+        && !fits(
+            &GptConfig {
+                block_size: t,
+                ..m.clone()
+            },
+            precision,
+        )
+    {
         t /= 2;
     }
-    if t < m.block_size && fits(&GptConfig { block_size: t, ..m.clone() }, precision) {
-        out.push(format!("a shorter sequence: model.block_size {t} (from {})", m.block_size));
+    if t < m.block_size
+        && fits(
+            &GptConfig {
+                block_size: t,
+                ..m.clone()
+            },
+            precision,
+        )
+    {
+        out.push(format!(
+            "a shorter sequence: model.block_size {t} (from {})",
+            m.block_size
+        ));
     }
-    if let Some(l) = (1..m.n_layer).rev().find(|&l| fits(&GptConfig { n_layer: l, ..m.clone() }, precision)) {
+    if let Some(l) = (1..m.n_layer).rev().find(|&l| {
+        fits(
+            &GptConfig {
+                n_layer: l,
+                ..m.clone()
+            },
+            precision,
+        )
+    }) {
         out.push(format!("fewer layers: model.n_layer {l} (from {})", m.n_layer));
     }
     let mut v = m.vocab_size;
-    while v > 256 && !fits(&GptConfig { vocab_size: v, ..m.clone() }, precision) {
+    while v > 256
+        && !fits(
+            &GptConfig {
+                vocab_size: v,
+                ..m.clone()
+            },
+            precision,
+        )
+    {
         v /= 2;
     }
-    if v < m.vocab_size && fits(&GptConfig { vocab_size: v, ..m.clone() }, precision) {
-        out.push(format!("a smaller vocabulary: model.vocab_size {v} (from {})", m.vocab_size));
+    if v < m.vocab_size
+        && fits(
+            &GptConfig {
+                vocab_size: v,
+                ..m.clone()
+            },
+            precision,
+        )
+    {
+        out.push(format!(
+            "a smaller vocabulary: model.vocab_size {v} (from {})",
+            m.vocab_size
+        ));
     }
-    let fused = GptConfig { loss: LossKind::Fused, ..m.clone() };
+    let fused = GptConfig {
+        loss: LossKind::Fused,
+        ..m.clone()
+    };
     if m.loss == LossKind::Full && fits(&fused, precision) {
-        out.push("the fused loss: model.loss: fused (the guard switches to it by itself when micro-batch 1 does not fit)".into());
+        out.push(
+            "the fused loss: model.loss: fused (the guard switches to it by itself when micro-batch 1 does not fit)"
+                .into(),
+        );
     }
-    let ckpt = |m: &GptConfig, p: Precision| Estimate::new(m, p, cuda).with_checkpointing(true).largest_fitting(memory, usize::MAX) >= 1;
+    let ckpt = |m: &GptConfig, p: Precision| {
+        Estimate::new(m, p, cuda)
+            .with_checkpointing(true)
+            .largest_fitting(memory, usize::MAX)
+            >= 1
+    };
     if ckpt(m, precision) {
         out.push("activation checkpointing: model.activation_checkpointing: blocks (the guard turns it on by itself unless memory.allow_activation_checkpointing is false)".into());
     }
@@ -282,11 +382,17 @@ pub fn suggestions(m: &GptConfig, precision: Precision, cuda: bool, memory: u64)
     } else if precision == Precision::Fp32 && ckpt(m, Precision::Bf16) {
         out.push("activation checkpointing and bf16 together (the guard climbs to both by itself)".into());
     }
-    if let Some(w) = Estimate::new(m, precision, cuda).ranks_to_fit(memory).filter(|&w| w > 1) {
+    if let Some(w) = Estimate::new(m, precision, cuda)
+        .ranks_to_fit(memory)
+        .filter(|&w| w > 1)
+    {
         out.push(format!("data parallel over {w} or more ranks with AdamW's state sharded across them: train.shard: optimizer (ZeRO-1; the guard climbs to it by itself unless memory.allow_sharding is false)"));
     }
     if out.is_empty() {
-        out.push(format!("a device with more than {} of memory, or a smaller model", human_bytes(memory)));
+        out.push(format!(
+            "a device with more than {} of memory, or a smaller model",
+            human_bytes(memory)
+        ));
     }
     out
 }
@@ -306,7 +412,16 @@ mod tests {
     use super::*;
 
     fn gpt2() -> GptConfig {
-        GptConfig { n_layer: 12, n_head: 12, n_embd: 768, block_size: 1024, vocab_size: 50304, dropout: 0.0, bias: true, loss: LossKind::Full }
+        GptConfig {
+            n_layer: 12,
+            n_head: 12,
+            n_embd: 768,
+            block_size: 1024,
+            vocab_size: 50304,
+            dropout: 0.0,
+            bias: true,
+            loss: LossKind::Full,
+        }
     }
 
     #[test]
@@ -331,9 +446,15 @@ mod tests {
     fn sharding_splits_the_optimizer_state_and_names_the_ranks_that_fit() {
         use crate::optim::Shard;
         let e = Estimate::new(&gpt2(), Precision::Fp32, true);
-        assert_eq!(e.clone().with_shard(Shard::Optimizer, 4).optimizer_bytes, e.optimizer_bytes / 4);
+        assert_eq!(
+            e.clone().with_shard(Shard::Optimizer, 4).optimizer_bytes,
+            e.optimizer_bytes / 4
+        );
         assert_eq!(e.clone().with_shard(Shard::None, 4).optimizer_bytes, e.optimizer_bytes);
-        assert_eq!(e.clone().with_shard(Shard::Gradients, 1).optimizer_bytes, e.optimizer_bytes);
+        assert_eq!(
+            e.clone().with_shard(Shard::Gradients, 1).optimizer_bytes,
+            e.optimizer_bytes
+        );
         // Between the sharded and the whole state's peaks: some number of ranks fits.
         let m = (e.clone().with_shard(Shard::Optimizer, 8).peak(1) + e.peak(1)) / 2;
         let w = e.ranks_to_fit(m).unwrap();
@@ -348,13 +469,26 @@ mod tests {
     fn suggestions_when_nothing_fits() {
         // Weights, gradients and AdamW state alone exceed 2 GiB: only a smaller model helps.
         let s = suggestions(&gpt2(), Precision::Fp32, true, 2 << 30);
-        assert_eq!(Estimate::new(&gpt2(), Precision::Fp32, true).largest_fitting(2 << 30, 512), 0);
-        assert!(s.iter().any(|x| x.starts_with("fewer layers")) && s.iter().any(|x| x.starts_with("a smaller vocabulary")), "{s:?}");
+        assert_eq!(
+            Estimate::new(&gpt2(), Precision::Fp32, true).largest_fitting(2 << 30, 512),
+            0
+        );
+        assert!(
+            s.iter().any(|x| x.starts_with("fewer layers")) && s.iter().any(|x| x.starts_with("a smaller vocabulary")),
+            "{s:?}"
+        );
         assert!(!s.iter().any(|x| x.starts_with("a shorter sequence")), "{s:?}");
         // A long sequence: its activations and logits are what does not fit.
-        let long = GptConfig { block_size: 8192, ..gpt2() };
+        let long = GptConfig {
+            block_size: 8192,
+            ..gpt2()
+        };
         let s = suggestions(&long, Precision::Fp32, true, 4 << 30);
-        assert!(s.iter().any(|x| x.starts_with("a shorter sequence: model.block_size 1024")), "{s:?}");
+        assert!(
+            s.iter()
+                .any(|x| x.starts_with("a shorter sequence: model.block_size 1024")),
+            "{s:?}"
+        );
         assert_eq!(device_memory("t4"), Some(16 << 30));
         assert_eq!(device_memory("24GiB"), Some(24 << 30));
     }

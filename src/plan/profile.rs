@@ -38,7 +38,13 @@ impl Profile {
 }
 
 /// The peak of trial steps at `micro` samples: `Ok(None)` when it ran out of memory.
-fn trial(task: &dyn Task, data: &dyn StepBatches, clear_grads: &dyn Fn(), amp: &Amp, micro: usize) -> Result<Option<u64>> {
+fn trial(
+    task: &dyn Task,
+    data: &dyn StepBatches,
+    clear_grads: &dyn Fn(),
+    amp: &Amp,
+    micro: usize,
+) -> Result<Option<u64>> {
     let device = amp.device;
     memory::reset_peak(device);
     let outcome = (|| -> Result<()> {
@@ -60,7 +66,13 @@ fn trial(task: &dyn Task, data: &dyn StepBatches, clear_grads: &dyn Fn(), amp: &
 
 /// Measures the model at micro-batches 1, 2, 4 (and 8 where the global batch allows), as far
 /// as memory lets it, and fits the line. `None` when even one sample does not fit.
-pub fn measure(task: &dyn Task, data: &dyn StepBatches, clear_grads: &dyn Fn(), amp: &Amp, cuda_overhead: f64) -> Result<Option<Profile>> {
+pub fn measure(
+    task: &dyn Task,
+    data: &dyn StepBatches,
+    clear_grads: &dyn Fn(),
+    amp: &Amp,
+    cuda_overhead: f64,
+) -> Result<Option<Profile>> {
     let device = amp.device;
     let max = data.global_batch_size();
     let mut measured = Vec::new();
@@ -70,7 +82,9 @@ pub fn measure(task: &dyn Task, data: &dyn StepBatches, clear_grads: &dyn Fn(), 
             None => break,
         }
     }
-    let Some(&(m0, p0)) = measured.first() else { return Ok(None) };
+    let Some(&(m0, p0)) = measured.first() else {
+        return Ok(None);
+    };
     let (fixed, slope) = if measured.len() < 2 {
         (0.0, p0 as f64 / m0 as f64) // one point: all of it scales (an upper bound)
     } else {
@@ -87,9 +101,13 @@ pub fn measure(task: &dyn Task, data: &dyn StepBatches, clear_grads: &dyn Fn(), 
 /// Least squares: (intercept, slope) of peak against micro-batch.
 fn fit(points: &[(usize, u64)]) -> (f64, f64) {
     let n = points.len() as f64;
-    let (sx, sy) = points.iter().fold((0.0, 0.0), |(a, b), &(x, y)| (a + x as f64, b + y as f64));
+    let (sx, sy) = points
+        .iter()
+        .fold((0.0, 0.0), |(a, b), &(x, y)| (a + x as f64, b + y as f64));
     let (mx, my) = (sx / n, sy / n);
-    let (sxy, sxx) = points.iter().fold((0.0, 0.0), |(a, b), &(x, y)| (a + (x as f64 - mx) * (y as f64 - my), b + (x as f64 - mx).powi(2)));
+    let (sxy, sxx) = points.iter().fold((0.0, 0.0), |(a, b), &(x, y)| {
+        (a + (x as f64 - mx) * (y as f64 - my), b + (x as f64 - mx).powi(2))
+    });
     let slope = if sxx > 0.0 { sxy / sxx } else { 0.0 };
     (my - slope * mx, slope)
 }
@@ -102,7 +120,12 @@ mod tests {
     fn line_through_the_peaks_and_what_fits() {
         let (a, b) = fit(&[(1, 1100), (2, 1200), (4, 1400)]);
         assert!((a - 1000.0).abs() < 1e-6 && (b - 100.0).abs() < 1e-6);
-        let p = Profile { fixed_bytes: 1000, per_sample_bytes: 100, measured: vec![], allocator_overhead: 0.0 };
+        let p = Profile {
+            fixed_bytes: 1000,
+            per_sample_bytes: 100,
+            measured: vec![],
+            allocator_overhead: 0.0,
+        };
         assert_eq!(p.peak(10), 2000);
         assert_eq!(p.largest_fitting(2050, 64), 10);
         assert_eq!(p.largest_fitting(2050, 8), 8);

@@ -46,7 +46,11 @@ pub fn search(start: usize, max: usize, mut fits: impl FnMut(usize) -> Result<bo
     }
     while lo > 0 && hi - lo > (lo / 16).max(1) {
         let mid = lo + (hi - lo) / 2;
-        if probe(mid)? { lo = mid } else { hi = mid }
+        if probe(mid)? {
+            lo = mid
+        } else {
+            hi = mid
+        }
     }
     Ok((lo, trials))
 }
@@ -74,7 +78,10 @@ fn cache_path() -> Option<PathBuf> {
 }
 
 fn read_cache() -> BTreeMap<String, usize> {
-    cache_path().and_then(|p| std::fs::read_to_string(p).ok()).and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default()
+    cache_path()
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_default()
 }
 
 /// The largest micro-batch known to fit for `key` (a model, memory and device).
@@ -90,7 +97,11 @@ pub fn remember(key: &str, size: usize) {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir)?;
         }
-        let lock = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(path.with_extension("lock"))?;
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path.with_extension("lock"))?;
         lock.lock()?;
         let mut all = read_cache();
         all.insert(key.to_string(), size);
@@ -112,12 +123,31 @@ pub struct AutoSearch {
 
 /// Resolves `auto`: the cache if it knows the key, else a search by trial steps on step
 /// 0's samples.
-pub fn auto_micro_batch(task: &dyn Task, data: &dyn StepBatches, clear_grads: impl Fn(), amp: &Amp, spec: AutoSearch) -> Result<AutoResult> {
+pub fn auto_micro_batch(
+    task: &dyn Task,
+    data: &dyn StepBatches,
+    clear_grads: impl Fn(),
+    amp: &Amp,
+    spec: AutoSearch,
+) -> Result<AutoResult> {
     let device = amp.device;
-    let AutoSearch { key, start, max, margin } = spec;
+    let AutoSearch {
+        key,
+        start,
+        max,
+        margin,
+    } = spec;
     let with_margin = |m: usize| (((m as f64) * (1.0 - margin)).floor() as usize).max(1);
     if let Some(found) = cached(&key) {
-        return Ok(AutoResult { step: 0, micro_batch_size: with_margin(found.min(max)), largest_fitting: found, trials: 0, from_cache: true, search_s: 0.0, cache_key: key });
+        return Ok(AutoResult {
+            step: 0,
+            micro_batch_size: with_margin(found.min(max)),
+            largest_fitting: found,
+            trials: 0,
+            from_cache: true,
+            search_s: 0.0,
+            cache_key: key,
+        });
     }
     let t = Instant::now();
     let (found, trials) = search(start, max, |m| {
@@ -138,7 +168,15 @@ pub fn auto_micro_batch(task: &dyn Task, data: &dyn StepBatches, clear_grads: im
         return Err(Error::Infeasible("micro_batch_size: auto found no size that fits: even one sample runs out of memory. Run `oomguard plan` on this config for what would fit".into()));
     }
     remember(&key, found);
-    Ok(AutoResult { step: 0, micro_batch_size: with_margin(found), largest_fitting: found, trials, from_cache: false, search_s: t.elapsed().as_secs_f64(), cache_key: key })
+    Ok(AutoResult {
+        step: 0,
+        micro_batch_size: with_margin(found),
+        largest_fitting: found,
+        trials,
+        from_cache: false,
+        search_s: t.elapsed().as_secs_f64(),
+        cache_key: key,
+    })
 }
 
 #[cfg(test)]
@@ -147,9 +185,20 @@ mod tests {
 
     #[test]
     fn finds_the_largest_within_a_sixteenth_in_few_trials() {
-        for (start, truth, max) in [(1, 37, 64), (64, 37, 64), (8, 8, 64), (100, 1, 256), (3, 200, 256), (16, 256, 256), (5, 1000, 1024)] {
+        for (start, truth, max) in [
+            (1, 37, 64),
+            (64, 37, 64),
+            (8, 8, 64),
+            (100, 1, 256),
+            (3, 200, 256),
+            (16, 256, 256),
+            (5, 1000, 1024),
+        ] {
             let (found, trials) = search(start, max, |m| Ok(m <= truth)).unwrap();
-            assert!(found <= truth && found as f64 >= truth as f64 * (1.0 - 1.0 / 16.0) - 1.0, "truth {truth}: found {found}");
+            assert!(
+                found <= truth && found as f64 >= truth as f64 * (1.0 - 1.0 / 16.0) - 1.0,
+                "truth {truth}: found {found}"
+            );
             // About 2 log2(size) from a good estimate; a far-off start adds its distance.
             let bound = 2.0 * (truth.max(start).max(2) as f64).log2().ceil() + 2.0;
             assert!(trials as f64 <= bound, "truth {truth}: {trials} trials > {bound}");

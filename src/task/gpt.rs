@@ -18,7 +18,11 @@ impl GptTask {
     pub fn new(cfg: &GptConfig, device: Device) -> Result<GptTask, TchError> {
         let vs = VarStore::new(device);
         let model = Gpt::new(&vs.root(), cfg)?;
-        Ok(GptTask { vs, model, checkpointing: false })
+        Ok(GptTask {
+            vs,
+            model,
+            checkpointing: false,
+        })
     }
 }
 
@@ -68,9 +72,15 @@ impl Task for GptTask {
         .collect()
     }
     fn describe(&self) -> String {
-        format!("a GPT of {:.2}M parameters", self.model.config().num_params() as f64 / 1e6)
+        format!(
+            "a GPT of {:.2}M parameters",
+            self.model.config().num_params() as f64 / 1e6
+        )
     }
     fn formula(&self) -> Option<Estimate> {
-        Some(Estimate::new(self.model.config(), Precision::Fp32, self.vs.device().is_cuda()).with_checkpointing(self.checkpointing))
+        Some(
+            Estimate::new(self.model.config(), Precision::Fp32, self.vs.device().is_cuda())
+                .with_checkpointing(self.checkpointing),
+        )
     }
 }

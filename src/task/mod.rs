@@ -100,7 +100,10 @@ pub trait Task {
     }
     /// The model's shape; by default every parameter's name and size.
     fn fingerprint(&self) -> Fingerprint {
-        self.parameters().iter().map(|(n, t)| (format!("parameter {n}"), format!("{:?}", t.size()))).collect()
+        self.parameters()
+            .iter()
+            .map(|(n, t)| (format!("parameter {n}"), format!("{:?}", t.size())))
+            .collect()
     }
     /// A line for the log: what is being trained.
     fn describe(&self) -> String {
@@ -142,9 +145,18 @@ pub fn backward(loss: &Tensor, weight: f64, amp: &Amp) -> Result<Tensor> {
 /// Differences between a checkpoint's fingerprint and the model's, e.g.
 /// `model.n_layer: 2 in the checkpoint, 3 in the config`.
 pub fn shape_changes(saved: &Fingerprint, now: &Fingerprint) -> Vec<String> {
-    let get = |f: &Fingerprint, k: &str| f.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone()).unwrap_or_else(|| "absent".into());
+    let get = |f: &Fingerprint, k: &str| {
+        f.iter()
+            .find(|(key, _)| key == k)
+            .map(|(_, v)| v.clone())
+            .unwrap_or_else(|| "absent".into())
+    };
     let mut keys: Vec<&String> = saved.iter().map(|(k, _)| k).collect();
-    keys.extend(now.iter().map(|(k, _)| k).filter(|k| !saved.iter().any(|(s, _)| s == *k)));
+    keys.extend(
+        now.iter()
+            .map(|(k, _)| k)
+            .filter(|k| !saved.iter().any(|(s, _)| s == *k)),
+    );
     keys.into_iter()
         .filter_map(|k| {
             let (a, b) = (get(saved, k), get(now, k));
@@ -162,7 +174,9 @@ pub fn error_line(message: &str) -> String {
         let head = l.split(':').next().unwrap_or("");
         head.ends_with("Error") && !head.contains(' ')
     });
-    cause.or(lines.first()).map_or_else(|| message.to_string(), |l| l.to_string())
+    cause
+        .or(lines.first())
+        .map_or_else(|| message.to_string(), |l| l.to_string())
 }
 
 /// A short stable digest of a fingerprint, for cache keys.
@@ -185,7 +199,9 @@ impl BuildContext<'_> {
     /// The `model.settings` a Rust program's model reads, into its own (serde) type: give
     /// it `#[serde(deny_unknown_fields)]`, and a bad key is refused naming the file and key.
     pub fn settings<T: serde::de::DeserializeOwned + Default>(&self) -> Result<T> {
-        let Some(value) = &self.model.settings else { return Ok(T::default()) };
+        let Some(value) = &self.model.settings else {
+            return Ok(T::default());
+        };
         serde_yaml::from_value(value.clone()).map_err(|e| {
             let msg = e.to_string().replace("unknown field", "unknown key");
             Error::Config(crate::error::ConfigError {
@@ -233,10 +249,16 @@ pub struct Built {
 
 impl Built {
     pub fn new(task: impl Task + 'static) -> Built {
-        Built { task: Box::new(task), data: None }
+        Built {
+            task: Box::new(task),
+            data: None,
+        }
     }
     pub fn with_data(self, data: Dataset) -> Built {
-        Built { data: Some(data), ..self }
+        Built {
+            data: Some(data),
+            ..self
+        }
     }
 }
 
@@ -270,7 +292,11 @@ pub fn build_from_config(ctx: &BuildContext) -> Result<Built> {
         }
     };
     if let Some(from) = &ctx.model.init_from {
-        let path = if from.is_absolute() { from.clone() } else { ctx.base_dir.join(from) };
+        let path = if from.is_absolute() {
+            from.clone()
+        } else {
+            ctx.base_dir.join(from)
+        };
         tensors::init_from(task.as_ref(), &path)?;
     }
     Ok(Built { task, data: None })

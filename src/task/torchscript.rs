@@ -20,7 +20,13 @@ extern "C" {
     fn og_ts_list(module: *mut c_void, what: i32, ctx: *mut c_void, cb: NamedCb) -> *mut c_char;
     fn og_ts_has_method(module: *mut c_void, name: *const c_char) -> i32;
     fn og_ts_train(module: *mut c_void, on: i32) -> *mut c_char;
-    fn og_ts_call(module: *mut c_void, method: *const c_char, inputs: *mut c_void, targets: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
+    fn og_ts_call(
+        module: *mut c_void,
+        method: *const c_char,
+        inputs: *mut c_void,
+        targets: *mut c_void,
+        out: *mut *mut c_void,
+    ) -> *mut c_char;
 }
 
 /// A loaded `torch::jit::Module`, freed on drop.
@@ -48,7 +54,11 @@ impl Module {
         Ok(out)
     }
     fn tensors(&self, what: i32) -> Result<Vec<(String, Tensor)>, TchError> {
-        Ok(self.list(what)?.into_iter().filter_map(|(n, t)| t.map(|t| (n, t))).collect())
+        Ok(self
+            .list(what)?
+            .into_iter()
+            .filter_map(|(n, t)| t.map(|t| (n, t)))
+            .collect())
     }
 }
 
@@ -70,11 +80,25 @@ impl TorchScriptTask {
         let rel = m.path.clone().unwrap_or_default();
         let path = if rel.is_absolute() { rel } else { ctx.base_dir.join(rel) };
         let origin = ctx.config_path.display().to_string();
-        let bad = |key: &str, message: String| Error::Config(ConfigError { origin: origin.clone(), line_col: None, key: key.into(), message });
+        let bad = |key: &str, message: String| {
+            Error::Config(ConfigError {
+                origin: origin.clone(),
+                line_col: None,
+                key: key.into(),
+                message,
+            })
+        };
         if !path.is_file() {
-            return Err(bad("model.path", format!("{} does not exist; save the module with torch.jit.save(torch.jit.script(model), path)", path.display())));
+            return Err(bad(
+                "model.path",
+                format!(
+                    "{} does not exist; save the module with torch.jit.save(torch.jit.script(model), path)",
+                    path.display()
+                ),
+            ));
         }
-        let cpath = CString::new(path.display().to_string()).map_err(|_| bad("model.path", "contains a NUL byte".into()))?;
+        let cpath =
+            CString::new(path.display().to_string()).map_err(|_| bad("model.path", "contains a NUL byte".into()))?;
         let cuda = match ctx.device {
             tch::Device::Cuda(i) => i as i32,
             _ => -1,
@@ -91,7 +115,8 @@ impl TorchScriptTask {
         }
         let module = Module(ptr);
         let method_name = m.method.clone().unwrap_or_else(|| "forward".into());
-        let method = CString::new(method_name.clone()).map_err(|_| bad("model.method", "contains a NUL byte".into()))?;
+        let method =
+            CString::new(method_name.clone()).map_err(|_| bad("model.method", "contains a NUL byte".into()))?;
         if unsafe { og_ts_has_method(module.0, method.as_ptr()) } == 0 {
             let methods: Vec<String> = module.list(2)?.into_iter().map(|(n, _)| n).collect();
             return Err(bad("model.method", format!(
@@ -103,15 +128,29 @@ impl TorchScriptTask {
         let mut params: Vec<(String, Tensor)> = Vec::new();
         for (name, t) in &named {
             // Tied weights (an LM head sharing the embedding) are one tensor under two names.
-            if !params.iter().any(|(_, p)| p.data_ptr() == t.data_ptr() && p.size() == t.size()) {
+            if !params
+                .iter()
+                .any(|(_, p)| p.data_ptr() == t.data_ptr() && p.size() == t.size())
+            {
                 params.push((name.clone(), t.shallow_clone()));
             }
         }
         if !params.iter().any(|(_, t)| t.requires_grad()) {
-            return Err(bad("model.path", format!("{} has no trainable parameters (none requires grad)", path.display())));
+            return Err(bad(
+                "model.path",
+                format!("{} has no trainable parameters (none requires grad)", path.display()),
+            ));
         }
         let buffers = module.tensors(1)?;
-        Ok(TorchScriptTask { module, path, method, params, named, buffers, training: Cell::new(None) })
+        Ok(TorchScriptTask {
+            module,
+            path,
+            method,
+            params,
+            named,
+            buffers,
+            training: Cell::new(None),
+        })
     }
 
     fn set_training(&self, on: bool) -> Result<(), TchError> {
@@ -129,10 +168,16 @@ impl TorchScriptTask {
 
 impl Task for TorchScriptTask {
     fn parameters(&self) -> Vec<(String, Tensor)> {
-        self.params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()
+        self.params
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect()
     }
     fn buffers(&self) -> Vec<(String, Tensor)> {
-        self.buffers.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()
+        self.buffers
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect()
     }
     fn state(&self) -> Vec<(String, Tensor)> {
         let mut all: Vec<(String, Tensor)> = self.named.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
@@ -143,12 +188,25 @@ impl Task for TorchScriptTask {
     fn loss(&self, inputs: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor, TchError> {
         self.set_training(train)?;
         let mut out: *mut c_void = std::ptr::null_mut();
-        check(unsafe { og_ts_call(self.module.0, self.method.as_ptr(), inputs.as_ptr() as *mut c_void, targets.as_ptr() as *mut c_void, &mut out) })?;
+        check(unsafe {
+            og_ts_call(
+                self.module.0,
+                self.method.as_ptr(),
+                inputs.as_ptr() as *mut c_void,
+                targets.as_ptr() as *mut c_void,
+                &mut out,
+            )
+        })?;
         // SAFETY: on success og_ts_call returns a new torch::Tensor* we now own.
         Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
     }
     fn describe(&self) -> String {
         let n: i64 = self.params.iter().map(|(_, t)| t.numel() as i64).sum();
-        format!("{} (TorchScript, {}; {:.2}M parameters)", self.path.display(), self.method.to_string_lossy(), n as f64 / 1e6)
+        format!(
+            "{} (TorchScript, {}; {:.2}M parameters)",
+            self.path.display(),
+            self.method.to_string_lossy(),
+            n as f64 / 1e6
+        )
     }
 }

@@ -4,8 +4,8 @@
 use tch::{Device, Kind, Tensor};
 
 use super::step::split_range;
-use crate::dist::{ProcessGroup, Topic};
 use crate::data::{eval_seed, sample_positions, Samples};
+use crate::dist::{ProcessGroup, Topic};
 use crate::error::{Error, Phase, Result};
 use crate::guard::Guard;
 use crate::precision::Amp;
@@ -22,7 +22,14 @@ pub struct EvalSpec<'a> {
 
 /// With data-parallel ranks (`pg`), each rank evaluates its shard of every batch; the ranks
 /// agree (an OOM anywhere shrinks everyone's evaluation batch) and sum their parts.
-pub fn evaluate(task: &dyn Task, spec: &EvalSpec, guard: &mut Guard, step: u64, amp: &Amp, pg: Option<&ProcessGroup>) -> Result<f64> {
+pub fn evaluate(
+    task: &dyn Task,
+    spec: &EvalSpec,
+    guard: &mut Guard,
+    step: u64,
+    amp: &Amp,
+    pg: Option<&ProcessGroup>,
+) -> Result<f64> {
     let _no_grad = tch::no_grad_guard();
     let _autocast = amp.autocast()?;
     let seed = eval_seed(spec.seed);
@@ -44,7 +51,10 @@ pub fn evaluate(task: &dyn Task, spec: &EvalSpec, guard: &mut Guard, step: u64, 
                     let mut sum: Option<Tensor> = None;
                     crate::memory::snapshot::set_phase(Phase::Eval, None);
                     for part in split_range(shard.clone(), mb) {
-                        let (x, y) = spec.samples.batch(&positions[part.clone()], spec.device).map_err(in_eval)?;
+                        let (x, y) = spec
+                            .samples
+                            .batch(&positions[part.clone()], spec.device)
+                            .map_err(in_eval)?;
                         let weighted = (|| {
                             let loss = task.eval_loss(&x, &y)?.f_to_kind(Kind::Double)?;
                             let w = crate::ops::mul_scalar(&loss, part.len() as f64 / batch as f64)?;
@@ -58,7 +68,9 @@ pub fn evaluate(task: &dyn Task, spec: &EvalSpec, guard: &mut Guard, step: u64, 
                         Some(s) => s,
                         None => Tensor::f_zeros([], (Kind::Double, spec.device)).map_err(|e| in_eval(e.into()))?,
                     };
-                    so_far.map_or(Ok(sum.shallow_clone()), |t| t.f_add(&sum)).map_err(|e| in_eval(e.into()))
+                    so_far
+                        .map_or(Ok(sum.shallow_clone()), |t| t.f_add(&sum))
+                        .map_err(|e| in_eval(e.into()))
                 })();
                 match pg {
                     Some(pg) => pg.agree(local),
@@ -68,7 +80,9 @@ pub fn evaluate(task: &dyn Task, spec: &EvalSpec, guard: &mut Guard, step: u64, 
             |_| (),
         )?);
     }
-    let total = total.map_or(Ok(0.0), |t| crate::ops::read_one(&t)).map_err(|e| in_eval(e.into()))?;
+    let total = total
+        .map_or(Ok(0.0), |t| crate::ops::read_one(&t))
+        .map_err(|e| in_eval(e.into()))?;
     // Each rank's part of every batch, summed over the ranks once.
     let total = match pg {
         Some(pg) => pg.sum_f64(Topic::EvalLosses, total)?,

@@ -8,7 +8,10 @@ mod trainer;
 
 pub use eval::{evaluate, EvalSpec};
 pub use run::{check_world, Builder};
-pub use step::{accumulate, commit_update, dist_step, micro_batches, prepare_update, split_range, step_with, train_step, update, Outcome, StepStats, Update};
+pub use step::{
+    accumulate, commit_update, dist_step, micro_batches, prepare_update, split_range, step_with, train_step, update,
+    Outcome, StepStats, Update,
+};
 pub use trainer::{train, train_with, Options, Resume, Summary};
 
 use serde::{Deserialize, Serialize};
@@ -43,7 +46,9 @@ impl<'de> Deserialize<'de> for MicroBatch {
         match Raw::deserialize(d)? {
             Raw::Size(n) => Ok(MicroBatch::Size(n)),
             Raw::Text(t) if t == "auto" => Ok(MicroBatch::Auto),
-            Raw::Text(t) => Err(serde::de::Error::custom(format!("`{t}` is not a micro-batch size; use a number or auto"))),
+            Raw::Text(t) => Err(serde::de::Error::custom(format!(
+                "`{t}` is not a micro-batch size; use a number or auto"
+            ))),
         }
     }
 }
@@ -83,8 +88,20 @@ pub struct TrainConfig {
 impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
-            micro_batch_size: MicroBatch::Size(8), grad_accum_steps: 1, global_batch_size: None, max_steps: 100, eval_every: 50,
-            eval_batch_size: 16, eval_batches: 4, seed: 1337, device: "auto".into(), num_threads: None, precision: Default::default(), grad_scaler: Default::default(), dist_timeout_s: 1800, shard: Default::default(),
+            micro_batch_size: MicroBatch::Size(8),
+            grad_accum_steps: 1,
+            global_batch_size: None,
+            max_steps: 100,
+            eval_every: 50,
+            eval_batch_size: 16,
+            eval_batches: 4,
+            seed: 1337,
+            device: "auto".into(),
+            num_threads: None,
+            precision: Default::default(),
+            grad_scaler: Default::default(),
+            dist_timeout_s: 1800,
+            shard: Default::default(),
         }
     }
 }
@@ -93,7 +110,10 @@ impl TrainConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         match (self.micro_batch_size, self.global_batch_size) {
             (MicroBatch::Auto, None) => {
-                return Err(ConfigError::invalid("train.global_batch_size", "is required with micro_batch_size: auto (the samples per optimizer step)"));
+                return Err(ConfigError::invalid(
+                    "train.global_batch_size",
+                    "is required with micro_batch_size: auto (the samples per optimizer step)",
+                ));
             }
             // With grad_accum_steps left at 1, the global batch is split into micro-batches of at
             // most micro_batch_size (the last may be smaller).
@@ -106,7 +126,14 @@ impl TrainConfig {
             _ => {}
         }
         for (k, v) in [
-            ("train.micro_batch_size", if let MicroBatch::Size(m) = self.micro_batch_size { m } else { 1 }),
+            (
+                "train.micro_batch_size",
+                if let MicroBatch::Size(m) = self.micro_batch_size {
+                    m
+                } else {
+                    1
+                },
+            ),
             ("train.grad_accum_steps", self.grad_accum_steps),
             ("train.global_batch_size", self.global_batch_size.unwrap_or(1)),
             ("train.eval_batch_size", self.eval_batch_size),
@@ -120,7 +147,10 @@ impl TrainConfig {
             return Err(ConfigError::invalid("train.max_steps", "is 0; it must be at least 1"));
         }
         if self.num_threads == Some(0) {
-            return Err(ConfigError::invalid("train.num_threads", "is 0; leave it unset for this process's CPU share (affinity, cgroup quota, Slurm)"));
+            return Err(ConfigError::invalid(
+                "train.num_threads",
+                "is 0; leave it unset for this process's CPU share (affinity, cgroup quota, Slurm)",
+            ));
         }
         parse_device(&self.device)?;
         self.grad_scaler.validate()
@@ -148,11 +178,18 @@ impl TrainConfig {
 
 /// A device name: `None` for `auto`.
 fn parse_device(s: &str) -> Result<Option<Device>, ConfigError> {
-    let bad = || ConfigError::invalid("train.device", format!("`{s}` is not a device; use auto, cpu, cuda or cuda:N"));
+    let bad = || {
+        ConfigError::invalid(
+            "train.device",
+            format!("`{s}` is not a device; use auto, cpu, cuda or cuda:N"),
+        )
+    };
     Ok(match s {
         "auto" => None,
         "cpu" => Some(Device::Cpu),
         "cuda" => Some(Device::Cuda(0)),
-        _ => Some(Device::Cuda(s.strip_prefix("cuda:").and_then(|i| i.parse().ok()).ok_or_else(bad)?)),
+        _ => Some(Device::Cuda(
+            s.strip_prefix("cuda:").and_then(|i| i.parse().ok()).ok_or_else(bad)?,
+        )),
     })
 }

@@ -28,8 +28,16 @@ impl Progress {
     /// `next_step`: where the run starts; `lead`: rank 0 (or a single process) draws the bar.
     pub fn new(schedule: Schedule, next_step: u64, lead: bool) -> Progress {
         let start = Instant::now();
-        let bar = lead.then(|| Bar::start(TEMPLATE, schedule.max_steps, next_step, start)).flatten();
-        Progress { start, mark: start, eta: Eta::default(), schedule, bar }
+        let bar = lead
+            .then(|| Bar::start(TEMPLATE, schedule.max_steps, next_step, start))
+            .flatten();
+        Progress {
+            start,
+            mark: start,
+            eta: Eta::default(),
+            schedule,
+            bar,
+        }
     }
 
     pub fn elapsed(&self) -> f64 {
@@ -62,7 +70,11 @@ impl Progress {
     pub fn show(&self, step: u64, eta: Option<f64>, loss: f64, micro_batch: usize, accum: usize) {
         if let Some(bar) = &self.bar {
             let rate = progress::rate(self.eta.steps.mean().unwrap_or(0.0));
-            bar.update(step + 1, eta, format!("{rate} | loss {loss:.4} | mb {micro_batch}x{accum}"));
+            bar.update(
+                step + 1,
+                eta,
+                format!("{rate} | loss {loss:.4} | mb {micro_batch}x{accum}"),
+            );
         }
     }
 

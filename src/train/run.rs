@@ -22,9 +22,9 @@ use super::{MicroBatch, Options, Resume, StepStats, Summary};
 use crate::checkpoint::{self, TrainState};
 use crate::config::Config;
 use crate::data::{Dataset, StepSamples};
+use crate::dist::{ProcessGroup, Topic};
 use crate::error::{ConfigError, Error, Phase, Result};
 use crate::guard::ladder::{self, Rung};
-use crate::dist::{ProcessGroup, Topic};
 use crate::guard::{Agree, Guard, GuardEvent, Policy, SharedDumper};
 use crate::memory::{self, allocator, human_bytes, MemoryStats, PressureSchedule};
 use crate::metrics::{device_label, EvalRecord, MetricsWriter, Record, RungRecord, StepRecord};
@@ -33,9 +33,9 @@ use crate::optim::{AdamW, Comm, FullState, Shard};
 use crate::plan::{self, AutoResult, AutoSearch};
 use crate::precision::{bf16_is_fast, Amp, Precision, Scaler};
 use crate::task::{self, fingerprint_key, BuildContext, Built, Task};
+use oomguard_console::progress;
 use oomguard_host::Threads;
 use oomguard_launch::{FAILED_MICRO_BATCH_VAR, MICRO_BATCH_VAR};
-use oomguard_console::progress;
 
 /// Builds the model a run trains (a config's kind, or a Rust program's own model).
 pub type Builder<'b> = &'b dyn Fn(&BuildContext) -> Result<Built>;
@@ -105,7 +105,12 @@ impl<'a> Run<'a> {
         memory::inject::targeted::at(self.rank(), step);
         let ooms_before = self.guard.policy.num_ooms;
         let result = loop {
-            let mut batches = StepSamples::new(self.data.train.as_ref(), c.train.seed, c.train.global_batch_size(), self.device);
+            let mut batches = StepSamples::new(
+                self.data.train.as_ref(),
+                c.train.seed,
+                c.train.global_batch_size(),
+                self.device,
+            );
             if let Some(pg) = &self.pg {
                 batches.shard = pg.shard(batches.global_batch);
             }
@@ -113,11 +118,23 @@ impl<'a> Run<'a> {
             if let Some(pg) = pg {
                 pg.at_step(step);
             }
-            let amp = Amp { precision: self.precision, device: self.device, loss_scale: self.scaler.as_ref().map(|s| &s.scale) };
-            let u = Update { lr, grad_clip: c.optim.grad_clip, amp, scaler: self.scaler.as_ref() };
+            let amp = Amp {
+                precision: self.precision,
+                device: self.device,
+                loss_scale: self.scaler.as_ref().map(|s| &s.scale),
+            };
+            let u = Update {
+                lr,
+                grad_clip: c.optim.grad_clip,
+                amp,
+                scaler: self.scaler.as_ref(),
+            };
             let task = self.task.as_ref();
             let has_buffers = !task.buffers().is_empty();
-            let mut ctx = StepCtx { opt: &mut self.opt, buffers: None };
+            let mut ctx = StepCtx {
+                opt: &mut self.opt,
+                buffers: None,
+            };
             let result = self.guard.run(
                 step,
                 &mut ctx,
@@ -159,17 +176,40 @@ impl<'a> Run<'a> {
         }
         let dt = t0.elapsed().as_secs_f64();
         let eta = self.progress.step_done(step);
-        let mem = MemoryStats { host_rss_anon_bytes: oomguard_host::memory::own_anonymous_bytes(), ..self.guard.last_memory() };
+        let mem = MemoryStats {
+            host_rss_anon_bytes: oomguard_host::memory::own_anonymous_bytes(),
+            ..self.guard.last_memory()
+        };
         let rec = StepRecord {
-            step, loss: stats.loss, lr, grad_norm: stats.grad_norm, tokens_per_s: self.units_per_step as f64 / dt,
-            micro_batch_size: stats.micro_batch_size, grad_accum_steps: stats.num_micro_batches, num_samples: stats.num_samples,
-            world_size: self.world_size(), step_time_s: dt, elapsed_s: self.progress.elapsed(), eta_s: eta, memory: mem, device: device_label(self.device),
-            precision: self.precision, activation_checkpointing: self.task.activation_checkpointing() == Some(true),
-            loss_scale: stats.loss_scale, skipped: stats.skipped, comm_s: stats.comm_s, agree_s: stats.agree_s,
-            d2h_reads: Some(crate::ops::d2h_reads() - reads_before), cuda_syncs: crate::ops::cuda_syncs(), shard: self.opt.shard(),
+            step,
+            loss: stats.loss,
+            lr,
+            grad_norm: stats.grad_norm,
+            tokens_per_s: self.units_per_step as f64 / dt,
+            micro_batch_size: stats.micro_batch_size,
+            grad_accum_steps: stats.num_micro_batches,
+            num_samples: stats.num_samples,
+            world_size: self.world_size(),
+            step_time_s: dt,
+            elapsed_s: self.progress.elapsed(),
+            eta_s: eta,
+            memory: mem,
+            device: device_label(self.device),
+            precision: self.precision,
+            activation_checkpointing: self.task.activation_checkpointing() == Some(true),
+            loss_scale: stats.loss_scale,
+            skipped: stats.skipped,
+            comm_s: stats.comm_s,
+            agree_s: stats.agree_s,
+            d2h_reads: Some(crate::ops::d2h_reads() - reads_before),
+            cuda_syncs: crate::ops::cuda_syncs(),
+            shard: self.opt.shard(),
         };
         if stats.skipped {
-            tracing::warn!("step {step}: fp16 gradients overflowed: update skipped, loss scale now {}", rec.loss_scale.unwrap_or(f64::NAN));
+            tracing::warn!(
+                "step {step}: fp16 gradients overflowed: update skipped, loss scale now {}",
+                rec.loss_scale.unwrap_or(f64::NAN)
+            );
         }
         if self.lead && (step.is_multiple_of(c.log.every) || step + 1 == c.train.max_steps) {
             // Scripts parse `step N/M | loss ...`: fields are added at the end, never moved.
@@ -181,7 +221,8 @@ impl<'a> Run<'a> {
             );
         }
         if self.lead {
-            self.progress.show(step, eta, rec.loss, rec.micro_batch_size, rec.grad_accum_steps);
+            self.progress
+                .show(step, eta, rec.loss, rec.micro_batch_size, rec.grad_accum_steps);
         }
         self.write(&Record::Step(rec))?;
         self.summary.peak_bytes = self.summary.peak_bytes.max(mem.peak_bytes);
@@ -193,7 +234,12 @@ impl<'a> Run<'a> {
     /// cache); on an infeasible step, checkpoints before failing and says what would fit.
     fn after_guarded<T>(&mut self, result: Result<T>, step: u64) -> Result<T> {
         let mut shrank = false;
-        let events: Vec<GuardEvent> = self.guard.drain_events().into_iter().chain(self.eval_guard.drain_events()).collect();
+        let events: Vec<GuardEvent> = self
+            .guard
+            .drain_events()
+            .into_iter()
+            .chain(self.eval_guard.drain_events())
+            .collect();
         for e in events {
             shrank |= matches!(&e, GuardEvent::Oom(o) if o.phase != Some(Phase::Eval) && o.new_micro_batch_size > 0);
             self.write(&Record::from(e))?;
@@ -204,7 +250,10 @@ impl<'a> Run<'a> {
         match result {
             Err(Error::Oom(oom)) => {
                 // Unrecovered (guard off): `oomguard launch` reads this to relaunch at half.
-                tracing::error!("step {step} ran out of memory at micro_batch_size={}", self.guard.micro_batch_size());
+                tracing::error!(
+                    "step {step} ran out of memory at micro_batch_size={}",
+                    self.guard.micro_batch_size()
+                );
                 Err(Error::Oom(oom))
             }
             Err(Error::Infeasible(msg)) => {
@@ -220,16 +269,34 @@ impl<'a> Run<'a> {
     pub fn evaluate(&mut self, step: u64) -> Result<()> {
         let c = &self.cfg.raw;
         let spec = EvalSpec {
-            samples: self.data.val.as_ref(), seed: c.train.seed, batch_size: c.train.eval_batch_size,
-            num_batches: c.train.eval_batches, device: self.device,
+            samples: self.data.val.as_ref(),
+            seed: c.train.seed,
+            batch_size: c.train.eval_batch_size,
+            num_batches: c.train.eval_batches,
+            device: self.device,
         };
-        let amp = Amp { precision: self.precision, device: self.device, loss_scale: None };
-        let v = evaluate(self.task.as_ref(), &spec, &mut self.eval_guard, step, &amp, self.pg.as_deref());
+        let amp = Amp {
+            precision: self.precision,
+            device: self.device,
+            loss_scale: None,
+        };
+        let v = evaluate(
+            self.task.as_ref(),
+            &spec,
+            &mut self.eval_guard,
+            step,
+            &amp,
+            self.pg.as_deref(),
+        );
         let v = self.after_guarded(v, step)?;
         if self.lead {
             tracing::info!("eval  {:>5} | val loss {v:.4}", step + 1);
         }
-        self.write(&Record::Eval(EvalRecord { step, val_loss: v, eval_batch_size: c.train.eval_batch_size }))?;
+        self.write(&Record::Eval(EvalRecord {
+            step,
+            val_loss: v,
+            eval_batch_size: c.train.eval_batch_size,
+        }))?;
         self.eval_history.insert(step + 1, v);
         self.summary.val_loss = Some(v);
         self.summary.best_val_loss = Some(self.summary.best_val_loss.map_or(v, |b| b.min(v)));
@@ -252,7 +319,9 @@ impl<'a> Run<'a> {
         let Some(pg) = &self.pg else { return Ok(local) };
         let mut v = [local.map_or(0.0, |s| s.exit_code() as f64)];
         pg.exchange(Topic::Stop, &mut v)?;
-        Ok([Signal::Int, Signal::Term].into_iter().find(|s| s.exit_code() as f64 == v[0]))
+        Ok([Signal::Int, Signal::Term]
+            .into_iter()
+            .find(|s| s.exit_code() as f64 == v[0]))
     }
 
     /// This process's rank (0 alone).
@@ -275,7 +344,11 @@ struct StepCtx<'o> {
 impl StepCtx<'_> {
     fn snapshot_buffers(&mut self, task: &dyn Task) -> Result<()> {
         if self.buffers.is_none() {
-            let copies = task.buffers().iter().map(|(_, b)| b.f_detach_copy()).collect::<Result<Vec<_>, _>>();
+            let copies = task
+                .buffers()
+                .iter()
+                .map(|(_, b)| b.f_detach_copy())
+                .collect::<Result<Vec<_>, _>>();
             self.buffers = Some(copies.map_err(|e| Error::from(e).in_phase(Phase::Forward))?);
         }
         Ok(())

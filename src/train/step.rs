@@ -53,8 +53,16 @@ pub struct Update<'a> {
 /// is 5+5+5+5+4). Together they cover the range exactly once.
 pub fn split_range(samples: Range<usize>, micro: usize) -> Vec<Range<usize>> {
     assert!(micro >= 1, "micro-batch size must be at least 1");
-    let ranges: Vec<Range<usize>> = samples.clone().step_by(micro).map(|s| s..(s + micro).min(samples.end)).collect();
-    debug_assert_eq!(ranges.iter().map(|r| r.len()).sum::<usize>(), samples.len(), "global-batch invariant");
+    let ranges: Vec<Range<usize>> = samples
+        .clone()
+        .step_by(micro)
+        .map(|s| s..(s + micro).min(samples.end))
+        .collect();
+    debug_assert_eq!(
+        ranges.iter().map(|r| r.len()).sum::<usize>(),
+        samples.len(),
+        "global-batch invariant"
+    );
     ranges
 }
 
@@ -66,7 +74,13 @@ pub fn micro_batches(global: usize, micro: usize) -> Vec<Range<usize>> {
 /// Forward and backward over this process's samples: gradients accumulate, weighted so that
 /// their sum over all micro-batches (and ranks) is the gradient of the global batch's mean
 /// loss. Returns (the weighted loss sum, an f64 scalar on the device, micro-batches run).
-pub fn accumulate(task: &dyn Task, data: &dyn StepBatches, step: u64, micro_batch_size: usize, amp: &Amp) -> Result<(Tensor, usize)> {
+pub fn accumulate(
+    task: &dyn Task,
+    data: &dyn StepBatches,
+    step: u64,
+    micro_batch_size: usize,
+    amp: &Amp,
+) -> Result<(Tensor, usize)> {
     let global = data.global_batch_size();
     let parts = split_range(data.shard(), micro_batch_size);
     let mut loss_sum: Option<Tensor> = None;
@@ -77,11 +91,22 @@ pub fn accumulate(task: &dyn Task, data: &dyn StepBatches, step: u64, micro_batc
         let (x, y) = data.micro_batch(step, part.clone()).map_err(at(Phase::Data))?;
         snapshot::set_phase(Phase::Forward, None);
         // One call (a model may recompute in backward); it tags forward or backward.
-        let loss = task.forward_backward(&x, &y, weight, amp).map_err(|e| e.at_micro_batch(i))?;
-        let add = || loss_sum.as_ref().map_or_else(|| loss.f_to_kind(Kind::Double), |s| s.f_add(&loss.f_to_kind(Kind::Double)?));
+        let loss = task
+            .forward_backward(&x, &y, weight, amp)
+            .map_err(|e| e.at_micro_batch(i))?;
+        let add = || {
+            loss_sum.as_ref().map_or_else(
+                || loss.f_to_kind(Kind::Double),
+                |s| s.f_add(&loss.f_to_kind(Kind::Double)?),
+            )
+        };
         loss_sum = Some(add().map_err(|e| at(Phase::Backward)(e.into()))?);
     }
-    assert_eq!(parts.iter().map(|p| p.len()).sum::<usize>(), data.shard().len(), "global-batch invariant: every sample exactly once");
+    assert_eq!(
+        parts.iter().map(|p| p.len()).sum::<usize>(),
+        data.shard().len(),
+        "global-batch invariant: every sample exactly once"
+    );
     let loss_sum = loss_sum.expect("a shard has at least one sample");
     Ok((loss_sum, parts.len()))
 }
@@ -140,20 +165,34 @@ pub fn commit_update(opt: &mut AdamW, ready: Ready, u: &Update) -> Result<Outcom
     let optimizer = |e: tch::TchError| Error::from(e).in_phase(Phase::Optimizer);
     // Stage 2: the ranks' norm and overflow flag, summed from their shards, into the read-out.
     if let Some(norm) = opt.shard_stats(u.scaler.map(|s| s.found_inf()))? {
-        readout.f_select(0, 1).and_then(|slot| slot.shallow_clone().f_copy_(&norm)).map_err(optimizer)?;
+        readout
+            .f_select(0, 1)
+            .and_then(|slot| slot.shallow_clone().f_copy_(&norm))
+            .map_err(optimizer)?;
         if let Some(s) = u.scaler {
-            readout.f_select(0, 2).and_then(|slot| slot.shallow_clone().f_copy_(s.found_inf())).map_err(optimizer)?;
+            readout
+                .f_select(0, 2)
+                .and_then(|slot| slot.shallow_clone().f_copy_(s.found_inf()))
+                .map_err(optimizer)?;
         }
     }
     if let Some(scaler) = u.scaler {
         scaler.update().map_err(optimizer)?;
-        readout.f_select(0, 3).and_then(|slot| slot.shallow_clone().f_copy_(&scaler.scale)).map_err(optimizer)?;
+        readout
+            .f_select(0, 3)
+            .and_then(|slot| slot.shallow_clone().f_copy_(&scaler.scale))
+            .map_err(optimizer)?;
     }
     opt.commit(prepared, u.lr)?;
     opt.clear_grads();
     let v = crate::ops::read(&readout).map_err(optimizer)?;
     let skipped = v[2] > 0.0;
-    Ok(Outcome { loss: v[0], grad_norm: if skipped { f64::INFINITY } else { v[1] }, skipped, loss_scale: u.scaler.map(|_| v[3]) })
+    Ok(Outcome {
+        loss: v[0],
+        grad_norm: if skipped { f64::INFINITY } else { v[1] },
+        skipped,
+        loss_scale: u.scaler.map(|_| v[3]),
+    })
 }
 
 /// `prepare_update` then `commit_update` with no loss to report: every allocation comes
@@ -167,13 +206,27 @@ pub fn update(opt: &mut AdamW, step: u64, u: &Update) -> Result<(f64, bool)> {
 }
 
 /// A whole optimizer step in one process, with `u`'s precision.
-pub fn step_with(task: &dyn Task, opt: &mut AdamW, data: &dyn StepBatches, step: u64, micro_batch_size: usize, u: &Update) -> Result<StepStats> {
+pub fn step_with(
+    task: &dyn Task,
+    opt: &mut AdamW,
+    data: &dyn StepBatches,
+    step: u64,
+    micro_batch_size: usize,
+    u: &Update,
+) -> Result<StepStats> {
     let (loss, num_micro_batches) = accumulate(task, data, step, micro_batch_size, &u.amp)?;
     let ready = prepare_update(opt, step, u, &loss)?;
     let out = commit_update(opt, ready, u)?;
     Ok(StepStats {
-        loss: out.loss, grad_norm: out.grad_norm, micro_batch_size, num_micro_batches, num_samples: data.global_batch_size(),
-        skipped: out.skipped, comm_s: None, agree_s: None, loss_scale: out.loss_scale,
+        loss: out.loss,
+        grad_norm: out.grad_norm,
+        micro_batch_size,
+        num_micro_batches,
+        num_samples: data.global_batch_size(),
+        skipped: out.skipped,
+        comm_s: None,
+        agree_s: None,
+        loss_scale: out.loss_scale,
     })
 }
 
@@ -183,7 +236,15 @@ const BUCKET_BYTES: usize = 25 << 20;
 /// A data-parallel step: this rank's shard, then the ranks agree (any OOM anywhere drops
 /// the attempt everywhere) before the bucketed gradient all-reduce; after the update's
 /// allocations they agree again, then every rank commits.
-pub fn dist_step(pg: &ProcessGroup, task: &dyn Task, opt: &mut AdamW, data: &dyn StepBatches, step: u64, micro_batch_size: usize, u: &Update) -> Result<StepStats> {
+pub fn dist_step(
+    pg: &ProcessGroup,
+    task: &dyn Task,
+    opt: &mut AdamW,
+    data: &dyn StepBatches,
+    step: u64,
+    micro_batch_size: usize,
+    u: &Update,
+) -> Result<StepStats> {
     let local = accumulate(task, data, step, micro_batch_size, &u.amp).and_then(|r| {
         let backward = |e: tch::TchError| Error::from(e).in_phase(Phase::Backward);
         opt.zero_missing_grads().map_err(backward)?;
@@ -211,8 +272,15 @@ pub fn dist_step(pg: &ProcessGroup, task: &dyn Task, opt: &mut AdamW, data: &dyn
     let loss = timed(&mut agree_s, || pg.sum_f64(Topic::Losses, out.loss))?;
     let (comm_s, agree_s) = (Some(agree_s + reduce_s), Some(agree_s));
     Ok(StepStats {
-        loss, grad_norm: out.grad_norm, micro_batch_size, num_micro_batches, num_samples: data.global_batch_size(),
-        skipped: out.skipped, comm_s, agree_s, loss_scale: out.loss_scale,
+        loss,
+        grad_norm: out.grad_norm,
+        micro_batch_size,
+        num_micro_batches,
+        num_samples: data.global_batch_size(),
+        skipped: out.skipped,
+        comm_s,
+        agree_s,
+        loss_scale: out.loss_scale,
     })
 }
 
@@ -231,8 +299,21 @@ fn timed<T>(acc: &mut f64, f: impl FnOnce() -> T) -> T {
 }
 
 /// A whole fp32 optimizer step in one process.
-pub fn train_step(task: &dyn Task, opt: &mut AdamW, data: &dyn StepBatches, step: u64, micro_batch_size: usize, lr: f64, grad_clip: f64) -> Result<StepStats> {
-    let u = Update { lr, grad_clip, amp: Amp::fp32(tch::Device::Cpu), scaler: None };
+pub fn train_step(
+    task: &dyn Task,
+    opt: &mut AdamW,
+    data: &dyn StepBatches,
+    step: u64,
+    micro_batch_size: usize,
+    lr: f64,
+    grad_clip: f64,
+) -> Result<StepStats> {
+    let u = Update {
+        lr,
+        grad_clip,
+        amp: Amp::fp32(tch::Device::Cpu),
+        scaler: None,
+    };
     step_with(task, opt, data, step, micro_batch_size, &u)
 }
 

@@ -58,10 +58,20 @@ pub fn train(cfg: &Config, run_dir: &Path, settings: &AllocatorSettings, options
 }
 
 /// Trains the model `build` makes (a Rust program's own, or a config's) into `run_dir`.
-pub fn train_with(cfg: &Config, run_dir: &Path, settings: &AllocatorSettings, options: Options, build: Builder) -> Result<Summary> {
+pub fn train_with(
+    cfg: &Config,
+    run_dir: &Path,
+    settings: &AllocatorSettings,
+    options: Options,
+    build: Builder,
+) -> Result<Summary> {
     let c = &cfg.raw;
     if options.inject_oom.is_some() && c.train.device().is_cuda() {
-        return Err(ConfigError::invalid("--inject-oom", "injects failures into the CPU allocator; it needs train.device: cpu").into());
+        return Err(ConfigError::invalid(
+            "--inject-oom",
+            "injects failures into the CPU allocator; it needs train.device: cpu",
+        )
+        .into());
     }
     let mut run = Run::start(cfg, run_dir, settings, &options, build)?;
     // Each rank draws its own failures from (SEED, rank): they land on any subset of ranks.
@@ -72,7 +82,10 @@ pub fn train_with(cfg: &Config, run_dir: &Path, settings: &AllocatorSettings, op
     for step in run.next_step..c.train.max_steps {
         if let Some(signal) = run.stop_requested()? {
             run.checkpoint(step)?;
-            run.write(&Record::Stopped { step: step.saturating_sub(1), signal: signal.name().into() })?;
+            run.write(&Record::Stopped {
+                step: step.saturating_sub(1),
+                signal: signal.name().into(),
+            })?;
             return Err(Error::Interrupted { signal, step });
         }
         run.pressure.update(step);
@@ -81,7 +94,11 @@ pub fn train_with(cfg: &Config, run_dir: &Path, settings: &AllocatorSettings, op
             i.before_step(step, c.train.max_steps, evaluates);
         }
         let stats = run.step(step)?;
-        run.summary.first_loss = if step == run.first_step { stats.loss } else { run.summary.first_loss };
+        run.summary.first_loss = if step == run.first_step {
+            stats.loss
+        } else {
+            run.summary.first_loss
+        };
         run.summary.final_loss = stats.loss;
         if evaluates {
             let t = Instant::now();
@@ -98,7 +115,8 @@ pub fn train_with(cfg: &Config, run_dir: &Path, settings: &AllocatorSettings, op
     run.progress.finish();
     let s = &mut run.summary;
     s.wall_s = run.progress.elapsed();
-    s.tokens_per_s = (c.train.max_steps.saturating_sub(run.first_step) as usize * run.units_per_step) as f64 / (s.wall_s - eval_s);
+    s.tokens_per_s =
+        (c.train.max_steps.saturating_sub(run.first_step) as usize * run.units_per_step) as f64 / (s.wall_s - eval_s);
     s.num_ooms = run.guard.policy.num_ooms + run.eval_guard.policy.num_ooms;
     s.final_micro_batch_size = run.guard.micro_batch_size();
     s.injected = inject.map(|i| i.report());

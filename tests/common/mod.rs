@@ -65,10 +65,20 @@ pub fn oomguard(args: &[&str], cwd: &Path) -> Output {
 /// records: where tests ran is then known from what ran, not from what a test printed.
 fn note_devices(args: &[&str], cwd: &Path) {
     use std::io::Write;
-    let Some(out) = std::env::var_os("OOMGUARD_TEST_DEVICES") else { return };
-    let Some(run) = args.iter().position(|a| *a == "--run-dir").and_then(|i| args.get(i + 1)) else { return };
+    let Some(out) = std::env::var_os("OOMGUARD_TEST_DEVICES") else {
+        return;
+    };
+    let Some(run) = args
+        .iter()
+        .position(|a| *a == "--run-dir")
+        .and_then(|i| args.get(i + 1))
+    else {
+        return;
+    };
     let run = cwd.join(run);
-    let Ok(text) = std::fs::read_to_string(run.join("metrics.jsonl")) else { return };
+    let Ok(text) = std::fs::read_to_string(run.join("metrics.jsonl")) else {
+        return;
+    };
     let mut devices: Vec<String> = text
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
@@ -79,7 +89,11 @@ fn note_devices(args: &[&str], cwd: &Path) {
     devices.dedup();
     let test = std::thread::current().name().unwrap_or("unnamed").to_string();
     let line = serde_json::json!({"test": test, "run": run, "devices": devices});
-    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&out).expect("$OOMGUARD_TEST_DEVICES can be opened");
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&out)
+        .expect("$OOMGUARD_TEST_DEVICES can be opened");
     writeln!(f, "{line}").expect("$OOMGUARD_TEST_DEVICES can be written");
 }
 
@@ -112,7 +126,10 @@ pub fn records(run: &Path, event: &str) -> Vec<serde_json::Value> {
 }
 
 pub fn losses(run: &Path) -> Vec<f64> {
-    records(run, "step").iter().map(|r| r["loss"].as_f64().unwrap()).collect()
+    records(run, "step")
+        .iter()
+        .map(|r| r["loss"].as_f64().unwrap())
+        .collect()
 }
 
 /// The run's final parameters, by name.
@@ -131,8 +148,17 @@ pub fn safetensors(path: &Path) -> Vec<(String, tch::Tensor)> {
 /// warnings only); its stdout.
 pub fn python(args: &[&str]) -> String {
     let py = root().join(".venv/bin/python3");
-    let o = Command::new(&py).args(args).env("PYTHONWARNINGS", "ignore").env("OMP_NUM_THREADS", "1").output().expect("python3 from the set-up's venv");
-    assert!(o.status.success(), "python {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+    let o = Command::new(&py)
+        .args(args)
+        .env("PYTHONWARNINGS", "ignore")
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .expect("python3 from the set-up's venv");
+    assert!(
+        o.status.success(),
+        "python {args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
@@ -179,11 +205,34 @@ pub fn tiny_gpt() -> TinyGpt {
     use oomguard::{data, model, optim};
     oomguard::memory::install_cpu_allocator();
     tch::manual_seed(0);
-    let cfg = model::GptConfig { n_layer: 2, n_head: 2, n_embd: 32, block_size: 32, vocab_size: 256, dropout: 0.0, bias: true, loss: Default::default() };
-    let shape = data::TokenShape { block_size: 32, vocab_size: Some(256) };
-    let data = data::Dataset::open(&data::DataConfig { embedded_bytes: 65536, ..Default::default() }, Path::new("."), Some(shape)).unwrap();
+    let cfg = model::GptConfig {
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 32,
+        block_size: 32,
+        vocab_size: 256,
+        dropout: 0.0,
+        bias: true,
+        loss: Default::default(),
+    };
+    let shape = data::TokenShape {
+        block_size: 32,
+        vocab_size: Some(256),
+    };
+    let data = data::Dataset::open(
+        &data::DataConfig {
+            embedded_bytes: 65536,
+            ..Default::default()
+        },
+        Path::new("."),
+        Some(shape),
+    )
+    .unwrap();
     let task = oomguard::task::gpt::GptTask::new(&cfg, tch::Device::Cpu).unwrap();
-    let opt = optim::AdamW::new(task.parameters(), &optim::OptimConfig::default(), |n, t| task.no_weight_decay(n, t)).unwrap();
+    let opt = optim::AdamW::new(task.parameters(), &optim::OptimConfig::default(), |n, t| {
+        task.no_weight_decay(n, t)
+    })
+    .unwrap();
     TinyGpt { data, task, opt }
 }
 
@@ -199,7 +248,16 @@ pub fn train_injected(dir: &Path, cfg: &Path, run: &Path, world: u64, spec: &str
     use std::time::{Duration, Instant};
     let mut c = Command::new(bin());
     isolated(dies_with_test(&mut c), dir)
-        .args(["train", cfg.to_str().unwrap(), "--nproc-per-node", &world.to_string(), "--run-dir", run.to_str().unwrap(), "--inject-oom", spec])
+        .args([
+            "train",
+            cfg.to_str().unwrap(),
+            "--nproc-per-node",
+            &world.to_string(),
+            "--run-dir",
+            run.to_str().unwrap(),
+            "--inject-oom",
+            spec,
+        ])
         .args(extra)
         .current_dir(dir)
         .env_remove("OMP_NUM_THREADS")
@@ -217,7 +275,9 @@ pub fn train_injected(dir: &Path, cfg: &Path, run: &Path, world: u64, spec: &str
     let o = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{what}: {err}");
-    err.lines().filter_map(|l| l.split("--inject-oom: ").nth(1)?.split(' ').next()?.parse::<u64>().ok()).sum()
+    err.lines()
+        .filter_map(|l| l.split("--inject-oom: ").nth(1)?.split(' ').next()?.parse::<u64>().ok())
+        .sum()
 }
 
 /// The injection marathons' config (tests/dist_inject.rs, tests/shard.rs): a global batch

@@ -27,7 +27,11 @@ pub use oomguard_console::ExitCode;
 pub use oomguard_launch::LaunchArgs;
 
 #[derive(Debug, Parser)]
-#[command(name = "oomguard", version, about = "A training runtime that never dies of an out-of-memory error")]
+#[command(
+    name = "oomguard",
+    version,
+    about = "A training runtime that never dies of an out-of-memory error"
+)]
 pub struct Cli {
     /// Format of the logs on stderr.
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Human)]
@@ -101,7 +105,10 @@ pub struct TrainArgs {
     #[arg(long = "set", value_name = "KEY.PATH=VALUE")]
     pub set: Vec<String>,
     // `help =`, not a doc comment: rustdoc would read `<config name>` as an HTML tag.
-    #[arg(long, help = "Where the resolved config, metrics.jsonl and train.log go [default: runs/<config name>/NNN]")]
+    #[arg(
+        long,
+        help = "Where the resolved config, metrics.jsonl and train.log go [default: runs/<config name>/NNN]"
+    )]
     pub run_dir: Option<PathBuf>,
     /// Shorthand for --set train.max_steps=N.
     #[arg(long)]
@@ -190,7 +197,9 @@ pub fn exec_torch_binary() -> anyhow::Error {
         Ok(e) => e.with_file_name("oomguard-torch"),
         Err(e) => return e,
     };
-    let err = std::process::Command::new(&exe).args(std::env::args_os().skip(1)).exec();
+    let err = std::process::Command::new(&exe)
+        .args(std::env::args_os().skip(1))
+        .exec();
     anyhow::Error::new(err).context(format!("cannot run {} (install it beside oomguard)", exe.display()))
 }
 
@@ -198,11 +207,19 @@ pub fn exec_torch_binary() -> anyhow::Error {
 /// once a run directory is known, to its log file.
 pub fn init_tracing(format: LogFormat) {
     let filter = || EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let file = fmt::layer().with_ansi(false).with_target(false).with_writer(|| logfile::LogFileWriter);
+    let file = fmt::layer()
+        .with_ansi(false)
+        .with_target(false)
+        .with_writer(|| logfile::LogFileWriter);
     let registry = tracing_subscriber::registry().with(file.with_filter(filter()));
-    let console = progress::Console::decide(format == LogFormat::Json, std::io::stderr().is_terminal(), &|v| std::env::var(v).ok());
+    let console = progress::Console::decide(format == LogFormat::Json, std::io::stderr().is_terminal(), &|v| {
+        std::env::var(v).ok()
+    });
     progress::allow_bars(console.bar);
-    let stderr = fmt::layer().with_writer(progress::StderrWriter::default()).with_target(false).with_ansi(console.colour);
+    let stderr = fmt::layer()
+        .with_writer(progress::StderrWriter::default())
+        .with_target(false)
+        .with_ansi(console.colour);
     // try_init: a program that trains several times in one process initialises once.
     let _ = match format {
         LogFormat::Human => registry.with(stderr.with_filter(filter())).try_init(),

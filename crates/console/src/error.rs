@@ -28,7 +28,12 @@ impl fmt::Display for ConfigError {
 impl ConfigError {
     /// An invalid value for `key` (a section-qualified path such as `train.max_steps`).
     pub fn invalid(key: &str, message: impl Into<String>) -> Self {
-        ConfigError { origin: String::new(), line_col: None, key: key.into(), message: message.into() }
+        ConfigError {
+            origin: String::new(),
+            line_col: None,
+            key: key.into(),
+            message: message.into(),
+        }
     }
 
     /// A serde_yaml error in `origin`, with its line and column and the key serde_yaml names.
@@ -43,7 +48,12 @@ impl ConfigError {
             Some((k, m)) if !k.contains(' ') => (k.to_string(), m.to_string()),
             _ => (String::new(), message),
         };
-        ConfigError { origin: origin.to_string(), line_col, key, message }
+        ConfigError {
+            origin: origin.to_string(),
+            line_col,
+            key,
+            message,
+        }
     }
 }
 

@@ -23,7 +23,10 @@ pub struct Pace {
 
 impl Pace {
     pub fn new(window: usize) -> Pace {
-        Pace { recent: VecDeque::with_capacity(window.min(64)), window: window.max(1) }
+        Pace {
+            recent: VecDeque::with_capacity(window.min(64)),
+            window: window.max(1),
+        }
     }
 
     pub fn add(&mut self, secs: f64) {
@@ -84,7 +87,11 @@ impl Schedule {
         // The last step evaluates and checkpoints once more unless a multiple already did (a
         // second checkpoint of the same step is found written and costs nothing).
         let more = |every: u64| (every == 0 || !self.max_steps.is_multiple_of(every)) as u64;
-        Work { steps: self.max_steps - step - 1, evals: multiples(self.eval_every) + more(self.eval_every), checkpoints: multiples(self.checkpoint_every) + more(self.checkpoint_every) }
+        Work {
+            steps: self.max_steps - step - 1,
+            evals: multiples(self.eval_every) + more(self.eval_every),
+            checkpoints: multiples(self.checkpoint_every) + more(self.checkpoint_every),
+        }
     }
 }
 
@@ -99,7 +106,11 @@ pub struct Eta {
 
 impl Default for Eta {
     fn default() -> Eta {
-        Eta { steps: Pace::new(50), evals: Pace::new(8), checkpoints: Pace::new(8) }
+        Eta {
+            steps: Pace::new(50),
+            evals: Pace::new(8),
+            checkpoints: Pace::new(8),
+        }
     }
 }
 
@@ -107,7 +118,11 @@ impl Eta {
     /// Seconds until `left` is done; None before a step was measured.
     pub fn remaining(&self, left: Work) -> Option<f64> {
         let each = |pace: &Pace, n: u64| n as f64 * pace.mean().unwrap_or(0.0);
-        Some(left.steps as f64 * self.steps.mean()? + each(&self.evals, left.evals) + each(&self.checkpoints, left.checkpoints))
+        Some(
+            left.steps as f64 * self.steps.mean()?
+                + each(&self.evals, left.evals)
+                + each(&self.checkpoints, left.checkpoints),
+        )
     }
 }
 
@@ -137,7 +152,11 @@ pub fn rate(secs_per_unit: f64) -> String {
 
 /// `12s, ETA 47s` (`ETA ?` while unknown): the tail of every progress line.
 pub fn elapsed_eta(elapsed: f64, eta: Option<f64>) -> String {
-    format!("{}, ETA {}", human_duration(elapsed), eta.map_or("?".into(), human_duration))
+    format!(
+        "{}, ETA {}",
+        human_duration(elapsed),
+        eta.map_or("?".into(), human_duration)
+    )
 }
 
 /// What stderr shows, decided once per process.
@@ -155,7 +174,10 @@ impl Console {
         let dumb = env("TERM").is_some_and(|t| t == "dumb");
         let no_color = env("NO_COLOR").is_some_and(|v| !v.is_empty());
         let worker = env("RANK").is_some() || env("LOCAL_RANK").is_some();
-        Console { colour: terminal && !dumb && !no_color && !json, bar: terminal && !dumb && !json && !worker }
+        Console {
+            colour: terminal && !dumb && !no_color && !json,
+            bar: terminal && !dumb && !json && !worker,
+        }
     }
 }
 
@@ -195,14 +217,23 @@ impl Bar {
         }
         let clock = Arc::new(Mutex::new(Clock { start, eta: None }));
         let c = clock.clone();
-        let style = ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar()).progress_chars("=> ");
+        let style = ProgressStyle::with_template(template)
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> ");
         let style = style.with_key("clock", move |_: &ProgressState, w: &mut dyn std::fmt::Write| {
             if let Ok(c) = c.lock() {
                 let eta = c.eta.map(|(eta, at)| (eta - at.elapsed().as_secs_f64()).max(0.0));
-                let _ = write!(w, "{}<{}", human_duration(c.start.elapsed().as_secs_f64()), eta.map_or("?".into(), human_duration));
+                let _ = write!(
+                    w,
+                    "{}<{}",
+                    human_duration(c.start.elapsed().as_secs_f64()),
+                    eta.map_or("?".into(), human_duration)
+                );
             }
         });
-        let bar = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr()).with_style(style).with_finish(ProgressFinish::Abandon);
+        let bar = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr())
+            .with_style(style)
+            .with_finish(ProgressFinish::Abandon);
         bar.set_position(pos);
         // Redrawn between updates, so that the clock runs through a long step or evaluation.
         bar.enable_steady_tick(Duration::from_millis(500));
@@ -268,7 +299,9 @@ impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for StderrWriter {
     }
 
     fn make_writer_for(&'a self, meta: &tracing::Metadata<'_>) -> StderrWriter {
-        StderrWriter { skip: meta.target() == TARGET && live().is_some() }
+        StderrWriter {
+            skip: meta.target() == TARGET && live().is_some(),
+        }
     }
 }
 
@@ -300,31 +333,107 @@ mod tests {
 
     #[test]
     fn schedule_counts_what_is_left() {
-        let s = Schedule { max_steps: 100, eval_every: 25, checkpoint_every: 40 };
+        let s = Schedule {
+            max_steps: 100,
+            eval_every: 25,
+            checkpoint_every: 40,
+        };
         // After step 0 trained: evals after steps 25, 50, 75, 100; checkpoints 40, 80, final.
-        assert_eq!(s.left_at(0), Work { steps: 99, evals: 4, checkpoints: 3 });
+        assert_eq!(
+            s.left_at(0),
+            Work {
+                steps: 99,
+                evals: 4,
+                checkpoints: 3
+            }
+        );
         // Step 24's own evaluation is still to come.
-        assert_eq!(s.left_at(24), Work { steps: 75, evals: 4, checkpoints: 3 });
-        assert_eq!(s.left_at(25), Work { steps: 74, evals: 3, checkpoints: 3 });
-        assert_eq!(s.left_at(99), Work { steps: 0, evals: 1, checkpoints: 1 });
+        assert_eq!(
+            s.left_at(24),
+            Work {
+                steps: 75,
+                evals: 4,
+                checkpoints: 3
+            }
+        );
+        assert_eq!(
+            s.left_at(25),
+            Work {
+                steps: 74,
+                evals: 3,
+                checkpoints: 3
+            }
+        );
+        assert_eq!(
+            s.left_at(99),
+            Work {
+                steps: 0,
+                evals: 1,
+                checkpoints: 1
+            }
+        );
         assert!(s.evaluates(24) && !s.evaluates(25) && s.evaluates(99) && s.checkpoints(39) && !s.checkpoints(40));
         // Only at the end: one evaluation, one checkpoint.
-        let end = Schedule { max_steps: 30, eval_every: 0, checkpoint_every: 0 };
-        assert_eq!(end.left_at(3), Work { steps: 26, evals: 1, checkpoints: 1 });
+        let end = Schedule {
+            max_steps: 30,
+            eval_every: 0,
+            checkpoint_every: 0,
+        };
+        assert_eq!(
+            end.left_at(3),
+            Work {
+                steps: 26,
+                evals: 1,
+                checkpoints: 1
+            }
+        );
         // The last step not a multiple: it evaluates besides the multiples.
-        let odd = Schedule { max_steps: 30, eval_every: 20, checkpoint_every: 0 };
-        assert_eq!(odd.left_at(0), Work { steps: 29, evals: 2, checkpoints: 1 });
+        let odd = Schedule {
+            max_steps: 30,
+            eval_every: 20,
+            checkpoint_every: 0,
+        };
+        assert_eq!(
+            odd.left_at(0),
+            Work {
+                steps: 29,
+                evals: 2,
+                checkpoints: 1
+            }
+        );
         assert!(odd.evaluates(19) && odd.evaluates(29) && !odd.evaluates(28));
-        let even = Schedule { max_steps: 40, eval_every: 0, checkpoint_every: 20 };
-        assert_eq!(even.left_at(0), Work { steps: 39, evals: 1, checkpoints: 2 });
+        let even = Schedule {
+            max_steps: 40,
+            eval_every: 0,
+            checkpoint_every: 20,
+        };
+        assert_eq!(
+            even.left_at(0),
+            Work {
+                steps: 39,
+                evals: 1,
+                checkpoints: 2
+            }
+        );
         // Resumed past the end: nothing left but the final checkpoint.
-        assert_eq!(end.left_at(40), Work { steps: 0, evals: 1, checkpoints: 1 });
+        assert_eq!(
+            end.left_at(40),
+            Work {
+                steps: 0,
+                evals: 1,
+                checkpoints: 1
+            }
+        );
     }
 
     #[test]
     fn eta_adds_evaluations_and_checkpoints_at_their_measured_cost() {
         let mut e = Eta::default();
-        let left = Work { steps: 10, evals: 2, checkpoints: 3 };
+        let left = Work {
+            steps: 10,
+            evals: 2,
+            checkpoints: 3,
+        };
         assert_eq!(e.remaining(left), None);
         e.steps.add(0.5);
         assert_eq!(e.remaining(left), Some(5.0)); // evaluations and checkpoints not measured yet
@@ -335,24 +444,81 @@ mod tests {
 
     #[test]
     fn durations_read_at_a_glance() {
-        let cases = [(0.04, "0.0s"), (4.74, "4.7s"), (9.96, "10s"), (47.4, "47s"), (185.0, "3m05s"), (7620.0, "2h07m"), (273600.0, "3d04h"), (-1.0, "0.0s"), (f64::NAN, "0.0s")];
+        let cases = [
+            (0.04, "0.0s"),
+            (4.74, "4.7s"),
+            (9.96, "10s"),
+            (47.4, "47s"),
+            (185.0, "3m05s"),
+            (7620.0, "2h07m"),
+            (273600.0, "3d04h"),
+            (-1.0, "0.0s"),
+            (f64::NAN, "0.0s"),
+        ];
         for (secs, text) in cases {
             assert_eq!(human_duration(secs), text, "{secs}");
         }
         assert_eq!(elapsed_eta(12.0, Some(47.0)), "12s, ETA 47s");
         assert_eq!(elapsed_eta(12.0, None), "12s, ETA ?");
-        assert_eq!((rate(0.25), rate(3.2), rate(0.0)), ("4.00 it/s".into(), "3.20 s/it".into(), "? it/s".into()));
+        assert_eq!(
+            (rate(0.25), rate(3.2), rate(0.0)),
+            ("4.00 it/s".into(), "3.20 s/it".into(), "? it/s".into())
+        );
     }
 
     #[test]
     fn the_console_honours_terminals_no_color_dumb_json_and_workers() {
-        let env = |vars: &'static [(&'static str, &'static str)]| move |k: &str| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string());
-        assert_eq!(Console::decide(false, true, &env(&[("TERM", "xterm")])), Console { colour: true, bar: true });
-        assert_eq!(Console::decide(false, false, &env(&[])), Console { colour: false, bar: false });
-        assert_eq!(Console::decide(true, true, &env(&[])), Console { colour: false, bar: false });
-        assert_eq!(Console::decide(false, true, &env(&[("NO_COLOR", "1")])), Console { colour: false, bar: true });
-        assert_eq!(Console::decide(false, true, &env(&[("NO_COLOR", "")])), Console { colour: true, bar: true });
-        assert_eq!(Console::decide(false, true, &env(&[("TERM", "dumb")])), Console { colour: false, bar: false });
-        assert_eq!(Console::decide(false, true, &env(&[("RANK", "0")])), Console { colour: true, bar: false });
+        let env = |vars: &'static [(&'static str, &'static str)]| {
+            move |k: &str| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+        };
+        assert_eq!(
+            Console::decide(false, true, &env(&[("TERM", "xterm")])),
+            Console {
+                colour: true,
+                bar: true
+            }
+        );
+        assert_eq!(
+            Console::decide(false, false, &env(&[])),
+            Console {
+                colour: false,
+                bar: false
+            }
+        );
+        assert_eq!(
+            Console::decide(true, true, &env(&[])),
+            Console {
+                colour: false,
+                bar: false
+            }
+        );
+        assert_eq!(
+            Console::decide(false, true, &env(&[("NO_COLOR", "1")])),
+            Console {
+                colour: false,
+                bar: true
+            }
+        );
+        assert_eq!(
+            Console::decide(false, true, &env(&[("NO_COLOR", "")])),
+            Console {
+                colour: true,
+                bar: true
+            }
+        );
+        assert_eq!(
+            Console::decide(false, true, &env(&[("TERM", "dumb")])),
+            Console {
+                colour: false,
+                bar: false
+            }
+        );
+        assert_eq!(
+            Console::decide(false, true, &env(&[("RANK", "0")])),
+            Console {
+                colour: true,
+                bar: false
+            }
+        );
     }
 }

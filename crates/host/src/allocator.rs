@@ -11,7 +11,9 @@ enum Kind {
     /// A whole number of MiB (or threads).
     Count,
     /// A number in (0, 1) (`inclusive`: (0, 1]).
-    Fraction { inclusive: bool },
+    Fraction {
+        inclusive: bool,
+    },
     /// An integer, or a list `[64:8,256:4,>:1]`.
     Divisions,
     Backend,
@@ -46,7 +48,11 @@ pub struct AllocatorSettings(BTreeMap<String, String>);
 impl AllocatorSettings {
     /// `key:value,key:value`, as libtorch parses it.
     pub fn render(&self) -> String {
-        self.0.iter().map(|(k, v)| format!("{k}:{v}")).collect::<Vec<_>>().join(",")
+        self.0
+            .iter()
+            .map(|(k, v)| format!("{k}:{v}"))
+            .collect::<Vec<_>>()
+            .join(",")
     }
 
     pub fn get(&self, key: &str) -> Option<&str> {
@@ -55,7 +61,8 @@ impl AllocatorSettings {
 
     /// These settings with `key` set to `value` (validated as the config's would be).
     pub fn with(mut self, key: &str, value: &str) -> Result<AllocatorSettings, ConfigError> {
-        let (k, text) = validate(key, value).map_err(|m| ConfigError::invalid(&format!("memory.allocator.{key}"), m))?;
+        let (k, text) =
+            validate(key, value).map_err(|m| ConfigError::invalid(&format!("memory.allocator.{key}"), m))?;
         self.0.insert(k, text);
         Ok(self)
     }
@@ -69,10 +76,13 @@ impl AllocatorSettings {
         let mut out = BTreeMap::new();
         for (k, v) in map {
             let text = match v {
-                serde_yaml::Value::Sequence(items) => format!("[{}]", items.iter().map(scalar).collect::<Vec<_>>().join(",")),
+                serde_yaml::Value::Sequence(items) => {
+                    format!("[{}]", items.iter().map(scalar).collect::<Vec<_>>().join(","))
+                }
                 v => scalar(v),
             };
-            let (k, text) = validate(k, &text).map_err(|m| ConfigError::invalid(&format!("memory.allocator.{k}"), m))?;
+            let (k, text) =
+                validate(k, &text).map_err(|m| ConfigError::invalid(&format!("memory.allocator.{k}"), m))?;
             out.insert(k, text);
         }
         Ok(AllocatorSettings(out))
@@ -86,7 +96,9 @@ impl AllocatorSettings {
             // A value may be a bracketed list containing commas.
             let (item, tail) = match (rest.find('['), rest.find(',')) {
                 (Some(b), Some(c)) if b < c => {
-                    let close = rest.find(']').ok_or_else(|| bad_env(origin, rest, "an unclosed `[` list"))?;
+                    let close = rest
+                        .find(']')
+                        .ok_or_else(|| bad_env(origin, rest, "an unclosed `[` list"))?;
                     let next = rest[close..].find(',').map(|i| close + i);
                     (&rest[..next.unwrap_or(rest.len())], next.map_or("", |i| &rest[i + 1..]))
                 }
@@ -95,7 +107,10 @@ impl AllocatorSettings {
             };
             let (k, v) = item.split_once(':').ok_or_else(|| bad_env(origin, item, "key:value"))?;
             let (k, v) = validate(k.trim(), v.trim()).map_err(|m| ConfigError {
-                origin: origin.to_string(), line_col: None, key: k.trim().to_string(), message: m,
+                origin: origin.to_string(),
+                line_col: None,
+                key: k.trim().to_string(),
+                message: m,
             })?;
             out.insert(k, v);
             rest = tail.trim();
@@ -113,7 +128,13 @@ impl AllocatorSettings {
 /// A YAML scalar as libtorch spells it (bools as True/False).
 fn scalar(v: &serde_yaml::Value) -> String {
     match v {
-        serde_yaml::Value::Bool(b) => if *b { "True".into() } else { "False".into() },
+        serde_yaml::Value::Bool(b) => {
+            if *b {
+                "True".into()
+            } else {
+                "False".into()
+            }
+        }
         serde_yaml::Value::Number(n) => n.to_string(),
         serde_yaml::Value::String(s) => s.clone(),
         _ => String::new(),
@@ -121,26 +142,36 @@ fn scalar(v: &serde_yaml::Value) -> String {
 }
 
 fn bad_env(origin: &str, item: &str, what: &str) -> ConfigError {
-    ConfigError { origin: origin.into(), line_col: None, key: String::new(), message: format!("`{item}` is not {what}") }
+    ConfigError {
+        origin: origin.into(),
+        line_col: None,
+        key: String::new(),
+        message: format!("`{item}` is not {what}"),
+    }
 }
 
 /// Checks one setting; returns it in libtorch's spelling.
 fn validate(key: &str, value: &str) -> Result<(String, String), String> {
     let Some(&(_, kind)) = KEYS.iter().find(|(k, _)| *k == key) else {
         let known: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
-        return Err(format!("unknown allocator setting `{key}`, expected one of {}", known.join(", ")));
+        return Err(format!(
+            "unknown allocator setting `{key}`, expected one of {}",
+            known.join(", ")
+        ));
     };
     let ok = match kind {
         Kind::Bool => value == "True" || value == "False",
         Kind::Count => value.parse::<u64>().is_ok(),
-        Kind::Fraction { inclusive } => {
-            value.parse::<f64>().is_ok_and(|f| f > 0.0 && (f < 1.0 || (inclusive && f == 1.0)))
-        }
+        Kind::Fraction { inclusive } => value
+            .parse::<f64>()
+            .is_ok_and(|f| f > 0.0 && (f < 1.0 || (inclusive && f == 1.0))),
         Kind::Divisions => {
             value.parse::<u64>().is_ok()
-                || (value.starts_with('[') && value.ends_with(']')
+                || (value.starts_with('[')
+                    && value.ends_with(']')
                     && value[1..value.len() - 1].split(',').all(|p| {
-                        p.split_once(':').is_some_and(|(a, b)| (a == ">" || a.parse::<u64>().is_ok()) && b.parse::<u64>().is_ok())
+                        p.split_once(':')
+                            .is_some_and(|(a, b)| (a == ">" || a.parse::<u64>().is_ok()) && b.parse::<u64>().is_ok())
                     }))
         }
         Kind::Backend => value == "native" || value == "cudaMallocAsync",
@@ -161,8 +192,14 @@ fn validate(key: &str, value: &str) -> Result<(String, String), String> {
 /// The settings in force: the config's, overridden key by key by the environment (the
 /// variable libtorch itself would read: PYTORCH_CUDA_ALLOC_CONF if set, else
 /// PYTORCH_ALLOC_CONF).
-pub fn effective(config: &AllocatorSettings, env: impl Fn(&str) -> Option<String>) -> Result<AllocatorSettings, ConfigError> {
-    let from_env = ENV_VARS.iter().rev().find_map(|v| env(v).filter(|s| !s.trim().is_empty()).map(|s| (v, s)));
+pub fn effective(
+    config: &AllocatorSettings,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<AllocatorSettings, ConfigError> {
+    let from_env = ENV_VARS
+        .iter()
+        .rev()
+        .find_map(|v| env(v).filter(|s| !s.trim().is_empty()).map(|s| (v, s)));
     match from_env {
         Some((var, text)) => Ok(config.clone().merged_with(&AllocatorSettings::parse(&text, var)?)),
         None => Ok(config.clone()),
@@ -185,7 +222,11 @@ pub fn startup(settings: &AllocatorSettings, started_with: Option<&str>) -> Star
         .and_then(|s| AllocatorSettings::parse(s, "").ok())
         .and_then(|s| s.get("backend").map(str::to_string))
         .unwrap_or_else(|| "native".into());
-    if wanted == had { Startup::Ready } else { Startup::Reexec }
+    if wanted == had {
+        Startup::Ready
+    } else {
+        Startup::Reexec
+    }
 }
 
 #[cfg(test)]
@@ -214,7 +255,10 @@ mod tests {
         assert_eq!(e.key, "memory.allocator.expandable_segmentz");
         assert!(e.message.contains("expected one of backend, expandable_segments"));
         let e = AllocatorSettings::parse("expandable_segments:true", "PYTORCH_ALLOC_CONF").unwrap_err();
-        assert_eq!((e.origin.as_str(), e.key.as_str()), ("PYTORCH_ALLOC_CONF", "expandable_segments"));
+        assert_eq!(
+            (e.origin.as_str(), e.key.as_str()),
+            ("PYTORCH_ALLOC_CONF", "expandable_segments")
+        );
         assert!(e.message.contains("write True or False"));
         assert!(AllocatorSettings::parse("garbage_collection_threshold:1.5", "X").is_err());
         assert!(AllocatorSettings::parse("per_process_memory_fraction:1.0", "X").is_ok());
@@ -224,16 +268,23 @@ mod tests {
 
     #[test]
     fn environment_overrides_config_and_cuda_variable_wins() {
-        let cfg = AllocatorSettings::from_config(&yaml_map("expandable_segments: true\nmax_split_size_mb: 64")).unwrap();
+        let cfg =
+            AllocatorSettings::from_config(&yaml_map("expandable_segments: true\nmax_split_size_mb: 64")).unwrap();
         let env = |v: &str| match v {
             "PYTORCH_ALLOC_CONF" => Some("max_split_size_mb:256".to_string()),
             "PYTORCH_CUDA_ALLOC_CONF" => Some("roundup_power2_divisions:[64:8,>:1],max_split_size_mb:512".to_string()),
             _ => None,
         };
         let s = effective(&cfg, env).unwrap();
-        assert_eq!(s.render(), "expandable_segments:True,max_split_size_mb:512,roundup_power2_divisions:[64:8,>:1]");
+        assert_eq!(
+            s.render(),
+            "expandable_segments:True,max_split_size_mb:512,roundup_power2_divisions:[64:8,>:1]"
+        );
         let only_alloc = |v: &str| (v == "PYTORCH_ALLOC_CONF").then(|| "max_split_size_mb:256".to_string());
-        assert_eq!(effective(&cfg, only_alloc).unwrap().get("max_split_size_mb"), Some("256"));
+        assert_eq!(
+            effective(&cfg, only_alloc).unwrap().get("max_split_size_mb"),
+            Some("256")
+        );
     }
 
     #[test]
@@ -242,6 +293,9 @@ mod tests {
         assert_eq!(startup(&s, None), Startup::Reexec);
         assert_eq!(startup(&s, Some("backend:cudaMallocAsync")), Startup::Ready);
         assert_eq!(startup(&AllocatorSettings::default(), None), Startup::Ready);
-        assert_eq!(startup(&AllocatorSettings::default(), Some("backend:cudaMallocAsync")), Startup::Reexec);
+        assert_eq!(
+            startup(&AllocatorSettings::default(), Some("backend:cudaMallocAsync")),
+            Startup::Reexec
+        );
     }
 }

@@ -17,8 +17,16 @@ pub fn parse_proc_cgroup(text: &str) -> Vec<Membership> {
         .filter_map(|l| {
             let mut parts = l.splitn(3, ':');
             let (id, ctl, path) = (parts.next()?, parts.next()?, parts.next()?);
-            let controllers = ctl.split(',').filter(|c| !c.is_empty() && !c.starts_with("name=")).map(str::to_string).collect();
-            Some(Membership { controllers, path: path.to_string(), v2: id == "0" && ctl.is_empty() })
+            let controllers = ctl
+                .split(',')
+                .filter(|c| !c.is_empty() && !c.starts_with("name="))
+                .map(str::to_string)
+                .collect();
+            Some(Membership {
+                controllers,
+                path: path.to_string(),
+                v2: id == "0" && ctl.is_empty(),
+            })
         })
         .collect()
 }
@@ -50,8 +58,17 @@ pub fn parse_mountinfo(text: &str) -> Vec<Mount> {
                 "cgroup" => false,
                 _ => return None,
             };
-            let controllers = if v2 { vec![] } else { options.split(',').map(str::to_string).collect() };
-            Some(Mount { root: unescape(left.get(3)?), mount_point: PathBuf::from(unescape(left.get(4)?)), v2, controllers })
+            let controllers = if v2 {
+                vec![]
+            } else {
+                options.split(',').map(str::to_string).collect()
+            };
+            Some(Mount {
+                root: unescape(left.get(3)?),
+                mount_point: PathBuf::from(unescape(left.get(4)?)),
+                v2,
+                controllers,
+            })
         })
         .collect()
 }
@@ -88,15 +105,24 @@ impl Cgroup {
     /// The cgroup that holds `controller` (`memory`, `cpu`): the v1 hierarchy that carries
     /// it when there is one (that is where a hybrid host enforces it), else the v2 one.
     pub fn find(controller: &str, memberships: &[Membership], mounts: &[Mount]) -> Option<Cgroup> {
-        let v1 = memberships.iter().find(|m| !m.v2 && m.controllers.iter().any(|c| c == controller)).and_then(|m| {
-            let mount = mounts.iter().find(|x| !x.v2 && x.controllers.iter().any(|c| c == controller))?;
-            Some((m, mount))
-        });
+        let v1 = memberships
+            .iter()
+            .find(|m| !m.v2 && m.controllers.iter().any(|c| c == controller))
+            .and_then(|m| {
+                let mount = mounts
+                    .iter()
+                    .find(|x| !x.v2 && x.controllers.iter().any(|c| c == controller))?;
+                Some((m, mount))
+            });
         let (m, mount) = v1.or_else(|| {
             let m = memberships.iter().find(|m| m.v2)?;
             Some((m, mounts.iter().find(|x| x.v2)?))
         })?;
-        Some(Cgroup { v2: mount.v2, path: m.path.clone(), levels: levels(&m.path, mount) })
+        Some(Cgroup {
+            v2: mount.v2,
+            path: m.path.clone(),
+            levels: levels(&m.path, mount),
+        })
     }
 
     /// This process's cgroup for `controller`, from /proc; None where there is none to read.
@@ -120,7 +146,14 @@ fn levels(path: &str, mount: &Mount) -> Vec<(String, PathBuf)> {
         Some(rest) if rest.is_empty() || rest.starts_with('/') => rest,
         _ => "",
     };
-    let mut out = vec![(if root.is_empty() { "/".to_string() } else { root.to_string() }, mount.mount_point.clone())];
+    let mut out = vec![(
+        if root.is_empty() {
+            "/".to_string()
+        } else {
+            root.to_string()
+        },
+        mount.mount_point.clone(),
+    )];
     let mut dir = mount.mount_point.clone();
     let mut name = root.to_string();
     for part in below.split('/').filter(|p| !p.is_empty() && *p != "." && *p != "..") {
@@ -154,9 +187,21 @@ mod tests {
         assert_eq!(cg.path, "/slurm/uid_1000/job_42/step_0");
         assert_eq!(cg.dir(), Path::new("/cgroups/mem ory/slurm/uid_1000/job_42/step_0"));
         let names: Vec<&str> = cg.levels.iter().map(|(n, _)| n.as_str()).collect();
-        assert_eq!(names, ["/", "/slurm", "/slurm/uid_1000", "/slurm/uid_1000/job_42", "/slurm/uid_1000/job_42/step_0"]);
+        assert_eq!(
+            names,
+            [
+                "/",
+                "/slurm",
+                "/slurm/uid_1000",
+                "/slurm/uid_1000/job_42",
+                "/slurm/uid_1000/job_42/step_0"
+            ]
+        );
         let cpu = Cgroup::find("cpu", &m, &mounts).unwrap();
-        assert_eq!(cpu.dir(), Path::new("/sys/fs/cgroup/cpu,cpuacct/slurm/uid_1000/job_42/step_0"));
+        assert_eq!(
+            cpu.dir(),
+            Path::new("/sys/fs/cgroup/cpu,cpuacct/slurm/uid_1000/job_42/step_0")
+        );
     }
 
     #[test]
@@ -165,15 +210,25 @@ mod tests {
         let scope = parse_proc_cgroup("0::/user.slice/user-1000.slice/run-r1234.scope\n");
         let cg = Cgroup::find("memory", &scope, &mounts).unwrap();
         assert!(cg.v2);
-        assert_eq!(cg.dir(), Path::new("/sys/fs/cgroup/user.slice/user-1000.slice/run-r1234.scope"));
+        assert_eq!(
+            cg.dir(),
+            Path::new("/sys/fs/cgroup/user.slice/user-1000.slice/run-r1234.scope")
+        );
         assert_eq!(cg.levels.len(), 4);
-        let pod = parse_proc_cgroup("0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1.slice/cri-containerd-ab.scope\n");
+        let pod = parse_proc_cgroup(
+            "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1.slice/cri-containerd-ab.scope\n",
+        );
         assert_eq!(Cgroup::find("cpu", &pod, &mounts).unwrap().levels.len(), 5);
     }
 
     #[test]
     fn a_container_with_its_own_namespace_or_a_mounted_root_sees_only_its_own_cgroup() {
-        let ns = Cgroup::find("memory", &parse_proc_cgroup("0::/\n"), &parse_mountinfo("1 0 0:1 / /sys/fs/cgroup ro - cgroup2 cgroup2 rw\n")).unwrap();
+        let ns = Cgroup::find(
+            "memory",
+            &parse_proc_cgroup("0::/\n"),
+            &parse_mountinfo("1 0 0:1 / /sys/fs/cgroup ro - cgroup2 cgroup2 rw\n"),
+        )
+        .unwrap();
         assert_eq!(ns.levels, [("/".to_string(), PathBuf::from("/sys/fs/cgroup"))]);
         // v1 without a cgroup namespace: the container's path is the mount's root.
         let docker = Cgroup::find(
@@ -182,13 +237,23 @@ mod tests {
             &parse_mountinfo("35 31 0:32 /docker/abc /sys/fs/cgroup/memory ro - cgroup cgroup rw,memory\n"),
         )
         .unwrap();
-        assert_eq!(docker.levels, [("/docker/abc".to_string(), PathBuf::from("/sys/fs/cgroup/memory"))]);
+        assert_eq!(
+            docker.levels,
+            [("/docker/abc".to_string(), PathBuf::from("/sys/fs/cgroup/memory"))]
+        );
     }
 
     #[test]
     fn nothing_to_find() {
         assert_eq!(Cgroup::find("memory", &parse_proc_cgroup(""), &[]), None);
-        assert_eq!(Cgroup::find("memory", &parse_proc_cgroup("0::/a\n"), &parse_mountinfo("22 1 8:1 / / rw - ext4 /dev/vda rw\n")), None);
+        assert_eq!(
+            Cgroup::find(
+                "memory",
+                &parse_proc_cgroup("0::/a\n"),
+                &parse_mountinfo("22 1 8:1 / / rw - ext4 /dev/vda rw\n")
+            ),
+            None
+        );
         assert_eq!(parse_proc_cgroup("garbage\n"), []);
     }
 

@@ -30,14 +30,20 @@ fn read_u64(path: &std::path::Path) -> Option<u64> {
 
 /// `key value` from a memory.stat-style file.
 fn stat_field(text: &str, key: &str) -> Option<u64> {
-    text.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.trim().parse().ok())
+    text.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
 /// GPUs visible to this process, without loading CUDA: CUDA_VISIBLE_DEVICES, else the
 /// NVIDIA driver's device list.
 pub fn num_gpus() -> usize {
     if let Ok(v) = std::env::var("CUDA_VISIBLE_DEVICES") {
-        return v.split(',').filter(|d| !d.trim().is_empty() && !d.trim().starts_with('-')).count();
+        return v
+            .split(',')
+            .filter(|d| !d.trim().is_empty() && !d.trim().starts_with('-'))
+            .count();
     }
-    std::fs::read_dir("/proc/driver/nvidia/gpus").map(|d| d.count()).unwrap_or(0)
+    std::fs::read_dir("/proc/driver/nvidia/gpus")
+        .map(|d| d.count())
+        .unwrap_or(0)
 }

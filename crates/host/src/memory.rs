@@ -23,9 +23,15 @@ pub struct Level {
 pub enum Source {
     MemAvailable,
     /// The tightest cgroup: its path and limit.
-    Cgroup { path: String, limit: u64 },
+    Cgroup {
+        path: String,
+        limit: u64,
+    },
     /// A parent's share (`limit` bytes in all), described by the parent.
-    Share { limit: u64, from: String },
+    Share {
+        limit: u64,
+        from: String,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,28 +56,53 @@ pub fn decide(mem_available: Option<u64>, levels: &[Level], share: Option<Share>
     };
     for l in levels {
         if let Some(limit) = l.limit {
-            consider(limit.saturating_sub(l.used), Source::Cgroup { path: l.path.clone(), limit });
+            consider(
+                limit.saturating_sub(l.used),
+                Source::Cgroup {
+                    path: l.path.clone(),
+                    limit,
+                },
+            );
         }
     }
     if let Some(s) = share {
-        consider(s.limit.saturating_sub(s.own_use), Source::Share { limit: s.limit, from: s.from });
+        consider(
+            s.limit.saturating_sub(s.own_use),
+            Source::Share {
+                limit: s.limit,
+                from: s.from,
+            },
+        );
     }
-    best.map(|(available, source)| HostMemory { available, source, notice: None })
+    best.map(|(available, source)| HostMemory {
+        available,
+        source,
+        notice: None,
+    })
 }
 
 impl HostMemory {
     /// Reads this process's figure. Unreadable cgroup files fall back to MemAvailable,
     /// with a notice; None only when not even /proc/meminfo can be read.
     pub fn of_self() -> Option<HostMemory> {
-        let mem_available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| meminfo_kib(&t, "MemAvailable:")).map(|k| k * 1024);
-        let share = std::env::var(SHARE_VAR).ok().and_then(|v| v.trim().parse().ok()).map(|limit| Share {
-            limit,
-            from: std::env::var(SHARE_FROM_VAR).unwrap_or_else(|_| format!("{SHARE_VAR}={limit}")),
-            own_use: own_anonymous_bytes().unwrap_or(0),
-        });
+        let mem_available = std::fs::read_to_string("/proc/meminfo")
+            .ok()
+            .and_then(|t| meminfo_kib(&t, "MemAvailable:"))
+            .map(|k| k * 1024);
+        let share = std::env::var(SHARE_VAR)
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .map(|limit| Share {
+                limit,
+                from: std::env::var(SHARE_FROM_VAR).unwrap_or_else(|_| format!("{SHARE_VAR}={limit}")),
+                own_use: own_anonymous_bytes().unwrap_or(0),
+            });
         let (levels, notice) = match Cgroup::of_self("memory") {
             Some(cg) => read_levels(&cg),
-            None => (vec![], Some("no memory cgroup found in /proc/self/cgroup and /proc/self/mountinfo".to_string())),
+            None => (
+                vec![],
+                Some("no memory cgroup found in /proc/self/cgroup and /proc/self/mountinfo".to_string()),
+            ),
         };
         let mut m = decide(mem_available, &levels, share)?;
         m.notice = notice;
@@ -83,8 +114,12 @@ impl HostMemory {
         let a = human_bytes(self.available);
         match &self.source {
             Source::MemAvailable => format!("{a} available (MemAvailable)"),
-            Source::Cgroup { path, limit } => format!("{a} free under the cgroup limit {} at {path}", human_bytes(*limit)),
-            Source::Share { limit, from } => format!("{a} free of this process's share {} ({from})", human_bytes(*limit)),
+            Source::Cgroup { path, limit } => {
+                format!("{a} free under the cgroup limit {} at {path}", human_bytes(*limit))
+            }
+            Source::Share { limit, from } => {
+                format!("{a} free of this process's share {} ({from})", human_bytes(*limit))
+            }
         }
     }
 
@@ -127,18 +162,32 @@ fn read_levels(cg: &Cgroup) -> (Vec<Level>, Option<String>) {
         .map(|(path, dir)| {
             let (limit, used) = if cg.v2 {
                 // memory.high counts: the kernel throttles hard there.
-                let limit = match (read_limit(&dir.join("memory.max")), read_limit(&dir.join("memory.high"))) {
+                let limit = match (
+                    read_limit(&dir.join("memory.max")),
+                    read_limit(&dir.join("memory.high")),
+                ) {
                     (Some(a), Some(b)) => Some(a.min(b)),
                     (a, b) => a.or(b),
                 };
                 (limit, working_set(dir, "memory.current", "inactive_file"))
             } else {
-                (read_limit(&dir.join("memory.limit_in_bytes")), working_set(dir, "memory.usage_in_bytes", "total_inactive_file"))
+                (
+                    read_limit(&dir.join("memory.limit_in_bytes")),
+                    working_set(dir, "memory.usage_in_bytes", "total_inactive_file"),
+                )
             };
             if dir == cg.dir() && used.is_none() {
-                notice = Some(format!("the memory cgroup {} at {} is not readable", cg.path, dir.display()));
+                notice = Some(format!(
+                    "the memory cgroup {} at {} is not readable",
+                    cg.path,
+                    dir.display()
+                ));
             }
-            Level { path: path.clone(), limit, used: used.unwrap_or(0) }
+            Level {
+                path: path.clone(),
+                limit,
+                used: used.unwrap_or(0),
+            }
         })
         .collect();
     (levels, notice)
@@ -153,12 +202,20 @@ fn read_limit(path: &std::path::Path) -> Option<u64> {
 /// working set, as the kubelet counts it).
 fn working_set(dir: &std::path::Path, usage: &str, inactive: &str) -> Option<u64> {
     let used = read_u64(&dir.join(usage))?;
-    let inactive = std::fs::read_to_string(dir.join("memory.stat")).ok().and_then(|s| stat_field(&s, inactive)).unwrap_or(0);
+    let inactive = std::fs::read_to_string(dir.join("memory.stat"))
+        .ok()
+        .and_then(|s| stat_field(&s, inactive))
+        .unwrap_or(0);
     Some(used.saturating_sub(inactive))
 }
 
 fn meminfo_kib(text: &str, key: &str) -> Option<u64> {
-    text.lines().find(|l| l.starts_with(key))?.split_whitespace().nth(1)?.parse().ok()
+    text.lines()
+        .find(|l| l.starts_with(key))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
 }
 
 #[cfg(test)]
@@ -166,7 +223,11 @@ mod tests {
     use super::*;
 
     fn level(path: &str, limit: Option<u64>, used: u64) -> Level {
-        Level { path: path.into(), limit, used }
+        Level {
+            path: path.into(),
+            limit,
+            used,
+        }
     }
     const MIB: u64 = 1 << 20;
 
@@ -179,11 +240,26 @@ mod tests {
         ];
         let m = decide(Some(18_000 * MIB), &levels, None).unwrap();
         assert_eq!(m.available, 400 * MIB);
-        assert_eq!(m.source, Source::Cgroup { path: "/slurm/uid_1000/job_42".into(), limit: 1000 * MIB });
-        assert_eq!(m.describe(), "400.0 MiB free under the cgroup limit 1000.0 MiB at /slurm/uid_1000/job_42");
+        assert_eq!(
+            m.source,
+            Source::Cgroup {
+                path: "/slurm/uid_1000/job_42".into(),
+                limit: 1000 * MIB
+            }
+        );
+        assert_eq!(
+            m.describe(),
+            "400.0 MiB free under the cgroup limit 1000.0 MiB at /slurm/uid_1000/job_42"
+        );
         // Only the step's own limit: its own free bytes.
         let m = decide(Some(18_000 * MIB), &levels[2..], None).unwrap();
-        assert_eq!((m.available, m.describe()), (600 * MIB, "600.0 MiB free under the cgroup limit 700.0 MiB at /slurm/uid_1000/job_42/step_0".into()));
+        assert_eq!(
+            (m.available, m.describe()),
+            (
+                600 * MIB,
+                "600.0 MiB free under the cgroup limit 700.0 MiB at /slurm/uid_1000/job_42/step_0".into()
+            )
+        );
     }
 
     #[test]
@@ -196,9 +272,21 @@ mod tests {
         assert_eq!(limit, 512 * MIB);
         assert_eq!(from, "1/2 of 1.0 GiB free under the cgroup limit 1.0 GiB at /job");
         // The child's own use counts against its share (as against a cgroup of its own).
-        let share = Share { limit, from: from.clone(), own_use: 100 * MIB };
-        let child = decide(Some(8 << 30), &[level("/job", Some(1 << 30), 200 * MIB)], Some(share.clone())).unwrap();
-        assert_eq!((child.available, &child.source), (412 * MIB, &Source::Share { limit, from }));
+        let share = Share {
+            limit,
+            from: from.clone(),
+            own_use: 100 * MIB,
+        };
+        let child = decide(
+            Some(8 << 30),
+            &[level("/job", Some(1 << 30), 200 * MIB)],
+            Some(share.clone()),
+        )
+        .unwrap();
+        assert_eq!(
+            (child.available, &child.source),
+            (412 * MIB, &Source::Share { limit, from })
+        );
         assert_eq!(child.describe(), "412.0 MiB free of this process's share 512.0 MiB (1/2 of 1.0 GiB free under the cgroup limit 1.0 GiB at /job)");
         // A child whose cgroup view is tighter than its share keeps the tighter figure.
         let child = decide(Some(8 << 30), &[level("/job", Some(1 << 30), 700 * MIB)], Some(share)).unwrap();
@@ -216,11 +304,22 @@ mod tests {
         std::fs::write(own.join("memory.max"), format!("{}\n", 900 * MIB)).unwrap();
         std::fs::write(own.join("memory.high"), format!("{}\n", 700 * MIB)).unwrap();
         std::fs::write(own.join("memory.current"), format!("{}\n", 300 * MIB)).unwrap();
-        std::fs::write(own.join("memory.stat"), format!("anon 1\ninactive_file {}\n", 200 * MIB)).unwrap();
-        let cg = Cgroup { v2: true, path: "/top/own".into(), levels: vec![("/top".into(), top.clone()), ("/top/own".into(), own.clone())] };
+        std::fs::write(
+            own.join("memory.stat"),
+            format!("anon 1\ninactive_file {}\n", 200 * MIB),
+        )
+        .unwrap();
+        let cg = Cgroup {
+            v2: true,
+            path: "/top/own".into(),
+            levels: vec![("/top".into(), top.clone()), ("/top/own".into(), own.clone())],
+        };
         let (levels, notice) = read_levels(&cg);
         assert_eq!(notice, None);
-        assert_eq!(levels, [level("/top", None, 1000), level("/top/own", Some(700 * MIB), 100 * MIB)]);
+        assert_eq!(
+            levels,
+            [level("/top", None, 1000), level("/top/own", Some(700 * MIB), 100 * MIB)]
+        );
         // v1: the near-2^63 "unlimited", and an own level that cannot be read.
         std::fs::write(top.join("memory.limit_in_bytes"), "9223372036854771712\n").unwrap();
         std::fs::write(top.join("memory.usage_in_bytes"), "5\n").unwrap();
@@ -235,7 +334,10 @@ mod tests {
     fn this_process_has_a_figure() {
         let m = HostMemory::of_self().unwrap();
         assert!(m.available > 0 && !m.describe().is_empty(), "{m:?}");
-        assert_eq!(meminfo_kib("MemTotal: 10 kB\nMemAvailable:   2048 kB\n", "MemAvailable:"), Some(2048));
+        assert_eq!(
+            meminfo_kib("MemTotal: 10 kB\nMemAvailable:   2048 kB\n", "MemAvailable:"),
+            Some(2048)
+        );
         assert!(own_anonymous_bytes().unwrap() > 0);
     }
 }

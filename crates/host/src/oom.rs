@@ -62,21 +62,35 @@ const MARKERS: [(OomSource, &[&str]); 4] = [
     (OomSource::Cuda, &["cuda out of memory", "outofmemoryerror"]),
     (
         OomSource::CudaRuntime,
-        &["cuda error: out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed", "cudnn_status_not_enough_workspace", "cudaerrormemoryallocation"],
+        &[
+            "cuda error: out of memory",
+            "cublas_status_alloc_failed",
+            "cudnn_status_alloc_failed",
+            "cudnn_status_not_enough_workspace",
+            "cudaerrormemoryallocation",
+        ],
     ),
     (OomSource::Cpu, &["can't allocate memory", "cannot allocate memory"]),
 ];
 
 pub fn classify_oom(msg: &str) -> Option<OomError> {
     let lower = msg.to_ascii_lowercase();
-    let (source, marker) = MARKERS.iter().find_map(|(source, ms)| ms.iter().find(|m| lower.contains(*m)).map(|m| (*source, *m)))?;
+    let (source, marker) = MARKERS
+        .iter()
+        .find_map(|(source, ms)| ms.iter().find(|m| lower.contains(*m)).map(|m| (*source, *m)))?;
     // The line that matched, with the next one when the sizes follow on it (CUDA's
     // "CUDA out of memory.\nTried to allocate ...").
     let lines: Vec<&str> = msg.lines().collect();
-    let at = lines.iter().position(|l| l.to_ascii_lowercase().contains(marker)).unwrap_or(0);
+    let at = lines
+        .iter()
+        .position(|l| l.to_ascii_lowercase().contains(marker))
+        .unwrap_or(0);
     let mut line = lines.get(at).map_or(msg, |l| l.trim()).to_string();
     if !line.to_ascii_lowercase().contains("tried to allocate") {
-        if let Some(next) = lines.get(at + 1).filter(|n| n.to_ascii_lowercase().contains("tried to allocate")) {
+        if let Some(next) = lines
+            .get(at + 1)
+            .filter(|n| n.to_ascii_lowercase().contains("tried to allocate"))
+        {
             line = format!("{line} {}", next.trim());
         }
     }
@@ -115,12 +129,16 @@ fn number_after(text: &str, key: &str) -> Option<u64> {
 /// A size with a unit right after `key` (`... allocate 32.00 MiB`), in bytes.
 fn size_after(text: &str, key: &str) -> Option<u64> {
     let rest = text[text.find(key)? + key.len()..].trim_start();
-    let num_len = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(rest.len());
+    let num_len = rest
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(rest.len());
     let value: f64 = rest[..num_len].parse().ok()?;
-    let unit = rest[num_len..].trim_start().split(|c: char| !c.is_ascii_alphabetic()).next()?;
+    let unit = rest[num_len..]
+        .trim_start()
+        .split(|c: char| !c.is_ascii_alphabetic())
+        .next()?;
     unit_multiplier(unit).map(|m| (value * m as f64).round() as u64)
 }
-
 
 /// Bytes per unit: `B`, `KB`/`KiB`, `MB`/`MiB`, `GB`/`GiB`, `TB`/`TiB` (case-insensitive;
 /// both spellings are binary, as in libtorch's messages).
@@ -182,8 +200,10 @@ mod tests {
 
         let m = "oomguard memory budget exceeded: tried to allocate 4096 bytes with 1000 bytes in use of a budget of 2000 bytes (1000 bytes free)";
         let o = classify_oom(m).unwrap();
-        assert_eq!((o.source, o.requested_bytes, o.capacity_bytes, o.free_bytes),
-                   (OomSource::Budget, Some(4096), Some(2000), Some(1000)));
+        assert_eq!(
+            (o.source, o.requested_bytes, o.capacity_bytes, o.free_bytes),
+            (OomSource::Budget, Some(4096), Some(2000), Some(1000))
+        );
     }
 
     #[test]
@@ -191,10 +211,18 @@ mod tests {
         let m = "The following operation failed in the TorchScript interpreter.\nTraceback of TorchScript (most recent call last):\n  File \"model.py\", line 12\nRuntimeError: oomguard memory budget exceeded: tried to allocate 4096 bytes with 10 bytes in use of a budget of 100 bytes (90 bytes free)\n";
         let o = classify_oom(m).unwrap();
         assert_eq!(o.source, OomSource::Budget);
-        assert!(o.message.starts_with("RuntimeError: oomguard memory budget exceeded: tried to allocate 4096"), "{}", o.message);
+        assert!(
+            o.message
+                .starts_with("RuntimeError: oomguard memory budget exceeded: tried to allocate 4096"),
+            "{}",
+            o.message
+        );
         assert_eq!(o.requested_bytes, Some(4096));
         let o = classify_oom("OutOfMemoryError: CUDA out of memory.\nTried to allocate 2.00 MiB. GPU 0 has a total capacity of 15.57 GiB").unwrap();
-        assert_eq!(o.message, "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 MiB. GPU 0 has a total capacity of 15.57 GiB");
+        assert_eq!(
+            o.message,
+            "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 MiB. GPU 0 has a total capacity of 15.57 GiB"
+        );
     }
 
     #[test]

@@ -32,7 +32,10 @@ pub struct Signals {
 
 impl Signals {
     pub fn install() -> std::io::Result<Signals> {
-        let s = Signals { last: Arc::default(), count: Arc::default() };
+        let s = Signals {
+            last: Arc::default(),
+            count: Arc::default(),
+        };
         for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
             let (last, count) = (Arc::clone(&s.last), Arc::clone(&s.count));
             // SAFETY: the handler only stores to atomics, which is async-signal-safe.

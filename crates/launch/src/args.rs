@@ -9,22 +9,48 @@ pub struct LaunchArgs {
     #[arg(long, env = "PET_NNODES", default_value = "1")]
     pub nnodes: String,
     /// Workers per node: N, auto, cpu or gpu.
-    #[arg(long = "nproc-per-node", alias = "nproc_per_node", env = "PET_NPROC_PER_NODE", default_value = "1")]
+    #[arg(
+        long = "nproc-per-node",
+        alias = "nproc_per_node",
+        env = "PET_NPROC_PER_NODE",
+        default_value = "1"
+    )]
     pub nproc_per_node: String,
     /// This node's rank among the nodes [default: 0].
     #[arg(long = "node-rank", alias = "node_rank", env = "PET_NODE_RANK")]
     pub node_rank: Option<usize>,
     /// Address of the rank-0 node (static rendezvous).
-    #[arg(long = "master-addr", alias = "master_addr", env = "PET_MASTER_ADDR", default_value = "127.0.0.1")]
+    #[arg(
+        long = "master-addr",
+        alias = "master_addr",
+        env = "PET_MASTER_ADDR",
+        default_value = "127.0.0.1"
+    )]
     pub master_addr: String,
     /// Port on the rank-0 node (static rendezvous).
-    #[arg(long = "master-port", alias = "master_port", env = "PET_MASTER_PORT", default_value_t = 29500)]
+    #[arg(
+        long = "master-port",
+        alias = "master_port",
+        env = "PET_MASTER_PORT",
+        default_value_t = 29500
+    )]
     pub master_port: u16,
     /// Rendezvous backend: static or c10d.
-    #[arg(long = "rdzv-backend", alias = "rdzv_backend", env = "PET_RDZV_BACKEND", default_value = "static")]
+    #[arg(
+        long = "rdzv-backend",
+        alias = "rdzv_backend",
+        env = "PET_RDZV_BACKEND",
+        default_value = "static"
+    )]
     pub rdzv_backend: String,
     // `help =`, not a doc comment: rustdoc would read `[:PORT]` as a link.
-    #[arg(help = "Rendezvous endpoint HOST[:PORT] (c10d; overrides --master-addr/--master-port)", long = "rdzv-endpoint", alias = "rdzv_endpoint", env = "PET_RDZV_ENDPOINT", default_value = "")]
+    #[arg(
+        help = "Rendezvous endpoint HOST[:PORT] (c10d; overrides --master-addr/--master-port)",
+        long = "rdzv-endpoint",
+        alias = "rdzv_endpoint",
+        env = "PET_RDZV_ENDPOINT",
+        default_value = ""
+    )]
     pub rdzv_endpoint: String,
     /// The job's id, shared by its nodes.
     #[arg(long = "rdzv-id", alias = "rdzv_id", env = "PET_RDZV_ID", default_value = "none")]
@@ -36,14 +62,30 @@ pub struct LaunchArgs {
     #[arg(long, env = "PET_STANDALONE", action = ArgAction::SetTrue)]
     pub standalone: bool,
     /// Restarts of the worker group before giving up.
-    #[arg(long = "max-restarts", alias = "max_restarts", env = "PET_MAX_RESTARTS", default_value_t = 0)]
+    #[arg(
+        long = "max-restarts",
+        alias = "max_restarts",
+        env = "PET_MAX_RESTARTS",
+        default_value_t = 0
+    )]
     pub max_restarts: u32,
     /// Seconds the workers get to exit after SIGTERM (a checkpoint being written, say) before
     /// SIGKILL, as torchrun's --shutdown-timeout.
-    #[arg(long = "shutdown-timeout", alias = "shutdown_timeout", env = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", default_value_t = 30.0, value_name = "SECONDS")]
+    #[arg(
+        long = "shutdown-timeout",
+        alias = "shutdown_timeout",
+        env = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+        default_value_t = 30.0,
+        value_name = "SECONDS"
+    )]
     pub shutdown_timeout: f64,
     /// Seconds between checks of the workers.
-    #[arg(long = "monitor-interval", alias = "monitor_interval", env = "PET_MONITOR_INTERVAL", default_value_t = 0.1)]
+    #[arg(
+        long = "monitor-interval",
+        alias = "monitor_interval",
+        env = "PET_MONITOR_INTERVAL",
+        default_value_t = 0.1
+    )]
     pub monitor_interval: f64,
     /// Folder for the workers' log and error files.
     #[arg(long = "log-dir", alias = "log_dir", env = "PET_LOG_DIR")]
@@ -55,7 +97,12 @@ pub struct LaunchArgs {
     #[arg(short = 't', long, env = "PET_TEE", default_value = "0")]
     pub tee: String,
     /// Show only these local ranks' output on the console, e.g. 0 or 0,2.
-    #[arg(long = "local-ranks-filter", alias = "local_ranks_filter", env = "PET_LOCAL_RANKS_FILTER", default_value = "")]
+    #[arg(
+        long = "local-ranks-filter",
+        alias = "local_ranks_filter",
+        env = "PET_LOCAL_RANKS_FILTER",
+        default_value = ""
+    )]
     pub local_ranks_filter: String,
     /// The workers' role name.
     #[arg(long, env = "PET_ROLE", default_value = "default")]
@@ -70,6 +117,11 @@ pub struct LaunchArgs {
     #[arg(long = "run-path", alias = "run_path", env = "PET_RUN_PATH", action = ArgAction::SetTrue)]
     pub run_path: bool,
     /// The training script (or program, or module) and its arguments.
-    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "SCRIPT_OR_CMD [ARGS]...")]
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "SCRIPT_OR_CMD [ARGS]..."
+    )]
     pub command: Vec<String>,
 }

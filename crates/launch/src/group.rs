@@ -49,23 +49,46 @@ impl Report {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "msg", rename_all = "snake_case")]
 pub enum ToCoordinator {
-    Hello { token: String, node: usize, micro: Option<usize> },
-    Failed { round: u32, report: Report },
-    Stopped { round: u32 },
+    Hello {
+        token: String,
+        node: usize,
+        micro: Option<usize>,
+    },
+    Failed {
+        round: u32,
+        report: Report,
+    },
+    Stopped {
+        round: u32,
+    },
     Done,
-    Abort { code: i32 },
+    Abort {
+        code: i32,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "msg", rename_all = "snake_case")]
 pub enum ToNode {
     /// Start attempt `round` with this micro-batch.
-    Go { round: u32, size: Option<usize>, failed: Option<usize> },
+    Go {
+        round: u32,
+        size: Option<usize>,
+        failed: Option<usize>,
+    },
     /// Round `round` has begun: stop the workers, then say `Stopped`.
-    Restart { round: u32, why: String },
+    Restart {
+        round: u32,
+        why: String,
+    },
     /// The job is over: stop the workers and exit with `code`.
-    Stop { code: i32, why: String },
-    Refused { why: String },
+    Stop {
+        code: i32,
+        why: String,
+    },
+    Refused {
+        why: String,
+    },
 }
 
 #[derive(Debug)]
@@ -73,7 +96,12 @@ enum Phase {
     Joining,
     Running,
     /// Waiting for every node to stop its workers before `round` starts.
-    Stopping { round: u32, stopped: BTreeSet<usize>, report: Report, node: usize },
+    Stopping {
+        round: u32,
+        stopped: BTreeSet<usize>,
+        report: Report,
+        node: usize,
+    },
     Ended,
 }
 
@@ -100,8 +128,14 @@ pub enum To {
 impl Coordinator {
     pub fn new(nnodes: usize, max_restarts: u32, token: &str) -> Coordinator {
         Coordinator {
-            nnodes, max_restarts, token: token.into(), round: 0, micro: Micro::default(),
-            joined: BTreeSet::new(), done: BTreeSet::new(), phase: Phase::Joining,
+            nnodes,
+            max_restarts,
+            token: token.into(),
+            round: 0,
+            micro: Micro::default(),
+            joined: BTreeSet::new(),
+            done: BTreeSet::new(),
+            phase: Phase::Joining,
         }
     }
 
@@ -142,10 +176,16 @@ impl Coordinator {
     fn hello(&mut self, token: &str, node: usize, micro: Option<usize>) -> Vec<(To, ToNode)> {
         let refuse = |why: String| vec![(To::Node(node), ToNode::Refused { why })];
         if token != self.token {
-            return refuse(format!("this is run `{}`, not `{token}`: give every node's launcher the same --rdzv-id", self.token));
+            return refuse(format!(
+                "this is run `{}`, not `{token}`: give every node's launcher the same --rdzv-id",
+                self.token
+            ));
         }
         if node >= self.nnodes || self.joined.contains(&node) || !matches!(self.phase, Phase::Joining) {
-            return refuse(format!("node rank {node} has already joined, or is not below --nnodes {}", self.nnodes));
+            return refuse(format!(
+                "node rank {node} has already joined, or is not below --nnodes {}",
+                self.nnodes
+            ));
         }
         self.joined.insert(node);
         self.micro.size = match (self.micro.size, micro) {
@@ -160,7 +200,11 @@ impl Coordinator {
     }
 
     fn go(&self) -> ToNode {
-        ToNode::Go { round: self.round, size: self.micro.size, failed: self.micro.failed }
+        ToNode::Go {
+            round: self.round,
+            size: self.micro.size,
+            failed: self.micro.failed,
+        }
     }
 
     fn failed(&mut self, node: usize, round: u32, report: Report) -> Vec<(To, ToNode)> {
@@ -169,8 +213,18 @@ impl Coordinator {
         }
         match &mut self.phase {
             Phase::Running => {
-                let why = format!("worker rank {} on node {node} failed (exit code {}){}", report.rank, report.code, if report.oom { " out of memory" } else { "" });
-                self.phase = Phase::Stopping { round: round + 1, stopped: BTreeSet::new(), report, node };
+                let why = format!(
+                    "worker rank {} on node {node} failed (exit code {}){}",
+                    report.rank,
+                    report.code,
+                    if report.oom { " out of memory" } else { "" }
+                );
+                self.phase = Phase::Stopping {
+                    round: round + 1,
+                    stopped: BTreeSet::new(),
+                    report,
+                    node,
+                };
                 vec![(To::All, ToNode::Restart { round: round + 1, why })]
             }
             // Other nodes' workers fail in turn when their peers go: an OOM anywhere counts.
@@ -187,7 +241,15 @@ impl Coordinator {
     }
 
     fn stopped(&mut self, node: usize, round: u32) -> Vec<(To, ToNode)> {
-        let Phase::Stopping { round: next, stopped, report, node: failed_node } = &mut self.phase else { return vec![] };
+        let Phase::Stopping {
+            round: next,
+            stopped,
+            report,
+            node: failed_node,
+        } = &mut self.phase
+        else {
+            return vec![];
+        };
         if round != *next {
             return vec![];
         }
@@ -223,16 +285,31 @@ pub struct Group {
 }
 
 enum Link {
-    Local { coordinator: Coordinator, inbox: VecDeque<ToNode> },
-    Remote { stream: TcpStream, inbox: Receiver<Option<ToNode>>, server: Option<Arc<Mutex<Coordinator>>>, gone: bool },
+    Local {
+        coordinator: Coordinator,
+        inbox: VecDeque<ToNode>,
+    },
+    Remote {
+        stream: TcpStream,
+        inbox: Receiver<Option<ToNode>>,
+        server: Option<Arc<Mutex<Coordinator>>>,
+        gone: bool,
+    },
 }
 
 impl Group {
     /// Joins the group and waits for the first attempt's go.
     pub fn join(spec: &LaunchSpec) -> Result<(Group, Micro), Error> {
-        let hello = ToCoordinator::Hello { token: spec.token.clone(), node: spec.node_rank, micro: spec.micro_batch_size };
+        let hello = ToCoordinator::Hello {
+            token: spec.token.clone(),
+            node: spec.node_rank,
+            micro: spec.micro_batch_size,
+        };
         let mut group = if spec.nnodes == 1 {
-            let link = Link::Local { coordinator: Coordinator::new(1, spec.max_restarts, &spec.token), inbox: VecDeque::new() };
+            let link = Link::Local {
+                coordinator: Coordinator::new(1, spec.max_restarts, &spec.token),
+                inbox: VecDeque::new(),
+            };
             Group { node: 0, link }
         } else {
             connect(spec)?
@@ -242,7 +319,11 @@ impl Group {
             Some(ToNode::Go { round: 0, size, failed }) => Ok((group, Micro { size, failed })),
             Some(ToNode::Refused { why }) => Err(Error::Start(format!("node 0's launcher refused this node: {why}"))),
             Some(ToNode::Stop { why, .. }) => Err(Error::Start(format!("the group stopped before it started: {why}"))),
-            _ => Err(Error::Start(format!("not every node's launcher joined within {} s (--nnodes {})", JOIN_TIMEOUT.as_secs(), spec.nnodes))),
+            _ => Err(Error::Start(format!(
+                "not every node's launcher joined within {} s (--nnodes {})",
+                JOIN_TIMEOUT.as_secs(),
+                spec.nnodes
+            ))),
         }
     }
 
@@ -344,32 +425,67 @@ fn io(context: String) -> impl FnOnce(std::io::Error) -> Error {
 
 /// Node 0 starts the coordinator; every node (node 0 too) connects to it.
 fn connect(spec: &LaunchSpec) -> Result<Group, Error> {
-    let port = spec.master_port.checked_add(1).ok_or_else(|| Error::Start("--master-port 65535 leaves no port for the launchers' coordinator (it uses --master-port + 1)".into()))?;
+    let port = spec.master_port.checked_add(1).ok_or_else(|| {
+        Error::Start(
+            "--master-port 65535 leaves no port for the launchers' coordinator (it uses --master-port + 1)".into(),
+        )
+    })?;
     let addr = (spec.master_addr.as_str(), port);
-    let server = if spec.node_rank == 0 { Some(serve(spec, addr)?) } else { None };
+    let server = if spec.node_rank == 0 {
+        Some(serve(spec, addr)?)
+    } else {
+        None
+    };
     let t = Instant::now();
     let stream = loop {
-        match addr.to_socket_addrs().ok().and_then(|mut a| a.find_map(|a| TcpStream::connect_timeout(&a, Duration::from_secs(2)).ok())) {
+        match addr
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.find_map(|a| TcpStream::connect_timeout(&a, Duration::from_secs(2)).ok()))
+        {
             Some(s) => break s,
-            None if t.elapsed() > JOIN_TIMEOUT => return Err(Error::Start(format!("cannot reach node 0's launcher at {}:{port} within {} s", spec.master_addr, JOIN_TIMEOUT.as_secs()))),
+            None if t.elapsed() > JOIN_TIMEOUT => {
+                return Err(Error::Start(format!(
+                    "cannot reach node 0's launcher at {}:{port} within {} s",
+                    spec.master_addr,
+                    JOIN_TIMEOUT.as_secs()
+                )))
+            }
             None => std::thread::sleep(Duration::from_millis(200)),
         }
     };
     stream.set_nodelay(true).ok();
     let (tx, rx) = mpsc::channel();
-    let reader = stream.try_clone().map_err(io("cloning the coordinator's connection".into()))?;
+    let reader = stream
+        .try_clone()
+        .map_err(io("cloning the coordinator's connection".into()))?;
     std::thread::spawn(move || {
         for line in BufReader::new(reader).lines() {
             let Ok(line) = line else { break };
-            let Ok(m) = serde_json::from_str::<ToNode>(&line) else { break };
+            let Ok(m) = serde_json::from_str::<ToNode>(&line) else {
+                break;
+            };
             if tx.send(Some(m)).is_err() {
                 return;
             }
         }
         let _ = tx.send(None);
     });
-    tracing::info!("node {} of {}: joined the launchers' coordinator at {}:{port}", spec.node_rank, spec.nnodes, spec.master_addr);
-    Ok(Group { node: spec.node_rank, link: Link::Remote { stream, inbox: rx, server, gone: false } })
+    tracing::info!(
+        "node {} of {}: joined the launchers' coordinator at {}:{port}",
+        spec.node_rank,
+        spec.nnodes,
+        spec.master_addr
+    );
+    Ok(Group {
+        node: spec.node_rank,
+        link: Link::Remote {
+            stream,
+            inbox: rx,
+            server,
+            gone: false,
+        },
+    })
 }
 
 /// The coordinator's listener: on the interface of --master-addr (every interface when that
@@ -378,12 +494,28 @@ fn serve(spec: &LaunchSpec, addr: (&str, u16)) -> Result<Arc<Mutex<Coordinator>>
     let listener = match TcpListener::bind(addr) {
         Ok(l) => l,
         Err(e) if e.kind() == std::io::ErrorKind::AddrNotAvailable => {
-            tracing::warn!("{} is not an address of this host: the launchers' coordinator listens on every interface, port {}", addr.0, addr.1);
-            TcpListener::bind(("0.0.0.0", addr.1)).map_err(io(format!("listening on port {} for the other nodes' launchers", addr.1)))?
+            tracing::warn!(
+                "{} is not an address of this host: the launchers' coordinator listens on every interface, port {}",
+                addr.0,
+                addr.1
+            );
+            TcpListener::bind(("0.0.0.0", addr.1)).map_err(io(format!(
+                "listening on port {} for the other nodes' launchers",
+                addr.1
+            )))?
         }
-        Err(e) => return Err(io(format!("listening on {}:{} for the other nodes' launchers (it is --master-port + 1)", addr.0, addr.1))(e)),
+        Err(e) => {
+            return Err(io(format!(
+                "listening on {}:{} for the other nodes' launchers (it is --master-port + 1)",
+                addr.0, addr.1
+            ))(e))
+        }
     };
-    let coordinator = Arc::new(Mutex::new(Coordinator::new(spec.nnodes, spec.max_restarts, &spec.token)));
+    let coordinator = Arc::new(Mutex::new(Coordinator::new(
+        spec.nnodes,
+        spec.max_restarts,
+        &spec.token,
+    )));
     let writers: Arc<Mutex<BTreeMap<usize, TcpStream>>> = Arc::default();
     let c = Arc::clone(&coordinator);
     std::thread::spawn(move || {
@@ -400,7 +532,12 @@ fn serve_node(stream: TcpStream, coordinator: &Mutex<Coordinator>, writers: &Mut
     let Ok(mut reply) = stream.try_clone() else { return };
     let mut node = None;
     for line in BufReader::new(stream).lines() {
-        let Ok(msg) = line.map_err(drop).and_then(|l| serde_json::from_str::<ToCoordinator>(&l).map_err(drop)) else { break };
+        let Ok(msg) = line
+            .map_err(drop)
+            .and_then(|l| serde_json::from_str::<ToCoordinator>(&l).map_err(drop))
+        else {
+            break;
+        };
         let mut c = coordinator.lock().unwrap_or_else(|p| p.into_inner());
         let mut w = writers.lock().unwrap_or_else(|p| p.into_inner());
         let from = match (&msg, node) {
@@ -411,7 +548,9 @@ fn serve_node(stream: TcpStream, coordinator: &Mutex<Coordinator>, writers: &Mut
         let out = c.on(from, msg);
         if node.is_none() {
             if out.iter().any(|(_, m)| matches!(m, ToNode::Refused { .. })) {
-                let _ = out.iter().try_for_each(|(_, m)| writeln!(reply, "{}", serde_json::to_string(m).unwrap_or_default()));
+                let _ = out
+                    .iter()
+                    .try_for_each(|(_, m)| writeln!(reply, "{}", serde_json::to_string(m).unwrap_or_default()));
                 return;
             }
             node = Some(from);
@@ -446,19 +585,54 @@ mod tests {
     use super::*;
 
     fn hello(node: usize, micro: Option<usize>) -> ToCoordinator {
-        ToCoordinator::Hello { token: "job".into(), node, micro }
+        ToCoordinator::Hello {
+            token: "job".into(),
+            node,
+            micro,
+        }
     }
     fn report(rank: usize, oom: bool, micro: Option<usize>) -> Report {
-        Report { rank, oom, micro, code: 1 }
+        Report {
+            rank,
+            oom,
+            micro,
+            code: 1,
+        }
     }
 
     #[test]
     fn every_node_joins_before_the_first_go_at_the_smallest_micro_batch() {
         let mut c = Coordinator::new(2, 3, "job");
         assert_eq!(c.on(0, hello(0, Some(8))), vec![]);
-        assert!(matches!(c.on(1, ToCoordinator::Hello { token: "other".into(), node: 1, micro: None })[0], (To::Node(1), ToNode::Refused { .. })), "another run");
-        assert!(matches!(c.on(0, hello(0, None))[0].1, ToNode::Refused { .. }), "a node rank joins once");
-        assert_eq!(c.on(1, hello(1, Some(4))), vec![(To::All, ToNode::Go { round: 0, size: Some(4), failed: None })]);
+        assert!(
+            matches!(
+                c.on(
+                    1,
+                    ToCoordinator::Hello {
+                        token: "other".into(),
+                        node: 1,
+                        micro: None
+                    }
+                )[0],
+                (To::Node(1), ToNode::Refused { .. })
+            ),
+            "another run"
+        );
+        assert!(
+            matches!(c.on(0, hello(0, None))[0].1, ToNode::Refused { .. }),
+            "a node rank joins once"
+        );
+        assert_eq!(
+            c.on(1, hello(1, Some(4))),
+            vec![(
+                To::All,
+                ToNode::Go {
+                    round: 0,
+                    size: Some(4),
+                    failed: None
+                }
+            )]
+        );
     }
 
     #[test]
@@ -466,15 +640,55 @@ mod tests {
         let mut c = Coordinator::new(2, 3, "job");
         c.on(0, hello(0, Some(8)));
         c.on(1, hello(1, Some(8)));
-        let out = c.on(1, ToCoordinator::Failed { round: 0, report: report(3, true, Some(8)) });
-        assert!(matches!(&out[..], [(To::All, ToNode::Restart { round: 1, why })] if why.contains("rank 3 on node 1") && why.contains("out of memory")));
+        let out = c.on(
+            1,
+            ToCoordinator::Failed {
+                round: 0,
+                report: report(3, true, Some(8)),
+            },
+        );
+        assert!(
+            matches!(&out[..], [(To::All, ToNode::Restart { round: 1, why })] if why.contains("rank 3 on node 1") && why.contains("out of memory"))
+        );
         // Node 0's workers fail in turn (their peer is gone): the same round, merged.
-        assert_eq!(c.on(0, ToCoordinator::Failed { round: 0, report: report(0, false, Some(8)) }), vec![]);
+        assert_eq!(
+            c.on(
+                0,
+                ToCoordinator::Failed {
+                    round: 0,
+                    report: report(0, false, Some(8))
+                }
+            ),
+            vec![]
+        );
         assert_eq!(c.on(0, ToCoordinator::Stopped { round: 1 }), vec![]);
-        assert_eq!(c.on(0, ToCoordinator::Stopped { round: 1 }), vec![], "a node counts once");
-        assert_eq!(c.on(1, ToCoordinator::Stopped { round: 1 }), vec![(To::All, ToNode::Go { round: 1, size: Some(4), failed: Some(8) })]);
+        assert_eq!(
+            c.on(0, ToCoordinator::Stopped { round: 1 }),
+            vec![],
+            "a node counts once"
+        );
+        assert_eq!(
+            c.on(1, ToCoordinator::Stopped { round: 1 }),
+            vec![(
+                To::All,
+                ToNode::Go {
+                    round: 1,
+                    size: Some(4),
+                    failed: Some(8)
+                }
+            )]
+        );
         // A late report of the replaced attempt changes nothing.
-        assert_eq!(c.on(0, ToCoordinator::Failed { round: 0, report: report(0, true, Some(2)) }), vec![]);
+        assert_eq!(
+            c.on(
+                0,
+                ToCoordinator::Failed {
+                    round: 0,
+                    report: report(0, true, Some(2))
+                }
+            ),
+            vec![]
+        );
     }
 
     #[test]
@@ -482,10 +696,32 @@ mod tests {
         let mut c = Coordinator::new(2, 3, "job");
         c.on(0, hello(0, Some(8)));
         c.on(1, hello(1, None));
-        c.on(0, ToCoordinator::Failed { round: 0, report: report(0, false, None) });
-        c.on(1, ToCoordinator::Failed { round: 0, report: report(1, true, Some(8)) });
+        c.on(
+            0,
+            ToCoordinator::Failed {
+                round: 0,
+                report: report(0, false, None),
+            },
+        );
+        c.on(
+            1,
+            ToCoordinator::Failed {
+                round: 0,
+                report: report(1, true, Some(8)),
+            },
+        );
         c.on(0, ToCoordinator::Stopped { round: 1 });
-        assert_eq!(c.on(1, ToCoordinator::Stopped { round: 1 }), vec![(To::All, ToNode::Go { round: 1, size: Some(4), failed: Some(8) })]);
+        assert_eq!(
+            c.on(1, ToCoordinator::Stopped { round: 1 }),
+            vec![(
+                To::All,
+                ToNode::Go {
+                    round: 1,
+                    size: Some(4),
+                    failed: Some(8)
+                }
+            )]
+        );
     }
 
     #[test]
@@ -493,7 +729,18 @@ mod tests {
         let mut c = Coordinator::new(2, 0, "job");
         c.on(0, hello(0, None));
         c.on(1, hello(1, None));
-        c.on(1, ToCoordinator::Failed { round: 0, report: Report { rank: 1, oom: false, micro: None, code: 7 } });
+        c.on(
+            1,
+            ToCoordinator::Failed {
+                round: 0,
+                report: Report {
+                    rank: 1,
+                    oom: false,
+                    micro: None,
+                    code: 7,
+                },
+            },
+        );
         c.on(0, ToCoordinator::Stopped { round: 1 });
         let out = c.on(1, ToCoordinator::Stopped { round: 1 });
         assert!(matches!(&out[..], [(To::All, ToNode::Stop { code: 7, why })] if why.contains("no restarts left")));
@@ -502,7 +749,10 @@ mod tests {
         let mut c = Coordinator::new(2, 5, "job");
         c.on(0, hello(0, None));
         c.on(1, hello(1, None));
-        assert!(matches!(&c.on(1, ToCoordinator::Abort { code: 130 })[..], [(To::All, ToNode::Stop { code: 130, .. })]));
+        assert!(matches!(
+            &c.on(1, ToCoordinator::Abort { code: 130 })[..],
+            [(To::All, ToNode::Stop { code: 130, .. })]
+        ));
         assert_eq!(c.gone(1), vec![], "already ended");
 
         let mut c = Coordinator::new(2, 5, "job");
@@ -517,10 +767,45 @@ mod tests {
     #[test]
     fn one_node_restarts_alone_in_process() {
         let mut c = Coordinator::new(1, 1, "job");
-        assert_eq!(c.on(0, hello(0, Some(6))), vec![(To::All, ToNode::Go { round: 0, size: Some(6), failed: None })]);
-        c.on(0, ToCoordinator::Failed { round: 0, report: report(0, true, Some(6)) });
-        assert_eq!(c.on(0, ToCoordinator::Stopped { round: 1 }), vec![(To::All, ToNode::Go { round: 1, size: Some(3), failed: Some(6) })]);
-        c.on(0, ToCoordinator::Failed { round: 1, report: report(0, false, Some(3)) });
-        assert!(matches!(&c.on(0, ToCoordinator::Stopped { round: 2 })[..], [(To::All, ToNode::Stop { code: 1, .. })]));
+        assert_eq!(
+            c.on(0, hello(0, Some(6))),
+            vec![(
+                To::All,
+                ToNode::Go {
+                    round: 0,
+                    size: Some(6),
+                    failed: None
+                }
+            )]
+        );
+        c.on(
+            0,
+            ToCoordinator::Failed {
+                round: 0,
+                report: report(0, true, Some(6)),
+            },
+        );
+        assert_eq!(
+            c.on(0, ToCoordinator::Stopped { round: 1 }),
+            vec![(
+                To::All,
+                ToNode::Go {
+                    round: 1,
+                    size: Some(3),
+                    failed: Some(6)
+                }
+            )]
+        );
+        c.on(
+            0,
+            ToCoordinator::Failed {
+                round: 1,
+                report: report(0, false, Some(3)),
+            },
+        );
+        assert!(matches!(
+            &c.on(0, ToCoordinator::Stopped { round: 2 })[..],
+            [(To::All, ToNode::Stop { code: 1, .. })]
+        ));
     }
 }

@@ -88,7 +88,12 @@ pub struct LaunchSpec {
 }
 
 fn bad(flag: &str, message: String) -> Error {
-    LaunchError::Config(ConfigError { origin: flag.into(), line_col: None, key: String::new(), message })
+    LaunchError::Config(ConfigError {
+        origin: flag.into(),
+        line_col: None,
+        key: String::new(),
+        message,
+    })
 }
 
 impl LaunchSpec {
@@ -97,14 +102,21 @@ impl LaunchSpec {
         let nproc_per_node = parse_nproc(&a.nproc_per_node)?;
         let node_rank = a.node_rank.unwrap_or(0);
         if node_rank >= nnodes {
-            return Err(bad("--node-rank", format!("{node_rank} is not below --nnodes {nnodes}")));
+            return Err(bad(
+                "--node-rank",
+                format!("{node_rank} is not below --nnodes {nnodes}"),
+            ));
         }
         let (mut master_addr, mut master_port) = (a.master_addr.clone(), a.master_port);
         if a.standalone {
             (master_addr, master_port) = ("127.0.0.1".into(), 0);
         } else if !a.rdzv_endpoint.is_empty() {
             let (host, port) = match a.rdzv_endpoint.rsplit_once(':') {
-                Some((h, p)) => (h.to_string(), p.parse().map_err(|_| bad("--rdzv-endpoint", format!("`{}` is not HOST:PORT", a.rdzv_endpoint)))?),
+                Some((h, p)) => (
+                    h.to_string(),
+                    p.parse()
+                        .map_err(|_| bad("--rdzv-endpoint", format!("`{}` is not HOST:PORT", a.rdzv_endpoint)))?,
+                ),
                 None => (a.rdzv_endpoint.clone(), 29400),
             };
             (master_addr, master_port) = (host, port);
@@ -113,15 +125,29 @@ impl LaunchSpec {
             "static" => {}
             "c10d" if nnodes == 1 || a.node_rank.is_some() => {}
             "c10d" => {
-                return Err(bad("--rdzv-backend", "c10d over several nodes needs --node-rank here: oomguard assigns ranks statically".into()));
+                return Err(bad(
+                    "--rdzv-backend",
+                    "c10d over several nodes needs --node-rank here: oomguard assigns ranks statically".into(),
+                ));
             }
-            other => return Err(bad("--rdzv-backend", format!("`{other}` is not supported; use static or c10d"))),
+            other => {
+                return Err(bad(
+                    "--rdzv-backend",
+                    format!("`{other}` is not supported; use static or c10d"),
+                ))
+            }
         }
         if !(a.monitor_interval > 0.0 && a.monitor_interval.is_finite()) {
-            return Err(bad("--monitor-interval", format!("{} must be a positive number of seconds", a.monitor_interval)));
+            return Err(bad(
+                "--monitor-interval",
+                format!("{} must be a positive number of seconds", a.monitor_interval),
+            ));
         }
         if !(a.shutdown_timeout >= 0.0 && a.shutdown_timeout.is_finite()) {
-            return Err(bad("--shutdown-timeout", format!("{} must be 0 or more seconds", a.shutdown_timeout)));
+            return Err(bad(
+                "--shutdown-timeout",
+                format!("{} must be 0 or more seconds", a.shutdown_timeout),
+            ));
         }
         let from_env = allocator::effective(&default_allocator(), |v| std::env::var(v).ok())?;
         Ok(LaunchSpec {
@@ -147,7 +173,11 @@ impl LaunchSpec {
             }),
             worker_memory: (nproc_per_node > 1).then(HostMemory::of_self).flatten(),
             micro_batch_size: std::env::var(MICRO_BATCH_VAR).ok().and_then(|v| v.parse().ok()),
-            token: if nnodes == 1 { format!("{}.{}.{}", a.rdzv_id, std::process::id(), now_nanos()) } else { a.rdzv_id.clone() },
+            token: if nnodes == 1 {
+                format!("{}.{}.{}", a.rdzv_id, std::process::id(), now_nanos())
+            } else {
+                a.rdzv_id.clone()
+            },
         })
     }
 }
@@ -158,7 +188,9 @@ pub const MICRO_BATCH_VAR: &str = "OOMGUARD_MICRO_BATCH_SIZE";
 pub const FAILED_MICRO_BATCH_VAR: &str = "OOMGUARD_FAILED_MICRO_BATCH_SIZE";
 
 fn now_nanos() -> u128 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos())
 }
 
 fn default_allocator() -> AllocatorSettings {
@@ -169,7 +201,10 @@ fn parse_nnodes(s: &str) -> Result<usize, Error> {
     let (min, max) = s.split_once(':').unwrap_or((s, s));
     match (min.parse::<usize>(), max.parse::<usize>()) {
         (Ok(a), Ok(b)) if a == b && a >= 1 => Ok(a),
-        (Ok(a), Ok(b)) if a >= 1 && b > a => Err(bad("--nnodes", format!("elastic {s} (MIN:MAX) is not supported; give a fixed number of nodes"))),
+        (Ok(a), Ok(b)) if a >= 1 && b > a => Err(bad(
+            "--nnodes",
+            format!("elastic {s} (MIN:MAX) is not supported; give a fixed number of nodes"),
+        )),
         _ => Err(bad("--nnodes", format!("`{s}` is not a number of nodes"))),
     }
 }
@@ -186,19 +221,31 @@ fn parse_nproc(s: &str) -> Result<usize, Error> {
             0 => cpus(),
             n => n,
         }),
-        n => n.parse().ok().filter(|&n| n >= 1).ok_or_else(|| bad("--nproc-per-node", format!("`{n}` is not a number, auto, cpu or gpu"))),
+        n => n
+            .parse()
+            .ok()
+            .filter(|&n| n >= 1)
+            .ok_or_else(|| bad("--nproc-per-node", format!("`{n}` is not a number, auto, cpu or gpu"))),
     }
 }
-
 
 /// `3`, or per local rank `0:1,1:2` (1 stdout, 2 stderr, 3 both).
 fn parse_streams(flag: &str, s: &str, nproc: usize) -> Result<BTreeMap<usize, Streams>, Error> {
     let code = |c: &str| -> Result<Streams, Error> {
         match c.trim() {
             "0" => Ok(Streams::default()),
-            "1" => Ok(Streams { stdout: true, stderr: false }),
-            "2" => Ok(Streams { stdout: false, stderr: true }),
-            "3" => Ok(Streams { stdout: true, stderr: true }),
+            "1" => Ok(Streams {
+                stdout: true,
+                stderr: false,
+            }),
+            "2" => Ok(Streams {
+                stdout: false,
+                stderr: true,
+            }),
+            "3" => Ok(Streams {
+                stdout: true,
+                stderr: true,
+            }),
             other => Err(bad(flag, format!("`{other}` is not 0, 1, 2 or 3"))),
         }
     };
@@ -208,8 +255,15 @@ fn parse_streams(flag: &str, s: &str, nproc: usize) -> Result<BTreeMap<usize, St
     }
     s.split(',')
         .map(|item| {
-            let (r, c) = item.split_once(':').ok_or_else(|| bad(flag, format!("`{item}` is not RANK:CODE")))?;
-            Ok((r.trim().parse().map_err(|_| bad(flag, format!("`{r}` is not a local rank")))?, code(c)?))
+            let (r, c) = item
+                .split_once(':')
+                .ok_or_else(|| bad(flag, format!("`{item}` is not RANK:CODE")))?;
+            Ok((
+                r.trim()
+                    .parse()
+                    .map_err(|_| bad(flag, format!("`{r}` is not a local rank")))?,
+                code(c)?,
+            ))
         })
         .collect()
 }
@@ -218,7 +272,14 @@ fn parse_filter(s: &str) -> Result<Option<Vec<usize>>, Error> {
     if s.trim().is_empty() {
         return Ok(None);
     }
-    s.split(',').map(|r| r.trim().parse().map_err(|_| bad("--local-ranks-filter", format!("`{r}` is not a local rank")))).collect::<Result<_, _>>().map(Some)
+    s.split(',')
+        .map(|r| {
+            r.trim()
+                .parse()
+                .map_err(|_| bad("--local-ranks-filter", format!("`{r}` is not a local rank")))
+        })
+        .collect::<Result<_, _>>()
+        .map(Some)
 }
 
 /// The command each worker runs: under python3 (as torchrun does) unless --no-python.
@@ -239,7 +300,14 @@ fn worker_program(a: &LaunchArgs) -> Vec<String> {
 }
 
 /// Everything the launcher sets in one worker's environment, as torchrun does.
-pub fn worker_env(spec: &LaunchSpec, local_rank: usize, master_port: u16, restart_count: u32, error_file: &std::path::Path, micro: Micro) -> Vec<(String, String)> {
+pub fn worker_env(
+    spec: &LaunchSpec,
+    local_rank: usize,
+    master_port: u16,
+    restart_count: u32,
+    error_file: &std::path::Path,
+    micro: Micro,
+) -> Vec<(String, String)> {
     let world = spec.nnodes * spec.nproc_per_node;
     let rank = spec.node_rank * spec.nproc_per_node + local_rank;
     let mut env: Vec<(String, String)> = [
@@ -302,26 +370,71 @@ mod tests {
             #[command(flatten)]
             args: LaunchArgs,
         }
-        let cli = Launch::try_parse_from([&["oomguard launch"], args].concat()).map_err(|e| bad("cli", e.to_string()))?;
+        let cli =
+            Launch::try_parse_from([&["oomguard launch"], args].concat()).map_err(|e| bad("cli", e.to_string()))?;
         LaunchSpec::from_args(&cli.args)
     }
 
     #[test]
     fn torchrun_spellings_and_env() {
-        let s = spec(&["--nproc_per_node=2", "--nnodes", "2", "--node-rank", "1", "--master_addr", "10.0.0.1", "--max_restarts", "3", "train.py", "--lr", "3"]).unwrap();
+        let s = spec(&[
+            "--nproc_per_node=2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master_addr",
+            "10.0.0.1",
+            "--max_restarts",
+            "3",
+            "train.py",
+            "--lr",
+            "3",
+        ])
+        .unwrap();
         assert_eq!((s.nproc_per_node, s.nnodes, s.node_rank, s.max_restarts), (2, 2, 1, 3));
-        assert_eq!(s.shutdown_timeout, std::time::Duration::from_secs(30), "torchrun's default");
-        assert_eq!(spec(&["--shutdown-timeout", "600", "x.py"]).unwrap().shutdown_timeout, std::time::Duration::from_secs(600));
+        assert_eq!(
+            s.shutdown_timeout,
+            std::time::Duration::from_secs(30),
+            "torchrun's default"
+        );
+        assert_eq!(
+            spec(&["--shutdown-timeout", "600", "x.py"]).unwrap().shutdown_timeout,
+            std::time::Duration::from_secs(600)
+        );
         assert!(spec(&["--shutdown-timeout", "-1", "x.py"]).is_err());
         assert_eq!(s.program, ["python3", "-u", "train.py", "--lr", "3"]);
-        let env: BTreeMap<String, String> =
-            worker_env(&s, 1, 29500, 2, std::path::Path::new("/e.json"), Micro { size: Some(4), failed: Some(8) }).into_iter().collect();
+        let env: BTreeMap<String, String> = worker_env(
+            &s,
+            1,
+            29500,
+            2,
+            std::path::Path::new("/e.json"),
+            Micro {
+                size: Some(4),
+                failed: Some(8),
+            },
+        )
+        .into_iter()
+        .collect();
         for (k, v) in [
-            ("RANK", "3"), ("LOCAL_RANK", "1"), ("GROUP_RANK", "1"), ("ROLE_RANK", "3"), ("ROLE_NAME", "default"),
-            ("LOCAL_WORLD_SIZE", "2"), ("WORLD_SIZE", "4"), ("GROUP_WORLD_SIZE", "2"), ("ROLE_WORLD_SIZE", "4"),
-            ("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "29500"), ("TORCHELASTIC_RESTART_COUNT", "2"),
-            ("TORCHELASTIC_MAX_RESTARTS", "3"), ("TORCHELASTIC_RUN_ID", "none"), ("TORCHELASTIC_ERROR_FILE", "/e.json"),
-            ("OOMGUARD_MICRO_BATCH_SIZE", "4"), ("OOMGUARD_FAILED_MICRO_BATCH_SIZE", "8"),
+            ("RANK", "3"),
+            ("LOCAL_RANK", "1"),
+            ("GROUP_RANK", "1"),
+            ("ROLE_RANK", "3"),
+            ("ROLE_NAME", "default"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("WORLD_SIZE", "4"),
+            ("GROUP_WORLD_SIZE", "2"),
+            ("ROLE_WORLD_SIZE", "4"),
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "29500"),
+            ("TORCHELASTIC_RESTART_COUNT", "2"),
+            ("TORCHELASTIC_MAX_RESTARTS", "3"),
+            ("TORCHELASTIC_RUN_ID", "none"),
+            ("TORCHELASTIC_ERROR_FILE", "/e.json"),
+            ("OOMGUARD_MICRO_BATCH_SIZE", "4"),
+            ("OOMGUARD_FAILED_MICRO_BATCH_SIZE", "8"),
         ] {
             assert_eq!(env.get(k).map(String::as_str), Some(v), "{k}");
         }
@@ -329,15 +442,43 @@ mod tests {
 
     #[test]
     fn programs_and_refusals() {
-        assert_eq!(spec(&["--no-python", "oomguard", "train", "c.yaml"]).unwrap().program, ["oomguard", "train", "c.yaml"]);
-        assert_eq!(spec(&["-m", "pkg.train", "-x"]).unwrap().program, ["python3", "-u", "-m", "pkg.train", "-x"]);
-        assert!(spec(&["--nnodes", "1:4", "x.py"]).unwrap_err().to_string().contains("elastic 1:4 (MIN:MAX) is not supported"));
-        assert_eq!(spec(&["--nnodes", "2:2", "--node_rank", "1", "x.py"]).unwrap().nnodes, 2);
+        assert_eq!(
+            spec(&["--no-python", "oomguard", "train", "c.yaml"]).unwrap().program,
+            ["oomguard", "train", "c.yaml"]
+        );
+        assert_eq!(
+            spec(&["-m", "pkg.train", "-x"]).unwrap().program,
+            ["python3", "-u", "-m", "pkg.train", "-x"]
+        );
+        assert!(spec(&["--nnodes", "1:4", "x.py"])
+            .unwrap_err()
+            .to_string()
+            .contains("elastic 1:4 (MIN:MAX) is not supported"));
+        assert_eq!(
+            spec(&["--nnodes", "2:2", "--node_rank", "1", "x.py"]).unwrap().nnodes,
+            2
+        );
         assert!(spec(&["--nnodes", "2", "--rdzv-backend", "c10d", "x.py"]).is_err());
         assert!(spec(&["--rdzv-backend", "etcd", "x.py"]).is_err());
-        let s = spec(&["--standalone", "--redirects", "0:3,1:2", "--local-ranks-filter", "0", "--nproc-per-node", "2", "x.py"]).unwrap();
+        let s = spec(&[
+            "--standalone",
+            "--redirects",
+            "0:3,1:2",
+            "--local-ranks-filter",
+            "0",
+            "--nproc-per-node",
+            "2",
+            "x.py",
+        ])
+        .unwrap();
         assert_eq!(s.master_port, 0);
-        assert_eq!(s.redirects[&1], Streams { stdout: false, stderr: true });
+        assert_eq!(
+            s.redirects[&1],
+            Streams {
+                stdout: false,
+                stderr: true
+            }
+        );
         assert_eq!(s.console_ranks, Some(vec![0]));
         let s = spec(&["--rdzv-endpoint", "host:1234", "--rdzv_backend", "c10d", "x.py"]).unwrap();
         assert_eq!((s.master_addr.as_str(), s.master_port), ("host", 1234));

@@ -33,13 +33,19 @@ pub fn pump(stream: impl Read + Send + 'static, sink: Sink, tail: Tail) -> JoinH
     std::thread::spawn(move || {
         let mut file = sink.file.as_ref().and_then(|p| {
             p.parent().map(std::fs::create_dir_all);
-            File::create(p).map_err(|e| eprintln!("oomguard launch: cannot create {}: {e}", p.display())).ok()
+            File::create(p)
+                .map_err(|e| eprintln!("oomguard launch: cannot create {}: {e}", p.display()))
+                .ok()
         });
         for line in BufReader::new(stream).lines().map_while(Result::ok) {
             if sink.console {
                 let out = format!("{}{line}\n", sink.prefix);
                 // A closed console (e.g. a pipe reader gone) must not stop the worker's output.
-                let _ = if sink.is_stderr { std::io::stderr().write_all(out.as_bytes()) } else { std::io::stdout().write_all(out.as_bytes()) };
+                let _ = if sink.is_stderr {
+                    std::io::stderr().write_all(out.as_bytes())
+                } else {
+                    std::io::stdout().write_all(out.as_bytes())
+                };
             }
             if let Some(f) = file.as_mut() {
                 let _ = writeln!(f, "{line}");

@@ -8,10 +8,10 @@ use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
-use super::output::{pump, Sink, Tail};
 use super::group::{Group, Report, ToNode};
-use super::{worker_env, LaunchSpec, Micro, Streams};
+use super::output::{pump, Sink, Tail};
 use super::LaunchError as Error;
+use super::{worker_env, LaunchSpec, Micro, Streams};
 use oomguard_host::oom::classify_oom;
 use oomguard_host::proc::Signals;
 
@@ -73,14 +73,22 @@ struct Failure {
 
 impl Failure {
     fn exit_code(&self) -> i32 {
-        if self.exitcode < 0 { 128 - self.exitcode } else { self.exitcode }
+        if self.exitcode < 0 {
+            128 - self.exitcode
+        } else {
+            self.exitcode
+        }
     }
     /// The error that ended the attempt: the error file's, else the worker's last error on
     /// stderr (else stdout). Out-of-memory errors it logged and recovered from earlier do not count.
     fn final_error(&self) -> String {
         self.error_message.clone().unwrap_or_else(|| {
             let last = last_error(&self.stderr);
-            if last.is_empty() { last_error(&self.stdout) } else { last }
+            if last.is_empty() {
+                last_error(&self.stdout)
+            } else {
+                last
+            }
         })
     }
     fn is_oom(&self) -> bool {
@@ -93,7 +101,12 @@ impl Failure {
         let last = |lines: &[String]| {
             lines.iter().rev().find_map(|l| {
                 let at = l.find("micro_batch_size=")? + "micro_batch_size=".len();
-                l[at..].chars().take_while(char::is_ascii_digit).collect::<String>().parse().ok()
+                l[at..]
+                    .chars()
+                    .take_while(char::is_ascii_digit)
+                    .collect::<String>()
+                    .parse()
+                    .ok()
             })
         };
         last(&self.stderr).or_else(|| last(&self.stdout))
@@ -103,11 +116,17 @@ impl Failure {
 /// The worker's last error in `lines`: from its last ERROR log line or Python traceback to the
 /// end; else its last lines that are not WARN/INFO logs (a recovered OOM is logged at WARN).
 pub fn last_error(lines: &[String]) -> String {
-    let start = lines.iter().rposition(|l| l.contains("ERROR") || l.starts_with("Traceback (most recent call last)"));
+    let start = lines
+        .iter()
+        .rposition(|l| l.contains("ERROR") || l.starts_with("Traceback (most recent call last)"));
     let tail: Vec<&String> = match start {
         Some(i) => lines[i..].iter().collect(),
         None => {
-            let quiet = |l: &&String| ![" WARN ", " INFO ", " DEBUG ", " TRACE ", "WARNING"].iter().any(|lvl| l.contains(lvl));
+            let quiet = |l: &&String| {
+                ![" WARN ", " INFO ", " DEBUG ", " TRACE ", "WARNING"]
+                    .iter()
+                    .any(|lvl| l.contains(lvl))
+            };
             let kept: Vec<&String> = lines.iter().filter(quiet).collect();
             kept[kept.len().saturating_sub(3)..].to_vec()
         }
@@ -126,22 +145,43 @@ enum Outcome {
 /// Runs the job; returns the launcher's exit code. Every attempt is a round of the group
 /// (group.rs): on several nodes, a failure anywhere restarts every node's workers.
 pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
-    let signals = Signals::install().map_err(|e| Error::Io { context: "installing signal handlers".into(), source: e })?;
+    let signals = Signals::install().map_err(|e| Error::Io {
+        context: "installing signal handlers".into(),
+        source: e,
+    })?;
     let n = spec.nproc_per_node;
     if let Some((per, host)) = &spec.worker_threads {
         tracing::warn!("OMP_NUM_THREADS is unset: setting it to {per} for each of the {n} workers (this host gives {host}), to avoid oversubscribing the CPU; set it yourself to tune");
     }
     if let Some(m) = &spec.worker_memory {
-        tracing::info!("host memory: {}; each of the {n} workers gets {}", m.describe(), oomguard_console::units::human_bytes(m.share(n).0));
+        tracing::info!(
+            "host memory: {}; each of the {n} workers gets {}",
+            m.describe(),
+            oomguard_console::units::human_bytes(m.share(n).0)
+        );
     }
-    let temp = spec.log_dir.is_none().then(|| std::env::temp_dir().join(format!("oomguard-launch-{}", std::process::id())));
-    let base = spec.log_dir.clone().or(temp.clone()).unwrap_or_default().join(&spec.run_id);
+    let temp = spec
+        .log_dir
+        .is_none()
+        .then(|| std::env::temp_dir().join(format!("oomguard-launch-{}", std::process::id())));
+    let base = spec
+        .log_dir
+        .clone()
+        .or(temp.clone())
+        .unwrap_or_default()
+        .join(&spec.run_id);
     let (mut group, mut micro) = Group::join(spec)?;
     let mut attempt = 0;
     loop {
-        let port = if spec.master_port == 0 { free_port()? } else { spec.master_port };
+        let port = if spec.master_port == 0 {
+            free_port()?
+        } else {
+            spec.master_port
+        };
         let dir = base.join(format!("attempt_{attempt}"));
-        let mut workers = (0..spec.nproc_per_node).map(|r| spawn(spec, r, port, attempt, &dir, micro)).collect::<Vec<_>>();
+        let mut workers = (0..spec.nproc_per_node)
+            .map(|r| spawn(spec, r, port, attempt, &dir, micro))
+            .collect::<Vec<_>>();
         if let Some(Err(e)) = workers.iter().find(|w| w.is_err()) {
             let msg = e.to_string();
             let mut started: Vec<Worker> = workers.into_iter().flatten().collect();
@@ -152,10 +192,19 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
         let mut workers: Vec<Worker> = workers.drain(..).flatten().collect();
         tracing::info!(
             "attempt {attempt}: {} workers (ranks {}..{}), master {}:{port}{}",
-            workers.len(), workers[0].rank, workers[workers.len() - 1].rank, spec.master_addr,
+            workers.len(),
+            workers[0].rank,
+            workers[workers.len() - 1].rank,
+            spec.master_addr,
             micro.size.map(|m| format!(", micro-batch {m}")).unwrap_or_default()
         );
-        let next = match watch(&mut workers, spec.monitor_interval, spec.shutdown_timeout, &signals, &mut group) {
+        let next = match watch(
+            &mut workers,
+            spec.monitor_interval,
+            spec.shutdown_timeout,
+            &signals,
+            &mut group,
+        ) {
             Outcome::Succeeded => {
                 group.done();
                 temp.map(std::fs::remove_dir_all);
@@ -167,7 +216,10 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
                 return Ok(128 + sig);
             }
             Outcome::Group(ToNode::Restart { round, why }) => {
-                tracing::warn!("{why}: node {} stopped its workers to restart with the group (round {round})", group.node());
+                tracing::warn!(
+                    "{why}: node {} stopped its workers to restart with the group (round {round})",
+                    group.node()
+                );
                 group.stopped(round).map(|m| (round, m))
             }
             Outcome::Group(ToNode::Stop { code, why }) => Err((code, why)),
@@ -175,17 +227,33 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
             Outcome::Failed(f) => {
                 let oom = f.is_oom();
                 let known = micro.size.or(f.reported_micro_batch());
-                match group.failed(attempt, Report { rank: f.rank, oom, micro: known, code: f.exit_code() }) {
+                match group.failed(
+                    attempt,
+                    Report {
+                        rank: f.rank,
+                        oom,
+                        micro: known,
+                        code: f.exit_code(),
+                    },
+                ) {
                     Ok(m) => {
                         tracing::warn!(
                             "worker rank {} failed (exit code {}){}; restarting the group ({}/{})",
-                            f.rank, f.exitcode, if oom { " out of memory" } else { "" }, attempt + 1, spec.max_restarts
+                            f.rank,
+                            f.exitcode,
+                            if oom { " out of memory" } else { "" },
+                            attempt + 1,
+                            spec.max_restarts
                         );
                         Ok((attempt + 1, m))
                     }
                     Err((code, why)) => {
                         eprint!("{}", summary(&f, spec));
-                        let why = if code == 3 { format!("{why}: {}", f.final_error()) } else { why };
+                        let why = if code == 3 {
+                            format!("{why}: {}", f.final_error())
+                        } else {
+                            why
+                        };
                         Err((code, why))
                     }
                 }
@@ -210,7 +278,10 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
 }
 
 fn free_port() -> Result<u16, Error> {
-    let io = |e| Error::Io { context: "finding a free port".into(), source: e };
+    let io = |e| Error::Io {
+        context: "finding a free port".into(),
+        source: e,
+    };
     let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(io)?;
     l.local_addr().map(|a| a.port()).map_err(io)
 }
@@ -219,9 +290,19 @@ fn streams_of(map: &std::collections::BTreeMap<usize, Streams>, rank: usize) -> 
     map.get(&rank).copied().unwrap_or_default()
 }
 
-fn spawn(spec: &LaunchSpec, local_rank: usize, port: u16, attempt: u32, dir: &Path, micro: Micro) -> Result<Worker, Error> {
+fn spawn(
+    spec: &LaunchSpec,
+    local_rank: usize,
+    port: u16,
+    attempt: u32,
+    dir: &Path,
+    micro: Micro,
+) -> Result<Worker, Error> {
     let rank_dir = dir.join(local_rank.to_string());
-    std::fs::create_dir_all(&rank_dir).map_err(|e| Error::Io { context: format!("creating {}", rank_dir.display()), source: e })?;
+    std::fs::create_dir_all(&rank_dir).map_err(|e| Error::Io {
+        context: format!("creating {}", rank_dir.display()),
+        source: e,
+    })?;
     let error_file = rank_dir.join("error.json");
     let mut cmd = Command::new(&spec.program[0]);
     cmd.args(&spec.program[1..])
@@ -229,23 +310,46 @@ fn spawn(spec: &LaunchSpec, local_rank: usize, port: u16, attempt: u32, dir: &Pa
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    let mut child = oomguard_host::proc::spawn_shimmed(&mut cmd).map_err(|e| Error::Start(format!("cannot start worker `{}`: {e}", spec.program[0])))?;
-    let (redirect, tee) = (streams_of(&spec.redirects, local_rank), streams_of(&spec.tee, local_rank));
+    let mut child = oomguard_host::proc::spawn_shimmed(&mut cmd)
+        .map_err(|e| Error::Start(format!("cannot start worker `{}`: {e}", spec.program[0])))?;
+    let (redirect, tee) = (
+        streams_of(&spec.redirects, local_rank),
+        streams_of(&spec.tee, local_rank),
+    );
     let shown = spec.console_ranks.as_ref().is_none_or(|r| r.contains(&local_rank));
     let prefix = format!("[{}{local_rank}]:", spec.role);
     let (stdout, stderr) = (Tail::default(), Tail::default());
     let mut pumps = Vec::new();
     if let Some(out) = child.stdout.take() {
         let to_file = redirect.stdout || tee.stdout;
-        let sink = Sink { prefix: prefix.clone(), console: shown && !redirect.stdout, is_stderr: false, file: to_file.then(|| rank_dir.join("stdout.log")) };
+        let sink = Sink {
+            prefix: prefix.clone(),
+            console: shown && !redirect.stdout,
+            is_stderr: false,
+            file: to_file.then(|| rank_dir.join("stdout.log")),
+        };
         pumps.push(pump(out, sink, stdout.clone()));
     }
     if let Some(err) = child.stderr.take() {
         let to_file = redirect.stderr || tee.stderr;
-        let sink = Sink { prefix, console: shown && !redirect.stderr, is_stderr: true, file: to_file.then(|| rank_dir.join("stderr.log")) };
+        let sink = Sink {
+            prefix,
+            console: shown && !redirect.stderr,
+            is_stderr: true,
+            file: to_file.then(|| rank_dir.join("stderr.log")),
+        };
         pumps.push(pump(err, sink, stderr.clone()));
     }
-    Ok(Worker { local_rank, rank: spec.node_rank * spec.nproc_per_node + local_rank, child, done: false, pumps, stdout, stderr, error_file })
+    Ok(Worker {
+        local_rank,
+        rank: spec.node_rank * spec.nproc_per_node + local_rank,
+        child,
+        done: false,
+        pumps,
+        stdout,
+        stderr,
+        error_file,
+    })
 }
 
 fn watch(workers: &mut [Worker], interval: Duration, grace: Duration, signals: &Signals, group: &mut Group) -> Outcome {
@@ -272,8 +376,15 @@ fn watch(workers: &mut [Worker], interval: Duration, grace: Duration, signals: &
             stop(workers, libc::SIGTERM, grace, signals);
             let w = &workers[local_rank];
             return Outcome::Failed(Failure {
-                local_rank, rank: w.rank, pid: w.child.id(), exitcode, time,
-                error_message: read_error_file(&w.error_file), error_file: w.error_file.clone(), stdout: w.stdout.lines(), stderr: w.stderr.lines(),
+                local_rank,
+                rank: w.rank,
+                pid: w.child.id(),
+                exitcode,
+                time,
+                error_message: read_error_file(&w.error_file),
+                error_file: w.error_file.clone(),
+                stdout: w.stdout.lines(),
+                stderr: w.stderr.lines(),
             });
         }
         if workers.iter().all(|w| w.done) {
@@ -294,7 +405,10 @@ fn stop(workers: &mut [Worker], sig: i32, grace: Duration, signals: &Signals) {
     let seen = signals.count.load(Ordering::SeqCst);
     let t = Instant::now();
     while t.elapsed() < grace && signals.count.load(Ordering::SeqCst) == seen {
-        if workers.iter_mut().all(|w| w.done || matches!(w.child.try_wait(), Ok(Some(_)))) {
+        if workers
+            .iter_mut()
+            .all(|w| w.done || matches!(w.child.try_wait(), Ok(Some(_))))
+        {
             break;
         }
         std::thread::sleep(Duration::from_millis(10));
@@ -321,7 +435,14 @@ fn summary(f: &Failure, spec: &LaunchSpec) -> String {
     let line = "=".repeat(60);
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
     let exit = if f.exitcode < 0 {
-        let name = match -f.exitcode { 9 => "SIGKILL", 15 => "SIGTERM", 2 => "SIGINT", 6 => "SIGABRT", 11 => "SIGSEGV", _ => "signal" };
+        let name = match -f.exitcode {
+            9 => "SIGKILL",
+            15 => "SIGTERM",
+            2 => "SIGINT",
+            6 => "SIGABRT",
+            11 => "SIGSEGV",
+            _ => "signal",
+        };
         format!("{} ({name}) (pid: {})", f.exitcode, f.pid)
     } else {
         format!("{} (pid: {})", f.exitcode, f.pid)
@@ -351,25 +472,53 @@ mod tests {
     fn restart_policy() {
         use Ended::*;
         assert_eq!(after_failure(0, 0, Other, None), Next::GiveUp);
-        assert_eq!(after_failure(0, 2, Other, Some(8)), Next::Restart { micro_batch_size: Some(8) });
-        assert_eq!(after_failure(1, 2, Oom, Some(8)), Next::Restart { micro_batch_size: Some(4) });
-        assert_eq!(after_failure(1, 2, Oom, Some(1)), Next::Restart { micro_batch_size: Some(1) });
+        assert_eq!(
+            after_failure(0, 2, Other, Some(8)),
+            Next::Restart {
+                micro_batch_size: Some(8)
+            }
+        );
+        assert_eq!(
+            after_failure(1, 2, Oom, Some(8)),
+            Next::Restart {
+                micro_batch_size: Some(4)
+            }
+        );
+        assert_eq!(
+            after_failure(1, 2, Oom, Some(1)),
+            Next::Restart {
+                micro_batch_size: Some(1)
+            }
+        );
         assert_eq!(after_failure(1, 2, Oom, None), Next::Restart { micro_batch_size: None });
         assert_eq!(after_failure(2, 2, Oom, Some(8)), Next::GiveUp);
-        assert_eq!(after_failure(0, 5, CannotFit, Some(1)), Next::GiveUp, "exit 3: no restart can help");
+        assert_eq!(
+            after_failure(0, 5, CannotFit, Some(1)),
+            Next::GiveUp,
+            "exit 3: no restart can help"
+        );
     }
 
     #[test]
     fn the_last_error_not_a_recovered_oom() {
         let lines = |t: &str| t.lines().map(String::from).collect::<Vec<_>>();
-        let recovered = "2026-11-23T10:00:00Z  WARN out of memory (Cpu): can't allocate memory at micro-batch 8: halving\n";
-        let e = last_error(&lines(&format!("{recovered}2026-11-23T10:00:01Z ERROR reading data: disk full\n")));
+        let recovered =
+            "2026-11-23T10:00:00Z  WARN out of memory (Cpu): can't allocate memory at micro-batch 8: halving\n";
+        let e = last_error(&lines(&format!(
+            "{recovered}2026-11-23T10:00:01Z ERROR reading data: disk full\n"
+        )));
         assert_eq!(e, "2026-11-23T10:00:01Z ERROR reading data: disk full");
         assert!(classify_oom(&e).is_none());
         // A Python script that printed a recovered OOM's traceback, then crashed otherwise.
         let py = "Traceback (most recent call last):\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\nretrying at 8\nTraceback (most recent call last):\n  File \"x.py\"\nValueError: bad batch\n";
-        assert!(last_error(&lines(py)).ends_with("ValueError: bad batch") && !last_error(&lines(py)).contains("OutOfMemory"));
-        assert!(classify_oom(&last_error(&lines("Traceback (most recent call last):\nRuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB\n"))).is_some());
+        assert!(
+            last_error(&lines(py)).ends_with("ValueError: bad batch")
+                && !last_error(&lines(py)).contains("OutOfMemory")
+        );
+        assert!(classify_oom(&last_error(&lines(
+            "Traceback (most recent call last):\nRuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+        )))
+        .is_some());
         // No error line at all (a segfault): the last lines that are not logs of recoveries.
         assert_eq!(last_error(&lines(&format!("step 3\n{recovered}"))), "step 3");
     }

@@ -52,7 +52,9 @@ pub fn remove_leftovers(dir: &Path) {
 
 /// `.NAME.PID.tmp` beside `path`: hidden, and one per process, so that writers never share one.
 fn temp_path(path: &Path) -> PathBuf {
-    let name = path.file_name().map_or_else(|| "file".into(), |n| n.to_string_lossy().into_owned());
+    let name = path
+        .file_name()
+        .map_or_else(|| "file".into(), |n| n.to_string_lossy().into_owned());
     folder(path).join(format!(".{name}.{}.tmp", std::process::id()))
 }
 
@@ -72,7 +74,12 @@ mod tests {
     fn replaces_whole_and_leaves_nothing_behind() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("a.json");
-        let names = || -> Vec<String> { std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect() };
+        let names = || -> Vec<String> {
+            std::fs::read_dir(dir.path())
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect()
+        };
         write(&p, b"old").unwrap();
         write(&p, b"new").unwrap();
         assert_eq!(std::fs::read(&p).unwrap(), b"new");
@@ -93,7 +100,10 @@ mod tests {
     #[test]
     fn a_bare_file_name_is_in_the_current_folder() {
         assert_eq!(folder(Path::new("out.png")), PathBuf::from("."));
-        assert_eq!(temp_path(Path::new("out.png")), PathBuf::from(format!("./.out.png.{}.tmp", std::process::id())));
+        assert_eq!(
+            temp_path(Path::new("out.png")),
+            PathBuf::from(format!("./.out.png.{}.tmp", std::process::id()))
+        );
         assert_eq!(folder(Path::new("/r/model.safetensors")), PathBuf::from("/r"));
     }
 }

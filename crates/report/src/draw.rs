@@ -62,10 +62,18 @@ pub struct Stroke {
 
 impl Stroke {
     pub const fn solid(color: RGBColor, width: u32) -> Stroke {
-        Stroke { color, width, dashed: false }
+        Stroke {
+            color,
+            width,
+            dashed: false,
+        }
     }
     pub const fn dashed(color: RGBColor, width: u32) -> Stroke {
-        Stroke { color, width, dashed: true }
+        Stroke {
+            color,
+            width,
+            dashed: true,
+        }
     }
     fn style(&self) -> ShapeStyle {
         self.color.stroke_width(self.width)
@@ -132,7 +140,12 @@ pub struct Line {
 
 impl Line {
     pub fn new(label: impl Into<String>, points: Vec<(f64, f64)>, stroke: Stroke) -> Line {
-        Line { label: label.into(), points, stroke, dots: false }
+        Line {
+            label: label.into(),
+            points,
+            stroke,
+            dots: false,
+        }
     }
 }
 
@@ -173,7 +186,12 @@ pub struct Panel<'a> {
 
 impl Panel<'_> {
     /// Draws into `area` over the steps `x`; `legend_extra` rows go under the lines' legend.
-    pub fn draw<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>, x: (f64, f64), legend_extra: &[LegendRow]) -> Result<(), Error> {
+    pub fn draw<DB: DrawingBackend>(
+        &self,
+        area: &DrawingArea<DB, Shift>,
+        x: (f64, f64),
+        legend_extra: &[LegendRow],
+    ) -> Result<(), Error> {
         let (w, _) = area.dim_in_pixel();
         let (plot, legend) = area.split_horizontally(w.saturating_sub(self.legend_width));
         let values = self.lines.iter().flat_map(|l| l.points.iter().map(|p| p.1));
@@ -210,19 +228,31 @@ impl Panel<'_> {
         if self.lines.iter().all(|l| l.points.is_empty()) {
             let (pw, ph) = plot.dim_in_pixel();
             let style = text_at(16, HPos::Center).color(&MUTED);
-            plot.draw(&Text::new(self.empty_note, ((pw / 2) as i32, (ph / 2) as i32), style)).map_err(draw_err)?;
+            plot.draw(&Text::new(self.empty_note, ((pw / 2) as i32, (ph / 2) as i32), style))
+                .map_err(draw_err)?;
         }
         let columns = chart.plotting_area().dim_in_pixel().0 as usize;
         for line in &self.lines {
             let pts = decimate(&line.points, x, columns);
             let style = line.stroke.style();
             if line.stroke.dashed {
-                chart.draw_series(std::iter::once(DashedPathElement::new(pts.iter().copied(), 8, 5, style))).map_err(draw_err)?;
+                chart
+                    .draw_series(std::iter::once(DashedPathElement::new(
+                        pts.iter().copied(),
+                        8,
+                        5,
+                        style,
+                    )))
+                    .map_err(draw_err)?;
             } else {
-                chart.draw_series(LineSeries::new(pts.iter().copied(), style)).map_err(draw_err)?;
+                chart
+                    .draw_series(LineSeries::new(pts.iter().copied(), style))
+                    .map_err(draw_err)?;
             }
             if line.dots {
-                chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, line.stroke.color.filled()))).map_err(draw_err)?;
+                chart
+                    .draw_series(pts.iter().map(|&p| Circle::new(p, 3, line.stroke.color.filled())))
+                    .map_err(draw_err)?;
             }
         }
         // Markers: solid ones first, so that a dashed one at the same step still shows.
@@ -233,12 +263,25 @@ impl Panel<'_> {
             let s = marker_stroke(m.kind);
             let seg = [(m.step as f64, lo), (m.step as f64, hi)];
             if s.dashed {
-                chart.draw_series(std::iter::once(DashedPathElement::new(seg, 6, 4, s.style()))).map_err(draw_err)?;
+                chart
+                    .draw_series(std::iter::once(DashedPathElement::new(seg, 6, 4, s.style())))
+                    .map_err(draw_err)?;
             } else {
-                chart.draw_series(std::iter::once(PathElement::new(seg.to_vec(), s.style()))).map_err(draw_err)?;
+                chart
+                    .draw_series(std::iter::once(PathElement::new(seg.to_vec(), s.style())))
+                    .map_err(draw_err)?;
             }
         }
-        let rows: Vec<LegendRow> = self.lines.iter().filter(|l| !l.points.is_empty()).map(|l| LegendRow { label: l.label.clone(), swatch: Some(l.stroke), dot: l.dots }).collect();
+        let rows: Vec<LegendRow> = self
+            .lines
+            .iter()
+            .filter(|l| !l.points.is_empty())
+            .map(|l| LegendRow {
+                label: l.label.clone(),
+                swatch: Some(l.stroke),
+                dot: l.dots,
+            })
+            .collect();
         draw_legend(&legend, 14, rows.iter().chain(legend_extra))
     }
 }
@@ -254,7 +297,11 @@ pub struct LegendRow {
 pub const ROW: i32 = 22;
 
 /// Stacks `rows` from `top`, a swatch then the label; rows that do not fit become "... N more".
-pub fn draw_legend<'r, DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, top: i32, rows: impl Iterator<Item = &'r LegendRow>) -> Result<(), Error> {
+pub fn draw_legend<'r, DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    top: i32,
+    rows: impl Iterator<Item = &'r LegendRow>,
+) -> Result<(), Error> {
     let rows: Vec<&LegendRow> = rows.collect();
     let fit = ((area.dim_in_pixel().1 as i32 - top - 8) / ROW).max(1) as usize;
     let shown = if rows.len() > fit { fit - 1 } else { rows.len() };
@@ -263,27 +310,36 @@ pub fn draw_legend<'r, DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, top: i
         draw_swatch(area, (4, y), row)?;
         let color = if row.swatch.is_some() { TEXT } else { MUTED };
         let style = text_at(14, HPos::Left).color(&color);
-        area.draw(&Text::new(row.label.clone(), (42, y), style)).map_err(draw_err)?;
+        area.draw(&Text::new(row.label.clone(), (42, y), style))
+            .map_err(draw_err)?;
     }
     if shown < rows.len() {
         let y = top + shown as i32 * ROW + ROW / 2;
         let style = text_at(14, HPos::Left).color(&MUTED);
-        area.draw(&Text::new(format!("... {} more", rows.len() - shown), (42, y), style)).map_err(draw_err)?;
+        area.draw(&Text::new(format!("... {} more", rows.len() - shown), (42, y), style))
+            .map_err(draw_err)?;
     }
     Ok(())
 }
 
 /// A 30-pixel stroke centred on `y`, starting at `x`.
-pub fn draw_swatch<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, (x, y): (i32, i32), row: &LegendRow) -> Result<(), Error> {
+pub fn draw_swatch<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    (x, y): (i32, i32),
+    row: &LegendRow,
+) -> Result<(), Error> {
     let Some(s) = row.swatch else { return Ok(()) };
     let seg = [(x, y), (x + 30, y)];
     if s.dashed {
-        area.draw(&DashedPathElement::new(seg, 6, 4, s.style())).map_err(draw_err)?;
+        area.draw(&DashedPathElement::new(seg, 6, 4, s.style()))
+            .map_err(draw_err)?;
     } else {
-        area.draw(&PathElement::new(seg.to_vec(), s.style())).map_err(draw_err)?;
+        area.draw(&PathElement::new(seg.to_vec(), s.style()))
+            .map_err(draw_err)?;
     }
     if row.dot {
-        area.draw(&Circle::new((x + 15, y), 3, s.color.filled())).map_err(draw_err)?;
+        area.draw(&Circle::new((x + 15, y), 3, s.color.filled()))
+            .map_err(draw_err)?;
     }
     Ok(())
 }
@@ -312,7 +368,14 @@ mod tests {
 
     #[test]
     fn the_moving_mean_is_centred_and_shrinks_at_the_ends() {
-        let pts: Vec<(f64, f64)> = [1.0, 2.0, 3.0, 4.0, 5.0].iter().enumerate().map(|(i, &v)| (i as f64, v)).collect();
-        assert_eq!(moving_mean(&pts, 3), [(0.0, 1.5), (1.0, 2.0), (2.0, 3.0), (3.0, 4.0), (4.0, 4.5)]);
+        let pts: Vec<(f64, f64)> = [1.0, 2.0, 3.0, 4.0, 5.0]
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| (i as f64, v))
+            .collect();
+        assert_eq!(
+            moving_mean(&pts, 3),
+            [(0.0, 1.5), (1.0, 2.0), (2.0, 3.0), (3.0, 4.0), (4.0, 4.5)]
+        );
     }
 }

@@ -61,7 +61,11 @@ pub fn sweep(title: &str, s: &Sweep, svg: &str, warnings: &[String]) -> String {
     let numeric = |c: usize| (3..=7).contains(&c);
     for (i, row) in &rows {
         let (i, t) = (*i, &s.trials[*i]);
-        body += if s.best == Some(i) { "<tr class=\"best\">" } else { "<tr>" };
+        body += if s.best == Some(i) {
+            "<tr class=\"best\">"
+        } else {
+            "<tr>"
+        };
         for (c, cell) in row.iter().enumerate() {
             let class = match c {
                 2 if !t.is_ok() => " class=\"bad\"",
@@ -70,7 +74,10 @@ pub fn sweep(title: &str, s: &Sweep, svg: &str, warnings: &[String]) -> String {
             };
             let swatch = if c == 1 && !t.eval_loss.is_empty() {
                 let c = crate::sweep_chart::colour(i);
-                format!("<span class=\"swatch\" style=\"background:rgb({},{},{})\"></span>", c.0, c.1, c.2)
+                format!(
+                    "<span class=\"swatch\" style=\"background:rgb({},{},{})\"></span>",
+                    c.0, c.1, c.2
+                )
             } else {
                 String::new()
             };

@@ -14,7 +14,9 @@ pub fn read<T: DeserializeOwned>(path: &Path, mut each: impl FnMut(T)) -> Result
     let (mut warnings, mut line, mut number) = (Vec::new(), Vec::new(), 0usize);
     loop {
         line.clear();
-        let n = reader.read_until(b'\n', &mut line).map_err(|e| Error::io(path, "cannot read", e))?;
+        let n = reader
+            .read_until(b'\n', &mut line)
+            .map_err(|e| Error::io(path, "cannot read", e))?;
         if n == 0 {
             break;
         }
@@ -26,8 +28,15 @@ pub fn read<T: DeserializeOwned>(path: &Path, mut each: impl FnMut(T)) -> Result
         match serde_json::from_slice::<T>(text) {
             Ok(v) => each(v),
             Err(e) => {
-                let torn = if line.last() != Some(&b'\n') { " (a truncated last line?)" } else { "" };
-                warnings.push(format!("{}:{number}: skipped a line that is not a valid record{torn}: {e}", path.display()));
+                let torn = if line.last() != Some(&b'\n') {
+                    " (a truncated last line?)"
+                } else {
+                    ""
+                };
+                warnings.push(format!(
+                    "{}:{number}: skipped a line that is not a valid record{torn}: {e}",
+                    path.display()
+                ));
             }
         }
     }

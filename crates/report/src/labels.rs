@@ -3,7 +3,11 @@
 /// 93.3 MiB, 1.50 GiB
 pub fn human_bytes(b: f64) -> String {
     let (div, unit) = bytes_unit(b);
-    format!("{:.prec$} {unit}", b / div, prec = if div >= (1u64 << 30) as f64 { 2 } else { 1 })
+    format!(
+        "{:.prec$} {unit}",
+        b / div,
+        prec = if div >= (1u64 << 30) as f64 { 2 } else { 1 }
+    )
 }
 
 /// MiB below 2 GiB, else GiB.
@@ -53,7 +57,10 @@ mod tests {
     fn numbers_and_sizes_read_short() {
         assert_eq!(short_number(12_345.0), "12k");
         assert_eq!([0.0, 20_000.0, 2e6].map(|v| step_label(v, 1e5)), ["0", "20k", "2M"]);
-        assert_eq!([2.5, 1_000_000.0, 1_000_200.0].map(|v| step_label(v, 2e3)), ["2.5", "1000000", "1000200"]);
+        assert_eq!(
+            [2.5, 1_000_000.0, 1_000_200.0].map(|v| step_label(v, 2e3)),
+            ["2.5", "1000000", "1000200"]
+        );
         assert_eq!(short_number(2_500.0), "2.5k");
         assert_eq!(short_number(5_000.0), "5k");
         assert_eq!(short_number(8.0), "8");

@@ -36,14 +36,22 @@ pub enum Error {
     #[error("{0}")]
     BadInput(String),
     #[error("{context} {path}: {source}")]
-    Io { context: &'static str, path: PathBuf, source: std::io::Error },
+    Io {
+        context: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("drawing the report: {0}")]
     Draw(String),
 }
 
 impl Error {
     pub fn io(path: &Path, context: &'static str, source: std::io::Error) -> Error {
-        Error::Io { context, path: path.to_path_buf(), source }
+        Error::Io {
+            context,
+            path: path.to_path_buf(),
+            source,
+        }
     }
 
     /// 2 for bad input, 1 for anything else.
@@ -65,7 +73,11 @@ pub enum Format {
 impl Format {
     /// From `--out`'s extension.
     pub fn of(out: &Path) -> Result<Format, Error> {
-        let ext = out.extension().and_then(|e| e.to_str()).unwrap_or("").to_ascii_lowercase();
+        let ext = out
+            .extension()
+            .and_then(|e| e.to_str())
+            .unwrap_or("")
+            .to_ascii_lowercase();
         match ext.as_str() {
             "png" => Ok(Format::Png),
             "svg" => Ok(Format::Svg),
@@ -73,7 +85,11 @@ impl Format {
             _ => Err(Error::BadInput(format!(
                 "--out {}: cannot tell the format from {}; name a .png, .svg or .html file",
                 out.display(),
-                if ext.is_empty() { "a name without an extension".to_string() } else { format!("the extension `.{ext}`") }
+                if ext.is_empty() {
+                    "a name without an extension".to_string()
+                } else {
+                    format!("the extension `.{ext}`")
+                }
             ))),
         }
     }
@@ -114,7 +130,11 @@ pub fn read(dir: &Path) -> Result<Source, Error> {
     }
     let series = RunSeries::read(&metrics)?;
     if series.steps == 0 && series.eval_loss.is_empty() && series.markers.is_empty() && !series.warnings.is_empty() {
-        return Err(Error::BadInput(format!("{}: no valid record in it ({} lines skipped); is it an oomguard metrics file?", metrics.display(), series.warnings.len())));
+        return Err(Error::BadInput(format!(
+            "{}: no valid record in it ({} lines skipped); is it an oomguard metrics file?",
+            metrics.display(),
+            series.warnings.len()
+        )));
     }
     Ok(Source::Run(Box::new(series)))
 }
@@ -125,16 +145,25 @@ pub fn report(dir: &Path, out: Option<&Path>) -> Result<Outcome, Error> {
     let format = Format::of(&out)?;
     let source = read(dir)?;
     if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty() && !p.is_dir()) {
-        return Err(Error::BadInput(format!("--out {}: the folder {} does not exist; create it or write elsewhere", out.display(), parent.display())));
+        return Err(Error::BadInput(format!(
+            "--out {}: the folder {} does not exist; create it or write elsewhere",
+            out.display(),
+            parent.display()
+        )));
     }
     let name = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
-    let name = name.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
+    let name = name
+        .file_name()
+        .map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
     let (bytes, text, warnings) = match source {
         Source::Run(mut s) => {
             let title = format!("oomguard run: {name}");
             let ooms = oom_chart::read(dir, &mut s.warnings);
             let shown = &ooms[..ooms.len().min(oom_chart::MAX_PANELS)];
-            let (w, h) = (run_chart::WIDTH, run_chart::HEIGHT + shown.len() as u32 * oom_chart::PANEL);
+            let (w, h) = (
+                run_chart::WIDTH,
+                run_chart::HEIGHT + shown.len() as u32 * oom_chart::PANEL,
+            );
             let bytes = match format {
                 Format::Png => png((w, h), |root| draw_run(root, &title, &s, shown))?,
                 Format::Svg => svg((w, h), |root| draw_run(root, &title, &s, shown))?.into_bytes(),
@@ -143,12 +172,21 @@ pub fn report(dir: &Path, out: Option<&Path>) -> Result<Outcome, Error> {
                     html::run(&title, &s.summary(), &svg, &s.warnings).into_bytes()
                 }
             };
-            let mut text: String = s.summary().rows().iter().map(|(k, v)| format!("{k:<20} {v}\n")).collect();
+            let mut text: String = s
+                .summary()
+                .rows()
+                .iter()
+                .map(|(k, v)| format!("{k:<20} {v}\n"))
+                .collect();
             for o in &ooms {
                 text += &format!("{:<20} {}\n", o.folder, o.text);
             }
             if ooms.len() > shown.len() {
-                s.warnings.push(format!("{} snapshots under oom/: the picture shows the first {}", ooms.len(), shown.len()));
+                s.warnings.push(format!(
+                    "{} snapshots under oom/: the picture shows the first {}",
+                    ooms.len(),
+                    shown.len()
+                ));
             }
             (bytes, text, s.warnings)
         }
@@ -156,10 +194,17 @@ pub fn report(dir: &Path, out: Option<&Path>) -> Result<Outcome, Error> {
             let title = format!("oomguard sweep: {name}");
             let w = sweep_chart::WIDTH;
             let bytes = match format {
-                Format::Png => png((w, sweep_chart::height(&s, true)), |root| sweep_chart::draw(root, &title, &s, true))?,
-                Format::Svg => svg((w, sweep_chart::height(&s, true)), |root| sweep_chart::draw(root, &title, &s, true))?.into_bytes(),
+                Format::Png => png((w, sweep_chart::height(&s, true)), |root| {
+                    sweep_chart::draw(root, &title, &s, true)
+                })?,
+                Format::Svg => svg((w, sweep_chart::height(&s, true)), |root| {
+                    sweep_chart::draw(root, &title, &s, true)
+                })?
+                .into_bytes(),
                 Format::Html => {
-                    let svg = svg((w, sweep_chart::height(&s, false)), |root| sweep_chart::draw(root, &title, &s, false))?;
+                    let svg = svg((w, sweep_chart::height(&s, false)), |root| {
+                        sweep_chart::draw(root, &title, &s, false)
+                    })?;
                     html::sweep(&title, &s, &svg, &s.warnings).into_bytes()
                 }
             };
@@ -172,7 +217,12 @@ pub fn report(dir: &Path, out: Option<&Path>) -> Result<Outcome, Error> {
 }
 
 /// The run's picture, then a panel per OOM snapshot below it.
-fn draw_run<DB: plotters::prelude::DrawingBackend>(root: &Root<DB>, title: &str, s: &RunSeries, ooms: &[oom_chart::Oom]) -> Result<(), Error> {
+fn draw_run<DB: plotters::prelude::DrawingBackend>(
+    root: &Root<DB>,
+    title: &str,
+    s: &RunSeries,
+    ooms: &[oom_chart::Oom],
+) -> Result<(), Error> {
     root.fill(&plotters::style::colors::WHITE).map_err(draw::draw_err)?;
     let (run, rest) = root.split_vertically(run_chart::HEIGHT);
     run_chart::draw(&run, title, s)?;
@@ -187,7 +237,10 @@ fn draw_run<DB: plotters::prelude::DrawingBackend>(root: &Root<DB>, title: &str,
 
 type Root<'a, DB> = plotters::drawing::DrawingArea<DB, plotters::coord::Shift>;
 
-fn svg(size: (u32, u32), draw: impl FnOnce(&Root<plotters::backend::SVGBackend>) -> Result<(), Error>) -> Result<String, Error> {
+fn svg(
+    size: (u32, u32),
+    draw: impl FnOnce(&Root<plotters::backend::SVGBackend>) -> Result<(), Error>,
+) -> Result<String, Error> {
     use plotters::prelude::IntoDrawingArea;
     let mut buf = String::new();
     {
@@ -199,7 +252,10 @@ fn svg(size: (u32, u32), draw: impl FnOnce(&Root<plotters::backend::SVGBackend>)
 }
 
 /// The picture's pixels, RGB, row by row.
-fn pixels(size: (u32, u32), draw: impl FnOnce(&Root<plotters::backend::BitMapBackend>) -> Result<(), Error>) -> Result<Vec<u8>, Error> {
+fn pixels(
+    size: (u32, u32),
+    draw: impl FnOnce(&Root<plotters::backend::BitMapBackend>) -> Result<(), Error>,
+) -> Result<Vec<u8>, Error> {
     use plotters::prelude::IntoDrawingArea;
     let mut rgb = vec![0u8; size.0 as usize * size.1 as usize * 3];
     {
@@ -210,7 +266,10 @@ fn pixels(size: (u32, u32), draw: impl FnOnce(&Root<plotters::backend::BitMapBac
     Ok(rgb)
 }
 
-fn png(size: (u32, u32), draw: impl FnOnce(&Root<plotters::backend::BitMapBackend>) -> Result<(), Error>) -> Result<Vec<u8>, Error> {
+fn png(
+    size: (u32, u32),
+    draw: impl FnOnce(&Root<plotters::backend::BitMapBackend>) -> Result<(), Error>,
+) -> Result<Vec<u8>, Error> {
     let rgb = pixels(size, draw)?;
     let mut bytes = Vec::new();
     let mut encoder = png::Encoder::new(&mut bytes, size.0, size.1);

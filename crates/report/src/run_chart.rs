@@ -57,7 +57,10 @@ fn trend(label: &str, points: Vec<(f64, f64)>, color: RGBColor, pale: RGBColor) 
         return vec![Line::new(label, points, Stroke::solid(color, 1))];
     }
     let mean = draw::moving_mean(&points, window);
-    vec![Line::new(label, points, Stroke::solid(pale, 1)), Line::new(format!("{label}, mean of {window}"), mean, Stroke::solid(color, 2))]
+    vec![
+        Line::new(label, points, Stroke::solid(pale, 1)),
+        Line::new(format!("{label}, mean of {window}"), mean, Stroke::solid(color, 2)),
+    ]
 }
 
 fn panels(s: &RunSeries) -> Vec<Panel<'_>> {
@@ -67,36 +70,63 @@ fn panels(s: &RunSeries) -> Vec<Panel<'_>> {
     eval.dots = s.eval_loss.len() <= 60;
     let mut loss = trend("train loss", draw::to_f64(&s.loss, 1.0), BLUE, PALE);
     loss.push(eval);
-    let max_mem = [&s.peak_bytes, &s.limit_bytes, &s.reserved_bytes, &s.live_bytes].iter().flat_map(|v| v.iter().map(|p| p.1)).fold(0.0, f64::max);
+    let max_mem = [&s.peak_bytes, &s.limit_bytes, &s.reserved_bytes, &s.live_bytes]
+        .iter()
+        .flat_map(|v| v.iter().map(|p| p.1))
+        .fold(0.0, f64::max);
     let (div, unit) = crate::labels::bytes_unit(max_mem);
     let mut memory = vec![
         Line::new("live", draw::to_f64(&s.live_bytes, div), Stroke::solid(BLUE, 2)),
         Line::new("peak", draw::to_f64(&s.peak_bytes, div), Stroke::solid(TEAL, 2)),
     ];
     if !s.reserved_bytes.is_empty() {
-        memory.push(Line::new("reserved (cache)", draw::to_f64(&s.reserved_bytes, div), Stroke::solid(GREY, 2)));
+        memory.push(Line::new(
+            "reserved (cache)",
+            draw::to_f64(&s.reserved_bytes, div),
+            Stroke::solid(GREY, 2),
+        ));
     }
     if !s.limit_bytes.is_empty() {
         // CUDA steps report the cache too; their limit is the device's capacity.
-        let label = if s.reserved_bytes.is_empty() { "budget" } else { "capacity" };
-        memory.push(Line::new(label, draw::to_f64(&s.limit_bytes, div), Stroke::dashed(INK, 2)));
+        let label = if s.reserved_bytes.is_empty() {
+            "budget"
+        } else {
+            "capacity"
+        };
+        memory.push(Line::new(
+            label,
+            draw::to_f64(&s.limit_bytes, div),
+            Stroke::dashed(INK, 2),
+        ));
     }
-    let panel = |y_desc: String, lines, from_zero, y_format, empty_note| Panel { y_desc, lines, markers: &s.markers, from_zero, y_format, empty_note, legend_width: LEGEND };
+    let panel = |y_desc: String, lines, from_zero, y_format, empty_note| Panel {
+        y_desc,
+        lines,
+        markers: &s.markers,
+        from_zero,
+        y_format,
+        empty_note,
+        legend_width: LEGEND,
+    };
     vec![
+        panel("loss".into(), loss, false, loss_fmt, "no steps recorded"),
         panel(
-            "loss".into(),
-            loss,
-            false,
-            loss_fmt,
+            "tokens/s".into(),
+            trend("tokens/s", draw::to_f64(&s.tokens_per_s, 1.0), TEAL, PALE_TEAL),
+            true,
+            number,
             "no steps recorded",
         ),
-        panel("tokens/s".into(), trend("tokens/s", draw::to_f64(&s.tokens_per_s, 1.0), TEAL, PALE_TEAL), true, number, "no steps recorded"),
         panel(format!("memory ({unit})"), memory, true, number, "no memory recorded"),
         panel(
             "micro-batch, accumulation".into(),
             vec![
                 Line::new("micro-batch size", stepped(&s.micro_batch_size), Stroke::solid(BLUE, 2)),
-                Line::new("accumulation steps", stepped(&s.grad_accum_steps), Stroke::dashed(TEAL, 2)),
+                Line::new(
+                    "accumulation steps",
+                    stepped(&s.grad_accum_steps),
+                    Stroke::dashed(TEAL, 2),
+                ),
             ],
             true,
             number,
@@ -110,7 +140,9 @@ pub fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, title: &str, s: &
     draw::register_font();
     root.fill(&WHITE).map_err(draw_err)?;
     let (header, body) = root.split_vertically(HEADER);
-    header.draw(&Text::new(title.to_string(), (16, 10), text(22))).map_err(draw_err)?;
+    header
+        .draw(&Text::new(title.to_string(), (16, 10), text(22)))
+        .map_err(draw_err)?;
     summary_lines(&header, s)?;
     marker_legend(&header, s, 80)?;
     let x = x_range(s);
@@ -124,31 +156,47 @@ pub fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, title: &str, s: &
 fn summary_lines<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, s: &RunSeries) -> Result<(), Error> {
     let style = text(14).color(&MUTED);
     let rows = s.summary().rows();
-    let join = |rows: &[(&str, String)]| rows.iter().map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>().join(" | ");
+    let join = |rows: &[(&str, String)]| {
+        rows.iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect::<Vec<_>>()
+            .join(" | ")
+    };
     let one = join(&rows);
     if area.estimate_text_size(&one, &style).map_err(draw_err)?.0 + 32 <= WIDTH {
         return area.draw(&Text::new(one, (16, 42), style)).map_err(draw_err);
     }
     let half = rows.len().div_ceil(2);
-    area.draw(&Text::new(join(&rows[..half]), (16, 38), style.clone())).map_err(draw_err)?;
-    area.draw(&Text::new(join(&rows[half..]), (16, 56), style)).map_err(draw_err)
+    area.draw(&Text::new(join(&rows[..half]), (16, 38), style.clone()))
+        .map_err(draw_err)?;
+    area.draw(&Text::new(join(&rows[half..]), (16, 56), style))
+        .map_err(draw_err)
 }
 
 /// One row across the header: every marker kind that occurred, and always the guard's
 /// four, with their counts.
 fn marker_legend<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, s: &RunSeries, y: i32) -> Result<(), Error> {
     let style = draw::text_at(14, draw::HPos::Left);
-    area.draw(&Text::new("markers:", (16, y), style.clone())).map_err(draw_err)?;
+    area.draw(&Text::new("markers:", (16, y), style.clone()))
+        .map_err(draw_err)?;
     let mut x = 90;
     for kind in MarkerKind::ALL {
         let n = s.count(kind);
-        let always = matches!(kind, MarkerKind::Oom | MarkerKind::Shrink | MarkerKind::Grow | MarkerKind::Resumed);
+        let always = matches!(
+            kind,
+            MarkerKind::Oom | MarkerKind::Shrink | MarkerKind::Grow | MarkerKind::Resumed
+        );
         if n == 0 && !always {
             continue;
         }
-        let row = draw::LegendRow { label: format!("{} ({n})", kind.label()), swatch: Some(draw::marker_stroke(kind)), dot: false };
+        let row = draw::LegendRow {
+            label: format!("{} ({n})", kind.label()),
+            swatch: Some(draw::marker_stroke(kind)),
+            dot: false,
+        };
         draw::draw_swatch(area, (x, y), &row)?;
-        area.draw(&Text::new(row.label.clone(), (x + 38, y), style.clone())).map_err(draw_err)?;
+        area.draw(&Text::new(row.label.clone(), (x + 38, y), style.clone()))
+            .map_err(draw_err)?;
         let (w, _) = area.estimate_text_size(&row.label, &style).map_err(draw_err)?;
         x += 38 + w as i32 + 28;
     }
@@ -162,6 +210,16 @@ mod tests {
     #[test]
     fn a_step_function_becomes_its_staircase() {
         let s = stepped(&[(0, 16.0), (1, 16.0), (2, 8.0), (3, 8.0), (4, 16.0), (5, 16.0)]);
-        assert_eq!(s, [(0.0, 16.0), (2.0, 16.0), (2.0, 8.0), (4.0, 8.0), (4.0, 16.0), (5.0, 16.0)]);
+        assert_eq!(
+            s,
+            [
+                (0.0, 16.0),
+                (2.0, 16.0),
+                (2.0, 8.0),
+                (4.0, 8.0),
+                (4.0, 16.0),
+                (5.0, 16.0)
+            ]
+        );
     }
 }

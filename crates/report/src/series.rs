@@ -22,8 +22,15 @@ pub enum MarkerKind {
 }
 
 impl MarkerKind {
-    pub const ALL: [MarkerKind; 7] =
-        [MarkerKind::Oom, MarkerKind::Shrink, MarkerKind::Grow, MarkerKind::Resumed, MarkerKind::Rung, MarkerKind::Stopped, MarkerKind::Leak];
+    pub const ALL: [MarkerKind; 7] = [
+        MarkerKind::Oom,
+        MarkerKind::Shrink,
+        MarkerKind::Grow,
+        MarkerKind::Resumed,
+        MarkerKind::Rung,
+        MarkerKind::Stopped,
+        MarkerKind::Leak,
+    ];
 
     fn from_event(event: &str) -> Option<MarkerKind> {
         Some(match event {
@@ -117,14 +124,19 @@ fn bytes(v: Option<u64>) -> Option<f64> {
 impl RunSeries {
     /// Reads `metrics.jsonl` (metrics.replaced.jsonl, work a resumed run redid, is not read).
     pub fn read(path: &Path) -> Result<RunSeries, Error> {
-        let mut s = RunSeries { world_size: 1, ..Default::default() };
+        let mut s = RunSeries {
+            world_size: 1,
+            ..Default::default()
+        };
         let warnings = jsonl::read::<Line>(path, |l| s.add(l))?;
         s.warnings = warnings;
         Ok(s)
     }
 
     fn add(&mut self, l: Line) {
-        let (Some(event), Some(step)) = (l.event.as_deref(), l.step) else { return };
+        let (Some(event), Some(step)) = (l.event.as_deref(), l.step) else {
+            return;
+        };
         match event {
             "step" => {
                 self.steps += 1;
@@ -156,8 +168,15 @@ impl RunSeries {
 
     /// The steps the run covers, events included.
     pub fn step_range(&self) -> Option<(u64, u64)> {
-        let steps = self.loss.iter().chain(&self.eval_loss).map(|p| p.0).chain(self.markers.iter().map(|m| m.step));
-        steps.fold(None, |r, s| Some(r.map_or((s, s), |(a, b): (u64, u64)| (a.min(s), b.max(s)))))
+        let steps = self
+            .loss
+            .iter()
+            .chain(&self.eval_loss)
+            .map(|p| p.0)
+            .chain(self.markers.iter().map(|m| m.step));
+        steps.fold(None, |r, s| {
+            Some(r.map_or((s, s), |(a, b): (u64, u64)| (a.min(s), b.max(s))))
+        })
     }
 
     pub fn summary(&self) -> Summary {
@@ -213,8 +232,14 @@ impl Summary {
             ("final eval loss", f(self.final_eval_loss, 4)),
             ("best eval loss", f(self.best_eval_loss, 4)),
             ("mean tokens/s", f(self.mean_tokens_per_s, 0)),
-            ("peak memory", self.peak_bytes.map_or("-".into(), crate::labels::human_bytes)),
-            ("final micro-batch", self.final_micro_batch.map_or("-".into(), |v| v.to_string())),
+            (
+                "peak memory",
+                self.peak_bytes.map_or("-".into(), crate::labels::human_bytes),
+            ),
+            (
+                "final micro-batch",
+                self.final_micro_batch.map_or("-".into(), |v| v.to_string()),
+            ),
             ("OOMs", self.ooms.to_string()),
             ("shrinks", self.shrinks.to_string()),
             ("grow-backs", self.grows.to_string()),
@@ -225,7 +250,6 @@ impl Summary {
         }
         rows
     }
-
 }
 
 #[cfg(test)]
@@ -253,7 +277,10 @@ mod tests {
         assert_eq!(s.micro_batch_size, [(0, 8.0), (1, 16.0)]);
         assert_eq!(s.limit_bytes, [(0, 100.0)]);
         assert_eq!(s.eval_loss, [(1, 4.0)]);
-        assert_eq!(s.markers.iter().map(|m| (m.step, m.kind)).collect::<Vec<_>>(), [(0, MarkerKind::Oom), (1, MarkerKind::Grow), (2, MarkerKind::Resumed)]);
+        assert_eq!(
+            s.markers.iter().map(|m| (m.step, m.kind)).collect::<Vec<_>>(),
+            [(0, MarkerKind::Oom), (1, MarkerKind::Grow), (2, MarkerKind::Resumed)]
+        );
         assert_eq!(s.step_range(), Some((0, 2)));
         let sum = s.summary();
         assert_eq!((sum.ooms, sum.grows, sum.resumes, sum.world_size), (1, 1, 1, 2));

@@ -53,12 +53,19 @@ impl Trial {
     /// `model.n_embd=64 optim.lr=0.001`
     pub fn params(&self) -> String {
         let value = |v: &serde_json::Value| v.as_str().map_or_else(|| v.to_string(), str::to_string);
-        self.record.params.iter().map(|(k, v)| format!("{k}={}", value(v))).collect::<Vec<_>>().join(" ")
+        self.record
+            .params
+            .iter()
+            .map(|(k, v)| format!("{k}={}", value(v)))
+            .collect::<Vec<_>>()
+            .join(" ")
     }
 
     /// The trial's best eval loss: its record's, else its run's.
     pub fn best_eval_loss(&self) -> Option<f64> {
-        self.record.best_eval_loss.or_else(|| self.eval_loss.iter().map(|p| p.1).reduce(f64::min))
+        self.record
+            .best_eval_loss
+            .or_else(|| self.eval_loss.iter().map(|p| p.1).reduce(f64::min))
     }
 }
 
@@ -76,7 +83,11 @@ impl Sweep {
         let mut warnings = jsonl::read::<TrialRecord>(&dir.join("results.jsonl"), |r| records.push(r))?;
         let mut trials = Vec::with_capacity(records.len());
         for (i, record) in records.into_iter().enumerate() {
-            let name = record.trial.clone().or_else(|| record.index.map(|n| format!("{n:03}"))).unwrap_or_else(|| format!("#{}", i + 1));
+            let name = record
+                .trial
+                .clone()
+                .or_else(|| record.index.map(|n| format!("{n:03}")))
+                .unwrap_or_else(|| format!("#{}", i + 1));
             let mut eval_loss = Vec::new();
             if let Some(run) = record.run_dir.as_deref() {
                 let metrics = dir.join(run).join("metrics.jsonl");
@@ -85,10 +96,17 @@ impl Sweep {
                     warnings.extend(series.warnings);
                     eval_loss = series.eval_loss;
                 } else if record.status.as_deref() == Some("ok") {
-                    warnings.push(format!("{}: missing; trial {name} is listed without its eval losses", metrics.display()));
+                    warnings.push(format!(
+                        "{}: missing; trial {name} is listed without its eval losses",
+                        metrics.display()
+                    ));
                 }
             }
-            trials.push(Trial { name, record, eval_loss });
+            trials.push(Trial {
+                name,
+                record,
+                eval_loss,
+            });
         }
         let best = trials
             .iter()
@@ -116,7 +134,12 @@ impl Sweep {
 
     /// Trials best first: completed ones by best eval loss, then the rest in file order.
     pub fn ranked(&self) -> Vec<usize> {
-        let loss = |i: usize| self.trials[i].is_ok().then(|| self.trials[i].best_eval_loss()).flatten();
+        let loss = |i: usize| {
+            self.trials[i]
+                .is_ok()
+                .then(|| self.trials[i].best_eval_loss())
+                .flatten()
+        };
         let mut order: Vec<usize> = (0..self.trials.len()).collect();
         order.sort_by(|&a, &b| match (loss(a), loss(b)) {
             (Some(x), Some(y)) => x.total_cmp(&y),
@@ -130,7 +153,17 @@ impl Sweep {
     /// The table's header and rows, best first, each with its trial's index (text, picture
     /// and HTML share them).
     pub fn table(&self) -> (Vec<&'static str>, Vec<(usize, Vec<String>)>) {
-        let header = vec!["", "trial", "status", "best eval loss", "tokens/s", "final micro-batch", "OOMs", "duration", "params"];
+        let header = vec![
+            "",
+            "trial",
+            "status",
+            "best eval loss",
+            "tokens/s",
+            "final micro-batch",
+            "OOMs",
+            "duration",
+            "params",
+        ];
         let f = |v: Option<f64>, d: usize| v.map_or("-".into(), |v| format!("{v:.d$}"));
         let rows = self
             .ranked()
@@ -138,7 +171,11 @@ impl Sweep {
             .map(|i| {
                 let (t, r) = (&self.trials[i], &self.trials[i].record);
                 let row = vec![
-                    if self.best == Some(i) { "best".into() } else { String::new() },
+                    if self.best == Some(i) {
+                        "best".into()
+                    } else {
+                        String::new()
+                    },
                     t.name.clone(),
                     t.status(),
                     f(t.best_eval_loss(), 4),
@@ -202,6 +239,12 @@ mod tests {
         assert_eq!(s.ranked(), [3, 0, 1, 2, 4]);
         let text = s.text_table();
         assert!(text.lines().nth(1).unwrap().starts_with("best  003-d"), "{text}");
-        assert!(text.lines().nth(3).unwrap().starts_with("      001-b  infeasible (planner)"), "{text}");
+        assert!(
+            text.lines()
+                .nth(3)
+                .unwrap()
+                .starts_with("      001-b  infeasible (planner)"),
+            "{text}"
+        );
     }
 }

@@ -19,9 +19,15 @@ impl EventWriter {
     /// `events.out.tfevents.<unix seconds>.<host>.<pid>`.
     pub fn create(dir: &Path) -> std::io::Result<EventWriter> {
         std::fs::create_dir_all(dir)?;
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_default();
         let host = if host.is_empty() { "localhost".to_string() } else { host };
-        let name = format!("events.out.tfevents.{}.{host}.{}", now().trunc() as u64, std::process::id());
+        let name = format!(
+            "events.out.tfevents.{}.{host}.{}",
+            now().trunc() as u64,
+            std::process::id()
+        );
         let path = dir.join(name);
         let file = std::fs::OpenOptions::new().create_new(true).write(true).open(&path)?;
         let mut w = EventWriter { file, path };
@@ -67,7 +73,9 @@ impl EventWriter {
 }
 
 fn now() -> f64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 fn put_varint(out: &mut Vec<u8>, mut v: u64) {
@@ -110,7 +118,9 @@ pub fn crc32c(data: &[u8]) -> u32 {
         }
         t
     };
-    !data.iter().fold(!0u32, |c, &b| TABLE[((c ^ b as u32) & 0xff) as usize] ^ (c >> 8))
+    !data
+        .iter()
+        .fold(!0u32, |c, &b| TABLE[((c ^ b as u32) & 0xff) as usize] ^ (c >> 8))
 }
 
 /// TFRecord's mask, so that CRCs of data holding CRCs stay strong.
@@ -144,7 +154,9 @@ pub fn read_events(bytes: &[u8]) -> Result<Vec<Event>, ReadError> {
         }
         let len = u64::from_le_bytes(head[..8].try_into().unwrap_or_default()) as usize;
         let data = bytes.get(at + 12..at + 12 + len).ok_or_else(|| err("truncated data"))?;
-        let crc = bytes.get(at + 12 + len..at + 16 + len).ok_or_else(|| err("truncated data CRC"))?;
+        let crc = bytes
+            .get(at + 12 + len..at + 16 + len)
+            .ok_or_else(|| err("truncated data CRC"))?;
         if masked_crc(data) != u32::from_le_bytes(crc.try_into().unwrap_or_default()) {
             return Err(err("data CRC mismatch"));
         }
@@ -198,7 +210,12 @@ fn fields(mut data: &[u8]) -> Option<Vec<Field<'_>>> {
 }
 
 fn decode_event(data: &[u8]) -> Option<Event> {
-    let mut e = Event { wall_time: 0.0, step: 0, file_version: None, values: Vec::new() };
+    let mut e = Event {
+        wall_time: 0.0,
+        step: 0,
+        file_version: None,
+        values: Vec::new(),
+    };
     for (field, wire, n, bytes) in fields(data)? {
         match (field, wire) {
             (1, 1) => e.wall_time = f64::from_bits(n),
@@ -240,7 +257,8 @@ mod tests {
     fn written_events_read_back_with_their_tags_steps_and_values() {
         let dir = tempfile::tempdir().unwrap();
         let mut w = EventWriter::create(&dir.path().join("tb")).unwrap();
-        w.scalars(0, &[("train/loss", 5.5), ("memory/live_bytes", 52053200.0)]).unwrap();
+        w.scalars(0, &[("train/loss", 5.5), ("memory/live_bytes", 52053200.0)])
+            .unwrap();
         w.scalars(300, &[("eval/val_loss", 1.25)]).unwrap();
         let name = w.path().file_name().unwrap().to_string_lossy().into_owned();
         assert!(name.starts_with("events.out.tfevents."), "{name}");
@@ -249,7 +267,13 @@ mod tests {
         assert_eq!(ev.len(), 3);
         assert_eq!(ev[0].file_version.as_deref(), Some("brain.Event:2"));
         assert_eq!(ev[1].step, 0);
-        assert_eq!(ev[1].values, [("train/loss".to_string(), 5.5), ("memory/live_bytes".to_string(), 52053200.0)]);
+        assert_eq!(
+            ev[1].values,
+            [
+                ("train/loss".to_string(), 5.5),
+                ("memory/live_bytes".to_string(), 52053200.0)
+            ]
+        );
         assert_eq!((ev[2].step, ev[2].values[0].1), (300, 1.25));
         assert!(ev[2].wall_time > 1.6e9);
         let mut torn = bytes.clone();

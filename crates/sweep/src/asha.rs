@@ -27,7 +27,13 @@ pub fn in_top(rank: usize, n: usize, eta: u64) -> bool {
 /// `a` better than `b` (a missing or non-finite value is worse than any number).
 fn better(a: Option<f64>, b: Option<f64>, maximize: bool) -> bool {
     match (a.filter(|v| v.is_finite()), b.filter(|v| v.is_finite())) {
-        (Some(x), Some(y)) => if maximize { x > y } else { x < y },
+        (Some(x), Some(y)) => {
+            if maximize {
+                x > y
+            } else {
+                x < y
+            }
+        }
         (Some(_), None) => true,
         _ => false,
     }
@@ -46,12 +52,20 @@ pub fn decide(es: &EarlyStop, step: u64, value: Option<f64>, others: &[Option<f6
         return Decision::Done;
     }
     let finite = value.is_some_and(f64::is_finite);
-    if finite && in_top(rank(value, others, maximize), others.len() + 1, es.eta) { Decision::Continue } else { Decision::Stop }
+    if finite && in_top(rank(value, others, maximize), others.len() + 1, es.eta) {
+        Decision::Continue
+    } else {
+        Decision::Stop
+    }
 }
 
 /// The values reported at rung `step` by every trial but `except`.
 pub fn reported_at<'a>(records: impl IntoIterator<Item = &'a Record>, step: u64, except: &str) -> Vec<Option<f64>> {
-    records.into_iter().filter(|r| r.trial != except).filter_map(|r| r.rungs.iter().find(|g| g.step == step).map(|g| g.value)).collect()
+    records
+        .into_iter()
+        .filter(|r| r.trial != except)
+        .filter_map(|r| r.rungs.iter().find(|g| g.step == step).map(|g| g.value))
+        .collect()
 }
 
 /// The rung after `step` (max_steps after the last).
@@ -80,22 +94,36 @@ fn position(r: Option<&Record>) -> (u64, bool) {
 /// `trials`: this shard's; `busy`: running here or held by another process. When nothing
 /// else is left and no trial has reached max_steps, the best at the highest rung goes on, so
 /// a finite sweep always trains one trial in full.
-pub fn next(es: &EarlyStop, trials: &[&Trial], records: &BTreeMap<String, Record>, busy: &BTreeSet<String>, maximize: bool) -> Option<Job> {
+pub fn next(
+    es: &EarlyStop,
+    trials: &[&Trial],
+    records: &BTreeMap<String, Record>,
+    busy: &BTreeSet<String>,
+    maximize: bool,
+) -> Option<Job> {
     let free = |t: &&&Trial| !busy.contains(&t.id);
     for t in trials.iter().filter(free) {
         let (reached, open) = position(records.get(&t.id));
         if open && records.contains_key(&t.id) {
-            return Some(Job { index: t.index, target: next_rung(es, reached) });
+            return Some(Job {
+                index: t.index,
+                target: next_rung(es, reached),
+            });
         }
     }
     if let Some(job) = promotion(es, trials, records, busy, maximize, false) {
         return Some(job);
     }
     if let Some(t) = trials.iter().filter(free).find(|t| !records.contains_key(&t.id)) {
-        return Some(Job { index: t.index, target: es.rungs()[0] });
+        return Some(Job {
+            index: t.index,
+            target: es.rungs()[0],
+        });
     }
     let running_or_new = trials.iter().any(|t| busy.contains(&t.id));
-    let finished = records.values().any(|r| r.rungs.last().is_some_and(|g| g.decision == Decision::Done));
+    let finished = records
+        .values()
+        .any(|r| r.rungs.last().is_some_and(|g| g.decision == Decision::Done));
     if running_or_new || finished {
         return None;
     }
@@ -104,7 +132,14 @@ pub fn next(es: &EarlyStop, trials: &[&Trial], records: &BTreeMap<String, Record
 
 /// The best stopped trial of the highest rung that is in the top 1/eta there (`drain`: the
 /// best there, whatever its rank).
-fn promotion(es: &EarlyStop, trials: &[&Trial], records: &BTreeMap<String, Record>, busy: &BTreeSet<String>, maximize: bool, drain: bool) -> Option<Job> {
+fn promotion(
+    es: &EarlyStop,
+    trials: &[&Trial],
+    records: &BTreeMap<String, Record>,
+    busy: &BTreeSet<String>,
+    maximize: bool,
+    drain: bool,
+) -> Option<Job> {
     for step in es.rungs().into_iter().rev().skip(1) {
         let all = reported_at(records.values(), step, "");
         let mut stopped: Vec<(&Trial, Option<f64>)> = trials
@@ -113,15 +148,27 @@ fn promotion(es: &EarlyStop, trials: &[&Trial], records: &BTreeMap<String, Recor
             .filter_map(|t| {
                 let r = records.get(&t.id)?;
                 let last = r.rungs.last()?;
-                (r.status == Status::StoppedEarly && last.step == step && last.decision == Decision::Stop).then_some((*t, last.value))
+                (r.status == Status::StoppedEarly && last.step == step && last.decision == Decision::Stop)
+                    .then_some((*t, last.value))
             })
             .collect();
-        stopped.sort_by(|a, b| if better(a.1, b.1, maximize) { std::cmp::Ordering::Less } else if better(b.1, a.1, maximize) { std::cmp::Ordering::Greater } else { a.0.index.cmp(&b.0.index) });
+        stopped.sort_by(|a, b| {
+            if better(a.1, b.1, maximize) {
+                std::cmp::Ordering::Less
+            } else if better(b.1, a.1, maximize) {
+                std::cmp::Ordering::Greater
+            } else {
+                a.0.index.cmp(&b.0.index)
+            }
+        });
         if let Some((t, v)) = stopped.first() {
             let others: Vec<Option<f64>> = all.iter().copied().filter(|o| better(*o, *v, maximize)).collect();
             let top = v.is_some_and(f64::is_finite) && (drain || in_top(others.len(), all.len(), es.eta));
             if top {
-                return Some(Job { index: t.index, target: next_rung(es, step) });
+                return Some(Job {
+                    index: t.index,
+                    target: next_rung(es, step),
+                });
             }
         }
     }
@@ -161,22 +208,47 @@ mod tests {
     use crate::record::Summary;
 
     fn es() -> EarlyStop {
-        EarlyStop { metric: RungMetric::ValLoss, min_steps: 3, eta: 3, max_steps: 27 }
+        EarlyStop {
+            metric: RungMetric::ValLoss,
+            min_steps: 3,
+            eta: 3,
+            max_steps: 27,
+        }
     }
 
     fn trial(i: usize) -> Trial {
-        Trial { index: i, id: format!("{i:03}-x"), params: BTreeMap::new() }
+        Trial {
+            index: i,
+            id: format!("{i:03}-x"),
+            params: BTreeMap::new(),
+        }
     }
 
     fn record(i: usize, status: Status, rungs: Vec<Rung>) -> Record {
         Record {
-            trial: format!("{i:03}-x"), index: i, params: BTreeMap::new(), status, told_by: None, exit_code: Some(0), summary: Summary::default(),
-            duration_s: 0.0, run_dir: String::new(), message: None, shard: "0/1".into(), finished_at: String::new(), rung: None, rungs,
+            trial: format!("{i:03}-x"),
+            index: i,
+            params: BTreeMap::new(),
+            status,
+            told_by: None,
+            exit_code: Some(0),
+            summary: Summary::default(),
+            duration_s: 0.0,
+            run_dir: String::new(),
+            message: None,
+            shard: "0/1".into(),
+            finished_at: String::new(),
+            rung: None,
+            rungs,
         }
     }
 
     fn rung(step: u64, value: f64, decision: Decision) -> Rung {
-        Rung { step, value: Some(value), decision }
+        Rung {
+            step,
+            value: Some(value),
+            decision,
+        }
     }
 
     #[test]
@@ -187,12 +259,28 @@ mod tests {
         assert_eq!(next_rung(&es(), 9), 27);
         // Fewer than eta reported: none is in the top third yet (it may be promoted later).
         assert_eq!(decide(&es(), 3, Some(2.0), &[], false), Decision::Stop);
-        assert_eq!(decide(&es(), 3, Some(2.0), &[Some(3.0), Some(4.0)], false), Decision::Continue);
-        assert_eq!(decide(&es(), 3, Some(3.5), &[Some(3.0), Some(4.0)], false), Decision::Stop);
-        assert_eq!(decide(&es(), 3, Some(5.0), &[Some(3.0), Some(4.0)], true), Decision::Continue, "maximized");
+        assert_eq!(
+            decide(&es(), 3, Some(2.0), &[Some(3.0), Some(4.0)], false),
+            Decision::Continue
+        );
+        assert_eq!(
+            decide(&es(), 3, Some(3.5), &[Some(3.0), Some(4.0)], false),
+            Decision::Stop
+        );
+        assert_eq!(
+            decide(&es(), 3, Some(5.0), &[Some(3.0), Some(4.0)], true),
+            Decision::Continue,
+            "maximized"
+        );
         // Diverged (NaN is recorded as no value): stopped whatever the others did.
-        assert_eq!(decide(&es(), 3, None, &[None, None, None, None, None], false), Decision::Stop);
-        assert_eq!(decide(&es(), 3, Some(f64::NAN), &[None, None, None, None, None], false), Decision::Stop);
+        assert_eq!(
+            decide(&es(), 3, None, &[None, None, None, None, None], false),
+            Decision::Stop
+        );
+        assert_eq!(
+            decide(&es(), 3, Some(f64::NAN), &[None, None, None, None, None], false),
+            Decision::Stop
+        );
         assert_eq!(decide(&es(), 27, Some(9.0), &[Some(1.0)], false), Decision::Done);
         assert!(in_top(1, 6, 3) && !in_top(2, 6, 3) && !in_top(0, 2, 3));
     }
@@ -203,30 +291,90 @@ mod tests {
         let mine: Vec<&Trial> = ts.iter().collect();
         let none = BTreeSet::new();
         let mut records = BTreeMap::new();
-        assert_eq!(next(&es(), &mine, &records, &none, false), Some(Job { index: 0, target: 3 }));
+        assert_eq!(
+            next(&es(), &mine, &records, &none, false),
+            Some(Job { index: 0, target: 3 })
+        );
         // 0 and 1 stopped at rung 3 (too few to judge); 2 is the best of three: it went on.
-        records.insert("000-x".into(), record(0, Status::StoppedEarly, vec![rung(3, 2.0, Decision::Stop)]));
-        records.insert("001-x".into(), record(1, Status::StoppedEarly, vec![rung(3, 3.0, Decision::Stop)]));
-        records.insert("002-x".into(), record(2, Status::Promoted, vec![rung(3, 1.0, Decision::Continue)]));
-        assert_eq!(next(&es(), &mine, &records, &none, false), Some(Job { index: 2, target: 9 }), "a continued trial first");
+        records.insert(
+            "000-x".into(),
+            record(0, Status::StoppedEarly, vec![rung(3, 2.0, Decision::Stop)]),
+        );
+        records.insert(
+            "001-x".into(),
+            record(1, Status::StoppedEarly, vec![rung(3, 3.0, Decision::Stop)]),
+        );
+        records.insert(
+            "002-x".into(),
+            record(2, Status::Promoted, vec![rung(3, 1.0, Decision::Continue)]),
+        );
+        assert_eq!(
+            next(&es(), &mine, &records, &none, false),
+            Some(Job { index: 2, target: 9 }),
+            "a continued trial first"
+        );
         let busy: BTreeSet<String> = ["002-x".to_string()].into();
         // 2 is running: 0 is not in the top floor(3/3) = 1 (2 is better): a new trial.
-        assert_eq!(next(&es(), &mine, &records, &busy, false), Some(Job { index: 3, target: 3 }));
+        assert_eq!(
+            next(&es(), &mine, &records, &busy, false),
+            Some(Job { index: 3, target: 3 })
+        );
         // Trial 3 reports the worst value: six would make 0 promotable; with four it is not.
-        records.insert("003-x".into(), record(3, Status::StoppedEarly, vec![rung(3, 9.0, Decision::Stop)]));
-        assert_eq!(next(&es(), &mine, &records, &busy, false), None, "wait for the running trial");
+        records.insert(
+            "003-x".into(),
+            record(3, Status::StoppedEarly, vec![rung(3, 9.0, Decision::Stop)]),
+        );
+        assert_eq!(
+            next(&es(), &mine, &records, &busy, false),
+            None,
+            "wait for the running trial"
+        );
         // Trial 2 stopped at rung 9 too; nothing runs, nothing reached max_steps: the best at
         // the highest rung (2, at 9) goes on to 27.
-        records.insert("002-x".into(), record(2, Status::StoppedEarly, vec![rung(3, 1.0, Decision::Continue), rung(9, 0.5, Decision::Stop)]));
-        assert_eq!(next(&es(), &mine, &records, &none, false), Some(Job { index: 2, target: 27 }));
-        records.insert("002-x".into(), record(2, Status::Ok, vec![rung(3, 1.0, Decision::Continue), rung(9, 0.5, Decision::Promoted), rung(27, 0.2, Decision::Done)]));
-        assert_eq!(next(&es(), &mine, &records, &none, false), None, "one trial trained in full: done");
+        records.insert(
+            "002-x".into(),
+            record(
+                2,
+                Status::StoppedEarly,
+                vec![rung(3, 1.0, Decision::Continue), rung(9, 0.5, Decision::Stop)],
+            ),
+        );
+        assert_eq!(
+            next(&es(), &mine, &records, &none, false),
+            Some(Job { index: 2, target: 27 })
+        );
+        records.insert(
+            "002-x".into(),
+            record(
+                2,
+                Status::Ok,
+                vec![
+                    rung(3, 1.0, Decision::Continue),
+                    rung(9, 0.5, Decision::Promoted),
+                    rung(27, 0.2, Decision::Done),
+                ],
+            ),
+        );
+        assert_eq!(
+            next(&es(), &mine, &records, &none, false),
+            None,
+            "one trial trained in full: done"
+        );
         // Six reports at rung 3 make the top two promotable: 2 went on, 0 is second.
         let ts: Vec<Trial> = (0..6).map(trial).collect();
         let mine: Vec<&Trial> = ts.iter().collect();
-        records.insert("004-x".into(), record(4, Status::StoppedEarly, vec![rung(3, 8.0, Decision::Stop)]));
-        records.insert("005-x".into(), record(5, Status::StoppedEarly, vec![rung(3, 7.0, Decision::Stop)]));
-        assert_eq!(next(&es(), &mine, &records, &none, false), Some(Job { index: 0, target: 9 }));
+        records.insert(
+            "004-x".into(),
+            record(4, Status::StoppedEarly, vec![rung(3, 8.0, Decision::Stop)]),
+        );
+        records.insert(
+            "005-x".into(),
+            record(5, Status::StoppedEarly, vec![rung(3, 7.0, Decision::Stop)]),
+        );
+        assert_eq!(
+            next(&es(), &mine, &records, &none, false),
+            Some(Job { index: 0, target: 9 })
+        );
     }
 
     #[test]

@@ -24,22 +24,22 @@ mod record;
 mod spec;
 mod status;
 mod store;
+mod sweeper;
 mod table;
 mod tpe;
-mod sweeper;
 mod trial;
 
-pub use spec::{load, Metric, Sweep, Trial};
 pub use record::{Record, Status};
+pub use spec::{load, Metric, Sweep, Trial};
 pub use store::Store;
 
 use anyhow::Context;
 use std::path::{Path, PathBuf};
 
-use oomguard_host::{HostMemory, Threads};
-use oomguard_host::proc::Signals;
 use oomguard_console::units::human_bytes;
 use oomguard_console::ConfigError;
+use oomguard_host::proc::Signals;
+use oomguard_host::{HostMemory, Threads};
 use store::TrialLock;
 use sweeper::Sweeper;
 
@@ -52,7 +52,10 @@ pub struct SweepArgs {
     /// or W&B's early_terminate.
     pub sweep: PathBuf,
     // `help =`, not a doc comment: rustdoc would read `<sweep file name>` as an HTML tag.
-    #[arg(long, help = "The sweep directory: results.jsonl, sweep.log and trials/ID/ (each trial's run directory) [default: runs/<sweep file name>]")]
+    #[arg(
+        long,
+        help = "The sweep directory: results.jsonl, sweep.log and trials/ID/ (each trial's run directory) [default: runs/<sweep file name>]"
+    )]
     pub out: Option<PathBuf>,
     /// Trials at once: one GPU each where there are GPUs; on the CPU the cores are split
     /// between them.
@@ -75,28 +78,54 @@ pub struct SweepArgs {
 
 /// Which share of the trials this process runs: `(index, count)`. A pure function of the
 /// flags and the environment.
-pub fn shard(flag: Option<&str>, shards: Option<usize>, env: &dyn Fn(&str) -> Option<String>) -> Result<(usize, usize), ConfigError> {
-    let bad = |key: &str, m: String| ConfigError { origin: key.into(), line_col: None, key: String::new(), message: m };
+pub fn shard(
+    flag: Option<&str>,
+    shards: Option<usize>,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<(usize, usize), ConfigError> {
+    let bad = |key: &str, m: String| ConfigError {
+        origin: key.into(),
+        line_col: None,
+        key: String::new(),
+        message: m,
+    };
     if let Some(text) = flag {
-        let parsed = text.split_once('/').and_then(|(i, n)| Some((i.trim().parse::<usize>().ok()?, n.trim().parse::<usize>().ok()?)));
+        let parsed = text
+            .split_once('/')
+            .and_then(|(i, n)| Some((i.trim().parse::<usize>().ok()?, n.trim().parse::<usize>().ok()?)));
         return match parsed {
             Some((i, n)) if n > 0 && i < n => Ok((i, n)),
             _ => Err(bad("--shard", format!("`{text}` is not I/N with 0 <= I < N, e.g. 0/4"))),
         };
     }
     let num = |var: &str| -> Result<Option<usize>, ConfigError> {
-        env(var).map(|v| v.trim().parse().map_err(|_| bad(var, format!("`{v}` is not a number")))).transpose()
+        env(var)
+            .map(|v| v.trim().parse().map_err(|_| bad(var, format!("`{v}` is not a number"))))
+            .transpose()
     };
     if let (Some(id), Some(count)) = (num("SLURM_ARRAY_TASK_ID")?, num("SLURM_ARRAY_TASK_COUNT")?) {
         // Arrays may start anywhere (--array=1-4): the index counts from the first task.
         let i = id.saturating_sub(num("SLURM_ARRAY_TASK_MIN")?.unwrap_or(0));
-        return if i < count && count > 0 { Ok((i, count)) } else { Err(bad("SLURM_ARRAY_TASK_ID", format!("{id} is outside the array's {count} tasks"))) };
+        return if i < count && count > 0 {
+            Ok((i, count))
+        } else {
+            Err(bad(
+                "SLURM_ARRAY_TASK_ID",
+                format!("{id} is outside the array's {count} tasks"),
+            ))
+        };
     }
     if let Some(i) = num("JOB_COMPLETION_INDEX")? {
         return match shards {
             Some(n) if i < n => Ok((i, n)),
-            Some(n) => Err(bad("--shards", format!("is {n} but JOB_COMPLETION_INDEX is {i}; give the Job's completions"))),
-            None => Err(bad("--shards", "is required with JOB_COMPLETION_INDEX: give the indexed Job's completions, e.g. --shards 4".into())),
+            Some(n) => Err(bad(
+                "--shards",
+                format!("is {n} but JOB_COMPLETION_INDEX is {i}; give the Job's completions"),
+            )),
+            None => Err(bad(
+                "--shards",
+                "is required with JOB_COMPLETION_INDEX: give the indexed Job's completions, e.g. --shards 4".into(),
+            )),
         };
     }
     Ok((0, 1))
@@ -105,31 +134,60 @@ pub fn shard(flag: Option<&str>, shards: Option<usize>, env: &dyn Fn(&str) -> Op
 /// The GPUs a slot can take: CUDA_VISIBLE_DEVICES's list, else every GPU the driver shows.
 fn visible_gpus() -> Vec<String> {
     match std::env::var("CUDA_VISIBLE_DEVICES") {
-        Ok(v) => v.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect(),
+        Ok(v) => v
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(String::from)
+            .collect(),
         Err(_) => (0..oomguard_host::num_gpus()).map(|i| i.to_string()).collect(),
     }
 }
 
 pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     let sweep = spec::load(&args.sweep)?;
-    let stem = args.sweep.file_stem().map_or("sweep".into(), |s| s.to_string_lossy().into_owned());
+    let stem = args
+        .sweep
+        .file_stem()
+        .map_or("sweep".into(), |s| s.to_string_lossy().into_owned());
     let out = args.out.clone().unwrap_or_else(|| Path::new("runs").join(stem));
     let (index, count) = shard(args.shard.as_deref(), args.shards, &|v| std::env::var(v).ok())?;
     let store = Store::new(&out);
-    let records = store.read().with_context(|| format!("reading {}", store.path().display()))?;
+    let records = store
+        .read()
+        .with_context(|| format!("reading {}", store.path().display()))?;
     if args.status {
         // Reads only: no lock taken, nothing created. Every shard's trials.
         let trials = sweeper::known(&sweep, &records, (0, 1));
-        print!("{}", table::render(&trials, &records, &|t| open_state(&out, t), sweep.metric, sweep.count));
+        print!(
+            "{}",
+            table::render(&trials, &records, &|t| open_state(&out, t), sweep.metric, sweep.count)
+        );
         return Ok(());
     }
     if args.parallel == 0 {
-        return Err(ConfigError { origin: "--parallel".into(), line_col: None, key: String::new(), message: "is 0; give at least 1".into() }.into());
+        return Err(ConfigError {
+            origin: "--parallel".into(),
+            line_col: None,
+            key: String::new(),
+            message: "is 0; give at least 1".into(),
+        }
+        .into());
     }
     let gpus = visible_gpus();
     if !gpus.is_empty() && args.parallel > gpus.len() {
-        let m = format!("is {} but {} GPUs are visible: each slot takes one GPU", args.parallel, gpus.len());
-        return Err(ConfigError { origin: "--parallel".into(), line_col: None, key: String::new(), message: m }.into());
+        let m = format!(
+            "is {} but {} GPUs are visible: each slot takes one GPU",
+            args.parallel,
+            gpus.len()
+        );
+        return Err(ConfigError {
+            origin: "--parallel".into(),
+            line_col: None,
+            key: String::new(),
+            message: m,
+        }
+        .into());
     }
     std::fs::create_dir_all(out.join("trials")).with_context(|| format!("creating {}", out.display()))?;
     oomguard_console::logfile::set_log_file(&out.join("sweep.log"))?;
@@ -137,39 +195,83 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
         tracing::info!("{n}");
     }
     let spec_text = std::fs::read(&args.sweep).with_context(|| format!("reading {}", args.sweep.display()))?;
-    oomguard_report::atomic::write(&out.join("sweep.yaml"), &spec_text).with_context(|| format!("copying {} into {}", args.sweep.display(), out.display()))?;
+    oomguard_report::atomic::write(&out.join("sweep.yaml"), &spec_text)
+        .with_context(|| format!("copying {} into {}", args.sweep.display(), out.display()))?;
     // Slots share this host: each gets its part of the CPU threads and of the memory.
     let host_threads = Threads::of_self();
     let host_memory = (args.parallel > 1).then(HostMemory::of_self).flatten();
-    let exe = std::env::current_exe().context("locating this executable")?.with_file_name("oomguard");
-    let before = records.iter().filter(|(_, r)| !r.status.is_final()).map(|(k, r)| (k.clone(), r.duration_s)).collect();
+    let exe = std::env::current_exe()
+        .context("locating this executable")?
+        .with_file_name("oomguard");
+    let before = records
+        .iter()
+        .filter(|(_, r)| !r.status.is_final())
+        .map(|(k, r)| (k.clone(), r.duration_s))
+        .collect();
     let s = Sweeper {
-        sweep: &sweep, out: out.clone(), exe, store, shard: (index, count),
+        sweep: &sweep,
+        out: out.clone(),
+        exe,
+        store,
+        shard: (index, count),
         threads: (args.parallel > 1).then(|| host_threads.share(args.parallel)),
-        memory_share: host_memory.as_ref().map(|m| m.share_env(args.parallel).to_vec()).unwrap_or_default(), gpus, before,
+        memory_share: host_memory
+            .as_ref()
+            .map(|m| m.share_env(args.parallel).to_vec())
+            .unwrap_or_default(),
+        gpus,
+        before,
     };
     let mine = sweeper::known(&sweep, &records, (index, count));
-    let todo: Vec<&Trial> = mine.iter().filter(|t| !records.get(&t.id).is_some_and(|r| r.status.is_final())).collect();
+    let todo: Vec<&Trial> = mine
+        .iter()
+        .filter(|t| !records.get(&t.id).is_some_and(|r| r.status.is_final()))
+        .collect();
     let finished = mine.len() - todo.len();
     tracing::info!(
         "sweep {}: {} trials, {} to run in shard {index}/{count}, {} at a time, into {}{}",
-        sweep.path.display(), sweep.count, sweeper::total(&sweep, (index, count)) - finished, args.parallel, out.display(),
-        sweep.early_stop.map(|e| format!("; early stopping (ASHA) at steps {:?}, eta {}", e.rungs(), e.eta)).unwrap_or_default()
+        sweep.path.display(),
+        sweep.count,
+        sweeper::total(&sweep, (index, count)) - finished,
+        args.parallel,
+        out.display(),
+        sweep
+            .early_stop
+            .map(|e| format!("; early stopping (ASHA) at steps {:?}, eta {}", e.rungs(), e.eta))
+            .unwrap_or_default()
     );
     if let Some(n) = s.threads {
-        tracing::info!("each trial gets {n} CPU thread{} (this host gives {host_threads})", if n == 1 { "" } else { "s" });
+        tracing::info!(
+            "each trial gets {n} CPU thread{} (this host gives {host_threads})",
+            if n == 1 { "" } else { "s" }
+        );
     }
     if let Some(m) = &host_memory {
-        tracing::info!("host memory: {}; each of the {} slots gets {}", m.describe(), args.parallel, human_bytes(m.share(args.parallel).0));
+        tracing::info!(
+            "host memory: {}; each of the {} slots gets {}",
+            m.describe(),
+            args.parallel,
+            human_bytes(m.share(args.parallel).0)
+        );
     }
     // Every trial's config is checked before the first one runs: a typo fails in seconds
     // (model-based search: a draw of every parameter).
     let drawn = spec::random(&sweep.domains, 1, sweep.seed);
-    let checks: Vec<&Trial> = if sweep.model_based() { drawn.iter().collect() } else { todo };
+    let checks: Vec<&Trial> = if sweep.model_based() {
+        drawn.iter().collect()
+    } else {
+        todo
+    };
     for t in checks {
         if let Err(why) = s.launch(t, None).check().context("running oomguard train --check")? {
             let message = format!("trial {} ({}) is not a valid config: {why}", t.id, t.describe());
-            return Err(ConfigError { origin: sweep.path.display().to_string(), line_col: None, key: "parameters".into(), message }.into());
+            return Err(ConfigError {
+                origin: sweep.path.display().to_string(),
+                line_col: None,
+                key: "parameters".into(),
+                message,
+            }
+            .into());
         }
     }
     let signals = Signals::install().context("installing signal handlers")?;
@@ -181,7 +283,10 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     drop(reporter);
     let records = s.store.read()?;
     let trials = sweeper::known(&sweep, &records, (0, 1));
-    print!("{}", table::render(&trials, &records, &|t| open_state(&out, t), sweep.metric, sweep.count));
+    print!(
+        "{}",
+        table::render(&trials, &records, &|t| open_state(&out, t), sweep.metric, sweep.count)
+    );
     match stopped {
         Some(sig) => Err(oomguard_console::ExitCode(128 + sig).into()),
         None => Ok(()),
@@ -190,7 +295,11 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
 
 /// Running or pending, from the trial lock's entry in /proc/locks: `--status` takes no lock.
 fn open_state(out: &Path, t: &Trial) -> table::Open {
-    if TrialLock::held(&out.join("trials").join(&t.id)) { table::Open::Running } else { table::Open::Pending }
+    if TrialLock::held(&out.join("trials").join(&t.id)) {
+        table::Open::Running
+    } else {
+        table::Open::Pending
+    }
 }
 
 #[cfg(test)]
@@ -204,12 +313,22 @@ mod tests {
     #[test]
     fn shards_from_flags_slurm_and_kubernetes() {
         assert_eq!(shard(None, None, &env(&[])).unwrap(), (0, 1));
-        assert_eq!(shard(Some("1/4"), None, &env(&[("SLURM_ARRAY_TASK_ID", "3")])).unwrap(), (1, 4));
+        assert_eq!(
+            shard(Some("1/4"), None, &env(&[("SLURM_ARRAY_TASK_ID", "3")])).unwrap(),
+            (1, 4)
+        );
         assert!(shard(Some("4/4"), None, &env(&[])).is_err());
         assert!(shard(Some("x"), None, &env(&[])).is_err());
-        let slurm = [("SLURM_ARRAY_TASK_ID", "3"), ("SLURM_ARRAY_TASK_COUNT", "4"), ("SLURM_ARRAY_TASK_MIN", "1")];
+        let slurm = [
+            ("SLURM_ARRAY_TASK_ID", "3"),
+            ("SLURM_ARRAY_TASK_COUNT", "4"),
+            ("SLURM_ARRAY_TASK_MIN", "1"),
+        ];
         assert_eq!(shard(None, None, &env(&slurm)).unwrap(), (2, 4));
-        assert_eq!(shard(None, Some(3), &env(&[("JOB_COMPLETION_INDEX", "2")])).unwrap(), (2, 3));
+        assert_eq!(
+            shard(None, Some(3), &env(&[("JOB_COMPLETION_INDEX", "2")])).unwrap(),
+            (2, 3)
+        );
         assert!(shard(None, None, &env(&[("JOB_COMPLETION_INDEX", "2")])).is_err());
         assert!(shard(None, Some(2), &env(&[("JOB_COMPLETION_INDEX", "2")])).is_err());
     }

@@ -175,10 +175,20 @@ impl Metric {
         self == Metric::TokensPerS
     }
     fn parse(key: &str, name: &str) -> Result<Metric, ConfigError> {
-        METRIC_NAMES.iter().find(|(n, _)| *n == name).map(|(_, m)| *m).ok_or_else(|| {
-            let known: Vec<&str> = METRIC_NAMES.iter().map(|(n, _)| *n).collect();
-            ConfigError::invalid(key, format!("`{name}` is not a metric oomguard records; these exist: {}", known.join(", ")))
-        })
+        METRIC_NAMES
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, m)| *m)
+            .ok_or_else(|| {
+                let known: Vec<&str> = METRIC_NAMES.iter().map(|(n, _)| *n).collect();
+                ConfigError::invalid(
+                    key,
+                    format!(
+                        "`{name}` is not a metric oomguard records; these exist: {}",
+                        known.join(", ")
+                    ),
+                )
+            })
     }
 }
 
@@ -233,18 +243,27 @@ pub struct Trial {
 impl Trial {
     /// `--set key=value` arguments for `oomguard train`.
     pub fn overrides(&self) -> Vec<String> {
-        self.params.iter().flat_map(|(k, v)| ["--set".to_string(), format!("{k}={}", scalar(v))]).collect()
+        self.params
+            .iter()
+            .flat_map(|(k, v)| ["--set".to_string(), format!("{k}={}", scalar(v))])
+            .collect()
     }
     /// `key=value key=value`, for logs and tables.
     pub fn describe(&self) -> String {
-        self.params.iter().map(|(k, v)| format!("{k}={}", scalar(v))).collect::<Vec<_>>().join(" ")
+        self.params
+            .iter()
+            .map(|(k, v)| format!("{k}={}", scalar(v)))
+            .collect::<Vec<_>>()
+            .join(" ")
     }
 }
 
 /// A value as `--set` parses it (YAML scalar syntax; strings that read as another type quoted).
 pub fn scalar(v: &Value) -> String {
     match v {
-        Value::String(s) => serde_yaml::to_string(s).map(|t| t.trim_end().to_string()).unwrap_or_else(|_| s.clone()),
+        Value::String(s) => serde_yaml::to_string(s)
+            .map(|t| t.trim_end().to_string())
+            .unwrap_or_else(|_| s.clone()),
         other => other.to_string(),
     }
 }
@@ -283,51 +302,112 @@ impl Sweep {
 /// Reads and validates a sweep file.
 pub fn load(path: &Path) -> Result<Sweep, ConfigError> {
     let origin = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|e| ConfigError { origin: origin.clone(), line_col: None, key: String::new(), message: format!("cannot read: {e}") })?;
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+        origin: origin.clone(),
+        line_col: None,
+        key: String::new(),
+        message: format!("cannot read: {e}"),
+    })?;
     let raw: RawSweep = serde_yaml::from_str(&text).map_err(|e| ConfigError::from_yaml(&origin, e))?;
-    let at = |e: ConfigError| ConfigError { origin: origin.clone(), ..e };
+    let at = |e: ConfigError| ConfigError {
+        origin: origin.clone(),
+        ..e
+    };
     let base = path.parent().unwrap_or(Path::new(".")).join(&raw.base);
     if !base.is_file() {
-        return Err(at(ConfigError::invalid("base", format!("{} is not a file; give the config every trial starts from, relative to the sweep file", base.display()))));
+        return Err(at(ConfigError::invalid(
+            "base",
+            format!(
+                "{} is not a file; give the config every trial starts from, relative to the sweep file",
+                base.display()
+            ),
+        )));
     }
     // A W&B file's `log_uniform` takes exponents (W&B's meaning); ours takes values.
-    let wandb = matches!(raw.metric, RawMetric::Wandb(_)) || raw.program.is_some() || raw.command.is_some() || raw.run_cap.is_some() || raw.early_terminate.is_some();
+    let wandb = matches!(raw.metric, RawMetric::Wandb(_))
+        || raw.program.is_some()
+        || raw.command.is_some()
+        || raw.run_cap.is_some()
+        || raw.early_terminate.is_some();
     let mut domains = Vec::new();
     for (key, p) in &raw.parameters {
         domains.push((key.clone(), domain(key, p, wandb).map_err(at)?));
     }
     if domains.is_empty() {
-        return Err(at(ConfigError::invalid("parameters", "is empty; give at least one config key, e.g. optim.lr: {values: [1.0e-3, 3.0e-3]}")));
+        return Err(at(ConfigError::invalid(
+            "parameters",
+            "is empty; give at least one config key, e.g. optim.lr: {values: [1.0e-3, 3.0e-3]}",
+        )));
     }
     let metric = metric(&raw.metric).map_err(at)?;
     let cap = match (raw.count, raw.run_cap) {
-        (Some(_), Some(_)) => return Err(at(ConfigError::invalid("run_cap", "and count say the same thing; give one"))),
-        (Some(0), _) | (_, Some(0)) => return Err(at(ConfigError::invalid(if raw.count.is_some() { "count" } else { "run_cap" }, "is 0; give at least 1"))),
+        (Some(_), Some(_)) => {
+            return Err(at(ConfigError::invalid(
+                "run_cap",
+                "and count say the same thing; give one",
+            )))
+        }
+        (Some(0), _) | (_, Some(0)) => {
+            return Err(at(ConfigError::invalid(
+                if raw.count.is_some() { "count" } else { "run_cap" },
+                "is 0; give at least 1",
+            )))
+        }
         (c, r) => c.or(r),
     };
     let trials = match (raw.method, cap) {
-        (Method::Grid, _) if raw.count.is_some() => return Err(at(ConfigError::invalid("count", "is for method: random, bayes or tpe (a grid runs every combination; run_cap caps it)"))),
+        (Method::Grid, _) if raw.count.is_some() => {
+            return Err(at(ConfigError::invalid(
+                "count",
+                "is for method: random, bayes or tpe (a grid runs every combination; run_cap caps it)",
+            )))
+        }
         (Method::Grid, cap) => {
             let mut t = grid(&domains).map_err(at)?;
             t.truncate(cap.unwrap_or(usize::MAX));
             t
         }
-        (_, None) => return Err(at(ConfigError::invalid("count", "is required with method: random, bayes or tpe (W&B: run_cap): how many trials, at least 1"))),
+        (_, None) => {
+            return Err(at(ConfigError::invalid(
+                "count",
+                "is required with method: random, bayes or tpe (W&B: run_cap): how many trials, at least 1",
+            )))
+        }
         (Method::Random, Some(n)) => random(&domains, n, raw.seed),
         (Method::Bayes | Method::Tpe, Some(_)) => vec![],
     };
-    let count = if raw.method == Method::Grid || raw.method == Method::Random { trials.len() } else { cap.unwrap_or(0) };
+    let count = if raw.method == Method::Grid || raw.method == Method::Random {
+        trials.len()
+    } else {
+        cap.unwrap_or(0)
+    };
     let duration = |key: &str, text: &Option<String>| -> Result<Option<Duration>, ConfigError> {
         text.as_deref()
-            .map(|t| humantime::parse_duration(t).map_err(|e| at(ConfigError::invalid(key, format!("`{t}` is not a duration ({e}); e.g. 90s, 30m, 2h")))))
+            .map(|t| {
+                humantime::parse_duration(t).map_err(|e| {
+                    at(ConfigError::invalid(
+                        key,
+                        format!("`{t}` is not a duration ({e}); e.g. 90s, 30m, 2h"),
+                    ))
+                })
+            })
             .transpose()
     };
     let early_stop = early_stop(&raw, metric, &base, &domains).map_err(at)?;
-    let decay_steps_set = domains.iter().any(|(k, _)| k == "optim.decay_steps") || base_has(&base, "optim", "decay_steps");
+    let decay_steps_set =
+        domains.iter().any(|(k, _)| k == "optim.decay_steps") || base_has(&base, "optim", "decay_steps");
     let mut notices = vec![];
-    for (key, v) in [("program", &raw.program), ("command", &raw.command), ("project", &raw.project), ("entity", &raw.entity)] {
+    for (key, v) in [
+        ("program", &raw.program),
+        ("command", &raw.command),
+        ("project", &raw.project),
+        ("entity", &raw.entity),
+    ] {
         if v.is_some() {
-            notices.push(format!("{origin}: `{key}` (W&B's) is ignored: each trial runs `oomguard train {}` with its parameters", raw.base.display()));
+            notices.push(format!(
+                "{origin}: `{key}` (W&B's) is ignored: each trial runs `oomguard train {}` with its parameters",
+                raw.base.display()
+            ));
         }
     }
     Ok(Sweep {
@@ -358,14 +438,23 @@ fn metric(raw: &RawMetric) -> Result<Metric, ConfigError> {
                 return Err(ConfigError::invalid("metric.target", format!("({t}) is W&B's stop-the-sweep-when-reached; oomguard cannot honour it: remove it (run_cap bounds the sweep)")));
             }
             if w.impute_while_running.is_some() {
-                return Err(ConfigError::invalid("metric.impute_while_running", "is W&B's; oomguard cannot honour it: remove it"));
+                return Err(ConfigError::invalid(
+                    "metric.impute_while_running",
+                    "is W&B's; oomguard cannot honour it: remove it",
+                ));
             }
             let want = if m.maximize() { "maximize" } else { "minimize" };
             match w.goal.as_deref() {
                 None => Ok(m),
                 Some(g) if g == want => Ok(m),
-                Some(g @ ("minimize" | "maximize")) => Err(ConfigError::invalid("metric.goal", format!("is {g} but {} is one to {want}; oomguard cannot honour it", w.name))),
-                Some(g) => Err(ConfigError::invalid("metric.goal", format!("`{g}` is not minimize or maximize"))),
+                Some(g @ ("minimize" | "maximize")) => Err(ConfigError::invalid(
+                    "metric.goal",
+                    format!("is {g} but {} is one to {want}; oomguard cannot honour it", w.name),
+                )),
+                Some(g) => Err(ConfigError::invalid(
+                    "metric.goal",
+                    format!("`{g}` is not minimize or maximize"),
+                )),
             }
         }
     }
@@ -373,52 +462,103 @@ fn metric(raw: &RawMetric) -> Result<Metric, ConfigError> {
 
 /// `early_stop` (ours) or W&B's `early_terminate: {type: hyperband, min_iter, eta}` (a W&B
 /// iteration is a training step here); max_steps defaults to the trials' train.max_steps.
-fn early_stop(raw: &RawSweep, metric: Metric, base: &Path, domains: &[(String, Domain)]) -> Result<Option<EarlyStop>, ConfigError> {
+fn early_stop(
+    raw: &RawSweep,
+    metric: Metric,
+    base: &Path,
+    domains: &[(String, Domain)],
+) -> Result<Option<EarlyStop>, ConfigError> {
     let (key, min_steps, eta, max_steps, rung_metric) = match (&raw.early_stop, &raw.early_terminate) {
         (None, None) => return Ok(None),
-        (Some(_), Some(_)) => return Err(ConfigError::invalid("early_terminate", "and early_stop are two spellings of one setting; give one")),
+        (Some(_), Some(_)) => {
+            return Err(ConfigError::invalid(
+                "early_terminate",
+                "and early_stop are two spellings of one setting; give one",
+            ))
+        }
         (Some(e), None) => {
             if e.kind != "asha" {
-                return Err(ConfigError::invalid("early_stop.type", format!("`{}` is not supported; use asha", e.kind)));
+                return Err(ConfigError::invalid(
+                    "early_stop.type",
+                    format!("`{}` is not supported; use asha", e.kind),
+                ));
             }
             let m = match e.metric.as_deref() {
                 None => None,
                 Some("val_loss" | "eval_loss") => Some(RungMetric::ValLoss),
                 Some("loss") => Some(RungMetric::Loss),
-                Some(other) => return Err(ConfigError::invalid("early_stop.metric", format!("`{other}` is not one a rung can compare; these exist: val_loss, loss"))),
+                Some(other) => {
+                    return Err(ConfigError::invalid(
+                        "early_stop.metric",
+                        format!("`{other}` is not one a rung can compare; these exist: val_loss, loss"),
+                    ))
+                }
             };
             ("early_stop", e.min_steps, e.reduction_factor, e.max_steps, m)
         }
         (None, Some(t)) => {
             if t.kind != "hyperband" {
-                return Err(ConfigError::invalid("early_terminate.type", format!("`{}` is not supported; W&B's hyperband is", t.kind)));
+                return Err(ConfigError::invalid(
+                    "early_terminate.type",
+                    format!("`{}` is not supported; W&B's hyperband is", t.kind),
+                ));
             }
-            for (k, set) in [("max_iter", t.max_iter.is_some()), ("s", t.s.is_some()), ("strict", t.strict.is_some())] {
+            for (k, set) in [
+                ("max_iter", t.max_iter.is_some()),
+                ("s", t.s.is_some()),
+                ("strict", t.strict.is_some()),
+            ] {
                 if set {
                     return Err(ConfigError::invalid(&format!("early_terminate.{k}"), "is not supported (oomguard's rungs start at min_iter and go to the trials' train.max_steps): give min_iter and eta"));
                 }
             }
-            let Some(min) = t.min_iter else { return Err(ConfigError::invalid("early_terminate.min_iter", "is required: the first rung, in training steps")) };
+            let Some(min) = t.min_iter else {
+                return Err(ConfigError::invalid(
+                    "early_terminate.min_iter",
+                    "is required: the first rung, in training steps",
+                ));
+            };
             ("early_terminate", min, t.eta, None, None)
         }
     };
-    let rung_metric = rung_metric.unwrap_or(if metric == Metric::FinalLoss { RungMetric::Loss } else { RungMetric::ValLoss });
+    let rung_metric = rung_metric.unwrap_or(if metric == Metric::FinalLoss {
+        RungMetric::Loss
+    } else {
+        RungMetric::ValLoss
+    });
     let max_steps = match max_steps {
         Some(m) => m,
         None => trials_max_steps(base, domains).ok_or_else(|| {
-            ConfigError::invalid(&format!("{key}.max_steps"), "is needed: the trials' train.max_steps is not one number in the base config or the parameters")
+            ConfigError::invalid(
+                &format!("{key}.max_steps"),
+                "is needed: the trials' train.max_steps is not one number in the base config or the parameters",
+            )
         })?,
     };
     if domains.iter().any(|(k, d)| k == "train.max_steps" && !d.is_constant()) {
-        return Err(ConfigError::invalid("parameters.train.max_steps", "varies, but early stopping gives every trial the same max_steps"));
+        return Err(ConfigError::invalid(
+            "parameters.train.max_steps",
+            "varies, but early stopping gives every trial the same max_steps",
+        ));
     }
     if eta < 2 {
-        return Err(ConfigError::invalid(&format!("{key}.{}", if key == "early_stop" { "reduction_factor" } else { "eta" }), format!("is {eta}; give 2 or more (3 keeps the top third at each rung)")));
+        return Err(ConfigError::invalid(
+            &format!("{key}.{}", if key == "early_stop" { "reduction_factor" } else { "eta" }),
+            format!("is {eta}; give 2 or more (3 keeps the top third at each rung)"),
+        ));
     }
     if min_steps == 0 || min_steps >= max_steps {
-        return Err(ConfigError::invalid(&format!("{key}.{}", if key == "early_stop" { "min_steps" } else { "min_iter" }), format!("is {min_steps}; give 1 or more, below max_steps {max_steps}")));
+        return Err(ConfigError::invalid(
+            &format!("{key}.{}", if key == "early_stop" { "min_steps" } else { "min_iter" }),
+            format!("is {min_steps}; give 1 or more, below max_steps {max_steps}"),
+        ));
     }
-    Ok(Some(EarlyStop { metric: rung_metric, min_steps, eta, max_steps }))
+    Ok(Some(EarlyStop {
+        metric: rung_metric,
+        min_steps,
+        eta,
+        max_steps,
+    }))
 }
 
 fn base_yaml(base: &Path) -> Option<serde_yaml::Value> {
@@ -442,7 +582,10 @@ fn trials_max_steps(base: &Path, domains: &[(String, Domain)]) -> Option<u64> {
 fn domain(key: &str, p: &RawParam, wandb: bool) -> Result<Domain, ConfigError> {
     let k = format!("parameters.{key}");
     if key.split('.').count() < 2 || key.split('.').any(str::is_empty) {
-        return Err(ConfigError::invalid(&k, "is not a config key path; use section.key, e.g. optim.lr or model.n_embd"));
+        return Err(ConfigError::invalid(
+            &k,
+            "is not a config key path; use section.key, e.g. optim.lr or model.n_embd",
+        ));
     }
     let json = |v: &serde_yaml::Value| -> Result<Value, ConfigError> {
         match v {
@@ -470,22 +613,57 @@ fn domain(key: &str, p: &RawParam, wandb: bool) -> Result<Domain, ConfigError> {
         (None, None, None, Some((_, true)), Some((_, true))) => "int_uniform",
         (None, None, None, Some(_), Some(_)) => "uniform",
         (None, None, None, None, None) if p.mu.is_some() || p.sigma.is_some() => "normal",
-        _ => return Err(ConfigError::invalid(&k, "give exactly one of value, values, or a distribution (min and max; or mu and sigma)")),
+        _ => {
+            return Err(ConfigError::invalid(
+                &k,
+                "give exactly one of value, values, or a distribution (min and max; or mu and sigma)",
+            ))
+        }
     };
     let unused = |allowed: &[&str]| -> Result<(), ConfigError> {
-        let given = [("value", p.value.is_some()), ("values", p.values.is_some()), ("min", min.is_some()), ("max", max.is_some()), ("q", q.is_some()), ("mu", p.mu.is_some()), ("sigma", p.sigma.is_some()), ("probabilities", p.probabilities.is_some())];
+        let given = [
+            ("value", p.value.is_some()),
+            ("values", p.values.is_some()),
+            ("min", min.is_some()),
+            ("max", max.is_some()),
+            ("q", q.is_some()),
+            ("mu", p.mu.is_some()),
+            ("sigma", p.sigma.is_some()),
+            ("probabilities", p.probabilities.is_some()),
+        ];
         match given.iter().find(|(n, set)| *set && !allowed.contains(n)) {
-            Some((n, _)) => Err(ConfigError::invalid(&format!("{k}.{n}"), format!("does not go with distribution {dist} (it takes {})", if allowed.is_empty() { "nothing more".into() } else { allowed.join(", ") }))),
+            Some((n, _)) => Err(ConfigError::invalid(
+                &format!("{k}.{n}"),
+                format!(
+                    "does not go with distribution {dist} (it takes {})",
+                    if allowed.is_empty() {
+                        "nothing more".into()
+                    } else {
+                        allowed.join(", ")
+                    }
+                ),
+            )),
             None => Ok(()),
         }
     };
     let bounds = |log: bool| -> Result<(f64, f64), ConfigError> {
-        let (Some((lo, _)), Some((hi, _))) = (min, max) else { return Err(ConfigError::invalid(&k, format!("distribution {dist} needs min and max"))) };
+        let (Some((lo, _)), Some((hi, _))) = (min, max) else {
+            return Err(ConfigError::invalid(
+                &k,
+                format!("distribution {dist} needs min and max"),
+            ));
+        };
         if lo > hi {
-            return Err(ConfigError::invalid(&k, format!("min {lo} is above max {hi}; give min <= max")));
+            return Err(ConfigError::invalid(
+                &k,
+                format!("min {lo} is above max {hi}; give min <= max"),
+            ));
         }
         if log && lo <= 0.0 {
-            return Err(ConfigError::invalid(&format!("{k}.min"), format!("is {lo}; {dist} takes values above 0")));
+            return Err(ConfigError::invalid(
+                &format!("{k}.min"),
+                format!("is {lo}; {dist} takes values above 0"),
+            ));
         }
         Ok(if log { (lo.ln(), hi.ln()) } else { (lo, hi) })
     };
@@ -493,22 +671,46 @@ fn domain(key: &str, p: &RawParam, wandb: bool) -> Result<Domain, ConfigError> {
     let quantum = || -> Result<Option<Quantum>, ConfigError> {
         let (q, int) = q.unwrap_or((1.0, true));
         if q <= 0.0 {
-            return Err(ConfigError::invalid(&format!("{k}.q"), format!("is {q}; give a step above 0")));
+            return Err(ConfigError::invalid(
+                &format!("{k}.q"),
+                format!("is {q}; give a step above 0"),
+            ));
         }
         Ok(Some(Quantum { q, int }))
     };
     let normal = |scale: Scale, quantized: bool| -> Result<Domain, ConfigError> {
-        unused(if quantized { &["mu", "sigma", "q"] } else { &["mu", "sigma"] })?;
+        unused(if quantized {
+            &["mu", "sigma", "q"]
+        } else {
+            &["mu", "sigma"]
+        })?;
         let (mu, sigma) = (p.mu.unwrap_or(0.0), p.sigma.unwrap_or(1.0));
         if !(sigma > 0.0 && sigma.is_finite() && mu.is_finite()) {
-            return Err(ConfigError::invalid(&format!("{k}.sigma"), format!("is {sigma}; give a spread above 0")));
+            return Err(ConfigError::invalid(
+                &format!("{k}.sigma"),
+                format!("is {sigma}; give a spread above 0"),
+            ));
         }
-        Ok(Domain::Normal { scale, mu, sigma, q: if quantized { quantum()? } else { None } })
+        Ok(Domain::Normal {
+            scale,
+            mu,
+            sigma,
+            q: if quantized { quantum()? } else { None },
+        })
     };
     let real = |scale: Scale, log_bounds: bool, quantized: bool| -> Result<Domain, ConfigError> {
-        unused(if quantized { &["min", "max", "q"] } else { &["min", "max"] })?;
+        unused(if quantized {
+            &["min", "max", "q"]
+        } else {
+            &["min", "max"]
+        })?;
         let (lo, hi) = bounds(log_bounds)?;
-        Ok(Domain::Real { scale, lo, hi, q: if quantized { quantum()? } else { None } })
+        Ok(Domain::Real {
+            scale,
+            lo,
+            hi,
+            q: if quantized { quantum()? } else { None },
+        })
     };
     match dist {
         "constant" => {
@@ -568,8 +770,14 @@ fn domain(key: &str, p: &RawParam, wandb: bool) -> Result<Domain, ConfigError> {
 fn trial(index: usize, params: BTreeMap<String, Value>) -> Trial {
     // FNV-1a over the parameters' JSON: stable across versions and machines.
     let text = serde_json::to_string(&params).unwrap_or_default();
-    let hash = text.bytes().fold(0x811c9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x01000193));
-    Trial { index, id: format!("{index:03}-{hash:08x}"), params }
+    let hash = text
+        .bytes()
+        .fold(0x811c9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x01000193));
+    Trial {
+        index,
+        id: format!("{index:03}-{hash:08x}"),
+        params,
+    }
 }
 
 /// A trial of the given parameters at `index` (model-based search's proposals).
@@ -585,11 +793,16 @@ pub fn grid(domains: &[(String, Domain)]) -> Result<Vec<Trial>, ConfigError> {
         let values = d.grid_values().ok_or_else(|| {
             ConfigError::invalid(&format!("parameters.{key}"), "a grid takes value, values (without probabilities), int_uniform or q_uniform; other distributions need method: random, bayes or tpe")
         })?;
-        combos = combos.into_iter().flat_map(|c| values.iter().map(move |v| {
-            let mut c = c.clone();
-            c.insert(key.clone(), v.clone());
-            c
-        })).collect();
+        combos = combos
+            .into_iter()
+            .flat_map(|c| {
+                values.iter().map(move |v| {
+                    let mut c = c.clone();
+                    c.insert(key.clone(), v.clone());
+                    c
+                })
+            })
+            .collect();
     }
     Ok(combos.into_iter().enumerate().map(|(i, p)| trial(i, p)).collect())
 }
@@ -611,16 +824,28 @@ mod tests {
     use serde_json::json;
 
     fn values(v: &[Value]) -> Domain {
-        Domain::Values { values: v.to_vec(), weights: None }
+        Domain::Values {
+            values: v.to_vec(),
+            weights: None,
+        }
     }
 
     #[test]
     fn grid_is_every_combination_in_order() {
-        let d = vec![("a.x".to_string(), values(&[json!(1), json!(2)])), ("b.y".to_string(), values(&[json!("p"), json!("q"), json!("r")]))];
+        let d = vec![
+            ("a.x".to_string(), values(&[json!(1), json!(2)])),
+            ("b.y".to_string(), values(&[json!("p"), json!("q"), json!("r")])),
+        ];
         let t = grid(&d).unwrap();
         assert_eq!(t.len(), 6);
-        assert_eq!(t[0].params, BTreeMap::from([("a.x".into(), json!(1)), ("b.y".into(), json!("p"))]));
-        assert_eq!(t[5].params, BTreeMap::from([("a.x".into(), json!(2)), ("b.y".into(), json!("r"))]));
+        assert_eq!(
+            t[0].params,
+            BTreeMap::from([("a.x".into(), json!(1)), ("b.y".into(), json!("p"))])
+        );
+        assert_eq!(
+            t[5].params,
+            BTreeMap::from([("a.x".into(), json!(2)), ("b.y".into(), json!("r"))])
+        );
         assert!(t[3].id.starts_with("003-"));
         let ids: std::collections::HashSet<_> = t.iter().map(|t| t.id.clone()).collect();
         assert_eq!(ids.len(), 6);
@@ -629,15 +854,26 @@ mod tests {
     #[test]
     fn random_draws_are_seeded_and_in_range() {
         let d = vec![
-            ("optim.lr".to_string(), Domain::Real { scale: Scale::Log, lo: 1e-4f64.ln(), hi: 1e-2f64.ln(), q: None }),
+            (
+                "optim.lr".to_string(),
+                Domain::Real {
+                    scale: Scale::Log,
+                    lo: 1e-4f64.ln(),
+                    hi: 1e-2f64.ln(),
+                    q: None,
+                },
+            ),
             ("model.n_layer".to_string(), Domain::Int { min: 1, max: 3 }),
         ];
         let (a, b) = (random(&d, 50, 7), random(&d, 50, 7));
         assert_eq!(a, b);
         assert_ne!(a, random(&d, 50, 8));
-        let layers: std::collections::BTreeSet<i64> = a.iter().map(|t| t.params["model.n_layer"].as_i64().unwrap()).collect();
+        let layers: std::collections::BTreeSet<i64> =
+            a.iter().map(|t| t.params["model.n_layer"].as_i64().unwrap()).collect();
         assert_eq!(layers, [1, 2, 3].into());
-        assert!(a.iter().all(|t| (1e-4..=1e-2).contains(&t.params["optim.lr"].as_f64().unwrap())));
+        assert!(a
+            .iter()
+            .all(|t| (1e-4..=1e-2).contains(&t.params["optim.lr"].as_f64().unwrap())));
         // The draws (and so the trial ids) of a file written before W&B's distributions came.
         assert_eq!(a[0].params["optim.lr"], json!(0.000602087), "{:?}", a[0]);
     }
@@ -685,11 +921,16 @@ mod tests {
                 }
             }
         }
-        let got: Vec<Value> = s.trials.iter().map(|t| serde_json::to_value(&t.params).unwrap()).collect();
+        let got: Vec<Value> = s
+            .trials
+            .iter()
+            .map(|t| serde_json::to_value(&t.params).unwrap())
+            .collect();
         assert_eq!(got, expected);
         assert_eq!(s.count, 36);
         // run_cap caps a grid, in its order.
-        let capped = load_yaml("base: base.yaml\nrun_cap: 4\nparameters:\n  optim.lr: {values: [1, 2, 3, 4, 5]}\n").unwrap();
+        let capped =
+            load_yaml("base: base.yaml\nrun_cap: 4\nparameters:\n  optim.lr: {values: [1, 2, 3, 4, 5]}\n").unwrap();
         assert_eq!(capped.trials.len(), 4);
     }
 
@@ -697,24 +938,54 @@ mod tests {
     fn wandb_keys_map_or_are_refused_by_name() {
         let s = load_yaml("base: base.yaml\nmethod: bayes\nrun_cap: 20\nmetric: {name: loss}\nearly_terminate: {type: hyperband, min_iter: 3}\nparameters:\n  optim.lr: {distribution: log_uniform_values, min: 1.0e-4, max: 1.0e-2}\n").unwrap();
         assert_eq!((s.method, s.count, s.metric), (Method::Bayes, 20, Metric::FinalLoss));
-        assert_eq!(s.early_stop, Some(EarlyStop { metric: RungMetric::Loss, min_steps: 3, eta: 3, max_steps: 27 }));
+        assert_eq!(
+            s.early_stop,
+            Some(EarlyStop {
+                metric: RungMetric::Loss,
+                min_steps: 3,
+                eta: 3,
+                max_steps: 27
+            })
+        );
         // W&B's log_uniform takes exponents.
         let s = load_yaml("base: base.yaml\nmethod: random\nrun_cap: 50\nprogram: x.py\nparameters:\n  optim.lr: {distribution: log_uniform, min: -9.2, max: -4.6}\n").unwrap();
-        assert!(s.trials.iter().all(|t| (1.0e-4..=1.01e-2).contains(&t.params["optim.lr"].as_f64().unwrap())));
+        assert!(s
+            .trials
+            .iter()
+            .all(|t| (1.0e-4..=1.01e-2).contains(&t.params["optim.lr"].as_f64().unwrap())));
         for (yaml, key) in [
             ("metric: {name: accuracy, goal: maximize}\n", "accuracy"),
             ("metric: {name: val_loss, goal: maximize}\n", "metric.goal"),
             ("metric: {name: val_loss, target: 0.1}\n", "metric.target"),
-            ("early_terminate: {type: hyperband, max_iter: 27, s: 2}\n", "early_terminate.max_iter"),
+            (
+                "early_terminate: {type: hyperband, max_iter: 27, s: 2}\n",
+                "early_terminate.max_iter",
+            ),
             ("early_terminate: {type: envelope}\n", "early_terminate.type"),
             ("controller: {type: local}\n", "controller"),
             ("parameters:\n  optim.lr: {distribution: beta, a: 1, b: 2}\n", "a"),
-            ("parameters:\n  optim.lr: {distribution: inv_log_uniform_values, min: 1, max: 2}\n", "inv_log_uniform_values"),
-            ("parameters:\n  model.n_layer: {distribution: int_uniform, min: 1.2, max: 1.8}\n", "no integer"),
-            ("method: random\nparameters:\n  optim.lr: {distribution: uniform, min: 0.1, max: 0.2}\n", "count"),
-            ("parameters:\n  optim.lr: {distribution: uniform, min: 0.1, max: 0.2}\n", "a grid takes"),
+            (
+                "parameters:\n  optim.lr: {distribution: inv_log_uniform_values, min: 1, max: 2}\n",
+                "inv_log_uniform_values",
+            ),
+            (
+                "parameters:\n  model.n_layer: {distribution: int_uniform, min: 1.2, max: 1.8}\n",
+                "no integer",
+            ),
+            (
+                "method: random\nparameters:\n  optim.lr: {distribution: uniform, min: 0.1, max: 0.2}\n",
+                "count",
+            ),
+            (
+                "parameters:\n  optim.lr: {distribution: uniform, min: 0.1, max: 0.2}\n",
+                "a grid takes",
+            ),
         ] {
-            let text = if yaml.contains("parameters") { format!("base: base.yaml\n{yaml}") } else { format!("base: base.yaml\n{yaml}parameters:\n  optim.lr: {{values: [1]}}\n") };
+            let text = if yaml.contains("parameters") {
+                format!("base: base.yaml\n{yaml}")
+            } else {
+                format!("base: base.yaml\n{yaml}parameters:\n  optim.lr: {{values: [1]}}\n")
+            };
             let e = load_yaml(&text).unwrap_err();
             assert!(format!("{e}").contains(key), "{yaml}: {e}");
         }
@@ -725,7 +996,10 @@ mod tests {
     fn shipped_sweep_files_load() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         let w = load(&root.join("examples/sweep/wandb-sweep.yaml")).unwrap();
-        assert_eq!((w.method, w.count, w.metric), (Method::Bayes, 12, Metric::FinalEvalLoss));
+        assert_eq!(
+            (w.method, w.count, w.metric),
+            (Method::Bayes, 12, Metric::FinalEvalLoss)
+        );
         assert_eq!(w.early_stop.unwrap().rungs(), [10, 30, 90, 150]);
         assert!(!w.decay_steps_set && w.notices.len() == 1);
         let d = load(&root.join("configs/demo-sweep.yaml")).unwrap();

@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use super::spec::{Metric, Trial};
-use crate::record::{Record, Status};
 use super::table;
+use crate::record::{Record, Status};
 use oomguard_console::progress::{self, Bar, Pace};
 
 /// A status line at least this often (besides one after each trial).
@@ -34,17 +34,34 @@ pub struct Snapshot {
 impl Snapshot {
     /// `trials`: the shard's known so far, of `total`; `running`: seconds each running trial
     /// has run (over every start); `slots`: --parallel.
-    pub fn new(trials: &[&Trial], total: usize, records: &BTreeMap<String, Record>, running: &[f64], slots: usize, metric: Metric) -> Snapshot {
-        let finished: Vec<&Record> = trials.iter().filter_map(|t| records.get(&t.id)).filter(|r| r.status.is_final()).collect();
+    pub fn new(
+        trials: &[&Trial],
+        total: usize,
+        records: &BTreeMap<String, Record>,
+        running: &[f64],
+        slots: usize,
+        metric: Metric,
+    ) -> Snapshot {
+        let finished: Vec<&Record> = trials
+            .iter()
+            .filter_map(|t| records.get(&t.id))
+            .filter(|r| r.status.is_final())
+            .collect();
         let count = |s: Status| finished.iter().filter(|r| r.status == s).count();
         let mut pace = Pace::new(finished.len());
         finished.iter().for_each(|r| pace.add(r.duration_s));
         let left = total.saturating_sub(finished.len() + running.len());
         Snapshot {
-            total, done: finished.len(), running: running.len(),
-            ok: count(Status::Ok), infeasible: count(Status::Infeasible), failed: count(Status::Failed), timeout: count(Status::Timeout),
+            total,
+            done: finished.len(),
+            running: running.len(),
+            ok: count(Status::Ok),
+            infeasible: count(Status::Infeasible),
+            failed: count(Status::Failed),
+            timeout: count(Status::Timeout),
             stopped_early: count(Status::StoppedEarly),
-            best: table::best(finished.iter().copied(), metric).and_then(|b| Some((b.trial.clone(), table::value(b, metric)?))),
+            best: table::best(finished.iter().copied(), metric)
+                .and_then(|b| Some((b.trial.clone(), table::value(b, metric)?))),
             eta_s: eta(&pace, running, left, slots),
         }
     }
@@ -55,17 +72,34 @@ impl Snapshot {
 
     /// `1 running, 1 left | ok 1, infeasible 1, failed 0 | best 000-0511874d 2.1234`
     fn details(&self) -> String {
-        let mut timeout = if self.timeout > 0 { format!(", timeout {}", self.timeout) } else { String::new() };
+        let mut timeout = if self.timeout > 0 {
+            format!(", timeout {}", self.timeout)
+        } else {
+            String::new()
+        };
         if self.stopped_early > 0 {
             timeout.push_str(&format!(", stopped early {}", self.stopped_early));
         }
         let best = self.best.as_ref().map_or("-".into(), |(id, v)| format!("{id} {v:.4}"));
-        format!("{} running, {} left | ok {}, infeasible {}, failed {}{timeout} | best {best}", self.running, self.left(), self.ok, self.infeasible, self.failed)
+        format!(
+            "{} running, {} left | ok {}, infeasible {}, failed {}{timeout} | best {best}",
+            self.running,
+            self.left(),
+            self.ok,
+            self.infeasible,
+            self.failed
+        )
     }
 
     /// The log line: `sweep: 2/4 done, 1 running, 1 left | ok 1, ... | best ... | 35s, ETA 40s`.
     pub fn line(&self, elapsed: f64) -> String {
-        format!("sweep: {}/{} done, {} | {}", self.done, self.total, self.details(), progress::elapsed_eta(elapsed, self.eta_s))
+        format!(
+            "sweep: {}/{} done, {} | {}",
+            self.done,
+            self.total,
+            self.details(),
+            progress::elapsed_eta(elapsed, self.eta_s)
+        )
     }
 }
 
@@ -92,7 +126,14 @@ impl Reporter {
     pub fn new(total: usize, slots: usize, metric: Metric) -> Reporter {
         let start = Instant::now();
         let bar = Bar::start(TEMPLATE, total as u64, 0, start);
-        Reporter { total, slots, metric, start, last_line: start, bar }
+        Reporter {
+            total,
+            slots,
+            metric,
+            start,
+            last_line: start,
+            bar,
+        }
     }
 
     /// Whether a line is due though nothing finished.
@@ -127,14 +168,32 @@ mod tests {
     use crate::record::Summary;
 
     fn trial(i: usize) -> Trial {
-        Trial { id: format!("{i:03}-x"), index: i, params: BTreeMap::new() }
+        Trial {
+            id: format!("{i:03}-x"),
+            index: i,
+            params: BTreeMap::new(),
+        }
     }
 
     fn record(t: &Trial, status: Status, loss: Option<f64>, secs: f64) -> Record {
         Record {
-            trial: t.id.clone(), index: t.index, params: BTreeMap::new(), status, told_by: None, exit_code: None,
-            summary: Summary { best_eval_loss: loss, ..Default::default() }, duration_s: secs, run_dir: String::new(), message: None,
-            shard: "0/1".into(), finished_at: String::new(), rung: None, rungs: vec![],
+            trial: t.id.clone(),
+            index: t.index,
+            params: BTreeMap::new(),
+            status,
+            told_by: None,
+            exit_code: None,
+            summary: Summary {
+                best_eval_loss: loss,
+                ..Default::default()
+            },
+            duration_s: secs,
+            run_dir: String::new(),
+            message: None,
+            shard: "0/1".into(),
+            finished_at: String::new(),
+            rung: None,
+            rungs: vec![],
         }
     }
 
@@ -144,20 +203,42 @@ mod tests {
         let mine: Vec<&Trial> = ts.iter().collect();
         let mut records = BTreeMap::new();
         let s = Snapshot::new(&mine, 6, &records, &[3.0], 2, Metric::BestEvalLoss);
-        assert_eq!((s.done, s.running, s.left(), s.eta_s, s.best.clone()), (0, 1, 5, None, None));
-        assert!(s.line(3.0).starts_with("sweep: 0/6 done, 1 running, 5 left | ok 0, infeasible 0, failed 0 | best - | 3.0s, ETA ?"), "{}", s.line(3.0));
-        for (t, st, loss, secs) in [(0, Status::Ok, Some(2.0), 10.0), (1, Status::Infeasible, None, 10.0), (2, Status::Failed, None, 10.0), (3, Status::Interrupted, Some(1.0), 10.0)] {
+        assert_eq!(
+            (s.done, s.running, s.left(), s.eta_s, s.best.clone()),
+            (0, 1, 5, None, None)
+        );
+        assert!(
+            s.line(3.0).starts_with(
+                "sweep: 0/6 done, 1 running, 5 left | ok 0, infeasible 0, failed 0 | best - | 3.0s, ETA ?"
+            ),
+            "{}",
+            s.line(3.0)
+        );
+        for (t, st, loss, secs) in [
+            (0, Status::Ok, Some(2.0), 10.0),
+            (1, Status::Infeasible, None, 10.0),
+            (2, Status::Failed, None, 10.0),
+            (3, Status::Interrupted, Some(1.0), 10.0),
+        ] {
             records.insert(ts[t].id.clone(), record(&ts[t], st, loss, secs));
         }
         // Trial 3 was interrupted: not done, it runs again (4s so far).
         let s = Snapshot::new(&mine, 6, &records, &[4.0], 2, Metric::BestEvalLoss);
-        assert_eq!((s.done, s.running, s.left(), s.ok, s.infeasible, s.failed), (3, 1, 2, 1, 1, 1));
+        assert_eq!(
+            (s.done, s.running, s.left(), s.ok, s.infeasible, s.failed),
+            (3, 1, 2, 1, 1, 1)
+        );
         assert_eq!(s.best, Some(("000-x".into(), 2.0)));
         // Two left at 10s each and 6s of the running one, over 2 slots.
         assert_eq!(s.eta_s, Some((2.0 * 10.0 + 6.0) / 2.0));
-        assert_eq!(s.line(31.0), "sweep: 3/6 done, 1 running, 2 left | ok 1, infeasible 1, failed 1 | best 000-x 2.0000 | 31s, ETA 13s");
+        assert_eq!(
+            s.line(31.0),
+            "sweep: 3/6 done, 1 running, 2 left | ok 1, infeasible 1, failed 1 | best 000-x 2.0000 | 31s, ETA 13s"
+        );
         records.insert(ts[4].id.clone(), record(&ts[4], Status::Timeout, None, 10.0));
-        assert!(Snapshot::new(&mine, 6, &records, &[], 1, Metric::BestEvalLoss).line(0.0).contains("failed 1, timeout 1 |"));
+        assert!(Snapshot::new(&mine, 6, &records, &[], 1, Metric::BestEvalLoss)
+            .line(0.0)
+            .contains("failed 1, timeout 1 |"));
     }
 
     #[test]

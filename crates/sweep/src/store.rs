@@ -16,7 +16,10 @@ pub struct Store {
 
 impl Store {
     pub fn new(dir: &Path) -> Store {
-        Store { path: dir.join("results.jsonl"), lock: dir.join("results.lock") }
+        Store {
+            path: dir.join("results.jsonl"),
+            lock: dir.join("results.lock"),
+        }
     }
 
     pub fn path(&self) -> &Path {
@@ -28,7 +31,12 @@ impl Store {
     pub fn read(&self) -> std::io::Result<BTreeMap<String, Record>> {
         let (records, corrupt) = self.read_all()?;
         for (n, line, e) in &corrupt {
-            tracing::warn!("{}:{n}: not a trial record ({e}): `{}`; it is kept in {}", self.path.display(), shorten(line), self.corrupt_path().display());
+            tracing::warn!(
+                "{}:{n}: not a trial record ({e}): `{}`; it is kept in {}",
+                self.path.display(),
+                shorten(line),
+                self.corrupt_path().display()
+            );
         }
         Ok(records)
     }
@@ -67,13 +75,21 @@ impl Store {
     /// Changes the records under the lock and rewrites the file whole; lines that do not
     /// parse are appended to results.corrupt.jsonl first.
     pub fn update(&self, change: impl FnOnce(&mut BTreeMap<String, Record>)) -> anyhow::Result<()> {
-        let _lock = exclusive(&self.lock, false)?.ok_or_else(|| anyhow::anyhow!("{}: a blocking lock came back unheld", self.lock.display()))?;
+        let _lock = exclusive(&self.lock, false)?
+            .ok_or_else(|| anyhow::anyhow!("{}: a blocking lock came back unheld", self.lock.display()))?;
         let (mut all, corrupt) = self.read_all()?;
         if !corrupt.is_empty() {
             use std::io::Write;
-            let mut f = std::fs::OpenOptions::new().create(true).append(true).open(self.corrupt_path())?;
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(self.corrupt_path())?;
             for (n, line, e) in &corrupt {
-                tracing::warn!("{}:{n}: not a trial record ({e}): moved to {}", self.path.display(), self.corrupt_path().display());
+                tracing::warn!(
+                    "{}:{n}: not a trial record ({e}): moved to {}",
+                    self.path.display(),
+                    self.corrupt_path().display()
+                );
                 writeln!(f, "{line}")?;
             }
             f.sync_all()?;
@@ -91,7 +107,11 @@ impl Store {
 }
 
 fn shorten(line: &str) -> String {
-    if line.chars().count() > 80 { format!("{}...", line.chars().take(80).collect::<String>()) } else { line.to_string() }
+    if line.chars().count() > 80 {
+        format!("{}...", line.chars().take(80).collect::<String>())
+    } else {
+        line.to_string()
+    }
 }
 
 /// An exclusive flock on `path` (created if missing): None when `nonblocking` and another
@@ -100,7 +120,11 @@ fn shorten(line: &str) -> String {
 /// that keeps each trial once.
 fn exclusive(path: &Path, nonblocking: bool) -> anyhow::Result<Option<File>> {
     let f = File::options().create(true).truncate(false).write(true).open(path)?;
-    let flags = if nonblocking { libc::LOCK_EX | libc::LOCK_NB } else { libc::LOCK_EX };
+    let flags = if nonblocking {
+        libc::LOCK_EX | libc::LOCK_NB
+    } else {
+        libc::LOCK_EX
+    };
     // SAFETY: flock on an open descriptor; released when `f` closes (or the process dies).
     if unsafe { libc::flock(f.as_raw_fd(), flags) } == 0 {
         return Ok(Some(f));
@@ -143,7 +167,9 @@ impl TrialLock {
     /// lock taken, nothing created (`--status`). Another host's lock is not visible here.
     pub fn held(dir: &Path) -> bool {
         use std::os::unix::fs::MetadataExt;
-        let Ok(meta) = std::fs::metadata(dir.join(".lock")) else { return false };
+        let Ok(meta) = std::fs::metadata(dir.join(".lock")) else {
+            return false;
+        };
         let locks = std::fs::read_to_string("/proc/locks").unwrap_or_default();
         held_in(&locks, meta.ino())
     }
@@ -153,7 +179,11 @@ impl TrialLock {
 fn held_in(locks: &str, ino: u64) -> bool {
     locks.lines().any(|l| {
         let f: Vec<&str> = l.split_whitespace().collect();
-        f.get(1) == Some(&"FLOCK") && f.get(5).and_then(|d| d.rsplit(':').next()).and_then(|i| i.parse::<u64>().ok()) == Some(ino)
+        f.get(1) == Some(&"FLOCK")
+            && f.get(5)
+                .and_then(|d| d.rsplit(':').next())
+                .and_then(|i| i.parse::<u64>().ok())
+                == Some(ino)
     })
 }
 
@@ -164,9 +194,28 @@ mod tests {
 
     fn record(trial: &str, index: usize, status: Status) -> Record {
         Record {
-            trial: trial.into(), index, params: BTreeMap::new(), status, told_by: None, exit_code: Some(0),
-            summary: Summary { final_eval_loss: Some(1.0), best_eval_loss: Some(0.9), final_loss: None, tokens_per_s: Some(10.0), final_micro_batch_size: Some(4), ooms: 0, steps: 3 },
-            duration_s: 1.0, run_dir: format!("trials/{trial}"), message: None, shard: "0/1".into(), finished_at: String::new(), rung: None, rungs: vec![],
+            trial: trial.into(),
+            index,
+            params: BTreeMap::new(),
+            status,
+            told_by: None,
+            exit_code: Some(0),
+            summary: Summary {
+                final_eval_loss: Some(1.0),
+                best_eval_loss: Some(0.9),
+                final_loss: None,
+                tokens_per_s: Some(10.0),
+                final_micro_batch_size: Some(4),
+                ooms: 0,
+                steps: 3,
+            },
+            duration_s: 1.0,
+            run_dir: format!("trials/{trial}"),
+            message: None,
+            shard: "0/1".into(),
+            finished_at: String::new(),
+            rung: None,
+            rungs: vec![],
         }
     }
 
@@ -195,11 +244,21 @@ mod tests {
     #[test]
     fn a_filesystem_without_flock_is_exit_2_with_the_fix() {
         for errno in [libc::ENOLCK, libc::EOPNOTSUPP] {
-            let e = lock_error(Path::new("/lustre/out/results.lock"), std::io::Error::from_raw_os_error(errno));
-            let c = e.downcast_ref::<oomguard_console::ConfigError>().expect("a config error: exit 2");
-            assert!(c.message.contains("-o flock") && c.origin.contains("/lustre/out"), "{c}");
+            let e = lock_error(
+                Path::new("/lustre/out/results.lock"),
+                std::io::Error::from_raw_os_error(errno),
+            );
+            let c = e
+                .downcast_ref::<oomguard_console::ConfigError>()
+                .expect("a config error: exit 2");
+            assert!(
+                c.message.contains("-o flock") && c.origin.contains("/lustre/out"),
+                "{c}"
+            );
         }
-        assert!(lock_error(Path::new("x"), std::io::Error::from_raw_os_error(libc::EIO)).downcast_ref::<oomguard_console::ConfigError>().is_none());
+        assert!(lock_error(Path::new("x"), std::io::Error::from_raw_os_error(libc::EIO))
+            .downcast_ref::<oomguard_console::ConfigError>()
+            .is_none());
     }
 
     #[test]
@@ -208,10 +267,16 @@ mod tests {
         assert!(!TrialLock::held(&dir) && !dir.exists(), "nothing created");
         let lock = TrialLock::try_take(&dir).unwrap().unwrap();
         assert!(TrialLock::held(&dir));
-        assert!(TrialLock::try_take(&dir).unwrap().is_none(), "flock is per open file: a second take fails");
+        assert!(
+            TrialLock::try_take(&dir).unwrap().is_none(),
+            "flock is per open file: a second take fails"
+        );
         drop(lock);
         assert!(!TrialLock::held(&dir));
-        assert!(held_in("1: FLOCK  ADVISORY  WRITE 23286 fe:00:10010629 0 EOF\n2: POSIX  ADVISORY  WRITE 1 fe:00:7 0 EOF", 10010629));
+        assert!(held_in(
+            "1: FLOCK  ADVISORY  WRITE 23286 fe:00:10010629 0 EOF\n2: POSIX  ADVISORY  WRITE 1 fe:00:7 0 EOF",
+            10010629
+        ));
         assert!(!held_in("2: POSIX  ADVISORY  WRITE 1 fe:00:7 0 EOF", 7));
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -7,21 +7,34 @@ use std::process::Child;
 use std::time::{Duration, Instant, SystemTime};
 
 use super::asha;
-use crate::record::{Decision, Record, Rung, Status};
 use super::spec::{self, Sweep, Trial};
 use super::status;
 use super::store::{Store, TrialLock};
 use super::tpe::{self, Observation, Outcome};
 use super::trial::{self, Launch, Stop};
+use crate::record::{Decision, Record, Rung, Status};
 use oomguard_host::proc::{signal_group, Signals};
 
 /// This shard's trials known so far: every one of a grid or random sweep; for model-based
 /// search, those proposed (their parameters are in their records).
 pub fn known(sweep: &Sweep, records: &BTreeMap<String, Record>, (index, count): (usize, usize)) -> Vec<Trial> {
     if !sweep.model_based() {
-        return sweep.trials.iter().filter(|t| t.index % count == index).cloned().collect();
+        return sweep
+            .trials
+            .iter()
+            .filter(|t| t.index % count == index)
+            .cloned()
+            .collect();
     }
-    let mut t: Vec<Trial> = records.values().filter(|r| r.index % count == index).map(|r| Trial { index: r.index, id: r.trial.clone(), params: r.params.clone() }).collect();
+    let mut t: Vec<Trial> = records
+        .values()
+        .filter(|r| r.index % count == index)
+        .map(|r| Trial {
+            index: r.index,
+            id: r.trial.clone(),
+            params: r.params.clone(),
+        })
+        .collect();
     t.sort_by_key(|t| t.index);
     t
 }
@@ -63,7 +76,13 @@ struct Ending {
 
 impl Ending {
     fn of(status: Status, exit_code: Option<i32>, message: Option<String>) -> Ending {
-        Ending { status, told_by: None, exit_code, message, rungs: None }
+        Ending {
+            status,
+            told_by: None,
+            exit_code,
+            message,
+            rungs: None,
+        }
     }
 }
 
@@ -84,8 +103,14 @@ pub struct Sweeper<'a> {
 impl<'a> Sweeper<'a> {
     pub fn launch<'t>(&'t self, t: &'t Trial, slot: Option<usize>) -> Launch<'t> {
         Launch {
-            exe: &self.exe, base: &self.sweep.base, trial: t, run_dir: self.run_dir(t), threads: self.threads, env: &self.memory_share,
-            gpu: slot.and_then(|s| self.gpus.get(s).cloned()), extra: vec![],
+            exe: &self.exe,
+            base: &self.sweep.base,
+            trial: t,
+            run_dir: self.run_dir(t),
+            threads: self.threads,
+            env: &self.memory_share,
+            gpu: slot.and_then(|s| self.gpus.get(s).cloned()),
+            extra: vec![],
         }
     }
 
@@ -94,14 +119,21 @@ impl<'a> Sweeper<'a> {
     }
 
     /// Runs trials in `parallel` slots until none is left or a signal; returns the signal.
-    pub fn schedule(&self, parallel: usize, signals: &Signals, reporter: &mut status::Reporter) -> anyhow::Result<Option<i32>> {
+    pub fn schedule(
+        &self,
+        parallel: usize,
+        signals: &Signals,
+        reporter: &mut status::Reporter,
+    ) -> anyhow::Result<Option<i32>> {
         let mut running: Vec<Running> = vec![];
         let mut waiting = BTreeSet::new();
         self.report(reporter, &running, false);
         loop {
             if let Some(sig) = signals.received() {
                 self.stop_all(&mut running, signals)?;
-                tracing::warn!("received signal {sig}: trials stopped with checkpoints; run the same command to resume");
+                tracing::warn!(
+                    "received signal {sig}: trials stopped with checkpoints; run the same command to resume"
+                );
                 return Ok(Some(sig));
             }
             if self.reap(&mut running)? > 0 {
@@ -111,9 +143,17 @@ impl<'a> Sweeper<'a> {
             // Held by another process this round: asked again after a pause, not dropped.
             let mut held = BTreeSet::new();
             while running.len() < parallel {
-                let busy: BTreeSet<String> = running.iter().map(|r| r.trial.id.clone()).chain(held.iter().cloned()).collect();
-                let Some((t, target)) = self.next_job(&self.store.read()?, &busy) else { break };
-                let slot = (0..parallel).find(|s| running.iter().all(|r| r.slot != *s)).unwrap_or(0);
+                let busy: BTreeSet<String> = running
+                    .iter()
+                    .map(|r| r.trial.id.clone())
+                    .chain(held.iter().cloned())
+                    .collect();
+                let Some((t, target)) = self.next_job(&self.store.read()?, &busy) else {
+                    break;
+                };
+                let slot = (0..parallel)
+                    .find(|s| running.iter().all(|r| r.slot != *s))
+                    .unwrap_or(0);
                 match self.start(t, target, slot)? {
                     Started::Running(r) => {
                         running.push(r);
@@ -145,7 +185,10 @@ impl<'a> Sweeper<'a> {
         let mut mine = known(self.sweep, records, self.shard);
         if self.sweep.model_based() {
             let (index, count) = self.shard;
-            if let Some(i) = (0..self.sweep.count).filter(|i| i % count == index).find(|i| !mine.iter().any(|t| t.index == *i)) {
+            if let Some(i) = (0..self.sweep.count)
+                .filter(|i| i % count == index)
+                .find(|i| !mine.iter().any(|t| t.index == *i))
+            {
                 mine.push(self.propose(i, records));
             }
         }
@@ -153,41 +196,69 @@ impl<'a> Sweeper<'a> {
         match &self.sweep.early_stop {
             Some(es) => {
                 let job = asha::next(es, &refs, records, busy, self.sweep.metric.maximize())?;
-                mine.into_iter().find(|t| t.index == job.index).map(|t| (t, Some(job.target)))
+                mine.into_iter()
+                    .find(|t| t.index == job.index)
+                    .map(|t| (t, Some(job.target)))
             }
-            None => mine.into_iter().find(|t| !busy.contains(&t.id) && !records.get(&t.id).is_some_and(|r| r.status.is_final())).map(|t| (t, None)),
+            None => mine
+                .into_iter()
+                .find(|t| !busy.contains(&t.id) && !records.get(&t.id).is_some_and(|r| r.status.is_final()))
+                .map(|t| (t, None)),
         }
     }
 
     /// Model-based search's proposal for trial `index`, from every finished trial's result.
     fn propose(&self, index: usize, records: &BTreeMap<String, Record>) -> Trial {
         let sweep = self.sweep;
-        let mut done: Vec<&Record> = records.values().filter(|r| r.status.is_final() && r.status != Status::Interrupted).collect();
+        let mut done: Vec<&Record> = records
+            .values()
+            .filter(|r| r.status.is_final() && r.status != Status::Interrupted)
+            .collect();
         done.sort_by_key(|r| r.index);
         let observations: Vec<Observation> = done
             .iter()
             .map(|r| {
                 let value = super::table::value(r, sweep.metric).filter(|v| v.is_finite());
                 let outcome = match (r.status, value) {
-                    (Status::Ok | Status::StoppedEarly | Status::Timeout, Some(v)) => Outcome::Value(if sweep.metric.maximize() { -v } else { v }),
+                    (Status::Ok | Status::StoppedEarly | Status::Timeout, Some(v)) => {
+                        Outcome::Value(if sweep.metric.maximize() { -v } else { v })
+                    }
                     _ => Outcome::Bad,
                 };
-                Observation { at: sweep.domains.iter().map(|(k, d)| r.params.get(k).and_then(|v| d.cdf(v))).collect(), outcome }
+                Observation {
+                    at: sweep
+                        .domains
+                        .iter()
+                        .map(|(k, d)| r.params.get(k).and_then(|v| d.cdf(v)))
+                        .collect(),
+                    outcome,
+                }
             })
             .collect();
-        spec::trial_of(index, tpe::propose(&sweep.domains, &observations, sweep.seed, index, sweep.count))
+        spec::trial_of(
+            index,
+            tpe::propose(&sweep.domains, &observations, sweep.seed, index, sweep.count),
+        )
     }
 
     /// Starts a trial unless another process holds it or has done it: its record is read
     /// again once its lock is held, so two sweeps on one directory run it once.
     fn start(&self, t: Trial, target: Option<u64>, slot: usize) -> anyhow::Result<Started> {
         let dir = self.run_dir(&t);
-        let Some(lock) = TrialLock::try_take(&dir)? else { return Ok(Started::Held(t.id)) };
+        let Some(lock) = TrialLock::try_take(&dir)? else {
+            return Ok(Started::Held(t.id));
+        };
         let record = self.store.read()?.remove(&t.id);
         let due = match (&self.sweep.early_stop, &record) {
             (_, None) => true,
             (None, Some(r)) => !r.status.is_final(),
-            (Some(_), Some(r)) => target.is_some_and(|s| r.rungs.last().is_none_or(|g| g.step < s)) && matches!(r.status, Status::StoppedEarly | Status::Promoted | Status::Interrupted | Status::Proposed),
+            (Some(_), Some(r)) => {
+                target.is_some_and(|s| r.rungs.last().is_none_or(|g| g.step < s))
+                    && matches!(
+                        r.status,
+                        Status::StoppedEarly | Status::Promoted | Status::Interrupted | Status::Proposed
+                    )
+            }
         };
         if !due {
             tracing::info!("[{}] was done by another sweep process: skipped", t.id);
@@ -202,21 +273,43 @@ impl<'a> Sweeper<'a> {
             // A segment to the rung, on the learning-rate schedule of the whole run.
             launch.extra = vec!["--set".into(), format!("train.max_steps={step}")];
             if !self.sweep.decay_steps_set {
-                launch.extra.extend(["--set".into(), format!("optim.decay_steps={}", es.max_steps)]);
+                launch
+                    .extra
+                    .extend(["--set".into(), format!("optim.decay_steps={}", es.max_steps)]);
             }
         }
         let fresh = !dir.join("checkpoints").is_dir();
         if self.sweep.planner && fresh {
             if let Some(why) = launch.planner_says_infeasible(self.sweep.device_memory.as_deref())? {
                 tracing::warn!("[{}] infeasible, says the planner: {why}", t.id);
-                self.put(&t, Ending { told_by: Some("planner"), ..Ending::of(Status::Infeasible, Some(3), Some(why)) }, 0.0)?;
+                self.put(
+                    &t,
+                    Ending {
+                        told_by: Some("planner"),
+                        ..Ending::of(Status::Infeasible, Some(3), Some(why))
+                    },
+                    0.0,
+                )?;
                 return Ok(Started::Settled);
             }
         }
         let segment = target.map(|s| format!(" to step {s}")).unwrap_or_default();
-        tracing::info!("[{}] {}{segment} {}", t.id, if fresh { "start" } else { "resume" }, t.describe());
+        tracing::info!(
+            "[{}] {}{segment} {}",
+            t.id,
+            if fresh { "start" } else { "resume" },
+            t.describe()
+        );
         match launch.spawn() {
-            Ok(child) => Ok(Started::Running(Running { trial: t, slot, child, started: Instant::now(), stopping: None, target, _lock: lock })),
+            Ok(child) => Ok(Started::Running(Running {
+                trial: t,
+                slot,
+                child,
+                started: Instant::now(),
+                stopping: None,
+                target,
+                _lock: lock,
+            })),
             Err(e) => {
                 let why = format!("cannot start {}: {e}", self.exe.display());
                 self.put(&t, Ending::of(Status::Failed, None, Some(why)), 0.0)?;
@@ -230,7 +323,10 @@ impl<'a> Sweeper<'a> {
     fn report(&self, reporter: &mut status::Reporter, running: &[Running], finished: bool) {
         match self.store.read() {
             Ok(records) => {
-                let ran: Vec<f64> = running.iter().map(|r| r.started.elapsed().as_secs_f64() + self.before.get(&r.trial.id).copied().unwrap_or(0.0)).collect();
+                let ran: Vec<f64> = running
+                    .iter()
+                    .map(|r| r.started.elapsed().as_secs_f64() + self.before.get(&r.trial.id).copied().unwrap_or(0.0))
+                    .collect();
                 let mine = known(self.sweep, &records, self.shard);
                 reporter.report(&mine, &records, &ran, finished);
             }
@@ -258,7 +354,11 @@ impl<'a> Sweeper<'a> {
     fn enforce_timeout(&self, r: &mut Running) {
         match (self.sweep.timeout, r.stopping) {
             (Some(limit), None) if r.started.elapsed() > limit => {
-                tracing::warn!("[{}] ran past trial.timeout ({}): stopping it", r.trial.id, humantime::format_duration(limit));
+                tracing::warn!(
+                    "[{}] ran past trial.timeout ({}): stopping it",
+                    r.trial.id,
+                    humantime::format_duration(limit)
+                );
                 signal_group(&r.child, libc::SIGTERM);
                 r.stopping = Some((Stop::Timeout, Instant::now()));
             }
@@ -291,16 +391,33 @@ impl<'a> Sweeper<'a> {
         let status = trial::status_of(code, r.stopping.map(|s| s.0));
         let message = match status {
             Status::Ok | Status::Interrupted => None,
-            Status::Timeout => Some(format!("stopped after trial.timeout {}", self.sweep.timeout.map(|d| humantime::format_duration(d).to_string()).unwrap_or_default())),
-            _ => Some(trial::last_error_line(&std::fs::read_to_string(self.launch(&r.trial, None).log_path()).unwrap_or_default())),
+            Status::Timeout => Some(format!(
+                "stopped after trial.timeout {}",
+                self.sweep
+                    .timeout
+                    .map(|d| humantime::format_duration(d).to_string())
+                    .unwrap_or_default()
+            )),
+            _ => Some(trial::last_error_line(
+                &std::fs::read_to_string(self.launch(&r.trial, None).log_path()).unwrap_or_default(),
+            )),
         };
-        let mut ending = Ending { told_by: (status == Status::Infeasible).then_some("run"), ..Ending::of(status, Some(code), message) };
+        let mut ending = Ending {
+            told_by: (status == Status::Infeasible).then_some("run"),
+            ..Ending::of(status, Some(code), message)
+        };
         if let (Some(es), Some(step), Status::Ok) = (&self.sweep.early_stop, r.target, status) {
             // The segment reached its rung: decide, from the values reported there so far.
             let records = self.store.read()?;
             let metrics = std::fs::read_to_string(self.run_dir(&r.trial).join("metrics.jsonl")).unwrap_or_default();
             let value = asha::value_at(&metrics, step, es.metric);
-            let decision = asha::decide(es, step, value, &asha::reported_at(records.values(), step, &r.trial.id), self.sweep.metric.maximize());
+            let decision = asha::decide(
+                es,
+                step,
+                value,
+                &asha::reported_at(records.values(), step, &r.trial.id),
+                self.sweep.metric.maximize(),
+            );
             let previous = records.get(&r.trial.id).map(|p| p.rungs.clone()).unwrap_or_default();
             ending.rungs = Some(asha::after_segment(&previous, step, value, decision));
             ending.status = match decision {
@@ -308,17 +425,31 @@ impl<'a> Sweeper<'a> {
                 Decision::Stop => Status::StoppedEarly,
                 Decision::Done | Decision::Promoted => Status::Ok,
             };
-            tracing::info!("[{}] step {step}: {} {}: {}", r.trial.id, es.metric_name(), value.map_or("-".into(), |v| format!("{v:.4}")), match decision {
-                Decision::Continue => "in the top 1/eta: goes on",
-                Decision::Stop => "below the top 1/eta: stopped early (it may be promoted later)",
-                _ => "done",
-            });
+            tracing::info!(
+                "[{}] step {step}: {} {}: {}",
+                r.trial.id,
+                es.metric_name(),
+                value.map_or("-".into(), |v| format!("{v:.4}")),
+                match decision {
+                    Decision::Continue => "in the top 1/eta: goes on",
+                    Decision::Stop => "below the top 1/eta: stopped early (it may be promoted later)",
+                    _ => "done",
+                }
+            );
         }
         let record = self.put(&r.trial, ending, r.started.elapsed().as_secs_f64())?;
         tracing::info!(
             "[{}] {} (exit {code}) in {:.0}s: best eval {}, {} tok/s, micro-batch {}, {} OOMs",
-            r.trial.id, record.status.name(), record.duration_s, record.summary.best_eval_loss.map_or("-".into(), |l| format!("{l:.4}")),
-            record.summary.tokens_per_s.map_or("-".into(), |t| format!("{t:.0}")), record.summary.final_micro_batch_size.map_or("-".into(), |m| m.to_string()), record.summary.ooms
+            r.trial.id,
+            record.status.name(),
+            record.duration_s,
+            record.summary.best_eval_loss.map_or("-".into(), |l| format!("{l:.4}")),
+            record.summary.tokens_per_s.map_or("-".into(), |t| format!("{t:.0}")),
+            record
+                .summary
+                .final_micro_batch_size
+                .map_or("-".into(), |m| m.to_string()),
+            record.summary.ooms
         );
         Ok(())
     }
@@ -330,15 +461,26 @@ impl<'a> Sweeper<'a> {
         let mut written = None;
         self.store.update(|all| {
             let previous = all.get(&t.id);
-            let rungs = e.rungs.clone().unwrap_or_else(|| previous.map(|p| p.rungs.clone()).unwrap_or_default());
+            let rungs = e
+                .rungs
+                .clone()
+                .unwrap_or_else(|| previous.map(|p| p.rungs.clone()).unwrap_or_default());
             let record = Record {
-                trial: t.id.clone(), index: t.index, params: t.params.clone(), status: e.status, told_by: e.told_by.map(String::from), exit_code: e.exit_code,
+                trial: t.id.clone(),
+                index: t.index,
+                params: t.params.clone(),
+                status: e.status,
+                told_by: e.told_by.map(String::from),
+                exit_code: e.exit_code,
                 summary: trial::summarize(&dir),
                 duration_s: secs + previous.map_or(0.0, |p| p.duration_s),
-                run_dir: dir.strip_prefix(&self.out).unwrap_or(&dir).display().to_string(), message: e.message.clone(),
+                run_dir: dir.strip_prefix(&self.out).unwrap_or(&dir).display().to_string(),
+                message: e.message.clone(),
                 shard: format!("{}/{}", self.shard.0, self.shard.1),
                 finished_at: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
-                rung: (e.status == Status::StoppedEarly).then(|| rungs.last().map(|g| g.step)).flatten(),
+                rung: (e.status == Status::StoppedEarly)
+                    .then(|| rungs.last().map(|g| g.step))
+                    .flatten(),
                 rungs,
             };
             all.insert(t.id.clone(), record.clone());

@@ -24,9 +24,17 @@ pub fn value(r: &Record, metric: Metric) -> Option<f64> {
 
 /// The best finished trial by `metric` (only trials that have it).
 pub fn best<'a>(records: impl IntoIterator<Item = &'a Record>, metric: Metric) -> Option<&'a Record> {
-    let mut scored: Vec<(&Record, f64)> = records.into_iter().filter_map(|r| value(r, metric).filter(|v| v.is_finite()).map(|v| (r, v))).collect();
+    let mut scored: Vec<(&Record, f64)> = records
+        .into_iter()
+        .filter_map(|r| value(r, metric).filter(|v| v.is_finite()).map(|v| (r, v)))
+        .collect();
     scored.sort_by(|a, b| a.1.total_cmp(&b.1));
-    if metric.maximize() { scored.last() } else { scored.first() }.map(|(r, _)| *r)
+    if metric.maximize() {
+        scored.last()
+    } else {
+        scored.first()
+    }
+    .map(|(r, _)| *r)
 }
 
 fn num(x: Option<f64>, digits: usize) -> String {
@@ -35,8 +43,24 @@ fn num(x: Option<f64>, digits: usize) -> String {
 
 /// The table of `trials`, their records and open states, and a line naming the best.
 /// `total`: the trials in all (a model-based search has proposed only some so far).
-pub fn render(trials: &[Trial], records: &BTreeMap<String, Record>, open: &dyn Fn(&Trial) -> Open, metric: Metric, total: usize) -> String {
-    let header = ["trial", "status", "best eval", "final eval", "tok/s", "micro-batch", "OOMs", "time", "parameters"];
+pub fn render(
+    trials: &[Trial],
+    records: &BTreeMap<String, Record>,
+    open: &dyn Fn(&Trial) -> Open,
+    metric: Metric,
+    total: usize,
+) -> String {
+    let header = [
+        "trial",
+        "status",
+        "best eval",
+        "final eval",
+        "tok/s",
+        "micro-batch",
+        "OOMs",
+        "time",
+        "parameters",
+    ];
     let mut rows = vec![header.map(String::from).to_vec()];
     let mut notes = vec![];
     for t in trials {
@@ -44,19 +68,35 @@ pub fn render(trials: &[Trial], records: &BTreeMap<String, Record>, open: &dyn F
             Some(r) => {
                 let status = match (&r.told_by, r.rungs.last()) {
                     (Some(by), _) => format!("{} ({by})", r.status.name()),
-                    (None, Some(g)) if r.status != crate::record::Status::Ok => format!("{} (step {})", r.status.name(), g.step),
+                    (None, Some(g)) if r.status != crate::record::Status::Ok => {
+                        format!("{} (step {})", r.status.name(), g.step)
+                    }
                     _ => r.status.name().to_string(),
                 };
-                if let Some(m) = r.message.as_ref().filter(|_| r.status.is_final() && r.status != crate::record::Status::Ok) {
+                if let Some(m) = r
+                    .message
+                    .as_ref()
+                    .filter(|_| r.status.is_final() && r.status != crate::record::Status::Ok)
+                {
                     notes.push(format!("  {}: {m}", r.trial));
                 }
                 vec![
-                    r.trial.clone(), status, num(r.summary.best_eval_loss, 4), num(r.summary.final_eval_loss, 4), num(r.summary.tokens_per_s, 0),
-                    r.summary.final_micro_batch_size.map_or("-".into(), |m| m.to_string()), r.summary.ooms.to_string(), format!("{:.0}s", r.duration_s), t.describe(),
+                    r.trial.clone(),
+                    status,
+                    num(r.summary.best_eval_loss, 4),
+                    num(r.summary.final_eval_loss, 4),
+                    num(r.summary.tokens_per_s, 0),
+                    r.summary.final_micro_batch_size.map_or("-".into(), |m| m.to_string()),
+                    r.summary.ooms.to_string(),
+                    format!("{:.0}s", r.duration_s),
+                    t.describe(),
                 ]
             }
             None => {
-                let s = match open(t) { Open::Pending => "pending", Open::Running => "running" };
+                let s = match open(t) {
+                    Open::Pending => "pending",
+                    Open::Running => "running",
+                };
                 let mut row = vec![t.id.clone(), s.into()];
                 row.extend(std::iter::repeat_n("".to_string(), 6));
                 row.push(t.describe());
@@ -65,7 +105,9 @@ pub fn render(trials: &[Trial], records: &BTreeMap<String, Record>, open: &dyn F
         };
         rows.push(row);
     }
-    let widths: Vec<usize> = (0..header.len()).map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0)).collect();
+    let widths: Vec<usize> = (0..header.len())
+        .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
+        .collect();
     let mut out = String::new();
     for r in &rows {
         let cells: Vec<String> = r.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
@@ -78,14 +120,22 @@ pub fn render(trials: &[Trial], records: &BTreeMap<String, Record>, open: &dyn F
         out.push('\n');
     }
     let mine = trials.iter().filter_map(|t| records.get(&t.id));
-    let finished = trials.iter().filter(|t| records.get(&t.id).is_some_and(|r| r.status.is_final())).count();
+    let finished = trials
+        .iter()
+        .filter(|t| records.get(&t.id).is_some_and(|r| r.status.is_final()))
+        .count();
     out.push_str(&format!("{finished} of {} trials finished", total.max(trials.len())));
     match best(mine, metric) {
         Some(b) => out.push_str(&format!(
             "; best by {}: {} ({}) {}\n",
-            metric.name(), b.trial,
+            metric.name(),
+            b.trial,
             num(value(b, metric), 4),
-            trials.iter().find(|t| t.id == b.trial).map(Trial::describe).unwrap_or_default()
+            trials
+                .iter()
+                .find(|t| t.id == b.trial)
+                .map(Trial::describe)
+                .unwrap_or_default()
         )),
         None => out.push('\n'),
     }
@@ -100,11 +150,31 @@ mod tests {
     #[test]
     fn best_skips_trials_without_the_metric() {
         let r = |t: &str, l: Option<f64>, s: Status| Record {
-            trial: t.into(), index: 0, params: BTreeMap::new(), status: s, told_by: None, exit_code: None,
-            summary: crate::record::Summary { final_eval_loss: l, best_eval_loss: l, tokens_per_s: l.map(|l| 100.0 / l), ..Default::default() }, duration_s: 0.0,
-            run_dir: String::new(), message: None, shard: String::new(), finished_at: String::new(), rung: None, rungs: vec![],
+            trial: t.into(),
+            index: 0,
+            params: BTreeMap::new(),
+            status: s,
+            told_by: None,
+            exit_code: None,
+            summary: crate::record::Summary {
+                final_eval_loss: l,
+                best_eval_loss: l,
+                tokens_per_s: l.map(|l| 100.0 / l),
+                ..Default::default()
+            },
+            duration_s: 0.0,
+            run_dir: String::new(),
+            message: None,
+            shard: String::new(),
+            finished_at: String::new(),
+            rung: None,
+            rungs: vec![],
         };
-        let rs = [r("a", Some(2.0), Status::Ok), r("b", None, Status::Infeasible), r("c", Some(1.5), Status::Ok)];
+        let rs = [
+            r("a", Some(2.0), Status::Ok),
+            r("b", None, Status::Infeasible),
+            r("c", Some(1.5), Status::Ok),
+        ];
         assert_eq!(best(&rs, Metric::BestEvalLoss).unwrap().trial, "c");
         assert_eq!(best(&rs, Metric::TokensPerS).unwrap().trial, "c");
         assert!(best(&rs[1..2], Metric::BestEvalLoss).is_none());

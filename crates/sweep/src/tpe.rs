@@ -38,37 +38,65 @@ pub fn startup(count: usize) -> usize {
 const CANDIDATES: usize = 24;
 
 /// Trial `index`'s parameters, from `observations` (in trial order) and the seed.
-pub fn propose(domains: &[(String, Domain)], observations: &[Observation], seed: u64, index: usize, count: usize) -> BTreeMap<String, Value> {
+pub fn propose(
+    domains: &[(String, Domain)],
+    observations: &[Observation],
+    seed: u64,
+    index: usize,
+    count: usize,
+) -> BTreeMap<String, Value> {
     let mut rng = SplitMix(seed ^ (index as u64).wrapping_mul(0x9e3779b97f4a7c15) ^ 0x7470_6521);
     let at: Vec<f64> = if observations.len() < startup(count) {
         domains.iter().map(|_| rng.unit()).collect()
     } else {
         let (good, bad) = split(observations);
-        let models: Vec<(Parzen, Parzen)> = (0..domains.len()).map(|d| (Parzen::new(&domains[d].1, &good, d), Parzen::new(&domains[d].1, &bad, d))).collect();
+        let models: Vec<(Parzen, Parzen)> = (0..domains.len())
+            .map(|d| {
+                (
+                    Parzen::new(&domains[d].1, &good, d),
+                    Parzen::new(&domains[d].1, &bad, d),
+                )
+            })
+            .collect();
         let mut best: Option<(f64, Vec<f64>)> = None;
         for _ in 0..CANDIDATES {
             let x: Vec<f64> = models.iter().map(|(l, _)| l.sample(&mut rng)).collect();
-            let score: f64 = models.iter().zip(&x).map(|((l, g), x)| l.density(*x).ln() - g.density(*x).ln()).sum();
+            let score: f64 = models
+                .iter()
+                .zip(&x)
+                .map(|((l, g), x)| l.density(*x).ln() - g.density(*x).ln())
+                .sum();
             if best.as_ref().is_none_or(|(s, _)| score > *s) {
                 best = Some((score, x));
             }
         }
         best.map(|b| b.1).unwrap_or_default()
     };
-    domains.iter().zip(at).map(|((k, d), u)| (k.clone(), d.ppf(u.clamp(0.0, 1.0 - 1e-12)))).collect()
+    domains
+        .iter()
+        .zip(at)
+        .map(|((k, d), u)| (k.clone(), d.ppf(u.clamp(0.0, 1.0 - 1e-12))))
+        .collect()
 }
 
 /// The good observations (the best ceil(gamma n) by value, gamma 0.25) and the rest.
 fn split(observations: &[Observation]) -> (Vec<&Observation>, Vec<&Observation>) {
-    let mut valued: Vec<(f64, &Observation)> = observations.iter().filter_map(|o| match o.outcome {
-        Outcome::Value(v) if v.is_finite() => Some((v, o)),
-        _ => None,
-    }).collect();
+    let mut valued: Vec<(f64, &Observation)> = observations
+        .iter()
+        .filter_map(|o| match o.outcome {
+            Outcome::Value(v) if v.is_finite() => Some((v, o)),
+            _ => None,
+        })
+        .collect();
     valued.sort_by(|a, b| a.0.total_cmp(&b.0));
     let n_good = ((valued.len() as f64 * 0.25).ceil() as usize).clamp(usize::from(!valued.is_empty()), 25);
     let good = valued[..n_good].iter().map(|(_, o)| *o).collect();
     let mut bad: Vec<&Observation> = valued[n_good..].iter().map(|(_, o)| *o).collect();
-    bad.extend(observations.iter().filter(|o| !matches!(o.outcome, Outcome::Value(v) if v.is_finite())));
+    bad.extend(
+        observations
+            .iter()
+            .filter(|o| !matches!(o.outcome, Outcome::Value(v) if v.is_finite())),
+    );
     (good, bad)
 }
 
@@ -114,11 +142,14 @@ impl Parzen {
                 weights[i] / weights.iter().sum::<f64>() * weights.len() as f64
             }
             Parzen::Numeric { points } => {
-                let sum: f64 = points.iter().map(|&(mu, sigma)| {
-                    let mass = normal_cdf((1.0 - mu) / sigma) - normal_cdf(-mu / sigma);
-                    let z = (x - mu) / sigma;
-                    (-0.5 * z * z).exp() / (sigma * (2.0 * std::f64::consts::PI).sqrt()) / mass.max(1e-12)
-                }).sum();
+                let sum: f64 = points
+                    .iter()
+                    .map(|&(mu, sigma)| {
+                        let mass = normal_cdf((1.0 - mu) / sigma) - normal_cdf(-mu / sigma);
+                        let z = (x - mu) / sigma;
+                        (-0.5 * z * z).exp() / (sigma * (2.0 * std::f64::consts::PI).sqrt()) / mass.max(1e-12)
+                    })
+                    .sum();
                 ((sum + 1.0) / (points.len() + 1) as f64).max(1e-300)
             }
         }
@@ -167,9 +198,31 @@ mod tests {
 
     fn domains() -> Vec<(String, Domain)> {
         vec![
-            ("a.x".into(), Domain::Real { scale: Scale::Linear, lo: -5.0, hi: 10.0, q: None }),
-            ("a.y".into(), Domain::Real { scale: Scale::Linear, lo: 0.0, hi: 15.0, q: None }),
-            ("a.k".into(), Domain::Values { values: vec![Value::from(0), Value::from(1), Value::from(2)], weights: None }),
+            (
+                "a.x".into(),
+                Domain::Real {
+                    scale: Scale::Linear,
+                    lo: -5.0,
+                    hi: 10.0,
+                    q: None,
+                },
+            ),
+            (
+                "a.y".into(),
+                Domain::Real {
+                    scale: Scale::Linear,
+                    lo: 0.0,
+                    hi: 15.0,
+                    q: None,
+                },
+            ),
+            (
+                "a.k".into(),
+                Domain::Values {
+                    values: vec![Value::from(0), Value::from(1), Value::from(2)],
+                    weights: None,
+                },
+            ),
         ]
     }
 
@@ -180,17 +233,32 @@ mod tests {
         let mut obs: Vec<Observation> = vec![];
         let (mut best, mut infeasible) = (f64::INFINITY, 0);
         for i in 0..n {
-            let p = if random { super::super::spec::random(&d, n, seed)[i].params.clone() } else { propose(&d, &obs, seed, i, n) };
-            let (x, y, k) = (p["a.x"].as_f64().unwrap(), p["a.y"].as_f64().unwrap(), p["a.k"].as_i64().unwrap());
+            let p = if random {
+                super::super::spec::random(&d, n, seed)[i].params.clone()
+            } else {
+                propose(&d, &obs, seed, i, n)
+            };
+            let (x, y, k) = (
+                p["a.x"].as_f64().unwrap(),
+                p["a.y"].as_f64().unwrap(),
+                p["a.k"].as_i64().unwrap(),
+            );
             // k = 2 and the top-right corner do not fit in memory.
             let fits = k != 2 && x + y < 18.0;
-            let outcome = if fits { Outcome::Value(branin(x, y) + k as f64) } else { Outcome::Bad };
+            let outcome = if fits {
+                Outcome::Value(branin(x, y) + k as f64)
+            } else {
+                Outcome::Bad
+            };
             if let Outcome::Value(v) = outcome {
                 best = best.min(v);
             } else if i >= n / 2 {
                 infeasible += 1;
             }
-            obs.push(Observation { at: d.iter().map(|(k, dom)| dom.cdf(&p[k])).collect(), outcome });
+            obs.push(Observation {
+                at: d.iter().map(|(k, dom)| dom.cdf(&p[k])).collect(),
+                outcome,
+            });
         }
         (best, infeasible)
     }
@@ -205,9 +273,16 @@ mod tests {
     #[test]
     fn tpe_beats_random_search_and_learns_the_memory_boundary() {
         let n = 40;
-        let (tpe, rnd): (Vec<(f64, usize)>, Vec<(f64, usize)>) = (0..20).map(|s| (search(s, n, false), search(s, n, true))).unzip();
-        let (mt, mr) = (median(tpe.iter().map(|r| r.0).collect()), median(rnd.iter().map(|r| r.0).collect()));
-        let (it, ir) = (tpe.iter().map(|r| r.1).sum::<usize>(), rnd.iter().map(|r| r.1).sum::<usize>());
+        let (tpe, rnd): (Vec<(f64, usize)>, Vec<(f64, usize)>) =
+            (0..20).map(|s| (search(s, n, false), search(s, n, true))).unzip();
+        let (mt, mr) = (
+            median(tpe.iter().map(|r| r.0).collect()),
+            median(rnd.iter().map(|r| r.0).collect()),
+        );
+        let (it, ir) = (
+            tpe.iter().map(|r| r.1).sum::<usize>(),
+            rnd.iter().map(|r| r.1).sum::<usize>(),
+        );
         println!("median best over 20 seeds, {n} trials: TPE {mt:.4}, random {mr:.4}; infeasible proposals in the second halves: TPE {it}, random {ir}");
         assert!(mt < mr, "TPE {mt} vs random {mr}");
         assert!(it * 2 < ir, "TPE proposed {it} infeasible, random {ir}");
@@ -216,7 +291,12 @@ mod tests {
     #[test]
     fn proposals_are_deterministic_given_the_results() {
         let d = domains();
-        let obs: Vec<Observation> = (0..12).map(|i| Observation { at: vec![Some(i as f64 / 12.0), Some(0.5), Some(0.5)], outcome: if i == 3 { Outcome::Bad } else { Outcome::Value(i as f64) } }).collect();
+        let obs: Vec<Observation> = (0..12)
+            .map(|i| Observation {
+                at: vec![Some(i as f64 / 12.0), Some(0.5), Some(0.5)],
+                outcome: if i == 3 { Outcome::Bad } else { Outcome::Value(i as f64) },
+            })
+            .collect();
         assert_eq!(propose(&d, &obs, 1, 12, 40), propose(&d, &obs, 1, 12, 40));
         assert_ne!(propose(&d, &obs, 1, 12, 40), propose(&d, &obs, 2, 12, 40));
         let mut moved = obs.clone();

@@ -74,7 +74,12 @@ pub struct Launch<'a> {
 impl Launch<'_> {
     fn command(&self, args: &[&str]) -> Command {
         let mut cmd = Command::new(self.exe);
-        cmd.args(args).arg(self.base).args(self.trial.overrides()).args(&self.extra).stdin(Stdio::null()).envs(self.env.iter().map(|(k, v)| (k, v)));
+        cmd.args(args)
+            .arg(self.base)
+            .args(self.trial.overrides())
+            .args(&self.extra)
+            .stdin(Stdio::null())
+            .envs(self.env.iter().map(|(k, v)| (k, v)));
         if let Some(n) = self.threads {
             cmd.env("OMP_NUM_THREADS", n.to_string());
             if !self.trial.params.contains_key("train.num_threads") {
@@ -90,7 +95,11 @@ impl Launch<'_> {
     /// `oomguard train --check`: the trial's config is valid (else the child's message).
     pub fn check(&self) -> std::io::Result<Result<(), String>> {
         let o = self.command(&["train", "--check"]).output()?;
-        Ok(if o.status.success() { Ok(()) } else { Err(last_error_line(&String::from_utf8_lossy(&o.stderr))) })
+        Ok(if o.status.success() {
+            Ok(())
+        } else {
+            Err(last_error_line(&String::from_utf8_lossy(&o.stderr)))
+        })
     }
 
     /// `oomguard plan --json`: Some(why) when nothing fits even at micro-batch 1. The planner
@@ -120,9 +129,16 @@ impl Launch<'_> {
     /// checkpoint, or starts fresh), its output appended to DIR/trial.log.
     pub fn spawn(&self) -> std::io::Result<Child> {
         std::fs::create_dir_all(&self.run_dir)?;
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.log_path())?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())?;
         let mut cmd = self.command(&["train"]);
-        cmd.arg("--run-dir").arg(&self.run_dir).arg("--resume").stdout(log.try_clone()?).stderr(log);
+        cmd.arg("--run-dir")
+            .arg(&self.run_dir)
+            .arg("--resume")
+            .stdout(log.try_clone()?)
+            .stderr(log);
         oomguard_host::proc::spawn_shimmed(&mut cmd)
     }
 
@@ -134,7 +150,13 @@ impl Launch<'_> {
 /// The last line that reports an error, else the last line (log prefixes dropped).
 pub fn last_error_line(text: &str) -> String {
     let lines: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
-    let line = lines.iter().rev().find(|l| l.contains("ERROR") || l.contains("error:")).or(lines.last()).copied().unwrap_or("");
+    let line = lines
+        .iter()
+        .rev()
+        .find(|l| l.contains("ERROR") || l.contains("error:"))
+        .or(lines.last())
+        .copied()
+        .unwrap_or("");
     line.split_once("ERROR").map_or(line, |(_, m)| m).trim().to_string()
 }
 
@@ -170,13 +192,27 @@ mod tests {
         ];
         std::fs::write(dir.join("metrics.jsonl"), lines.join("\n")).unwrap();
         let s = summarize(&dir);
-        assert_eq!(s, Summary { final_eval_loss: Some(2.5), best_eval_loss: Some(2.0), final_loss: None, tokens_per_s: Some(200.0), final_micro_batch_size: Some(4), ooms: 1, steps: 2 });
+        assert_eq!(
+            s,
+            Summary {
+                final_eval_loss: Some(2.5),
+                best_eval_loss: Some(2.0),
+                final_loss: None,
+                tokens_per_s: Some(200.0),
+                final_micro_batch_size: Some(4),
+                ooms: 1,
+                steps: 2
+            }
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
     fn error_lines() {
-        assert_eq!(last_error_line("a\n2026 ERROR x.yaml: model.n_embd: bad\n"), "x.yaml: model.n_embd: bad");
+        assert_eq!(
+            last_error_line("a\n2026 ERROR x.yaml: model.n_embd: bad\n"),
+            "x.yaml: model.n_embd: bad"
+        );
         assert_eq!(last_error_line("only\n"), "only");
     }
 }

@@ -24,14 +24,23 @@ pub struct SnapshotConfig {
 
 impl Default for SnapshotConfig {
     fn default() -> Self {
-        SnapshotConfig { mode: SnapshotMode::OnOom, max_events: DEFAULT_MAX_EVENTS }
+        SnapshotConfig {
+            mode: SnapshotMode::OnOom,
+            max_events: DEFAULT_MAX_EVENTS,
+        }
     }
 }
 
 fn mode(v: &serde_yaml::Value) -> Result<SnapshotMode, ConfigError> {
-    let text = v.as_str().map(str::to_string).unwrap_or_else(|| serde_yaml::to_string(v).unwrap_or_default().trim().to_string());
+    let text = v
+        .as_str()
+        .map(str::to_string)
+        .unwrap_or_else(|| serde_yaml::to_string(v).unwrap_or_default().trim().to_string());
     serde_yaml::from_value(v.clone()).map_err(|_| {
-        ConfigError::invalid("memory.snapshot", format!("`{text}` is not a mode; use on_oom (the default), off or always"))
+        ConfigError::invalid(
+            "memory.snapshot",
+            format!("`{text}` is not a mode; use on_oom (the default), off or always"),
+        )
     })
 }
 
@@ -46,9 +55,14 @@ impl SnapshotConfig {
 
     /// The validated form of `memory.snapshot` as written (`None`: absent).
     pub fn from_raw(raw: Option<&serde_yaml::Value>) -> Result<SnapshotConfig, ConfigError> {
-        let Some(v) = raw else { return Ok(SnapshotConfig::default()) };
+        let Some(v) = raw else {
+            return Ok(SnapshotConfig::default());
+        };
         let serde_yaml::Value::Mapping(m) = v else {
-            return Ok(SnapshotConfig { mode: mode(v)?, ..Default::default() });
+            return Ok(SnapshotConfig {
+                mode: mode(v)?,
+                ..Default::default()
+            });
         };
         let mut cfg = SnapshotConfig::default();
         for (k, v) in m {
@@ -57,7 +71,10 @@ impl SnapshotConfig {
                 "max_events" => {
                     cfg.max_events = v.as_u64().filter(|&n| n >= 1).ok_or_else(|| {
                         let shown = serde_yaml::to_string(v).unwrap_or_default();
-                        ConfigError::invalid("memory.snapshot.max_events", format!("is {}; it must be a whole number of events, at least 1", shown.trim()))
+                        ConfigError::invalid(
+                            "memory.snapshot.max_events",
+                            format!("is {}; it must be a whole number of events, at least 1", shown.trim()),
+                        )
                     })? as usize
                 }
                 other => {
@@ -83,15 +100,33 @@ mod tests {
     #[test]
     fn shorthand_long_form_and_refusals() {
         assert_eq!(SnapshotConfig::from_raw(None).unwrap(), SnapshotConfig::default());
-        assert_eq!(SnapshotConfig::from_raw(Some(&SnapshotConfig::default().to_raw())).unwrap(), SnapshotConfig::default());
+        assert_eq!(
+            SnapshotConfig::from_raw(Some(&SnapshotConfig::default().to_raw())).unwrap(),
+            SnapshotConfig::default()
+        );
         assert_eq!(parse("always").unwrap().mode, SnapshotMode::Always);
         assert_eq!(parse("off").unwrap().mode, SnapshotMode::Off);
-        assert_eq!(parse("{mode: off, max_events: 7}").unwrap(), SnapshotConfig { mode: SnapshotMode::Off, max_events: 7 });
-        assert_eq!(parse("{max_events: 9}").unwrap(), SnapshotConfig { mode: SnapshotMode::OnOom, max_events: 9 });
+        assert_eq!(
+            parse("{mode: off, max_events: 7}").unwrap(),
+            SnapshotConfig {
+                mode: SnapshotMode::Off,
+                max_events: 7
+            }
+        );
+        assert_eq!(
+            parse("{max_events: 9}").unwrap(),
+            SnapshotConfig {
+                mode: SnapshotMode::OnOom,
+                max_events: 9
+            }
+        );
         assert_eq!(parse("sometimes").unwrap_err().key, "memory.snapshot");
         assert_eq!(parse("{mode: sometimes}").unwrap_err().key, "memory.snapshot");
         assert_eq!(parse("{max_events: -1}").unwrap_err().key, "memory.snapshot.max_events");
         assert_eq!(parse("{max_events: 0}").unwrap_err().key, "memory.snapshot.max_events");
-        assert_eq!(parse("{mode: on_oom, every: 3}").unwrap_err().key, "memory.snapshot.every");
+        assert_eq!(
+            parse("{mode: on_oom, every: 3}").unwrap_err().key,
+            "memory.snapshot.every"
+        );
     }
 }

@@ -53,9 +53,15 @@ fn list(v: Option<&V>) -> &[V] {
 }
 
 /// The capture the observer took at the OOM (or one now), its summary and its bytes.
-pub fn capture(ctx: &mut Context, oom: bool, roles: &Roles, plan: Option<BTreeMap<Category, u64>>) -> io::Result<(Breakdown, Vec<u8>)> {
+pub fn capture(
+    ctx: &mut Context,
+    oom: bool,
+    roles: &Roles,
+    plan: Option<BTreeMap<Category, u64>>,
+) -> io::Result<(Breakdown, Vec<u8>)> {
     let (bytes, info) = take(oom).map_err(io::Error::other)?;
-    let snap: V = serde_pickle::value_from_slice(&bytes, serde_pickle::DeOptions::new().replace_unresolved_globals()).map_err(io::Error::other)?;
+    let snap: V = serde_pickle::value_from_slice(&bytes, serde_pickle::DeOptions::new().replace_unresolved_globals())
+        .map_err(io::Error::other)?;
     let mut cap = Capture::default();
     let (mut reserved, mut largest_free) = (0u64, 0u64);
     for seg in list(get(&snap, "segments")) {
@@ -65,7 +71,13 @@ pub fn capture(ctx: &mut Context, oom: bool, roles: &Roles, plan: Option<BTreeMa
             if let Some(V::String(s)) = get(b, "state") {
                 if s == "active_allocated" {
                     let seq = cap.live.len() as u64;
-                    cap.live.push(Rec { addr: int(get(b, "address")) as u64, size, seq, action: ALLOC, ..Default::default() });
+                    cap.live.push(Rec {
+                        addr: int(get(b, "address")) as u64,
+                        size,
+                        seq,
+                        action: ALLOC,
+                        ..Default::default()
+                    });
                 } else if s == "inactive" {
                     largest_free = largest_free.max(size as u64);
                 }
@@ -79,9 +91,20 @@ pub fn capture(ctx: &mut Context, oom: bool, roles: &Roles, plan: Option<BTreeMa
             Some(V::String(a)) if a == "oom" => OOM,
             _ => continue,
         };
-        cap.events.push(Rec { action, addr: int(get(e, "addr")) as u64, size: int(get(e, "size")), time_us: int(get(e, "time_us")), ..Default::default() });
+        cap.events.push(Rec {
+            action,
+            addr: int(get(e, "addr")) as u64,
+            size: int(get(e, "size")),
+            time_us: int(get(e, "time_us")),
+            ..Default::default()
+        });
     }
-    cap.info = Info { seq: cap.live.len() as u64, op_seq: cap.live.len() as u64, events_written: cap.events.len() as u64, ..Default::default() };
+    cap.info = Info {
+        seq: cap.live.len() as u64,
+        op_seq: cap.live.len() as u64,
+        events_written: cap.events.len() as u64,
+        ..Default::default()
+    };
     ctx.reserved_bytes = Some(reserved);
     ctx.largest_free_block_bytes = Some(largest_free);
     if oom {

@@ -46,7 +46,15 @@ pub struct Dumper {
 impl Dumper {
     /// Starts recording; `None` with `memory.snapshot: off`. `params` and `optimizer_state`
     /// (shallow copies) name the tensors whose bytes are attributed by address.
-    pub fn new(run_dir: &Path, cfg: SnapshotConfig, device: Device, params: Vec<Tensor>, optimizer_state: Vec<Tensor>, plan: Option<Estimate>, rank: Option<usize>) -> Option<Dumper> {
+    pub fn new(
+        run_dir: &Path,
+        cfg: SnapshotConfig,
+        device: Device,
+        params: Vec<Tensor>,
+        optimizer_state: Vec<Tensor>,
+        plan: Option<Estimate>,
+        rank: Option<usize>,
+    ) -> Option<Dumper> {
         if cfg.mode == SnapshotMode::Off {
             return None;
         }
@@ -57,7 +65,16 @@ impl Dumper {
         }
         let next = existing(&dir) + 1;
         let suffix = rank.filter(|&r| r > 0).map(|r| format!(".rank{r}")).unwrap_or_default();
-        Some(Dumper { run_dir: run_dir.to_path_buf(), cfg, device, next, suffix, params, optimizer_state, plan })
+        Some(Dumper {
+            run_dir: run_dir.to_path_buf(),
+            cfg,
+            device,
+            next,
+            suffix,
+            params,
+            optimizer_state,
+            plan,
+        })
     }
 
     pub fn mode(&self) -> SnapshotMode {
@@ -76,7 +93,11 @@ impl Dumper {
 
     fn plan_at(&self, micro: Option<usize>) -> Option<BTreeMap<Category, u64>> {
         let (e, m) = (self.plan.as_ref()?, micro? as u64);
-        let layers = if e.activation_checkpointing { e.n_layer * e.layer_input_per_sample + e.activations_per_layer_per_sample } else { e.n_layer * e.activations_per_layer_per_sample };
+        let layers = if e.activation_checkpointing {
+            e.n_layer * e.layer_input_per_sample + e.activations_per_layer_per_sample
+        } else {
+            e.n_layer * e.activations_per_layer_per_sample
+        };
         let step = e.peak(micro?) as f64 / (1.0 + e.allocator_overhead);
         Some(BTreeMap::from([
             (Category::Parameters, e.params_bytes),
@@ -84,7 +105,10 @@ impl Dumper {
             (Category::OptimizerState, e.optimizer_bytes),
             (Category::Activations, (layers + e.embeddings_per_sample) * m),
             (Category::LossLogits, e.logits_per_sample * m),
-            (Category::AllocatorReserve, (step * e.allocator_overhead) as u64 + e.workspace_bytes),
+            (
+                Category::AllocatorReserve,
+                (step * e.allocator_overhead) as u64 + e.workspace_bytes,
+            ),
         ]))
     }
 
@@ -106,22 +130,40 @@ impl Dumper {
         if self.cfg.mode != SnapshotMode::Always {
             return None;
         }
-        self.dump(Context { step: Some(step), micro_batch_size: Some(micro_batch_size), ..Default::default() }, false)
+        self.dump(
+            Context {
+                step: Some(step),
+                micro_batch_size: Some(micro_batch_size),
+                ..Default::default()
+            },
+            false,
+        )
     }
 
     fn dump(&mut self, mut ctx: Context, oom: bool) -> Option<Dumped> {
         let t0 = std::time::Instant::now();
         let result = self.capture(&mut ctx, oom).and_then(|(summary, pickle)| {
             let folder = self.write(&summary, &pickle)?;
-            Ok(Dumped { folder, text: summary.text.clone(), summary })
+            Ok(Dumped {
+                folder,
+                text: summary.text.clone(),
+                summary,
+            })
         });
         match result {
             Ok(d) => {
-                tracing::info!("memory snapshot: {} ({:.2} s)", self.run_dir.join(&d.folder).display(), t0.elapsed().as_secs_f64());
+                tracing::info!(
+                    "memory snapshot: {} ({:.2} s)",
+                    self.run_dir.join(&d.folder).display(),
+                    t0.elapsed().as_secs_f64()
+                );
                 Some(d)
             }
             Err(e) => {
-                tracing::warn!("could not write the memory snapshot under {}: {e} (the run goes on as it would have)", self.run_dir.join("oom").display());
+                tracing::warn!(
+                    "could not write the memory snapshot under {}: {e} (the run goes on as it would have)",
+                    self.run_dir.join("oom").display()
+                );
                 None
             }
         }
@@ -132,9 +174,15 @@ impl Dumper {
         ctx.device = format!("{:?}", self.device).to_lowercase();
         let cap = match self.device {
             #[cfg(oomguard_cuda_snapshot)]
-            Device::Cuda(_) => return super::cuda::capture(ctx, oom, &self.roles(), self.plan_at(ctx.micro_batch_size)),
+            Device::Cuda(_) => {
+                return super::cuda::capture(ctx, oom, &self.roles(), self.plan_at(ctx.micro_batch_size))
+            }
             #[cfg(not(oomguard_cuda_snapshot))]
-            Device::Cuda(_) => return Err(io::Error::other("this build has no CUDA memory snapshot (built against a libtorch without CUDA)")),
+            Device::Cuda(_) => {
+                return Err(io::Error::other(
+                    "this build has no CUDA memory snapshot (built against a libtorch without CUDA)",
+                ))
+            }
             _ => {
                 let cap = if oom { super::take_oom() } else { None };
                 cap.unwrap_or_else(super::now)
@@ -156,7 +204,10 @@ impl Dumper {
         std::fs::create_dir(&tmp)?;
         let json = serde_json::to_vec_pretty(summary).map_err(io::Error::other)?;
         atomic::write(&tmp.join("snapshot.pickle"), pickle)?;
-        if let Some(ms) = std::env::var("OOMGUARD_TEST_DUMP_PAUSE_MS").ok().and_then(|v| v.parse().ok()) {
+        if let Some(ms) = std::env::var("OOMGUARD_TEST_DUMP_PAUSE_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
             // Tests kill a run here, mid-dump.
             std::thread::sleep(std::time::Duration::from_millis(ms));
         }
@@ -200,7 +251,11 @@ fn existing(dir: &Path) -> u32 {
         .into_iter()
         .flatten()
         .flatten()
-        .filter_map(|e| e.file_name().to_str().and_then(|n| n.split('.').next().and_then(|d| d.parse::<u32>().ok())))
+        .filter_map(|e| {
+            e.file_name()
+                .to_str()
+                .and_then(|n| n.split('.').next().and_then(|d| d.parse::<u32>().ok()))
+        })
         .max()
         .unwrap_or(0)
 }
@@ -208,7 +263,10 @@ fn existing(dir: &Path) -> u32 {
 /// Temporary folders a killed dump left.
 fn remove_unfinished(dir: &Path) {
     for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        if e.file_name().to_str().is_some_and(|n| n.starts_with('.') && n.ends_with(".tmp")) {
+        if e.file_name()
+            .to_str()
+            .is_some_and(|n| n.starts_with('.') && n.ends_with(".tmp"))
+        {
             let _ = std::fs::remove_dir_all(e.path());
         }
     }

@@ -68,7 +68,14 @@ mod ffi {
         pub fn og_snap_set_module(id: i32) -> i32;
         pub fn og_snap_name(id: i32) -> *const c_char;
         pub fn og_snap_mark_attempt();
-        pub fn og_snap_read(last_oom: i32, info: *mut Info, live: *mut *mut Rec, n_live: *mut i64, events: *mut *mut Rec, n_events: *mut i64) -> i32;
+        pub fn og_snap_read(
+            last_oom: i32,
+            info: *mut Info,
+            live: *mut *mut Rec,
+            n_live: *mut i64,
+            events: *mut *mut Rec,
+            n_events: *mut i64,
+        ) -> i32;
         pub fn og_free(p: *mut c_char);
     }
 }
@@ -81,10 +88,20 @@ pub struct Capture {
     pub events: Vec<Rec>,
 }
 
-const PHASES: [Phase; 8] = [Phase::Data, Phase::Forward, Phase::Backward, Phase::Clip, Phase::Optimizer, Phase::Eval, Phase::Checkpoint, Phase::Init];
+const PHASES: [Phase; 8] = [
+    Phase::Data,
+    Phase::Forward,
+    Phase::Backward,
+    Phase::Clip,
+    Phase::Optimizer,
+    Phase::Eval,
+    Phase::Checkpoint,
+    Phase::Init,
+];
 
 fn phase_code(p: Option<Phase>) -> i32 {
-    p.and_then(|p| PHASES.iter().position(|&q| q == p)).map_or(0, |i| i as i32 + 1)
+    p.and_then(|p| PHASES.iter().position(|&q| q == p))
+        .map_or(0, |i| i as i32 + 1)
 }
 
 /// The phase a record was made in (code 0: outside any).
@@ -112,7 +129,12 @@ pub fn mark_attempt(step: u64) {
 /// What the runtime is doing now (and, with `Some`, in which micro-batch).
 pub fn set_phase(phase: Phase, micro_batch: Option<usize>) {
     if crate::memory::inject::targeted::wanted() {
-        crate::memory::inject::targeted::phase_begins(&serde_json::to_value(phase).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default());
+        crate::memory::inject::targeted::phase_begins(
+            &serde_json::to_value(phase)
+                .ok()
+                .and_then(|v| v.as_str().map(String::from))
+                .unwrap_or_default(),
+        );
     }
     unsafe { ffi::og_snap_set_phase(phase_code(Some(phase)), micro_batch.map_or(-2, |m| m as i32)) }
 }
@@ -138,14 +160,25 @@ pub fn name(id: i32) -> String {
         return String::new();
     }
     // SAFETY: og_snap_name returns a NUL-terminated string that lives as long as the process.
-    unsafe { CStr::from_ptr(ffi::og_snap_name(id)) }.to_string_lossy().into_owned()
+    unsafe { CStr::from_ptr(ffi::og_snap_name(id)) }
+        .to_string_lossy()
+        .into_owned()
 }
 
 fn read(last_oom: bool) -> Option<Capture> {
     let mut info = Info::default();
     let (mut live, mut events): (*mut Rec, *mut Rec) = (std::ptr::null_mut(), std::ptr::null_mut());
     let (mut n_live, mut n_events) = (0i64, 0i64);
-    let got = unsafe { ffi::og_snap_read(last_oom as i32, &mut info, &mut live, &mut n_live, &mut events, &mut n_events) };
+    let got = unsafe {
+        ffi::og_snap_read(
+            last_oom as i32,
+            &mut info,
+            &mut live,
+            &mut n_live,
+            &mut events,
+            &mut n_events,
+        )
+    };
     if got == 0 {
         return None;
     }
@@ -158,7 +191,11 @@ fn read(last_oom: bool) -> Option<Capture> {
         unsafe { ffi::og_free(p as *mut c_char) };
         v
     };
-    Some(Capture { info, live: copy(live, n_live), events: copy(events, n_events) })
+    Some(Capture {
+        info,
+        live: copy(live, n_live),
+        events: copy(events, n_events),
+    })
 }
 
 /// The copy taken at the last failed CPU allocation of the current attempt, if any.

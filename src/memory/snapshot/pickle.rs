@@ -64,19 +64,44 @@ struct Snapshot {
 }
 
 fn frames(r: &Rec, names: &dyn Fn(i32) -> String) -> Vec<Frame> {
-    let phase = phase_of(r.phase).map(|p| format!("{p:?}").to_lowercase()).unwrap_or_default();
-    let mb = if r.micro_batch >= 0 { format!(" micro-batch {}", r.micro_batch) } else { String::new() };
+    let phase = phase_of(r.phase)
+        .map(|p| format!("{p:?}").to_lowercase())
+        .unwrap_or_default();
+    let mb = if r.micro_batch >= 0 {
+        format!(" micro-batch {}", r.micro_batch)
+    } else {
+        String::new()
+    };
     let module = names(r.module);
-    let context = format!("oomguard {phase}{mb}{}", if module.is_empty() { String::new() } else { format!(" {module}") });
-    let mut out = vec![Frame { name: names(r.op), filename: context.clone(), line: r.step }];
+    let context = format!(
+        "oomguard {phase}{mb}{}",
+        if module.is_empty() {
+            String::new()
+        } else {
+            format!(" {module}")
+        }
+    );
+    let mut out = vec![Frame {
+        name: names(r.op),
+        filename: context.clone(),
+        line: r.step,
+    }];
     if r.top_op != r.op && r.top_op > 0 {
-        out.push(Frame { name: names(r.top_op), filename: context, line: r.step });
+        out.push(Frame {
+            name: names(r.top_op),
+            filename: context,
+            line: r.step,
+        });
     }
     out
 }
 
 /// The pickled snapshot (protocol 3).
-pub fn pickled(cap: &Capture, names: &dyn Fn(i32) -> String, max_events: usize) -> Result<Vec<u8>, serde_pickle::Error> {
+pub fn pickled(
+    cap: &Capture,
+    names: &dyn Fn(i32) -> String,
+    max_events: usize,
+) -> Result<Vec<u8>, serde_pickle::Error> {
     let mut live: Vec<&Rec> = cap.live.iter().collect();
     live.sort_by_key(|r| r.addr);
     let segments = live
@@ -84,29 +109,58 @@ pub fn pickled(cap: &Capture, names: &dyn Fn(i32) -> String, max_events: usize) 
         .map(|r| {
             let size = r.size.max(0) as u64;
             Segment {
-                device: 0, address: r.addr, total_size: size, allocated_size: size, active_size: size, requested_size: size, stream: 0,
-                segment_type: if size >= 1 << 20 { "large" } else { "small" }, is_expandable: false,
-                blocks: vec![Block { address: r.addr, size, requested_size: size, state: "active_allocated", frames: frames(r, names) }],
+                device: 0,
+                address: r.addr,
+                total_size: size,
+                allocated_size: size,
+                active_size: size,
+                requested_size: size,
+                stream: 0,
+                segment_type: if size >= 1 << 20 { "large" } else { "small" },
+                is_expandable: false,
+                blocks: vec![Block {
+                    address: r.addr,
+                    size,
+                    requested_size: size,
+                    state: "active_allocated",
+                    frames: frames(r, names),
+                }],
             }
         })
         .collect();
     let mut trace = Vec::with_capacity(cap.events.len() * 3 / 2);
     for e in &cap.events {
-        let entry = |action| TraceEntry { action, addr: e.addr, size: e.size.max(0) as u64, stream: 0, time_us: e.time_us, device_free: None, frames: frames(e, names) };
+        let entry = |action| TraceEntry {
+            action,
+            addr: e.addr,
+            size: e.size.max(0) as u64,
+            stream: 0,
+            time_us: e.time_us,
+            device_free: None,
+            frames: frames(e, names),
+        };
         match e.action {
             ALLOC => trace.push(entry("alloc")),
             FREE => {
                 trace.push(entry("free_requested"));
                 trace.push(entry("free_completed"));
             }
-            OOM => trace.push(TraceEntry { addr: 0, device_free: Some(e.addr), ..entry("oom") }),
+            OOM => trace.push(TraceEntry {
+                addr: 0,
+                device_free: Some(e.addr),
+                ..entry("oom")
+            }),
             _ => {}
         }
     }
     let snapshot = Snapshot {
         segments,
         device_traces: vec![trace],
-        allocator_settings: Settings { backend: "oomguard counting CPU allocator", budget_bytes: cap.info.budget, max_events: max_events as u64 },
+        allocator_settings: Settings {
+            backend: "oomguard counting CPU allocator",
+            budget_bytes: cap.info.budget,
+            max_events: max_events as u64,
+        },
     };
     serde_pickle::to_vec(&snapshot, serde_pickle::SerOptions::new())
 }

@@ -28,8 +28,14 @@ pub enum Category {
 }
 
 pub const CATEGORIES: [Category; 8] = [
-    Category::Parameters, Category::Gradients, Category::OptimizerState, Category::Activations, Category::LossLogits,
-    Category::FailingOp, Category::AllocatorReserve, Category::Other,
+    Category::Parameters,
+    Category::Gradients,
+    Category::OptimizerState,
+    Category::Activations,
+    Category::LossLogits,
+    Category::FailingOp,
+    Category::AllocatorReserve,
+    Category::Other,
 ];
 
 impl Category {
@@ -144,10 +150,17 @@ fn by_context(r: &Rec, op_seq: Option<u64>, names: &dyn Fn(i32) -> String) -> Ca
 /// Assigns each role's pointers to the live allocation that holds them, keyed by (address,
 /// number): an earlier allocation at a reused address is not a parameter.
 fn role_of(live: &[Rec], roles: &Roles) -> HashMap<(u64, u64), Category> {
-    let mut sorted: Vec<(u64, u64, u64)> = live.iter().map(|r| (r.addr, r.addr + r.size.max(0) as u64, r.seq)).collect();
+    let mut sorted: Vec<(u64, u64, u64)> = live
+        .iter()
+        .map(|r| (r.addr, r.addr + r.size.max(0) as u64, r.seq))
+        .collect();
     sorted.sort_unstable();
     let mut out = HashMap::new();
-    for (cat, ptrs) in [(Category::Parameters, &roles.parameters), (Category::Gradients, &roles.gradients), (Category::OptimizerState, &roles.optimizer_state)] {
+    for (cat, ptrs) in [
+        (Category::Parameters, &roles.parameters),
+        (Category::Gradients, &roles.gradients),
+        (Category::OptimizerState, &roles.optimizer_state),
+    ] {
         for &p in ptrs {
             let i = sorted.partition_point(|&(a, _, _)| a <= p);
             if i > 0 && p < sorted[i - 1].1.max(sorted[i - 1].0 + 1) {
@@ -158,11 +171,22 @@ fn role_of(live: &[Rec], roles: &Roles) -> HashMap<(u64, u64), Category> {
     out
 }
 
-pub fn breakdown(cap: &Capture, roles: &Roles, ctx: &Context, names: &dyn Fn(i32) -> String, plan: Option<BTreeMap<Category, u64>>) -> Breakdown {
+pub fn breakdown(
+    cap: &Capture,
+    roles: &Roles,
+    ctx: &Context,
+    names: &dyn Fn(i32) -> String,
+    plan: Option<BTreeMap<Category, u64>>,
+) -> Breakdown {
     let oom = ctx.request_bytes.is_some();
     let op_seq = (oom && cap.info.op_seq < cap.info.seq).then_some(cap.info.op_seq);
     let roles_at = role_of(&cap.live, roles);
-    let category = |r: &Rec| roles_at.get(&(r.addr, r.seq)).copied().unwrap_or_else(|| by_context(r, op_seq, names));
+    let category = |r: &Rec| {
+        roles_at
+            .get(&(r.addr, r.seq))
+            .copied()
+            .unwrap_or_else(|| by_context(r, op_seq, names))
+    };
     let mut categories: BTreeMap<Category, u64> = CATEGORIES.iter().map(|&c| (c, 0)).collect();
     let mut by_module = BTreeMap::<String, u64>::new();
     let mut earlier = 0;
@@ -172,7 +196,11 @@ pub fn breakdown(cap: &Capture, roles: &Roles, ctx: &Context, names: &dyn Fn(i32
         *categories.entry(c).or_default() += b;
         if c == Category::Activations {
             let m = names(r.module);
-            let key = if m.is_empty() { format!("({})", phase_name(phase_of(r.phase))) } else { m };
+            let key = if m.is_empty() {
+                format!("({})", phase_name(phase_of(r.phase)))
+            } else {
+                m
+            };
             *by_module.entry(key).or_default() += b;
             if ctx.step.is_some_and(|s| r.step >= 0 && (r.step as u64) < s) {
                 earlier += b;
@@ -183,11 +211,17 @@ pub fn breakdown(cap: &Capture, roles: &Roles, ctx: &Context, names: &dyn Fn(i32
     *categories.entry(Category::AllocatorReserve).or_default() += reserve;
     let mut largest: Vec<&Rec> = cap.live.iter().collect();
     largest.sort_by_key(|r| std::cmp::Reverse(r.size));
-    let largest = largest.into_iter().take(12).map(|r| allocation(r, category(r), names)).collect();
+    let largest = largest
+        .into_iter()
+        .take(12)
+        .map(|r| allocation(r, category(r), names))
+        .collect();
     let failing = &cap.info.failing;
     let at = Context {
         phase: ctx.phase.or(phase_of(failing.phase)).filter(|_| oom),
-        free_bytes: ctx.free_bytes.or_else(|| ctx.limit_bytes.map(|l| l.saturating_sub(live_bytes))),
+        free_bytes: ctx
+            .free_bytes
+            .or_else(|| ctx.limit_bytes.map(|l| l.saturating_sub(live_bytes))),
         reserved_bytes: ctx.reserved_bytes.or(Some(live_bytes)),
         ..ctx.clone()
     };
@@ -226,7 +260,12 @@ fn allocation(r: &Rec, category: Category, names: &dyn Fn(i32) -> String) -> All
 }
 
 fn phase_name(p: Option<Phase>) -> String {
-    p.map_or("outside a step".into(), |p| serde_json::to_value(p).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default())
+    p.map_or("outside a step".into(), |p| {
+        serde_json::to_value(p)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default()
+    })
 }
 
 /// At most this many points per timeline.
@@ -236,7 +275,11 @@ const POINTS: usize = 240;
 /// end, walked back to the attempt's start, then forward again.
 fn timeline(cap: &Capture, category: &dyn Fn(&Rec) -> Category) -> Timeline {
     let first_kept = cap.info.events_written - cap.events.len() as u64;
-    let start = cap.info.attempt_event.saturating_sub(first_kept).min(cap.events.len() as u64) as usize;
+    let start = cap
+        .info
+        .attempt_event
+        .saturating_sub(first_kept)
+        .min(cap.events.len() as u64) as usize;
     let events = &cap.events[start..];
     let mut live: HashMap<(u64, u64), Rec> = cap.live.iter().map(|r| ((r.addr, r.seq), *r)).collect();
     for e in events.iter().rev() {
@@ -256,7 +299,11 @@ fn timeline(cap: &Capture, category: &dyn Fn(&Rec) -> Category) -> Timeline {
         now[index(category(r))] += r.size.max(0) as u64;
     }
     let every = events.len().div_ceil(POINTS).max(1);
-    let mut t = Timeline { categories: CATEGORIES.to_vec(), events: vec![0], bytes: vec![now.clone()] };
+    let mut t = Timeline {
+        categories: CATEGORIES.to_vec(),
+        events: vec![0],
+        bytes: vec![now.clone()],
+    };
     for (i, e) in events.iter().enumerate() {
         let b = e.size.max(0) as u64;
         match e.action {
@@ -276,7 +323,11 @@ fn timeline(cap: &Capture, category: &dyn Fn(&Rec) -> Category) -> Timeline {
 }
 
 fn share(part: u64, whole: u64) -> String {
-    format!("{} ({:.0}%)", human_bytes(part), 100.0 * part as f64 / whole.max(1) as f64)
+    format!(
+        "{} ({:.0}%)",
+        human_bytes(part),
+        100.0 * part as f64 / whole.max(1) as f64
+    )
 }
 
 /// The paragraph: where, what was asked against what was free, then the categories largest
@@ -298,13 +349,31 @@ pub fn text(b: &Breakdown) -> String {
     let head = match b.at.request_bytes {
         Some(r) => format!(
             "Out of memory at {}: asked {} with {} live{}{}",
-            if where_.is_empty() { "start".into() } else { where_.join(", ") },
+            if where_.is_empty() {
+                "start".into()
+            } else {
+                where_.join(", ")
+            },
             human_bytes(r),
             human_bytes(b.live_bytes),
-            b.at.limit_bytes.map(|l| format!(" of a {} limit", human_bytes(l))).unwrap_or_default(),
-            b.at.free_bytes.map(|f| format!(" ({} free{})", human_bytes(f), b.at.largest_free_block_bytes.map(|l| format!(", largest free block {}", human_bytes(l))).unwrap_or_default())).unwrap_or_default(),
+            b.at.limit_bytes
+                .map(|l| format!(" of a {} limit", human_bytes(l)))
+                .unwrap_or_default(),
+            b.at.free_bytes
+                .map(|f| format!(
+                    " ({} free{})",
+                    human_bytes(f),
+                    b.at.largest_free_block_bytes
+                        .map(|l| format!(", largest free block {}", human_bytes(l)))
+                        .unwrap_or_default()
+                ))
+                .unwrap_or_default(),
         ),
-        None => format!("Memory at the end ({}): {} live", where_.join(", "), human_bytes(b.live_bytes)),
+        None => format!(
+            "Memory at the end ({}): {} live",
+            where_.join(", "),
+            human_bytes(b.live_bytes)
+        ),
     };
     let whole = b.at.reserved_bytes.unwrap_or(b.live_bytes).max(b.live_bytes);
     let mut cats: Vec<(&Category, &u64)> = b.categories.iter().filter(|(_, &v)| v > 0).collect();
@@ -316,28 +385,59 @@ pub fn text(b: &Breakdown) -> String {
             if c == Category::Activations {
                 let mut m: Vec<(&String, &u64)> = b.activations_by_module.iter().collect();
                 m.sort_by_key(|(_, &v)| std::cmp::Reverse(v));
-                let top: Vec<String> = m.iter().take(3).map(|(k, &v)| format!("{k} {}", human_bytes(v))).collect();
+                let top: Vec<String> = m
+                    .iter()
+                    .take(3)
+                    .map(|(k, &v)| format!("{k} {}", human_bytes(v)))
+                    .collect();
                 if !top.is_empty() {
                     s += &format!(" (of which {})", top.join(", "));
                 }
                 if b.activations_from_earlier_steps_bytes > 0 {
-                    s += &format!(", {} of it kept from earlier steps", human_bytes(b.activations_from_earlier_steps_bytes));
+                    s += &format!(
+                        ", {} of it kept from earlier steps",
+                        human_bytes(b.activations_from_earlier_steps_bytes)
+                    );
                 }
             }
             s
         })
         .collect();
-    let mut out = format!("{head}: {}.", if parts.is_empty() { "nothing recorded".into() } else { parts.join(", ") });
+    let mut out = format!(
+        "{head}: {}.",
+        if parts.is_empty() {
+            "nothing recorded".into()
+        } else {
+            parts.join(", ")
+        }
+    );
     if let Some(op) = &b.failing_op {
-        let top = b.failing_top_op.as_ref().filter(|t| *t != op).map(|t| format!(" in {t}")).unwrap_or_default();
+        let top = b
+            .failing_top_op
+            .as_ref()
+            .filter(|t| *t != op)
+            .map(|t| format!(" in {t}"))
+            .unwrap_or_default();
         out += &format!(" The failing op: {op}{top}.");
     }
     if let Some(a) = b.largest.first() {
-        let module = if a.module.is_empty() { String::new() } else { format!(" in {}", a.module) };
-        out += &format!(" Largest allocation: {} ({}, {}{module}).", human_bytes(a.bytes), a.category.label(), if a.op.is_empty() { "no op" } else { &a.op });
+        let module = if a.module.is_empty() {
+            String::new()
+        } else {
+            format!(" in {}", a.module)
+        };
+        out += &format!(
+            " Largest allocation: {} ({}, {}{module}).",
+            human_bytes(a.bytes),
+            a.category.label(),
+            if a.op.is_empty() { "no op" } else { &a.op }
+        );
     }
     if let Some(p) = &b.plan {
-        let planned: Vec<String> = cats.iter().filter_map(|(c, _)| p.get(c).map(|v| format!("{} {}", c.label(), human_bytes(*v)))).collect();
+        let planned: Vec<String> = cats
+            .iter()
+            .filter_map(|(c, _)| p.get(c).map(|v| format!("{} {}", c.label(), human_bytes(*v))))
+            .collect();
         if !planned.is_empty() {
             out += &format!(" The planner predicted {}.", planned.join(", "));
         }
@@ -352,32 +452,69 @@ mod tests {
 
     fn rec(addr: u64, size: i64, seq: u64, phase: Option<Phase>, module: i32, step: i64) -> Rec {
         let phase = phase.map_or(0, |p| super::super::phase_code(Some(p)));
-        Rec { addr, size, seq, step, phase, module, action: ALLOC, ..Default::default() }
+        Rec {
+            addr,
+            size,
+            seq,
+            step,
+            phase,
+            module,
+            action: ALLOC,
+            ..Default::default()
+        }
     }
 
     #[test]
     fn every_byte_has_one_category() {
         let names = |id: i32| ["", "block.0", "logits", "aten::mm"][id as usize].to_string();
         let live = vec![
-            rec(1000, 100, 0, Some(Phase::Init), 0, -1),       // a parameter
-            rec(2000, 100, 1, Some(Phase::Init), 0, -1),       // optimizer state
-            rec(3000, 50, 2, Some(Phase::Forward), 1, 2),      // an activation kept from step 2
-            rec(4000, 70, 5, Some(Phase::Forward), 1, 3),      // block.0's activation
-            rec(5000, 300, 6, Some(Phase::Forward), 2, 3),     // the logits
-            rec(6000, 100, 7, Some(Phase::Backward), 0, 3),    // a gradient (by address)
-            rec(7000, 40, 9, Some(Phase::Backward), 0, 3),     // the failing op's temporary
-            rec(8000, 30, 3, Some(Phase::Data), 0, 3),         // the batch
+            rec(1000, 100, 0, Some(Phase::Init), 0, -1),    // a parameter
+            rec(2000, 100, 1, Some(Phase::Init), 0, -1),    // optimizer state
+            rec(3000, 50, 2, Some(Phase::Forward), 1, 2),   // an activation kept from step 2
+            rec(4000, 70, 5, Some(Phase::Forward), 1, 3),   // block.0's activation
+            rec(5000, 300, 6, Some(Phase::Forward), 2, 3),  // the logits
+            rec(6000, 100, 7, Some(Phase::Backward), 0, 3), // a gradient (by address)
+            rec(7000, 40, 9, Some(Phase::Backward), 0, 3),  // the failing op's temporary
+            rec(8000, 30, 3, Some(Phase::Data), 0, 3),      // the batch
         ];
         let mut events: Vec<Rec> = live.clone();
-        events.push(Rec { action: FREE, ..rec(9000, 500, 8, Some(Phase::Forward), 1, 3) });
+        events.push(Rec {
+            action: FREE,
+            ..rec(9000, 500, 8, Some(Phase::Forward), 1, 3)
+        });
         events.insert(6, rec(9000, 500, 8, Some(Phase::Forward), 1, 3));
         let cap = Capture {
-            info: Info { request: 64, live: 790, budget: 800, seq: 10, op_seq: 9, attempt_seq: 3, events_written: 10, attempt_event: 3, failing: Rec { op: 3, phase: 3, ..Default::default() } },
+            info: Info {
+                request: 64,
+                live: 790,
+                budget: 800,
+                seq: 10,
+                op_seq: 9,
+                attempt_seq: 3,
+                events_written: 10,
+                attempt_event: 3,
+                failing: Rec {
+                    op: 3,
+                    phase: 3,
+                    ..Default::default()
+                },
+            },
             live,
             events,
         };
-        let roles = Roles { parameters: vec![1000], gradients: vec![6010], optimizer_state: vec![2000] };
-        let ctx = Context { step: Some(3), request_bytes: Some(64), limit_bytes: Some(800), device: "cpu".into(), micro_batch_size: Some(4), ..Default::default() };
+        let roles = Roles {
+            parameters: vec![1000],
+            gradients: vec![6010],
+            optimizer_state: vec![2000],
+        };
+        let ctx = Context {
+            step: Some(3),
+            request_bytes: Some(64),
+            limit_bytes: Some(800),
+            device: "cpu".into(),
+            micro_batch_size: Some(4),
+            ..Default::default()
+        };
         let b = breakdown(&cap, &roles, &ctx, &names, None);
         let c = |k| b.categories[&k];
         assert_eq!(c(Category::Parameters), 100);
@@ -398,8 +535,17 @@ mod tests {
         let total = |i: usize| b.timeline.bytes[i].iter().sum::<u64>();
         assert_eq!(total(0), 250);
         assert_eq!(total(b.timeline.bytes.len() - 1), 790);
-        assert!(b.timeline.bytes.iter().any(|v| v.iter().sum::<u64>() >= 1000), "the freed 500 bytes show: {:?}", b.timeline);
+        assert!(
+            b.timeline.bytes.iter().any(|v| v.iter().sum::<u64>() >= 1000),
+            "the freed 500 bytes show: {:?}",
+            b.timeline
+        );
         assert!(b.text.starts_with("Out of memory at step 3, backward, micro-batch size 4: asked 64 B with 790 B live of a 800 B limit (10 B free): loss/logits 300 B (38%)"), "{}", b.text);
-        assert!(b.text.contains("activations 120 B (15%) (of which block.0 120 B), 50 B of it kept from earlier steps"), "{}", b.text);
+        assert!(
+            b.text
+                .contains("activations 120 B (15%) (of which block.0 120 B), 50 B of it kept from earlier steps"),
+            "{}",
+            b.text
+        );
     }
 }

@@ -9,14 +9,20 @@ impl Run<'_> {
     pub(super) fn climb(&mut self, step: u64) -> Result<bool> {
         let m = &self.cfg.raw.memory;
         let at = ladder::Footing {
-            checkpointing: self.task.activation_checkpointing(), precision: self.precision, loss: self.task.loss_kind(),
+            checkpointing: self.task.activation_checkpointing(),
+            precision: self.precision,
+            loss: self.task.loss_kind(),
             shard: self.pg.as_ref().map(|_| self.opt.shard()),
         };
         let allowed = ladder::Allowed {
-            checkpointing: m.allow_activation_checkpointing, precision_fallback: m.allow_precision_fallback, bf16_fast: bf16_is_fast(self.device),
+            checkpointing: m.allow_activation_checkpointing,
+            precision_fallback: m.allow_precision_fallback,
+            bf16_fast: bf16_is_fast(self.device),
             sharding: m.allow_sharding,
         };
-        let Some(rung) = ladder::next_rung(at, allowed, &self.savings()) else { return Ok(false) };
+        let Some(rung) = ladder::next_rung(at, allowed, &self.savings()) else {
+            return Ok(false);
+        };
         let world = self.world_size();
         match rung {
             Rung::FusedLoss => self.task.set_loss_kind(LossKind::Fused),
@@ -26,11 +32,18 @@ impl Run<'_> {
                 let pg = self.pg.clone().expect("sharding rungs need a group");
                 let agree = |r: Result<()>| pg.agree(r);
                 memory::empty_cache(self.device)?;
-                match self.opt.set_shard(rung.shard().expect("a sharding rung"), Some(pg.clone() as Rc<dyn Comm>), &agree) {
+                match self.opt.set_shard(
+                    rung.shard().expect("a sharding rung"),
+                    Some(pg.clone() as Rc<dyn Comm>),
+                    &agree,
+                ) {
                     Err(Error::Oom(_)) => return Ok(false),
                     other => other?,
                 }
-                self.shard_back = ShardBack { clean_steps: 0, failed_at: Some(step) };
+                self.shard_back = ShardBack {
+                    clean_steps: 0,
+                    failed_at: Some(step),
+                };
             }
         }
         for e in self.guard.drain_events() {
@@ -44,7 +57,11 @@ impl Run<'_> {
             Rung::ShardGradients => format!("the gradients sharded too (ZeRO-2: a reduce-scatter; each rank keeps 1/{world} of the summed gradients)"),
         };
         tracing::warn!("step {step}: micro-batch 1 does not fit; climbing down a rung: {what}; retrying the step");
-        self.write(&Record::Rung(RungRecord { step, rung, reason: "micro-batch 1 did not fit".into() }))?;
+        self.write(&Record::Rung(RungRecord {
+            step,
+            rung,
+            reason: "micro-batch 1 did not fit".into(),
+        }))?;
         self.guard.policy.rung_climbed();
         Ok(true)
     }
@@ -52,9 +69,19 @@ impl Run<'_> {
     /// What each rung would save on this rank: one sample's activations (the planner's
     /// formula, else the parameters' size as a stand-in), AdamW's moments, the gradients.
     fn savings(&self) -> ladder::Savings {
-        let gradients: u64 = self.task.parameters().iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum();
+        let gradients: u64 = self
+            .task
+            .parameters()
+            .iter()
+            .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
+            .sum();
         let activations = self.task.formula().map_or(gradients, |e| e.per_sample_bytes());
-        ladder::Savings { activations, optimizer_state: self.opt.state_bytes(), gradients, world: self.world_size() as u64 }
+        ladder::Savings {
+            activations,
+            optimizer_state: self.opt.state_bytes(),
+            gradients,
+            world: self.world_size() as u64,
+        }
     }
 
     /// A run that climbed to a sharding rung comes back down a stage when memory allows
@@ -78,22 +105,49 @@ impl Run<'_> {
         };
         let m = &self.cfg.raw.memory;
         let back = ladder::Back {
-            at, configured, clean_steps: self.shard_back.clean_steps, failed_at: self.shard_back.failed_at, step,
-            peak_bytes: peak[0] as u64, limit_bytes: mem.limit_bytes, saved_bytes: saved,
+            at,
+            configured,
+            clean_steps: self.shard_back.clean_steps,
+            failed_at: self.shard_back.failed_at,
+            step,
+            peak_bytes: peak[0] as u64,
+            limit_bytes: mem.limit_bytes,
+            saved_bytes: saved,
         };
-        let Some(below) = ladder::unshard(back, m.grow_after_steps, m.cooldown_steps, m.grow_headroom) else { return Ok(()) };
+        let Some(below) = ladder::unshard(back, m.grow_after_steps, m.cooldown_steps, m.grow_headroom) else {
+            return Ok(());
+        };
         let agree = |r: Result<()>| pg.agree(r);
-        let left = if at == Shard::Gradients { Rung::ShardGradients } else { Rung::ShardOptimizer };
+        let left = if at == Shard::Gradients {
+            Rung::ShardGradients
+        } else {
+            Rung::ShardOptimizer
+        };
         match self.opt.set_shard(below, Some(pg.clone() as Rc<dyn Comm>), &agree) {
             Ok(()) => {
-                tracing::info!("step {step}: memory allows it: back to train.shard: {} (the peak was {})", below.name(), human_bytes(back.peak_bytes));
-                self.write(&Record::RungDown(RungRecord { step, rung: left, reason: format!("memory allows shard: {}", below.name()) }))?;
+                tracing::info!(
+                    "step {step}: memory allows it: back to train.shard: {} (the peak was {})",
+                    below.name(),
+                    human_bytes(back.peak_bytes)
+                );
+                self.write(&Record::RungDown(RungRecord {
+                    step,
+                    rung: left,
+                    reason: format!("memory allows shard: {}", below.name()),
+                }))?;
                 self.shard_back.clean_steps = 0;
             }
             Err(Error::Oom(o)) => {
-                tracing::info!("step {step}: coming back to train.shard: {} ran out of memory ({}); staying sharded", below.name(), o.message);
+                tracing::info!(
+                    "step {step}: coming back to train.shard: {} ran out of memory ({}); staying sharded",
+                    below.name(),
+                    o.message
+                );
                 memory::empty_cache(self.device)?;
-                self.shard_back = ShardBack { clean_steps: 0, failed_at: Some(step) };
+                self.shard_back = ShardBack {
+                    clean_steps: 0,
+                    failed_at: Some(step),
+                };
             }
             Err(e) => return Err(e),
         }
@@ -111,9 +165,17 @@ impl Run<'_> {
         let world = self.world_size() as u64;
         if world > 1 && self.opt.shard() < Shard::Gradients {
             let s = self.savings();
-            let state = if self.opt.shard() == Shard::None { s.optimizer_state } else { 0 };
+            let state = if self.opt.shard() == Shard::None {
+                s.optimizer_state
+            } else {
+                0
+            };
             let saved = (state + s.gradients) - (state + s.gradients) / world;
-            let how = if c.memory.allow_sharding { "train.shard: gradients" } else { "memory.allow_sharding: true (the guard climbs to it), or train.shard: optimizer / gradients" };
+            let how = if c.memory.allow_sharding {
+                "train.shard: gradients"
+            } else {
+                "memory.allow_sharding: true (the guard climbs to it), or train.shard: optimizer / gradients"
+            };
             out.push_str(&format!(
                 " Sharding AdamW's state and the gradients across the {world} ranks (ZeRO-1/2) would save up to {} per rank: {how}.",
                 human_bytes(saved)

@@ -16,7 +16,11 @@ impl Run<'_> {
         }
         // Sharded: every rank takes part in gathering the whole state.
         let full = self.gathered_state(next_step)?;
-        let written = if self.lead { self.write_checkpoint(next_step, &full) } else { Ok(()) };
+        let written = if self.lead {
+            self.write_checkpoint(next_step, &full)
+        } else {
+            Ok(())
+        };
         // Agreed, not a bare barrier: a write that failed on rank 0 (an OOM past its retries
         // included) fails every rank alike, at once.
         match &self.pg {
@@ -42,11 +46,20 @@ impl Run<'_> {
     fn write_checkpoint(&mut self, next_step: u64, opt_state: &FullState) -> Result<()> {
         let c = &self.cfg.raw;
         let state = TrainState {
-            format: checkpoint::FORMAT, next_step, samples_seen: next_step * c.train.global_batch_size() as u64,
-            policy: self.guard.policy.clone(), eval_policy: self.eval_guard.policy.clone(), val_loss: self.summary.val_loss,
-            eval_history: self.eval_history.clone(), model: self.task.fingerprint(), extra: self.extra_state(), files: Default::default(),
+            format: checkpoint::FORMAT,
+            next_step,
+            samples_seen: next_step * c.train.global_batch_size() as u64,
+            policy: self.guard.policy.clone(),
+            eval_policy: self.eval_guard.policy.clone(),
+            val_loss: self.summary.val_loss,
+            eval_history: self.eval_history.clone(),
+            model: self.task.fingerprint(),
+            extra: self.extra_state(),
+            files: Default::default(),
         };
-        let dir = self.retrying_oom(next_step, |run| checkpoint::save(&run.run_dir, &state, run.task.as_ref(), &opt_state.tensors, run.device))?;
+        let dir = self.retrying_oom(next_step, |run| {
+            checkpoint::save(&run.run_dir, &state, run.task.as_ref(), &opt_state.tensors, run.device)
+        })?;
         tracing::info!("checkpoint {}", dir.display());
         self.verified.insert(next_step, true);
         let verified = &mut self.verified;
@@ -60,12 +73,20 @@ impl Run<'_> {
     fn extra_state(&self) -> BTreeMap<String, serde_json::Value> {
         let mut extra = BTreeMap::new();
         extra.insert("precision".into(), serde_json::json!(self.precision));
-        extra.insert("activation_checkpointing".into(), serde_json::json!(self.task.activation_checkpointing() == Some(true)));
+        extra.insert(
+            "activation_checkpointing".into(),
+            serde_json::json!(self.task.activation_checkpointing() == Some(true)),
+        );
         if self.opt.shard() != Shard::None {
             extra.insert("shard".into(), serde_json::json!(self.opt.shard()));
         }
         // The fused-loss rung, when climbed (a configured loss is the config's to change).
-        if self.cfg.raw.model.kind == ModelKind::Gpt && self.task.loss_kind().is_some_and(|l| l != self.cfg.raw.model.gpt().loss) {
+        if self.cfg.raw.model.kind == ModelKind::Gpt
+            && self
+                .task
+                .loss_kind()
+                .is_some_and(|l| l != self.cfg.raw.model.gpt().loss)
+        {
             extra.insert("loss".into(), serde_json::json!(LossKind::Fused.name()));
         }
         if let Some((scale, tracker)) = self.scaler.as_ref().map(Scaler::state) {
@@ -80,7 +101,9 @@ impl Run<'_> {
         // Test-only: `OOMGUARD_TEST_RANK_WEIGHTS=1` has every other rank write its own copy,
         // `model.rank-R.safetensors`, so a test can see that the ranks hold one set.
         let path = match self.pg.as_ref().map(|p| p.rank) {
-            Some(r) if r > 0 && std::env::var_os("OOMGUARD_TEST_RANK_WEIGHTS").is_some() => self.run_dir.join(format!("model.rank-{r}.safetensors")),
+            Some(r) if r > 0 && std::env::var_os("OOMGUARD_TEST_RANK_WEIGHTS").is_some() => {
+                self.run_dir.join(format!("model.rank-{r}.safetensors"))
+            }
             _ if !self.lead => return Ok(()),
             _ => self.run_dir.join("model.safetensors"),
         };
@@ -95,7 +118,10 @@ impl Run<'_> {
         loop {
             match write(self) {
                 Err(Error::Oom(oom)) if attempt < WRITE_ATTEMPTS => {
-                    tracing::warn!("out of memory writing at step {step} (attempt {attempt} of {WRITE_ATTEMPTS}): {}; retrying", oom.message);
+                    tracing::warn!(
+                        "out of memory writing at step {step} (attempt {attempt} of {WRITE_ATTEMPTS}): {}; retrying",
+                        oom.message
+                    );
                     self.guard.note_oom(step, &oom, Phase::Checkpoint);
                     memory::empty_cache(self.device)?;
                     for e in self.guard.drain_events() {

@@ -5,7 +5,13 @@
 use super::*;
 
 impl<'a> Run<'a> {
-    pub fn start(cfg: &'a Config, run_dir: &Path, settings: &allocator::AllocatorSettings, options: &Options, build: Builder) -> Result<Run<'a>> {
+    pub fn start(
+        cfg: &'a Config,
+        run_dir: &Path,
+        settings: &allocator::AllocatorSettings,
+        options: &Options,
+        build: Builder,
+    ) -> Result<Run<'a>> {
         let c = &cfg.raw;
         let mut device = c.train.device();
         if let (Device::Cuda(_), Some(local_rank)) = (device, crate::dist::local_rank()?) {
@@ -15,18 +21,29 @@ impl<'a> Run<'a> {
             memory::cuda_set_device(local_rank).map_err(Error::Torch)?;
         }
         memory::prepare(&c.memory, settings, device)?;
-        if device.is_cuda() && std::env::var("OOMGUARD_CUDA_SYNC_DEBUG").is_ok_and(|v| v == "1") && !crate::ops::cuda_sync_debug() {
-            tracing::warn!("OOMGUARD_CUDA_SYNC_DEBUG=1: this libtorch has no CUDA sync-debug state to set; syncs are not counted");
+        if device.is_cuda()
+            && std::env::var("OOMGUARD_CUDA_SYNC_DEBUG").is_ok_and(|v| v == "1")
+            && !crate::ops::cuda_sync_debug()
+        {
+            tracing::warn!(
+                "OOMGUARD_CUDA_SYNC_DEBUG=1: this libtorch has no CUDA sync-debug state to set; syncs are not counted"
+            );
         }
-        if let (Device::Cpu, Some(rank), Some(world)) = (device, crate::dist::local_rank()?, crate::dist::local_world()) {
+        if let (Device::Cpu, Some(rank), Some(world)) = (device, crate::dist::local_rank()?, crate::dist::local_world())
+        {
             // Before the thread count: the rank's own cores are its CPU share.
             if let Some(cpus) = crate::dist::bind::bind_rank(rank, world) {
-                tracing::info!("rank {rank} of {world} on this node bound to CPU cores {cpus:?} (OOMGUARD_CPU_BIND=0: unbound)");
+                tracing::info!(
+                    "rank {rank} of {world} on this node bound to CPU cores {cpus:?} (OOMGUARD_CPU_BIND=0: unbound)"
+                );
             }
         }
         // Threads from this process's CPU share (affinity, cgroup quota, Slurm), unless set.
         let threads = match c.train.num_threads {
-            Some(n) => Threads { n, why: "train.num_threads".into() },
+            Some(n) => Threads {
+                n,
+                why: "train.num_threads".into(),
+            },
             None => Threads::of_self(),
         };
         tch::set_num_threads(threads.n as i32);
@@ -42,13 +59,19 @@ impl<'a> Run<'a> {
         }
         refuse_what_cannot_fit(cfg, device, pg.as_ref().map_or(1, |p| p.world))?;
         let base = cfg.base_dir();
-        let ctx = BuildContext { device, model: &c.model, base_dir: &base, config_path: &cfg.path };
+        let ctx = BuildContext {
+            device,
+            model: &c.model,
+            base_dir: &base,
+            config_path: &cfg.path,
+        };
         let Built { mut task, data } = build(&ctx).map_err(|e| init_failure(e, cfg, device, "creating the model"))?;
         if c.model.activation_checkpointing == Some(ActivationCheckpointing::Blocks) {
             task.set_activation_checkpointing(true);
         }
         let mut precision = c.train.precision.resolve(device);
-        let data = task::data_for(&cfg.raw.model, &cfg.raw.data, &cfg.base_dir(), data).map_err(|e| init_failure(e, cfg, device, "loading the data"))?;
+        let data = task::data_for(&cfg.raw.model, &cfg.raw.data, &cfg.base_dir(), data)
+            .map_err(|e| init_failure(e, cfg, device, "loading the data"))?;
         let (mut opt, init_rung) = new_optimizer(cfg, task.as_ref(), pg.as_ref(), device)?;
         check_loss(task.as_ref(), &data, device, cfg, precision)?;
         if lead {
@@ -62,7 +85,11 @@ impl<'a> Run<'a> {
             fingerprint_key(&task.fingerprint()),
             data.train.units_per_sample(),
             precision.name(),
-            if task.activation_checkpointing() == Some(true) { "+ckpt" } else { "" },
+            if task.activation_checkpointing() == Some(true) {
+                "+ckpt"
+            } else {
+                ""
+            },
             limit.map_or(0, |l| l >> 26) // in 64 MiB steps: an auto budget moves a little
         );
         // Where to start: rank 0 decides (and reads the checkpoint); the others learn it.
@@ -74,7 +101,9 @@ impl<'a> Run<'a> {
             None => resolve(run_dir, options.resume.clone())?,
             Some(pg) => shared_start(pg, run_dir, &options.resume)?,
         };
-        let metrics = lead.then(|| MetricsWriter::resume(run_dir, from.as_ref().map_or(0, |(_, s)| s.next_step))).transpose()?;
+        let metrics = lead
+            .then(|| MetricsWriter::resume(run_dir, from.as_ref().map_or(0, |(_, s)| s.next_step)))
+            .transpose()?;
         let mut metrics = metrics.map(|m| m.with_tensorboard(c.log.tensorboard, run_dir));
         let mut eval_guard = Guard::for_eval(&c.memory, c.train.eval_batch_size, device);
         let mut resumed_extra = BTreeMap::new();
@@ -88,7 +117,19 @@ impl<'a> Run<'a> {
                         guard
                     }
                     MicroBatch::Auto => {
-                        let mut r = auto_search(cfg, task.as_ref(), &opt, &data, &Amp { precision, device, loss_scale: None }, &cache_key, limit)?;
+                        let mut r = auto_search(
+                            cfg,
+                            task.as_ref(),
+                            &opt,
+                            &data,
+                            &Amp {
+                                precision,
+                                device,
+                                loss_scale: None,
+                            },
+                            &cache_key,
+                            limit,
+                        )?;
                         if let Some(pg) = &pg {
                             // One micro-batch for all ranks: the smallest any rank found.
                             let mut v = [-(r.micro_batch_size as f64)];
@@ -106,18 +147,26 @@ impl<'a> Run<'a> {
             Some((dir, state)) => {
                 let changes = task::shape_changes(&state.model, &task.fingerprint());
                 if !changes.is_empty() {
-                    return Err(Error::Checkpoint(format!("{}: the model's shape changed since this checkpoint: {}", dir.display(), changes.join("; "))));
+                    return Err(Error::Checkpoint(format!(
+                        "{}: the model's shape changed since this checkpoint: {}",
+                        dir.display(),
+                        changes.join("; ")
+                    )));
                 }
                 // A sharding rung climbed before the checkpoint stays climbed (it may come
                 // back down); the checkpoint's state is whole, whatever the sharding.
-                let saved_shard: Option<Shard> = state.extra.get("shard").and_then(|v| serde_json::from_value(v.clone()).ok());
+                let saved_shard: Option<Shard> = state
+                    .extra
+                    .get("shard")
+                    .and_then(|v| serde_json::from_value(v.clone()).ok());
                 if let (Some(s), Some(pg)) = (saved_shard, &pg) {
                     if s > opt.shard() {
                         opt.set_shard(s, Some(pg.clone() as Rc<dyn Comm>), &agree)?;
                     }
                 }
                 if lead {
-                    checkpoint::restore(&dir, task.as_ref(), &mut opt, device).map_err(|e| init_failure(e, cfg, device, "restoring the checkpoint"))?;
+                    checkpoint::restore(&dir, task.as_ref(), &mut opt, device)
+                        .map_err(|e| init_failure(e, cfg, device, "restoring the checkpoint"))?;
                 }
                 // Rungs climbed before the checkpoint stay climbed.
                 if state.extra.get("activation_checkpointing").and_then(|v| v.as_bool()) == Some(true) {
@@ -126,7 +175,10 @@ impl<'a> Run<'a> {
                 if state.extra.get("loss").and_then(|v| v.as_str()) == Some(LossKind::Fused.name()) {
                     task.set_loss_kind(LossKind::Fused);
                 }
-                let saved: Option<Precision> = state.extra.get("precision").and_then(|v| serde_json::from_value(v.clone()).ok());
+                let saved: Option<Precision> = state
+                    .extra
+                    .get("precision")
+                    .and_then(|v| serde_json::from_value(v.clone()).ok());
                 let precision_from = resumed_precision(&mut precision, saved, options.precision_set);
                 let configured = match c.train.micro_batch_size {
                     MicroBatch::Size(m) => m,
@@ -137,11 +189,19 @@ impl<'a> Run<'a> {
                 eval_guard.policy = Policy::resumed(state.eval_policy, c.train.eval_batch_size);
                 if let Some(m) = metrics.as_mut() {
                     m.write(&Record::Resumed {
-                        step: state.next_step, checkpoint: dir.display().to_string(), precision: Some(precision),
-                        precision_from: Some(precision_from.into()), checkpoint_precision: saved,
+                        step: state.next_step,
+                        checkpoint: dir.display().to_string(),
+                        precision: Some(precision),
+                        precision_from: Some(precision_from.into()),
+                        checkpoint_precision: saved,
                     })?;
                 }
-                tracing::info!("resumed from {} at step {} (micro-batch {})", dir.display(), state.next_step, guard.micro_batch_size());
+                tracing::info!(
+                    "resumed from {} at step {} (micro-batch {})",
+                    dir.display(),
+                    state.next_step,
+                    guard.micro_batch_size()
+                );
                 resumed_extra = state.extra.clone();
                 (guard, state.next_step, state.eval_history)
             }
@@ -151,20 +211,33 @@ impl<'a> Run<'a> {
             // (sharded: each rank's part of the checkpoint's; a fresh one is zeros).
             pg.broadcast(&task.state().into_iter().map(|(_, t)| t).collect::<Vec<_>>(), 0)?;
             if opt.shard() == Shard::None {
-                pg.broadcast(&opt.state().into_iter().map(|(_, t)| t.shallow_clone()).collect::<Vec<_>>(), 0)?;
+                pg.broadcast(
+                    &opt.state()
+                        .into_iter()
+                        .map(|(_, t)| t.shallow_clone())
+                        .collect::<Vec<_>>(),
+                    0,
+                )?;
             } else if next_step > 0 {
                 opt.share_restored(&agree)?;
             }
         }
         if let (Some(rung), Some(m)) = (init_rung, metrics.as_mut()) {
-            m.write(&Record::Rung(RungRecord { step: next_step, rung, reason: "the optimizer state did not fit".into() }))?;
+            m.write(&Record::Rung(RungRecord {
+                step: next_step,
+                rung,
+                reason: "the optimizer state did not fit".into(),
+            }))?;
         }
         if let Some(mb) = launcher_micro_batch(MICRO_BATCH_VAR)? {
             let failed = launcher_micro_batch(FAILED_MICRO_BATCH_VAR)?;
             guard.policy.relaunched(failed, mb, next_step);
             tracing::info!(
-                "{MICRO_BATCH_VAR}={mb}: starting at micro-batch {}{}", guard.policy.current,
-                failed.map(|f| format!(" ({f} ran out of memory before the relaunch: it cools down)")).unwrap_or_default()
+                "{MICRO_BATCH_VAR}={mb}: starting at micro-batch {}{}",
+                guard.policy.current,
+                failed
+                    .map(|f| format!(" ({f} ran out of memory before the relaunch: it cools down)"))
+                    .unwrap_or_default()
             );
         }
         if let Some(pg) = &pg {
@@ -174,7 +247,10 @@ impl<'a> Run<'a> {
             pg.exchange(Topic::Start, &mut v)?;
             let agreed = (-v[0]) as usize;
             if agreed != guard.policy.current {
-                tracing::info!("starting at micro-batch {agreed}, the smallest any rank would take (this rank's was {})", guard.policy.current);
+                tracing::info!(
+                    "starting at micro-batch {agreed}, the smallest any rank would take (this rank's was {})",
+                    guard.policy.current
+                );
                 guard.policy.current = agreed;
             }
         }
@@ -184,24 +260,72 @@ impl<'a> Run<'a> {
             guard.with_agreement(agree.clone()).with_snapshot(snapshot.clone()),
             eval_guard.with_agreement(agree).with_snapshot(snapshot.clone()),
         );
-        let scaler = (precision == Precision::Fp16).then(|| Scaler::new(&c.train.grad_scaler, device)).transpose().map_err(|e| init_failure(e.into(), cfg, device, "creating the loss scaler"))?;
+        let scaler = (precision == Precision::Fp16)
+            .then(|| Scaler::new(&c.train.grad_scaler, device))
+            .transpose()
+            .map_err(|e| init_failure(e.into(), cfg, device, "creating the loss scaler"))?;
         if let (Some(s), Some(scale)) = (&scaler, resumed_extra.get("loss_scale").and_then(|v| v.as_f64())) {
-            s.load_state(scale, resumed_extra.get("growth_tracker").and_then(|v| v.as_i64()).unwrap_or(0))?;
+            s.load_state(
+                scale,
+                resumed_extra
+                    .get("growth_tracker")
+                    .and_then(|v| v.as_i64())
+                    .unwrap_or(0),
+            )?;
         }
         let mb = guard.micro_batch_size();
         tracing::info!(
             "training {} on {device:?} ({threads}, {}{}{}): global batch {global} = {mb} x {}, {} steps",
-            task.describe(), precision.name(),
-            if task.activation_checkpointing() == Some(true) { ", activation checkpointing" } else { "" },
-            pg.as_ref().map(|p| format!(", data parallel: rank {} of {}, samples {:?} of each step", p.rank, p.world, p.shard(global))).unwrap_or_default(),
-            pg.as_ref().map_or(global, |p| p.shard(global).len()).div_ceil(mb), c.train.max_steps
+            task.describe(),
+            precision.name(),
+            if task.activation_checkpointing() == Some(true) {
+                ", activation checkpointing"
+            } else {
+                ""
+            },
+            pg.as_ref()
+                .map(|p| format!(
+                    ", data parallel: rank {} of {}, samples {:?} of each step",
+                    p.rank,
+                    p.world,
+                    p.shard(global)
+                ))
+                .unwrap_or_default(),
+            pg.as_ref().map_or(global, |p| p.shard(global).len()).div_ceil(mb),
+            c.train.max_steps
         );
-        let best = eval_history.values().copied().fold(None, |b: Option<f64>, v| Some(b.map_or(v, |b| b.min(v))));
+        let best = eval_history
+            .values()
+            .copied()
+            .fold(None, |b: Option<f64>, v| Some(b.map_or(v, |b| b.min(v))));
         Ok(Run {
-            cfg, run_dir: run_dir.to_path_buf(), device, units_per_step: global * data.train.units_per_sample(), task, data, opt,
-            precision, scaler, guard, eval_guard, pressure: PressureSchedule::new(&c.memory.pressure, device), metrics, next_step, first_step: next_step,
-            eval_history, verified: BTreeMap::new(), checkpointed: None, cache_key: options.inject_oom.is_none().then_some(cache_key), pg, lead,
-            summary: Summary { steps: c.train.max_steps, first_loss: f64::NAN, best_val_loss: best, ..Default::default() },
+            cfg,
+            run_dir: run_dir.to_path_buf(),
+            device,
+            units_per_step: global * data.train.units_per_sample(),
+            task,
+            data,
+            opt,
+            precision,
+            scaler,
+            guard,
+            eval_guard,
+            pressure: PressureSchedule::new(&c.memory.pressure, device),
+            metrics,
+            next_step,
+            first_step: next_step,
+            eval_history,
+            verified: BTreeMap::new(),
+            checkpointed: None,
+            cache_key: options.inject_oom.is_none().then_some(cache_key),
+            pg,
+            lead,
+            summary: Summary {
+                steps: c.train.max_steps,
+                first_loss: f64::NAN,
+                best_val_loss: best,
+                ..Default::default()
+            },
             progress: Progress::new(cfg.schedule(), next_step, lead),
             snapshot,
             shard_back: ShardBack::default(),
@@ -212,22 +336,42 @@ impl<'a> Run<'a> {
 /// AdamW as `train.shard` asks (data parallel only). When even its state does not fit,
 /// and `memory.allow_sharding` allows it, the ranks shard it together; returns the rung
 /// so climbed at start.
-fn new_optimizer(cfg: &Config, task: &dyn Task, pg: Option<&Rc<ProcessGroup>>, device: Device) -> Result<(AdamW, Option<Rung>)> {
+fn new_optimizer(
+    cfg: &Config,
+    task: &dyn Task,
+    pg: Option<&Rc<ProcessGroup>>,
+    device: Device,
+) -> Result<(AdamW, Option<Rung>)> {
     let c = &cfg.raw;
     let no_decay = |n: &str, t: &Tensor| task.no_weight_decay(n, t);
     let Some(pg) = pg else {
         if c.train.shard != Shard::None {
-            tracing::info!("train.shard: {}: a single process has nothing to split it with; ignored", c.train.shard.name());
+            tracing::info!(
+                "train.shard: {}: a single process has nothing to split it with; ignored",
+                c.train.shard.name()
+            );
         }
-        return AdamW::new(task.parameters(), &c.optim, no_decay).map(|o| (o, None)).map_err(|e| init_failure(e.into(), cfg, device, "creating the optimizer state"));
+        return AdamW::new(task.parameters(), &c.optim, no_decay)
+            .map(|o| (o, None))
+            .map_err(|e| init_failure(e.into(), cfg, device, "creating the optimizer state"));
     };
     let mut stage = c.train.shard;
     loop {
-        let opt = AdamW::sharded(task.parameters(), &c.optim, no_decay, stage, Some(pg.clone() as Rc<dyn Comm>));
+        let opt = AdamW::sharded(
+            task.parameters(),
+            &c.optim,
+            no_decay,
+            stage,
+            Some(pg.clone() as Rc<dyn Comm>),
+        );
         match pg.agree(opt) {
             Ok(opt) => return Ok((opt, (stage != c.train.shard).then_some(Rung::ShardOptimizer))),
             Err(Error::Oom(o)) if c.memory.allow_sharding && stage == Shard::None => {
-                tracing::warn!("the optimizer state does not fit on every rank ({}); sharding it across the {} ranks (ZeRO-1)", o.message, pg.world);
+                tracing::warn!(
+                    "the optimizer state does not fit on every rank ({}); sharding it across the {} ranks (ZeRO-1)",
+                    o.message,
+                    pg.world
+                );
                 memory::empty_cache(device)?;
                 stage = Shard::Optimizer;
             }
@@ -265,7 +409,8 @@ fn init_failure(e: Error, cfg: &Config, device: Device, doing: &str) -> Error {
     };
     Error::Infeasible(format!(
         "the model does not fit in memory ({doing} ran out; {} in use{of}).{advice} libtorch said: {}",
-        human_bytes(stats.live_bytes), oom.message
+        human_bytes(stats.live_bytes),
+        oom.message
     ))
 }
 
@@ -275,9 +420,18 @@ fn init_failure(e: Error, cfg: &Config, device: Device, doing: &str) -> Error {
 fn refuse_what_cannot_fit(cfg: &Config, device: Device, world: usize) -> Result<()> {
     let c = &cfg.raw;
     let stats = memory::stats(device);
-    let (ModelKind::Gpt, Some(limit)) = (c.model.kind, stats.limit_bytes) else { return Ok(()) };
-    let shard = if world > 1 && c.memory.allow_sharding { Shard::Gradients } else if world > 1 { c.train.shard } else { Shard::None };
-    let est = plan::Estimate::new(&c.model.gpt(), plan::Precision::Fp32, device.is_cuda()).with_shard(shard, world as u64);
+    let (ModelKind::Gpt, Some(limit)) = (c.model.kind, stats.limit_bytes) else {
+        return Ok(());
+    };
+    let shard = if world > 1 && c.memory.allow_sharding {
+        Shard::Gradients
+    } else if world > 1 {
+        c.train.shard
+    } else {
+        Shard::None
+    };
+    let est =
+        plan::Estimate::new(&c.model.gpt(), plan::Precision::Fp32, device.is_cuda()).with_shard(shard, world as u64);
     let state = est.params_bytes + est.grads_bytes + est.optimizer_bytes;
     if stats.live_bytes + state <= limit {
         return Ok(());
@@ -294,7 +448,14 @@ fn check_loss(task: &dyn Task, data: &Dataset, device: Device, cfg: &Config, pre
     let _no_grad = tch::no_grad_guard();
     let _autocast = crate::precision::Autocast::enter(precision, device)?;
     let describe = |t: &Tensor| format!("{:?} {:?}", t.size(), t.kind());
-    let bad = |message: String| Error::Config(ConfigError { origin: cfg.path.display().to_string(), line_col: None, key: "model".into(), message });
+    let bad = |message: String| {
+        Error::Config(ConfigError {
+            origin: cfg.path.display().to_string(),
+            line_col: None,
+            key: "model".into(),
+            message,
+        })
+    };
     let (x, y) = match data.train.batch(&[0], device) {
         Ok(b) => b,
         Err(Error::Oom(_)) => return Ok(()), // the guard will deal with memory
@@ -322,7 +483,11 @@ fn resumed_precision(precision: &mut Precision, saved: Option<Precision>, set: b
     match saved {
         _ if set => {
             if let Some(s) = saved.filter(|&s| s != configured) {
-                tracing::info!("precision {}: --set train.precision wins over the checkpoint's {}", configured.name(), s.name());
+                tracing::info!(
+                    "precision {}: --set train.precision wins over the checkpoint's {}",
+                    configured.name(),
+                    s.name()
+                );
             }
             "--set"
         }
@@ -353,7 +518,15 @@ fn known_good(key: &str, configured: usize) -> usize {
 }
 
 /// `micro_batch_size: auto`: the cache, or a search from the planner's estimate.
-fn auto_search(cfg: &Config, task: &dyn Task, opt: &AdamW, data: &Dataset, amp: &Amp, key: &str, limit: Option<u64>) -> Result<AutoResult> {
+fn auto_search(
+    cfg: &Config,
+    task: &dyn Task,
+    opt: &AdamW,
+    data: &Dataset,
+    amp: &Amp,
+    key: &str,
+    limit: Option<u64>,
+) -> Result<AutoResult> {
     let device = amp.device;
     let c = &cfg.raw;
     let global = c.train.global_batch_size();
@@ -361,17 +534,32 @@ fn auto_search(cfg: &Config, task: &dyn Task, opt: &AdamW, data: &Dataset, amp: 
     // The planner's estimate: its formula, or a line fitted through a few measured trials.
     let start = match (task.formula(), limit) {
         (Some(est), Some(l)) => est.largest_fitting(l, global).max(1),
-        (None, Some(l)) => plan::measure(task, &batches, &|| opt.clear_grads(), amp, plan::CUDA_OVERHEAD)?.map_or(1, |p| p.largest_fitting(l, global).max(1)),
+        (None, Some(l)) => plan::measure(task, &batches, &|| opt.clear_grads(), amp, plan::CUDA_OVERHEAD)?
+            .map_or(1, |p| p.largest_fitting(l, global).max(1)),
         _ => global,
     };
-    let spec = AutoSearch { key: key.to_string(), start, max: global, margin: c.memory.auto_margin };
+    let spec = AutoSearch {
+        key: key.to_string(),
+        start,
+        max: global,
+        margin: c.memory.auto_margin,
+    };
     let r = plan::auto_micro_batch(task, &batches, || opt.clear_grads(), amp, spec)?;
     if r.from_cache {
-        tracing::info!("micro_batch_size auto: {} (cached: {} fits; {} margin)", r.micro_batch_size, r.largest_fitting, c.memory.auto_margin);
+        tracing::info!(
+            "micro_batch_size auto: {} (cached: {} fits; {} margin)",
+            r.micro_batch_size,
+            r.largest_fitting,
+            c.memory.auto_margin
+        );
     } else {
         tracing::info!(
             "micro_batch_size auto: {} ({} fits, found in {} trial steps, {:.2}s, starting from {start}; {} margin)",
-            r.micro_batch_size, r.largest_fitting, r.trials, r.search_s, c.memory.auto_margin
+            r.micro_batch_size,
+            r.largest_fitting,
+            r.trials,
+            r.search_s,
+            c.memory.auto_margin
         );
     }
     Ok(r)
@@ -381,10 +569,22 @@ fn auto_search(cfg: &Config, task: &dyn Task, opt: &AdamW, data: &Dataset, amp: 
 fn launcher_micro_batch(var: &str) -> Result<Option<usize>> {
     match std::env::var(var) {
         Err(_) => Ok(None),
-        Ok(v) => v.trim().parse().ok().filter(|&m: &usize| m >= 1).map(Some).ok_or_else(|| {
-            let e = ConfigError::invalid(var, format!("`{v}` is not a micro-batch size (a whole number, at least 1)"));
-            Error::Config(ConfigError { origin: "environment".into(), ..e })
-        }),
+        Ok(v) => v
+            .trim()
+            .parse()
+            .ok()
+            .filter(|&m: &usize| m >= 1)
+            .map(Some)
+            .ok_or_else(|| {
+                let e = ConfigError::invalid(
+                    var,
+                    format!("`{v}` is not a micro-batch size (a whole number, at least 1)"),
+                );
+                Error::Config(ConfigError {
+                    origin: "environment".into(),
+                    ..e
+                })
+            }),
     }
 }
 
@@ -402,7 +602,8 @@ fn shared_start(pg: &ProcessGroup, run_dir: &Path, resume: &Resume) -> Result<Op
         pg.share(KEY, Some(msg.to_string().as_bytes()))?;
         return r;
     }
-    let msg: serde_json::Value = serde_json::from_slice(&pg.share(KEY, None)?).map_err(|e| Error::Dist(format!("rank 0's start: {e}")))?;
+    let msg: serde_json::Value =
+        serde_json::from_slice(&pg.share(KEY, None)?).map_err(|e| Error::Dist(format!("rank 0's start: {e}")))?;
     if let Some(e) = msg["error"].as_str() {
         return Err(Error::Dist(format!("rank 0 could not start: {e}")));
     }
@@ -421,7 +622,10 @@ fn resolve(run_dir: &Path, resume: Resume) -> Result<Option<(PathBuf, TrainState
         // Nothing saved yet (e.g. a relaunch after a death before the first checkpoint):
         // start over, keeping the earlier attempt's metrics in metrics.replaced.jsonl.
         Resume::Newest if checkpoint::list(run_dir).is_empty() => {
-            tracing::info!("--resume: no checkpoint in {} yet; starting from step 0", run_dir.display());
+            tracing::info!(
+                "--resume: no checkpoint in {} yet; starting from step 0",
+                run_dir.display()
+            );
             Ok(None)
         }
         Resume::Newest => checkpoint::newest_valid(run_dir).map(Some),
@@ -431,9 +635,24 @@ fn resolve(run_dir: &Path, resume: Resume) -> Result<Option<(PathBuf, TrainState
 
 /// The snapshot writer for this run (none with `memory.snapshot: off`): the parameters and
 /// optimizer state it attributes by address, and the planner's formula where there is one.
-fn snapshot_dumper(cfg: &Config, run_dir: &Path, device: Device, task: &dyn Task, opt: &AdamW, rank: Option<usize>) -> Result<Option<SharedDumper>> {
+fn snapshot_dumper(
+    cfg: &Config,
+    run_dir: &Path,
+    device: Device,
+    task: &dyn Task,
+    opt: &AdamW,
+    rank: Option<usize>,
+) -> Result<Option<SharedDumper>> {
     let params = task.parameters().into_iter().map(|(_, t)| t).collect();
     let state = opt.state().into_iter().map(|(_, t)| t.shallow_clone()).collect();
-    let d = memory::snapshot::Dumper::new(run_dir, cfg.raw.memory.snapshot()?, device, params, state, task.formula(), rank);
+    let d = memory::snapshot::Dumper::new(
+        run_dir,
+        cfg.raw.memory.snapshot()?,
+        device,
+        params,
+        state,
+        task.formula(),
+        rank,
+    );
     Ok(d.map(|d| Rc::new(std::cell::RefCell::new(d))))
 }
