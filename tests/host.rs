@@ -245,6 +245,34 @@ fn a_run_inside_a_small_memory_cgroup_adapts_instead_of_being_killed() {
     assert!(out.contains("free under the cgroup limit 700.0 MiB"), "{out}\n{err}");
 }
 
+/// Activations dominate (micro-batch 128 of 256 tokens on a 4 x 256 GPT), everything else
+/// at its default: the budget from the cgroup is right and the guard recovers its OOMs, but
+/// glibc kept the failed attempts' freed buffers resident and the kernel killed the run at
+/// step 0 (137) until the heap returned them (a fixed mmap threshold under a cgroup, and
+/// malloc_trim when an OOM is cleaned up).
+#[test]
+fn a_run_whose_activations_dominate_is_not_killed_by_its_heap() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(
+        dir.path(),
+        "activations.yaml",
+        "model: {n_layer: 4, n_head: 4, n_embd: 256, block_size: 256, vocab_size: 256}\n\
+         data: {source: embedded}\n\
+         train: {micro_batch_size: 128, grad_accum_steps: 1, max_steps: 1, eval_every: 0, eval_batch_size: 4, \
+         eval_batches: 1, seed: 3, device: cpu, num_threads: 2}\n",
+    );
+    let mut train = oomguard(dir.path());
+    train.args(["train", cfg.to_str().unwrap(), "--run-dir", "run"]);
+    let Some(cg) = MemoryCgroup::make("heap", 700 * MIB) else {
+        return;
+    };
+    let err = survives(&cg, "train", &train);
+    assert!(err.contains("under a memory cgroup: freed buffers of 4.0 MiB"), "{err}");
+    let rd = dir.path().join("run");
+    assert!(ooms(&rd) > 0, "the budget, not the kernel, stopped micro-batch 128");
+    assert_eq!(records(&rd, "step").len(), 1);
+}
+
 #[test]
 fn launched_workers_and_parallel_trials_each_get_their_share_of_the_cgroup() {
     let dir = tempfile::tempdir().unwrap();

@@ -180,6 +180,14 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
         },
         build,
     )?;
+    // No step ran: a resume of a finished run.
+    if s.first_loss.is_nan() && s.tokens_per_s == 0.0 {
+        tracing::info!(
+            "done: the run had already reached step {}; nothing left to train",
+            s.steps
+        );
+        return Ok(());
+    }
     tracing::info!(
         "done: {} steps in {} wall time | loss {:.4} -> {:.4}{} | {:.0} tok/s | peak memory {} | {} OOMs recovered, micro-batch {} at the end",
         s.steps, oomguard_console::progress::human_duration(s.wall_s), s.first_loss, s.final_loss,

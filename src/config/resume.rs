@@ -114,7 +114,7 @@ pub fn compare(stored: &RawConfig, new: &RawConfig) -> Vec<Change> {
 /// The exit-2 message for changes that alter the run, naming each and the ways on.
 pub fn refusal(changes: &[Change], run_dir: &Path) -> String {
     let mut m = format!(
-        "this config would change the run in {} (its config.yaml holds the run's own):",
+        "resuming would change the run in {0}, whose own config is {0}/config.yaml:",
         run_dir.display()
     );
     for c in changes.iter().filter(|c| c.alters) {

@@ -87,11 +87,15 @@ pub fn cuda_available() -> bool {
     unsafe { ffi::og_cuda_available() != 0 }
 }
 
-/// Releases the CUDA caching allocator's unused blocks. Nothing to do on the CPU.
+/// Releases the CUDA caching allocator's unused blocks; on the CPU, the heap's free memory.
 pub fn empty_cache(device: Device) -> Result<(), TchError> {
     match device {
         Device::Cuda(_) => check(unsafe { ffi::og_cuda_empty_cache() }),
-        _ => Ok(()),
+        // The host's cache is glibc's arenas: a failed attempt's buffers go back to the system.
+        _ => {
+            oomguard_host::memory::return_freed_memory();
+            Ok(())
+        }
     }
 }
 
@@ -140,6 +144,18 @@ pub fn prepare(
         }
         (Device::Cpu, b) => {
             let host = budget::host_memory();
+            if host
+                .as_ref()
+                .is_some_and(|h| matches!(h.source, oomguard_host::memory::Source::Cgroup { .. }))
+            {
+                if let Some(t) = oomguard_host::memory::bound_heap() {
+                    tracing::info!(
+                        "under a memory cgroup: freed buffers of {} and more go back to the system \
+                         (MALLOC_MMAP_THRESHOLD_ overrides)",
+                        human_bytes(t as u64)
+                    );
+                }
+            }
             let (bytes, why) = budget::resolve_described(b, &cfg.budget, cpu_live_bytes(), host.as_ref()).unzip();
             described = why;
             bytes
