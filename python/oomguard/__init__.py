@@ -1,0 +1,16 @@
+"""oomguard inside your own PyTorch loop: OOMs recovered in-process.
+
+    guard = oomguard.Guard(model, global_batch_size=G, micro_batch_size=M)
+    loss = guard.backward(batch, loss_fn)  # every .grad as one backward of the whole batch
+    optimizer.step()                       # yours
+
+The decisions (halve, grow back, cool down, give up) are the runtime's own policy, the
+`oomguard-policy` crate compiled into `oomguard._native`; this package does the torch work.
+See docs/own-loop.md.
+"""
+
+from ._guard import Guard, Infeasible, is_oom
+from ._native import Policy, classify_oom, malloc_trim
+
+__all__ = ["Guard", "Infeasible", "Policy", "classify_oom", "is_oom", "malloc_trim"]
+__version__ = "0.1.0"
