@@ -1,0 +1,222 @@
+"""`import oomguard` in a user's own loop: real processes, real allocation failures (RLIMIT_AS),
+results compared with a plain loop's parameters. Run by `make test` (scripts/setup.sh has
+built and installed the package into the venv first)."""
+
+from __future__ import annotations
+
+import re
+import resource
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import oomguard
+from conftest import launcher, max_diff, records, run_loop, run_ranks
+
+STEPS = 6
+GLOBAL = 1024
+
+
+def micro_batches(out: str, rank_marker: str = "") -> list:
+    """Per step, the micro-batch the loop printed."""
+    return [int(m) for m in re.findall(r"^step \d+ loss \S+ micro_batch (\d+)$", out, re.M)]
+
+
+# --- one process, a real allocation failure --------------------------------------------------
+
+
+def test_a_real_oom_is_recovered_and_the_parameters_equal_an_uncapped_run(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    # 60 MiB above the set-up's address space: the whole batch of 1024 needs about 300 MiB.
+    r = run_loop(tmp_path, "capped", "--guard", "--cap-mb", "60", "--run-dir", str(run_dir))
+    assert r.code == 0, r.out
+    assert "can't allocate memory" in r.out  # the allocator's own failure, recovered
+    sizes = micro_batches(r.out)
+    assert len(sizes) == STEPS and sizes[-1] < GLOBAL, r.out
+    assert max_diff(reference.params, r.params) < 1e-5
+    recs = records(run_dir)
+    ooms = [x for x in recs if x["event"] == "oom"]
+    steps = [x for x in recs if x["event"] == "step"]
+    assert ooms and all(o["source"] == "cpu" and o["new_micro_batch_size"] * 2 == o["old_micro_batch_size"] for o in ooms)
+    assert [s["micro_batch_size"] for s in steps] == sizes
+    assert [s["grad_accum_steps"] for s in steps] == [-(-GLOBAL // m) for m in sizes]
+    # The launcher's relaunch contract: the last size printed is the one the run settled at.
+    assert re.findall(r"micro_batch_size=(\d+)", r.out)[-1] == str(sizes[-1])
+
+
+def test_infeasible_exits_with_what_would_fit(tmp_path):
+    # Each sample's loss allocates 400 MiB more: even micro-batch 1 cannot fit 60 MiB.
+    r = run_loop(tmp_path, "infeasible", "--guard", "--cap-mb", "60", "--sample-mb", "400", "--steps", "1")
+    assert r.code == 1, r.out
+    assert "oomguard._guard.Infeasible: step 0: the step does not fit in memory even at micro-batch 1" in r.out
+    assert "the failed allocation wanted 400.0 MiB" in r.out
+    halvings = re.findall(r"micro-batch (\d+) -> (\d+|none left)", r.out)
+    assert [int(a) for a, _ in halvings[:11]] == [1024 >> i for i in range(11)]
+    assert halvings[-1] == ("1", "none left")
+
+
+# --- in-process: exactness, bad input, nothing half-applied ----------------------------------
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 32, dtype=torch.float64), torch.nn.Tanh(), torch.nn.Linear(32, 1, dtype=torch.float64)
+    )
+
+
+def _data(n=32):
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(n, 8, generator=g, dtype=torch.float64), torch.randn(n, 1, generator=g, dtype=torch.float64)
+
+
+def test_gradients_equal_one_backward_of_the_whole_batch_added_to_those_before():
+    m = _model()
+    x, y = _data()
+    loss_fn = lambda b: torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    loss_fn((x[:3], y[:3])).backward()  # gradients already there: backward adds to them
+    before = [p.grad.clone() for p in m.parameters()]
+    full = loss_fn((x, y))
+    want = [b + g for b, g in zip(before, torch.autograd.grad(full, list(m.parameters())))]
+    guard = oomguard.Guard(m, global_batch_size=32, micro_batch_size=5, verbose=False)  # 5 does not divide 32
+    loss = guard.backward((x, y), loss_fn)
+    assert abs(loss - full.item()) < 1e-12
+    assert max_diff([p.grad for p in m.parameters()], want) < 1e-12
+
+
+def test_bad_input_names_both_numbers_and_leaves_grads_alone():
+    m = _model()
+    x, y = _data()
+    loss_fn = lambda b: torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    loss_fn((x, y)).backward()
+    before = [p.grad.clone() for p in m.parameters()]
+    guard = oomguard.Guard(m, global_batch_size=32, micro_batch_size=8, verbose=False)
+    with pytest.raises(ValueError, match=r"batch\[0\] has 32 rows, batch\[1\] has 31"):
+        guard.backward((x, y[:31]), loss_fn)
+    with pytest.raises(ValueError, match=r"the batch has 16 rows but global_batch_size is 32"):
+        guard.backward((x[:16], y[:16]), loss_fn)
+    calls = []
+
+    def vector_on_second_call(b):
+        calls.append(len(b[0]))
+        out = (m(b[0]) - b[1]) ** 2
+        return out.mean() if len(calls) == 1 else out  # micro-batch 0's backward has run by then
+
+    with pytest.raises(TypeError, match=r"scalar tensor.*shape \(8, 1\)"):
+        guard.backward((x, y), vector_on_second_call)
+    assert calls == [8, 8]
+    assert max_diff([p.grad for p in m.parameters()], before) == 0.0
+    assert guard.step == 0
+
+
+def test_infeasible_in_process_restores_grads_and_says_why():
+    m = _model()
+    x, y = _data()
+    loss_fn = lambda b: torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    loss_fn((x, y)).backward()
+    before = [p.grad.clone() for p in m.parameters()]
+
+    def too_big(b):
+        torch.ones(len(b[0]) << 27, dtype=torch.float64).sum()  # 1 GiB a sample, really allocated
+        return loss_fn(b)
+
+    guard = oomguard.Guard(m, global_batch_size=32, micro_batch_size=32, verbose=False)
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/status") as f:
+        vm = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (512 << 20), hard))
+    try:
+        with pytest.raises(oomguard.Infeasible) as e:
+            guard.backward((x, y), too_big)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    assert e.value.phase == "forward" and e.value.requested_bytes == 1 << 30
+    assert "even at micro-batch 1" in str(e.value) and "can't allocate memory" in e.value.oom_message
+    assert guard.micro_batch_size == 1
+    assert max_diff([p.grad for p in m.parameters()], before) == 0.0
+
+
+# --- two Gloo ranks with DDP: an OOM on one rank shrinks both -------------------------------
+
+
+@pytest.fixture(scope="module")
+def clean_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("clean")
+    r = run_ranks(tmp, "clean", "--guard")
+    assert r.code == 0, r.out
+    return r
+
+
+def test_two_clean_ranks_equal_the_plain_loop(clean_ranks, reference, tmp_path):
+    plain = run_ranks(tmp_path, "plain")  # plain DDP, no guard: the uncapped 2-rank run
+    assert plain.code == 0, plain.out
+    assert max_diff(plain.params, clean_ranks.params) < 1e-5
+    assert max_diff(reference.params, clean_ranks.params) < 1e-5
+    assert micro_batches(clean_ranks.out) == [GLOBAL // 2] * STEPS * 2
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "sync"])
+def test_an_oom_on_one_rank_shrinks_both(phase, tmp_path, clean_ranks, reference):
+    run_dir = tmp_path / "run"
+    r = run_ranks(tmp_path, phase, "--guard", "--run-dir", str(run_dir), extra_env={"OOMGUARD_TEST_OOM_AT": f"1:2:{phase}"})
+    assert r.code == 0, r.out
+    half = GLOBAL // 2
+    # Both ranks: 512 for steps 0-1, then 256 from the step rank 1 ran out at.
+    assert micro_batches(r.out) == ([half] * 2 + [half // 2] * 4) * 2, r.out
+    assert max_diff(reference.params, r.params) < 1e-5
+    assert r.seconds < clean_ranks.seconds + 5.0, (r.seconds, clean_ranks.seconds)
+    ooms = [x for x in records(run_dir) if x["event"] == "oom"]
+    assert [(o["step"], o["phase"], o["rank"], o["old_micro_batch_size"], o["new_micro_batch_size"]) for o in ooms] == [
+        (2, phase, 1, half, half // 2)
+    ]
+
+
+def test_a_real_oom_on_one_rank_shrinks_both(tmp_path, reference):
+    # Rank 1 under a 40 MiB cap (its half batch of 512 needs about 150 MiB), rank 0 free.
+    r = run_ranks(tmp_path, "capped", "--guard", "--cap-mb", "40", "--cap-rank", "1")
+    assert r.code == 0, r.out
+    assert "can't allocate memory" in r.out
+    per_rank = r.out.split("--- rank 1")
+    assert micro_batches(per_rank[0]) == micro_batches(per_rank[1])
+    assert micro_batches(per_rank[0])[-1] < GLOBAL // 2
+    assert max_diff(reference.params, r.params) < 1e-5
+
+
+def test_under_the_launcher(tmp_path, reference):
+    binary = launcher()
+    if binary is None:
+        pytest.skip("no oomguard binary (OOMGUARD_BIN, or target/release/oomguard: `cargo build --release`)")
+    run_dir = tmp_path / "run"
+    out_file = tmp_path / "launched.pt"
+    import sys
+
+    from conftest import LOOP, env
+
+    p = subprocess.run(
+        [str(binary), "launch", "--nproc-per-node", "2", "--standalone", str(LOOP), "--guard", "--out", str(out_file)],
+        env=env(
+            {
+                "OOMGUARD_TEST_OOM_AT": "0:1:backward",
+                "OOMGUARD_RUN_DIR": str(run_dir),
+                "OOMGUARD_MICRO_BATCH_SIZE": "256",
+                "PATH": f"{Path(sys.executable).parent}:{__import__('os').environ['PATH']}",
+            }
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stdout
+    steps = [x for x in records(run_dir) if x["event"] == "step"]
+    # Started at the launcher's size, halved once by the OOM rank 0 had at step 1.
+    assert [s["micro_batch_size"] for s in steps] == [256, 128, 128, 128, 128, 128]
+    assert max_diff(reference.params, torch.load(out_file)) < 1e-5
+    # oomguard report draws it.
+    png = tmp_path / "report.png"
+    rep = subprocess.run([str(binary), "report", str(run_dir), "--out", str(png)], capture_output=True, text=True)
+    assert rep.returncode == 0, rep.stderr
+    assert png.stat().st_size > 10_000
+    assert re.search(r"OOMs?\D+1\b", rep.stdout), rep.stdout
