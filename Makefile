@@ -1,5 +1,5 @@
 # The README's commands. `setup` installs what is missing (once per machine, cached).
-.PHONY: setup build run test fmt docs docs-picture bench gpu-kit gpu-kit-test docker-test clean
+.PHONY: setup build run test test-python fmt docs docs-picture bench gpu-kit gpu-kit-test docker-test clean
 
 setup:
 	@scripts/setup.sh
@@ -13,6 +13,12 @@ run: build
 test: setup docs
 	cargo fmt --all --check
 	cargo test --release --workspace
+	$(MAKE) test-python
+
+# `import oomguard` (python/, built and installed into the venv by setup): tests/python/ in
+# real subprocesses, about 2 minutes; the launcher test runs the release build cargo test made.
+test-python: setup
+	OMP_NUM_THREADS=1 OOMGUARD_BIN=$(CURDIR)/target/release/oomguard .venv/bin/python -m pytest -p no:cacheprovider tests/python
 
 # rustfmt.toml's style, applied to every file (`make fmt`); `make test` checks it.
 fmt:
