@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import resource
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -138,6 +139,24 @@ def test_infeasible_in_process_restores_grads_and_says_why():
     assert max_diff([p.grad for p in m.parameters()], before) == 0.0
 
 
+def test_the_example_runs(tmp_path):
+    from conftest import ROOT, env
+
+    run_dir = tmp_path / "own"
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "examples/python/own_loop.py")],
+        env=env({"OOMGUARD_RUN_DIR": str(run_dir)}),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    losses = [float(l.split()[3]) for l in p.stdout.splitlines() if l.startswith("step ")]
+    steps = [x for x in records(run_dir) if x["event"] == "step"]
+    assert [s["step"] for s in steps] == list(range(20))
+    assert [round(s["loss"], 4) for s in steps] == losses
+
+
 # --- two Gloo ranks with DDP: an OOM on one rank shrinks both -------------------------------
 
 
@@ -190,8 +209,6 @@ def test_under_the_launcher(tmp_path, reference):
         pytest.skip("no oomguard binary (OOMGUARD_BIN, or target/release/oomguard: `cargo build --release`)")
     run_dir = tmp_path / "run"
     out_file = tmp_path / "launched.pt"
-    import sys
-
     from conftest import LOOP, env
 
     p = subprocess.run(
