@@ -22,6 +22,9 @@ import tempfile
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# A micro-batch cache of its own: a recovery the user's cache remembered would start the next
+# bench at the settled size, without the OOM it measures.
+os.environ["OOMGUARD_CACHE"] = tempfile.mkdtemp(prefix="oomguard-bench-cache-")
 import torch  # noqa: E402
 
 import oomguard  # noqa: E402

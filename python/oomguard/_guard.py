@@ -15,6 +15,7 @@ import gc
 import json
 import math
 import os
+import sys
 import time
 import traceback
 import zlib
@@ -143,6 +144,64 @@ class _InjectedOom:
             )
 
 
+def _cache_path() -> Optional[str]:
+    """The runtime's micro-batch cache (src/plan/search.rs): OOMGUARD_CACHE, else
+    XDG_CACHE_HOME/oomguard, else ~/.cache/oomguard; micro_batch.json, a map key -> size."""
+    base = os.environ.get("OOMGUARD_CACHE")
+    if not base and os.environ.get("XDG_CACHE_HOME"):
+        base = os.path.join(os.environ["XDG_CACHE_HOME"], "oomguard")
+    if not base and os.environ.get("HOME"):
+        base = os.path.join(os.environ["HOME"], ".cache", "oomguard")
+    return os.path.join(base, "micro_batch.json") if base else None
+
+
+def _read_cache(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def cached_micro_batch(key: str) -> Optional[int]:
+    """The largest micro-batch known to fit for `key`, from the shared cache."""
+    path = _cache_path()
+    value = _read_cache(path).get(key) if path else None
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def remember_micro_batch(key: str, size: int) -> None:
+    """Records that `size` fits for `key`, as the runtime does: under the file's lock
+    (micro_batch.lock), the file replaced whole (a temporary .micro_batch.json.PID.tmp beside
+    it, fsynced, renamed, the folder fsynced). A failure is only a warning."""
+    path = _cache_path()
+    if not path:
+        return
+    folder = os.path.dirname(path)
+    try:
+        import fcntl
+
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "micro_batch.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            data = _read_cache(path)
+            data[key] = size
+            tmp = os.path.join(folder, f".micro_batch.json.{os.getpid()}.tmp")
+            with open(tmp, "w") as f:
+                f.write(json.dumps(data, indent=2, sort_keys=True))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            dir_fd = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+    except OSError as e:
+        print(f"oomguard WARNING: cannot write the micro-batch cache {path}: {e}", file=sys.stderr, flush=True)
+
+
 class Guard:
     """The allocation guard for your own loop.
 
@@ -153,6 +212,8 @@ class Guard:
     where rank 0 writes metrics.jsonl in the runtime's schema, and CUDA OOM snapshots.
     The policy's knobs (`grow_after_steps`, `grow_headroom`, `cooldown_steps`,
     `thrash_steps`, `retries_at_one`) default to `oomguard train`'s memory.* defaults.
+    `cache`: start at the size the runtime's micro-batch cache knows for this model, samples
+    and device, and record the size a step settled at after an OOM.
     """
 
     def __init__(
@@ -165,6 +226,7 @@ class Guard:
         process_group: Any = None,
         verbose: bool = True,
         snapshot: bool = True,
+        cache: bool = True,
         **policy: Any,
     ):
         if global_batch_size < 1:
@@ -211,6 +273,10 @@ class Guard:
         self._groups = list(groups.items())
 
         start = _env_int(MICRO_BATCH_VAR)
+        # The micro-batch cache is read at the first step (its key needs the samples' shape),
+        # unless the launcher named the size.
+        self.cache_key: Optional[str] = None
+        self._use_cache = cache and start is None
         if start is not None and start < configured:
             self.policy.relaunched(_env_int(FAILED_MICRO_BATCH_VAR), max(start, 1), 0)
         self._inject = _InjectedOom(os.environ[TEST_OOM_VAR], self.rank) if os.environ.get(TEST_OOM_VAR) else None
@@ -260,6 +326,9 @@ class Guard:
                 f"the batch has {n} rows but global_batch_size is {self.global_batch_size} "
                 "(this rank's rows: the leading dimension of every tensor)"
             )
+        if self._use_cache:
+            self._use_cache = False
+            self._start_from_cache(tensors)
         t_call = time.perf_counter()
         stashed = [p.grad for p in self._params]
         for p in self._params:
@@ -341,11 +410,30 @@ class Guard:
             kind, size = self.policy.after_step(
                 self.step, int(a[BASELINE]), int(a[PEAK]), limit, None if a[RETRIES] < 0 else int(a[RETRIES])
             )
+            if failures and self.cache_key is not None and os.environ.get("LOCAL_RANK", "0") == "0":
+                remember_micro_batch(self.cache_key, mb)
             self._record_step(loss, mb, n, time.perf_counter() - t_call, a)
             if kind != "keep":
                 self._on_resize(kind, mb, size)
             self.step += 1
             return loss
+
+    def _start_from_cache(self, tensors: List[torch.Tensor]) -> None:
+        """The cache's size for this model (parameter shapes and dtypes), these samples (shape
+        and dtype beyond the batch dimension), the batch, the device and its memory, when it is
+        below the current size; ranks take the smallest any of them read."""
+        what = ";".join(f"{tuple(p.shape)}{p.dtype}" for p in self._params)
+        what += "|" + ";".join(f"{tuple(t.shape[1:])}{t.dtype}" for t in tensors) + f"|G{self.global_batch_size}"
+        self.cache_key = f"python:{zlib.crc32(what.encode()):08x}|{self._device}|{(self._limit or 0) >> 26}"
+        known = cached_micro_batch(self.cache_key) or self.policy.current
+        if self._dist is not None:
+            known = int(-self._agreed([-float(known)] + [0.0] * 9)[0])
+        if known < self.policy.current:
+            self.policy.current = known
+            self._say(
+                f"oomguard: starting at micro_batch_size={known}: an earlier run of this model on this "
+                "memory ran out above it (the micro-batch cache)"
+            )
 
     def _agreed(self, values: List[float]) -> List[float]:
         """Every rank's `values`, maximised element-wise, in the tensor allocated up front."""

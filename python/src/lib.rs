@@ -125,12 +125,15 @@ impl Policy {
     }
 }
 
+/// `(source, line, requested_bytes, capacity_bytes, free_bytes)`.
+type Classified = (&'static str, String, Option<u64>, Option<u64>, Option<u64>);
+
 /// Whether an error message is an out-of-memory error, as the runtime classifies them
 /// (oomguard_host::oom, one function for every caller), plus oneDNN's "could not create a
 /// primitive", which is how an allocation failure inside oneDNN surfaces on the CPU.
 /// Returns `(source, line, requested_bytes, capacity_bytes, free_bytes)` or None.
 #[pyfunction]
-fn classify_oom(message: &str) -> Option<(&'static str, String, Option<u64>, Option<u64>, Option<u64>)> {
+fn classify_oom(message: &str) -> Option<Classified> {
     use oomguard_host::oom::OomSource;
     if let Some(o) = oomguard_host::oom::classify_oom(message) {
         let source = match o.source {

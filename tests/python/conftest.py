@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -16,14 +17,19 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+# In-process guards never touch the user's micro-batch cache.
+os.environ["OOMGUARD_CACHE"] = tempfile.mkdtemp(prefix="oomguard-test-cache-")
 
 ROOT = Path(__file__).resolve().parents[2]
 LOOP = Path(__file__).with_name("loop.py")
 
 
 def env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """A child's environment: one thread, none of the launcher's variables, and a micro-batch
+    cache of its own (a fresh folder) unless `extra` names one."""
     e = {k: v for k, v in os.environ.items() if not k.startswith(("OOMGUARD_", "RANK", "WORLD_SIZE", "MASTER_"))}
     e["OMP_NUM_THREADS"] = "1"
+    e["OOMGUARD_CACHE"] = tempfile.mkdtemp(prefix="oomguard-test-cache-")
     e.update(extra or {})
     return e
 
@@ -68,8 +74,9 @@ def run_ranks(tmp: Path, name: str, *args: str, extra_env: Optional[Dict[str, st
     port = str(free_port())
     t0 = time.perf_counter()
     procs = []
+    cache = tempfile.mkdtemp(prefix="oomguard-test-cache-")
     for rank in range(world):
-        e = env(extra_env)
+        e = env({"OOMGUARD_CACHE": cache, **(extra_env or {})})
         e.update(
             RANK=str(rank),
             LOCAL_RANK=str(rank),

@@ -4,6 +4,7 @@ built and installed the package into the venv first)."""
 
 from __future__ import annotations
 
+import json
 import re
 import resource
 import subprocess
@@ -45,6 +46,22 @@ def test_a_real_oom_is_recovered_and_the_parameters_equal_an_uncapped_run(tmp_pa
     assert [s["grad_accum_steps"] for s in steps] == [-(-GLOBAL // m) for m in sizes]
     # The launcher's relaunch contract: the last size printed is the one the run settled at.
     assert re.findall(r"micro_batch_size=(\d+)", r.out)[-1] == str(sizes[-1])
+
+
+def test_a_second_run_starts_at_the_size_the_first_settled_at(tmp_path):
+    cache = tmp_path / "cache"
+    first = run_loop(tmp_path, "first", "--guard", "--cap-mb", "60", extra_env={"OOMGUARD_CACHE": str(cache)})
+    assert first.code == 0, first.out
+    settled = micro_batches(first.out)[-1]
+    # The runtime's cache file, its format: a JSON map from key to size.
+    known = json.loads((cache / "micro_batch.json").read_text())
+    assert list(known.values()) == [settled] and list(known)[0].startswith("python:"), known
+    second = run_loop(tmp_path, "second", "--guard", "--cap-mb", "60", extra_env={"OOMGUARD_CACHE": str(cache)})
+    assert second.code == 0, second.out
+    assert f"starting at micro_batch_size={settled}" in second.out
+    assert "OOM at step" not in second.out
+    assert micro_batches(second.out) == [settled] * STEPS
+    assert max_diff(first.params, second.params) < 1e-5
 
 
 def test_infeasible_exits_with_what_would_fit(tmp_path):
