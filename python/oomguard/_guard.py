@@ -212,6 +212,7 @@ class Guard:
     where rank 0 writes metrics.jsonl in the runtime's schema, and CUDA OOM snapshots.
     The policy's knobs (`grow_after_steps`, `grow_headroom`, `cooldown_steps`,
     `thrash_steps`, `retries_at_one`) default to `oomguard train`'s memory.* defaults.
+    `tokens_per_sample`: when given, step records carry `tokens_per_s` (the report's panel).
     `cache`: start at the size the runtime's micro-batch cache knows for this model, samples
     and device, and record the size a step settled at after an OOM.
     """
@@ -227,6 +228,7 @@ class Guard:
         verbose: bool = True,
         snapshot: bool = True,
         cache: bool = True,
+        tokens_per_sample: Optional[int] = None,
         **policy: Any,
     ):
         if global_batch_size < 1:
@@ -249,6 +251,7 @@ class Guard:
         self.policy = Policy(configured, **policy)
         self.step = 0
         self._verbose = verbose
+        self._tokens_per_sample = tokens_per_sample
 
         import torch.distributed as dist
 
@@ -578,21 +581,22 @@ class Guard:
     def _record_step(self, loss: float, mb: int, n: int, step_time: float, a: list) -> None:
         if self._metrics is None:
             return
-        self._write(
-            {
-                "event": "step",
-                "step": self.step,
-                "loss": loss,
-                "micro_batch_size": mb,
-                "grad_accum_steps": -(-n // mb),
-                "num_samples": n * self.world_size,
-                "world_size": self.world_size,
-                "step_time_s": step_time,
-                "elapsed_s": time.perf_counter() - self._t0,
-                "memory": self._memory_record(),
-                "device": str(self._device),
-            }
-        )
+        record = {
+            "event": "step",
+            "step": self.step,
+            "loss": loss if math.isfinite(loss) else None,  # NaN as null, as the runtime writes it
+            "micro_batch_size": mb,
+            "grad_accum_steps": -(-n // mb),
+            "num_samples": n * self.world_size,
+            "world_size": self.world_size,
+            "step_time_s": step_time,
+            "elapsed_s": time.perf_counter() - self._t0,
+            "memory": self._memory_record(),
+            "device": str(self._device),
+        }
+        if self._tokens_per_sample:
+            record["tokens_per_s"] = self._tokens_per_sample * n * self.world_size / step_time
+        self._write(record)
 
     def _on_oom_event(self, phase, index, oom, line, base, after, mb, new, lost, rank, snap) -> None:
         self._oom_count += 1

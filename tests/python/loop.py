@@ -82,7 +82,9 @@ def main() -> None:
     if args.guard:
         import oomguard
 
-        guard = oomguard.Guard(model, global_batch_size=rows, micro_batch_size=args.micro_batch, run_dir=args.run_dir)
+        guard = oomguard.Guard(
+            model, global_batch_size=rows, micro_batch_size=args.micro_batch, run_dir=args.run_dir, tokens_per_sample=1
+        )
     capped = args.cap_mb is not None and args.cap_rank in (None, rank)
     if capped:
         _, hard = resource.getrlimit(resource.RLIMIT_AS)

@@ -44,6 +44,7 @@ def test_a_real_oom_is_recovered_and_the_parameters_equal_an_uncapped_run(tmp_pa
     assert ooms and all(o["source"] == "cpu" and o["new_micro_batch_size"] * 2 == o["old_micro_batch_size"] for o in ooms)
     assert [s["micro_batch_size"] for s in steps] == sizes
     assert [s["grad_accum_steps"] for s in steps] == [-(-GLOBAL // m) for m in sizes]
+    assert [s["tokens_per_s"] for s in steps] == pytest.approx([GLOBAL / s["step_time_s"] for s in steps])
     # The launcher's relaunch contract: the last size printed is the one the run settled at.
     assert re.findall(r"micro_batch_size=(\d+)", r.out)[-1] == str(sizes[-1])
 
