@@ -72,11 +72,14 @@ install_python_package() {
   hash="$(cd "$ROOT" && find python/Cargo.toml python/Cargo.lock python/pyproject.toml python/src python/oomguard \
     crates/policy crates/host crates/console -type f \( -name '*.rs' -o -name '*.py' -o -name '*.toml' -o -name '*.lock' \) \
     -not -path '*/target/*' -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)"
-  [ "$(cat "$VENV/.oomguard-python" 2>/dev/null)" = "$hash" ] && return 0
+  local wheels="$ROOT/python/target/wheels"
+  # Built for these sources, installed, and this clone has the wheel (tests install it elsewhere).
+  if [ "$(cat "$VENV/.oomguard-python" 2>/dev/null)" = "$hash" ] && ls "$wheels"/oomguard-*.whl >/dev/null 2>&1; then
+    return 0
+  fi
   exec 9>"$CACHE/.lock"
   flock 9
   say "building the oomguard Python package (python/) and installing it into $VENV"
-  local wheels="$ROOT/python/target/wheels"
   rm -rf "$wheels"
   (cd "$ROOT/python" && CARGO_TARGET_DIR="$ROOT/python/target" "$VENV/bin/maturin" build --release --quiet -i "$VENV/bin/python" -o "$wheels" >&2)
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$wheels"/oomguard-*.whl

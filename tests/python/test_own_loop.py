@@ -175,6 +175,53 @@ def test_the_example_runs(tmp_path):
     assert [round(s["loss"], 4) for s in steps] == losses
 
 
+def test_it_grows_back_after_clean_steps_and_the_cooldown(monkeypatch):
+    monkeypatch.setenv("OOMGUARD_TEST_OOM_AT", "0:0:backward")
+    m = _model()
+    x, y = _data()
+    loss_fn = lambda b: torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    guard = oomguard.Guard(m, global_batch_size=32, verbose=False, cache=False, grow_after_steps=2, cooldown_steps=5)
+    sizes = []
+    for _ in range(9):
+        want = torch.autograd.grad(loss_fn((x, y)), list(m.parameters()))
+        guard.backward((x, y), loss_fn)
+        assert max_diff([p.grad for p in m.parameters()], list(want)) < 1e-12
+        m.zero_grad(set_to_none=True)
+        sizes.append(guard.micro_batch_size)
+    # 32 ran out at step 0 -> 16; two clean steps are enough, but 32 cools down until step 5.
+    assert sizes == [16, 16, 16, 16, 16, 32, 32, 32, 32]
+    assert guard.policy.num_ooms == 1
+
+
+def test_the_wheel_installs_in_a_bare_venv(tmp_path):
+    """The built wheel in a venv with nothing else: the policy works; the guard asks for torch."""
+    from conftest import ROOT
+
+    wheels = sorted((ROOT / "python" / "target" / "wheels").glob("oomguard-*.whl"))
+    assert wheels, "no wheel: scripts/setup.sh builds python/target/wheels/"
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--disable-pip-version-check"]
+    subprocess.run([*pip, "--target", str(site), str(wheels[-1])], check=True)
+    code = (
+        "import oomguard\n"
+        "p = oomguard.Policy(24)\n"
+        "print([p.on_oom(s, False, None) for s in range(7)])\n"
+        "print(oomguard.classify_oom('CUDA out of memory. Tried to allocate 2.00 GiB')[:3])\n"
+        "try:\n    oomguard.Guard\nexcept ImportError as e:\n    print('needs', e.name)\n"
+    )
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    # The runtime's halving (crates/policy's own test: 24 -> 12, 6, 3, 2, 1, then up to 8
+    # retries at 1 for different failures, and give up).
+    assert out.stdout.splitlines() == [
+        "[12, 6, 3, 2, 1, 1, 1]",
+        "('cuda', 'CUDA out of memory. Tried to allocate 2.00 GiB', 2147483648)",
+        "needs torch",
+    ]
+
+
 # --- two Gloo ranks with DDP: an OOM on one rank shrinks both -------------------------------
 
 
