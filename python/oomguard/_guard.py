@@ -134,7 +134,7 @@ class _InjectedOom:
         if (step, phase) in self.points:
             self.points.discard((step, phase))
             if cuda:
-                raise torch.OutOfMemoryError(
+                raise (getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError)(
                     f"CUDA out of memory. Tried to allocate 2.00 MiB ({TEST_OOM_VAR}: {phase} at step {step})"
                 )
             raise RuntimeError(
@@ -480,19 +480,22 @@ class Guard:
         return total
 
     def _prepare_sync(self):
-        """Phase sync, before the ranks agree: the flat buffers of DDP's all-reduce, so an
-        OOM allocating them happens before any rank enters the collective."""
+        """Phase sync, before the ranks agree: the flat buffers of DDP's all-reduce (each
+        group's gradients, then one slot per parameter counting the ranks that have its
+        gradient), so an OOM allocating them happens before any rank enters the collective."""
         self._where = ("sync", 0)
-        flats = [
-            (ps, torch.empty(sum(p.numel() for p in ps), dtype=dtype, device=device))
-            for (dtype, device), ps in self._groups
-        ]
+        flats = []
+        for (dtype, device), ps in self._groups:
+            flat = torch.empty(sum(p.numel() for p in ps) + len(ps), dtype=dtype, device=device)
+            flat[-len(ps) :].copy_(torch.tensor([0.0 if p.grad is None else 1.0 for p in ps], dtype=dtype))
+            flats.append((ps, flat))
         if self._inject is not None:
             self._inject.check(self.step, "sync", self._cuda)
         return flats
 
     def _sync(self, flats) -> None:
-        """DDP's gradient average, in the buffers allocated before the agreement."""
+        """DDP's gradient average, in place in the buffers allocated before the agreement. A
+        parameter no rank computed a gradient for keeps `.grad` None, as under DDP."""
         for ps, flat in flats:
             views = []
             off = 0
@@ -504,13 +507,15 @@ class Guard:
                 else:
                     view.copy_(p.grad)
                 views.append(view)
+            has = flat[off:]  # filled by _prepare_sync
             self._dist.all_reduce(flat, group=self._pg)
             flat.div_(self.world_size)
-            for p, view in zip(ps, views):
-                if p.grad is None:
-                    p.grad = view
-                else:
+            present = has.tolist()
+            for p, view, h in zip(ps, views, present):
+                if p.grad is not None:
                     p.grad.copy_(view)
+                elif h > 0:
+                    p.grad = view
 
     def _restore(self, stashed) -> None:
         for p, s in zip(self._params, stashed):

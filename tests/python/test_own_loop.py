@@ -222,6 +222,33 @@ def test_the_wheel_installs_in_a_bare_venv(tmp_path):
     ]
 
 
+def test_ddp_averages_in_place_and_leaves_unused_parameters_without_grad(tmp_path):
+    import torch.distributed as dist
+
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = torch.nn.Linear(8, 4, dtype=torch.float64)
+            self.unused = torch.nn.Linear(8, 4, dtype=torch.float64)
+
+        def forward(self, x):
+            return self.used(x)
+
+    torch.manual_seed(0)
+    m = TwoHeads()
+    x, _ = _data(12)
+    want = torch.autograd.grad(m(x).pow(2).mean(), list(m.used.parameters()))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(m)
+        guard = oomguard.Guard(ddp, global_batch_size=12, micro_batch_size=5, verbose=False, cache=False)
+        guard.backward(x, lambda b: ddp(b).pow(2).mean())
+    finally:
+        dist.destroy_process_group()
+    assert max_diff([p.grad for p in m.used.parameters()], list(want)) < 1e-12
+    assert [p.grad for p in m.unused.parameters()] == [None, None]
+
+
 # --- two Gloo ranks with DDP: an OOM on one rank shrinks both -------------------------------
 
 
