@@ -205,7 +205,7 @@ def own_loop(mode, out, micro_batch=None, fraction=None):
     if mode == "measure":
         peaks = {}
         for mb in (G, G // 2, G // 4):
-            g = oomguard.Guard(model, global_batch_size=G, micro_batch_size=mb, verbose=False)
+            g = oomguard.Guard(model, global_batch_size=G, micro_batch_size=mb, verbose=False, cache=False)
             g.backward(batches[0], loss_fn)
             opt.step()  # AdamW's state, as in the real run
             opt.zero_grad(set_to_none=True)
@@ -219,7 +219,7 @@ def own_loop(mode, out, micro_batch=None, fraction=None):
     if fraction:
         torch.cuda.set_per_process_memory_fraction(float(fraction))
     run_dir = out + ".run"
-    guard = oomguard.Guard(model, global_batch_size=G, micro_batch_size=int(micro_batch), run_dir=run_dir)
+    guard = oomguard.Guard(model, global_batch_size=G, micro_batch_size=int(micro_batch), run_dir=run_dir, cache=False)
     sizes = []
     for b in batches:
         guard.backward(b, loss_fn)
