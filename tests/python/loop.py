@@ -53,6 +53,9 @@ def main() -> None:
     ap.add_argument("--cap-rank", type=int, default=None, help="the cap on this rank only (default: every rank)")
     ap.add_argument("--sample-mb", type=float, default=0.0, help="loss_fn allocates this much per sample besides")
     ap.add_argument("--run-dir", default=None)
+    ap.add_argument(
+        "--oom-outside-at", type=int, default=None, help="the first attempt dies of an OOM at this step, outside the guard"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -100,6 +103,12 @@ def main() -> None:
             t = loss_fn(mine)
             t.backward()
             loss = t.item()
+        if step == args.oom_outside_at and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            # Where no guard is: the launcher's relaunch at half the micro-batch is the fallback.
+            raise RuntimeError(
+                "DefaultCPUAllocator: can't allocate memory: you tried to allocate 4194304 bytes. "
+                "Error code 12 (Cannot allocate memory)"
+            )
         opt.step()
         opt.zero_grad(set_to_none=True)
         print(f"step {step} loss {loss:.6f}" + (f" micro_batch {guard.micro_batch_size}" if guard else ""), flush=True)

@@ -5,6 +5,7 @@ built and installed the package into the venv first)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import resource
 import subprocess
@@ -310,7 +311,7 @@ def test_under_the_launcher(tmp_path, reference):
                 "OOMGUARD_TEST_OOM_AT": "0:1:backward",
                 "OOMGUARD_RUN_DIR": str(run_dir),
                 "OOMGUARD_MICRO_BATCH_SIZE": "256",
-                "PATH": f"{Path(sys.executable).parent}:{__import__('os').environ['PATH']}",
+                "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
             }
         ),
         stdout=subprocess.PIPE,
@@ -329,3 +330,31 @@ def test_under_the_launcher(tmp_path, reference):
     assert rep.returncode == 0, rep.stderr
     assert png.stat().st_size > 10_000
     assert re.search(r"OOMs?\D+1\b", rep.stdout), rep.stdout
+
+
+def test_an_oom_outside_the_guard_is_relaunched_at_half(tmp_path, reference):
+    """The launcher's relaunch stays the fallback: an OOM where no guard is (here at step 2,
+    after backward) kills the worker; the launcher reads the `micro_batch_size=512` it printed
+    and restarts both ranks with OOMGUARD_MICRO_BATCH_SIZE=256, where the guard starts."""
+    binary = launcher()
+    if binary is None:
+        pytest.skip("no oomguard binary (OOMGUARD_BIN, or target/release/oomguard: `cargo build --release`)")
+    from conftest import LOOP, env
+
+    out_file = tmp_path / "relaunched.pt"
+    p = subprocess.run(
+        [str(binary), "launch", "--nproc-per-node", "2", "--standalone", "--max-restarts", "1", str(LOOP), "--guard",
+         "--oom-outside-at", "2", "--out", str(out_file)],
+        env=env({"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stdout
+    assert "relaunching with OOMGUARD_MICRO_BATCH_SIZE=256" in p.stdout, p.stdout
+    # Each rank: steps 0-1 at 512 in the first attempt, then the whole run again at 256.
+    for rank in (0, 1):
+        mine = [l.split(":", 1)[1] for l in p.stdout.splitlines() if l.startswith(f"[default{rank}]:")]
+        assert micro_batches("\n".join(mine)) == [512, 512] + [256] * STEPS, p.stdout
+    assert max_diff(reference.params, torch.load(out_file)) < 1e-5
