@@ -1,6 +1,7 @@
 # Your own loop with `import oomguard` (docs/own-loop.md). With the set-up's venv:
 #   OOMGUARD_RUN_DIR=runs/own .venv/bin/python examples/python/own_loop.py   (metrics.jsonl there)
-#   oomguard launch --nproc-per-node 2 examples/python/own_loop.py           (data parallel)
+#   PATH=$PWD/.venv/bin:$PATH ./target/release/oomguard launch --nproc-per-node 2 \
+#     examples/python/own_loop.py                                           (data parallel)
 import os, torch, oomguard
 
 if int(os.environ.get("WORLD_SIZE", "1")) > 1:
