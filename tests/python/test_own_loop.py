@@ -176,6 +176,17 @@ def test_the_example_runs(tmp_path):
     assert [round(s["loss"], 4) for s in steps] == losses
 
 
+def test_the_pages_ten_lines_run():
+    from conftest import ROOT, env
+
+    page = (ROOT / "docs" / "own-loop.md").read_text()
+    code = page.split("## Ten lines", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert len(code.strip().splitlines()) <= 11, code
+    p = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert [l.split()[1] for l in p.stdout.splitlines() if l.startswith("step ")] == [str(i) for i in range(20)]
+
+
 def test_it_grows_back_after_clean_steps_and_the_cooldown(monkeypatch):
     monkeypatch.setenv("OOMGUARD_TEST_OOM_AT", "0:0:backward")
     m = _model()
