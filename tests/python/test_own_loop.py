@@ -187,6 +187,17 @@ def test_the_pages_ten_lines_run():
     assert [l.split()[1] for l in p.stdout.splitlines() if l.startswith("step ")] == [str(i) for i in range(20)]
 
 
+def test_what_counts_as_an_oom():
+    cpu = "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate 16777216 bytes."
+    assert oomguard.classify_oom(cpu)[0:3:2] == ("cpu", 16777216)
+    assert oomguard.is_oom(RuntimeError(cpu))
+    assert oomguard.is_oom(RuntimeError("could not create a primitive descriptor for a matmul primitive"))
+    assert oomguard.is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB"))
+    assert oomguard.is_oom(MemoryError())
+    assert not oomguard.is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x5)"))
+    assert not oomguard.is_oom(ValueError("can't allocate memory"))  # not an error torch raises for memory
+
+
 def test_it_grows_back_after_clean_steps_and_the_cooldown(monkeypatch):
     monkeypatch.setenv("OOMGUARD_TEST_OOM_AT", "0:0:backward")
     m = _model()
