@@ -13,8 +13,8 @@ Run by `make bench` (the set-up's venv): .venv/bin/python benches/python/own_loo
 
 from __future__ import annotations
 
+import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -35,7 +35,11 @@ torch.set_num_threads(1)
 def make(width: int, seed: int = 0):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
-        torch.nn.Linear(256, width), torch.nn.GELU(), torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, 10)
+        torch.nn.Linear(256, width),
+        torch.nn.GELU(),
+        torch.nn.Linear(width, width),
+        torch.nn.GELU(),
+        torch.nn.Linear(width, 10),
     )
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
@@ -69,7 +73,9 @@ def overhead(cost: float, rounds: int = 12, steps: int = 15, batch: int = 64, wi
             guard_step()
         plain, guarded = [], []
         for r in range(rounds):
-            for arm, step, times in (("plain", plain_step, plain), ("guard", guard_step, guarded))[:: 1 if r % 2 else -1]:
+            for arm, step, times in (("plain", plain_step, plain), ("guard", guard_step, guarded))[
+                :: 1 if r % 2 else -1
+            ]:
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     step()
@@ -107,7 +113,10 @@ def own_cost(calls: int = 3000) -> None:
                 best[name] = min(best.get(name, 1e9), (time.perf_counter() - t0) / calls)
     cost = best["guard"] - best["plain"]
     print(f"own cost: a one-parameter model, best of 5 x {calls} calls")
-    print(f"  plain {best['plain'] * 1e6:.1f} us, guard {best['guard'] * 1e6:.1f} us: the guard's own work {cost * 1e6:.1f} us a step")
+    print(
+        f"  plain {best['plain'] * 1e6:.1f} us, guard {best['guard'] * 1e6:.1f} us: "
+        f"the guard's own work {cost * 1e6:.1f} us a step"
+    )
     return cost
 
 
@@ -149,10 +158,9 @@ def recovery(cap_mb: float = 90, batch: int = 4096, width: int = 1024, steps: in
     if out.returncode != 0:
         print(out.stdout, out.stderr)
         raise SystemExit("recovery run failed")
-    import json
-
     rows = json.loads(out.stdout.strip().splitlines()[-1])
-    print(f"recovery: MLP 256-{width}-{width}-10, batch {batch}, RLIMIT_AS {cap_mb:.0f} MiB above the set-up, {steps} steps")
+    print(f"recovery: MLP 256-{width}-{width}-10, batch {batch}, {steps} steps,")
+    print(f"  RLIMIT_AS {cap_mb:.0f} MiB above the set-up's address space")
     costs = []
     for i, (t, size, ooms, cleanup) in enumerate(rows):
         if not ooms:
@@ -160,8 +168,9 @@ def recovery(cap_mb: float = 90, batch: int = 4096, width: int = 1024, steps: in
         normal = statistics.median([r[0] for r in rows if r[1] == size and not r[2]])
         costs.append((t - normal) / normal / ooms)
         print(
-            f"  step {i}: {ooms} OOM(s), ran at {size}: {t * 1e3:.1f} ms against {normal * 1e3:.1f} ms for a normal step "
-            f"at {size} (the last cleanup, gc and malloc_trim: {cleanup * 1e3:.1f} ms): {costs[-1]:.2f} steps per recovery"
+            f"  step {i}: {ooms} OOM(s), ran at {size}: {t * 1e3:.1f} ms against {normal * 1e3:.1f} ms "
+            f"for a normal step at {size} (the last cleanup, gc and malloc_trim: {cleanup * 1e3:.1f} ms): "
+            f"{costs[-1]:.2f} steps per recovery"
         )
     if not costs:
         raise SystemExit("no OOM: lower the cap")

@@ -12,8 +12,8 @@ if torch.distributed.is_initialized():
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 guard = oomguard.Guard(model, global_batch_size=64, micro_batch_size=64)
 for step in range(20):
-    x, y = torch.randn(64, 32), torch.randn(64, 1)                    # this rank's rows
+    x, y = torch.randn(64, 32), torch.randn(64, 1)  # this rank's rows
     loss = guard.backward((x, y), lambda b: torch.nn.functional.mse_loss(model(b[0]), b[1]))
-    opt.step()                                                         # yours, as before
+    opt.step()  # yours, as before
     opt.zero_grad(set_to_none=True)
     print(f"step {step} loss {loss:.4f} micro_batch_size={guard.micro_batch_size}")

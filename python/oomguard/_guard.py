@@ -387,7 +387,9 @@ class Guard:
                 rank = int(a[RANK]) - 1
                 line = oom[1] if oom is not None else f"rank {rank} ran out of memory"
                 requested = oom[2] if oom is not None else None
-                self._on_oom_event(phase, int(a[INDEX]), oom, line, base, after, mb, new, time.perf_counter() - t0, rank, snap)
+                self._on_oom_event(
+                    phase, int(a[INDEX]), oom, line, base, after, mb, new, time.perf_counter() - t0, rank, snap
+                )
                 if new == 0:
                     self._restore(stashed)
                     raise Infeasible(
@@ -448,7 +450,9 @@ class Guard:
 
     # --- one attempt -------------------------------------------------------------------
 
-    def _attempt(self, batch: Batch, tensors: List[torch.Tensor], rebuild: Callable, loss_fn: Callable, mb: int, n: int):
+    def _attempt(
+        self, batch: Batch, tensors: List[torch.Tensor], rebuild: Callable, loss_fn: Callable, mb: int, n: int
+    ):
         total = None
         inject = self._inject
         ctx = self._model.no_sync() if self._ddp else contextlib.nullcontext()
@@ -634,7 +638,13 @@ class Guard:
         reason = "headroom" if kind == "grow" else "alloc_retries"
         self._say(f"oomguard: micro-batch {old} -> {new} ({reason}) from step {self.step + 1}; micro_batch_size={new}")
         self._write(
-            {"event": kind, "step": self.step, "old_micro_batch_size": old, "new_micro_batch_size": new, "reason": reason}
+            {
+                "event": kind,
+                "step": self.step,
+                "old_micro_batch_size": old,
+                "new_micro_batch_size": new,
+                "reason": reason,
+            }
         )
 
     def _infeasible_message(self, phase, rank, requested, base, line) -> str:
@@ -672,5 +682,7 @@ def _rows(tensors: List[torch.Tensor]) -> int:
         rows.append(t.shape[0])
     for i, r in enumerate(rows[1:], 1):
         if r != rows[0]:
-            raise ValueError(f"the batch's leading dimensions disagree: batch[0] has {rows[0]} rows, batch[{i}] has {r}")
+            raise ValueError(
+                f"the batch's leading dimensions disagree: batch[0] has {rows[0]} rows, batch[{i}] has {r}"
+            )
     return rows[0]

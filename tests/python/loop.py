@@ -54,7 +54,10 @@ def main() -> None:
     ap.add_argument("--sample-mb", type=float, default=0.0, help="loss_fn allocates this much per sample besides")
     ap.add_argument("--run-dir", default=None)
     ap.add_argument(
-        "--oom-outside-at", type=int, default=None, help="the first attempt dies of an OOM at this step, outside the guard"
+        "--oom-outside-at",
+        type=int,
+        default=None,
+        help="the first attempt dies of an OOM at this step, outside the guard",
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

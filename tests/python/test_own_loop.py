@@ -42,7 +42,9 @@ def test_a_real_oom_is_recovered_and_the_parameters_equal_an_uncapped_run(tmp_pa
     recs = records(run_dir)
     ooms = [x for x in recs if x["event"] == "oom"]
     steps = [x for x in recs if x["event"] == "step"]
-    assert ooms and all(o["source"] == "cpu" and o["new_micro_batch_size"] * 2 == o["old_micro_batch_size"] for o in ooms)
+    assert ooms and all(
+        o["source"] == "cpu" and o["new_micro_batch_size"] * 2 == o["old_micro_batch_size"] for o in ooms
+    )
     assert [s["micro_batch_size"] for s in steps] == sizes
     assert [s["grad_accum_steps"] for s in steps] == [-(-GLOBAL // m) for m in sizes]
     assert [s["tokens_per_s"] for s in steps] == pytest.approx([GLOBAL / s["step_time_s"] for s in steps])
@@ -188,7 +190,10 @@ def test_the_pages_ten_lines_run():
 
 
 def test_what_counts_as_an_oom():
-    cpu = "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate 16777216 bytes."
+    cpu = (
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. "
+        "DefaultCPUAllocator: can't allocate memory: you tried to allocate 16777216 bytes."
+    )
     assert oomguard.classify_oom(cpu)[0:3:2] == ("cpu", 16777216)
     assert oomguard.is_oom(RuntimeError(cpu))
     assert oomguard.is_oom(RuntimeError("could not create a primitive descriptor for a matmul primitive"))
@@ -294,7 +299,9 @@ def test_two_clean_ranks_equal_the_plain_loop(clean_ranks, reference, tmp_path):
 @pytest.mark.parametrize("phase", ["forward", "backward", "sync"])
 def test_an_oom_on_one_rank_shrinks_both(phase, tmp_path, clean_ranks, reference):
     run_dir = tmp_path / "run"
-    r = run_ranks(tmp_path, phase, "--guard", "--run-dir", str(run_dir), extra_env={"OOMGUARD_TEST_OOM_AT": f"1:2:{phase}"})
+    r = run_ranks(
+        tmp_path, phase, "--guard", "--run-dir", str(run_dir), extra_env={"OOMGUARD_TEST_OOM_AT": f"1:2:{phase}"}
+    )
     assert r.code == 0, r.out
     half = GLOBAL // 2
     # Both ranks: 512 for steps 0-1, then 256 from the step rank 1 ran out at.
@@ -365,8 +372,21 @@ def test_an_oom_outside_the_guard_is_relaunched_at_half(tmp_path, reference):
 
     out_file = tmp_path / "relaunched.pt"
     p = subprocess.run(
-        [str(binary), "launch", "--nproc-per-node", "2", "--standalone", "--max-restarts", "1", str(LOOP), "--guard",
-         "--oom-outside-at", "2", "--out", str(out_file)],
+        [
+            str(binary),
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--standalone",
+            "--max-restarts",
+            "1",
+            str(LOOP),
+            "--guard",
+            "--oom-outside-at",
+            "2",
+            "--out",
+            str(out_file),
+        ],
         env=env({"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
