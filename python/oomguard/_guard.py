@@ -364,7 +364,7 @@ class Guard:
                 phase, index = self._where
                 snap = self._snapshot(phase) if self._snapshots else None
                 t_drop = time.perf_counter()
-                self._drop(full_gc=failures > 0)
+                self._drop(full_gc=mb == 1)
                 self.last_cleanup_s = time.perf_counter() - t_drop
                 after = self._memory_now()
                 severe = self._cuda and after is not None and base is not None and after > base
@@ -380,7 +380,7 @@ class Guard:
             if a[FAILED] > 0:
                 if oom is None:  # another rank ran out: drop this rank's attempt too
                     loss_sum = flats = None
-                    self._drop(full_gc=failures > 0)
+                    self._drop(full_gc=mb == 1)
                     after, snap = self._memory_now(), None
                 phase = PHASES[int(a[PHASE]) - 1]
                 new = self.policy.on_oom(self.step, a[SEVERE] > 0, int(a[SIGNATURE]))
@@ -529,8 +529,8 @@ class Guard:
         """The failed attempt's gradients and references, and the memory they held, freed:
         the allocator's cache (CUDA) or glibc's arenas (the CPU) handed back. The exception's
         frames are cleared already, so the young generations hold what cycles the attempt
-        made (a full collection takes ~70 ms with torch imported: only from a step's second
-        OOM on)."""
+        made; a full collection (70 to 150 ms with torch imported) runs only at micro-batch 1,
+        before the policy would give up."""
         for p in self._params:
             p.grad = None
         gc.collect() if full_gc else gc.collect(1)
