@@ -16,9 +16,11 @@ test: setup docs
 	$(MAKE) test-python
 
 # `import oomguard` (python/, built and installed into the venv by setup): tests/python/ in
-# real subprocesses, about 2 minutes; the launcher test runs the release build cargo test made.
+# real subprocesses, about 2 minutes; the launcher tests run the release build cargo test made
+# (`make test-python OOMGUARD_BIN=PATH` for another).
+OOMGUARD_BIN ?= $(CURDIR)/target/release/oomguard
 test-python: setup
-	OMP_NUM_THREADS=1 OOMGUARD_BIN=$(CURDIR)/target/release/oomguard .venv/bin/python -m pytest -p no:cacheprovider tests/python
+	OMP_NUM_THREADS=1 OOMGUARD_BIN=$(OOMGUARD_BIN) .venv/bin/python -m pytest -p no:cacheprovider tests/python
 
 # rustfmt.toml's style, applied to every file (`make fmt`); `make test` checks it.
 fmt:
