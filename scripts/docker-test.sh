@@ -85,14 +85,15 @@ say "launch --nproc-per-node 2 --no-python: 3 data-parallel steps"
 
 # Preemption: SIGTERM (docker stop) checkpoints and exits 143; --resume continues.
 $DOCKER run -d --name oomguard-test-long -v "$TMP/runs:/workspace/runs" "$IMAGE" \
-  train configs/demo.yaml --max-steps 100000 --run-dir runs/long >/dev/null
+  train configs/demo.yaml --max-steps 100000 --set optim.decay_steps=300 --run-dir runs/long >/dev/null
 steps() { grep -c '"event":"step"' "$TMP/runs/long/metrics.jsonl" 2>/dev/null || true; }
 for _ in $(seq 600); do [ "$(steps)" -ge 3 ] 2>/dev/null && break; sleep 0.1; done
 $DOCKER stop -t 60 oomguard-test-long >/dev/null
 [ "$($DOCKER inspect -f '{{.State.ExitCode}}' oomguard-test-long)" = 143 ] || fail "SIGTERM: exit $($DOCKER inspect -f '{{.State.ExitCode}}' oomguard-test-long), not 143"
 $DOCKER rm oomguard-test-long >/dev/null
 ls "$TMP/runs/long/checkpoints" | grep -q step- || fail "SIGTERM left no checkpoint"
-"${RUN[@]}" train configs/demo.yaml --resume --run-dir runs/long --max-steps 8 2>"$TMP/resume.log" || { cat "$TMP/resume.log"; fail "resume"; }
+# With no config file: the run's own (decay_steps pinned, so ending it sooner keeps its schedule).
+"${RUN[@]}" train --resume --run-dir runs/long --max-steps 8 2>"$TMP/resume.log" || { cat "$TMP/resume.log"; fail "resume"; }
 grep -q '"event":"resumed"' "$TMP/runs/long/metrics.jsonl" || fail "the run did not resume from its checkpoint"
 say "docker stop: checkpoint and exit 143; --resume continued"
 

@@ -18,11 +18,30 @@ fi
 VENV="$CACHE/torch-$TORCH_VERSION"
 
 say() { echo "setup: $*" >&2; }
+die() { echo "setup: $*" >&2; exit 1; }
+
+# What the build needs and cannot install itself: a C++ compiler, a new-enough Rust, python3.
+check_prerequisites() {
+  command -v g++ >/dev/null || die "g++ is missing: install it (Debian: apt-get install g++), then run this again"
+  command -v python3 >/dev/null || die "python3 is missing: install it (Debian: apt-get install python3 python3-venv)"
+  command -v rustc >/dev/null || die "rustc is missing: install Rust with rustup (https://rustup.rs), then run this again"
+  local need have
+  need="$(sed -n 's/^rust-version = "\(.*\)"/\1/p' "$ROOT/Cargo.toml")"
+  have="$(rustc --version | awk '{print $2}')"
+  if [ -n "$need" ] && [ "$(printf '%s\n%s\n' "$need" "$have" | sort -V | head -n 1)" != "$need" ]; then
+    die "rustc $have is older than $need (Cargo.toml's rust-version): run 'rustup update stable'"
+  fi
+}
 
 apt_install() {  # apt_install PACKAGE CHECK_PATH
   [ -e "$2" ] && return 0
-  say "installing Debian package $1"
-  local sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
+  local sudo=""
+  if [ "$(id -u)" != 0 ]; then
+    sudo=sudo
+    say "not root: installing Debian package $1 with sudo"
+  else
+    say "installing Debian package $1"
+  fi
   $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$1" >/dev/null
 }
 
@@ -86,6 +105,7 @@ install_python_package() {
   echo "$hash" > "$VENV/.oomguard-python"
 }
 
+check_prerequisites
 apt_install "$GLOO_PACKAGE" "$GLOO_HEADER"
 install_torch
 install_python_packages

@@ -149,6 +149,27 @@ pub enum Record {
     Rung(RungRecord),
     /// A sharding rung left when memory allowed (`rung`: the one left).
     RungDown(RungRecord),
+    /// A checkpoint written: after `step`, resuming at `next_step`, for `reason`; what it
+    /// cost (`seconds`, `bytes` on disk) and the clock's interval in force (`interval_s`,
+    /// absent with the clock off).
+    Checkpoint {
+        step: u64,
+        next_step: u64,
+        reason: crate::checkpoint::Reason,
+        seconds: f64,
+        bytes: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        interval_s: Option<f64>,
+    },
+    /// A resume whose config differs from the run's stored one: every key that changed,
+    /// with its stored and new value; `allowed` when a change that alters the run was
+    /// accepted with `--allow-change`; `kept`: the earlier config's copy.
+    ConfigChanged {
+        step: u64,
+        changes: Vec<crate::config::resume::Change>,
+        allowed: bool,
+        kept: String,
+    },
 }
 
 impl From<GuardEvent> for Record {

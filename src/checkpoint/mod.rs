@@ -4,10 +4,12 @@
 //! file fsynced, then renamed into place and the parent fsynced (the steps of
 //! `oomguard_report::atomic`, for a folder): a kill at any instant leaves the previous
 //! checkpoint valid.
+mod clock;
 mod retention;
 
 use crate::rng;
 
+pub use clock::Clock;
 pub use retention::{retention, Candidate};
 
 use oomguard_report::atomic;
@@ -28,9 +30,12 @@ use tch::Tensor;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CheckpointConfig {
-    /// Write a checkpoint every this many steps (0: only when stopped by a signal, when a
-    /// step cannot fit, and at the end).
+    /// Write a checkpoint every this many steps (0: by the clock below only, and when stopped
+    /// by a signal, when a step cannot fit, and at the end).
     pub every_steps: u64,
+    /// Also write one when this many minutes of wall time have passed since the last (0: off).
+    /// Stretched, and said in the log, if checkpoints would take more than 1% of wall time.
+    pub every_minutes: f64,
     /// Keep the newest this many checkpoints...
     pub keep: usize,
     /// ...and also the one with the best evaluation loss.
@@ -41,6 +46,7 @@ impl Default for CheckpointConfig {
     fn default() -> Self {
         CheckpointConfig {
             every_steps: 0,
+            every_minutes: 10.0,
             keep: 3,
             keep_best: true,
         }
@@ -49,6 +55,15 @@ impl Default for CheckpointConfig {
 
 impl CheckpointConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if !(self.every_minutes >= 0.0 && self.every_minutes.is_finite()) {
+            return Err(ConfigError::invalid(
+                "checkpoint.every_minutes",
+                format!(
+                    "is {}; give minutes of wall time (0 turns the clock off)",
+                    self.every_minutes
+                ),
+            ));
+        }
         if self.keep == 0 {
             return Err(ConfigError::invalid(
                 "checkpoint.keep",
@@ -216,6 +231,40 @@ pub fn verify(dir: &Path) -> Result<TrainState> {
     Ok(state)
 }
 
+/// Why a checkpoint was written (`metrics.jsonl`'s `checkpoint` event, the log).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    /// `checkpoint.every_steps`.
+    EverySteps,
+    /// `checkpoint.every_minutes`: the clock.
+    EveryMinutes,
+    /// SIGINT or SIGTERM.
+    Signal,
+    /// A step that cannot fit even at micro-batch 1 (before exit 3).
+    Infeasible,
+    /// The last step.
+    End,
+}
+
+impl Reason {
+    pub fn name(self) -> &'static str {
+        match self {
+            Reason::EverySteps => "every_steps",
+            Reason::EveryMinutes => "every_minutes",
+            Reason::Signal => "signal",
+            Reason::Infeasible => "infeasible",
+            Reason::End => "end",
+        }
+    }
+}
+
+/// The bytes a checkpoint folder's files hold on disk.
+pub fn size_on_disk(dir: &Path) -> u64 {
+    let files = std::fs::read_dir(dir).into_iter().flatten().flatten();
+    files.filter_map(|e| e.metadata().ok()).map(|m| m.len()).sum()
+}
+
 /// Checkpoint folders in `run_dir`, oldest first, with their steps.
 pub fn list(run_dir: &Path) -> Vec<(u64, PathBuf)> {
     let mut out: Vec<(u64, PathBuf)> = std::fs::read_dir(checkpoints_dir(run_dir))
@@ -293,6 +342,20 @@ pub fn prune(
             if let Err(e) = std::fs::remove_dir_all(dir) {
                 tracing::warn!("cannot remove old checkpoint {}: {e}", dir.display());
             }
+        }
+    }
+}
+
+/// Deletes the checkpoints after `step`: a run resumed from an older one forks, and the
+/// later ones belong to the future it left (the next `--resume` would load them).
+pub fn prune_after(run_dir: &Path, step: u64) {
+    for (s, dir) in list(run_dir).into_iter().filter(|(s, _)| *s > step) {
+        tracing::warn!(
+            "removing checkpoint {} (step {s}): this run continues from step {step} and forks from it",
+            dir.display()
+        );
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            tracing::warn!("cannot remove {}: {e}", dir.display());
         }
     }
 }

@@ -9,6 +9,7 @@ use std::os::unix::process::CommandExt;
 
 pub use oomguard_cli::TrainArgs;
 
+use crate::config::resume::{self, Changed};
 use crate::config::{self, ConfigError};
 use crate::memory::allocator;
 use crate::task::build_from_config;
@@ -70,13 +71,28 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
     if let (Some(n), None, false) = (&args.nproc_per_node, std::env::var_os("RANK"), args.check) {
         // One run directory for every rank, chosen here (each rank would pick its own).
         let run_dir = match (&args.run_dir, &args.resume_from) {
-            (None, None) => Some(next_run_dir(&args.config)?),
+            (None, None) => Some(next_run_dir(config_arg(&args)?)?),
             _ => None,
         };
         return launch_self(n, run_dir.as_deref());
     }
     // Data parallel: rank 0 writes the run's files; every rank trains.
     let lead = std::env::var("RANK").map_or(true, |r| r.trim() == "0");
+    let resume = match (&args.resume_from, args.resume) {
+        (Some(p), _) => train::Resume::From(p.clone()),
+        (None, true) => train::Resume::Newest,
+        (None, false) => train::Resume::Fresh,
+    };
+    let run_dir = match (&args.run_dir, &args.resume_from) {
+        (Some(d), _) => d.clone(),
+        // run_dir/checkpoints/step-N
+        (None, Some(p)) => p
+            .parent()
+            .and_then(Path::parent)
+            .map(Path::to_path_buf)
+            .context("--resume-from needs a path like RUN_DIR/checkpoints/step-N")?,
+        (None, None) => next_run_dir(config_arg(&args)?)?,
+    };
     let mut overrides = args.set.clone();
     if let Some(n) = args.max_steps {
         overrides.push(format!("train.max_steps={n}"));
@@ -84,7 +100,23 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
     if let Some(b) = &args.memory_budget {
         overrides.push(format!("memory.budget={b}"));
     }
-    let cfg = config::load(&args.config, &overrides).map_err(crate::Error::from)?;
+    // Resuming with no config file: the run's own.
+    let config_path = args.config.clone().unwrap_or_else(|| run_dir.join("config.yaml"));
+    if args.config.is_none() && !config_path.exists() {
+        return Err(crate::Error::Config(ConfigError {
+            origin: "--resume".into(),
+            line_col: None,
+            key: String::new(),
+            message: format!(
+                "{} does not exist, so this run's config is unknown; give the config file: \
+                 oomguard train CONFIG --run-dir {} --resume",
+                config_path.display(),
+                run_dir.display()
+            ),
+        })
+        .into());
+    }
+    let cfg = config::load(&config_path, &overrides).map_err(crate::Error::from)?;
     cfg.check_data_files().map_err(crate::Error::from)?;
     let settings = allocator_settings(&cfg)?;
     if args.check {
@@ -95,25 +127,14 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
             .and_then(|n| n.parse().ok())
             .or_else(|| std::env::var("WORLD_SIZE").ok()?.parse().ok());
         if let Some(w) = world.filter(|&w: &usize| w > 1) {
-            train::check_world(cfg.raw.train.global_batch_size(), w, &args.config.display().to_string())?;
+            train::check_world(cfg.raw.train.global_batch_size(), w, &config_path.display().to_string())?;
         }
-        println!("{}: valid", args.config.display());
+        println!("{}: valid", config_path.display());
         return Ok(());
     }
-    let resume = match (&args.resume_from, args.resume) {
-        (Some(p), _) => train::Resume::From(p.clone()),
-        (None, true) => train::Resume::Newest,
-        (None, false) => train::Resume::Fresh,
-    };
-    let run_dir = match (args.run_dir, &args.resume_from) {
-        (Some(d), _) => d,
-        // run_dir/checkpoints/step-N
-        (None, Some(p)) => p
-            .parent()
-            .and_then(Path::parent)
-            .map(Path::to_path_buf)
-            .context("--resume-from needs a path like RUN_DIR/checkpoints/step-N")?,
-        (None, None) => next_run_dir(&args.config)?,
+    let config_changed = match resume {
+        train::Resume::Fresh => None,
+        _ => identity(&cfg, &run_dir, args.allow_change, lead)?,
     };
     if lead && matches!(resume, train::Resume::Fresh) {
         prepare_run_dir(&run_dir)?;
@@ -135,7 +156,7 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
             })
         })?;
     if lead {
-        let resolved = serde_yaml::to_string(&cfg.resolved()).context("encoding the resolved config")?;
+        let resolved = serde_yaml::to_string(&cfg.stored()).context("encoding the resolved config")?;
         // A resumed run rewrites it: whole or not at all.
         oomguard_report::atomic::write(&run_dir.join("config.yaml"), resolved.as_bytes())
             .with_context(|| format!("writing {}/config.yaml", run_dir.display()))?;
@@ -155,6 +176,7 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
             resume,
             inject_oom,
             precision_set,
+            config_changed,
         },
         build,
     )?;
@@ -239,6 +261,58 @@ fn launch_self(nproc: &str, run_dir: Option<&Path>) -> anyhow::Result<()> {
         super::Command::Launch(l) => oomguard_cli::launch(l),
         _ => anyhow::bail!("building the launch command"),
     }
+}
+
+/// The config file argument, required where no run directory can give one.
+fn config_arg(args: &TrainArgs) -> anyhow::Result<&Path> {
+    args.config
+        .as_deref()
+        .context("a config file is needed (only a resume can leave it out)")
+}
+
+/// Resuming: the config against the one the run directory stores (`config::resume`). A
+/// change that alters the run exits 2, before anything in the run directory is touched,
+/// unless `allow`; an accepted change keeps the earlier config as `config.NNN.yaml`. A run
+/// with no checkpoint yet has nothing to keep: any config goes.
+fn identity(cfg: &config::Config, run_dir: &Path, allow: bool, lead: bool) -> anyhow::Result<Option<Changed>> {
+    let path = run_dir.join("config.yaml");
+    if crate::checkpoint::list(run_dir).is_empty() || !path.exists() {
+        return Ok(None);
+    }
+    let stored = config::load(&path, &[]).map_err(crate::Error::from)?;
+    // A run directory from before paths were stored absolute: its paths were the config's.
+    let changes = resume::compare(&stored.raw.with_paths_from(&cfg.base_dir()), &cfg.stored());
+    if changes.is_empty() {
+        return Ok(None);
+    }
+    let alters = changes.iter().any(|c| c.alters);
+    if alters && !allow {
+        return Err(crate::Error::Config(ConfigError {
+            origin: cfg.path.display().to_string(),
+            line_col: None,
+            key: String::new(),
+            message: resume::refusal(&changes, run_dir),
+        })
+        .into());
+    }
+    for c in &changes {
+        let how = if c.alters { "--allow-change: " } else { "" };
+        tracing::info!("{how}resuming with {}: {} in the run, {} now", c.key, c.stored, c.new);
+    }
+    let kept = (1..1000)
+        .map(|i| format!("config.{i:03}.yaml"))
+        .find(|n| !run_dir.join(n).exists())
+        .context("no free config.NNN.yaml name in the run directory")?;
+    if lead {
+        let text = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+        oomguard_report::atomic::write(&run_dir.join(&kept), &text)
+            .with_context(|| format!("keeping the earlier config as {}/{kept}", run_dir.display()))?;
+    }
+    Ok(Some(Changed {
+        changes,
+        allowed: alters,
+        kept,
+    }))
 }
 
 /// `runs/<config stem>/NNN`, the first number not taken.

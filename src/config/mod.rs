@@ -1,6 +1,8 @@
 //! Configuration in two stages: `RawConfig` is what the YAML says (serde, unknown keys
 //! refused); `Config` is the validated runtime config the trainer uses. Each component owns
 //! its section's struct and its checks.
+pub mod resume;
+
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -96,6 +98,12 @@ impl Config {
         }
     }
 
+    /// What a run directory stores (`RUN_DIR/config.yaml`): the resolved config, with file
+    /// paths made absolute so that a resume from the run directory alone finds them.
+    pub fn stored(&self) -> RawConfig {
+        self.resolved().with_paths_from(&self.base_dir())
+    }
+
     /// When the run evaluates and checkpoints (the loop and its ETA ask the same).
     pub fn schedule(&self) -> oomguard_console::progress::Schedule {
         let r = &self.raw;
@@ -117,6 +125,18 @@ impl Config {
 }
 
 impl RawConfig {
+    /// The config with its relative file paths (data, model files) made absolute from `base`.
+    pub fn with_paths_from(&self, base: &Path) -> RawConfig {
+        let mut raw = self.clone();
+        let base = std::path::absolute(base).unwrap_or_else(|_| base.to_path_buf());
+        for p in [&mut raw.data.path, &mut raw.model.path, &mut raw.model.init_from] {
+            if let Some(p) = p.as_mut().filter(|p| p.is_relative()) {
+                *p = base.join(&*p);
+            }
+        }
+        raw
+    }
+
     /// Checks that span sections, then each section's own.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.check_floats()?;

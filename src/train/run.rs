@@ -77,6 +77,16 @@ pub(super) struct Run<'a> {
     snapshot: Option<SharedDumper>,
     /// A sharding rung's way back down.
     shard_back: ShardBack,
+    /// `checkpoint.every_minutes` (rank 0 decides; the ranks learn it at the step boundary).
+    clock: checkpoint::Clock,
+}
+
+/// What the ranks agreed at a step's boundary, before it runs.
+pub struct Boundary {
+    /// A SIGINT/SIGTERM: checkpoint and stop.
+    pub signal: Option<crate::signals::Signal>,
+    /// The checkpoint clock fired on rank 0.
+    pub clock: bool,
 }
 
 /// Clean steps since the sharding last changed, and when a lower stage last failed.
@@ -257,7 +267,7 @@ impl<'a> Run<'a> {
                 Err(Error::Oom(oom))
             }
             Err(Error::Infeasible(msg)) => {
-                self.checkpoint(step)?;
+                self.checkpoint(step, checkpoint::Reason::Infeasible)?;
                 self.save_weights()?;
                 let advice = self.advice();
                 Err(Error::Infeasible(format!("{msg}{advice}")))
@@ -312,16 +322,23 @@ impl<'a> Run<'a> {
         }
     }
 
-    /// A SIGINT/SIGTERM, agreed by the ranks so that all stop at the same step.
-    pub fn stop_requested(&self) -> Result<Option<crate::signals::Signal>> {
+    /// A SIGINT/SIGTERM on any rank, and rank 0's checkpoint clock, agreed by the ranks so
+    /// that all stop, or checkpoint, at the same step.
+    pub fn boundary(&self) -> Result<Boundary> {
         use crate::signals::Signal;
         let local = crate::signals::requested();
-        let Some(pg) = &self.pg else { return Ok(local) };
-        let mut v = [local.map_or(0.0, |s| s.exit_code() as f64)];
+        let clock = self.lead && self.clock.is_due();
+        let Some(pg) = &self.pg else {
+            return Ok(Boundary { signal: local, clock });
+        };
+        let mut v = [local.map_or(0.0, |s| s.exit_code() as f64), f64::from(u8::from(clock))];
         pg.exchange(Topic::Stop, &mut v)?;
-        Ok([Signal::Int, Signal::Term]
-            .into_iter()
-            .find(|s| s.exit_code() as f64 == v[0]))
+        Ok(Boundary {
+            signal: [Signal::Int, Signal::Term]
+                .into_iter()
+                .find(|s| s.exit_code() as f64 == v[0]),
+            clock: v[1] > 0.0,
+        })
     }
 
     /// This process's rank (0 alone).

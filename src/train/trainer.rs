@@ -4,6 +4,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use super::run::{Builder, Run};
+use crate::checkpoint::Reason;
 use crate::config::Config;
 use crate::error::{ConfigError, Error, Result};
 use crate::memory::allocator::AllocatorSettings;
@@ -31,6 +32,8 @@ pub struct Options {
     /// `--set train.precision=...` was given: on resume it wins over the precision the
     /// checkpoint recorded (which may be a rung the run climbed to).
     pub precision_set: bool,
+    /// A resume whose config differs from the stored one (recorded once resumed).
+    pub config_changed: Option<crate::config::resume::Changed>,
 }
 
 /// What a finished run reports.
@@ -80,13 +83,17 @@ pub fn train_with(
     let mut eval_s = 0.0;
     crate::signals::training_started();
     for step in run.next_step..c.train.max_steps {
-        if let Some(signal) = run.stop_requested()? {
-            run.checkpoint(step)?;
+        let at = run.boundary()?;
+        if let Some(signal) = at.signal {
+            run.checkpoint(step, Reason::Signal)?;
             run.write(&Record::Stopped {
                 step: step.saturating_sub(1),
                 signal: signal.name().into(),
             })?;
             return Err(Error::Interrupted { signal, step });
+        }
+        if at.clock {
+            run.checkpoint(step, Reason::EveryMinutes)?;
         }
         run.pressure.update(step);
         let evaluates = schedule.evaluates(step);
@@ -106,10 +113,10 @@ pub fn train_with(
             eval_s += t.elapsed().as_secs_f64();
         }
         if schedule.checkpoints(step) {
-            run.checkpoint(step + 1)?;
+            run.checkpoint(step + 1, Reason::EverySteps)?;
         }
     }
-    run.checkpoint(c.train.max_steps)?;
+    run.checkpoint(c.train.max_steps, Reason::End)?;
     run.save_weights()?;
     run.snapshot_at_end();
     run.progress.finish();

@@ -99,8 +99,10 @@ pub struct PlanArgs {
 /// `oomguard train`
 #[derive(Debug, Args)]
 pub struct TrainArgs {
-    /// The YAML config (see configs/).
-    pub config: PathBuf,
+    /// The YAML config (see configs/). Resuming, leave it out to continue the run as its
+    /// run directory stored it (RUN_DIR/config.yaml).
+    #[arg(required_unless_present_any = ["resume", "resume_from"])]
+    pub config: Option<PathBuf>,
     /// Override a config key, typed and validated like the file: --set train.max_steps=50
     #[arg(long = "set", value_name = "KEY.PATH=VALUE")]
     pub set: Vec<String>,
@@ -120,6 +122,11 @@ pub struct TrainArgs {
     /// Continue from this checkpoint folder (run_dir/checkpoints/step-N).
     #[arg(long, value_name = "PATH")]
     pub resume_from: Option<PathBuf>,
+    /// Resuming: accept a config that changes the run (model, data, seed, optimizer, schedule,
+    /// global batch); recorded as a config_changed event, the earlier config kept as
+    /// RUN_DIR/config.NNN.yaml. Without it such a resume exits 2 and touches nothing.
+    #[arg(long)]
+    pub allow_change: bool,
     /// Memory budget (auto, none, or a size like 2GiB; on CUDA it caps the caching allocator);
     /// shorthand for --set memory.budget=SIZE.
     #[arg(long, value_name = "SIZE")]

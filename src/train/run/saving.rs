@@ -7,29 +7,57 @@ use super::*;
 const WRITE_ATTEMPTS: u32 = 4;
 
 impl Run<'_> {
-    /// A checkpoint from which the run resumes at `next_step`; old ones are pruned. Rank 0
-    /// writes it; the ranks wait for it together.
-    pub fn checkpoint(&mut self, next_step: u64) -> Result<()> {
+    /// A checkpoint from which the run resumes at `next_step`, written for `reason`; old ones
+    /// are pruned. Rank 0 writes it and records what it cost; the ranks wait for it together.
+    pub fn checkpoint(&mut self, next_step: u64, reason: checkpoint::Reason) -> Result<()> {
         // Every rank knows it: all skip together, before the barrier.
         if self.checkpointed == Some(next_step) {
             return Ok(());
         }
+        let started = Instant::now();
         // Sharded: every rank takes part in gathering the whole state.
         let full = self.gathered_state(next_step)?;
         let written = if self.lead {
             self.write_checkpoint(next_step, &full)
         } else {
-            Ok(())
+            Ok(None)
         };
         // Agreed, not a bare barrier: a write that failed on rank 0 (an OOM past its retries
         // included) fails every rank alike, at once.
-        match &self.pg {
+        let dir = match &self.pg {
             Some(pg) => pg.agree(written)?,
             None => written?,
-        }
+        };
         self.checkpointed = Some(next_step);
         self.progress.other_done(Other::Checkpoint);
-        Ok(())
+        let cost = started.elapsed();
+        let (interval_s, stretched) = self.clock.checkpointed(cost);
+        let Some(dir) = dir else { return Ok(()) };
+        let bytes = checkpoint::size_on_disk(&dir);
+        tracing::info!(
+            "checkpoint {} ({}, {:.2} s, {})",
+            dir.display(),
+            reason.name(),
+            cost.as_secs_f64(),
+            memory::human_bytes(bytes)
+        );
+        if let (true, Some(i)) = (stretched, interval_s) {
+            tracing::warn!(
+                "checkpoint.every_minutes: a checkpoint takes {:.1} s, so the clock waits {:.1} min \
+                 instead of {}, keeping checkpoints under 1% of wall time",
+                cost.as_secs_f64(),
+                i / 60.0,
+                self.cfg.raw.checkpoint.every_minutes
+            );
+        }
+        self.write(&Record::Checkpoint {
+            step: next_step.saturating_sub(1),
+            next_step,
+            reason,
+            seconds: cost.as_secs_f64(),
+            bytes,
+            interval_s,
+        })
     }
 
     /// The optimizer's whole state, for a checkpoint (a sharded one gathered, its buffer's
@@ -43,7 +71,8 @@ impl Run<'_> {
         self.retrying_oom(step, |run| run.opt.full_state(&agree))
     }
 
-    fn write_checkpoint(&mut self, next_step: u64, opt_state: &FullState) -> Result<()> {
+    /// Rank 0's write; returns the checkpoint's folder.
+    fn write_checkpoint(&mut self, next_step: u64, opt_state: &FullState) -> Result<Option<PathBuf>> {
         let c = &self.cfg.raw;
         let state = TrainState {
             format: checkpoint::FORMAT,
@@ -60,13 +89,12 @@ impl Run<'_> {
         let dir = self.retrying_oom(next_step, |run| {
             checkpoint::save(&run.run_dir, &state, run.task.as_ref(), &opt_state.tensors, run.device)
         })?;
-        tracing::info!("checkpoint {}", dir.display());
         self.verified.insert(next_step, true);
         let verified = &mut self.verified;
         checkpoint::prune(&self.run_dir, &c.checkpoint, &self.eval_history, |step, dir| {
             *verified.entry(step).or_insert_with(|| checkpoint::verify(dir).is_ok())
         });
-        Ok(())
+        Ok(Some(dir))
     }
 
     /// The rungs climbed and the loss scale, for checkpoints.

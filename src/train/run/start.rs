@@ -105,6 +105,11 @@ impl<'a> Run<'a> {
             .then(|| MetricsWriter::resume(run_dir, from.as_ref().map_or(0, |(_, s)| s.next_step)))
             .transpose()?;
         let mut metrics = metrics.map(|m| m.with_tensorboard(c.log.tensorboard, run_dir));
+        if let (true, Some((_, s))) = (lead, &from) {
+            // Resumed from an older checkpoint, the run forks: the later ones are another
+            // future, which the next --resume must not load.
+            checkpoint::prune_after(run_dir, s.next_step);
+        }
         let mut eval_guard = Guard::for_eval(&c.memory, c.train.eval_batch_size, device);
         let mut resumed_extra = BTreeMap::new();
         let (mut guard, next_step, eval_history) = match from {
@@ -195,6 +200,14 @@ impl<'a> Run<'a> {
                         precision_from: Some(precision_from.into()),
                         checkpoint_precision: saved,
                     })?;
+                    if let Some(changed) = &options.config_changed {
+                        m.write(&Record::ConfigChanged {
+                            step: state.next_step,
+                            changes: changed.changes.clone(),
+                            allowed: changed.allowed,
+                            kept: changed.kept.clone(),
+                        })?;
+                    }
                 }
                 tracing::info!(
                     "resumed from {} at step {} (micro-batch {})",
@@ -329,6 +342,7 @@ impl<'a> Run<'a> {
             progress: Progress::new(cfg.schedule(), next_step, lead),
             snapshot,
             shard_back: ShardBack::default(),
+            clock: checkpoint::Clock::new(c.checkpoint.every_minutes),
         })
     }
 }
