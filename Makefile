@@ -20,7 +20,7 @@ test: setup docs
 # (`make test-python OOMGUARD_BIN=PATH` for another).
 OOMGUARD_BIN ?= $(CURDIR)/target/release/oomguard
 test-python: setup
-	OMP_NUM_THREADS=1 OOMGUARD_BIN=$(OOMGUARD_BIN) .venv/bin/python -m pytest -p no:cacheprovider tests/python
+	OMP_NUM_THREADS=1 OOMGUARD_BIN=$(OOMGUARD_BIN) .venv/bin/python -m pytest -p no:cacheprovider -rf tests/python
 
 # rustfmt.toml's style, applied to every file (`make fmt`); `make test` checks it.
 fmt:

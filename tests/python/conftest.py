@@ -39,7 +39,8 @@ class Run:
         self.code, self.out, self.seconds, self.params = code, out, seconds, params
 
     def train_s(self) -> float:
-        return float([l for l in self.out.splitlines() if l.startswith("train_s ")][-1].split()[1])
+        """The training loop's time (after start-up), the slowest rank's."""
+        return max(float(l.split()[1]) for l in self.out.splitlines() if l.startswith("train_s "))
 
 
 def _finish(code: int, out: str, t0: float, out_file: Path) -> Run:
