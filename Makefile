@@ -1,5 +1,5 @@
 # The README's commands. `setup` installs what is missing (once per machine, cached).
-.PHONY: setup build run test fmt docs docs-picture bench gpu-kit gpu-kit-test docker-test clean
+.PHONY: setup build run test test-python fmt docs docs-picture bench gpu-kit gpu-kit-test docker-test clean
 
 setup:
 	@scripts/setup.sh
@@ -13,6 +13,14 @@ run: build
 test: setup docs
 	cargo fmt --all --check
 	cargo test --release --workspace
+	$(MAKE) test-python
+
+# `import oomguard` (python/, built and installed into the venv by setup): tests/python/ in
+# real subprocesses, about 2 minutes; the launcher tests run the release build cargo test made
+# (`make test-python OOMGUARD_BIN=PATH` for another).
+OOMGUARD_BIN ?= $(CURDIR)/target/release/oomguard
+test-python: setup
+	OMP_NUM_THREADS=1 OOMGUARD_BIN=$(OOMGUARD_BIN) .venv/bin/python -m pytest -p no:cacheprovider -rf tests/python
 
 # rustfmt.toml's style, applied to every file (`make fmt`); `make test` checks it.
 fmt:
@@ -35,6 +43,7 @@ docs-picture: build
 
 bench: setup
 	cargo bench --bench throughput --bench guard --bench launch --bench auto --bench dist --bench precision --bench torchscript --bench report --bench sweep --bench eager_gpt --bench fused_fit --bench snapshot --bench shard --bench checkpoint
+	OMP_NUM_THREADS=1 .venv/bin/python benches/python/own_loop.py
 
 # Binaries for a GPU host's own PyTorch (default 2.11): see scripts/gpu-kit.sh.
 gpu-kit:

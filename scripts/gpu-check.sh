@@ -4,7 +4,8 @@
 # Finds the host's libtorch from its python3 (or $PYTHON), points the kit's binaries at it,
 # and runs every check of the CUDA path (scripts/gpu_check.py): the CUDA-gated tests (a real
 # CUDA OOM recovered among them), the allocator settings, the memory snapshot of a CUDA OOM
-# (read by the host's torch.cuda._memory_viz), oomguard's memory stats and the planner
+# (read by the host's torch.cuda._memory_viz), `import oomguard` (the kit's wheel) recovering a
+# real CUDA OOM in a plain loop, oomguard's memory stats and the planner
 # against the host's PyTorch, syncs per step (oomguard's read counter against CUDA's
 # sync-debug mode), a 1-rank NCCL group, GPT-2 124M throughput, MFU and peak memory with
 # model.loss full and fused next to eager PyTorch, and the largest micro-batch that fits the

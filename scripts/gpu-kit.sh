@@ -4,7 +4,8 @@
 # Installs that torch from PyPI into the set-up's cache (scripts/setup.sh --torch), builds a
 # temporary copy of this tree against it with the matching tch (GPU_KIT_TORCH_<MAJOR>_<MINOR>
 # in versions.env: the only place the map lives), and writes gpu-kit/ (git-ignored): the two
-# binaries and the CUDA test binaries, stripped, configs/, scripts/gpu-check.sh and KIT.txt.
+# binaries and the CUDA test binaries, stripped, configs/, scripts/gpu-check.sh, python/ (the
+# `oomguard` Python package's wheel) and KIT.txt.
 # Copy gpu-kit/ to the host and run gpu-kit/scripts/gpu-check.sh there.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -52,5 +53,10 @@ for e in "${EXES[@]}"; do cp "$e" "$KIT/tests/$(basename "$e" | sed 's/-[0-9a-f]
 strip "$KIT"/bin/* "$KIT"/tests/*
 cp -r "$ROOT/configs" "$KIT/"
 cp "$ROOT/scripts/gpu-check.sh" "$ROOT/scripts/gpu_check.py" "$KIT/scripts/"
+# `import oomguard`'s wheel (abi3, no libtorch linked: it works with the host's own torch),
+# built with the set-up's maturin (TEST_PYTHON_PACKAGES) from the same copy of the tree.
+"$ROOT/scripts/setup.sh" >&2
+(cd "$SRC/python" && CARGO_TARGET_DIR="$WORK/python-target" "$CACHE/torch-$TORCH_VERSION/bin/maturin" build --release --quiet \
+  -i "$CACHE/torch-$TORCH_VERSION/bin/python" -o "$KIT/python" >&2)
 printf 'oomguard %s, built %s for torch %s with tch %s\n' "$(cd "$ROOT" && git describe --always --dirty)" "$(date -u +%Y-%m-%dT%H:%MZ)" "$VERSION" "$TCH" > "$KIT/KIT.txt"
 echo "gpu-kit: $(du -sh "$KIT" | cut -f1) in $KIT: $(cat "$KIT/KIT.txt")" >&2

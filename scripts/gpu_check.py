@@ -3,6 +3,7 @@
   gpu_check.py host                        -> JSON: torch, CUDA, GPU, driver, the MFU peak used
   gpu_check.py eager SHAPE_JSON            -> JSON: tokens/s and memory of the same GPT in eager PyTorch
   gpu_check.py peak NAME TOTAL_BYTES       -> JSON: the MFU peak the table gives that GPU (or null)
+  gpu_check.py own-loop measure|run OUT ...  -> `import oomguard` in a plain loop on CUDA (a check's child)
   gpu_check.py check KIT OUT_DIR           -> runs every check, writes OUT_DIR/gpu-check.json
 
 The GPT is oomguard's (src/model/gpt.rs), written the PyTorch way (nanoGPT): tied embedding and
@@ -186,6 +187,49 @@ ALLOC_SETTINGS = [("expandable_segments:True", "true"), ("expandable_segments:Fa
 ALLOC_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 
+def own_loop(mode, out, micro_batch=None, fraction=None):
+    """`import oomguard` in a plain loop on CUDA (the check's child, run with the kit's wheel on
+    PYTHONPATH). mode "measure": each size's peak for one step; mode "run": 4 steps of a plain
+    AdamW loop under the guard (micro_batch: where it starts; fraction: the per-process memory
+    fraction, so the caching allocator raises a real torch.OutOfMemoryError), with a run dir
+    for metrics.jsonl and the OOM snapshots; writes the parameters and what happened to `out`."""
+    import oomguard
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    model = nn.Sequential(nn.Linear(1024, 8192), nn.GELU(), nn.Linear(8192, 8192), nn.GELU(), nn.Linear(8192, 1024)).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    G = 1024
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(G, 1024, generator=gen).to(dev), torch.randn(G, 1024, generator=gen).to(dev)) for _ in range(4)]
+    loss_fn = lambda b: F.mse_loss(model(b[0]), b[1])
+    if mode == "measure":
+        peaks = {}
+        for mb in (G, G // 2, G // 4):
+            g = oomguard.Guard(model, global_batch_size=G, micro_batch_size=mb, verbose=False, cache=False)
+            g.backward(batches[0], loss_fn)
+            opt.step()  # AdamW's state, as in the real run
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            g.backward(batches[0], loss_fn)
+            peaks[mb] = torch.cuda.max_memory_allocated()
+            opt.zero_grad(set_to_none=True)
+        json.dump({"peaks": peaks, "total": torch.cuda.mem_get_info()[1]}, open(out, "w"))
+        return
+    if fraction:
+        torch.cuda.set_per_process_memory_fraction(float(fraction))
+    run_dir = out + ".run"
+    guard = oomguard.Guard(model, global_batch_size=G, micro_batch_size=int(micro_batch), run_dir=run_dir, cache=False)
+    sizes = []
+    for b in batches:
+        guard.backward(b, loss_fn)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sizes.append(guard.micro_batch_size)
+    torch.save([p.detach().cpu() for p in model.parameters()], out)
+    json.dump({"sizes": sizes, "ooms": guard.policy.num_ooms, "run_dir": run_dir}, open(out + ".json", "w"))
+
+
 def check(kit, out):
     import glob, pathlib, statistics, tempfile
     kit, out = pathlib.Path(kit), pathlib.Path(out)
@@ -309,6 +353,43 @@ def check(kit, out):
         and sum(summary.get("categories", {}).values()) == seg_total,
         "exit": r.returncode, "memory_viz": viz, "summary_reserved": summary.get("reserved_bytes"), "segments_total": seg_total,
         "text": summary.get("text")}
+    save()
+
+    # 3d. `import oomguard` (the kit's abi3 wheel, python/) in a plain PyTorch loop: a real CUDA
+    # OOM (the caching allocator under a per-process memory fraction between the peaks of
+    # micro-batch 1024 and 512) recovered in-process, PyTorch's memory snapshot written under
+    # the run dir (read by this host's memory_viz), and the parameters equal to a clean run
+    # that starts at the size the guarded run settled at.
+    own = {}
+    wheels = sorted(glob.glob(str(kit / "python" / "oomguard-*.whl")))
+    pylib = work / "pylib"
+    pip = sh([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", pylib, *wheels[-1:]]) if wheels else None
+    own["wheel"] = wheels[-1] if wheels else None
+    if pip is not None and pip.returncode == 0:
+        py_env = {"PYTHONPATH": f"{pylib}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        m = sh([sys.executable, __file__, "own-loop", "measure", work / "own-measure.json"], extra_env=py_env)
+        measured = json.loads((work / "own-measure.json").read_text()) if m.returncode == 0 else {}
+        peaks = {int(k): v for k, v in measured.get("peaks", {}).items()}
+        own["peaks"] = peaks
+        if peaks:
+            fraction = (peaks[1024] + peaks[512]) / 2 / measured["total"]
+            g = sh([sys.executable, __file__, "own-loop", "run", work / "own-guarded.pt", "1024", f"{fraction:.6f}"], extra_env=py_env)
+            res = json.loads((work / "own-guarded.pt.json").read_text()) if g.returncode == 0 else {}
+            own.update({"exit": g.returncode, "fraction": fraction, "sizes": res.get("sizes"), "ooms": res.get("ooms")})
+            if res.get("sizes"):
+                settled = res["sizes"][0]
+                c = sh([sys.executable, __file__, "own-loop", "run", work / "own-clean.pt", str(settled), ""], extra_env=py_env)
+                if c.returncode == 0:
+                    a, b = torch.load(work / "own-guarded.pt"), torch.load(work / "own-clean.pt")
+                    own["max_param_diff_vs_clean_at_settled"] = max((x - y).abs().max().item() for x, y in zip(a, b))
+                snaps = sorted(glob.glob(os.path.join(res["run_dir"], "oom", "*", "snapshot.pickle")))
+                own["snapshots"] = snaps
+                own["memory_viz_stats"] = bool(snaps) and sh([sys.executable, "-m", "torch.cuda._memory_viz", "stats", snaps[0]]).returncode == 0
+                recs = [json.loads(l) for l in open(os.path.join(res["run_dir"], "metrics.jsonl"))]
+                own["oom_records"] = [r for r in recs if r.get("event") == "oom"]
+    own["ok"] = bool(own.get("ooms")) and (own.get("sizes") or [1024])[-1] < 1024 and own.get("memory_viz_stats") is True \
+        and own.get("max_param_diff_vs_clean_at_settled") is not None and own["max_param_diff_vs_clean_at_settled"] < 1e-5
+    checks["python guard: a real CUDA OOM in a plain loop"] = own
     save()
 
     def og_run(d, yaml):
@@ -466,6 +547,8 @@ if __name__ == "__main__":
         eager(sys.argv[2])
     elif cmd == "peak":
         print(json.dumps(peak_for(sys.argv[2], int(sys.argv[3]))))
+    elif cmd == "own-loop":
+        own_loop(sys.argv[2], sys.argv[3], *sys.argv[4:])
     elif cmd == "check":
         check(sys.argv[2], sys.argv[3])
     else:

@@ -71,6 +71,40 @@ install_python_packages() {
   echo "$PYTHON_PACKAGES" > "$VENV/.packages"
 }
 
+# The development packages (TEST_PYTHON_PACKAGES: maturin, pytest), kept out of the image.
+install_test_packages() {
+  [ "$(cat "$VENV/.test-packages" 2>/dev/null)" = "$TEST_PYTHON_PACKAGES" ] && return 0
+  exec 9>"$CACHE/.lock"
+  flock 9
+  say "installing $TEST_PYTHON_PACKAGES into $VENV"
+  # shellcheck disable=SC2086
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir $TEST_PYTHON_PACKAGES
+  echo "$TEST_PYTHON_PACKAGES" > "$VENV/.test-packages"
+}
+
+# The `oomguard` Python package (python/: the policy crate as an abi3 extension, and the
+# Python front) built into a wheel under python/target/wheels and installed into the venv;
+# rebuilt only when its sources changed (a hash of them, stamped in the venv). A machine
+# without a Rust toolchain can pip-install a wheel built elsewhere.
+install_python_package() {
+  local hash
+  hash="$(cd "$ROOT" && find python/Cargo.toml python/Cargo.lock python/pyproject.toml python/src python/oomguard \
+    crates/policy crates/host crates/console -type f \( -name '*.rs' -o -name '*.py' -o -name '*.toml' -o -name '*.lock' \) \
+    -not -path '*/target/*' -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)"
+  local wheels="$ROOT/python/target/wheels"
+  # Built for these sources, installed, and this clone has the wheel (tests install it elsewhere).
+  if [ "$(cat "$VENV/.oomguard-python" 2>/dev/null)" = "$hash" ] && ls "$wheels"/oomguard-*.whl >/dev/null 2>&1; then
+    return 0
+  fi
+  exec 9>"$CACHE/.lock"
+  flock 9
+  say "building the oomguard Python package (python/) and installing it into $VENV"
+  rm -rf "$wheels"
+  (cd "$ROOT/python" && CARGO_TARGET_DIR="$ROOT/python/target" "$VENV/bin/maturin" build --release --quiet -i "$VENV/bin/python" -o "$wheels" >&2)
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$wheels"/oomguard-*.whl
+  echo "$hash" > "$VENV/.oomguard-python"
+}
+
 check_prerequisites
 apt_install "$GLOO_PACKAGE" "$GLOO_HEADER"
 install_torch
@@ -79,6 +113,8 @@ if [ -n "$ONLY_TORCH" ]; then
   echo "$VENV"
   exit 0
 fi
+install_test_packages
+install_python_package
 TORCH_DIR="$(ls -d "$VENV"/lib/python3*/site-packages/torch | head -n 1)"
 ln -sfn "$TORCH_DIR" "$ROOT/.libtorch"
 ln -sfn "$VENV" "$ROOT/.venv"

@@ -4,7 +4,8 @@
 //! smaller micro-batch and redoes the step on exactly the same samples. The global batch
 //! never changes; only how it is split.
 pub mod ladder;
-pub mod policy;
+/// The pure policy lives in its own crate (`crates/policy`), shared with the Python extension.
+pub use oomguard_policy as policy;
 
 use serde::{Deserialize, Serialize};
 use std::time::Instant;

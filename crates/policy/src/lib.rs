@@ -1,6 +1,10 @@
 //! The guard's decisions, as pure state machines: when to shrink, when to grow back, which
 //! sizes are cooling down, when allocator thrash calls for a shrink, and when live memory
-//! looks like a leak. No I/O here; everything is unit-tested below.
+//! looks like a leak. This crate owns the policy of both guards, `oomguard train`'s (in the
+//! main crate, re-exported as `oomguard::guard::policy`) and the Python package's (`import
+//! oomguard`, python/): there is no second copy. Invariant: no I/O, no clock, no libtorch;
+//! the same inputs give the same decisions (data-parallel ranks feed it agreed inputs and so
+//! decide alike), and `Policy`'s serde form is what checkpoints hold. Unit-tested below.
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -64,6 +68,18 @@ pub struct Policy {
     pub ones_failed: u32,
     #[serde(default)]
     pub last_one_signature: Option<u64>,
+}
+
+impl PolicyConfig {
+    /// The defaults of the `memory.*` keys of the same names (oomguard train's config), used
+    /// by the Python guard.
+    pub const DEFAULT: PolicyConfig = PolicyConfig {
+        grow_after_steps: 20,
+        grow_headroom: 0.1,
+        cooldown_steps: 100,
+        thrash_steps: 3,
+        retries_at_one: 8,
+    };
 }
 
 impl Policy {

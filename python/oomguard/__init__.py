@@ -1,0 +1,28 @@
+"""oomguard inside your own PyTorch loop: OOMs recovered in-process.
+
+    guard = oomguard.Guard(model, global_batch_size=G, micro_batch_size=M)
+    loss = guard.backward(batch, loss_fn)  # every .grad as one backward of the whole batch
+    optimizer.step()                       # yours
+
+The decisions (halve, grow back, cool down, give up) are the runtime's own policy, the
+`oomguard-policy` crate compiled into `oomguard._native`; this package does the torch work
+with the torch you have (>= 2.1; the wheel links none). See docs/own-loop.md.
+"""
+
+from typing import Any
+
+from ._native import Policy, classify_oom, malloc_trim
+
+__all__ = ["Guard", "Infeasible", "Policy", "classify_oom", "is_oom", "malloc_trim"]
+__version__ = "0.1.0"
+
+_TORCH_PART = ("Guard", "Infeasible", "is_oom")
+
+
+def __getattr__(name: str) -> Any:
+    # The guard imports torch when first used, so that the policy alone works without it.
+    if name in _TORCH_PART:
+        from . import _guard
+
+        return getattr(_guard, name)
+    raise AttributeError(f"module 'oomguard' has no attribute {name!r}")

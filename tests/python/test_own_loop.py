@@ -1,0 +1,405 @@
+"""`import oomguard` in a user's own loop: real processes, real allocation failures (RLIMIT_AS),
+results compared with a plain loop's parameters. Run by `make test` (scripts/setup.sh has
+built and installed the package into the venv first)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import oomguard
+from conftest import launcher, max_diff, records, run_loop, run_ranks
+
+STEPS = 6
+GLOBAL = 1024
+
+
+def micro_batches(out: str, rank_marker: str = "") -> list:
+    """Per step, the micro-batch the loop printed."""
+    return [int(m) for m in re.findall(r"^step \d+ loss \S+ micro_batch (\d+)$", out, re.M)]
+
+
+# --- one process, a real allocation failure --------------------------------------------------
+
+
+def test_a_real_oom_is_recovered_and_the_parameters_equal_an_uncapped_run(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    # 60 MiB above the set-up's address space: the whole batch of 1024 needs about 300 MiB.
+    r = run_loop(tmp_path, "capped", "--guard", "--cap-mb", "60", "--run-dir", str(run_dir))
+    assert r.code == 0, r.out
+    assert "can't allocate memory" in r.out  # the allocator's own failure, recovered
+    sizes = micro_batches(r.out)
+    assert len(sizes) == STEPS and sizes[-1] < GLOBAL, r.out
+    assert max_diff(reference.params, r.params) < 1e-5
+    recs = records(run_dir)
+    ooms = [x for x in recs if x["event"] == "oom"]
+    steps = [x for x in recs if x["event"] == "step"]
+    assert ooms and all(
+        o["source"] == "cpu" and o["new_micro_batch_size"] * 2 == o["old_micro_batch_size"] for o in ooms
+    )
+    assert [s["micro_batch_size"] for s in steps] == sizes
+    assert [s["grad_accum_steps"] for s in steps] == [-(-GLOBAL // m) for m in sizes]
+    assert [s["tokens_per_s"] for s in steps] == pytest.approx([GLOBAL / s["step_time_s"] for s in steps])
+    # The launcher's relaunch contract: the last size printed is the one the run settled at.
+    assert re.findall(r"micro_batch_size=(\d+)", r.out)[-1] == str(sizes[-1])
+
+
+def test_a_second_run_starts_at_the_size_the_first_settled_at(tmp_path):
+    cache = tmp_path / "cache"
+    first = run_loop(tmp_path, "first", "--guard", "--cap-mb", "60", extra_env={"OOMGUARD_CACHE": str(cache)})
+    assert first.code == 0, first.out
+    settled = micro_batches(first.out)[-1]
+    # The runtime's cache file, its format: a JSON map from key to size.
+    known = json.loads((cache / "micro_batch.json").read_text())
+    assert list(known.values()) == [settled] and list(known)[0].startswith("python:"), known
+    second = run_loop(tmp_path, "second", "--guard", "--cap-mb", "60", extra_env={"OOMGUARD_CACHE": str(cache)})
+    assert second.code == 0, second.out
+    assert f"starting at micro_batch_size={settled}" in second.out
+    # Its first step runs at the learned size, without the OOMs the first run had there (a
+    # later step may still run out: the heap fragments differently run to run).
+    assert "OOM at step 0" not in second.out and micro_batches(second.out)[0] == settled, second.out
+    assert max_diff(first.params, second.params) < 1e-5
+
+
+def test_infeasible_exits_with_what_would_fit(tmp_path):
+    # Each sample's loss allocates 400 MiB more: even micro-batch 1 cannot fit 60 MiB.
+    r = run_loop(tmp_path, "infeasible", "--guard", "--cap-mb", "60", "--sample-mb", "400", "--steps", "1")
+    assert r.code == 1, r.out
+    assert "oomguard._guard.Infeasible: step 0: the step does not fit in memory even at micro-batch 1" in r.out
+    assert "the failed allocation wanted 400.0 MiB" in r.out
+    halvings = re.findall(r"micro-batch (\d+) -> (\d+|none left)", r.out)
+    assert [int(a) for a, _ in halvings[:11]] == [1024 >> i for i in range(11)]
+    assert halvings[-1] == ("1", "none left")
+
+
+# --- in-process: exactness, bad input, nothing half-applied ----------------------------------
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 32, dtype=torch.float64), torch.nn.Tanh(), torch.nn.Linear(32, 1, dtype=torch.float64)
+    )
+
+
+def _data(n=32):
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(n, 8, generator=g, dtype=torch.float64), torch.randn(n, 1, generator=g, dtype=torch.float64)
+
+
+def test_gradients_equal_one_backward_of_the_whole_batch_added_to_those_before():
+    m = _model()
+    x, y = _data()
+    loss_fn = lambda b: torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    loss_fn((x[:3], y[:3])).backward()  # gradients already there: backward adds to them
+    before = [p.grad.clone() for p in m.parameters()]
+    full = loss_fn((x, y))
+    want = [b + g for b, g in zip(before, torch.autograd.grad(full, list(m.parameters())))]
+    guard = oomguard.Guard(m, global_batch_size=32, micro_batch_size=5, verbose=False)  # 5 does not divide 32
+    loss = guard.backward((x, y), loss_fn)
+    assert abs(loss - full.item()) < 1e-12
+    assert max_diff([p.grad for p in m.parameters()], want) < 1e-12
+
+
+def test_bad_input_names_both_numbers_and_leaves_grads_alone():
+    m = _model()
+    x, y = _data()
+    loss_fn = lambda b: torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    loss_fn((x, y)).backward()
+    before = [p.grad.clone() for p in m.parameters()]
+    guard = oomguard.Guard(m, global_batch_size=32, micro_batch_size=8, verbose=False)
+    with pytest.raises(ValueError, match=r"batch\[0\] has 32 rows, batch\[1\] has 31"):
+        guard.backward((x, y[:31]), loss_fn)
+    with pytest.raises(ValueError, match=r"the batch has 16 rows but global_batch_size is 32"):
+        guard.backward((x[:16], y[:16]), loss_fn)
+    calls = []
+
+    def vector_on_second_call(b):
+        calls.append(len(b[0]))
+        out = (m(b[0]) - b[1]) ** 2
+        return out.mean() if len(calls) == 1 else out  # micro-batch 0's backward has run by then
+
+    with pytest.raises(TypeError, match=r"scalar tensor.*shape \(8, 1\)"):
+        guard.backward((x, y), vector_on_second_call)
+    assert calls == [8, 8]
+    assert max_diff([p.grad for p in m.parameters()], before) == 0.0
+    assert guard.step == 0
+
+
+def test_infeasible_in_process_restores_grads_and_says_why():
+    m = _model()
+    x, y = _data()
+    loss_fn = lambda b: torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    loss_fn((x, y)).backward()
+    before = [p.grad.clone() for p in m.parameters()]
+
+    def too_big(b):
+        torch.ones(len(b[0]) << 27, dtype=torch.float64).sum()  # 1 GiB a sample, really allocated
+        return loss_fn(b)
+
+    guard = oomguard.Guard(m, global_batch_size=32, micro_batch_size=32, verbose=False)
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/status") as f:
+        vm = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (512 << 20), hard))
+    try:
+        with pytest.raises(oomguard.Infeasible) as e:
+            guard.backward((x, y), too_big)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    assert e.value.phase == "forward" and e.value.requested_bytes == 1 << 30
+    assert "even at micro-batch 1" in str(e.value) and "can't allocate memory" in e.value.oom_message
+    assert guard.micro_batch_size == 1
+    assert max_diff([p.grad for p in m.parameters()], before) == 0.0
+
+
+def test_the_example_runs(tmp_path):
+    from conftest import ROOT, env
+
+    run_dir = tmp_path / "own"
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "examples/python/own_loop.py")],
+        env=env({"OOMGUARD_RUN_DIR": str(run_dir)}),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    losses = [float(l.split()[3]) for l in p.stdout.splitlines() if l.startswith("step ")]
+    steps = [x for x in records(run_dir) if x["event"] == "step"]
+    assert [s["step"] for s in steps] == list(range(20))
+    assert [round(s["loss"], 4) for s in steps] == losses
+
+
+def test_the_pages_ten_lines_run():
+    from conftest import ROOT, env
+
+    page = (ROOT / "docs" / "own-loop.md").read_text()
+    code = page.split("## Ten lines", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert len(code.strip().splitlines()) <= 11, code
+    p = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert [l.split()[1] for l in p.stdout.splitlines() if l.startswith("step ")] == [str(i) for i in range(20)]
+
+
+def test_what_counts_as_an_oom():
+    cpu = (
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. "
+        "DefaultCPUAllocator: can't allocate memory: you tried to allocate 16777216 bytes."
+    )
+    assert oomguard.classify_oom(cpu)[0:3:2] == ("cpu", 16777216)
+    assert oomguard.is_oom(RuntimeError(cpu))
+    assert oomguard.is_oom(RuntimeError("could not create a primitive descriptor for a matmul primitive"))
+    assert oomguard.is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB"))
+    assert oomguard.is_oom(MemoryError())
+    assert not oomguard.is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x5)"))
+    assert not oomguard.is_oom(ValueError("can't allocate memory"))  # not an error torch raises for memory
+
+
+def test_it_grows_back_after_clean_steps_and_the_cooldown(monkeypatch):
+    monkeypatch.setenv("OOMGUARD_TEST_OOM_AT", "0:0:backward")
+    m = _model()
+    x, y = _data()
+    loss_fn = lambda b: torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    guard = oomguard.Guard(m, global_batch_size=32, verbose=False, cache=False, grow_after_steps=2, cooldown_steps=5)
+    sizes = []
+    for _ in range(9):
+        want = torch.autograd.grad(loss_fn((x, y)), list(m.parameters()))
+        guard.backward((x, y), loss_fn)
+        assert max_diff([p.grad for p in m.parameters()], list(want)) < 1e-12
+        m.zero_grad(set_to_none=True)
+        sizes.append(guard.micro_batch_size)
+    # 32 ran out at step 0 -> 16; two clean steps are enough, but 32 cools down until step 5.
+    assert sizes == [16, 16, 16, 16, 16, 32, 32, 32, 32]
+    assert guard.policy.num_ooms == 1
+
+
+def test_the_wheel_installs_in_a_bare_venv(tmp_path):
+    """The built wheel in a venv with nothing else: the policy works; the guard asks for torch."""
+    from conftest import ROOT
+
+    wheels = sorted((ROOT / "python" / "target" / "wheels").glob("oomguard-*.whl"))
+    assert wheels, "no wheel: scripts/setup.sh builds python/target/wheels/"
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--disable-pip-version-check"]
+    subprocess.run([*pip, "--target", str(site), str(wheels[-1])], check=True)
+    code = (
+        "import oomguard\n"
+        "p = oomguard.Policy(24)\n"
+        "print([p.on_oom(s, False, None) for s in range(7)])\n"
+        "print(oomguard.classify_oom('CUDA out of memory. Tried to allocate 2.00 GiB')[:3])\n"
+        "try:\n    oomguard.Guard\nexcept ImportError as e:\n    print('needs', e.name)\n"
+    )
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    # The runtime's halving (crates/policy's own test: 24 -> 12, 6, 3, 2, 1, then up to 8
+    # retries at 1 for different failures, and give up).
+    assert out.stdout.splitlines() == [
+        "[12, 6, 3, 2, 1, 1, 1]",
+        "('cuda', 'CUDA out of memory. Tried to allocate 2.00 GiB', 2147483648)",
+        "needs torch",
+    ]
+
+
+def test_ddp_averages_in_place_and_leaves_unused_parameters_without_grad(tmp_path):
+    import torch.distributed as dist
+
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = torch.nn.Linear(8, 4, dtype=torch.float64)
+            self.unused = torch.nn.Linear(8, 4, dtype=torch.float64)
+
+        def forward(self, x):
+            return self.used(x)
+
+    torch.manual_seed(0)
+    m = TwoHeads()
+    x, _ = _data(12)
+    want = torch.autograd.grad(m(x).pow(2).mean(), list(m.used.parameters()))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(m)
+        guard = oomguard.Guard(ddp, global_batch_size=12, micro_batch_size=5, verbose=False, cache=False)
+        guard.backward(x, lambda b: ddp(b).pow(2).mean())
+    finally:
+        dist.destroy_process_group()
+    assert max_diff([p.grad for p in m.used.parameters()], list(want)) < 1e-12
+    assert [p.grad for p in m.unused.parameters()] == [None, None]
+
+
+# --- two Gloo ranks with DDP: an OOM on one rank shrinks both -------------------------------
+
+
+@pytest.fixture(scope="module")
+def clean_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("clean")
+    r = run_ranks(tmp, "clean", "--guard")
+    assert r.code == 0, r.out
+    return r
+
+
+def test_two_clean_ranks_equal_the_plain_loop(clean_ranks, reference, tmp_path):
+    plain = run_ranks(tmp_path, "plain")  # plain DDP, no guard: the uncapped 2-rank run
+    assert plain.code == 0, plain.out
+    assert max_diff(plain.params, clean_ranks.params) < 1e-5
+    assert max_diff(reference.params, clean_ranks.params) < 1e-5
+    assert micro_batches(clean_ranks.out) == [GLOBAL // 2] * STEPS * 2
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "sync"])
+def test_an_oom_on_one_rank_shrinks_both(phase, tmp_path, clean_ranks, reference):
+    run_dir = tmp_path / "run"
+    r = run_ranks(
+        tmp_path, phase, "--guard", "--run-dir", str(run_dir), extra_env={"OOMGUARD_TEST_OOM_AT": f"1:2:{phase}"}
+    )
+    assert r.code == 0, r.out
+    half = GLOBAL // 2
+    # Both ranks: 512 for steps 0-1, then 256 from the step rank 1 ran out at.
+    assert micro_batches(r.out) == ([half] * 2 + [half // 2] * 4) * 2, r.out
+    assert max_diff(reference.params, r.params) < 1e-5
+    # The training loops' time (start-up, torch's import and the group's forming, is noise
+    # on a shared 2-core machine): within the clean run's plus a few seconds.
+    assert r.train_s() < clean_ranks.train_s() + 3.0, (r.train_s(), clean_ranks.train_s())
+    ooms = [x for x in records(run_dir) if x["event"] == "oom"]
+    assert [(o["step"], o["phase"], o["rank"], o["old_micro_batch_size"], o["new_micro_batch_size"]) for o in ooms] == [
+        (2, phase, 1, half, half // 2)
+    ]
+
+
+def test_a_real_oom_on_one_rank_shrinks_both(tmp_path, reference):
+    # Rank 1 under a 40 MiB cap (its half batch of 512 needs about 150 MiB), rank 0 free.
+    r = run_ranks(tmp_path, "capped", "--guard", "--cap-mb", "40", "--cap-rank", "1")
+    assert r.code == 0, r.out
+    assert "can't allocate memory" in r.out
+    per_rank = r.out.split("--- rank 1")
+    assert micro_batches(per_rank[0]) == micro_batches(per_rank[1])
+    assert micro_batches(per_rank[0])[-1] < GLOBAL // 2
+    assert max_diff(reference.params, r.params) < 1e-5
+
+
+def test_under_the_launcher(tmp_path, reference):
+    binary = launcher()
+    if binary is None:
+        pytest.skip("no oomguard binary (OOMGUARD_BIN, or target/release/oomguard: `cargo build --release`)")
+    run_dir = tmp_path / "run"
+    out_file = tmp_path / "launched.pt"
+    from conftest import LOOP, env
+
+    p = subprocess.run(
+        [str(binary), "launch", "--nproc-per-node", "2", "--standalone", str(LOOP), "--guard", "--out", str(out_file)],
+        env=env(
+            {
+                "OOMGUARD_TEST_OOM_AT": "0:1:backward",
+                "OOMGUARD_RUN_DIR": str(run_dir),
+                "OOMGUARD_MICRO_BATCH_SIZE": "256",
+                "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+            }
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stdout
+    steps = [x for x in records(run_dir) if x["event"] == "step"]
+    # Started at the launcher's size, halved once by the OOM rank 0 had at step 1.
+    assert [s["micro_batch_size"] for s in steps] == [256, 128, 128, 128, 128, 128]
+    assert max_diff(reference.params, torch.load(out_file)) < 1e-5
+    # oomguard report draws it.
+    png = tmp_path / "report.png"
+    rep = subprocess.run([str(binary), "report", str(run_dir), "--out", str(png)], capture_output=True, text=True)
+    assert rep.returncode == 0, rep.stderr
+    assert png.stat().st_size > 10_000
+    assert re.search(r"OOMs?\D+1\b", rep.stdout), rep.stdout
+
+
+def test_an_oom_outside_the_guard_is_relaunched_at_half(tmp_path, reference):
+    """The launcher's relaunch stays the fallback: an OOM where no guard is (here at step 2,
+    after backward) kills the worker; the launcher reads the `micro_batch_size=512` it printed
+    and restarts both ranks with OOMGUARD_MICRO_BATCH_SIZE=256, where the guard starts."""
+    binary = launcher()
+    if binary is None:
+        pytest.skip("no oomguard binary (OOMGUARD_BIN, or target/release/oomguard: `cargo build --release`)")
+    from conftest import LOOP, env
+
+    out_file = tmp_path / "relaunched.pt"
+    p = subprocess.run(
+        [
+            str(binary),
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--standalone",
+            "--max-restarts",
+            "1",
+            str(LOOP),
+            "--guard",
+            "--oom-outside-at",
+            "2",
+            "--out",
+            str(out_file),
+        ],
+        env=env({"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stdout
+    assert "relaunching with OOMGUARD_MICRO_BATCH_SIZE=256" in p.stdout, p.stdout
+    # Each rank: steps 0-1 at 512 in the first attempt, then the whole run again at 256.
+    for rank in (0, 1):
+        mine = [l.split(":", 1)[1] for l in p.stdout.splitlines() if l.startswith(f"[default{rank}]:")]
+        assert micro_batches("\n".join(mine)) == [512, 512] + [256] * STEPS, p.stdout
+    assert max_diff(reference.params, torch.load(out_file)) < 1e-5
