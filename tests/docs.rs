@@ -284,3 +284,79 @@ fn the_readme_is_short_and_each_page_says_whom_it_is_for() {
         assert!(title.starts_with("# ") && opening.starts_with("*You "), "{}: a page opens with its title, then what its reader is trying to do (`*You want ...*`); found {title:?} / {opening:?}", file.display());
     }
 }
+
+/// Every environment variable the code names: an `OOMGUARD_*` string anywhere in the
+/// sources (Rust, C++, the Python front, the scripts), and every name a Rust
+/// `env::var`/`var_os` reads.
+fn variables_in_code() -> BTreeSet<String> {
+    let mut files = vec![];
+    let mut todo: Vec<PathBuf> = [
+        "src",
+        "crates",
+        "csrc",
+        "python/src",
+        "python/oomguard",
+        "scripts",
+        "tests",
+    ]
+    .iter()
+    .map(|d| root().join(d))
+    .collect();
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() && !p.ends_with("target") {
+                todo.push(p);
+            } else if ["rs", "cpp", "h", "py", "sh"]
+                .iter()
+                .any(|x| p.extension().is_some_and(|e| e == *x))
+            {
+                files.push(p);
+            }
+        }
+    }
+    let mut names = BTreeSet::new();
+    for f in files {
+        let text = read(&f);
+        let mut rest = text.as_str();
+        while let Some(i) = rest.find("OOMGUARD_") {
+            let name: String = rest[i..]
+                .chars()
+                .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
+                .collect();
+            names.insert(name.trim_end_matches('_').to_string());
+            rest = &rest[i + 9..];
+        }
+        for call in ["var(\"", "var_os(\""] {
+            let mut rest = text.as_str();
+            while let Some(i) = rest.find(call) {
+                let tail = &rest[i + call.len()..];
+                let name: String = tail.chars().take_while(|c| *c != '"').collect();
+                if name
+                    .chars()
+                    .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
+                {
+                    names.insert(name);
+                }
+                rest = tail;
+            }
+        }
+    }
+    names
+}
+
+#[test]
+fn the_environment_page_lists_every_variable_the_code_reads() {
+    let page = read(&root().join("docs/environment.md"));
+    let names = variables_in_code();
+    // The page itself, and the prefix spelt alone in prose, are not variables.
+    let missing: Vec<&String> = names
+        .iter()
+        .filter(|n| n.as_str() != "OOMGUARD" && !page.contains(&format!("`{n}`")))
+        .collect();
+    assert!(
+        names.contains("OOMGUARD_CACHE") && names.contains("WORLD_SIZE"),
+        "the scan found {names:?}"
+    );
+    assert!(missing.is_empty(), "docs/environment.md lists no row for {missing:?}");
+}
