@@ -79,10 +79,11 @@ impl Domain {
     /// None when `v` is not in the domain (an edited sweep file's old trial).
     pub fn cdf(&self, v: &Value) -> Option<f64> {
         match self {
-            Domain::Values { values, .. } => values
-                .iter()
-                .position(|x| same(x, v))
-                .map(|i| (i as f64 + 0.5) / values.len() as f64),
+            Domain::Values { values, .. } => {
+                let i = values.iter().position(|x| same(x, v))?;
+                let (lo, hi) = self.bands()?[i];
+                Some((lo + hi) / 2.0)
+            }
             Domain::Int { min, max } => v
                 .as_f64()
                 .map(|x| ((x - *min as f64 + 0.5) / (max - min + 1) as f64).clamp(0.0, 1.0)),
@@ -104,6 +105,27 @@ impl Domain {
             Domain::Values { values, .. } => Some(values.len()),
             _ => None,
         }
+    }
+
+    /// A categorical's values as bands of [0, 1], the ones `ppf` maps to each value: equal,
+    /// or as wide as W&B's `probabilities`. Keeps: `ppf` of a band's middle is its value.
+    pub fn bands(&self) -> Option<Vec<(f64, f64)>> {
+        let Domain::Values { values, weights } = self else {
+            return None;
+        };
+        let n = values.len();
+        let w = weights.clone().unwrap_or_else(|| vec![1.0; n]);
+        let total: f64 = w.iter().sum();
+        let mut lo = 0.0;
+        Some(
+            w.iter()
+                .map(|p| {
+                    let band = (lo, lo + p / total);
+                    lo = band.1;
+                    band
+                })
+                .collect(),
+        )
     }
 
     /// The values a grid takes (W&B's grid_search.py: values as written, `int_uniform` every
@@ -394,5 +416,13 @@ mod tests {
             }
         }
         assert!((normal_ppf(0.975) - 1.959964).abs() < 1e-5 && (normal_cdf(1.959964) - 0.975).abs() < 1e-6);
+        // A weighted categorical: each value's place maps back to it (the middle of its band).
+        let d = Domain::Values {
+            values: vec![json!("a"), json!("b"), json!("c")],
+            weights: Some(vec![0.6, 0.2, 0.2]),
+        };
+        for v in ["a", "b", "c"] {
+            assert_eq!(d.ppf(d.cdf(&json!(v)).unwrap()), json!(v));
+        }
     }
 }

@@ -103,19 +103,32 @@ fn split(observations: &[Observation]) -> (Vec<&Observation>, Vec<&Observation>)
 /// One parameter's Parzen density over [0, 1]: the uniform prior and one component per
 /// observation (a categorical: smoothed counts of its values).
 enum Parzen {
-    Numeric { points: Vec<(f64, f64)> },
-    Categorical { weights: Vec<f64> },
+    Numeric {
+        points: Vec<(f64, f64)>,
+    },
+    /// Pseudo-counts by value, and each value's band of [0, 1] (`Domain::bands`).
+    Categorical {
+        weights: Vec<f64>,
+        bands: Vec<(f64, f64)>,
+    },
+}
+
+/// The band `x` falls in.
+fn band_of(bands: &[(f64, f64)], x: f64) -> usize {
+    bands.iter().position(|(_, hi)| x < *hi).unwrap_or(bands.len() - 1)
 }
 
 impl Parzen {
     fn new(domain: &Domain, obs: &[&Observation], d: usize) -> Parzen {
         let xs: Vec<f64> = obs.iter().filter_map(|o| o.at.get(d).copied().flatten()).collect();
-        if let Some(k) = domain.categories() {
-            let mut weights = vec![1.0; k]; // the prior: one pseudo-count each
+        if let Some(bands) = domain.bands() {
+            // The prior: the domain's own probabilities, k pseudo-counts in all.
+            let k = bands.len() as f64;
+            let mut weights: Vec<f64> = bands.iter().map(|(lo, hi)| (hi - lo) * k).collect();
             for x in xs {
-                weights[((x * k as f64) as usize).min(k - 1)] += 1.0;
+                weights[band_of(&bands, x)] += 1.0;
             }
-            return Parzen::Categorical { weights };
+            return Parzen::Categorical { weights, bands };
         }
         // Widths: the larger gap to a neighbour (0 and 1 bound the ends), clipped between
         // 1/min(100, n + 1) and 1, as hyperopt's adaptive Parzen estimator.
@@ -136,10 +149,10 @@ impl Parzen {
 
     fn density(&self, x: f64) -> f64 {
         match self {
-            Parzen::Categorical { weights } => {
-                let i = ((x * weights.len() as f64) as usize).min(weights.len() - 1);
+            Parzen::Categorical { weights, bands } => {
+                let i = band_of(bands, x);
                 // Per unit of [0, 1]: the band's mass over its width.
-                weights[i] / weights.iter().sum::<f64>() * weights.len() as f64
+                weights[i] / weights.iter().sum::<f64>() / (bands[i].1 - bands[i].0).max(1e-12)
             }
             Parzen::Numeric { points } => {
                 let sum: f64 = points
@@ -158,7 +171,7 @@ impl Parzen {
     /// A draw: a component chosen uniformly (the prior among them), then from it.
     fn sample(&self, rng: &mut SplitMix) -> f64 {
         match self {
-            Parzen::Categorical { weights } => {
+            Parzen::Categorical { weights, bands } => {
                 let total: f64 = weights.iter().sum();
                 let u = rng.unit() * total;
                 let mut acc = 0.0;
@@ -166,7 +179,8 @@ impl Parzen {
                     acc += w;
                     u < acc
                 });
-                (i.unwrap_or(weights.len() - 1) as f64 + 0.5) / weights.len() as f64
+                let (lo, hi) = bands[i.unwrap_or(weights.len() - 1)];
+                (lo + hi) / 2.0
             }
             Parzen::Numeric { points } => {
                 let pick = ((rng.unit() * (points.len() + 1) as f64) as usize).min(points.len());
@@ -302,5 +316,43 @@ mod tests {
         let mut moved = obs.clone();
         moved[11].outcome = Outcome::Value(-100.0); // a new best, far from the old ones
         assert_ne!(propose(&d, &moved, 1, 12, 40), propose(&d, &obs, 1, 12, 40));
+    }
+
+    /// W&B's `probabilities` on a categorical: every value can be proposed, and the model
+    /// follows where the good trials were (the middle value, 20% of the prior).
+    #[test]
+    fn a_weighted_categorical_proposes_every_value() {
+        use serde_json::json;
+        let d = vec![(
+            "optim.kind".to_string(),
+            Domain::Values {
+                values: vec![json!("a"), json!("b"), json!("c")],
+                weights: Some(vec![0.6, 0.2, 0.2]),
+            },
+        )];
+        // Twelve finished trials: "b" did best, then "c", then "a".
+        let obs: Vec<Observation> = (0..12)
+            .map(|i| {
+                let v = ["a", "b", "c"][i % 3];
+                let metric = match v {
+                    "b" => 1.0,
+                    "c" => 2.0,
+                    _ => 3.0,
+                } + i as f64 * 0.01;
+                Observation {
+                    at: vec![d[0].1.cdf(&json!(v))],
+                    outcome: Outcome::Value(metric),
+                }
+            })
+            .collect();
+        let proposed: Vec<Value> = (12..60)
+            .map(|i| propose(&d, &obs, 5, i, 60)["optim.kind"].clone())
+            .collect();
+        let b = proposed.iter().filter(|v| **v == json!("b")).count();
+        assert!(
+            b > proposed.len() / 2,
+            "the good value is proposed most: {b} of {}",
+            proposed.len()
+        );
     }
 }
