@@ -121,6 +121,9 @@ def main() -> None:
     print(f"train_s {elapsed:.3f}", flush=True)
     if args.out and rank == 0:
         torch.save([p.detach().clone() for p in net.parameters()], args.out)
+    if torch.distributed.is_initialized():
+        # Without it Gloo's threads can abort the interpreter's exit (pytorch #190489).
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
