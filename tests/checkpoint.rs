@@ -348,40 +348,24 @@ fn corrupt_and_truncated_checkpoints() {
         .set_len(len / 2)
         .unwrap();
 
-    let o = oomguard(
-        &[
-            "train",
-            cfg.to_str().unwrap(),
-            "--resume-from",
-            ckpts[2].to_str().unwrap(),
-            "--max-steps",
-            "8",
-        ],
-        dir.path(),
-    );
-    assert_eq!(o.status.code(), Some(2));
-    assert!(
-        stderr(&o).contains("step-00000006/optimizer.safetensors: corrupt"),
-        "{}",
-        stderr(&o)
-    );
-    let o = oomguard(
-        &[
-            "train",
-            cfg.to_str().unwrap(),
-            "--resume-from",
-            ckpts[1].to_str().unwrap(),
-            "--max-steps",
-            "8",
-        ],
-        dir.path(),
-    );
-    assert_eq!(o.status.code(), Some(2));
-    assert!(
-        stderr(&o).contains("step-00000004/model.safetensors: truncated"),
-        "{}",
-        stderr(&o)
-    );
+    for (ckpt, named) in [
+        (&ckpts[2], "step-00000006/optimizer.safetensors: corrupt"),
+        (&ckpts[1], "step-00000004/model.safetensors: truncated"),
+    ] {
+        let o = oomguard(
+            &[
+                "train",
+                cfg.to_str().unwrap(),
+                "--resume-from",
+                ckpt.to_str().unwrap(),
+                "--max-steps",
+                "8",
+            ],
+            dir.path(),
+        );
+        assert_eq!(o.status.code(), Some(2));
+        assert!(stderr(&o).contains(named), "{}", stderr(&o));
+    }
 
     // A final weights file a kill interrupted mid-write: the temporary file, never the real one.
     std::fs::write(run.join(".model.safetensors.99999.tmp"), b"half a file").unwrap();

@@ -18,4 +18,4 @@ for step in range(20):
     opt.zero_grad(set_to_none=True)
     print(f"step {step} loss {loss:.4f} micro_batch_size={guard.micro_batch_size}")
 if torch.distributed.is_initialized():
-    torch.distributed.destroy_process_group()  # else Gloo's threads can abort the exit
+    torch.distributed.destroy_process_group()

@@ -152,19 +152,11 @@ fn classify_oom(message: &str) -> Option<Classified> {
 
 const ONEDNN_MARKER: &str = "could not create a primitive";
 
-/// Hands the heap's free pages back to the system (glibc's `malloc_trim(0)`); True when
-/// memory was released. A no-op returning False off glibc.
+/// Hands the heap's free pages back to the system (glibc's `malloc_trim(0)`, the runtime's
+/// own `return_freed_memory`); True when memory was released, False off glibc.
 #[pyfunction]
 fn malloc_trim() -> bool {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        // SAFETY: malloc_trim only walks glibc's own arenas.
-        unsafe { libc::malloc_trim(0) == 1 }
-    }
-    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-    {
-        false
-    }
+    oomguard_host::memory::return_freed_memory()
 }
 
 #[pymodule]
