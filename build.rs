@@ -84,6 +84,9 @@ fn main() {
     ]) {
         println!("cargo:rerun-if-changed={f}");
     }
+    if std::env::var_os("CARGO_FEATURE_PYTHON").is_some() {
+        python(&torch_dir);
+    }
     // An rpath makes nothing load: harmless for the libtorch-free `oomguard` binary.
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib_dir.display());
     // rustc links with --as-needed, which drops libtorch_cuda.so (nothing references it by
@@ -96,4 +99,22 @@ fn main() {
             println!("cargo:rustc-link-arg-{kind}={arg}");
         }
     }
+}
+
+/// `model.kind: python`: pyo3 links libpython (PYO3_PYTHON's); an rpath finds it at run time
+/// (pyenv's and venv-based interpreters keep it outside the loader's path), and the binary
+/// learns the site-packages that hold the torch it links (a Python model imports that torch).
+fn python(torch_dir: &std::path::Path) {
+    println!("cargo:rerun-if-env-changed=PYO3_PYTHON");
+    let python = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = std::process::Command::new(&python)
+        .args(["-c", "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))"])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {python} (PYO3_PYTHON): {e}; run `make setup` first"));
+    let libdir = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    if !libdir.is_empty() {
+        println!("cargo:rustc-link-arg=-Wl,-rpath,{libdir}");
+    }
+    let site = torch_dir.parent().expect("torch sits in site-packages");
+    println!("cargo:rustc-env=OOMGUARD_BUILD_SITE_PACKAGES={}", site.display());
 }

@@ -39,8 +39,9 @@ TESTS=(cuda_guard guard)
 echo "gpu-kit: building against torch $VERSION ($TORCH_DIR) with tch $TCH in $SRC" >&2
 # The target folder persists between kits of one version: a rebuild is incremental.
 export LIBTORCH="$TORCH_DIR" LIBTORCH_BYPASS_VERSION_CHECK=1 LIBTORCH_CXX11_ABI=1 CARGO_TARGET_DIR="$WORK/target"
-(cd "$SRC" && cargo build --release --bins)
-mapfile -t EXES < <(cd "$SRC" && cargo test --release --no-run "${TESTS[@]/#/--test=}" --message-format=json 2>/dev/null |
+# Without the `python` feature: the kit's binaries must not need the build machine's libpython.
+(cd "$SRC" && cargo build --release --bins --no-default-features)
+mapfile -t EXES < <(cd "$SRC" && cargo test --release --no-default-features --no-run "${TESTS[@]/#/--test=}" --message-format=json 2>/dev/null |
   python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)

@@ -107,7 +107,7 @@ fn bad_model_loss() {
         &["--check"],
         &[
             "bad.yaml:2",
-            "model.loss: unknown variant `chunked`, expected `fused` or `full`",
+            "model.loss: is `chunked`; the built-in GPT's loss is fused or full",
         ],
     );
     fails_with(

@@ -393,7 +393,7 @@ fn bad_models_exit_2_saying_what_was_expected() {
     );
     fails(
         &dtype,
-        &["cannot compute the loss of one sample", "targets [1] Float", "bn.pt"],
+        &["cannot compute the loss of two samples", "targets [2] Float", "bn.pt"],
     );
     let gpt_key = write_config(
         dir.path(),

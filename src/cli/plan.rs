@@ -178,6 +178,7 @@ fn measured(cfg: &Config, args: &PlanArgs, memory: u64, cuda: bool, what: &str) 
     let built = task::build_from_config(&BuildContext {
         device,
         model: &c.model,
+        data: &c.data,
         base_dir: &base,
         config_path: &cfg.path,
     })?;

@@ -74,11 +74,56 @@ pub fn load(path: &Path, overrides: &[String]) -> Result<Config, ConfigError> {
         })?;
     }
     let raw: RawConfig = serde_yaml::from_value(value).map_err(|e| yaml_error(&origin, e))?;
-    raw.validate().map_err(|e| ConfigError { origin, ..e })?;
+    raw.validate().map_err(|e| {
+        // The line of the key, unless a --set gave the value.
+        let set = overrides.iter().any(|o| o.split('=').next() == Some(e.key.as_str()));
+        let line_col = e.line_col.or_else(|| (!set).then(|| locate(&text, &e.key)).flatten());
+        ConfigError { origin, line_col, ..e }
+    })?;
     Ok(Config {
         raw,
         path: path.to_path_buf(),
     })
+}
+
+/// Where `key` (`model.loss`) is written in a config file, best effort: block mappings by
+/// their indentation, and a flow mapping (`model: {loss: x}`) on its line. None when the
+/// key is not written there (a default that fails with another key).
+fn locate(text: &str, key: &str) -> Option<(usize, usize)> {
+    let parts: Vec<&str> = key.split('.').collect();
+    // The indentation of each matched section, and of its children once seen.
+    let mut sections: Vec<(usize, Option<usize>)> = vec![];
+    for (i, line) in text.lines().enumerate() {
+        let trimmed = line.trim_start();
+        if trimmed.is_empty() || trimmed.starts_with('#') {
+            continue;
+        }
+        let indent = line.len() - trimmed.len();
+        while sections.last().is_some_and(|&(d, _)| indent <= d) {
+            sections.pop();
+        }
+        if let Some((_, child)) = sections.last_mut() {
+            if *child.get_or_insert(indent) != indent {
+                continue; // deeper than the section's own keys
+            }
+        } else if indent != 0 {
+            continue;
+        }
+        let depth = sections.len();
+        let Some(rest) = parts.get(depth).and_then(|want| trimmed.strip_prefix(&format!("{want}:"))) else {
+            continue;
+        };
+        if depth + 1 == parts.len() {
+            return Some((i + 1, indent + 1));
+        }
+        if rest.trim_start().starts_with('{') {
+            // A flow mapping: the key's column on this line, if it is there.
+            let leaf = format!("{}:", parts[parts.len() - 1]);
+            return rest.find(&leaf).map(|c| (i + 1, line.len() - rest.len() + c + 1));
+        }
+        sections.push((indent, None));
+    }
+    None
 }
 
 impl Config {
@@ -157,7 +202,14 @@ impl RawConfig {
                 ),
             ));
         }
-        if self.model.kind == ModelKind::Torchscript && self.data.is_tokens() && self.model.block_size.is_none() {
+        if self.data.source == crate::data::DataSource::Python && self.model.kind != ModelKind::Python {
+            return Err(ConfigError::invalid(
+                "data.source",
+                "is python, which serves Python models only: set model.kind: python, or pick embedded, text, tokens or tensors",
+            ));
+        }
+        let own_shape = matches!(self.model.kind, ModelKind::Torchscript | ModelKind::Python);
+        if own_shape && self.data.is_tokens() && self.model.block_size.is_none() {
             return Err(ConfigError::invalid(
                 "model.block_size",
                 format!("is required: data.source {} cuts a token stream into samples of model.block_size tokens for the model", self.data.source.name()),
@@ -259,6 +311,16 @@ fn apply_override(root: &mut serde_yaml::Value, assignment: &str) -> Result<(), 
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn locate_finds_a_key_in_block_and_flow_mappings() {
+        let text = "# c\ntrain:\n  loss: 1\nmodel:\n  settings:\n    loss: 2\n  loss: chunked\ndata: {source: x, path: y}\n";
+        assert_eq!(locate(text, "model.loss"), Some((7, 3)));
+        assert_eq!(locate(text, "model.settings"), Some((5, 3)));
+        assert_eq!(locate(text, "data.path"), Some((8, 19)));
+        assert_eq!(locate(text, "model.kind"), None);
+        assert_eq!(locate(text, "optim.lr"), None);
+    }
+
     use super::*;
 
     fn load_str(yaml: &str, overrides: &[&str]) -> Result<Config, ConfigError> {

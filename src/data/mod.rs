@@ -1,6 +1,7 @@
 //! Training data: an embedded synthetic language (the default, no download), a UTF-8 text
 //! file read byte by byte, nanoGPT token files (train.bin/val.bin, little-endian u16), or a
-//! safetensors file of `inputs` and `targets` for models that are not language models.
+//! safetensors file of `inputs` and `targets` for models that are not language models, or a
+//! Python file's map-style dataset (`python`, for Python models: task/python).
 //! A user's Rust model may bring its own `Samples`.
 //!
 //! Which samples make up step `s` is `sample_positions(seed, s, ...)`, a pure function that
@@ -26,6 +27,7 @@ pub enum DataSource {
     Text,
     Tokens,
     Tensors,
+    Python,
 }
 
 /// The `data` section.
@@ -34,8 +36,15 @@ pub enum DataSource {
 pub struct DataConfig {
     pub source: DataSource,
     /// `text`: the file; `tokens`: the folder holding train.bin and val.bin; `tensors`: a
-    /// safetensors file with `inputs` and `targets`. Relative to the config file's folder.
+    /// safetensors file with `inputs` and `targets`; `python`: the .py file whose
+    /// `build(settings, split)` returns a map-style dataset. Relative to the config file's folder.
     pub path: Option<PathBuf>,
+    /// `python`: the file's dataset function (default `build`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub build: Option<String>,
+    /// `python`: the dict `build` receives.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub settings: Option<serde_yaml::Value>,
     /// Share held out for evaluation (`embedded`, `text` and `tensors`).
     pub val_fraction: f64,
     /// Size of the embedded corpus in bytes.
@@ -47,6 +56,8 @@ impl Default for DataConfig {
         DataConfig {
             source: DataSource::Embedded,
             path: None,
+            build: None,
+            settings: None,
             val_fraction: 0.1,
             embedded_bytes: 1 << 20,
         }
@@ -65,6 +76,22 @@ impl DataConfig {
             return Err(ConfigError::invalid(
                 "data.val_fraction",
                 format!("is {}; it must be in (0, 1)", self.val_fraction),
+            ));
+        }
+        if self.source != DataSource::Python {
+            for (key, set) in [("build", self.build.is_some()), ("settings", self.settings.is_some())] {
+                if set {
+                    return Err(ConfigError::invalid(
+                        &format!("data.{key}"),
+                        "is a key of data.source: python",
+                    ));
+                }
+            }
+        }
+        if self.settings.as_ref().is_some_and(|v| !v.is_mapping()) {
+            return Err(ConfigError::invalid(
+                "data.settings",
+                "must be a mapping (build receives it as a dict)",
             ));
         }
         if self.embedded_bytes < 4096 {
@@ -87,7 +114,7 @@ impl DataConfig {
         };
         let needed = match self.source {
             DataSource::Embedded => vec![],
-            DataSource::Text | DataSource::Tensors => vec![path],
+            DataSource::Text | DataSource::Tensors | DataSource::Python => vec![path],
             DataSource::Tokens => vec![path.join("train.bin"), path.join("val.bin")],
         };
         match needed.iter().find(|p| !p.is_file()) {
@@ -106,7 +133,7 @@ impl DataConfig {
 
     /// Whether samples are windows of a token stream (which need `model.block_size`).
     pub fn is_tokens(&self) -> bool {
-        self.source != DataSource::Tensors
+        !matches!(self.source, DataSource::Tensors | DataSource::Python)
     }
 }
 
@@ -117,6 +144,7 @@ impl DataSource {
             DataSource::Text => "text",
             DataSource::Tokens => "tokens",
             DataSource::Tensors => "tensors",
+            DataSource::Python => "python",
         }
     }
     fn wants(self) -> &'static str {
@@ -125,6 +153,7 @@ impl DataSource {
             DataSource::Text => "a UTF-8 text file",
             DataSource::Tokens => "a folder with train.bin and val.bin",
             DataSource::Tensors => "a safetensors file with `inputs` and `targets` (samples along dim 0)",
+            DataSource::Python => "a .py file whose build(settings, split) returns a map-style dataset",
         }
     }
 }
@@ -166,6 +195,11 @@ impl Dataset {
         let path = cfg.resolved_path(base).unwrap_or_default();
         if cfg.source == DataSource::Tensors {
             return tensors::open(&path, cfg.val_fraction);
+        }
+        if cfg.source == DataSource::Python {
+            return Err(
+                ConfigError::invalid("data.source", "python serves Python models only (model.kind: python)").into(),
+            );
         }
         let shape = shape.ok_or_else(|| {
             ConfigError::invalid(

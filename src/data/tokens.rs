@@ -133,7 +133,7 @@ pub(super) fn open(cfg: &DataConfig, path: &Path, shape: TokenShape) -> Result<D
             };
             (open("train.bin")?, open("val.bin")?)
         }
-        DataSource::Tensors => unreachable!("tensor files are opened by data::tensors"),
+        DataSource::Tensors | DataSource::Python => unreachable!("opened by data::tensors and task::python"),
     };
     for split in [&train, &val] {
         if split.num_tokens() < shape.block_size + 2 {

@@ -2,6 +2,8 @@
 //! - `gpt` (the default): oomguard's GPT; the shape keys below describe it;
 //! - `torchscript`: a PyTorch module saved with `torch.jit.script` or `torch.jit.trace`
 //!   (`path`, and `method` if the loss is not `forward(inputs, targets)`);
+//! - `python`: a `torch.nn.Module` built by a Python file's function (`path`, `build`,
+//!   `settings`, and `loss` naming a loss function), trained in-process (task/python);
 //! - `rust`: a model a Rust program brings through the library; its own settings go under
 //!   `settings`, which the program reads.
 //!
@@ -24,7 +26,27 @@ pub enum ModelKind {
     #[default]
     Gpt,
     Torchscript,
+    Python,
     Rust,
+}
+
+/// `model.loss`: the GPT's head (`fused` or `full`), or, for `kind: python`, the name of the
+/// file's function `loss(module, batch)`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum LossSetting {
+    Kind(LossKind),
+    Function(String),
+}
+
+impl LossSetting {
+    /// The name as written.
+    pub fn name(&self) -> &str {
+        match self {
+            LossSetting::Kind(k) => k.name(),
+            LossSetting::Function(f) => f,
+        }
+    }
 }
 
 /// `model.activation_checkpointing`: recompute activations in backward instead of storing
@@ -59,19 +81,28 @@ pub struct ModelConfig {
     pub bias: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub activation_checkpointing: Option<ActivationCheckpointing>,
-    /// `fused` (default) or `full`: how the GPT's head computes the loss (model/loss.rs).
+    /// `fused` (default) or `full`: how the GPT's head computes the loss (model/loss.rs);
+    /// `python`: the file's loss function, `loss(module, batch)`.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub loss: Option<LossKind>,
+    pub loss: Option<LossSetting>,
     /// Starting weights (safetensors, named as the model names its parameters).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub init_from: Option<PathBuf>,
-    /// `torchscript`: the saved module (relative to the config file's folder).
+    /// `torchscript`: the saved module; `python`: the file that builds it (relative to the
+    /// config file's folder).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub path: Option<PathBuf>,
     /// `torchscript`: the exported method returning the mean loss (default `forward`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub method: Option<String>,
-    /// `rust`: the program's own model settings.
+    /// `python`: the file's function `build(settings) -> torch.nn.Module` (default `build`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub build: Option<String>,
+    /// `python`: the class of the module's repeated blocks, which activation checkpointing
+    /// wraps (default: the blocks of the module's longest list of same-class children).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub blocks: Option<String>,
+    /// `rust`: the program's own model settings; `python`: the dict `build` receives.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub settings: Option<serde_yaml::Value>,
 }
@@ -90,7 +121,10 @@ impl ModelConfig {
             vocab_size: self.vocab_size.unwrap_or(d.vocab_size),
             dropout: self.dropout.unwrap_or(d.dropout),
             bias: self.bias.unwrap_or(d.bias),
-            loss: self.loss.unwrap_or(d.loss),
+            loss: match &self.loss {
+                Some(LossSetting::Kind(k)) => *k,
+                _ => d.loss,
+            },
         }
     }
 
@@ -108,7 +142,7 @@ impl ModelConfig {
             vocab_size: Some(g.vocab_size),
             dropout: Some(g.dropout),
             bias: Some(g.bias),
-            loss: Some(g.loss),
+            loss: Some(LossSetting::Kind(g.loss)),
             activation_checkpointing: Some(self.activation_checkpointing.unwrap_or_default()),
             ..self.clone()
         }
@@ -142,10 +176,15 @@ impl ModelConfig {
                     ("path", self.path.is_some()),
                     ("method", self.method.is_some()),
                     ("settings", self.settings.is_some()),
+                    ("build", self.build.is_some()),
+                    ("blocks", self.blocks.is_some()),
                 ] {
                     if set {
-                        return not_for(key, "is not a key of the built-in GPT (kind: gpt); did you mean kind: torchscript or kind: rust?");
+                        return not_for(key, "is not a key of the built-in GPT (kind: gpt); did you mean kind: python, torchscript or rust?");
                     }
+                }
+                if let Some(LossSetting::Function(f)) = &self.loss {
+                    return not_for("loss", &format!("is `{f}`; the built-in GPT's loss is fused or full"));
                 }
                 self.gpt().validate()?;
             }
@@ -156,20 +195,56 @@ impl ModelConfig {
                         "is a key of the built-in GPT; this model's shape comes from the model itself (remove it)",
                     );
                 }
-                if self.loss.is_some() {
+                let python = kind == ModelKind::Python;
+                if self.loss.is_some() && !python {
                     return not_for(
                         "loss",
-                        "is a key of the built-in GPT (kind: gpt); this model computes its own loss (remove it)",
+                        "is a key of the built-in GPT (kind: gpt) and of kind: python; this model computes its own loss (remove it)",
                     );
                 }
-                if self
-                    .activation_checkpointing
-                    .is_some_and(|a| a != ActivationCheckpointing::None)
+                if !python
+                    && self
+                        .activation_checkpointing
+                        .is_some_and(|a| a != ActivationCheckpointing::None)
                 {
                     return not_for(
                         "activation_checkpointing",
-                        "is available for the built-in GPT only (kind: gpt)",
+                        "is available for the built-in GPT and Python models only (kind: gpt or python)",
                     );
+                }
+                for (key, set) in [("build", self.build.is_some()), ("blocks", self.blocks.is_some())] {
+                    if set && !python {
+                        return not_for(key, "is a key of kind: python");
+                    }
+                }
+                if python {
+                    if self.path.is_none() {
+                        return not_for(
+                            "path",
+                            "is required for kind: python: the .py file whose build(settings) returns the torch.nn.Module",
+                        );
+                    }
+                    if self.method.is_some() {
+                        return not_for(
+                            "method",
+                            "is a key of kind: torchscript; a Python model's loss is its output, or model.loss names a loss(module, batch) function",
+                        );
+                    }
+                    for (key, name) in [
+                        ("build", self.build.as_deref()),
+                        ("loss", self.loss.as_ref().map(|l| l.name())),
+                        ("blocks", self.blocks.as_deref()),
+                    ] {
+                        if let Some(n) = name.filter(|n| !is_identifier(n)) {
+                            return not_for(
+                                key,
+                                &format!("is `{n}`; it must name a Python function or class (an identifier)"),
+                            );
+                        }
+                    }
+                    if self.settings.as_ref().is_some_and(|v| !v.is_mapping()) {
+                        return not_for("settings", "must be a mapping (build receives it as a dict)");
+                    }
                 }
                 if kind == ModelKind::Torchscript && self.path.is_none() {
                     return not_for(
@@ -196,4 +271,11 @@ impl ModelConfig {
         }
         Ok(())
     }
+}
+
+/// A Python identifier (ASCII letters, digits and `_`, not starting with a digit).
+fn is_identifier(s: &str) -> bool {
+    let mut chars = s.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
 }

@@ -4,6 +4,8 @@
 //! evaluation, `micro_batch_size: auto`, the planner and data-parallel training serve them
 //! all alike.
 pub mod gpt;
+#[cfg(feature = "python")]
+pub mod python;
 pub mod tensors;
 pub mod torchscript;
 
@@ -115,6 +117,15 @@ pub trait Task {
     fn formula(&self) -> Option<Estimate> {
         None
     }
+    /// Random state the model keeps outside libtorch's generators (a Python model: Python's
+    /// `random`), saved with checkpoints so that a resume continues it exactly.
+    fn host_rng_state(&self) -> Option<serde_json::Value> {
+        None
+    }
+    /// Puts back what `host_rng_state` returned.
+    fn set_host_rng_state(&self, _state: &serde_json::Value) -> Result<()> {
+        Ok(())
+    }
     /// Everything `model.safetensors` and checkpoints hold: the parameters (under every name
     /// the model gives them: tied weights appear under each) and the buffers.
     fn state(&self) -> Vec<(String, Tensor)> {
@@ -185,12 +196,14 @@ pub fn fingerprint_key(f: &Fingerprint) -> String {
     format!("{:08x}", crc32fast::hash(text.as_bytes()))
 }
 
-/// What a model is built from: the device, the `model` section, the config file's folder
-/// (relative paths), and the data (a model may need its shape). A Rust program's builder
-/// receives one and returns a [`Built`].
+/// What a model is built from: the device, the `model` and `data` sections, the config
+/// file's folder (relative paths). A Rust program's builder receives one and returns a
+/// [`Built`].
 pub struct BuildContext<'a> {
     pub device: Device,
     pub model: &'a ModelConfig,
+    /// The `data` section (a Python model builds `data.source: python` itself).
+    pub data: &'a DataConfig,
     pub base_dir: &'a Path,
     pub config_path: &'a Path,
 }
@@ -236,7 +249,8 @@ impl BuildContext<'_> {
 ///     Ok(Built::new(Mean(Tensor::f_zeros([1], (Kind::Float, ctx.device))?)))
 /// }
 /// # let (model, dir) = (oomguard::model::ModelConfig::default(), std::path::Path::new("."));
-/// # let ctx = BuildContext { device: Device::Cpu, model: &model, base_dir: dir, config_path: dir };
+/// # let data = oomguard::data::DataConfig::default();
+/// # let ctx = BuildContext { device: Device::Cpu, model: &model, data: &data, base_dir: dir, config_path: dir };
 /// let built = build(&ctx)?;
 /// assert_eq!(built.task.parameters().len(), 1);
 /// assert!(built.data.is_none());
@@ -276,28 +290,49 @@ pub fn data_for(m: &ModelConfig, data: &DataConfig, base_dir: &Path, brought: Op
     Dataset::open(data, base_dir, shape)
 }
 
-/// Builds the model a config names (`gpt` or `torchscript`; `rust` models come through
-/// the library with their own builder).
+/// Builds the model a config names (`gpt`, `torchscript` or `python`; `rust` models come
+/// through the library with their own builder).
 pub fn build_from_config(ctx: &BuildContext) -> Result<Built> {
     let task: Box<dyn Task> = match ctx.model.kind {
         ModelKind::Gpt => Box::new(gpt::GptTask::new(&ctx.model.gpt(), ctx.device)?),
         ModelKind::Torchscript => Box::new(torchscript::TorchScriptTask::load(ctx)?),
+        #[cfg(feature = "python")]
+        ModelKind::Python => {
+            let built = python::build(ctx)?;
+            init_from(ctx, built.task.as_ref())?;
+            return Ok(built);
+        }
+        #[cfg(not(feature = "python"))]
+        ModelKind::Python => {
+            return Err(Error::Config(crate::error::ConfigError {
+                origin: ctx.config_path.display().to_string(),
+                line_col: None,
+                key: "model.kind".into(),
+                message: "this oomguard was built without Python models (cargo feature `python`, on by default; the GPU kit leaves it out): use kind torchscript, or a build with the feature".into(),
+            }))
+        }
         ModelKind::Rust => {
             return Err(Error::Config(crate::error::ConfigError {
                 origin: ctx.config_path.display().to_string(),
                 line_col: None,
                 key: "model.kind".into(),
-                message: "rust models are trained by a Rust program that links oomguard and brings its model (see examples/mlp.rs); `oomguard train` trains kind gpt or torchscript".into(),
+                message: "rust models are trained by a Rust program that links oomguard and brings its model (see examples/mlp.rs); `oomguard train` trains kind gpt, python or torchscript".into(),
             }))
         }
     };
+    init_from(ctx, task.as_ref())?;
+    Ok(Built { task, data: None })
+}
+
+/// `model.init_from`, when set: the starting weights.
+fn init_from(ctx: &BuildContext, task: &dyn Task) -> Result<()> {
     if let Some(from) = &ctx.model.init_from {
         let path = if from.is_absolute() {
             from.clone()
         } else {
             ctx.base_dir.join(from)
         };
-        tensors::init_from(task.as_ref(), &path)?;
+        tensors::init_from(task, &path)?;
     }
-    Ok(Built { task, data: None })
+    Ok(())
 }

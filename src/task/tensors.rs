@@ -30,44 +30,64 @@ pub fn read(path: &Path) -> Result<Vec<(String, Tensor)>, String> {
 }
 
 /// Copies `saved` into `into` by name: every tensor of `into` must be present with its
-/// shape (extra saved tensors are refused too, so nothing is silently ignored).
+/// shape (extra saved tensors are refused too, so nothing is silently ignored). A tied
+/// weight (one tensor under two names, an LM head sharing the embedding) needs only one of
+/// its names, as Hugging Face's files keep it. The error lists every missing, unexpected and
+/// mis-shaped name at once.
 pub fn copy_into(saved: &[(String, Tensor)], into: &[(String, Tensor)]) -> Result<(), String> {
     let by_name: HashMap<&str, &Tensor> = saved.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    let missing: Vec<&str> = into
+    let same = |a: &Tensor, b: &Tensor| a.data_ptr() == b.data_ptr() && a.size() == b.size();
+    // A name of `into` is covered when the file has it, or has a name tied to it.
+    let source = |name: &str, t: &Tensor| -> Option<&Tensor> {
+        by_name.get(name).copied().or_else(|| {
+            into.iter()
+                .find(|(m, u)| m != name && same(u, t) && by_name.contains_key(m.as_str()))
+                .map(|(m, _)| by_name[m.as_str()])
+        })
+    };
+    let missing: Vec<String> = into
         .iter()
-        .map(|(n, _)| n.as_str())
-        .filter(|n| !by_name.contains_key(n))
+        .filter(|(n, t)| source(n, t).is_none())
+        .map(|(n, _)| format!("`{n}`"))
         .collect();
-    if !missing.is_empty() {
-        return Err(format!(
-            "has no {} (of {} the model needs), e.g. `{}`",
-            plural(missing.len(), "tensor"),
-            into.len(),
-            missing[..missing.len().min(3)].join("`, `")
-        ));
+    let unexpected: Vec<String> = saved
+        .iter()
+        .filter(|(n, _)| !into.iter().any(|(m, _)| m == n))
+        .map(|(n, _)| format!("`{n}`"))
+        .collect();
+    let misshaped: Vec<String> = into
+        .iter()
+        .filter_map(|(n, t)| {
+            let s = source(n, t)?;
+            (s.size() != t.size()).then(|| format!("`{n}` ({:?} in the file, {:?} in the model)", s.size(), t.size()))
+        })
+        .collect();
+    let mut parts = vec![];
+    for (what, names) in [
+        ("missing", &missing),
+        ("unexpected", &unexpected),
+        ("mis-shaped", &misshaped),
+    ] {
+        if !names.is_empty() {
+            let shown = names[..names.len().min(8)].join(", ");
+            let more = if names.len() > 8 {
+                format!(" and {} more", names.len() - 8)
+            } else {
+                String::new()
+            };
+            parts.push(format!("{} {what}: {shown}{more}", plural(names.len(), "tensor")));
+        }
     }
-    let extra: Vec<&str> = saved
-        .iter()
-        .map(|(n, _)| n.as_str())
-        .filter(|n| !into.iter().any(|(m, _)| m == n))
-        .collect();
-    if !extra.is_empty() {
+    if !parts.is_empty() {
         return Err(format!(
-            "holds {} the model does not have, e.g. `{}`",
-            plural(extra.len(), "tensor"),
-            extra[..extra.len().min(3)].join("`, `")
+            "does not match the model's {} tensors: {}",
+            into.len(),
+            parts.join("; ")
         ));
     }
     let _no_grad = tch::no_grad_guard();
     for (name, t) in into {
-        let src = by_name[name.as_str()];
-        if src.size() != t.size() {
-            return Err(format!(
-                "`{name}` has shape {:?}, the model's is {:?}",
-                src.size(),
-                t.size()
-            ));
-        }
+        let src = source(name, t).expect("checked above");
         t.shallow_clone().f_copy_(src).map_err(|e| format!("`{name}`: {e}"))?;
     }
     Ok(())

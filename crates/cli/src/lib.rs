@@ -190,10 +190,28 @@ pub fn finish(result: anyhow::Result<()>, code_of: impl Fn(&anyhow::Error) -> i3
         Err(err) => {
             if err.downcast_ref::<ExitCode>().is_none() {
                 tracing::error!("{err:#}");
+                write_error_file(&format!("{err:#}"));
             }
             code_of(&err)
         }
     }
+}
+
+/// Under a launcher (`TORCHELASTIC_ERROR_FILE`, torchelastic's contract): the error, a
+/// Python model's traceback included, for the launcher's failure summary. A file the
+/// process already wrote (a user's `@record`) is kept.
+fn write_error_file(message: &str) {
+    let Some(path) = std::env::var_os("TORCHELASTIC_ERROR_FILE").map(std::path::PathBuf::from) else {
+        return;
+    };
+    if path.exists() {
+        return;
+    }
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let v = serde_json::json!({"message": {"message": message, "extraInfo": {"timestamp": secs.to_string()}}});
+    let _ = std::fs::write(&path, v.to_string());
 }
 
 /// Replaces this process with `oomguard-torch` from the same folder, same arguments.

@@ -117,6 +117,9 @@ impl Run<'_> {
         {
             extra.insert("loss".into(), serde_json::json!(LossKind::Fused.name()));
         }
+        if let Some(state) = self.task.host_rng_state() {
+            extra.insert("host_rng".into(), state);
+        }
         if let Some((scale, tracker)) = self.scaler.as_ref().map(Scaler::state) {
             extra.insert("loss_scale".into(), serde_json::json!(scale));
             extra.insert("growth_tracker".into(), serde_json::json!(tracker));

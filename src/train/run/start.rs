@@ -62,6 +62,7 @@ impl<'a> Run<'a> {
         let ctx = BuildContext {
             device,
             model: &c.model,
+            data: &c.data,
             base_dir: &base,
             config_path: &cfg.path,
         };
@@ -172,6 +173,9 @@ impl<'a> Run<'a> {
                 if lead {
                     checkpoint::restore(&dir, task.as_ref(), &mut opt, device)
                         .map_err(|e| init_failure(e, cfg, device, "restoring the checkpoint"))?;
+                }
+                if let Some(rng) = state.extra.get("host_rng") {
+                    task.set_host_rng_state(rng)?;
                 }
                 // Rungs climbed before the checkpoint stay climbed.
                 if state.extra.get("activation_checkpointing").and_then(|v| v.as_bool()) == Some(true) {
@@ -470,20 +474,36 @@ fn check_loss(task: &dyn Task, data: &Dataset, device: Device, cfg: &Config, pre
             message,
         })
     };
-    let (x, y) = match data.train.batch(&[0], device) {
+    // Two samples where there are two: a per-sample loss of one sample looks like a scalar.
+    let first: &[usize] = if data.train.num_positions() > 1 { &[0, 1] } else { &[0] };
+    let samples = if first.len() == 1 { "one sample" } else { "two samples" };
+    let (x, y) = match data.train.batch(first, device) {
         Ok(b) => b,
         Err(Error::Oom(_)) => return Ok(()), // the guard will deal with memory
         Err(e) => return Err(e),
     };
-    match task.eval_loss(&x, &y).map_err(Error::from) {
-        Ok(loss) if loss.numel() == 1 && matches!(loss.kind(), Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16) => Ok(()),
+    // A user's module (Python, TorchScript) is checked with autograd on, in eval mode (no
+    // dropout, no BatchNorm update, no random draw): a loss cut off from the parameters
+    // (detached, under no_grad) is refused now rather than failing in backward.
+    let users = matches!(cfg.raw.model.kind, ModelKind::Python | ModelKind::Torchscript);
+    let float = |l: &Tensor| matches!(l.kind(), Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16);
+    let loss = match users {
+        true => tch::with_grad(|| task.eval_loss(&x, &y)),
+        false => task.eval_loss(&x, &y),
+    };
+    match loss.map_err(Error::from) {
+        Ok(loss) if loss.numel() == 1 && float(&loss) && users && !loss.requires_grad() => Err(bad(format!(
+            "{}: the loss on {samples} has no gradient (it does not depend on the parameters through autograd: detached, computed under no_grad, or converted with .item()); return the loss tensor as computed",
+            task.describe()
+        ))),
+        Ok(loss) if loss.numel() == 1 && float(&loss) => Ok(()),
         Ok(loss) => Err(bad(format!(
-            "{}: the loss on one sample (inputs {}, targets {}) is a tensor {}; it must be the mean loss, a floating-point scalar",
-            task.describe(), describe(&x), describe(&y), describe(&loss)
+            "{}: the loss on {} (inputs {}, targets {}) is a tensor {}; it must be the mean loss, a floating-point scalar",
+            task.describe(), samples, describe(&x), describe(&y), describe(&loss)
         ))),
         Err(Error::Oom(_)) => Ok(()),
         Err(e) => Err(bad(format!(
-            "{} cannot compute the loss of one sample of {} (inputs {}, targets {}): {}",
+            "{} cannot compute the loss of {samples} of {} (inputs {}, targets {}): {}",
             task.describe(), data.train.name(), describe(&x), describe(&y), task::error_line(&e.to_string())
         ))),
     }

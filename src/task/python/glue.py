@@ -1,0 +1,239 @@
+"""oomguard's Python side of `model.kind: python`, run by the interpreter embedded in
+oomguard-torch (src/task/python/mod.rs). It loads the user's files, calls their functions,
+and hands tensors back as they are (the same at::Tensor on both sides, no copy).
+
+Invariant: nothing here keeps a reference to a forward's tensors once it returns or raises:
+an OOM's traceback (and its frames' activations) is dropped before the guard retries.
+"""
+import importlib.util
+import os
+import random
+import sys
+import traceback
+from collections.abc import Mapping
+
+import torch
+
+
+class UserError(Exception):
+    """Bad input, refused with exit 2: `key` is the config key, the message says the fix."""
+
+    def __init__(self, key, message):
+        super().__init__(message)
+        self.key = key
+        self.message = message
+
+
+def _venv_pip():
+    # site-packages -> lib/pythonX.Y -> lib -> the venv
+    site = os.environ.get("OOMGUARD_PYTHON_SITE_PACKAGES", "")
+    venv = os.path.dirname(os.path.dirname(os.path.dirname(site))) if site else ""
+    return os.path.join(venv, "bin", "python") + " -m pip install" if venv else "pip install"
+
+
+def _short_traceback(exc, tb=None):
+    """The traceback's frames in the user's files and the error line, without ours."""
+    frames = [
+        f for f in traceback.extract_tb(tb or exc.__traceback__)
+        if f.filename != __file__ and not f.filename.startswith("<frozen")
+    ]
+    lines = traceback.format_list(frames) + traceback.format_exception_only(type(exc), exc)
+    return "".join(lines).rstrip()
+
+
+def load(path, key, what):
+    """Executes the user's file as a module of its own; its folder goes on sys.path, so that
+    its own imports of files beside it work."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    name = "oomguard_user_" + what + "_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise UserError(key, f"{path} has a syntax error, line {e.lineno}: {e.msg}\n{_short_traceback(e)}") from None
+    except ModuleNotFoundError as e:
+        package = (e.name or "?").split(".")[0]
+        raise UserError(
+            key,
+            f"{path} imports `{package}`, which the venv oomguard runs in lacks: install it with "
+            f"`{_venv_pip()} {package}` (or point OOMGUARD_VENV at a venv that has it and the same torch)",
+        ) from None
+    except Exception as e:  # noqa: BLE001 (any failure while loading is the file's)
+        raise UserError(key, f"{path} raised {type(e).__name__} while loading:\n{_short_traceback(e)}") from None
+    return module
+
+
+def function(module, path, name, key, what):
+    f = getattr(module, name, None)
+    if not callable(f):
+        found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise UserError(
+            key,
+            f"{path} has no function `{name}` ({what}); its functions: {', '.join(found) or 'none'}",
+        )
+    return f
+
+
+def build_model(path, build, loss, settings, device):
+    module_file = load(path, "model.path", "model")
+    make = function(module_file, path, build, "model.build", "build(settings) -> torch.nn.Module")
+    loss_fn = function(module_file, path, loss, "model.loss", "loss(module, batch)") if loss else None
+    try:
+        module = make(dict(settings))
+    except Exception as e:  # noqa: BLE001
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        raise UserError("model.build", f"{path}: {build}(settings) raised:\n{_short_traceback(e)}") from None
+    if not isinstance(module, torch.nn.Module):
+        raise UserError(
+            "model.build",
+            f"{path}: {build}(settings) returned {type(module).__name__}; it must return a torch.nn.Module",
+        )
+    return Model(module.to(device), loss_fn, device)
+
+
+def _loss_of(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    raise UserError(
+        "model.loss",
+        f"the module returned {type(out).__name__}, not a loss: return the scalar mean loss, an object with "
+        "`.loss` or a mapping with 'loss', or name a loss(module, batch) function in model.loss",
+    )
+
+
+def _fields_to(batch, device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {k: _fields_to(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_fields_to(v, device) for v in batch)
+    return batch
+
+
+class Model:
+    def __init__(self, module, loss_fn, device):
+        self.module = module
+        self.loss_fn = loss_fn
+        self.device = device
+        self.training = None
+        self.blocks = []
+
+    def parameters(self):
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+
+    def state(self):
+        # keep_vars: the parameters themselves; tied weights appear under each name.
+        return [(n, t) for n, t in self.module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)]
+
+    def loss(self, batch, train):
+        if self.training is not train:
+            self.module.train(train)
+            self.training = train
+        batch = _fields_to(batch, self.device)
+        if self.loss_fn is not None:
+            out = self.loss_fn(self.module, batch)
+        elif isinstance(batch, Mapping):
+            out = self.module(**batch)
+        elif isinstance(batch, (tuple, list)):
+            out = self.module(*batch)
+        else:
+            out = self.module(batch)
+        return _loss_of(out)
+
+    # Activation checkpointing: each block's forward recomputed in backward.
+    def find_blocks(self, class_name):
+        if class_name:
+            return [m for m in self.module.modules() if type(m).__name__ == class_name]
+        best = []
+        for m in self.module.modules():
+            if isinstance(m, torch.nn.ModuleList) and len(m) > 1 and len({type(b) for b in m}) == 1:
+                if len(m) > len(best):
+                    best = list(m)
+        return best
+
+    def set_checkpointing(self, on, class_name):
+        import torch.utils.checkpoint as ckpt
+
+        if not self.blocks:
+            self.blocks = self.find_blocks(class_name)
+        for block in self.blocks:
+            if on and "forward" not in vars(block):
+                inner = block.forward
+
+                def forward(*args, _inner=inner, **kwargs):
+                    if not torch.is_grad_enabled():
+                        return _inner(*args, **kwargs)
+                    return ckpt.checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+                block.forward = forward
+            elif not on and "forward" in vars(block):
+                del block.forward
+        return len(self.blocks)
+
+
+def _stack(field):
+    first = field[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(field)
+    if isinstance(first, Mapping):
+        return {k: _stack([f[k] for f in field]) for k in first}
+    return torch.as_tensor(field)
+
+
+def default_collate(items):
+    first = items[0]
+    if isinstance(first, (tuple, list)):
+        return tuple(_stack(list(f)) for f in zip(*items))
+    return _stack(items)
+
+
+class Data:
+    """The train and val datasets a data file builds, and how a batch is made of items."""
+
+    def __init__(self, path, build, settings):
+        data_file = load(path, "data.path", "data")
+        make = function(data_file, path, build, "data.build", "build(settings, split) -> a map-style dataset")
+        self.collate = getattr(data_file, "collate", None) or default_collate
+        self.splits = []
+        for split in ("train", "val"):
+            try:
+                ds = make(dict(settings), split)
+            except Exception as e:  # noqa: BLE001
+                raise UserError("data.build", f"{path}: {build}(settings, {split!r}) raised:\n{_short_traceback(e)}") from None
+            if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
+                raise UserError(
+                    "data.build",
+                    f"{path}: {build}(settings, {split!r}) returned {type(ds).__name__}; it must return a map-style "
+                    "dataset (with __len__ and __getitem__)",
+                )
+            if len(ds) < 1:
+                raise UserError("data.build", f"{path}: {build}(settings, {split!r}) returned an empty dataset")
+            self.splits.append(ds)
+
+    def len(self, split):
+        return len(self.splits[split])
+
+    def batch(self, split, indices):
+        ds = self.splits[split]
+        return self.collate([ds[i] for i in indices])
+
+
+def python_rng_state():
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def set_python_rng_state(state):
+    version, internal, gauss = state
+    random.setstate((version, tuple(internal), gauss))

@@ -1,0 +1,461 @@
+//! `model.kind: python` and `data.source: python`: the user's PyTorch modules and datasets,
+//! trained in-process by the real binary, checked against eager PyTorch in the set-up's venv
+//! (tests/scripts/py_reference.py). The models are transformers' GPT2LMHeadModel and
+//! LlamaForCausalLM from tiny configs (no download), a module TorchScript refuses, and a
+//! classifier over a map-style dataset (tests/models/).
+#![cfg(feature = "python")]
+mod common;
+use common::*;
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const ARCHS: [&str; 2] = ["gpt2", "llama"];
+
+fn model_file(name: &str) -> String {
+    script(&format!("tests/models/{name}"))
+}
+
+/// A byte-level corpus the reference reads the same way (data.source: text).
+fn corpus(dir: &Path) {
+    let text: String = (0..600)
+        .map(|i| format!("{} little birds sang {} songs at dawn.\n", i % 17, (i * 7) % 13))
+        .collect();
+    std::fs::write(dir.join("corpus.txt"), text).unwrap();
+}
+
+/// A transformers model over the corpus: global batch 8, 1 thread.
+fn hf_config(dir: &Path, arch: &str, steps: u64, extra: &str) -> PathBuf {
+    corpus(dir);
+    write_config(dir, &format!("{arch}.yaml"), &format!("
+model: {{kind: python, path: {file}, loss: loss, settings: {{arch: {arch}, block: 32}}, block_size: 32}}
+data: {{source: text, path: corpus.txt, val_fraction: 0.1}}
+optim: {{lr: 3.0e-3, min_lr: 3.0e-4, warmup_steps: 3, decay_steps: 30, weight_decay: 0.1, beta1: 0.9, beta2: 0.95, eps: 1.0e-8, grad_clip: 1.0}}
+train: {{micro_batch_size: 8, grad_accum_steps: 1, max_steps: {steps}, eval_every: 0, eval_batch_size: 8, eval_batches: 1, seed: 5, device: cpu, num_threads: 1}}
+log: {{every: 1}}
+{extra}", file = model_file("hf.py")))
+}
+
+fn reference_config(dir: &Path, steps: u64) -> Value {
+    json!({"data": dir.join("corpus.txt"), "block": 32, "val_fraction": 0.1, "seed": 5, "global_batch": 8, "steps": steps,
+           "lr": 3e-3, "min_lr": 3e-4, "warmup": 3, "decay_steps": 30, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95,
+           "eps": 1e-8, "grad_clip": 1.0, "eval_batch": 8})
+}
+
+fn reference(mode: &str, arch: &str, config: &Value, extra: &[&str]) -> Value {
+    let settings = json!({"arch": arch, "block": 32}).to_string();
+    let mut args = vec![
+        script("tests/scripts/py_reference.py"),
+        mode.into(),
+        "--file".into(),
+        model_file("hf.py"),
+        "--settings".into(),
+        settings,
+        "--config".into(),
+        config.to_string(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let out = python(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    serde_json::from_str(out.lines().last().unwrap()).unwrap()
+}
+
+fn close(a: &[f64], b: &[f64], tol: f64) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= tol)
+}
+
+/// Over 10 steps each model's losses are a plain eager PyTorch loop's (same initial weights,
+/// samples, AdamW) within 1e-5, and its model.safetensors loads back with `from_pretrained`,
+/// every tensor as saved, giving the run's own evaluation loss.
+#[test]
+fn transformers_models_train_like_eager_pytorch_and_load_with_from_pretrained() {
+    for arch in ARCHS {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = hf_config(dir.path(), arch, 10, "");
+        let run = train_ok(dir.path(), &cfg, &[]);
+        let ours = losses(&run);
+        let theirs: Vec<f64> = reference("train", arch, &reference_config(dir.path(), 10), &[])["losses"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        assert!(
+            close(&ours, &theirs, 1e-5),
+            "{arch}: oomguard {ours:?}\neager {theirs:?}"
+        );
+        assert!(ours[9] < ours[0] - 0.5, "{arch} does not train: {ours:?}");
+        let weights = run.join("model.safetensors");
+        let back = reference(
+            "pretrained",
+            arch,
+            &reference_config(dir.path(), 10),
+            &["--weights", weights.to_str().unwrap()],
+        );
+        assert_eq!(back["max_diff"].as_f64(), Some(0.0), "{arch}: {back}");
+        let eval = records(&run, "eval");
+        let val = eval.last().unwrap()["val_loss"].as_f64().unwrap();
+        assert!(
+            (back["val_loss"].as_f64().unwrap() - val).abs() < 1e-5,
+            "{arch}: {back} vs {val}"
+        );
+    }
+}
+
+/// An injected OOM (forward, backward, optimizer: wherever it lands) and a real one (a budget
+/// the configured micro-batch does not fit in) are recovered with the same samples: each run
+/// ends at the clean run's parameters.
+#[test]
+fn an_injected_and_a_budget_oom_end_at_the_clean_runs_parameters() {
+    for arch in ARCHS {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = hf_config(dir.path(), arch, 8, "");
+        let clean = train_into(dir.path(), &cfg, "clean", &[]);
+        let injected = train_into(dir.path(), &cfg, "injected", &["--inject-oom", "3:11"]);
+        let budget = hf_config(dir.path(), arch, 8, "memory: {budget: 2MiB}\n");
+        let tight = train_into(dir.path(), &budget, "budget", &[]);
+        assert!(records(&tight, "oom").len() >= 1, "{arch}: the budget caused no OOM");
+        let injected_ooms = records(&injected, "oom").len();
+        assert_eq!(injected_ooms, 3, "{arch}");
+        for (name, run) in [("injected", &injected), ("budget", &tight)] {
+            let d = max_abs_diff(&weights(&clean), &weights(run));
+            assert!(d < 1e-5, "{arch} {name}: parameters differ from the clean run's by {d}");
+            let steps = records(run, "step");
+            assert!(steps.iter().all(|s| s["num_samples"] == 8), "{arch} {name}: {steps:?}");
+        }
+    }
+}
+
+fn branchy_config(dir: &Path, steps: u64, extra: &str) -> PathBuf {
+    write_config(dir, "branchy.yaml", &format!("
+model: {{kind: python, path: {file}, settings: {{dim: 32, depth: 3}}, block_size: 32}}
+data: {{source: embedded, embedded_bytes: 65536}}
+optim: {{lr: 3.0e-3, min_lr: 3.0e-4, warmup_steps: 2}}
+train: {{micro_batch_size: 8, grad_accum_steps: 2, max_steps: {steps}, eval_every: 0, eval_batch_size: 8, eval_batches: 2, seed: 7, device: cpu, num_threads: 1}}
+log: {{every: 1}}
+{extra}", file = model_file("branchy.py")))
+}
+
+fn wait_for_steps(run: &Path, n: usize) {
+    let t = Instant::now();
+    while std::fs::read_to_string(run.join("metrics.jsonl"))
+        .map(|m| m.matches("\"event\":\"step\"").count())
+        .unwrap_or(0)
+        < n
+    {
+        assert!(t.elapsed() < Duration::from_secs(60), "no progress");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// SIGINT mid-run, then --resume: the weights are bitwise those of an uninterrupted run, for
+/// a module whose forward draws from Python's `random` (stochastic depth) and runs a custom
+/// autograd.Function: the checkpoint carries Python's random state.
+#[test]
+fn sigint_then_resume_is_bitwise_with_pythons_random_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = branchy_config(dir.path(), 600, "");
+    let whole = train_into(dir.path(), &cfg, "whole", &[]);
+    let run = dir.path().join("run");
+    let child = isolated(dies_with_test(&mut Command::new(bin())), dir.path())
+        .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()])
+        .current_dir(dir.path())
+        .env("OMP_NUM_THREADS", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_steps(&run, 20);
+    assert!(Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130), "{}", String::from_utf8_lossy(&out.stderr));
+    let stopped = records(&run, "stopped");
+    assert_eq!(stopped.len(), 1);
+    let o = oomguard(&["train", "--run-dir", run.to_str().unwrap(), "--resume"], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(records(&run, "resumed").len(), 1);
+    assert_eq!(
+        max_abs_diff(&weights(&whole), &weights(&run)),
+        0.0,
+        "resume is not exact"
+    );
+    // The stochastic depth is Python's: without its state restored the runs would part.
+    let state: Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            std::fs::read_dir(run.join("checkpoints"))
+                .unwrap()
+                .flatten()
+                .find(|e| e.file_name().to_string_lossy().starts_with("step-"))
+                .unwrap()
+                .path()
+                .join("state.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    assert!(state["extra"]["host_rng"].is_array(), "{}", state["extra"]);
+}
+
+/// Two ranks over Gloo under the real launcher end where one process does.
+#[test]
+fn two_ranks_equal_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = hf_config(dir.path(), "gpt2", 6, "");
+    let single = train_into(dir.path(), &cfg, "single", &[]);
+    let two = dir.path().join("two");
+    let o = oomguard(
+        &[
+            "train",
+            cfg.to_str().unwrap(),
+            "--run-dir",
+            two.to_str().unwrap(),
+            "--nproc-per-node",
+            "2",
+        ],
+        dir.path(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let steps = records(&two, "step");
+    assert!(steps.iter().all(|s| s["world_size"] == 2), "{steps:?}");
+    let d = max_abs_diff(&weights(&single), &weights(&two));
+    assert!(d < 1e-5, "2 ranks differ from 1 process by {d}");
+}
+
+/// A module TorchScript refuses trains; `model.init_from` fine-tunes it from the run's
+/// weights (its first loss is the trained model's, not a fresh one's); a file of another
+/// shape is refused with exit 2, listing the missing, unexpected and mis-shaped keys.
+#[test]
+fn a_module_torchscript_refuses_trains_and_fine_tunes_from_init_from() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = branchy_config(dir.path(), 30, "");
+    let first = train_into(dir.path(), &cfg, "first", &[]);
+    let l = losses(&first);
+    assert!(l[29] < l[0] - 1.0, "{l:?}");
+    let saved = first.join("model.safetensors");
+    let tune = branchy_config(dir.path(), 5, &format!("# fine-tune\n").replace("# fine-tune\n", ""));
+    let yaml = std::fs::read_to_string(&tune).unwrap().replace(
+        "block_size: 32}",
+        &format!("block_size: 32, init_from: {}}}", saved.display()),
+    );
+    let tune = write_config(dir.path(), "tune.yaml", &yaml);
+    let tuned = train_into(dir.path(), &tune, "tuned", &[]);
+    let t = losses(&tuned);
+    assert!(
+        t[0] < l[0] - 1.0,
+        "fine-tuning starts where the first run ended: {t:?} vs {l:?}"
+    );
+    // Another shape: depth 4 and dim 48.
+    let other = write_config(
+        dir.path(),
+        "other.yaml",
+        &yaml.replace("{dim: 32, depth: 3}", "{dim: 48, depth: 4}"),
+    );
+    let o = oomguard(&["train", other.to_str().unwrap(), "--run-dir", "bad"], dir.path());
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    for needle in [
+        "model.init_from",
+        "missing",
+        "blocks.3.up.weight",
+        "mis-shaped",
+        "emb.weight",
+    ] {
+        assert!(err.contains(needle), "`{needle}` not in: {err}");
+    }
+    // Hugging Face's layout leaves out tied weights (lm_head is wte): accepted.
+    let hf = hf_config(dir.path(), "gpt2", 3, "");
+    let gpt = train_into(dir.path(), &hf, "gpt", &[]);
+    let untied = dir.path().join("hf.safetensors");
+    python(&[
+        "-c",
+        &format!(
+            "from safetensors.torch import load_file, save_file; d = load_file({:?}); del d['lm_head.weight']; save_file(d, {:?})",
+            gpt.join("model.safetensors").display().to_string(),
+            untied.display().to_string()
+        ),
+    ]);
+    let yaml = std::fs::read_to_string(&hf).unwrap().replace(
+        "block_size: 32}",
+        &format!("block_size: 32, init_from: {}}}", untied.display()),
+    );
+    let from_hf = write_config(dir.path(), "from-hf.yaml", &yaml);
+    let resumed = train_into(dir.path(), &from_hf, "from-hf", &[]);
+    assert!(losses(&resumed)[0] < losses(&gpt)[0] - 0.1);
+}
+
+/// A map-style dataset whose items are (features, int label), batched by the file's
+/// collate: the classifier learns (the held-out loss falls below 0.1), and a rank's
+/// samples are oomguard's (the step record counts the global batch).
+#[test]
+fn a_dataset_with_collate_trains_a_classifier() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = model_file("classify.py");
+    let cfg = write_config(dir.path(), "cls.yaml", &format!("
+model: {{kind: python, path: {file}, settings: {{hidden: 32}}}}
+data: {{source: python, path: {file}, build: dataset, settings: {{n: 512}}}}
+optim: {{lr: 1.0e-2, min_lr: 1.0e-3, warmup_steps: 2}}
+train: {{micro_batch_size: 16, grad_accum_steps: 2, max_steps: 40, eval_every: 20, eval_batch_size: 16, eval_batches: 4, seed: 7, device: cpu, num_threads: 1}}
+log: {{every: 1}}
+"));
+    let run = train_ok(dir.path(), &cfg, &["--inject-oom", "2"]);
+    let evals = records(&run, "eval");
+    let first = evals.first().unwrap()["val_loss"].as_f64().unwrap();
+    let last = evals.last().unwrap()["val_loss"].as_f64().unwrap();
+    assert!(last < 0.1 && last <= first, "{evals:?}");
+    assert!(records(&run, "step").iter().all(|s| s["num_samples"] == 32));
+    assert_eq!(records(&run, "oom").len(), 2);
+}
+
+/// Every kind of bad Python input exits 2 naming the file, the config key and the fix, and
+/// writes nothing into the run directory.
+#[test]
+fn bad_python_files_exit_2_naming_the_file_and_the_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let ok_model = "import torch\nfrom torch import nn\nclass M(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.w = nn.Linear(4, 1)\n    def forward(self, x, y):\n        return ((self.w(x.float()) - y.float()) ** 2).mean()\ndef build(s):\n    return M()\n";
+    let cases: Vec<(&str, String, &str, Vec<&str>)> = vec![
+        (
+            "missing file",
+            String::new(),
+            "path: nowhere.py",
+            vec!["model.path", "nowhere.py", "does not exist"],
+        ),
+        (
+            "no function",
+            ok_model.into(),
+            "build: make",
+            vec!["model.build", "no function `make`", "build"],
+        ),
+        (
+            "syntax error",
+            "def build(s:\n    return 1\n".into(),
+            "",
+            vec!["model.path", "syntax error", "line 1"],
+        ),
+        (
+            "missing package",
+            format!("import not_a_package_xyz\n{ok_model}"),
+            "",
+            vec!["model.path", "not_a_package_xyz", "pip install not_a_package_xyz"],
+        ),
+        (
+            "build raises",
+            "def build(s):\n    raise ValueError('no such size: ' + str(s['size']))\n".into(),
+            "settings: {size: 7}",
+            vec!["model.build", "ValueError", "no such size: 7"],
+        ),
+        (
+            "not a module",
+            "def build(s):\n    return 42\n".into(),
+            "",
+            vec!["model.build", "returned int", "torch.nn.Module"],
+        ),
+        (
+            "loss not scalar",
+            ok_model.replace(
+                "return ((self.w(x.float()) - y.float()) ** 2).mean()",
+                "return self.w(x.float())",
+            ),
+            "",
+            vec!["model", "scalar"],
+        ),
+        (
+            "loss without gradient",
+            ok_model.replace(
+                "return ((self.w(x.float()) - y.float()) ** 2).mean()",
+                "return ((self.w(x.float()) - y.float()) ** 2).mean().detach()",
+            ),
+            "",
+            vec!["model", "gradient"],
+        ),
+        (
+            "returns a string",
+            ok_model.replace("return ((self.w(x.float()) - y.float()) ** 2).mean()", "return 'loss'"),
+            "",
+            vec!["model.loss", "returned str"],
+        ),
+    ];
+    let rows = "import torch\nfrom safetensors.torch import save_file\nsave_file({'inputs': torch.randn(64, 4), 'targets': torch.randn(64, 1)}, 'rows.safetensors')\n";
+    let here = dir.path().to_str().unwrap().to_string();
+    python(&["-c", &format!("import os; os.chdir({here:?})\n{rows}")]);
+    for (name, source, extra, needles) in cases {
+        let file = dir.path().join("m.py");
+        std::fs::write(&file, &source).unwrap();
+        let (path, extra) = match extra.strip_prefix("path: ") {
+            Some(p) => (p.to_string(), String::new()),
+            None => (
+                "m.py".to_string(),
+                if extra.is_empty() {
+                    String::new()
+                } else {
+                    format!(", {extra}")
+                },
+            ),
+        };
+        let cfg = write_config(
+            dir.path(),
+            "bad.yaml",
+            &format!(
+                "
+model: {{kind: python, path: {path}{extra}}}
+data: {{source: tensors, path: rows.safetensors}}
+train: {{micro_batch_size: 4, grad_accum_steps: 1, max_steps: 2, eval_every: 0, device: cpu, num_threads: 1}}
+"
+            ),
+        );
+        let run = dir.path().join("run");
+        let o = oomguard(
+            &["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()],
+            dir.path(),
+        );
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{name}: {err}");
+        assert!(err.contains("bad.yaml"), "{name}: the config file is not named: {err}");
+        for n in needles {
+            assert!(err.contains(n), "{name}: `{n}` not in: {err}");
+        }
+        assert!(!err.contains("panicked"), "{name}: {err}");
+        assert!(
+            !run.join("checkpoints").exists() && !run.join("model.safetensors").exists(),
+            "{name}"
+        );
+    }
+}
+
+/// An exception in the module mid-training (not an OOM) exits 1; the Python traceback, with
+/// the user's file and line, is in the log and in the launcher's error file.
+#[test]
+fn an_exception_while_training_exits_1_with_its_traceback() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = std::fs::read_to_string(model_file("branchy.py")).unwrap().replace(
+        "        h = self.emb(x)\n",
+        "        h = self.emb(x)\n        if self.training:\n            self.calls = getattr(self, 'calls', 0) + 1\n            if self.calls == 7:\n                raise KeyError('the seventh call')\n",
+    );
+    std::fs::write(dir.path().join("flaky.py"), source).unwrap();
+    let yaml = std::fs::read_to_string(branchy_config(dir.path(), 10, "")).unwrap();
+    let yaml = yaml.replace(&model_file("branchy.py"), "flaky.py");
+    let cfg = write_config(dir.path(), "flaky.yaml", &yaml);
+    let run = dir.path().join("run");
+    let error_file = dir.path().join("error.json");
+    let o = isolated(&mut Command::new(bin()), dir.path())
+        .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()])
+        .current_dir(dir.path())
+        .env("OMP_NUM_THREADS", "1")
+        .env("TORCHELASTIC_ERROR_FILE", &error_file)
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    let log = std::fs::read_to_string(run.join("train.log")).unwrap();
+    let file = std::fs::read_to_string(&error_file).unwrap();
+    for text in [&log, &file] {
+        assert!(
+            text.contains("flaky.py") && text.contains("the seventh call") && text.contains("KeyError"),
+            "{text}"
+        );
+    }
+    assert_eq!(records(&run, "step").len(), 3, "the steps before the error are logged");
+}
