@@ -5,6 +5,7 @@
 #include "snapshot.h"
 
 #include <ATen/record_function.h>
+#include <torch/csrc/profiler/combined_traceback.h>
 
 #include <chrono>
 #include <deque>
@@ -34,6 +35,7 @@ struct Capture {
 };
 Capture g_oom;
 bool g_have_oom = false;
+std::string g_oom_python;  // the Python frames at the last failure ("" without Python)
 at::CallbackHandle g_callback = 0;
 
 // Names (ops and modules), interned: id 0 is "". Both maps are keyed by views into g_names,
@@ -158,7 +160,40 @@ void on_free(void* p) {
   push(r);
 }
 
+namespace {
+// A Python model's frames when an allocation fails, innermost first ("file:line in name"),
+// through the unwinder torch's Python module registers (none without Python: ""). Taken
+// before g_mu: gathering takes the GIL. nn.Module's call plumbing and oomguard's glue are
+// left out; site-packages paths are cut to the package.
+std::string python_stack() {
+  try {
+    auto tb = torch::CapturedTraceback::gather(/*python=*/true, /*script=*/false, /*cpp=*/false);
+    if (!tb) return "";
+    auto st = torch::symbolize({tb.get()});
+    if (st.tracebacks.empty()) return "";
+    std::string out;
+    int kept = 0;
+    for (auto i : st.tracebacks[0]) {
+      const auto& f = st.all_frames.at(i);
+      std::string file = f.filename;
+      if (file.find("torch/nn/modules/module.py") != std::string::npos || file.find("oomguard_glue") != std::string::npos ||
+          file.rfind("<frozen", 0) == 0)
+        continue;
+      auto site = file.find("site-packages/");
+      if (site != std::string::npos) file = file.substr(site + 14);
+      if (!out.empty()) out += "\n";
+      out += file + ":" + std::to_string(f.lineno) + " in " + f.funcname;
+      if (++kept == 8) break;
+    }
+    return out;
+  } catch (...) {
+    return "";
+  }
+}
+}  // namespace
+
 void on_oom(size_t n, int64_t live, int64_t budget) {
+  std::string python = python_stack();
   og_snap_rec r = context(OG_SNAP_OOM, 0, static_cast<int64_t>(n));
   const bool in_op = !t_ops.empty();
   std::lock_guard<std::mutex> g(g_mu);
@@ -171,6 +206,7 @@ void on_oom(size_t n, int64_t live, int64_t budget) {
   g_oom.info.budget = budget;
   g_oom.info.failing = r;
   g_oom.info.op_seq = in_op ? t_top_seq : g_seq.load();
+  g_oom_python = std::move(python);
   g_have_oom = true;
 }
 
@@ -234,6 +270,11 @@ void og_snap_mark_attempt() {
   g_attempt_seq.store(g_seq.load());
   g_attempt_event = g_written;
   g_have_oom = false;
+}
+
+char* og_snap_oom_python() {
+  std::lock_guard<std::mutex> g(g_mu);
+  return strdup(g_oom_python.c_str());
 }
 
 int og_snap_read(int last_oom, og_snap_info* info, og_snap_rec** live, int64_t* n_live, og_snap_rec** events, int64_t* n_events) {

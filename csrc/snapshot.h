@@ -52,6 +52,9 @@ void og_snap_mark_attempt();
 // last_oom: the copy taken at the last failure (0 returned when there is none since the
 // attempt began), else the state now. Arrays are malloc'd (free with og_free).
 int og_snap_read(int last_oom, og_snap_info* info, og_snap_rec** live, int64_t* n_live, og_snap_rec** events, int64_t* n_events);
+// The Python frames (a Python model's) at the last failure, one per line, innermost first; ""
+// when none ran. malloc'd (free with og_free).
+char* og_snap_oom_python();
 }
 
 namespace oomguard::snap {

@@ -117,6 +117,24 @@ fn an_injected_and_a_budget_oom_end_at_the_clean_runs_parameters() {
         assert!(records(&tight, "oom").len() >= 1, "{arch}: the budget caused no OOM");
         let injected_ooms = records(&injected, "oom").len();
         assert_eq!(injected_ooms, 3, "{arch}");
+        // The snapshots of OOMs in the forward name the Python lines it was running.
+        let forward: Vec<Value> = [&injected, &tight]
+            .iter()
+            .flat_map(|run| std::fs::read_dir(run.join("oom")).into_iter().flatten().flatten())
+            .map(|d| serde_json::from_str(&std::fs::read_to_string(d.path().join("summary.json")).unwrap()).unwrap())
+            .filter(|s: &Value| s["phase"] == "forward")
+            .collect();
+        assert!(!forward.is_empty(), "{arch}: no OOM in a forward");
+        for s in &forward {
+            let frames = s["python_stack"].as_array().cloned().unwrap_or_default();
+            assert!(
+                frames.iter().any(|f| {
+                    let f = f.as_str().unwrap();
+                    f.starts_with("transformers/models/") || f.contains("tests/models/hf.py:")
+                }),
+                "{arch}: {frames:?}"
+            );
+        }
         for (name, run) in [("injected", &injected), ("budget", &tight)] {
             let d = max_abs_diff(&weights(&clean), &weights(run));
             assert!(d < 1e-5, "{arch} {name}: parameters differ from the clean run's by {d}");

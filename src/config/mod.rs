@@ -110,7 +110,10 @@ fn locate(text: &str, key: &str) -> Option<(usize, usize)> {
             continue;
         }
         let depth = sections.len();
-        let Some(rest) = parts.get(depth).and_then(|want| trimmed.strip_prefix(&format!("{want}:"))) else {
+        let Some(rest) = parts
+            .get(depth)
+            .and_then(|want| trimmed.strip_prefix(&format!("{want}:")))
+        else {
             continue;
         };
         if depth + 1 == parts.len() {
@@ -313,7 +316,8 @@ fn apply_override(root: &mut serde_yaml::Value, assignment: &str) -> Result<(), 
 mod tests {
     #[test]
     fn locate_finds_a_key_in_block_and_flow_mappings() {
-        let text = "# c\ntrain:\n  loss: 1\nmodel:\n  settings:\n    loss: 2\n  loss: chunked\ndata: {source: x, path: y}\n";
+        let text =
+            "# c\ntrain:\n  loss: 1\nmodel:\n  settings:\n    loss: 2\n  loss: chunked\ndata: {source: x, path: y}\n";
         assert_eq!(locate(text, "model.loss"), Some((7, 3)));
         assert_eq!(locate(text, "model.settings"), Some((5, 3)));
         assert_eq!(locate(text, "data.path"), Some((8, 19)));

@@ -76,6 +76,7 @@ mod ffi {
             events: *mut *mut Rec,
             n_events: *mut i64,
         ) -> i32;
+        pub fn og_snap_oom_python() -> *mut c_char;
         pub fn og_free(p: *mut c_char);
     }
 }
@@ -86,6 +87,8 @@ pub struct Capture {
     pub info: Info,
     pub live: Vec<Rec>,
     pub events: Vec<Rec>,
+    /// A Python model's frames at the failure, innermost first (`file:line in name`).
+    pub python: Vec<String>,
 }
 
 const PHASES: [Phase; 8] = [
@@ -191,10 +194,20 @@ fn read(last_oom: bool) -> Option<Capture> {
         unsafe { ffi::og_free(p as *mut c_char) };
         v
     };
+    let python = if last_oom {
+        // SAFETY: a malloc'd NUL-terminated string, ours to free.
+        let p = unsafe { ffi::og_snap_oom_python() };
+        let text = unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned();
+        unsafe { ffi::og_free(p) };
+        text.lines().map(str::to_string).collect()
+    } else {
+        Vec::new()
+    };
     Some(Capture {
         info,
         live: copy(live, n_live),
         events: copy(events, n_events),
+        python,
     })
 }
 

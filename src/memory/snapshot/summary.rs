@@ -116,6 +116,9 @@ pub struct Breakdown {
     pub activations_from_earlier_steps_bytes: u64,
     pub failing_op: Option<String>,
     pub failing_top_op: Option<String>,
+    /// A Python model's source lines at the failure, innermost first (`file:line in name`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub python_stack: Vec<String>,
     /// The planner's prediction by the same categories, where it has a formula.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan: Option<BTreeMap<Category, u64>>,
@@ -234,6 +237,7 @@ pub fn breakdown(
         activations_from_earlier_steps_bytes: earlier,
         failing_op: (oom && failing.op > 0).then(|| names(failing.op)),
         failing_top_op: (oom && failing.top_op > 0).then(|| names(failing.top_op)),
+        python_stack: if oom { cap.python.clone() } else { Vec::new() },
         plan,
         largest,
         timeline: timeline(cap, &category),
@@ -420,6 +424,14 @@ pub fn text(b: &Breakdown) -> String {
             .unwrap_or_default();
         out += &format!(" The failing op: {op}{top}.");
     }
+    // The user's own line first (an absolute path: packages' paths are cut to the package),
+    // then the innermost frame when that is a package's.
+    if let Some(inner) = b.python_stack.first() {
+        match b.python_stack.iter().find(|f| f.starts_with('/')) {
+            Some(own) if own != inner => out += &format!(" In Python: {own} (innermost {inner})."),
+            _ => out += &format!(" In Python: {inner}."),
+        }
+    }
     if let Some(a) = b.largest.first() {
         let module = if a.module.is_empty() {
             String::new()
@@ -501,6 +513,10 @@ mod tests {
             },
             live,
             events,
+            python: vec![
+                "torch/nn/modules/linear.py:134 in forward".into(),
+                "/home/me/model.py:12 in forward".into(),
+            ],
         };
         let roles = Roles {
             parameters: vec![1000],
@@ -544,6 +560,13 @@ mod tests {
         assert!(
             b.text
                 .contains("activations 120 B (15%) (of which block.0 120 B), 50 B of it kept from earlier steps"),
+            "{}",
+            b.text
+        );
+        assert!(
+            b.text.contains(
+                "In Python: /home/me/model.py:12 in forward (innermost torch/nn/modules/linear.py:134 in forward)."
+            ),
             "{}",
             b.text
         );
