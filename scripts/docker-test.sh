@@ -83,6 +83,13 @@ $DOCKER run --rm --shm-size=1g -v "$TMP/runs:/workspace/runs" "$IMAGE" launch --
 grep -q '"world_size":2' "$TMP/runs/ddp/metrics.jsonl" || fail "launch: no 2-rank steps"
 say "launch --nproc-per-node 2 --no-python: 3 data-parallel steps"
 
+# A Python model (model.kind: python), trained by the embedded interpreter.
+$DOCKER run --rm -v "$TMP/runs:/workspace/runs" -v "$ROOT/examples/python:/workspace/py:ro" "$IMAGE" \
+  train py/tiny_lm.yaml --max-steps 3 --run-dir runs/py 2>"$TMP/py.log" || { tail -20 "$TMP/py.log"; fail "a Python model"; }
+[ "$(grep -c '"event":"step"' "$TMP/runs/py/metrics.jsonl")" = 3 ] || fail "a Python model: expected 3 step records"
+grep -q '"event":"oom"' "$TMP/runs/py/metrics.jsonl" || fail "a Python model: its budget's OOM was not recorded"
+say "train: a Python model (examples/python/tiny_lm.yaml) in the embedded interpreter, its OOM recovered"
+
 # Preemption: SIGTERM (docker stop) checkpoints and exits 143; --resume continues.
 $DOCKER run -d --name oomguard-test-long -v "$TMP/runs:/workspace/runs" "$IMAGE" \
   train configs/demo.yaml --max-steps 100000 --set optim.decay_steps=300 --run-dir runs/long >/dev/null

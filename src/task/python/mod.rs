@@ -16,7 +16,7 @@ use std::sync::OnceLock;
 use tch::{Device, Kind, TchError, Tensor};
 
 use super::{BuildContext, Built, Task};
-use crate::data::{DataConfig, DataSource, Dataset, Samples};
+use crate::data::{DataSource, Dataset, Samples};
 use crate::error::{ConfigError, Error, Result};
 
 const GLUE: &str = include_str!("glue.py");
@@ -324,7 +324,7 @@ pub fn build(ctx: &BuildContext) -> Result<Built> {
             ),
         };
         let dataset = match (&data, &data_path) {
-            (Some(d), Some(p)) => Some(dataset(py, d, p, ctx.data)?),
+            (Some(d), Some(p)) => Some(dataset(py, d, p)?),
             _ => None,
         };
         let blocks: usize = model
@@ -359,7 +359,7 @@ pub fn build(ctx: &BuildContext) -> Result<Built> {
     })
 }
 
-fn dataset(py: Python<'_>, data: &Bound<'_, PyAny>, path: &Path, _cfg: &DataConfig) -> Result<Dataset> {
+fn dataset(py: Python<'_>, data: &Bound<'_, PyAny>, path: &Path) -> Result<Dataset> {
     let split = |s: i64, name: &str| -> Result<Box<dyn Samples>> {
         let len: usize = data.call_method1("len", (s,)).and_then(|n| n.extract()).map_err(|e| {
             Error::Data(format!(
