@@ -3,7 +3,7 @@
 token file and the same samples (SplitMix64 positions of (seed, step), as oomguard draws
 them), doing what oomguard's step does: AdamW (betas 0.9/0.95, weight decay 0, fused),
 clipping at 1.0. A step is timed from making its batch to the end of its update, as
-oomguard's step records are. Prints the median and the fastest tokens/s of steps 2.. as JSON.
+oomguard's step records are. Prints the median and the fastest tokens/s of steps 2.. and their median step time as JSON.
   py_eager.py MODEL_FILE SETTINGS_JSON TOKENS_DIR BLOCK BATCH STEPS THREADS SEED"""
 import importlib.util
 import json
@@ -28,7 +28,7 @@ model = f.build(json.loads(settings))
 model.train()
 data = torch.from_numpy(np.memmap(os.path.join(tokens, "train.bin"), dtype=np.uint16, mode="r").astype(np.int64))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
-rates = []
+rates, times = [], []
 for step in range(steps):
     t = time.perf_counter()
     pos = torch.tensor(positions(seed, step, batch, len(data) - block - 1))
@@ -39,6 +39,8 @@ for step in range(steps):
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    rates.append(batch * block / (time.perf_counter() - t))
-rates = sorted(rates[2:])
-print(json.dumps({"tokens_per_s": rates[len(rates) // 2], "fastest_tokens_per_s": rates[-1]}))
+    times.append(time.perf_counter() - t)
+    rates.append(batch * block / times[-1])
+rates, times = sorted(rates[2:]), sorted(times[2:])
+print(json.dumps({"tokens_per_s": rates[len(rates) // 2], "fastest_tokens_per_s": rates[-1],
+                  "step_s": times[len(times) // 2]}))
