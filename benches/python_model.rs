@@ -48,7 +48,11 @@ fn round(dir: &Path, tokens: &Path, s: &Shape, threads: usize, name: &str) -> [(
     let steps = events(&run, "step");
     let field = |k: &str| -> Vec<f64> { steps.iter().skip(2).map(|v| v[k].as_f64().unwrap()).collect() };
     let tps = field("tokens_per_s");
-    let ours = (median(tps.clone()), tps.iter().copied().fold(0.0, f64::max), median(field("step_time_s")));
+    let ours = (
+        median(tps.clone()),
+        tps.iter().copied().fold(0.0, f64::max),
+        median(field("step_time_s")),
+    );
     let o = Command::new(root.join(".venv/bin/python3"))
         .arg(root.join("benches/scripts/py_eager.py"))
         .arg(&model)
@@ -75,7 +79,9 @@ fn main() {
         let mut state = 0x9E37_79B9_7F4A_7C15u64;
         let bytes: Vec<u8> = (0..2_000_000)
             .flat_map(|_| {
-                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 (((state >> 33) % vocab) as u16).to_le_bytes()
             })
             .collect();
@@ -129,5 +135,8 @@ fn main() {
         );
         added.push(ms);
     }
-    println!("  added per micro-batch, median of the rounds: {:+.2} ms", median(added));
+    println!(
+        "  added per micro-batch, median of the rounds: {:+.2} ms",
+        median(added)
+    );
 }

@@ -477,3 +477,49 @@ fn an_exception_while_training_exits_1_with_its_traceback() {
     }
     assert_eq!(records(&run, "step").len(), 3, "the steps before the error are logged");
 }
+
+/// A sweep varies a Python model's `model.settings.*` and `data.settings.*`: each trial
+/// builds the module and the dataset from its own values.
+#[test]
+fn a_sweep_varies_model_and_data_settings() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = model_file("classify.py");
+    write_config(dir.path(), "base.yaml", &format!("
+model: {{kind: python, path: {file}, settings: {{hidden: 32}}}}
+data: {{source: python, path: {file}, build: dataset, settings: {{n: 512}}}}
+optim: {{lr: 1.0e-2, min_lr: 1.0e-3, warmup_steps: 2}}
+train: {{micro_batch_size: 16, grad_accum_steps: 1, max_steps: 6, eval_every: 6, eval_batch_size: 16, eval_batches: 2, seed: 7, device: cpu, num_threads: 1}}
+"));
+    let sweep = write_config(
+        dir.path(),
+        "sweep.yaml",
+        "
+base: base.yaml
+method: grid
+parameters:
+  model.settings.hidden: {values: [4, 64]}
+  data.settings.n: {value: 256}
+metric: final_eval_loss
+",
+    );
+    let out = dir.path().join("out");
+    let o = oomguard(
+        &["sweep", sweep.to_str().unwrap(), "--out", out.to_str().unwrap()],
+        dir.path(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let results = std::fs::read_to_string(out.join("results.jsonl")).unwrap();
+    let trials: Vec<Value> = results.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let finished: Vec<&Value> = trials.iter().filter(|t| t["status"] == "ok").collect();
+    assert_eq!(finished.len(), 2, "{results}");
+    // Each trial's stored config holds its own width.
+    for hidden in [4, 64] {
+        assert!(
+            std::fs::read_dir(out.join("trials")).unwrap().flatten().any(|t| {
+                std::fs::read_to_string(t.path().join("config.yaml"))
+                    .is_ok_and(|c| c.contains(&format!("hidden: {hidden}")) && c.contains("n: 256"))
+            }),
+            "no trial with hidden {hidden}"
+        );
+    }
+}

@@ -337,11 +337,12 @@ def test_under_the_launcher(tmp_path, reference):
     from conftest import LOOP, env
 
     p = subprocess.run(
-        [str(binary), "launch", "--nproc-per-node", "2", "--standalone", str(LOOP), "--guard", "--out", str(out_file)],
+        # The launcher names the run directory (OOMGUARD_RUN_DIR for the workers' Guard).
+        [str(binary), "launch", "--nproc-per-node", "2", "--standalone", "--run-dir", str(run_dir), str(LOOP), "--guard",
+         "--out", str(out_file)],
         env=env(
             {
                 "OOMGUARD_TEST_OOM_AT": "0:1:backward",
-                "OOMGUARD_RUN_DIR": str(run_dir),
                 "OOMGUARD_MICRO_BATCH_SIZE": "256",
                 "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
             }

@@ -90,6 +90,11 @@ pub struct LaunchArgs {
     /// Folder for the workers' log and error files.
     #[arg(long = "log-dir", alias = "log_dir", env = "PET_LOG_DIR")]
     pub log_dir: Option<std::path::PathBuf>,
+    /// oomguard's: the run directory a worker's `import oomguard` Guard writes to (its
+    /// metrics.jsonl, oom/NNN/ snapshots; `oomguard report DIR` draws it), given to every
+    /// worker as OOMGUARD_RUN_DIR. `oomguard train` workers take their own --run-dir.
+    #[arg(long = "run-dir", env = "OOMGUARD_RUN_DIR")]
+    pub run_dir: Option<std::path::PathBuf>,
     /// Streams to files only: 0 none, 1 stdout, 2 stderr, 3 both; or per rank, e.g. 0:1,1:2.
     #[arg(short = 'r', long, env = "PET_REDIRECTS", default_value = "0")]
     pub redirects: String,

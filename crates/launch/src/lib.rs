@@ -69,6 +69,8 @@ pub struct LaunchSpec {
     /// SIGTERM to SIGKILL: how long workers get to exit (torchrun's --shutdown-timeout).
     pub shutdown_timeout: std::time::Duration,
     pub log_dir: Option<PathBuf>,
+    /// `--run-dir`: the workers' OOMGUARD_RUN_DIR (absolute).
+    pub run_dir: Option<PathBuf>,
     pub redirects: BTreeMap<usize, Streams>,
     pub tee: BTreeMap<usize, Streams>,
     pub console_ranks: Option<Vec<usize>>,
@@ -162,6 +164,10 @@ impl LaunchSpec {
             monitor_interval: std::time::Duration::from_secs_f64(a.monitor_interval),
             shutdown_timeout: std::time::Duration::from_secs_f64(a.shutdown_timeout),
             log_dir: a.log_dir.clone(),
+            run_dir: a
+                .run_dir
+                .as_ref()
+                .map(|d| std::path::absolute(d).unwrap_or_else(|_| d.clone())),
             redirects: parse_streams("--redirects", &a.redirects, nproc_per_node)?,
             tee: parse_streams("--tee", &a.tee, nproc_per_node)?,
             console_ranks: parse_filter(&a.local_ranks_filter)?,
@@ -334,6 +340,9 @@ pub fn worker_env(
     .collect();
     if let Some((n, _)) = &spec.worker_threads {
         env.push(("OMP_NUM_THREADS".into(), n.to_string()));
+    }
+    if let Some(d) = &spec.run_dir {
+        env.push(("OOMGUARD_RUN_DIR".into(), d.display().to_string()));
     }
     if let Some(m) = &spec.worker_memory {
         env.extend(m.share_env(spec.nproc_per_node));
