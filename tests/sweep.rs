@@ -230,9 +230,12 @@ fn a_bad_sweep_file_exits_2_naming_the_key() {
         ("base: base.yaml\ntrial: {timeout: soon}\nparameters:\n  optim.lr: {value: 1}\n", "trial.timeout"),
         ("base: base.yaml\nmethod: random\ncount: 2\nparameters:\n  model.n_layer: {distribution: int_uniform, min: 1.2, max: 1.8}\n", "no integer in [min, max]"),
         ("base: base.yaml\nmetric: {name: accuracy, goal: maximize}\nparameters:\n  optim.lr: {value: 1}\n", "these exist: val_loss, loss, tokens_per_s"),
-        ("base: base.yaml\nearly_terminate: {type: hyperband, min_iter: 3, strict: true}\nparameters:\n  optim.lr: {value: 1}\n", "early_terminate.strict"),
+        ("base: base.yaml\nearly_terminate: {type: hyperband, min_iter: 3, strict: false}\nparameters:\n  optim.lr: {value: 1}\n", "early_terminate.strict"),
+        ("base: base.yaml\ncommand: [python, train.py, '${args}']\nparameters:\n  optim.lr: {value: 1}\n", "command"),
         // A key the config does not have: every trial is checked before the first runs.
         ("base: base.yaml\nparameters:\n  model.n_embdd: {values: [32]}\n", "n_embdd"),
+        // Nested (W&B's) the same: the error names the dotted path.
+        ("base: base.yaml\nparameters:\n  model: {parameters: {n_embdd: {values: [32]}}}\n", "model.n_embdd"),
     ];
     for (yaml, key) in cases {
         let file = write_config(dir.path(), "bad.yaml", yaml);
