@@ -163,6 +163,9 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
             "{}",
             table::render(&trials, &records, &|t| open_state(&out, t), sweep.metric, sweep.count)
         );
+        if let Some(why) = status::target_reached(&records, sweep.metric, sweep.target) {
+            println!("{why}");
+        }
         return Ok(());
     }
     if args.parallel == 0 {
@@ -282,6 +285,9 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     }
     drop(reporter);
     let records = s.store.read()?;
+    if let Some(why) = status::target_reached(&records, sweep.metric, sweep.target) {
+        tracing::info!("sweep stopped early: {why}");
+    }
     let trials = sweeper::known(&sweep, &records, (0, 1));
     print!(
         "{}",
