@@ -28,6 +28,8 @@ mod sweeper;
 mod table;
 mod tpe;
 mod trial;
+#[cfg(test)]
+mod wandb_oracle;
 
 pub use record::{Record, Status};
 pub use spec::{load, Metric, Sweep, Trial};
