@@ -105,6 +105,11 @@ fn grid_order_is_wandbs_next_run_iterated() {
             let same = a.len() == b.len() && a.iter().all(|(k, v)| b.get(k).is_some_and(|w| close(v, w)));
             assert!(same, "{yaml}: run {i}: oomguard {a:?}, W&B {b:?}");
         }
+        println!(
+            "grid file {}: {} runs in W&B's order",
+            GRIDS.iter().position(|g| *g == yaml).unwrap(),
+            ours.len()
+        );
     }
 }
 
@@ -138,6 +143,12 @@ fn random_and_model_based_draws_lie_in_wandbs_support() {
     }
     assert_eq!(draws.len(), 360);
     let bad = ask(json!({"op": "support", "config": wandb, "draws": draws}));
+    println!(
+        "{} draws ({} random, 60 TPE) of {} parameters checked against W&B's support",
+        draws.len(),
+        sweep.trials.len(),
+        sweep.domains.len()
+    );
     assert_eq!(bad, json!([]), "draws outside W&B's support");
 }
 
@@ -197,6 +208,12 @@ fn both_refuse_what_wandbs_schema_refuses() {
         (format!("base: base.yaml\nmethod: grid\ncontroller: {{type: local}}\n{p}"), "controller", "oomguard sweep is the controller"),
         ("base: base.yaml\nmethod: random\nrun_cap: 3\nparameters:\n  optim.lr: {distribution: inv_log_uniform_values, min: 0.1, max: 1}\n".into(), "inv_log_uniform_values", "use constant, categorical"),
     ];
+    println!(
+        "{} files both accept, {} both refuse, {} W&B accepts and oomguard refuses",
+        accepted.len(),
+        refused.len(),
+        unhonoured.len()
+    );
     for (yaml, key, nearest) in &unhonoured {
         let (ours, wandb) = both(yaml);
         assert_eq!(ask(json!({"op": "violations", "config": wandb})), json!([]), "{yaml}");
