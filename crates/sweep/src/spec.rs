@@ -1326,6 +1326,7 @@ mod tests {
             ("early_terminate: {type: hyperband, min_iter: 3, eta: 1}\n", "above 1"),
             ("early_terminate: {type: envelope}\n", "early_terminate.type"),
             ("scheduler: {engine: optuna}\n", "scheduler"),
+            ("method: custom\n", "method"),
             ("command: [python, train.py, '${args}']\n", "not `oomguard train`"),
             (
                 "command: [oomguard, train, base.yaml, --fast, '${args}']\n",

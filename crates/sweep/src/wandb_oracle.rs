@@ -276,7 +276,8 @@ fn compare(es: &EarlyStop, wandb_et: Value, seed: u64, n: usize, tally: &mut Tal
         let previous = records.get(&t.id).map(|r| r.rungs.clone()).unwrap_or_default();
         tally.promotions += usize::from(previous.last().is_some_and(|g| g.decision == Decision::Stop));
         tally.oomguard_steps += job.target - previous.last().map_or(0, |g| g.step);
-        let value = Some(curves[job.index][job.target as usize - 1]);
+        let loss = curves[job.index][job.target as usize - 1];
+        let value = Some(loss);
         let others = asha::reported_at(records.values(), job.target, &t.id);
         let decision = asha::decide(es, job.target, value, &others, false);
         if decision != Decision::Done {
@@ -288,7 +289,7 @@ fn compare(es: &EarlyStop, wandb_et: Value, seed: u64, n: usize, tally: &mut Tal
                 .collect();
             runs.push(run(job.index, job.target, "running"));
             queries.push(json!({"config": config, "runs": runs}));
-            let rank = others.iter().filter(|o| o.is_some_and(|o| o < value.unwrap())).count();
+            let rank = others.iter().filter(|o| o.is_some_and(|o| o < loss)).count();
             ours.push((t.id.clone(), decision, rank, others.len() + 1));
         }
         let status = match decision {
