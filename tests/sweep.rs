@@ -93,6 +93,44 @@ fn an_infeasible_trial_is_recorded_and_the_sweep_goes_on() {
     assert!(String::from_utf8_lossy(&o.stdout).contains("1 of 1 trials finished"));
 }
 
+/// W&B's metric.target, nested parameters and a command with W&B's macros, through the
+/// binary: the first trial reaches the target, so the other two never start.
+#[test]
+fn metric_target_reached_starts_no_new_trial_and_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = setup(
+        dir.path(),
+        "base: base.yaml\nmethod: grid\ncommand: ['${env}', oomguard, train, '${args}']\nmetric: {name: loss, goal: minimize, target: 1.0e9}\nparameters:\n  optim:\n    parameters:\n      lr: {values: [1.0e-3, 2.0e-3, 3.0e-3]}\n",
+    );
+    let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = dir.path().join("out");
+    let r = results(&out);
+    assert_eq!(r.len(), 1, "one trial ran: {r:?}");
+    assert_eq!(
+        (r[0]["status"].as_str(), r[0]["params"]["optim.lr"].as_f64()),
+        (Some("ok"), Some(1.0e-3))
+    );
+    let loss = r[0]["final_loss"].as_f64().unwrap();
+    let log = std::fs::read_to_string(out.join("sweep.log")).unwrap();
+    let said = format!(
+        "metric.target reached: trial {} has final_loss {loss:.4} <= 1000000000",
+        r[0]["trial"].as_str().unwrap()
+    );
+    assert!(log.contains(&format!("sweep stopped early: {said}")), "{log}");
+    assert!(log.contains("`command` (W&B's) is read as `oomguard train"), "{log}");
+    let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out", "--status"]);
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains(&said),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    // Started again, it starts nothing.
+    let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(results(&out).len(), 1);
+}
+
 #[test]
 fn a_trial_past_its_timeout_is_stopped_with_a_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
