@@ -1,5 +1,8 @@
 //! The sweep file: raw (serde, unknown keys refused) → a validated `Sweep`, whose trials are
-//! expanded by pure functions (a grid, or seeded random draws).
+//! expanded by pure functions (a grid, or seeded random draws). A W&B file's keys mean what
+//! W&B's engine makes of them (nested parameters are dotted config keys, hyperband's bands are
+//! the rungs), or the file is refused naming the key: what W&B's schema refuses in its words,
+//! what oomguard cannot honour with the nearest thing it does.
 use serde::Deserialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -919,7 +922,7 @@ fn domain(key: &str, p: &RawParam, wandb: bool) -> Result<Domain, ConfigError> {
             serde_yaml::Value::Bool(_) | serde_yaml::Value::Number(_) | serde_yaml::Value::String(_) => {
                 serde_json::to_value(v).map_err(|e| ConfigError::invalid(&k, e.to_string()))
             }
-            serde_yaml::Value::Mapping(_) => Err(ConfigError::invalid(&k, "nested parameters (W&B's parameters: within a parameter) are not supported; name each config key, e.g. optim.lr")),
+            serde_yaml::Value::Mapping(_) => Err(ConfigError::invalid(&k, "a value that is a mapping cannot be set as one config key; give each key its own parameter (optim.lr), or nest them under `parameters:` as W&B does")),
             _ => Err(ConfigError::invalid(&k, "values must be numbers, strings or booleans")),
         }
     };
