@@ -77,6 +77,12 @@ fn both(yaml: &str) -> (Result<Sweep, ConfigError>, Value) {
     (ours, wandb)
 }
 
+/// W&B's schema violations of each file, in one call of the engine.
+fn violations<'a>(files: impl IntoIterator<Item = &'a String>) -> Vec<Value> {
+    let configs: Vec<Value> = files.into_iter().map(|y| both(y).1).collect();
+    serde_json::from_value(ask(json!({"op": "violations", "configs": configs}))).unwrap()
+}
+
 fn close(a: &Value, b: &Value) -> bool {
     match (a.as_f64(), b.as_f64()) {
         (Some(x), Some(y)) => (x - y).abs() <= 1e-12 * x.abs().max(y.abs()).max(1.0),
@@ -165,9 +171,9 @@ fn both_refuse_what_wandbs_schema_refuses() {
         format!("base: base.yaml\nmethod: grid\nprogram: train.py\ncommand: ['${{env}}', oomguard, train, '${{args}}']\n{p}"),
         format!("base: base.yaml\nmethod: grid\ncommand: [oomguard, train, base.yaml, '${{args_json_file}}']\nmetric: {{name: loss, impute: worst}}\n{p}"),
     ];
-    for yaml in &accepted {
-        let (ours, wandb) = both(yaml);
-        assert_eq!(ask(json!({"op": "violations", "config": wandb})), json!([]), "{yaml}");
+    for (yaml, says) in accepted.iter().zip(violations(&accepted)) {
+        assert_eq!(says, json!([]), "{yaml}");
+        let ours = both(yaml).0;
         assert!(ours.is_ok(), "{yaml}: {}", ours.unwrap_err());
     }
     // (file, what oomguard's error names, what W&B's violation says)
@@ -185,9 +191,9 @@ fn both_refuse_what_wandbs_schema_refuses() {
         ("base: base.yaml\nmethod: grid\nparameters:\n  9optim: {parameters: {lr: {value: 1}}}\n".into(), "does not match '^[A-Za-z_][A-Za-z0-9_.-]*$'", "does not match"),
         ("base: base.yaml\nmethod: grid\nparameters:\n  optim: {values: [1], parameters: {lr: {value: 1}}}\n".into(), "a nested parameter takes `parameters` only", "is not valid under any of the given schemas"),
     ];
-    for (yaml, ours_says, wandb_says) in &refused {
-        let (ours, wandb) = both(yaml);
-        let violations = ask(json!({"op": "violations", "config": wandb}));
+    let said = violations(refused.iter().map(|r| &r.0));
+    for ((yaml, ours_says, wandb_says), violations) in refused.iter().zip(said) {
+        let ours = both(yaml).0;
         assert!(
             violations
                 .as_array()
@@ -214,10 +220,10 @@ fn both_refuse_what_wandbs_schema_refuses() {
         refused.len(),
         unhonoured.len()
     );
-    for (yaml, key, nearest) in &unhonoured {
-        let (ours, wandb) = both(yaml);
-        assert_eq!(ask(json!({"op": "violations", "config": wandb})), json!([]), "{yaml}");
-        let e = ours.expect_err(yaml).to_string();
+    let said = violations(unhonoured.iter().map(|u| &u.0));
+    for ((yaml, key, nearest), says) in unhonoured.iter().zip(said) {
+        assert_eq!(says, json!([]), "{yaml}");
+        let e = both(yaml).0.expect_err(yaml).to_string();
         assert!(e.contains(key) && e.contains(nearest), "{yaml}: {e}");
     }
 }
@@ -244,87 +250,87 @@ struct Tally {
     wandb_steps: u64,
 }
 
-/// Runs one sweep of `n` trials through oomguard's ASHA (one slot: each segment in turn,
-/// promotions included) on recorded histories, and asks W&B's stop_runs, at every rung a
-/// trial reaches, what it would decide from the same runs (those before it, as far as they
-/// went). Also W&B's own sequential sweep on the same histories, for the steps it trains.
-fn compare(es: &EarlyStop, wandb_et: Value, seed: u64, n: usize, tally: &mut Tally) {
-    let trials: Vec<Trial> = (0..n)
-        .map(|i| Trial {
-            index: i,
-            id: format!("{i:03}-x"),
-            params: BTreeMap::new(),
-        })
-        .collect();
-    let refs: Vec<&Trial> = trials.iter().collect();
-    let curves: Vec<Vec<f64>> = (0..n).map(|i| history(seed, i, es.max_steps)).collect();
+/// Runs a sweep of `n` trials per seed through oomguard's ASHA (one slot: each segment in
+/// turn, promotions included) on recorded histories, and asks W&B's stop_runs, at every rung
+/// a trial reaches, what it would decide from the same runs (the others, as far as they
+/// went). Also W&B's own one-agent sweep on the same histories, for the steps it trains.
+fn compare(es: &EarlyStop, wandb_et: &Value, seeds: std::ops::Range<u64>, n: usize, tally: &mut Tally) {
     let config = json!({"method": "grid", "metric": {"name": "loss", "goal": "minimize"},
         "early_terminate": wandb_et, "parameters": {"a": {"values": [1]}}});
-    let run = |i: usize, upto: u64, state: &str| -> Value {
-        let h: Vec<Value> = curves[i][..upto as usize]
-            .iter()
-            .map(|v| json!({ "loss": v }))
-            .collect();
-        json!({"name": format!("{i:03}-x"), "state": state, "history": h})
-    };
-    let mut records: BTreeMap<String, Record> = BTreeMap::new();
     let mut queries = vec![];
     let mut ours = vec![];
-    let none = BTreeSet::new();
-    while let Some(job) = asha::next(es, &refs, &records, &none, false) {
-        let t = &trials[job.index];
-        let previous = records.get(&t.id).map(|r| r.rungs.clone()).unwrap_or_default();
-        tally.promotions += usize::from(previous.last().is_some_and(|g| g.decision == Decision::Stop));
-        tally.oomguard_steps += job.target - previous.last().map_or(0, |g| g.step);
-        let loss = curves[job.index][job.target as usize - 1];
-        let value = Some(loss);
-        let others = asha::reported_at(records.values(), job.target, &t.id);
-        let decision = asha::decide(es, job.target, value, &others, false);
-        if decision != Decision::Done {
-            // The others as W&B would hold them: finished, their history as far as they went.
-            let mut runs: Vec<Value> = records
-                .values()
-                .filter(|r| r.trial != t.id)
-                .map(|r| run(r.index, r.rungs.last().map_or(0, |g| g.step), "finished"))
-                .collect();
-            runs.push(run(job.index, job.target, "running"));
-            queries.push(json!({"config": config, "runs": runs}));
-            let rank = others.iter().filter(|o| o.is_some_and(|o| o < loss)).count();
-            ours.push((t.id.clone(), decision, rank, others.len() + 1));
-        }
-        let status = match decision {
-            Decision::Continue => Status::Promoted,
-            Decision::Stop => Status::StoppedEarly,
-            _ => Status::Ok,
-        };
-        records.insert(
-            t.id.clone(),
-            Record {
-                trial: t.id.clone(),
-                index: t.index,
+    let mut sequential = vec![];
+    for seed in seeds {
+        let trials: Vec<Trial> = (0..n)
+            .map(|i| Trial {
+                index: i,
+                id: format!("{i:03}-x"),
                 params: BTreeMap::new(),
-                status,
-                told_by: None,
-                exit_code: Some(0),
-                summary: Summary::default(),
-                duration_s: 0.0,
-                run_dir: String::new(),
-                message: None,
-                shard: "0/1".into(),
-                finished_at: String::new(),
-                rung: None,
-                rungs: asha::after_segment(&previous, job.target, value, decision),
-            },
-        );
+            })
+            .collect();
+        let refs: Vec<&Trial> = trials.iter().collect();
+        let curves: Vec<Vec<f64>> = (0..n).map(|i| history(seed, i, es.max_steps)).collect();
+        let run = |i: usize, upto: u64, state: &str| -> Value {
+            let h: Vec<Value> = curves[i][..upto as usize]
+                .iter()
+                .map(|v| json!({ "loss": v }))
+                .collect();
+            json!({"name": format!("{i:03}-x"), "state": state, "history": h})
+        };
+        let mut records: BTreeMap<String, Record> = BTreeMap::new();
+        let none = BTreeSet::new();
+        while let Some(job) = asha::next(es, &refs, &records, &none, false) {
+            let t = &trials[job.index];
+            let previous = records.get(&t.id).map(|r| r.rungs.clone()).unwrap_or_default();
+            tally.promotions += usize::from(previous.last().is_some_and(|g| g.decision == Decision::Stop));
+            tally.oomguard_steps += job.target - previous.last().map_or(0, |g| g.step);
+            let loss = curves[job.index][job.target as usize - 1];
+            let value = Some(loss);
+            let others = asha::reported_at(records.values(), job.target, &t.id);
+            let decision = asha::decide(es, job.target, value, &others, false);
+            if decision != Decision::Done {
+                // The others as W&B would hold them: finished, their history as far as they went.
+                let mut runs: Vec<Value> = records
+                    .values()
+                    .filter(|r| r.trial != t.id)
+                    .map(|r| run(r.index, r.rungs.last().map_or(0, |g| g.step), "finished"))
+                    .collect();
+                runs.push(run(job.index, job.target, "running"));
+                queries.push(json!({"config": config, "runs": runs}));
+                let rank = others.iter().filter(|o| o.is_some_and(|o| o < loss)).count();
+                ours.push((t.id.clone(), decision, rank, others.len() + 1));
+            }
+            let status = match decision {
+                Decision::Continue => Status::Promoted,
+                Decision::Stop => Status::StoppedEarly,
+                _ => Status::Ok,
+            };
+            records.insert(
+                t.id.clone(),
+                Record {
+                    trial: t.id.clone(),
+                    index: t.index,
+                    params: BTreeMap::new(),
+                    status,
+                    told_by: None,
+                    exit_code: Some(0),
+                    summary: Summary::default(),
+                    duration_s: 0.0,
+                    run_dir: String::new(),
+                    message: None,
+                    shard: "0/1".into(),
+                    finished_at: String::new(),
+                    rung: None,
+                    rungs: asha::after_segment(&previous, job.target, value, decision),
+                },
+            );
+        }
+        sequential.push(json!({"config": config, "curves": curves}));
     }
-    // W&B's own sweep, one agent: each run trains until stop_runs stops it.
-    let reached = ask(json!({"op": "sequential", "config": config, "curves": curves}));
-    tally.wandb_steps += reached
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r.as_u64().unwrap())
-        .sum::<u64>();
+    // W&B's own sweeps, one agent each: each run trains until stop_runs stops it.
+    let reached: Vec<Vec<u64>> =
+        serde_json::from_value(ask(json!({"op": "sequential", "sweeps": sequential}))).unwrap();
+    tally.wandb_steps += reached.iter().flatten().sum::<u64>();
     let answers = ask(json!({"op": "stop", "queries": queries}));
     for ((id, decision, rank, n), stopped) in ours.iter().zip(answers.as_array().unwrap()) {
         let wandb_stops = stopped.as_array().unwrap().iter().any(|s| s == &json!(id));
@@ -380,9 +386,7 @@ fn hyperband_decisions_match_wandbs_stop_runs_but_where_documented() {
     let mut all = Tally::default();
     for (es, et) in &forms {
         let mut t = Tally::default();
-        for seed in 0..3 {
-            compare(es, et.clone(), seed, 20, &mut t);
-        }
+        compare(es, et, 0..3, 20, &mut t);
         lines.push(format!("{et}: rungs {:?}, 3 sweeps of 20 trials: {t:?}", es.rungs()));
         all.decisions += t.decisions;
         all.same += t.same;

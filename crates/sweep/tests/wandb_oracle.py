@@ -2,7 +2,7 @@
 oracle for oomguard's reading of W&B sweep files; src/wandb_oracle.rs calls it.
 
 One request as JSON on stdin, one answer as JSON on stdout:
-  {"op": "violations", "config": {...}}   -> W&B's schema violations (a list of strings)
+  {"op": "violations", "configs": [...]} -> W&B's schema violations of each (lists of strings)
   {"op": "grid", "config": {...}}         -> next_run iterated to the end: each run's
                                              parameters, nested ones under dotted keys
   {"op": "support", "config": {...}, "draws": [{key: value}]}
@@ -10,10 +10,10 @@ One request as JSON on stdin, one answer as JSON on stdout:
                                              strings), after W&B's bayes engine read them
   {"op": "stop", "queries": [{"config": {...}, "runs": [{"name", "state", "history"}]}]}
                                           -> per query, the names stop_runs stops
-  {"op": "sequential", "config": {...}, "curves": [[loss per step]]}
-                                          -> W&B's own sweep with one agent on these
-                                             curves: the steps each run trained before
-                                             stop_runs stopped it (checked every step)
+  {"op": "sequential", "sweeps": [{"config": {...}, "curves": [[loss per step]]}]}
+                                          -> per sweep, W&B's own sweep with one agent on
+                                             these curves: the steps each run trained
+                                             before stop_runs stopped it (checked every step)
 """
 
 import json
@@ -145,7 +145,7 @@ def main():
     req = json.load(sys.stdin)
     op = req["op"]
     if op == "violations":
-        ans = sweeps.schema_violations_from_proposed_config(req["config"])
+        ans = [sweeps.schema_violations_from_proposed_config(c) for c in req["configs"]]
     elif op == "grid":
         ans = grid(req["config"])
     elif op == "support":
@@ -153,7 +153,7 @@ def main():
     elif op == "stop":
         ans = stop(req["queries"])
     elif op == "sequential":
-        ans = sequential(req["config"], req["curves"])
+        ans = [sequential(s["config"], s["curves"]) for s in req["sweeps"]]
     else:
         raise SystemExit(f"unknown op {op}")
     json.dump({"version": sweeps.__version__, "answer": ans}, sys.stdout)
