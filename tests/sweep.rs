@@ -93,6 +93,44 @@ fn an_infeasible_trial_is_recorded_and_the_sweep_goes_on() {
     assert!(String::from_utf8_lossy(&o.stdout).contains("1 of 1 trials finished"));
 }
 
+/// W&B's metric.target, nested parameters and a command with W&B's macros, through the
+/// binary: the first trial reaches the target, so the other two never start.
+#[test]
+fn metric_target_reached_starts_no_new_trial_and_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = setup(
+        dir.path(),
+        "base: base.yaml\nmethod: grid\ncommand: ['${env}', oomguard, train, '${args}']\nmetric: {name: loss, goal: minimize, target: 1.0e9}\nparameters:\n  optim:\n    parameters:\n      lr: {values: [1.0e-3, 2.0e-3, 3.0e-3]}\n",
+    );
+    let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = dir.path().join("out");
+    let r = results(&out);
+    assert_eq!(r.len(), 1, "one trial ran: {r:?}");
+    assert_eq!(
+        (r[0]["status"].as_str(), r[0]["params"]["optim.lr"].as_f64()),
+        (Some("ok"), Some(1.0e-3))
+    );
+    let loss = r[0]["final_loss"].as_f64().unwrap();
+    let log = std::fs::read_to_string(out.join("sweep.log")).unwrap();
+    let said = format!(
+        "metric.target reached: trial {} has final_loss {loss:.4} <= 1000000000",
+        r[0]["trial"].as_str().unwrap()
+    );
+    assert!(log.contains(&format!("sweep stopped early: {said}")), "{log}");
+    assert!(log.contains("`command` (W&B's) is read as `oomguard train"), "{log}");
+    let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out", "--status"]);
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains(&said),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    // Started again, it starts nothing.
+    let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(results(&out).len(), 1);
+}
+
 #[test]
 fn a_trial_past_its_timeout_is_stopped_with_a_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
@@ -230,9 +268,12 @@ fn a_bad_sweep_file_exits_2_naming_the_key() {
         ("base: base.yaml\ntrial: {timeout: soon}\nparameters:\n  optim.lr: {value: 1}\n", "trial.timeout"),
         ("base: base.yaml\nmethod: random\ncount: 2\nparameters:\n  model.n_layer: {distribution: int_uniform, min: 1.2, max: 1.8}\n", "no integer in [min, max]"),
         ("base: base.yaml\nmetric: {name: accuracy, goal: maximize}\nparameters:\n  optim.lr: {value: 1}\n", "these exist: val_loss, loss, tokens_per_s"),
-        ("base: base.yaml\nearly_terminate: {type: hyperband, min_iter: 3, strict: true}\nparameters:\n  optim.lr: {value: 1}\n", "early_terminate.strict"),
+        ("base: base.yaml\nearly_terminate: {type: hyperband, min_iter: 3, strict: false}\nparameters:\n  optim.lr: {value: 1}\n", "early_terminate.strict"),
+        ("base: base.yaml\ncommand: [python, train.py, '${args}']\nparameters:\n  optim.lr: {value: 1}\n", "command"),
         // A key the config does not have: every trial is checked before the first runs.
         ("base: base.yaml\nparameters:\n  model.n_embdd: {values: [32]}\n", "n_embdd"),
+        // Nested (W&B's) the same: the error names the dotted path.
+        ("base: base.yaml\nparameters:\n  model: {parameters: {n_embdd: {values: [32]}}}\n", "model.n_embdd"),
     ];
     for (yaml, key) in cases {
         let file = write_config(dir.path(), "bad.yaml", yaml);

@@ -213,6 +213,7 @@ mod tests {
             min_steps: 3,
             eta: 3,
             max_steps: 27,
+            max_iter: None,
         }
     }
 

@@ -28,6 +28,8 @@ mod sweeper;
 mod table;
 mod tpe;
 mod trial;
+#[cfg(test)]
+mod wandb_oracle;
 
 pub use record::{Record, Status};
 pub use spec::{load, Metric, Sweep, Trial};
@@ -163,6 +165,9 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
             "{}",
             table::render(&trials, &records, &|t| open_state(&out, t), sweep.metric, sweep.count)
         );
+        if let Some(why) = status::target_reached(&records, sweep.metric, sweep.target) {
+            println!("{why}");
+        }
         return Ok(());
     }
     if args.parallel == 0 {
@@ -282,6 +287,9 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     }
     drop(reporter);
     let records = s.store.read()?;
+    if let Some(why) = status::target_reached(&records, sweep.metric, sweep.target) {
+        tracing::info!("sweep stopped early: {why}");
+    }
     let trials = sweeper::known(&sweep, &records, (0, 1));
     print!(
         "{}",

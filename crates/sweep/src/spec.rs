@@ -1,5 +1,8 @@
 //! The sweep file: raw (serde, unknown keys refused) → a validated `Sweep`, whose trials are
-//! expanded by pure functions (a grid, or seeded random draws).
+//! expanded by pure functions (a grid, or seeded random draws). A W&B file's keys mean what
+//! W&B's engine makes of them (nested parameters are dotted config keys, hyperband's bands are
+//! the rungs), or the file is refused naming the key: what W&B's schema refuses in its words,
+//! what oomguard cannot honour with the nearest thing it does.
 use serde::Deserialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -38,6 +41,7 @@ struct RawSweep {
     early_terminate: Option<RawEarlyTerminate>,
     /// W&B's: what its agent runs. Each trial here is `oomguard train`: ignored, with a notice.
     program: Option<serde_yaml::Value>,
+    /// W&B's: the agent's command line with its macros; read as `oomguard train` or refused.
     command: Option<serde_yaml::Value>,
     project: Option<serde_yaml::Value>,
     entity: Option<serde_yaml::Value>,
@@ -46,6 +50,12 @@ struct RawSweep {
     name: Option<String>,
     #[allow(dead_code)]
     description: Option<String>,
+    /// W&B's keys that oomguard cannot honour: refused, each with the nearest thing it does.
+    controller: Option<serde_yaml::Value>,
+    scheduler: Option<serde_yaml::Value>,
+    metrics: Option<serde_yaml::Value>,
+    job: Option<serde_yaml::Value>,
+    image_uri: Option<serde_yaml::Value>,
 }
 
 fn yes() -> bool {
@@ -75,6 +85,9 @@ struct RawParam {
     mu: Option<f64>,
     sigma: Option<f64>,
     probabilities: Option<Vec<f64>>,
+    /// W&B's nested parameters: the keys under it extend this one's path (`optim` + `lr`
+    /// is the config key `optim.lr`).
+    parameters: Option<BTreeMap<String, RawParam>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -105,8 +118,10 @@ impl Default for RawMetric {
 struct RawWandbMetric {
     name: String,
     goal: Option<String>,
+    /// Stop starting trials once one reaches it (W&B's: the sweep finishes).
     target: Option<f64>,
-    impute_while_running: Option<bool>,
+    impute: Option<String>,
+    impute_while_running: Option<serde_yaml::Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -130,12 +145,18 @@ fn three() -> u64 {
 struct RawEarlyTerminate {
     #[serde(rename = "type")]
     kind: String,
-    min_iter: Option<u64>,
-    #[serde(default = "three")]
-    eta: u64,
-    max_iter: Option<u64>,
-    s: Option<u64>,
+    min_iter: Option<i64>,
+    /// W&B's schema takes a number above 1; the rungs here take an integer.
+    #[serde(default = "three_f")]
+    eta: f64,
+    /// W&B's second form: rungs at max_iter / eta^k, k = 1..s (hyperband_stopping.py).
+    max_iter: Option<i64>,
+    s: Option<f64>,
     strict: Option<bool>,
+}
+
+fn three_f() -> f64 {
+    3.0
 }
 
 /// Which trial is best.
@@ -200,13 +221,34 @@ pub enum RungMetric {
 }
 
 /// Asynchronous successive halving (Li et al., "A System for Massively Parallel
-/// Hyperparameter Tuning", MLSys 2020): rungs at min_steps * eta^k below max_steps.
+/// Hyperparameter Tuning", MLSys 2020): rungs at min_steps * eta^k below max_steps, or at
+/// W&B's hyperband bands max_iter / eta^k (k = 1..s) below max_steps; then max_steps.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct EarlyStop {
     pub metric: RungMetric,
+    /// The first rung.
     pub min_steps: u64,
     pub eta: u64,
     pub max_steps: u64,
+    /// W&B's `max_iter` and `s`, when the file gives them (the rungs are then W&B's bands).
+    pub max_iter: Option<(u64, u64)>,
+}
+
+/// W&B's hyperband bands from max_iter and s (hyperband_stopping.py): max_iter / eta,
+/// max_iter / eta^2, ... s of them, each truncated, none below 1; ascending.
+pub fn hyperband_bands(max_iter: u64, s: u64, eta: u64) -> Vec<u64> {
+    let mut band = max_iter as f64;
+    let mut bands = vec![];
+    for _ in 0..s {
+        band /= eta as f64;
+        if band < 1.0 {
+            break;
+        }
+        bands.push(band as u64);
+    }
+    bands.sort_unstable();
+    bands.dedup();
+    bands
 }
 
 impl EarlyStop {
@@ -217,13 +259,19 @@ impl EarlyStop {
         }
     }
 
-    /// The steps where trials report: min_steps, min_steps * eta, ... and max_steps.
+    /// The steps where trials report: min_steps, min_steps * eta, ... (or W&B's bands of
+    /// max_iter and s) below max_steps, and max_steps.
     pub fn rungs(&self) -> Vec<u64> {
         let mut r = vec![];
-        let mut s = self.min_steps;
-        while s < self.max_steps {
-            r.push(s);
-            s = s.saturating_mul(self.eta);
+        if let Some((max_iter, s)) = self.max_iter {
+            r = hyperband_bands(max_iter, s, self.eta);
+            r.retain(|b| *b < self.max_steps);
+        } else {
+            let mut s = self.min_steps;
+            while s < self.max_steps {
+                r.push(s);
+                s = s.saturating_mul(self.eta);
+            }
         }
         r.push(self.max_steps);
         r
@@ -283,6 +331,9 @@ pub struct Sweep {
     pub timeout: Option<Duration>,
     pub grace: Duration,
     pub metric: Metric,
+    /// W&B's `metric.target`: once a trial's metric reaches it (<= when minimized, >= when
+    /// maximized), no new trial starts; running ones finish.
+    pub target: Option<f64>,
     pub planner: bool,
     pub device_memory: Option<String>,
     pub early_stop: Option<EarlyStop>,
@@ -328,10 +379,21 @@ pub fn load(path: &Path) -> Result<Sweep, ConfigError> {
         || raw.program.is_some()
         || raw.command.is_some()
         || raw.run_cap.is_some()
-        || raw.early_terminate.is_some();
-    let mut domains = Vec::new();
-    for (key, p) in &raw.parameters {
-        domains.push((key.clone(), domain(key, p, wandb).map_err(at)?));
+        || raw.early_terminate.is_some()
+        || raw.parameters.values().any(|p| p.parameters.is_some());
+    unhonoured_wandb_keys(&raw).map_err(at)?;
+    let mut leaves = Vec::new();
+    flatten("", &raw.parameters, wandb, &mut leaves).map_err(at)?;
+    let mut domains: Vec<(String, Domain)> = Vec::new();
+    for (key, p) in leaves {
+        if domains.iter().any(|(k, _)| *k == key) {
+            return Err(at(ConfigError::invalid(
+                &format!("parameters.{key}"),
+                "is given twice (once dotted, once nested); give it once",
+            )));
+        }
+        let d = domain(&key, p, wandb).map_err(at)?;
+        domains.push((key, d));
     }
     if domains.is_empty() {
         return Err(at(ConfigError::invalid(
@@ -339,7 +401,7 @@ pub fn load(path: &Path) -> Result<Sweep, ConfigError> {
             "is empty; give at least one config key, e.g. optim.lr: {values: [1.0e-3, 3.0e-3]}",
         )));
     }
-    let metric = metric(&raw.metric).map_err(at)?;
+    let (metric, target) = metric(&raw.metric).map_err(at)?;
     let cap = match (raw.count, raw.run_cap) {
         (Some(_), Some(_)) => {
             return Err(at(ConfigError::invalid(
@@ -397,11 +459,17 @@ pub fn load(path: &Path) -> Result<Sweep, ConfigError> {
     let decay_steps_set =
         domains.iter().any(|(k, _)| k == "optim.decay_steps") || base_has(&base, "optim", "decay_steps");
     let mut notices = vec![];
+    if let Some(c) = &raw.command {
+        notices.push(format!(
+            "{origin}: `command` (W&B's) {}",
+            command(c, raw.program.as_ref(), &raw.base).map_err(at)?
+        ));
+    }
+    let program = raw.program.as_ref().filter(|_| raw.command.is_none());
     for (key, v) in [
-        ("program", &raw.program),
-        ("command", &raw.command),
-        ("project", &raw.project),
-        ("entity", &raw.entity),
+        ("program", &program),
+        ("project", &raw.project.as_ref()),
+        ("entity", &raw.entity.as_ref()),
     ] {
         if v.is_some() {
             notices.push(format!(
@@ -421,6 +489,7 @@ pub fn load(path: &Path) -> Result<Sweep, ConfigError> {
         timeout: duration("trial.timeout", &raw.trial.timeout)?,
         grace: duration("trial.grace", &raw.trial.grace)?.unwrap_or(Duration::from_secs(120)),
         metric,
+        target,
         planner: raw.planner,
         device_memory: raw.device_memory,
         early_stop,
@@ -429,34 +498,225 @@ pub fn load(path: &Path) -> Result<Sweep, ConfigError> {
     })
 }
 
-fn metric(raw: &RawMetric) -> Result<Metric, ConfigError> {
+fn metric(raw: &RawMetric) -> Result<(Metric, Option<f64>), ConfigError> {
     match raw {
-        RawMetric::Ours(name) => Metric::parse("metric", name),
+        RawMetric::Ours(name) => Ok((Metric::parse("metric", name)?, None)),
         RawMetric::Wandb(w) => {
             let m = Metric::parse("metric.name", &w.name)?;
-            if let Some(t) = w.target {
-                return Err(ConfigError::invalid("metric.target", format!("({t}) is W&B's stop-the-sweep-when-reached; oomguard cannot honour it: remove it (run_cap bounds the sweep)")));
+            if let Some(t) = w.target.filter(|t| !t.is_finite()) {
+                return Err(ConfigError::invalid("metric.target", format!("is {t}; give a number")));
             }
-            if w.impute_while_running.is_some() {
-                return Err(ConfigError::invalid(
-                    "metric.impute_while_running",
-                    "is W&B's; oomguard cannot honour it: remove it",
-                ));
+            match w.impute.as_deref() {
+                None | Some("worst") => {}
+                Some(i @ ("latest" | "best")) => return Err(ConfigError::invalid("metric.impute", format!("is {i}; oomguard cannot honour it: model-based search counts a failed or infeasible trial as bad (W&B's worst): remove impute or give worst"))),
+                Some(i) => return Err(ConfigError::invalid("metric.impute", format!("'{i}' is not one of ['latest', 'best', 'worst'] (W&B's schema)"))),
+            }
+            match &w.impute_while_running {
+                None => {}
+                Some(serde_yaml::Value::Bool(false)) => {}
+                Some(serde_yaml::Value::String(v)) if v == "false" => {}
+                Some(_) => {
+                    return Err(ConfigError::invalid(
+                        "metric.impute_while_running",
+                        "is W&B's; oomguard cannot honour it (a trial's metric is read when it ends): remove it",
+                    ))
+                }
             }
             let want = if m.maximize() { "maximize" } else { "minimize" };
             match w.goal.as_deref() {
-                None => Ok(m),
-                Some(g) if g == want => Ok(m),
+                None => Ok((m, w.target)),
+                Some(g) if g == want => Ok((m, w.target)),
                 Some(g @ ("minimize" | "maximize")) => Err(ConfigError::invalid(
                     "metric.goal",
                     format!("is {g} but {} is one to {want}; oomguard cannot honour it", w.name),
                 )),
                 Some(g) => Err(ConfigError::invalid(
                     "metric.goal",
-                    format!("`{g}` is not minimize or maximize"),
+                    format!("'{g}' is not one of ['minimize', 'maximize'] (W&B's schema)"),
                 )),
             }
         }
+    }
+}
+
+/// W&B's parameter names (its schema's propertyNames pattern `^[A-Za-z_][A-Za-z0-9_.-]*$`).
+fn wandb_name(name: &str) -> bool {
+    let mut c = name.chars();
+    c.next().is_some_and(|f| f.is_ascii_alphabetic() || f == '_')
+        && c.all(|x| x.is_ascii_alphanumeric() || "_.-".contains(x))
+}
+
+/// The parameters' leaves in W&B's order (each level's names sorted, a nested one's keys
+/// in its place), each under its dotted path: `optim: {parameters: {lr: ...}}` is `optim.lr`.
+fn flatten<'a>(
+    prefix: &str,
+    params: &'a BTreeMap<String, RawParam>,
+    wandb: bool,
+    out: &mut Vec<(String, &'a RawParam)>,
+) -> Result<(), ConfigError> {
+    for (name, p) in params {
+        let path = format!("{prefix}{name}");
+        if wandb && !wandb_name(name) {
+            return Err(ConfigError::invalid(
+                &format!("parameters.{path}"),
+                format!("'{name}' does not match '^[A-Za-z_][A-Za-z0-9_.-]*$' (W&B's schema); name the config key, e.g. optim.lr"),
+            ));
+        }
+        match &p.parameters {
+            None => out.push((path, p)),
+            Some(nested) => {
+                let alone = p.value.is_none()
+                    && p.values.is_none()
+                    && p.distribution.is_none()
+                    && p.min.is_none()
+                    && p.max.is_none()
+                    && p.q.is_none()
+                    && p.mu.is_none()
+                    && p.sigma.is_none()
+                    && p.probabilities.is_none();
+                if !alone {
+                    return Err(ConfigError::invalid(&format!("parameters.{path}"), "holds nested `parameters` and a distribution of its own; a nested parameter takes `parameters` only (W&B's schema: not valid under any of the given schemas)"));
+                }
+                if nested.is_empty() {
+                    return Err(ConfigError::invalid(
+                        &format!("parameters.{path}.parameters"),
+                        "is empty; W&B's schema wants at least one (minProperties 1)",
+                    ));
+                }
+                flatten(&format!("{path}."), nested, wandb, out)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// W&B's command macros, and what each means when the trial is `oomguard train`.
+const MACROS: [(&str, &str); 7] = [
+    ("${env}", "dropped (oomguard is not a script run by /usr/bin/env)"),
+    ("${interpreter}", "dropped (oomguard train is no Python script)"),
+    ("${program}", "`program`"),
+    ("${args}", "the parameters, as --set KEY=VALUE"),
+    ("${args_no_hyphens}", "the parameters, as --set KEY=VALUE"),
+    ("${args_json}", "the parameters, as --set KEY=VALUE"),
+    ("${args_json_file}", "the parameters, as --set KEY=VALUE"),
+];
+
+/// W&B's `command`: accepted when, with `${env}` and `${interpreter}` dropped and
+/// `${program}` replaced by `program`, it is `oomguard train [BASE]` followed only by
+/// parameter macros (`${args}` and its kin); the trial then runs as always (`oomguard train
+/// BASE --set KEY=VALUE ...`). Returns the notice saying so; anything else is refused.
+fn command(c: &serde_yaml::Value, program: Option<&serde_yaml::Value>, base: &Path) -> Result<String, ConfigError> {
+    let nearest = format!("oomguard sweep runs each trial as `oomguard train {} --set KEY=VALUE ...`: give command: [oomguard, train, ${{args}}] or leave command out (a script of your own runs under `oomguard launch`, outside a sweep)", base.display());
+    let Some(items) = c.as_sequence() else {
+        return Err(ConfigError::invalid(
+            "command",
+            format!("is not a list (W&B's schema: type array); {nearest}"),
+        ));
+    };
+    let mut words: Vec<String> = vec![];
+    for item in items {
+        let Some(w) = item
+            .as_str()
+            .map(str::to_string)
+            .or_else(|| item.as_i64().map(|n| n.to_string()))
+        else {
+            return Err(ConfigError::invalid(
+                "command",
+                format!("holds {item:?}, not a word; {nearest}"),
+            ));
+        };
+        if w.contains("${") && !MACROS.iter().any(|(m, _)| *m == w) {
+            return Err(ConfigError::invalid(
+                "command",
+                format!(
+                    "`{w}` is not one of W&B's macros ({}); {nearest}",
+                    MACROS.map(|m| m.0).join(", ")
+                ),
+            ));
+        }
+        match w.as_str() {
+            "${env}" | "${interpreter}" => {}
+            "${program}" => match program.and_then(|p| p.as_str()) {
+                Some(p) => words.extend(p.split_whitespace().map(String::from)),
+                None => {
+                    return Err(ConfigError::invalid(
+                        "command",
+                        format!("uses ${{program}} but `program` is not given; {nearest}"),
+                    ))
+                }
+            },
+            _ => words.push(w),
+        }
+    }
+    let is_oomguard = |w: &str| Path::new(w).file_name().is_some_and(|n| n == "oomguard");
+    let args = |w: &String| w.starts_with("${args");
+    let rest: Vec<&String> = match words.as_slice() {
+        [exe, sub, rest @ ..] if is_oomguard(exe) && sub == "train" => rest.iter().collect(),
+        _ => {
+            return Err(ConfigError::invalid(
+                "command",
+                format!(
+                    "runs `{}`, not `oomguard train`; oomguard cannot honour it: {nearest}",
+                    words.join(" ")
+                ),
+            ))
+        }
+    };
+    let rest: Vec<&String> = match rest.as_slice() {
+        [b, tail @ ..] if !args(b) && Path::new(b.as_str()) == base => tail.to_vec(),
+        _ => rest,
+    };
+    if let Some(w) = rest.iter().find(|w| !args(w)) {
+        return Err(ConfigError::invalid(
+            "command",
+            format!("passes `{w}` to oomguard train; only the parameter macros (${{args}}, ${{args_no_hyphens}}, ${{args_json}}, ${{args_json_file}}) and the base config may follow: {nearest}"),
+        ));
+    }
+    if rest.is_empty() {
+        return Err(ConfigError::invalid(
+            "command",
+            format!("passes no parameters (none of ${{args}}, ${{args_no_hyphens}}, ${{args_json}}, ${{args_json_file}}): every trial would be the same; {nearest}"),
+        ));
+    }
+    Ok(format!(
+        "is read as `oomguard train {} --set KEY=VALUE ...` (${{env}} and ${{interpreter}} dropped; ${{args}} and its kin are the parameters)",
+        base.display()
+    ))
+}
+
+/// W&B's top-level keys that oomguard cannot honour: each an exit-2 error with the nearest
+/// thing it does.
+fn unhonoured_wandb_keys(raw: &RawSweep) -> Result<(), ConfigError> {
+    let keys = [
+        (
+            "controller",
+            raw.controller.is_some(),
+            "is W&B's (its controller runs the sweep); oomguard sweep is the controller: remove it",
+        ),
+        (
+            "scheduler",
+            raw.scheduler.is_some(),
+            "is W&B's custom scheduler (optuna, ax); oomguard cannot honour it: use method: bayes (a TPE) or tpe",
+        ),
+        (
+            "metrics",
+            raw.metrics.is_some(),
+            "is W&B's multi-objective search; oomguard cannot honour it: give one metric: {name, goal}",
+        ),
+        (
+            "job",
+            raw.job.is_some(),
+            "is W&B Launch's; oomguard cannot honour it: each trial is `oomguard train` of `base`",
+        ),
+        (
+            "image_uri",
+            raw.image_uri.is_some(),
+            "is W&B Launch's; oomguard cannot honour it: run oomguard sweep inside the image (docker/)",
+        ),
+    ];
+    match keys.iter().find(|(_, set, _)| *set) {
+        Some((k, _, why)) => Err(ConfigError::invalid(k, *why)),
+        None => Ok(()),
     }
 }
 
@@ -468,7 +728,7 @@ fn early_stop(
     base: &Path,
     domains: &[(String, Domain)],
 ) -> Result<Option<EarlyStop>, ConfigError> {
-    let (key, min_steps, eta, max_steps, rung_metric) = match (&raw.early_stop, &raw.early_terminate) {
+    let (key, min_steps, eta, max_steps, rung_metric, max_iter) = match (&raw.early_stop, &raw.early_terminate) {
         (None, None) => return Ok(None),
         (Some(_), Some(_)) => {
             return Err(ConfigError::invalid(
@@ -494,31 +754,11 @@ fn early_stop(
                     ))
                 }
             };
-            ("early_stop", e.min_steps, e.reduction_factor, e.max_steps, m)
+            ("early_stop", e.min_steps, e.reduction_factor, e.max_steps, m, None)
         }
         (None, Some(t)) => {
-            if t.kind != "hyperband" {
-                return Err(ConfigError::invalid(
-                    "early_terminate.type",
-                    format!("`{}` is not supported; W&B's hyperband is", t.kind),
-                ));
-            }
-            for (k, set) in [
-                ("max_iter", t.max_iter.is_some()),
-                ("s", t.s.is_some()),
-                ("strict", t.strict.is_some()),
-            ] {
-                if set {
-                    return Err(ConfigError::invalid(&format!("early_terminate.{k}"), "is not supported (oomguard's rungs start at min_iter and go to the trials' train.max_steps): give min_iter and eta"));
-                }
-            }
-            let Some(min) = t.min_iter else {
-                return Err(ConfigError::invalid(
-                    "early_terminate.min_iter",
-                    "is required: the first rung, in training steps",
-                ));
-            };
-            ("early_terminate", min, t.eta, None, None)
+            let (min, eta, max_iter) = hyperband(t)?;
+            ("early_terminate", min, eta, None, None, max_iter)
         }
     };
     let rung_metric = rung_metric.unwrap_or(if metric == Metric::FinalLoss {
@@ -528,12 +768,14 @@ fn early_stop(
     });
     let max_steps = match max_steps {
         Some(m) => m,
-        None => trials_max_steps(base, domains).ok_or_else(|| {
-            ConfigError::invalid(
-                &format!("{key}.max_steps"),
-                "is needed: the trials' train.max_steps is not one number in the base config or the parameters",
-            )
-        })?,
+        None => trials_max_steps(base, domains)
+            .or(max_iter.map(|m| m.0))
+            .ok_or_else(|| {
+                ConfigError::invalid(
+                    &format!("{key}.max_steps"),
+                    "is needed: the trials' train.max_steps is not one number in the base config or the parameters",
+                )
+            })?,
     };
     if domains.iter().any(|(k, d)| k == "train.max_steps" && !d.is_constant()) {
         return Err(ConfigError::invalid(
@@ -547,6 +789,12 @@ fn early_stop(
             format!("is {eta}; give 2 or more (3 keeps the top third at each rung)"),
         ));
     }
+    if let Some((m, s)) = max_iter.filter(|(m, s)| hyperband_bands(*m, *s, eta).iter().all(|b| *b >= max_steps)) {
+        return Err(ConfigError::invalid(
+            "early_terminate.max_iter",
+            format!("({m}, with s {s} and eta {eta}) puts no rung below max_steps {max_steps} (W&B's bands: {:?}); give a max_iter near the trials' train.max_steps, or min_iter", hyperband_bands(m, s, eta)),
+        ));
+    }
     if min_steps == 0 || min_steps >= max_steps {
         return Err(ConfigError::invalid(
             &format!("{key}.{}", if key == "early_stop" { "min_steps" } else { "min_iter" }),
@@ -558,7 +806,89 @@ fn early_stop(
         min_steps,
         eta,
         max_steps,
+        max_iter,
     }))
+}
+
+/// W&B's `early_terminate: {type: hyperband, ...}` checked as W&B's schema and engine check
+/// it: `min_iter` (and eta), or `max_iter` with `s` (the engine prefers these when both forms
+/// are given). Returns the first rung, eta, and max_iter with s.
+/// W&B's hyperband read: the first rung, eta, and max_iter with s (its second form).
+type Hyperband = (u64, u64, Option<(u64, u64)>);
+
+fn hyperband(t: &RawEarlyTerminate) -> Result<Hyperband, ConfigError> {
+    let schema = "W&B's schema: early_terminate is not valid under any of the given schemas";
+    if t.kind != "hyperband" {
+        return Err(ConfigError::invalid(
+            "early_terminate.type",
+            format!(
+                "'{}' is not one of ['hyperband'] (W&B's schema); W&B's hyperband is what oomguard runs (as ASHA)",
+                t.kind
+            ),
+        ));
+    }
+    if t.eta.is_nan() || t.eta <= 1.0 {
+        return Err(ConfigError::invalid(
+            "early_terminate.eta",
+            format!(
+                "is {}; W&B's schema wants a number above 1 ({schema}); give 2 or more",
+                t.eta
+            ),
+        ));
+    }
+    if t.eta.fract() != 0.0 {
+        return Err(ConfigError::invalid(
+            "early_terminate.eta",
+            format!(
+                "is {}; oomguard's rungs take a whole eta: give {} or {}",
+                t.eta,
+                t.eta.floor().max(2.0),
+                t.eta.ceil()
+            ),
+        ));
+    }
+    let eta = t.eta as u64;
+    if t.strict == Some(false) {
+        return Err(ConfigError::invalid("early_terminate.strict", "is false (W&B: compare a run's best value so far); oomguard cannot honour it: a rung compares the value at the rung, W&B's strict: true (its default): remove strict or give true"));
+    }
+    if let Some(m) = t.min_iter.filter(|m| *m < 1) {
+        return Err(ConfigError::invalid(
+            "early_terminate.min_iter",
+            format!("is {m}; W&B's schema wants 1 or more ({schema})"),
+        ));
+    }
+    match (t.max_iter, t.s, t.min_iter) {
+        (Some(m), Some(s), _) => {
+            if m < 1 {
+                return Err(ConfigError::invalid(
+                    "early_terminate.max_iter",
+                    format!("is {m}; give the last step at which to stop trials, 1 or more"),
+                ));
+            }
+            if s.fract() != 0.0 || s < 1.0 {
+                return Err(ConfigError::invalid(
+                    "early_terminate.s",
+                    format!("is {s}; W&B's engine counts s bands (range(s)): give a whole number, 1 or more"),
+                ));
+            }
+            let bands = hyperband_bands(m as u64, s as u64, eta);
+            match bands.first() {
+                Some(first) => Ok((*first, eta, Some((m as u64, s as u64)))),
+                None => Err(ConfigError::invalid("early_terminate.max_iter", format!("is {m} with eta {eta}: no band (W&B's engine: \"Bands must be an array of length at least 1. Try increasing s, decreasing eta, or increasing min_iter.\"); give max_iter of eta or more"))),
+            }
+        }
+        (_, _, Some(min)) => Ok((min as u64, eta, None)),
+        (Some(_), None, None) => Err(ConfigError::invalid(
+            "early_terminate.s",
+            format!(
+                "is required with max_iter ({schema}): the number of rungs below max_iter, e.g. s: 2; or give min_iter"
+            ),
+        )),
+        (None, _, None) => Err(ConfigError::invalid(
+            "early_terminate.min_iter",
+            format!("is required (or max_iter with s; {schema}): the first rung, in training steps"),
+        )),
+    }
 }
 
 fn base_yaml(base: &Path) -> Option<serde_yaml::Value> {
@@ -592,7 +922,7 @@ fn domain(key: &str, p: &RawParam, wandb: bool) -> Result<Domain, ConfigError> {
             serde_yaml::Value::Bool(_) | serde_yaml::Value::Number(_) | serde_yaml::Value::String(_) => {
                 serde_json::to_value(v).map_err(|e| ConfigError::invalid(&k, e.to_string()))
             }
-            serde_yaml::Value::Mapping(_) => Err(ConfigError::invalid(&k, "nested parameters (W&B's parameters: within a parameter) are not supported; name each config key, e.g. optim.lr")),
+            serde_yaml::Value::Mapping(_) => Err(ConfigError::invalid(&k, "a value that is a mapping cannot be set as one config key; give each key its own parameter (optim.lr), or nest them under `parameters:` as W&B does")),
             _ => Err(ConfigError::invalid(&k, "values must be numbers, strings or booleans")),
         }
     };
@@ -653,6 +983,14 @@ fn domain(key: &str, p: &RawParam, wandb: bool) -> Result<Domain, ConfigError> {
                 format!("distribution {dist} needs min and max"),
             ));
         };
+        if wandb && lo >= hi {
+            return Err(ConfigError::invalid(
+                &k,
+                format!(
+                    "{key}: min {lo} is not less than max {hi} (W&B's schema); give min < max, or value: for one value"
+                ),
+            ));
+        }
         if lo > hi {
             return Err(ConfigError::invalid(
                 &k,
@@ -734,6 +1072,8 @@ fn domain(key: &str, p: &RawParam, wandb: bool) -> Result<Domain, ConfigError> {
             }
             let weights = match &p.probabilities {
                 None => None,
+                Some(w) if wandb && w.len() != vs.len() => return Err(ConfigError::invalid(&format!("{k}.probabilities"), format!("Parameter {key}: values and probabilities are not the same length ({} and {}; W&B's schema)", vs.len(), w.len()))),
+                Some(w) if wandb && (w.iter().sum::<f64>() - 1.0).abs() > 1e-8 + 1e-5 => return Err(ConfigError::invalid(&format!("{k}.probabilities"), format!("Parameter {key}: Probabilities {w:?} do not sum to 1 (W&B's schema)"))),
                 Some(w) if w.len() == vs.len() && values.len() == vs.len() && w.iter().all(|x| *x >= 0.0) && (w.iter().sum::<f64>() - 1.0).abs() < 1e-6 => Some(w.clone()),
                 Some(_) => return Err(ConfigError::invalid(&format!("{k}.probabilities"), "give one probability of 0 or more per distinct value, summing to 1")),
             };
@@ -741,6 +1081,9 @@ fn domain(key: &str, p: &RawParam, wandb: bool) -> Result<Domain, ConfigError> {
         }
         "int_uniform" => {
             unused(&["min", "max"])?;
+            if wandb && !(min.is_some_and(|m| m.1) && max.is_some_and(|m| m.1)) {
+                return Err(ConfigError::invalid(&k, "int_uniform takes integer min and max (W&B's schema: not valid under any of the given schemas); write them as integers, or use uniform"));
+            }
             let (lo, hi) = bounds(false)?;
             let (lo, hi) = (lo.ceil(), hi.floor());
             if lo > hi {
@@ -752,10 +1095,13 @@ fn domain(key: &str, p: &RawParam, wandb: bool) -> Result<Domain, ConfigError> {
         "q_uniform" => real(Scale::Linear, false, true),
         "log_uniform_values" => real(Scale::Log, true, false),
         "q_log_uniform_values" => real(Scale::Log, true, true),
-        // W&B's log_uniform: exp(X), X uniform in [min, max] (exponents); ours: values.
-        "log_uniform" if wandb => real(Scale::Log, false, false),
+        // W&B's log_uniform (exponents as bounds) is deprecated: its schema refuses it, and so
+        // does a W&B file here, with its words. Ours takes values.
+        "log_uniform" | "q_log_uniform" | "inv_log_uniform" if wandb => Err(ConfigError::invalid(
+            &format!("{k}.distribution"),
+            format!("{key} uses {dist}, where min/max specify base-e exponents. Use {dist}_values to specify limit values. (W&B's schema){}", if dist == "inv_log_uniform" { "; oomguard has no inv_log_uniform_values either: use log_uniform_values" } else { "" }),
+        )),
         "log_uniform" => real(Scale::Log, true, false),
-        "q_log_uniform" if wandb => real(Scale::Log, false, true),
         "normal" => normal(Scale::Linear, false),
         "q_normal" => normal(Scale::Linear, true),
         "log_normal" => normal(Scale::Log, false),
@@ -944,24 +1290,81 @@ mod tests {
                 metric: RungMetric::Loss,
                 min_steps: 3,
                 eta: 3,
-                max_steps: 27
+                max_steps: 27,
+                max_iter: None,
             })
         );
-        // W&B's log_uniform takes exponents.
-        let s = load_yaml("base: base.yaml\nmethod: random\nrun_cap: 50\nprogram: x.py\nparameters:\n  optim.lr: {distribution: log_uniform, min: -9.2, max: -4.6}\n").unwrap();
-        assert!(s
-            .trials
-            .iter()
-            .all(|t| (1.0e-4..=1.01e-2).contains(&t.params["optim.lr"].as_f64().unwrap())));
+        // W&B's log_uniform (exponents) is deprecated: W&B's schema refuses it, in its words.
+        let e = load_yaml("base: base.yaml\nmethod: random\nrun_cap: 50\nprogram: x.py\nparameters:\n  optim.lr: {distribution: log_uniform, min: -9.2, max: -4.6}\n").unwrap_err();
+        assert!(format!("{e}").contains("optim.lr uses log_uniform, where min/max specify base-e exponents. Use log_uniform_values to specify limit values."), "{e}");
         for (yaml, key) in [
             ("metric: {name: accuracy, goal: maximize}\n", "accuracy"),
             ("metric: {name: val_loss, goal: maximize}\n", "metric.goal"),
-            ("metric: {name: val_loss, target: 0.1}\n", "metric.target"),
+            ("metric: {name: val_loss, target: .nan}\n", "metric.target"),
+            ("metric: {name: val_loss, impute: best}\n", "metric.impute"),
             (
-                "early_terminate: {type: hyperband, max_iter: 27, s: 2}\n",
-                "early_terminate.max_iter",
+                "early_terminate: {type: hyperband, max_iter: 27}\n",
+                "early_terminate.s",
             ),
+            (
+                "early_terminate: {type: hyperband, max_iter: 2, s: 2}\n",
+                "Bands must be",
+            ),
+            (
+                "early_terminate: {type: hyperband, max_iter: 2700, s: 1}\n",
+                "no rung below max_steps 27",
+            ),
+            (
+                "early_terminate: {type: hyperband, min_iter: 3, strict: false}\n",
+                "early_terminate.strict",
+            ),
+            (
+                "early_terminate: {type: hyperband, min_iter: 3, eta: 2.5}\n",
+                "whole eta",
+            ),
+            (
+                "early_terminate: {type: hyperband, min_iter: 0}\n",
+                "W&B's schema wants 1 or more",
+            ),
+            ("early_terminate: {type: hyperband, min_iter: 3, eta: 1}\n", "above 1"),
             ("early_terminate: {type: envelope}\n", "early_terminate.type"),
+            ("scheduler: {engine: optuna}\n", "scheduler"),
+            ("method: custom\n", "method"),
+            ("command: [python, train.py, '${args}']\n", "not `oomguard train`"),
+            (
+                "command: [oomguard, train, base.yaml, --fast, '${args}']\n",
+                "passes `--fast`",
+            ),
+            ("command: [oomguard, train, '${args_foo}']\n", "not one of W&B's macros"),
+            ("command: [oomguard, train]\n", "passes no parameters"),
+            (
+                "command: ['${env}', '${interpreter}', '${program}', '${args}']\nprogram: train.py\n",
+                "runs `train.py ${args}`, not `oomguard train`",
+            ),
+            (
+                "run_cap: 2\nparameters:\n  optim.lr: {min: 0.1, max: 0.1}\n",
+                "min 0.1 is not less than max 0.1",
+            ),
+            (
+                "run_cap: 2\nparameters:\n  model.n_layer: {distribution: int_uniform, min: 1.0, max: 3}\n",
+                "integer min and max",
+            ),
+            (
+                "run_cap: 2\nparameters:\n  optim.lr: {values: [1, 2], probabilities: [0.5, 0.4]}\n",
+                "do not sum to 1",
+            ),
+            (
+                "run_cap: 2\nparameters:\n  1optim: {parameters: {lr: {value: 1}}}\n",
+                "does not match",
+            ),
+            (
+                "parameters:\n  optim: {values: [1], parameters: {lr: {value: 1}}}\n",
+                "a nested parameter takes `parameters` only",
+            ),
+            (
+                "parameters:\n  optim: {parameters: {lr: {value: 1}}}\n  optim.lr: {value: 2}\n",
+                "given twice",
+            ),
             ("controller: {type: local}\n", "controller"),
             ("parameters:\n  optim.lr: {distribution: beta, a: 1, b: 2}\n", "a"),
             (
@@ -989,6 +1392,49 @@ mod tests {
             let e = load_yaml(&text).unwrap_err();
             assert!(format!("{e}").contains(key), "{yaml}: {e}");
         }
+    }
+
+    /// W&B's second hyperband form, metric.target, nested parameters and command, as W&B
+    /// defines them (hyperband_stopping.py's bands; params.py's nesting order).
+    #[test]
+    fn wandb_hyperband_max_iter_target_nesting_and_command() {
+        assert_eq!(hyperband_bands(27, 2, 3), [3, 9]);
+        assert_eq!(hyperband_bands(100, 3, 3), [3, 11, 33]);
+        assert_eq!(hyperband_bands(5, 2, 2), [1, 2]);
+        assert_eq!(hyperband_bands(2, 2, 3), Vec::<u64>::new());
+        let s = load_yaml("base: base.yaml\nmethod: grid\nmetric: {name: val_loss, goal: minimize, target: 4.5}\nearly_terminate: {type: hyperband, max_iter: 27, s: 2}\ncommand: ['${env}', oomguard, train, '${args_no_hyphens}']\nparameters:\n  optim:\n    parameters:\n      lr: {values: [0.001, 0.01]}\n      beta1: {value: 0.9}\n  model: {parameters: {n_layer: {values: [1, 2]}}}\n").unwrap();
+        let es = s.early_stop.unwrap();
+        assert_eq!(
+            (es.rungs(), es.min_steps, es.max_iter),
+            (vec![3, 9, 27], 3, Some((27, 2)))
+        );
+        assert_eq!(s.target, Some(4.5));
+        assert!(
+            s.notices[0].contains("`command` (W&B's) is read as `oomguard train base.yaml --set"),
+            "{:?}",
+            s.notices
+        );
+        // Nested keys are dotted config keys, in W&B's order (each level sorted).
+        let keys: Vec<&str> = s.domains.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(keys, ["model.n_layer", "optim.beta1", "optim.lr"]);
+        assert_eq!(s.trials.len(), 4);
+        assert_eq!(
+            s.trials[1].overrides(),
+            [
+                "--set",
+                "model.n_layer=1",
+                "--set",
+                "optim.beta1=0.9",
+                "--set",
+                "optim.lr=0.01"
+            ]
+        );
+        // max_iter above the trials' steps: its bands below max_steps are the rungs.
+        let s = load_yaml("base: base.yaml\nearly_terminate: {type: hyperband, max_iter: 81, s: 3, eta: 3}\nparameters:\n  optim.lr: {values: [1]}\n").unwrap();
+        assert_eq!(s.early_stop.unwrap().rungs(), [3, 9, 27]);
+        // `program` with a command that runs it through oomguard train is honoured too.
+        let s = load_yaml("base: base.yaml\nprogram: oomguard train\ncommand: ['${program}', base.yaml, '${args_json_file}']\nparameters:\n  optim.lr: {values: [1]}\n").unwrap();
+        assert_eq!(s.notices.len(), 1, "{:?}", s.notices);
     }
 
     /// The sweep files the repository ships load as the README says.

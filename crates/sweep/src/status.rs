@@ -1,6 +1,7 @@
 //! How far along a sweep is: trials done / running / left, their outcomes, the best so far
 //! and an ETA from the finished trials' durations. A log line after each trial and every
-//! minute; on a terminal, a live line as well (the log file keeps the lines).
+//! minute; on a terminal, a live line as well (the log file keeps the lines). And whether
+//! the sweep reached W&B's `metric.target` (then it starts nothing more), and why.
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -109,6 +110,27 @@ pub fn eta(pace: &Pace, running: &[f64], left: usize, slots: usize) -> Option<f6
     let each = pace.mean()?;
     let work = left as f64 * each + running.iter().map(|ran| (each - ran).max(0.0)).sum::<f64>();
     Some(work / slots.min(left + running.len()).max(1) as f64)
+}
+
+/// W&B's `metric.target`: whether a trial's metric (any record's, finished or evaluated at
+/// a rung) reached it (<= when minimized, >= when maximized), as the sentence the log and
+/// `--status` print; None when none did or there is no target.
+pub fn target_reached(records: &BTreeMap<String, Record>, metric: Metric, target: Option<f64>) -> Option<String> {
+    let target = target?;
+    let best = table::best(records.values(), metric)?;
+    let v = table::value(best, metric)?;
+    let (reached, cmp) = if metric.maximize() {
+        (v >= target, ">=")
+    } else {
+        (v <= target, "<=")
+    };
+    reached.then(|| {
+        format!(
+            "metric.target reached: trial {} has {} {v:.4} {cmp} {target}: no new trial starts, running trials finish",
+            best.trial,
+            metric.name()
+        )
+    })
 }
 
 /// Reports a sweep's progress as it goes.
@@ -239,6 +261,31 @@ mod tests {
         assert!(Snapshot::new(&mine, 6, &records, &[], 1, Metric::BestEvalLoss)
             .line(0.0)
             .contains("failed 1, timeout 1 |"));
+    }
+
+    #[test]
+    fn target_is_reached_by_the_metric_in_its_direction() {
+        let ts: Vec<Trial> = (0..3).map(trial).collect();
+        let mut records = BTreeMap::new();
+        let at = |r: &BTreeMap<String, Record>, m, t| target_reached(r, m, t);
+        records.insert(ts[0].id.clone(), record(&ts[0], Status::Ok, Some(2.0), 1.0));
+        records.insert(ts[1].id.clone(), record(&ts[1], Status::Failed, None, 1.0));
+        assert_eq!(at(&records, Metric::BestEvalLoss, Some(1.5)), None);
+        assert_eq!(at(&records, Metric::BestEvalLoss, None), None);
+        // A trial evaluated at a rung (promoted, not finished) counts: it reached the value.
+        records.insert(ts[2].id.clone(), record(&ts[2], Status::Promoted, Some(1.5), 1.0));
+        assert_eq!(
+            at(&records, Metric::BestEvalLoss, Some(1.5)).as_deref(),
+            Some("metric.target reached: trial 002-x has best_eval_loss 1.5000 <= 1.5: no new trial starts, running trials finish")
+        );
+        // Maximized (tokens_per_s): reached from above.
+        let mut fast = record(&ts[0], Status::Ok, None, 1.0);
+        fast.summary.tokens_per_s = Some(900.0);
+        let records = BTreeMap::from([(ts[0].id.clone(), fast)]);
+        assert_eq!(at(&records, Metric::TokensPerS, Some(1000.0)), None);
+        assert!(
+            at(&records, Metric::TokensPerS, Some(800.0)).is_some_and(|s| s.contains("tokens_per_s 900.0000 >= 800"))
+        );
     }
 
     #[test]

@@ -127,6 +127,8 @@ impl<'a> Sweeper<'a> {
     ) -> anyhow::Result<Option<i32>> {
         let mut running: Vec<Running> = vec![];
         let mut waiting = BTreeSet::new();
+        // W&B's metric.target: once reached, said once; nothing new starts.
+        let mut target_said = false;
         self.report(reporter, &running, false);
         loop {
             if let Some(sig) = signals.received() {
@@ -148,7 +150,15 @@ impl<'a> Sweeper<'a> {
                     .map(|r| r.trial.id.clone())
                     .chain(held.iter().cloned())
                     .collect();
-                let Some((t, target)) = self.next_job(&self.store.read()?, &busy) else {
+                let records = self.store.read()?;
+                if let Some(why) = status::target_reached(&records, self.sweep.metric, self.sweep.target) {
+                    if !target_said {
+                        tracing::info!("{why} ({} running)", running.len());
+                        target_said = true;
+                    }
+                    break;
+                }
+                let Some((t, target)) = self.next_job(&records, &busy) else {
                     break;
                 };
                 let slot = (0..parallel)
