@@ -71,15 +71,19 @@ install_python_packages() {
   echo "$PYTHON_PACKAGES" > "$VENV/.packages"
 }
 
-# The development packages (TEST_PYTHON_PACKAGES: maturin, pytest), kept out of the image.
+# The development packages (TEST_PYTHON_PACKAGES: maturin, pytest, transformers, ...; then
+# TEST_PYTHON_NODEPS without their dependencies), kept out of the image.
 install_test_packages() {
-  [ "$(cat "$VENV/.test-packages" 2>/dev/null)" = "$TEST_PYTHON_PACKAGES" ] && return 0
+  local want="$TEST_PYTHON_PACKAGES $TEST_PYTHON_NODEPS"
+  [ "$(cat "$VENV/.test-packages" 2>/dev/null)" = "$want" ] && return 0
   exec 9>"$CACHE/.lock"
   flock 9
-  say "installing $TEST_PYTHON_PACKAGES into $VENV"
+  say "installing $want into $VENV"
   # shellcheck disable=SC2086
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir $TEST_PYTHON_PACKAGES
-  echo "$TEST_PYTHON_PACKAGES" > "$VENV/.test-packages"
+  # shellcheck disable=SC2086
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir --no-deps $TEST_PYTHON_NODEPS
+  echo "$want" > "$VENV/.test-packages"
 }
 
 # The `oomguard` Python package (python/: the policy crate as an abi3 extension, and the

@@ -1,5 +1,5 @@
 //! Tests only: W&B's own sweep engine (PyPI's `sweeps`, what W&B's controller runs; in the
-//! repository's .venv, from TEST_PYTHON_PACKAGES) as the oracle for how oomguard reads a W&B
+//! repository's .venv, from TEST_PYTHON_NODEPS) as the oracle for how oomguard reads a W&B
 //! sweep file: the grid's order, the draws' support, hyperband's decisions, and which files
 //! are refused. The engine runs in tests/wandb_oracle.py; nothing here mocks either side.
 use serde_json::{json, Value};
@@ -16,7 +16,14 @@ use crate::tpe::{self, Observation, Outcome};
 use oomguard_console::ConfigError;
 
 /// The version TEST_PYTHON_PACKAGES pins (scripts/versions.env).
-const SWEEPS_VERSION: &str = "0.3.0";
+/// The `sweeps` version scripts/versions.env pins (TEST_PYTHON_NODEPS): the one place.
+fn sweeps_version() -> String {
+    let env = std::fs::read_to_string(root().join("scripts/versions.env")).unwrap();
+    env.split(|c: char| c.is_whitespace() || c == '"')
+        .find_map(|w| w.strip_prefix("sweeps=="))
+        .expect("scripts/versions.env pins sweeps==VERSION")
+        .to_string()
+}
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -50,8 +57,9 @@ fn ask(request: Value) -> Value {
     assert!(out.status.success(), "W&B's engine failed on {request}: {stderr}");
     let answer: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(
-        answer["version"], SWEEPS_VERSION,
-        "the sweeps package TEST_PYTHON_PACKAGES pins"
+        answer["version"].as_str(),
+        Some(sweeps_version().as_str()),
+        "the sweeps package TEST_PYTHON_NODEPS pins"
     );
     answer["answer"].clone()
 }
