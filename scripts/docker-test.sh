@@ -51,7 +51,7 @@ say "hadolint: clean"
 # libraries, 5 GB; the image, 4 GB; the toolchain and cargo's cache); a warm one, a few. Earlier
 # images of this test and unused build cache go first; then too little room is said plainly,
 # not left to fail halfway through a layer.
-NEED_GB=12; $DOCKER image inspect "$IMAGE" >/dev/null 2>&1 && NEED_GB=3
+NEED_GB=13; $DOCKER image inspect "$IMAGE" >/dev/null 2>&1 && NEED_GB=3
 NEED_GB="${DOCKER_TEST_NEED_GB:-$NEED_GB}"
 free_gb() { df -P --block-size=1G "$($DOCKER info -f '{{.DockerRootDir}}')" | awk 'NR == 2 {print $4}'; }
 $DOCKER image prune -f >/dev/null
