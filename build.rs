@@ -117,4 +117,13 @@ fn python(torch_dir: &std::path::Path) {
     }
     let site = torch_dir.parent().expect("torch sits in site-packages");
     println!("cargo:rustc-env=OOMGUARD_BUILD_SITE_PACKAGES={}", site.display());
+    // The torch version a Python model's `import torch` must match (torch/version.py).
+    let version = std::fs::read_to_string(torch_dir.join("version.py"))
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("__version__ = ").map(|v| v.trim_matches(['\'', '"']).to_string()))
+        })
+        .unwrap_or_default();
+    println!("cargo:rustc-env=OOMGUARD_BUILD_TORCH_VERSION={version}");
 }

@@ -19,6 +19,12 @@ mkdir -p "$OUT"
 TORCH_LIB="$("$PY" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')"
 export LD_LIBRARY_PATH="$TORCH_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export OOMGUARD_BIN="$KIT/bin/oomguard" OOMGUARD_ROOT="$KIT"
+# Python models (bin/oomguard-torch-python): the host's libpython and the site-packages its
+# torch is in.
+PY_LIB="$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR") or "")')"
+export LD_LIBRARY_PATH="$LD_LIBRARY_PATH${PY_LIB:+:$PY_LIB}"
+OOMGUARD_SITE_PACKAGES="$(dirname "$TORCH_LIB")/.." && OOMGUARD_SITE_PACKAGES="$(cd "$OOMGUARD_SITE_PACKAGES" && pwd)"
+export OOMGUARD_SITE_PACKAGES
 echo "gpu-check: kit $KIT, libtorch $TORCH_LIB, results in $OUT" >&2
 "$PY" "$KIT/scripts/gpu_check.py" check "$KIT" "$OUT" 2>&1 | tee "$OUT/gpu-check.log"
 echo "gpu-check: wrote $OUT/gpu-check.json" >&2

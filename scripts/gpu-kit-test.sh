@@ -42,6 +42,9 @@ assert tests["test guard"]["devices"] == ["cpu"], tests["test guard"]
 assert tests["test cuda_guard"]["devices"] == [] and tests["test cuda_guard"]["results"], tests["test cuda_guard"]
 assert set(tests["test guard"]["results"].values()) == {"ok"}, tests["test guard"]["results"]
 assert "CUDA is not available" in r["note"], r
+# The kit's Python models, against this torch and Python on the CPU.
+py = r["checks"]["python model: an OOM inside a Python forward recovered"]
+assert py["ok"] is True and py["device"] == "cpu", py
 print("gpu-kit-test: gpu-check.sh ran", ", ".join(tests), "on the CPU:", r["note"], file=sys.stderr)
 PY
 # The MFU table tells apart cards that share a name's prefix, and leaves out what it lacks.

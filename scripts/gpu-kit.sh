@@ -50,14 +50,22 @@ for l in sys.stdin:
 KIT="$ROOT/gpu-kit"
 rm -rf "$KIT" && mkdir -p "$KIT/bin" "$KIT/tests" "$KIT/scripts"
 cp "$WORK/target/release/oomguard" "$WORK/target/release/oomguard-torch" "$KIT/bin/"
+# Python models (model.kind: python): oomguard-torch-python, the same commands with CPython
+# embedded, built against the kit venv's Python (its version in KIT.txt; its own target folder,
+# so that neither build undoes the other's). It runs on a host whose torch runs under that
+# Python; gpu-check.sh points it at the host's libpython and site-packages.
+PYVER="$("$VENV/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+(cd "$SRC" && PYO3_PYTHON="$VENV/bin/python" CARGO_TARGET_DIR="$WORK/target-python" cargo build --release --bin oomguard-torch)
+cp "$WORK/target-python/release/oomguard-torch" "$KIT/bin/oomguard-torch-python"
 for e in "${EXES[@]}"; do cp "$e" "$KIT/tests/$(basename "$e" | sed 's/-[0-9a-f]*$//')"; done
 strip "$KIT"/bin/* "$KIT"/tests/*
 cp -r "$ROOT/configs" "$KIT/"
 cp "$ROOT/scripts/gpu-check.sh" "$ROOT/scripts/gpu_check.py" "$KIT/scripts/"
+mkdir -p "$KIT/examples" && cp -r "$ROOT/examples/python" "$KIT/examples/"
 # `import oomguard`'s wheel (abi3, no libtorch linked: it works with the host's own torch),
 # built with the set-up's maturin (TEST_PYTHON_PACKAGES) from the same copy of the tree.
 "$ROOT/scripts/setup.sh" >&2
 (cd "$SRC/python" && CARGO_TARGET_DIR="$WORK/python-target" "$CACHE/torch-$TORCH_VERSION/bin/maturin" build --release --quiet \
   -i "$CACHE/torch-$TORCH_VERSION/bin/python" -o "$KIT/python" >&2)
-printf 'oomguard %s, built %s for torch %s with tch %s\n' "$(cd "$ROOT" && git describe --always --dirty)" "$(date -u +%Y-%m-%dT%H:%MZ)" "$VERSION" "$TCH" > "$KIT/KIT.txt"
+printf 'oomguard %s, built %s for torch %s with tch %s; Python models for Python %s\n' "$(cd "$ROOT" && git describe --always --dirty)" "$(date -u +%Y-%m-%dT%H:%MZ)" "$VERSION" "$TCH" "$PYVER" > "$KIT/KIT.txt"
 echo "gpu-kit: $(du -sh "$KIT" | cut -f1) in $KIT: $(cat "$KIT/KIT.txt")" >&2

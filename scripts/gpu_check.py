@@ -230,6 +230,63 @@ def own_loop(mode, out, micro_batch=None, fraction=None):
     json.dump({"sizes": sizes, "ooms": guard.policy.num_ooms, "run_dir": run_dir}, open(out + ".json", "w"))
 
 
+def read_safetensors(path):
+    """A safetensors file's float32 tensors by name, read without the safetensors package."""
+    raw = open(path, "rb").read()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    body = raw[8 + n:]
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__" or t["dtype"] != "F32":
+            continue
+        a, b = t["data_offsets"]
+        out[name] = torch.frombuffer(bytearray(body[a:b]), dtype=torch.float32).reshape(t["shape"])
+    return out
+
+
+def python_model(kit, work, sh, cuda):
+    """A Python model (model.kind: python) in bin/oomguard-torch-python, which embeds CPython,
+    against this host's torch and Python: examples/python/tiny_lm.yaml trained clean, then
+    under a budget of 3/4 of the clean run's peak, so that its micro-batch of 16 runs out of
+    memory inside the Python forward; the OOM is recovered with the same samples and the
+    parameters equal the clean run's."""
+    exe = kit / "bin" / "oomguard-torch-python"
+    kit_txt = (kit / "KIT.txt").read_text() if (kit / "KIT.txt").exists() else ""
+    m = re.search(r"Python models for Python (\d+\.\d+)", kit_txt)
+    host_py = "%d.%d" % sys.version_info[:2]
+    if not exe.exists():
+        return {"ok": None, "skipped": "this kit has no bin/oomguard-torch-python"}
+    if m and m.group(1) != host_py:
+        return {"ok": None, "skipped": f"the kit embeds Python {m.group(1)}; this host's torch runs under Python {host_py}"}
+    device = "cuda" if cuda else "cpu"
+    res = {"device": device}
+
+    def run(name, budget):
+        d = work / f"py-{name}"
+        r = sh([exe, "train", kit / "examples" / "python" / "tiny_lm.yaml", "--run-dir", d, "--set", "train.max_steps=6",
+                "--set", f"train.device={device}", "--set", f"memory.budget={budget}"], extra_env={"OOMGUARD_CACHE": str(work / f"py-cache-{name}")})
+        recs = [json.loads(l) for l in open(d / "metrics.jsonl")] if (d / "metrics.jsonl").exists() else []
+        return r.returncode, recs, d
+
+    code, recs, clean = run("clean", "none")
+    peak = max((x["memory"]["peak_bytes"] for x in recs if x.get("event") == "step" and x.get("memory", {}).get("peak_bytes")), default=None)
+    res.update({"clean_exit": code, "clean_peak_bytes": peak})
+    if code == 0 and peak:
+        code, recs, tight = run("tight", str(int(peak * 3 // 4)))
+        ooms = [x for x in recs if x.get("event") == "oom"]
+        res.update({"tight_exit": code, "ooms": len(ooms), "oom_phases": [x.get("phase") for x in ooms],
+                    "micro_batch_sizes": [x.get("micro_batch_size") for x in recs if x.get("event") == "step"]})
+        if code == 0:
+            a, b = read_safetensors(clean / "model.safetensors"), read_safetensors(tight / "model.safetensors")
+            res["max_param_diff_vs_clean"] = max((a[k] - b[k]).abs().max().item() for k in a)
+    tol = 1e-4 if cuda else 1e-5
+    res["tolerance"] = tol
+    res["ok"] = res.get("tight_exit") == 0 and res.get("ooms", 0) >= 1 and "forward" in res.get("oom_phases", []) \
+        and res.get("max_param_diff_vs_clean") is not None and res["max_param_diff_vs_clean"] <= tol
+    return res
+
+
 def check(kit, out):
     import glob, pathlib, statistics, tempfile
     kit, out = pathlib.Path(kit), pathlib.Path(out)
@@ -278,6 +335,10 @@ def check(kit, out):
                                   "tests_on_cuda": on_cuda, "devices_by_test": {k: sorted(v) for k, v in by_test.items()}, "results": results,
                                   "figures": [l for l in text.splitlines() if l.startswith("CUDA: ")], "tail": text.strip().splitlines()[-3:]}
         save()
+    # 2b. A Python model in-process (bin/oomguard-torch-python), on CUDA where there is one, else
+    # on the CPU: an OOM inside its Python forward recovered, its parameters the clean run's.
+    checks["python model: an OOM inside a Python forward recovered"] = python_model(kit, work, sh, cuda)
+    save()
     if not cuda:
         report["note"] = "CUDA is not available: the CUDA checks were skipped"
         save()

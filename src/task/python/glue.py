@@ -28,7 +28,7 @@ def _venv_pip():
     # site-packages -> lib/pythonX.Y -> lib -> the venv
     site = os.environ.get("OOMGUARD_PYTHON_SITE_PACKAGES", "")
     venv = os.path.dirname(os.path.dirname(os.path.dirname(site))) if site else ""
-    return os.path.join(venv, "bin", "python") + " -m pip install" if venv else "pip install"
+    return os.path.join(venv, "bin", "python3") + " -m pip install" if venv else "pip install"
 
 
 def _short_traceback(exc, tb=None):

@@ -21,9 +21,19 @@ use crate::error::{ConfigError, Error, Result};
 
 const GLUE: &str = include_str!("glue.py");
 
-/// The site-packages whose torch this binary links (set by build.rs), unless OOMGUARD_VENV
-/// names another venv (with the same torch).
+/// The site-packages whose torch this binary links (set by build.rs), unless
+/// OOMGUARD_SITE_PACKAGES names one (a GPU host's own torch, where the GPU kit runs) or
+/// OOMGUARD_VENV names a venv (either with the same torch version).
 fn site_packages() -> std::result::Result<PathBuf, String> {
+    if let Some(site) = std::env::var_os("OOMGUARD_SITE_PACKAGES").map(PathBuf::from) {
+        return match site.join("torch").is_dir() {
+            true => Ok(site),
+            false => Err(format!(
+                "OOMGUARD_SITE_PACKAGES is {}, which holds no torch: point it at the site-packages folder torch is in",
+                site.display()
+            )),
+        };
+    }
     let Some(venv) = std::env::var_os("OOMGUARD_VENV").map(PathBuf::from) else {
         return Ok(PathBuf::from(env!("OOMGUARD_BUILD_SITE_PACKAGES")));
     };
@@ -57,7 +67,7 @@ fn start(py: Python<'_>) -> std::result::Result<Py<PyModule>, String> {
     let setup = format!(
         "import os, site, sys\nsys.path[:0] = [{site:?}]\nsite.addsitedir({site:?})\n\
          os.environ['OOMGUARD_PYTHON_SITE_PACKAGES'] = {site:?}\nsys.argv = ['oomguard-torch']\n\
-         sys.executable = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname({site:?}))), 'bin', 'python')\n",
+         sys.executable = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname({site:?}))), 'bin', 'python3')\n",
         site = site.display().to_string()
     );
     let run = |code: &str| -> PyResult<()> {
@@ -79,7 +89,7 @@ fn start(py: Python<'_>) -> std::result::Result<Py<PyModule>, String> {
     let wanted = torch_version();
     if version.split('+').next() != wanted.split('+').next() {
         return Err(format!(
-            "{} has torch {version}, but oomguard-torch links torch {wanted}: install torch=={} into that venv, or unset OOMGUARD_VENV",
+            "{} has torch {version}, but oomguard-torch links torch {wanted}: install torch=={} there, or unset OOMGUARD_VENV and OOMGUARD_SITE_PACKAGES",
             site.display(),
             wanted.split('+').next().unwrap_or_default()
         ));
@@ -92,18 +102,9 @@ fn start(py: Python<'_>) -> std::result::Result<Py<PyModule>, String> {
     Ok(m.unbind())
 }
 
-/// The torch version this binary was built against (torch/version.py beside the libtorch).
+/// The torch version this binary was built against (build.rs read it from torch/version.py).
 fn torch_version() -> String {
-    let file = Path::new(env!("OOMGUARD_BUILD_SITE_PACKAGES")).join("torch/version.py");
-    std::fs::read_to_string(file)
-        .ok()
-        .and_then(|t| {
-            t.lines().find_map(|l| {
-                l.strip_prefix("__version__ = ")
-                    .map(|v| v.trim_matches(['\'', '"']).to_string())
-            })
-        })
-        .unwrap_or_else(|| "?".into())
+    env!("OOMGUARD_BUILD_TORCH_VERSION").to_string()
 }
 
 /// A Python exception as oomguard sees it: an OOM keeps the allocator's message (which
