@@ -121,8 +121,10 @@ fn python(torch_dir: &std::path::Path) {
     let version = std::fs::read_to_string(torch_dir.join("version.py"))
         .ok()
         .and_then(|t| {
-            t.lines()
-                .find_map(|l| l.strip_prefix("__version__ = ").map(|v| v.trim_matches(['\'', '"']).to_string()))
+            t.lines().find_map(|l| {
+                l.strip_prefix("__version__ = ")
+                    .map(|v| v.trim_matches(['\'', '"']).to_string())
+            })
         })
         .unwrap_or_default();
     println!("cargo:rustc-env=OOMGUARD_BUILD_TORCH_VERSION={version}");

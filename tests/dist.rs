@@ -364,18 +364,6 @@ fn spawn_launch(dir: &Path, args: &[&str]) -> Child {
         .unwrap()
 }
 
-fn wait_for_steps(run: &Path, n: usize) {
-    let t = Instant::now();
-    while std::fs::read_to_string(run.join("metrics.jsonl"))
-        .map(|m| m.matches("\"event\":\"step\"").count())
-        .unwrap_or(0)
-        < n
-    {
-        assert!(t.elapsed() < Duration::from_secs(60), "no progress");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// SIGINT to a 2-rank run: the ranks agree on the step to stop at, rank 0 writes one
 /// checkpoint, and the resumed run ends bitwise where an uninterrupted one does.
 #[test]

@@ -9,7 +9,6 @@ use common::*;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 const ARCHS: [&str; 2] = ["gpt2", "llama"];
 
@@ -152,18 +151,6 @@ optim: {{lr: 3.0e-3, min_lr: 3.0e-4, warmup_steps: 2}}
 train: {{micro_batch_size: 8, grad_accum_steps: 2, max_steps: {steps}, eval_every: 0, eval_batch_size: 8, eval_batches: 2, seed: 7, device: cpu, num_threads: 1}}
 log: {{every: 1}}
 {extra}", file = model_file("branchy.py")))
-}
-
-fn wait_for_steps(run: &Path, n: usize) {
-    let t = Instant::now();
-    while std::fs::read_to_string(run.join("metrics.jsonl"))
-        .map(|m| m.matches("\"event\":\"step\"").count())
-        .unwrap_or(0)
-        < n
-    {
-        assert!(t.elapsed() < Duration::from_secs(60), "no progress");
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 /// SIGINT mid-run, then --resume: the weights are bitwise those of an uninterrupted run, for

@@ -135,6 +135,12 @@ pub trait Task {
     }
 }
 
+/// Shallow copies of named tensors (the same tensors under the same names), as the `Task`
+/// methods hand out what a model holds.
+pub fn shallow(named: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
+    named.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()
+}
+
 /// `f` under autocast; an error is tagged as the forward's.
 pub fn forward(f: impl FnOnce() -> Result<Tensor, TchError>, amp: &Amp) -> Result<Tensor> {
     let _autocast = amp.autocast()?;

@@ -168,19 +168,13 @@ impl TorchScriptTask {
 
 impl Task for TorchScriptTask {
     fn parameters(&self) -> Vec<(String, Tensor)> {
-        self.params
-            .iter()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect()
+        super::shallow(&self.params)
     }
     fn buffers(&self) -> Vec<(String, Tensor)> {
-        self.buffers
-            .iter()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect()
+        super::shallow(&self.buffers)
     }
     fn state(&self) -> Vec<(String, Tensor)> {
-        let mut all: Vec<(String, Tensor)> = self.named.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+        let mut all: Vec<(String, Tensor)> = super::shallow(&self.named);
         all.extend(self.buffers());
         all
     }

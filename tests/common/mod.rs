@@ -293,3 +293,16 @@ pub fn inject_config(dir: &Path) -> PathBuf {
         + "checkpoint: {every_steps: 2, keep: 2}\nmemory: {cooldown_steps: 2, grow_after_steps: 1, grow_headroom: 0.0, retries_at_one: 40, allow_precision_fallback: false, snapshot: off}\n";
     write_config(dir, "inject.yaml", &yaml)
 }
+
+/// Waits until `run`'s metrics.jsonl holds `n` step records (a minute at most).
+pub fn wait_for_steps(run: &Path, n: usize) {
+    let t = std::time::Instant::now();
+    while std::fs::read_to_string(run.join("metrics.jsonl"))
+        .map(|m| m.matches("\"event\":\"step\"").count())
+        .unwrap_or(0)
+        < n
+    {
+        assert!(t.elapsed() < std::time::Duration::from_secs(60), "no progress");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, os.path.dirname(__file__))
-from ts_reference import Text, lr_at, positions, splitmix64  # noqa: E402
+from ts_reference import Text, positions, splitmix64, train  # noqa: E402
 
 
 def load(path):
@@ -62,26 +62,7 @@ def main():
     model = f.build(dict(settings))
     model.train()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for _, p in named if p.dim() >= 2], "weight_decay": c["weight_decay"]},
-        {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    opt = torch.optim.AdamW(groups, lr=c["lr"], betas=(c["beta1"], c["beta2"]), eps=c["eps"], fused=True)
-    losses = []
-    gb, mb = c["global_batch"], c.get("micro_batch", c["global_batch"])
-    for step in range(c["steps"]):
-        x, y = data.batch("train", positions(c["seed"], step, gb, data.count("train")))
-        loss = 0.0
-        for i in range(0, gb, mb):
-            part = loss_of(model, (x[i: i + mb], y[i: i + mb])) * (min(mb, gb - i) / gb)
-            part.backward()
-            loss += part.item()
-        losses.append(loss)
-        torch.nn.utils.clip_grad_norm_([p for _, p in named], c["grad_clip"])
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, c)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    losses = train(model, named, data, c, loss_of)
     if a.out:
         save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, a.out)
     print(json.dumps({"losses": losses}))

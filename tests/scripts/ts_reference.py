@@ -88,6 +88,33 @@ def lr_at(step, c):
     return c["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * progress)) * (c["lr"] - c["min_lr"])
 
 
+def train(model, named, data, c, loss_of=lambda m, b: m(*b)):
+    """oomguard's steps in eager PyTorch: AdamW in two groups (no decay on 1-D parameters),
+    each step's samples in micro-batches of c["micro_batch"] (default: the whole step), each
+    loss weighted by its share, global-norm clipping, the schedule. Returns the step losses."""
+    groups = [
+        {"params": [p for _, p in named if p.dim() >= 2], "weight_decay": c["weight_decay"]},
+        {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=c["lr"], betas=(c["beta1"], c["beta2"]), eps=c["eps"], fused=True)
+    losses = []
+    gb, mb = c["global_batch"], c.get("micro_batch", c["global_batch"])
+    for step in range(c["steps"]):
+        x, y = data.batch("train", positions(c["seed"], step, gb, data.count("train")))
+        loss = 0.0
+        for i in range(0, gb, mb):
+            part = loss_of(model, (x[i: i + mb], y[i: i + mb])) * (min(mb, gb - i) / gb)
+            part.backward()
+            loss += part.item()
+        losses.append(loss)
+        torch.nn.utils.clip_grad_norm_([p for _, p in named], c["grad_clip"])
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, c)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["train", "eval"])
@@ -115,26 +142,7 @@ def main():
     model.load_state_dict(torch.jit.load(a.weights).state_dict(), strict=True)
     model.train()
     named = sorted(model.named_parameters())
-    groups = [
-        {"params": [p for _, p in named if p.dim() >= 2], "weight_decay": c["weight_decay"]},
-        {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    opt = torch.optim.AdamW(groups, lr=c["lr"], betas=(c["beta1"], c["beta2"]), eps=c["eps"], fused=True)
-    losses = []
-    gb, mb = c["global_batch"], c.get("micro_batch", c["global_batch"])
-    for step in range(c["steps"]):
-        x, y = data.batch("train", positions(c["seed"], step, gb, data.count("train")))
-        loss = 0.0
-        for i in range(0, gb, mb):
-            part = model(x[i: i + mb], y[i: i + mb]) * (min(mb, gb - i) / gb)
-            part.backward()
-            loss += part.item()
-        losses.append(loss)
-        torch.nn.utils.clip_grad_norm_([p for _, p in named], c["grad_clip"])
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, c)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    losses = train(model, named, data, c)
     if a.out:
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, a.out)
     print(json.dumps({"losses": losses}))

@@ -422,10 +422,7 @@ impl PythonTask {
 
 impl Task for PythonTask {
     fn parameters(&self) -> Vec<(String, Tensor)> {
-        self.params
-            .iter()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect()
+        super::shallow(&self.params)
     }
     fn buffers(&self) -> Vec<(String, Tensor)> {
         let trained = |t: &Tensor| {
@@ -441,7 +438,7 @@ impl Task for PythonTask {
     }
     /// The module's `state_dict`: tied weights under each name, buffers, frozen parameters.
     fn state(&self) -> Vec<(String, Tensor)> {
-        self.state.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()
+        super::shallow(&self.state)
     }
     /// `module.train(train)`; the batch's fields go to the module (or to `model.loss`).
     fn loss(&self, inputs: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor, TchError> {
