@@ -21,7 +21,7 @@ export LD_LIBRARY_PATH="$TORCH_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export OOMGUARD_BIN="$KIT/bin/oomguard" OOMGUARD_ROOT="$KIT"
 # Python models (bin/oomguard-torch-python): the host's libpython and the site-packages its
 # torch is in.
-PY_LIB="$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR") or "")')"
+PY_LIB="$("$PY" -c 'import sysconfig; print(sysconfig.get_config_vars().get("LIBDIR") or "")')"
 export LD_LIBRARY_PATH="$LD_LIBRARY_PATH${PY_LIB:+:$PY_LIB}"
 OOMGUARD_SITE_PACKAGES="$(dirname "$TORCH_LIB")/.." && OOMGUARD_SITE_PACKAGES="$(cd "$OOMGUARD_SITE_PACKAGES" && pwd)"
 export OOMGUARD_SITE_PACKAGES
