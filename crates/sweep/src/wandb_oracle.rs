@@ -2,6 +2,8 @@
 //! repository's .venv, from TEST_PYTHON_NODEPS) as the oracle for how oomguard reads a W&B
 //! sweep file: the grid's order, the draws' support, hyperband's decisions, and which files
 //! are refused. The engine runs in tests/wandb_oracle.py; nothing here mocks either side.
+#![cfg(test)]
+
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
@@ -15,10 +17,9 @@ use crate::spec::{self, EarlyStop, RungMetric, Sweep, Trial};
 use crate::tpe::{self, Observation, Outcome};
 use oomguard_console::ConfigError;
 
-/// The version TEST_PYTHON_PACKAGES pins (scripts/versions.env).
 /// The `sweeps` version scripts/versions.env pins (TEST_PYTHON_NODEPS): the one place.
 fn sweeps_version() -> String {
-    let env = std::fs::read_to_string(root().join("scripts/versions.env")).unwrap();
+    let env = std::fs::read_to_string(root().join("scripts/versions.env")).expect("scripts/versions.env is readable");
     env.split(|c: char| c.is_whitespace() || c == '"')
         .find_map(|w| w.strip_prefix("sweeps=="))
         .expect("scripts/versions.env pins sweeps==VERSION")
@@ -45,17 +46,17 @@ fn ask(request: Value) -> Value {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
+        .unwrap_or_else(|e| panic!("cannot run {} {}: {e}", python.display(), script.display()));
+    let mut stdin = child.stdin.take().expect("the engine's stdin is piped");
+    stdin
         .write_all(request.to_string().as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
+        .expect("the request reaches W&B's engine");
+    drop(stdin);
+    let out = child.wait_with_output().expect("W&B's engine is waited for");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "W&B's engine failed on {request}: {stderr}");
-    let answer: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let answer: Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("W&B's engine answered no JSON ({e}): {stderr}"));
     assert_eq!(
         answer["version"].as_str(),
         Some(sweeps_version().as_str()),

@@ -64,17 +64,22 @@ fn glue(py: Python<'_>) -> Result<Bound<'_, PyModule>> {
 
 fn start(py: Python<'_>) -> std::result::Result<Py<PyModule>, String> {
     let site = site_packages()?;
-    let setup = format!(
-        "import os, site, sys\nsys.path[:0] = [{site:?}]\nsite.addsitedir({site:?})\n\
-         os.environ['OOMGUARD_PYTHON_SITE_PACKAGES'] = {site:?}\nsys.argv = ['oomguard-torch']\n\
-         sys.executable = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname({site:?}))), 'bin', 'python3')\n",
-        site = site.display().to_string()
-    );
-    let run = |code: &str| -> PyResult<()> {
-        let code = CString::new(code).expect("no NUL in generated code");
-        py.run(&code, None, None)
+    // Through the API, not generated code: any path (quotes, non-ASCII) passes as it is.
+    let setup = || -> PyResult<()> {
+        let dir = site.display().to_string();
+        let sys = py.import("sys")?;
+        sys.getattr("path")?.call_method1("insert", (0, &dir))?;
+        py.import("site")?.call_method1("addsitedir", (&dir,))?;
+        py.import("os")?
+            .getattr("environ")?
+            .set_item("OOMGUARD_PYTHON_SITE_PACKAGES", &dir)?;
+        sys.setattr("argv", vec!["oomguard-torch"])?;
+        // site-packages -> lib/pythonX.Y -> lib -> the prefix holding bin/python3.
+        let prefix = site.ancestors().nth(3).unwrap_or(&site);
+        sys.setattr("executable", prefix.join("bin/python3").display().to_string())?;
+        Ok(())
     };
-    run(&setup).map_err(|e| format!("cannot start Python: {e}"))?;
+    setup().map_err(|e| format!("cannot start Python: {e}"))?;
     let torch = py.import("torch").map_err(|e| {
         format!(
             "cannot import torch from {}: {e}; run `make setup`, or point OOMGUARD_VENV at a venv with torch {}",
@@ -94,7 +99,9 @@ fn start(py: Python<'_>) -> std::result::Result<Py<PyModule>, String> {
             wanted.split('+').next().unwrap_or_default()
         ));
     }
-    run(&format!("import random, torch\nrandom.seed(torch.initial_seed())"))
+    torch
+        .call_method0("initial_seed")
+        .and_then(|seed| py.import("random")?.call_method1("seed", (seed,)))
         .map_err(|e| format!("cannot seed Python's random: {e}"))?;
     let code = CString::new(GLUE).expect("glue.py has no NUL");
     let m = PyModule::from_code(py, &code, c"oomguard_glue.py", c"oomguard_glue")
@@ -286,12 +293,14 @@ pub fn build(ctx: &BuildContext) -> Result<Built> {
                 ),
             )
             .map_err(|e| build_error(py, e, origin, "model.build"))?;
-        let params = named(
-            &model
-                .call_method0("parameters")
-                .map_err(|e| build_error(py, e, origin, "model.path"))?,
-        )
-        .map_err(|e| build_error(py, e, origin, "model.path"))?;
+        // The module's named tensors, as the glue lists them (`parameters`, `state`).
+        let tensors = |method: &str| {
+            model
+                .call_method0(method)
+                .and_then(|list| named(&list))
+                .map_err(|e| build_error(py, e, origin, "model.path"))
+        };
+        let params = tensors("parameters")?;
         if params.is_empty() {
             return Err(Error::Config(ConfigError {
                 origin: origin.display().to_string(),
@@ -303,12 +312,7 @@ pub fn build(ctx: &BuildContext) -> Result<Built> {
                 ),
             }));
         }
-        let state = named(
-            &model
-                .call_method0("state")
-                .map_err(|e| build_error(py, e, origin, "model.path"))?,
-        )
-        .map_err(|e| build_error(py, e, origin, "model.path"))?;
+        let state = tensors("state")?;
         let data = match &data_path {
             None => None,
             Some(p) => Some(
