@@ -197,9 +197,13 @@ fn read(last_oom: bool) -> Option<Capture> {
     let python = if last_oom {
         // SAFETY: a malloc'd NUL-terminated string, ours to free.
         let p = unsafe { ffi::og_snap_oom_python() };
-        let text = unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned();
-        unsafe { ffi::og_free(p) };
-        text.lines().map(str::to_string).collect()
+        if p.is_null() {
+            Vec::new() // strdup could not allocate: the frames are left out, not the OOM
+        } else {
+            let text = unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned();
+            unsafe { ffi::og_free(p) };
+            text.lines().map(str::to_string).collect()
+        }
     } else {
         Vec::new()
     };
