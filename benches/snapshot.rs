@@ -65,13 +65,13 @@ fn main() {
     // 2. One dump with the ring as full as the steps made it.
     let dir = tempfile::tempdir().unwrap();
     let params = task.parameters().into_iter().map(|(_, t)| t).collect();
-    let state = opt.state().into_iter().map(|(_, t)| t.shallow_clone()).collect();
+    let state: Vec<Tensor> = opt.state().into_iter().map(|(_, t)| t.shallow_clone()).collect();
     let always = snapshot::SnapshotConfig {
         mode: snapshot::SnapshotMode::Always,
         ..defaults
     };
     let mut dumper =
-        snapshot::Dumper::new(dir.path(), always, Device::Cpu, params, state, task.formula(), None).unwrap();
+        snapshot::Dumper::new(dir.path(), always, Device::Cpu, params, &state, task.formula(), None).unwrap();
     let t = Instant::now();
     let d = dumper.at_end(step_no, 8).expect("the dump is written");
     let dump_s = t.elapsed().as_secs_f64();

@@ -103,6 +103,41 @@ fn peak_at_one(dir: &Path, cfg: &Path, shard: &str) -> u64 {
     last_step(&run)["memory"]["peak_bytes"].as_u64().unwrap()
 }
 
+/// The climb on ordinary shapes, every other setting at its default (snapshots on OOM,
+/// the checkpointing and precision rungs allowed): a budget between the unsharded and the
+/// ZeRO-1 peaks climbs to sharding, from micro-batch 1 or after halving from 4, and ends
+/// where the free run does.
+#[test]
+fn ordinary_shapes_at_their_defaults_climb_to_sharding() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, model) in [
+        ("wide", "{n_layer: 4, n_head: 4, n_embd: 256, block_size: 16, vocab_size: 256}"),
+        ("deep", "{n_layer: 8, n_head: 2, n_embd: 128, block_size: 32, vocab_size: 512}"),
+    ] {
+        let train = "{micro_batch_size: 1, global_batch_size: 8, max_steps: 3, seed: 7, device: cpu, num_threads: 1}";
+        let yaml = format!("model: {model}\ndata: {{source: embedded}}\ntrain: {train}\n");
+        let cfg = write_config(dir.path(), &format!("{name}.yaml"), &yaml);
+        let sub = dir.path().join(name);
+        std::fs::create_dir(&sub).unwrap();
+        let (plain, sharded) = (peak_at_one(&sub, &cfg, "none"), peak_at_one(&sub, &cfg, "optimizer"));
+        assert!(sharded < plain, "{name}: sharding lowers the peak: {sharded} against {plain}");
+        let budget = ((plain + sharded) / 2).to_string();
+        let free = sub.join("free");
+        ok(train_n(&sub, &cfg, &free, 2, &["--memory-budget", "none"]));
+        for mb in ["1", "4"] {
+            let run = sub.join(format!("climbs-{mb}"));
+            let set = format!("train.micro_batch_size={mb}");
+            let err = ok(train_n(&sub, &cfg, &run, 2, &["--memory-budget", &budget, "--set", &set]));
+            let rungs = records(&run, "rung");
+            let climbed = rungs.iter().any(|r| r["rung"].as_str().is_some_and(|r| r.starts_with("shard_")));
+            assert!(climbed, "{name}, micro-batch {mb}: {rungs:?}\n{err}");
+            assert_eq!(records(&run, "step").len(), 3, "{name}, micro-batch {mb}");
+            let d = max_abs_diff(&weights(&free), &weights(&run));
+            assert!(d < 1e-5, "{name}, micro-batch {mb}: the climbed run differs from the free one by {d}");
+        }
+    }
+}
+
 /// A model whose state, not its activations, is what does not fit: a large vocabulary, a
 /// short sequence, one sample per rank (accumulating would add a gradient's size).
 fn state_heavy(dir: &Path) -> PathBuf {
@@ -129,21 +164,21 @@ fn a_budget_too_small_for_the_whole_state_climbs_to_sharding() {
     let budget = ((plain + sharded) / 2).to_string();
     let free = dir.path().join("free");
     ok(train_n(dir.path(), &cfg, &free, 2, &["--memory-budget", "none"]));
-    // With the sharding rungs allowed: it climbs by itself, and ends where the free run does.
-    let run = dir.path().join("climbs");
-    let err = ok(train_n(dir.path(), &cfg, &run, 2, &["--memory-budget", &budget]));
-    let rungs = records(&run, "rung");
-    assert!(
-        rungs
-            .iter()
-            .any(|r| r["rung"].as_str().is_some_and(|r| r.starts_with("shard_"))),
-        "{rungs:?}\n{err}"
-    );
-    let last = last_step(&run);
-    assert_ne!(last["shard"], "none", "{last}");
-    assert_eq!(records(&run, "step").len(), 4);
-    let d = max_abs_diff(&weights(&free), &weights(&run));
-    assert!(d < 1e-5, "the climbed run differs from the unconstrained one by {d}");
+    // With the sharding rungs allowed: it climbs by itself, and ends where the free run does;
+    // with OOM snapshots on (the default) as well: the writer holds no moments the rung frees.
+    for snapshot in ["off", "on_oom"] {
+        let run = dir.path().join(format!("climbs-{snapshot}"));
+        let set = format!("memory.snapshot={snapshot}");
+        let err = ok(train_n(dir.path(), &cfg, &run, 2, &["--memory-budget", &budget, "--set", &set]));
+        let rungs = records(&run, "rung");
+        assert_eq!(rungs.len(), 1, "snapshot: {snapshot}: one rung climbed: {rungs:?}\n{err}");
+        assert_eq!(rungs[0]["rung"], "shard_optimizer", "{rungs:?}");
+        let last = last_step(&run);
+        assert_ne!(last["shard"], "none", "{last}");
+        assert_eq!(records(&run, "step").len(), 4);
+        let d = max_abs_diff(&weights(&free), &weights(&run));
+        assert!(d < 1e-5, "snapshot: {snapshot}: the climbed run differs from the unconstrained one by {d}");
+    }
     // Not allowed: exit 3, naming sharding as what would fit.
     let no = dir.path().join("not-allowed");
     let o = train_n(

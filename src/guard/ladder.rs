@@ -1,8 +1,8 @@
 //! The rungs below micro-batch 1: when even one sample does not fit, the run switches a GPT
 //! configured with `model.loss: full` to the fused loss, then climbs the rung that saves
 //! the most memory for what it costs: activation checkpointing, bf16, and with data
-//! parallel the sharding of AdamW's state (ZeRO-1) and of the gradients (ZeRO-2). A run
-//! that sharded comes back down when memory allows. Pure decisions, tested in place.
+//! parallel the sharding of AdamW's state (ZeRO-1). A run that sharded comes back down when
+//! memory allows. Pure decisions, tested in place.
 use serde::{Deserialize, Serialize};
 
 use crate::model::LossKind;
@@ -97,8 +97,9 @@ pub fn next_rung(at: Footing, allowed: Allowed, s: &Savings) -> Option<Rung> {
             .then_some((Rung::ActivationCheckpointing, s.activations * 2 / 3)),
         (allowed.precision_fallback && at.precision == Precision::Fp32).then_some((Rung::Bf16, s.activations / 2)),
         (allowed.sharding && at.shard == Some(Shard::None)).then_some((Rung::ShardOptimizer, split(s.optimizer_state))),
-        (allowed.sharding && at.shard.is_some_and(|x| x < Shard::Gradients))
-            .then_some((Rung::ShardGradients, split(s.gradients))),
+        // No `ShardGradients`: stage 2 drops the whole gradients only after backward, where
+        // the step's peak already was, so it saves nothing at the peak (measured: its peak is
+        // stage 1's or more). `train.shard: gradients` stays a choice, not a rung.
     ];
     let score = |&(r, saved): &(Rung, u64)| saved.max(1) as f64 / cost(r, allowed.bf16_fast).max(0.01);
     candidates
@@ -297,7 +298,8 @@ mod tests {
             shard: Some(Shard::Optimizer),
             ..dp
         };
-        assert_eq!(super::next_rung(s1, ALL, &big), Some(Rung::ShardGradients));
+        // Stage 2 saves nothing at the peak: never climbed, however large the gradients.
+        assert_eq!(super::next_rung(s1, ALL, &big), Some(Rung::ActivationCheckpointing));
         let s2 = Footing {
             shard: Some(Shard::Gradients),
             ..dp

@@ -39,8 +39,7 @@ pub struct MemoryConfig {
     pub allow_activation_checkpointing: bool,
     /// Below micro-batch 1: fall back from fp32 to bf16 autocast.
     pub allow_precision_fallback: bool,
-    /// Data parallel, below micro-batch 1: shard AdamW's state (ZeRO-1), then the gradients
-    /// too (ZeRO-2), across the ranks.
+    /// Data parallel, below micro-batch 1: shard AdamW's state across the ranks (ZeRO-1).
     pub allow_sharding: bool,
     /// `micro_batch_size: auto` trains at the largest size found less this share.
     pub auto_margin: f64,

@@ -240,12 +240,12 @@ impl AdamW {
             last_step: None,
             zero: None,
         };
-        opt.zero = Some(opt.new_zero(stage, comm)?);
+        opt.zero = Some(opt.new_zero(stage, comm, true)?);
         Ok(opt)
     }
 
     /// An empty shard of the moments for this layout (zeros: a fresh state).
-    fn new_zero(&self, stage: Shard, comm: Rc<dyn Comm>) -> OgResult<Zero> {
+    fn new_zero(&self, stage: Shard, comm: Rc<dyn Comm>, fresh: bool) -> OgResult<Zero> {
         let params: Vec<&Tensor> = self.all_params().collect();
         if let Some(p) = params.iter().find(|p| p.kind() != Kind::Float) {
             return Err(Error::Torch(TchError::Kind(format!(
@@ -256,12 +256,14 @@ impl AdamW {
         let numels: Vec<i64> = params.iter().map(|p| p.numel() as i64).collect();
         let layout = Layout::new(&numels, comm.rank(), comm.world(), ZERO_BUCKET_BYTES / 4);
         let device = params.first().map_or(tch::Device::Cpu, |p| p.device());
-        let zeros = || Tensor::f_zeros([layout.shard], (Kind::Float, device));
+        let zeros = |n: i64| Tensor::f_zeros([n], (Kind::Float, device));
+        // A fresh state's shards; empty when `set_shard` fills them from whole moments.
+        let n = if fresh { layout.shard } else { 0 };
         Ok(Zero {
             stage,
             pieces: layout.pieces(),
-            exp_avg: zeros()?,
-            exp_avg_sq: zeros()?,
+            exp_avg: zeros(n)?,
+            exp_avg_sq: zeros(n)?,
             layout,
             comm,
             grad: None,
@@ -589,25 +591,33 @@ impl AdamW {
             (None, s) => {
                 let comm =
                     comm.ok_or_else(|| Error::Torch(TchError::Kind("sharding needs a data-parallel group".into())))?;
-                let z = agreed(agree, self.new_zero(s, comm))?;
-                let index = self.index();
-                for p in &z.pieces {
-                    let (g, i) = index[p.param];
-                    for (full, shard) in [
-                        (&self.groups[g].exp_avg[i], &z.exp_avg),
-                        (&self.groups[g].exp_avg_sq[i], &z.exp_avg_sq),
-                    ] {
-                        shard
-                            .f_narrow(0, p.in_shard, p.len)?
-                            .f_copy_(&full.f_view([-1])?.f_narrow(0, p.at, p.len)?)?;
+                let mut z = agreed(agree, self.new_zero(s, comm, false))?;
+                // One moment at a time: its shard is allocated (agreed), filled, and its whole
+                // tensors freed before the next one's, so that the climb's peak holds half a
+                // shard-set more than the state, not a whole one: a rank whose state alone
+                // leaves less than one shard free can still climb.
+                let (n, device) = (z.layout.shard, z.exp_avg.device());
+                let zeros = || Tensor::f_zeros([n], (Kind::Float, device)).map_err(Error::from);
+                let avg = agreed(agree, zeros())?;
+                self.fill_shard(&z, &avg, |g| &mut g.exp_avg)?;
+                z.exp_avg = avg;
+                match agreed(agree, zeros()) {
+                    Ok(sq) => {
+                        self.fill_shard(&z, &sq, |g| &mut g.exp_avg_sq)?;
+                        z.exp_avg_sq = sq;
+                        self.zero = Some(z);
+                        Ok(())
+                    }
+                    Err(e) => {
+                        // Half-way: the first moment comes back whole, as before the climb.
+                        self.unshard_avg(&z, agree).map_err(|u| {
+                            Error::Torch(TchError::Kind(format!(
+                                "sharding AdamW's state failed half-way ({e}) and could not be undone ({u})"
+                            )))
+                        })?;
+                        Err(e)
                     }
                 }
-                for g in &mut self.groups {
-                    g.exp_avg.clear();
-                    g.exp_avg_sq.clear();
-                }
-                self.zero = Some(z);
-                Ok(())
             }
             (Some(_), _) => {
                 // Back to whole moments on every rank: gathered, chunk by chunk.
@@ -634,6 +644,41 @@ impl AdamW {
                 Ok(())
             }
         }
+    }
+
+    /// This rank's pieces of one whole moment into `shard`; the whole tensors are freed.
+    fn fill_shard(&mut self, z: &Zero, shard: &Tensor, moment: impl Fn(&mut Group) -> &mut Vec<Tensor>) -> OgResult<()> {
+        let index = self.index();
+        for p in &z.pieces {
+            let (g, i) = index[p.param];
+            let full = &moment(&mut self.groups[g])[i];
+            shard
+                .f_narrow(0, p.in_shard, p.len)?
+                .f_copy_(&full.f_view([-1])?.f_narrow(0, p.at, p.len)?)?;
+        }
+        for g in &mut self.groups {
+            moment(g).clear();
+        }
+        Ok(())
+    }
+
+    /// A climb that failed half-way: the first moment gathered back whole (every rank
+    /// takes part; the allocation is agreed).
+    fn unshard_avg(&mut self, z: &Zero, agree: &Agreed) -> OgResult<()> {
+        let (m, b) = agreed(
+            agree,
+            (|| {
+                let m: Vec<Tensor> = self.all_params().map(|p| p.f_zeros_like()).collect::<Result<_, _>>()?;
+                Ok((m, Buffers::new(&z.layout, Kind::Float, z.exp_avg.device())?))
+            })(),
+        )?;
+        let flat: Vec<Tensor> = m.iter().map(|t| t.f_view([-1])).collect::<Result<_, _>>()?;
+        gather_into(z, &b, &z.exp_avg, &flat)?;
+        let mut m = m.into_iter();
+        for g in &mut self.groups {
+            g.exp_avg = m.by_ref().take(g.params.len()).collect();
+        }
+        Ok(())
     }
 
     /// The whole state as `state()` names it, whatever the sharding: a sharded one is

@@ -39,19 +39,26 @@ pub struct Dumper {
     /// `.rankR` for a data-parallel rank other than 0.
     suffix: String,
     params: Vec<Tensor>,
-    optimizer_state: Vec<Tensor>,
+    /// The optimizer state's addresses, not its tensors: holding them would keep state that
+    /// a sharding rung frees alive (`set_optimizer_state` follows every change).
+    optimizer_state: Vec<u64>,
     plan: Option<Estimate>,
 }
 
+/// A defined tensor's data address (none for an empty one).
+fn address(t: &Tensor) -> Option<u64> {
+    t.defined().then(|| t.data_ptr() as u64).filter(|&p| p != 0)
+}
+
 impl Dumper {
-    /// Starts recording; `None` with `memory.snapshot: off`. `params` and `optimizer_state`
-    /// (shallow copies) name the tensors whose bytes are attributed by address.
+    /// Starts recording; `None` with `memory.snapshot: off`. `params` (shallow copies) and
+    /// `optimizer_state` name the tensors whose bytes are attributed by address.
     pub fn new(
         run_dir: &Path,
         cfg: SnapshotConfig,
         device: Device,
         params: Vec<Tensor>,
-        optimizer_state: Vec<Tensor>,
+        optimizer_state: &[Tensor],
         plan: Option<Estimate>,
         rank: Option<usize>,
     ) -> Option<Dumper> {
@@ -72,7 +79,7 @@ impl Dumper {
             next,
             suffix,
             params,
-            optimizer_state,
+            optimizer_state: optimizer_state.iter().filter_map(address).collect(),
             plan,
         })
     }
@@ -81,13 +88,17 @@ impl Dumper {
         self.cfg.mode
     }
 
+    /// The optimizer state now (after a sharding rung moved it).
+    pub fn set_optimizer_state(&mut self, state: &[Tensor]) {
+        self.optimizer_state = state.iter().filter_map(address).collect();
+    }
+
     /// The roles' addresses now: the failed attempt's gradients are still alive.
     fn roles(&self) -> Roles {
-        let ptr = |t: &Tensor| t.defined().then(|| t.data_ptr() as u64).filter(|&p| p != 0);
         Roles {
-            parameters: self.params.iter().filter_map(ptr).collect(),
-            gradients: self.params.iter().filter_map(|p| ptr(&p.grad())).collect(),
-            optimizer_state: self.optimizer_state.iter().filter_map(ptr).collect(),
+            parameters: self.params.iter().filter_map(address).collect(),
+            gradients: self.params.iter().filter_map(|p| address(&p.grad())).collect(),
+            optimizer_state: self.optimizer_state.clone(),
         }
     }
 

@@ -37,13 +37,18 @@ impl Run<'_> {
                     Some(pg.clone() as Rc<dyn Comm>),
                     &agree,
                 ) {
-                    Err(Error::Oom(_)) => return Ok(false),
+                    Err(Error::Oom(_)) => {
+                        // Undone half-way: the first moment was gathered back into new tensors.
+                        self.snapshot_follows_state();
+                        return Ok(false);
+                    }
                     other => other?,
                 }
                 self.shard_back = ShardBack {
                     clean_steps: 0,
                     failed_at: Some(step),
                 };
+                self.snapshot_follows_state();
             }
         }
         for e in self.guard.drain_events() {
@@ -125,6 +130,7 @@ impl Run<'_> {
         };
         match self.opt.set_shard(below, Some(pg.clone() as Rc<dyn Comm>), &agree) {
             Ok(()) => {
+                self.snapshot_follows_state();
                 tracing::info!(
                     "step {step}: memory allows it: back to train.shard: {} (the peak was {})",
                     below.name(),
@@ -154,6 +160,14 @@ impl Run<'_> {
         Ok(())
     }
 
+    /// The snapshot writer attributes the optimizer state where it lives now.
+    fn snapshot_follows_state(&self) {
+        if let Some(d) = &self.snapshot {
+            let state: Vec<Tensor> = self.opt.state().into_iter().map(|(_, t)| t.shallow_clone()).collect();
+            d.borrow_mut().set_optimizer_state(&state);
+        }
+    }
+
     /// The planner's view of what does not fit and what would, for models it has a formula
     /// for; with data parallel, what sharding would save per rank.
     pub(super) fn advice(&self) -> String {
@@ -163,22 +177,17 @@ impl Run<'_> {
             _ => String::new(),
         };
         let world = self.world_size() as u64;
-        if world > 1 && self.opt.shard() < Shard::Gradients {
-            let s = self.savings();
-            let state = if self.opt.shard() == Shard::None {
-                s.optimizer_state
-            } else {
-                0
-            };
-            let saved = (state + s.gradients) - (state + s.gradients) / world;
+        if world > 1 && self.opt.shard() == Shard::None {
+            // Only the moments: stage 2 saves nothing at the step's peak (see `ladder`).
+            let state = self.savings().optimizer_state;
             let how = if c.memory.allow_sharding {
-                "train.shard: gradients"
+                "train.shard: optimizer"
             } else {
-                "memory.allow_sharding: true (the guard climbs to it), or train.shard: optimizer / gradients"
+                "memory.allow_sharding: true (the guard climbs to it), or train.shard: optimizer"
             };
             out.push_str(&format!(
-                " Sharding AdamW's state and the gradients across the {world} ranks (ZeRO-1/2) would save up to {} per rank: {how}.",
-                human_bytes(saved)
+                " Sharding AdamW's state across the {world} ranks (ZeRO-1) would save {} per rank: {how}.",
+                human_bytes(state - state / world)
             ));
         }
         out

@@ -442,7 +442,7 @@ fn refuse_what_cannot_fit(cfg: &Config, device: Device, world: usize) -> Result<
         return Ok(());
     };
     let shard = if world > 1 && c.memory.allow_sharding {
-        Shard::Gradients
+        Shard::Optimizer // what the guard climbs to
     } else if world > 1 {
         c.train.shard
     } else {
@@ -678,13 +678,13 @@ fn snapshot_dumper(
     rank: Option<usize>,
 ) -> Result<Option<SharedDumper>> {
     let params = task.parameters().into_iter().map(|(_, t)| t).collect();
-    let state = opt.state().into_iter().map(|(_, t)| t.shallow_clone()).collect();
+    let state: Vec<Tensor> = opt.state().into_iter().map(|(_, t)| t.shallow_clone()).collect();
     let d = memory::snapshot::Dumper::new(
         run_dir,
         cfg.raw.memory.snapshot()?,
         device,
         params,
-        state,
+        &state,
         task.formula(),
         rank,
     );
