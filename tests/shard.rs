@@ -111,8 +111,14 @@ fn peak_at_one(dir: &Path, cfg: &Path, shard: &str) -> u64 {
 fn ordinary_shapes_at_their_defaults_climb_to_sharding() {
     let dir = tempfile::tempdir().unwrap();
     for (name, model) in [
-        ("wide", "{n_layer: 4, n_head: 4, n_embd: 256, block_size: 16, vocab_size: 256}"),
-        ("deep", "{n_layer: 8, n_head: 2, n_embd: 128, block_size: 32, vocab_size: 512}"),
+        (
+            "wide",
+            "{n_layer: 4, n_head: 4, n_embd: 256, block_size: 16, vocab_size: 256}",
+        ),
+        (
+            "deep",
+            "{n_layer: 8, n_head: 2, n_embd: 128, block_size: 32, vocab_size: 512}",
+        ),
     ] {
         let train = "{micro_batch_size: 1, global_batch_size: 8, max_steps: 3, seed: 7, device: cpu, num_threads: 1}";
         let yaml = format!("model: {model}\ndata: {{source: embedded}}\ntrain: {train}\n");
@@ -120,20 +126,34 @@ fn ordinary_shapes_at_their_defaults_climb_to_sharding() {
         let sub = dir.path().join(name);
         std::fs::create_dir(&sub).unwrap();
         let (plain, sharded) = (peak_at_one(&sub, &cfg, "none"), peak_at_one(&sub, &cfg, "optimizer"));
-        assert!(sharded < plain, "{name}: sharding lowers the peak: {sharded} against {plain}");
+        assert!(
+            sharded < plain,
+            "{name}: sharding lowers the peak: {sharded} against {plain}"
+        );
         let budget = ((plain + sharded) / 2).to_string();
         let free = sub.join("free");
         ok(train_n(&sub, &cfg, &free, 2, &["--memory-budget", "none"]));
         for mb in ["1", "4"] {
             let run = sub.join(format!("climbs-{mb}"));
             let set = format!("train.micro_batch_size={mb}");
-            let err = ok(train_n(&sub, &cfg, &run, 2, &["--memory-budget", &budget, "--set", &set]));
+            let err = ok(train_n(
+                &sub,
+                &cfg,
+                &run,
+                2,
+                &["--memory-budget", &budget, "--set", &set],
+            ));
             let rungs = records(&run, "rung");
-            let climbed = rungs.iter().any(|r| r["rung"].as_str().is_some_and(|r| r.starts_with("shard_")));
+            let climbed = rungs
+                .iter()
+                .any(|r| r["rung"].as_str().is_some_and(|r| r.starts_with("shard_")));
             assert!(climbed, "{name}, micro-batch {mb}: {rungs:?}\n{err}");
             assert_eq!(records(&run, "step").len(), 3, "{name}, micro-batch {mb}");
             let d = max_abs_diff(&weights(&free), &weights(&run));
-            assert!(d < 1e-5, "{name}, micro-batch {mb}: the climbed run differs from the free one by {d}");
+            assert!(
+                d < 1e-5,
+                "{name}, micro-batch {mb}: the climbed run differs from the free one by {d}"
+            );
         }
     }
 }
@@ -169,15 +189,28 @@ fn a_budget_too_small_for_the_whole_state_climbs_to_sharding() {
     for snapshot in ["off", "on_oom"] {
         let run = dir.path().join(format!("climbs-{snapshot}"));
         let set = format!("memory.snapshot={snapshot}");
-        let err = ok(train_n(dir.path(), &cfg, &run, 2, &["--memory-budget", &budget, "--set", &set]));
+        let err = ok(train_n(
+            dir.path(),
+            &cfg,
+            &run,
+            2,
+            &["--memory-budget", &budget, "--set", &set],
+        ));
         let rungs = records(&run, "rung");
-        assert_eq!(rungs.len(), 1, "snapshot: {snapshot}: one rung climbed: {rungs:?}\n{err}");
+        assert_eq!(
+            rungs.len(),
+            1,
+            "snapshot: {snapshot}: one rung climbed: {rungs:?}\n{err}"
+        );
         assert_eq!(rungs[0]["rung"], "shard_optimizer", "{rungs:?}");
         let last = last_step(&run);
         assert_ne!(last["shard"], "none", "{last}");
         assert_eq!(records(&run, "step").len(), 4);
         let d = max_abs_diff(&weights(&free), &weights(&run));
-        assert!(d < 1e-5, "snapshot: {snapshot}: the climbed run differs from the unconstrained one by {d}");
+        assert!(
+            d < 1e-5,
+            "snapshot: {snapshot}: the climbed run differs from the unconstrained one by {d}"
+        );
     }
     // Not allowed: exit 3, naming sharding as what would fit.
     let no = dir.path().join("not-allowed");
@@ -389,4 +422,60 @@ fn a_run_that_sharded_under_pressure_comes_back_down() {
     assert_eq!(shards.last().unwrap(), "none", "{shards:?}");
     let d = max_abs_diff(&weights(&free), &weights(&run));
     assert!(d < 1e-5, "differs from the unconstrained run by {d}");
+}
+
+/// fp16 under ZeRO-2 with a loss scale high enough to skip steps: an overflow in either
+/// rank's shard skips the update on both, and no rank counts it in AdamW's step counts
+/// (their bias correction), so 2 ranks end where one process does, skip for skip. No
+/// clipping: ZeRO-2 sums the norm's squares in another order, and fp16 rounding in
+/// gradients that are zero in exact arithmetic (the attention's key bias) is amplified by
+/// Adam to the learning rate's size.
+#[test]
+fn fp16_skipped_steps_count_alike_on_every_rank_under_zero_2() {
+    let dir = tempfile::tempdir().unwrap();
+    // Micro-batches of 4 that each rank's even share keeps: the ranks sum what one process
+    // accumulates in the same order.
+    let yaml = TINY.replace(
+        "micro_batch_size: 8, grad_accum_steps: 2",
+        "micro_batch_size: 4, global_batch_size: 8",
+    ) + "checkpoint: {every_steps: 6}\n";
+    let cfg = write_config(dir.path(), "c.yaml", &yaml);
+    for scale in ["1e6", "3e6"] {
+        let run = |stage: &str, n: usize| {
+            let run = dir.path().join(format!("{stage}-{scale}"));
+            let scaler = format!("train.grad_scaler.init_scale={scale}");
+            let shard = format!("train.shard={stage}");
+            let args = [
+                "--set",
+                "train.precision=fp16",
+                "--set",
+                "optim.grad_clip=0",
+                "--set",
+                &scaler,
+                "--set",
+                &shard,
+            ];
+            ok(train_n(dir.path(), &cfg, &run, n, &args));
+            run
+        };
+        let (one, two) = (run("none", 1), run("gradients", 2));
+        let skipped = |r: &Path| {
+            records(r, "step")
+                .iter()
+                .map(|s| s["skipped"] == true)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(skipped(&one), skipped(&two), "scale {scale}");
+        let applied = skipped(&one).iter().filter(|s| !**s).count() as f64;
+        assert!(applied < 6.0, "scale {scale} skips a step");
+        let state = safetensors(&two.join("checkpoints/step-00000006/optimizer.safetensors"));
+        for (name, t) in state.iter().filter(|(n, _)| n.ends_with(".step")) {
+            assert_eq!(t.double_value(&[]), applied, "scale {scale}: {name}");
+        }
+        let d = max_abs_diff(&weights(&one), &weights(&two));
+        assert!(
+            d < 1e-5,
+            "scale {scale}: 2 ranks under ZeRO-2 differ from one process by {d}"
+        );
+    }
 }

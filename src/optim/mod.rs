@@ -432,18 +432,17 @@ impl AdamW {
                 self.last_step
             ))));
         }
-        // 1 - found_inf: 1 for an update, 0 for a skipped one.
-        let increment = found_inf
-            .map(|f| crate::ops::add_scalar(&f.f_neg()?, 1.0))
-            .transpose()?;
-        let next_count = |s: &Tensor| match &increment {
-            Some(i) => s.f_add(i),
-            None => crate::ops::add_scalar(s, 1.0),
-        };
+        // Each count plus one; `commit` takes found_inf off in place. Not here: under ZeRO-2
+        // the flag is this rank's own shard's until the ranks' MAX, which comes after.
         let next = self
             .groups
             .iter()
-            .map(|g| g.steps.iter().map(next_count).collect::<Result<_, _>>())
+            .map(|g| {
+                g.steps
+                    .iter()
+                    .map(|s| crate::ops::add_scalar(s, 1.0))
+                    .collect::<Result<_, _>>()
+            })
             .collect::<Result<_, TchError>>()?;
         let gather = self
             .zero
@@ -467,6 +466,12 @@ impl AdamW {
             found_inf,
             gather,
         } = prepared;
+        if let Some(f) = &found_inf {
+            // A skipped update (the ranks' flag, now agreed) does not count: in place.
+            for n in next.iter().flatten() {
+                let _ = n.shallow_clone().f_sub_(f)?;
+            }
+        }
         let inf = found_inf
             .as_ref()
             .map_or(std::ptr::null_mut(), |f| f.as_ptr() as *mut c_void);
@@ -647,7 +652,12 @@ impl AdamW {
     }
 
     /// This rank's pieces of one whole moment into `shard`; the whole tensors are freed.
-    fn fill_shard(&mut self, z: &Zero, shard: &Tensor, moment: impl Fn(&mut Group) -> &mut Vec<Tensor>) -> OgResult<()> {
+    fn fill_shard(
+        &mut self,
+        z: &Zero,
+        shard: &Tensor,
+        moment: impl Fn(&mut Group) -> &mut Vec<Tensor>,
+    ) -> OgResult<()> {
         let index = self.index();
         for p in &z.pieces {
             let (g, i) = index[p.param];
