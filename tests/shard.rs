@@ -422,6 +422,48 @@ fn a_run_that_sharded_under_pressure_comes_back_down() {
     assert_eq!(shards.last().unwrap(), "none", "{shards:?}");
     let d = max_abs_diff(&weights(&free), &weights(&run));
     assert!(d < 1e-5, "differs from the unconstrained run by {d}");
+    // Ranks with limits of their own (as `budget: auto` gives on the CPU): rank 1 has none.
+    // They decide the way back on the smallest limit, together; deciding on their own, one
+    // gathered the state while the other went on to the next step, and the group hung.
+    let run = dir.path().join("uneven");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let workers: Vec<_> = [("0", "config"), ("1", "none")]
+        .into_iter()
+        .map(|(rank, budget)| {
+            let mut c = Command::new(bin());
+            let mut args = vec!["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()];
+            args.extend(["--set", "train.dist_timeout_s=30"]);
+            if budget == "none" {
+                args.extend(["--memory-budget", "none"]);
+            }
+            isolated(dies_with_test(&mut c), dir.path())
+                .args(args)
+                .envs([
+                    ("RANK", rank),
+                    ("LOCAL_RANK", rank),
+                    ("WORLD_SIZE", "2"),
+                    ("MASTER_ADDR", "127.0.0.1"),
+                ])
+                .envs([("MASTER_PORT", port.as_str()), ("OMP_NUM_THREADS", "1")])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for w in workers {
+        ok(w.wait_with_output().unwrap());
+    }
+    assert!(records(&run, "rung_down")
+        .iter()
+        .any(|r| r["rung"] == "shard_optimizer"));
+    let d = max_abs_diff(&weights(&free), &weights(&run));
+    assert!(d < 1e-5, "uneven limits: differs from the unconstrained run by {d}");
 }
 
 /// fp16 under ZeRO-2 with a loss scale high enough to skip steps: an overflow in either

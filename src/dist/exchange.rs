@@ -29,17 +29,37 @@ pub enum Topic {
     Stop = 5,
     EvalLosses = 6,
     Shard = 7,
+    /// Each agreement site its own (`ProcessGroup::agree`): ranks that diverge fail at the
+    /// header check, naming both sites, instead of waiting on different channels.
+    UpdateReady = 8,
+    EvalAttempt = 9,
+    BufferSnapshot = 10,
+    CheckpointWrite = 11,
+    StateGather = 12,
+    StartPoint = 13,
+    OptimizerState = 14,
+    ShardClimb = 15,
+    ShardBack = 16,
 }
 
 fn topic_name(k: f64) -> &'static str {
     match k as i64 {
-        1 => "the agreement on an attempt",
+        1 => "the agreement on a step's attempt",
         2 => "the guard's inputs",
         3 => "the losses",
         4 => "the start",
         5 => "a stop signal",
         6 => "the evaluation's losses",
         7 => "the sharding's way back",
+        8 => "the agreement on the update's allocations",
+        9 => "the agreement on an evaluation batch",
+        10 => "the agreement on the buffers' snapshot",
+        11 => "the agreement on a checkpoint's write",
+        12 => "the agreement on gathering the optimizer state",
+        13 => "the agreement on where to start",
+        14 => "the agreement on allocating the optimizer state",
+        15 => "the agreement on climbing to sharding",
+        16 => "the agreement on coming back from sharding",
         _ => "an unknown exchange",
     }
 }

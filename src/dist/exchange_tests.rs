@@ -92,7 +92,7 @@ fn ranks_at_different_exchanges_fail_naming_both() {
     let one = one.join().unwrap();
     for e in [&zero, &one] {
         assert!(
-            e.contains("collective mismatch") && e.contains("the agreement on an attempt .. the losses"),
+            e.contains("collective mismatch") && e.contains("the agreement on a step's attempt .. the losses"),
             "{e}"
         );
     }

@@ -301,7 +301,8 @@ impl ProcessGroup {
     /// too: no rank retries alone); else an OOM on any rank is an OOM on every rank, the
     /// same one everywhere (the lowest failing rank's phase, micro-batch and sizes), so
     /// the guards, which decide on them, decide alike.
-    pub fn agree<T>(&self, local: Result<T>) -> Result<T> {
+    /// `topic`: the site's own, so that ranks at different sites fail at once, named.
+    pub fn agree<T>(&self, topic: Topic, local: Result<T>) -> Result<T> {
         let mut slots = vec![f64::NEG_INFINITY; AGREE_SLOT * self.world];
         let own = &mut slots[AGREE_SLOT * self.rank..AGREE_SLOT * (self.rank + 1)];
         own.fill(-1.0);
@@ -320,7 +321,7 @@ impl ProcessGroup {
             }
             Err(_) => own[0] = 2.0,
         }
-        self.exchange(Topic::Agreement, &mut slots)?;
+        self.exchange(topic, &mut slots)?;
         let views: Vec<&[f64]> = slots.chunks(AGREE_SLOT).collect();
         if let Some(r) = views.iter().position(|v| v[0] == 2.0) {
             return Err(match local {

@@ -73,7 +73,7 @@ pub fn evaluate(
                         .map_err(|e| in_eval(e.into()))
                 })();
                 match pg {
-                    Some(pg) => pg.agree(local),
+                    Some(pg) => pg.agree(Topic::EvalAttempt, local),
                     None => local,
                 }
             },

@@ -153,7 +153,7 @@ impl<'a> Run<'a> {
                         Some(pg) => {
                             if has_buffers {
                                 // The snapshot's OOM is agreed like any other.
-                                pg.agree(ctx.snapshot_buffers(task))?;
+                                pg.agree(Topic::BufferSnapshot, ctx.snapshot_buffers(task))?;
                             }
                             crate::rng::seed_rank_step(c.train.seed, step, pg.rank);
                             dist_step(pg, task, ctx.opt, &batches, step, mb, &u)

@@ -260,13 +260,13 @@ pub fn dist_step(
         Ok((r, reduce))
     });
     let (mut agree_s, mut reduce_s) = (0.0, 0.0);
-    let ((loss, num_micro_batches), reduce) = timed(&mut agree_s, || pg.agree(local))?;
+    let ((loss, num_micro_batches), reduce) = timed(&mut agree_s, || pg.agree(Topic::Agreement, local))?;
     timed(&mut reduce_s, || match reduce {
         Reduce::All(grads, buckets) => buckets.reduce_into(pg, &grads),
         Reduce::Scatter(bufs) => opt.reduce_scatter_grads(bufs),
     })?;
     let ready = prepare_update(opt, step, u, &loss);
-    let ready = timed(&mut agree_s, || pg.agree(ready))?;
+    let ready = timed(&mut agree_s, || pg.agree(Topic::UpdateReady, ready))?;
     let out = commit_update(opt, ready, u)?;
     // This rank's loss came back with the read-out; the global batch's is their sum.
     let loss = timed(&mut agree_s, || pg.sum_f64(Topic::Losses, out.loss))?;

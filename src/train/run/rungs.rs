@@ -30,7 +30,7 @@ impl Run<'_> {
             Rung::Bf16 => self.precision = Precision::Bf16,
             Rung::ShardOptimizer | Rung::ShardGradients => {
                 let pg = self.pg.clone().expect("sharding rungs need a group");
-                let agree = |r: Result<()>| pg.agree(r);
+                let agree = |r: Result<()>| pg.agree(Topic::ShardClimb, r);
                 memory::empty_cache(self.device)?;
                 match self.opt.set_shard(
                     rung.shard().expect("a sharding rung"),
@@ -91,7 +91,8 @@ impl Run<'_> {
 
     /// A run that climbed to a sharding rung comes back down a stage when memory allows
     /// (`ladder::unshard`: the micro-batch's hysteresis and cool-down), every rank alike: the
-    /// decision is on the ranks' largest peak, and the gather's allocation is agreed.
+    /// decision is on the ranks' largest peak and smallest limit, and the gather's allocation
+    /// is agreed.
     pub(super) fn maybe_unshard(&mut self, step: u64, oomed: bool) -> Result<()> {
         let Some(pg) = self.pg.clone() else { return Ok(()) };
         let configured = self.cfg.raw.train.shard;
@@ -100,9 +101,15 @@ impl Run<'_> {
             return Ok(());
         }
         self.shard_back.clean_steps = if oomed { 0 } else { self.shard_back.clean_steps + 1 };
+        // The ranks' largest peak and smallest limit: every rank decides on the same figures
+        // (with `budget: auto` on the CPU their own limits differ).
         let mem = self.guard.last_memory();
-        let mut peak = [mem.peak_bytes as f64];
-        pg.exchange(Topic::Shard, &mut peak)?;
+        let mut v = [
+            mem.peak_bytes as f64,
+            mem.limit_bytes.map_or(f64::NEG_INFINITY, |l| -(l as f64)),
+        ];
+        pg.exchange(Topic::Shard, &mut v)?;
+        let limit = (v[1] > f64::NEG_INFINITY).then_some(-v[1] as u64);
         let world = self.world_size() as u64;
         let saved = match at {
             Shard::Gradients => self.savings().gradients * (world - 1) / world,
@@ -115,14 +122,14 @@ impl Run<'_> {
             clean_steps: self.shard_back.clean_steps,
             failed_at: self.shard_back.failed_at,
             step,
-            peak_bytes: peak[0] as u64,
-            limit_bytes: mem.limit_bytes,
+            peak_bytes: v[0] as u64,
+            limit_bytes: limit,
             saved_bytes: saved,
         };
         let Some(below) = ladder::unshard(back, m.grow_after_steps, m.cooldown_steps, m.grow_headroom) else {
             return Ok(());
         };
-        let agree = |r: Result<()>| pg.agree(r);
+        let agree = |r: Result<()>| pg.agree(Topic::ShardBack, r);
         let left = if at == Shard::Gradients {
             Rung::ShardGradients
         } else {

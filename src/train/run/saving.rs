@@ -25,7 +25,7 @@ impl Run<'_> {
         // Agreed, not a bare barrier: a write that failed on rank 0 (an OOM past its retries
         // included) fails every rank alike, at once.
         let dir = match &self.pg {
-            Some(pg) => pg.agree(written)?,
+            Some(pg) => pg.agree(Topic::CheckpointWrite, written)?,
             None => written?,
         };
         self.checkpointed = Some(next_step);
@@ -65,7 +65,7 @@ impl Run<'_> {
     fn gathered_state(&mut self, step: u64) -> Result<FullState> {
         let pg = self.pg.clone();
         let agree = |r: Result<()>| match &pg {
-            Some(pg) => pg.agree(r),
+            Some(pg) => pg.agree(Topic::StateGather, r),
             None => r,
         };
         self.retrying_oom(step, |run| run.opt.full_state(&agree))

@@ -95,7 +95,7 @@ impl<'a> Run<'a> {
         );
         // Where to start: rank 0 decides (and reads the checkpoint); the others learn it.
         let agree = |r: Result<()>| match &pg {
-            Some(pg) => pg.agree(r),
+            Some(pg) => pg.agree(Topic::StartPoint, r),
             None => r,
         };
         let from = match &pg {
@@ -382,7 +382,7 @@ fn new_optimizer(
             stage,
             Some(pg.clone() as Rc<dyn Comm>),
         );
-        match pg.agree(opt) {
+        match pg.agree(Topic::OptimizerState, opt) {
             Ok(opt) => return Ok((opt, (stage != c.train.shard).then_some(Rung::ShardOptimizer))),
             Err(Error::Oom(o)) if c.memory.allow_sharding && stage == Shard::None => {
                 tracing::warn!(
