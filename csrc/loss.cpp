@@ -12,6 +12,7 @@
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <limits>
 
 namespace {
@@ -47,7 +48,15 @@ Result compute(const Tensor& hidden, const Tensor& weight_in, const Tensor& targ
   const int64_t n = hidden.size(0), v = weight.size(0), c = weight.size(1);
   const Tensor w = padded(weight, vp).to(cdt);
   const auto f32 = hidden.options().dtype(at::kFloat);
-  const Tensor inv = targets.ne(kIgnore).sum().to(at::kFloat).reciprocal();  // on the device: no sync
+  // 1 / the valid tokens, on the device (no sync); a chunk of only ignored tokens gives 0
+  // loss and 0 gradients, not 0/0.
+  const Tensor inv = targets.ne(kIgnore).sum().clamp_min(1).to(at::kFloat).reciprocal();
+  // fp16's range: d loss / d logits is kept as (softmax - one_hot) * k in fp16, and the 1/N
+  // applied after the matmuls in fp32. Divided first, entries below 6e-8 (a 50k vocabulary
+  // at 8k tokens: most of them) would flush to zero. k keeps the weight gradient's sum over
+  // a chunk's rows below fp16's maximum.
+  const double k = cdt == at::kHalf ? std::min(1.0, 1024.0 / static_cast<double>(chunk)) : 1.0;
+  const Tensor unscale = inv / k;
   Tensor loss = at::zeros({}, f32.dtype(at::kDouble));
   Result r;
   if (grads) {
@@ -71,19 +80,22 @@ Result compute(const Tensor& hidden, const Tensor& weight_in, const Tensor& targ
     const Tensor lse = (sum.log() + max).squeeze(1);
     loss.add_(at::where(valid, lse - target_logit, 0.0).sum(at::kDouble));
     if (!grads) continue;
-    // softmax - one_hot(target), over the valid tokens, / their count: d loss / d logits.
+    // (softmax - one_hot(target)) * k over the valid tokens: d loss / d logits times N * k.
     z.div_(sum);
     z.scatter_add_(1, idx, -valid.to(at::kFloat).unsqueeze(1));
-    z.mul_((valid.to(at::kFloat) * inv).unsqueeze(1));
+    z.mul_(valid.to(at::kFloat).unsqueeze(1));
+    if (k != 1.0) z.mul_(k);
     const Tensor g = z.to(cdt);
-    r.grad_h.narrow(0, s, m).copy_(g.mm(w));
+    Tensor gh = g.mm(w);
+    if (gh.scalar_type() != at::kFloat) gh = gh.to(at::kFloat);
+    r.grad_h.narrow(0, s, m).copy_(gh.mul_(unscale));
     if (cdt == at::kFloat)
       r.grad_w.addmm_(g.t(), h);
     else
       r.grad_w.add_(g.t().mm(h));
   }
   r.loss = (loss * inv).to(at::kFloat);
-  if (grads) r.grad_w = r.grad_w.narrow(0, 0, v);
+  if (grads) r.grad_w = r.grad_w.narrow(0, 0, v).mul_(unscale);
   return r;
 }
 
