@@ -45,7 +45,7 @@ fn main() {
         let t = Instant::now();
         step(&mut opt);
         off += t.elapsed().as_secs_f64();
-        snapshot::start(defaults.max_events);
+        snapshot::start(defaults.max_events).expect("the history starts");
         let t = Instant::now();
         step(&mut opt);
         on += t.elapsed().as_secs_f64();
@@ -56,7 +56,7 @@ fn main() {
         common::median(rss_seen[..10].to_vec()),
         common::median(rss_seen[STEPS - 10..].to_vec()),
     );
-    let events = snapshot::now().events.len();
+    let events = snapshot::now().expect("the history reads").events.len();
     println!("recording (on_oom, always): {:.4} x the step time with it off, over {STEPS} alternating steps each ({:.3} s vs {:.3} s a step; goal at most 1.01)", on / off, on / STEPS as f64, off / STEPS as f64);
 
     let per_step = (rss_after - rss_before) / (2 * (STEPS - 10)) as f64;

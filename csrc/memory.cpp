@@ -127,7 +127,9 @@ c10::DeviceAllocator* cuda_allocator() {
 
 extern "C" {
 
-void og_free(char* msg) { std::free(msg); }
+void og_free(char* msg) {
+  if (msg != oomguard::no_message()) std::free(msg);
+}
 
 void og_cpu_install() { install_counting(); }
 void og_cpu_set_budget(int64_t bytes) { g_budget.store(bytes); }

@@ -1,5 +1,6 @@
 // C ABI between csrc/ and src/memory, src/optim. Tensors are tch's C_tensor, a torch::Tensor*.
-// Functions that can fail return NULL on success or a malloc'd message (free with og_free).
+// Functions that can fail return NULL on success or a message (free with og_free; never NULL
+// after a failure, even when the message could not be copied).
 #pragma once
 #include <cstdint>
 #include <cstdlib>
@@ -97,13 +98,40 @@ char* og_rng_set_state(int cuda_index, void* state);
 }
 
 namespace oomguard {
+// Test-only: OOMGUARD_TEST_CSRC_FAIL=POINT[,POINT...] makes these points fail as an
+// allocation there would: `message` (guarded's copy of an error message), `snap_read`
+// (og_snap_read's copies), `snap_hook` (the snapshot's copy at a failed allocation).
+// Allocation-free: read where it fails, never on a hot path.
+inline bool test_fails(const char* point) {
+  const char* spec = std::getenv("OOMGUARD_TEST_CSRC_FAIL");
+  if (spec == nullptr) return false;
+  const size_t n = std::strlen(point);
+  for (const char* p = spec;;) {
+    const char* end = std::strchr(p, ',');
+    const size_t len = end ? static_cast<size_t>(end - p) : std::strlen(p);
+    if (len == n && std::strncmp(p, point, n) == 0) return true;
+    if (end == nullptr) return false;
+    p = end + 1;
+  }
+}
+
+// What guarded returns when the copy of a message cannot be made (malloc failed): static,
+// never freed (og_free knows it).
+inline char* no_message() {
+  static char m[] = "a C++ exception whose message could not be copied (no memory left for it)";
+  return m;
+}
+
 // Runs f, turning a C++ exception (c10::OutOfMemoryError included) into a message for Rust.
+// Null means f returned; whatever f threw is a non-null message, the fixed no_message()
+// when even its copy cannot be made. Nothing escapes.
 template <typename F>
-char* guarded(F&& f) {
-  auto dup = [](const char* m) {
-    size_t n = std::strlen(m) + 1;
-    char* out = static_cast<char*>(std::malloc(n));
-    if (out) std::memcpy(out, m, n);
+char* guarded(F&& f) noexcept {
+  auto dup = [](const char* m) -> char* {
+    const size_t n = std::strlen(m) + 1;
+    char* out = test_fails("message") ? nullptr : static_cast<char*>(std::malloc(n));
+    if (out == nullptr) return no_message();
+    std::memcpy(out, m, n);
     return out;
   };
   try {

@@ -4,6 +4,8 @@
 // of both taken at the moment an allocation fails, before unwinding frees anything.
 #include "snapshot.h"
 
+#include "oomguard.h"
+
 #include <ATen/record_function.h>
 #include <torch/csrc/profiler/combined_traceback.h>
 
@@ -140,12 +142,17 @@ og_snap_rec* dup(const std::vector<og_snap_rec>& v) {
 
 }  // namespace
 
-void on_alloc(void* p, size_t n) {
+void on_alloc(void* p, size_t n) noexcept {
   og_snap_rec r = context(OG_SNAP_ALLOC, reinterpret_cast<uint64_t>(p), static_cast<int64_t>(n));
-  std::lock_guard<std::mutex> g(g_mu);
-  r.seq = g_seq.fetch_add(1);
-  g_live[r.addr] = r;
-  push(r);
+  try {
+    std::lock_guard<std::mutex> g(g_mu);
+    r.seq = g_seq.fetch_add(1);
+    g_live[r.addr] = r;
+    push(r);
+  } catch (...) {
+    // No memory for the record: the allocation goes unrecorded (its free is then ignored),
+    // rather than failing after its bytes were handed out.
+  }
 }
 
 void on_free(void* p) {
@@ -192,22 +199,35 @@ std::string python_stack() {
 }
 }  // namespace
 
-void on_oom(size_t n, int64_t live, int64_t budget) {
-  std::string python = python_stack();
-  og_snap_rec r = context(OG_SNAP_OOM, 0, static_cast<int64_t>(n));
-  const bool in_op = !t_ops.empty();
-  std::lock_guard<std::mutex> g(g_mu);
-  r.seq = g_seq.load();
-  r.addr = budget >= 0 ? static_cast<uint64_t>(std::max<int64_t>(budget - live, 0)) : 0;  // free bytes
-  push(r);
-  copy_now(g_oom);
-  g_oom.info.request = static_cast<int64_t>(n);
-  g_oom.info.live = live;
-  g_oom.info.budget = budget;
-  g_oom.info.failing = r;
-  g_oom.info.op_seq = in_op ? t_top_seq : g_seq.load();
-  g_oom_python = std::move(python);
-  g_have_oom = true;
+// At a failed allocation, before its OOM error is thrown: nothing here may throw in its
+// place. Whatever fails (an allocation for the copy, the Python frames) drops the copy: a
+// dump then shows the history after unwinding, and the OOM is reported as it is.
+void on_oom(size_t n, int64_t live, int64_t budget) noexcept {
+  try {
+    std::string python = python_stack();
+    og_snap_rec r = context(OG_SNAP_OOM, 0, static_cast<int64_t>(n));
+    const bool in_op = !t_ops.empty();
+    std::lock_guard<std::mutex> g(g_mu);
+    g_have_oom = false;  // until this copy is whole
+    r.seq = g_seq.load();
+    r.addr = budget >= 0 ? static_cast<uint64_t>(std::max<int64_t>(budget - live, 0)) : 0;  // free bytes
+    push(r);
+    if (test_fails("snap_hook")) throw std::bad_alloc();
+    copy_now(g_oom);
+    g_oom.info.request = static_cast<int64_t>(n);
+    g_oom.info.live = live;
+    g_oom.info.budget = budget;
+    g_oom.info.failing = r;
+    g_oom.info.op_seq = in_op ? t_top_seq : g_seq.load();
+    g_oom_python = std::move(python);
+    g_have_oom = true;
+  } catch (...) {
+    try {
+      std::lock_guard<std::mutex> g(g_mu);
+      g_have_oom = false;  // no earlier failure's copy stands in for this one
+    } catch (...) {
+    }
+  }
 }
 
 }  // namespace oomguard::snap
@@ -216,24 +236,26 @@ using namespace oomguard::snap;
 
 extern "C" {
 
-int og_snap_start(int64_t max_events) {
-  {
-    std::lock_guard<std::mutex> g(g_mu);
-    if (g_callback == 0) {
-      g_callback = at::addGlobalCallback(at::RecordFunctionCallback(&op_start, &op_end)
-                                             .needsInputs(false)
-                                             .needsOutputs(false)
-                                             .needsIds(false)
-                                             .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
+char* og_snap_start(int64_t max_events) {
+  return oomguard::guarded([&] {
+    {
+      std::lock_guard<std::mutex> g(g_mu);
+      // The ring first: when it cannot be allocated, nothing has changed.
+      if (static_cast<int64_t>(g_ring.size()) != max_events) {
+        g_ring.assign(static_cast<size_t>(std::max<int64_t>(max_events, 1)), og_snap_rec{});
+        g_head = 0;
+        g_written = 0;
+      }
+      if (g_callback == 0) {
+        g_callback = at::addGlobalCallback(at::RecordFunctionCallback(&op_start, &op_end)
+                                               .needsInputs(false)
+                                               .needsOutputs(false)
+                                               .needsIds(false)
+                                               .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
+      }
     }
-    if (static_cast<int64_t>(g_ring.size()) != max_events) {
-      g_ring.assign(static_cast<size_t>(std::max<int64_t>(max_events, 1)), og_snap_rec{});
-      g_head = 0;
-      g_written = 0;
-    }
-  }
-  g_on.store(true);
-  return 1;
+    g_on.store(true);
+  });
 }
 
 // Recording and the op-name callback off (what `memory.snapshot: off` never turns on).
@@ -277,13 +299,16 @@ char* og_snap_oom_python() {
   return strdup(g_oom_python.c_str());
 }
 
-int og_snap_read(int last_oom, og_snap_info* info, og_snap_rec** live, int64_t* n_live, og_snap_rec** events, int64_t* n_events) {
-  Capture now;
-  const Capture* c = &now;
-  {
+char* og_snap_read(int last_oom, int* got, og_snap_info* info, og_snap_rec** live, int64_t* n_live, og_snap_rec** events,
+                   int64_t* n_events) {
+  *got = 0;
+  return oomguard::guarded([&] {
+    if (oomguard::test_fails("snap_read")) throw std::bad_alloc();
+    Capture now;
+    const Capture* c = &now;
     std::lock_guard<std::mutex> g(g_mu);
     if (last_oom) {
-      if (!g_have_oom) return 0;
+      if (!g_have_oom) return;
       g_have_oom = false;
       c = &g_oom;
     } else {
@@ -293,13 +318,19 @@ int og_snap_read(int last_oom, og_snap_info* info, og_snap_rec** live, int64_t* 
       now.info.op_seq = now.info.seq;
       now.info.budget = -1;
     }
+    og_snap_rec* l = dup(c->live);
+    og_snap_rec* e = l ? dup(c->events) : nullptr;
+    if (l == nullptr || e == nullptr) {
+      std::free(l);
+      throw std::bad_alloc();
+    }
     *info = c->info;
-    *live = dup(c->live);
+    *live = l;
     *n_live = static_cast<int64_t>(c->live.size());
-    *events = dup(c->events);
+    *events = e;
     *n_events = static_cast<int64_t>(c->events.size());
-  }
-  return 1;
+    *got = 1;
+  });
 }
 
 }  // extern "C"

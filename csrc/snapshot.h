@@ -37,7 +37,8 @@ typedef struct {
 } og_snap_info;
 
 // Starts recording (and the op-name callback) with a ring of max_events; again resizes.
-int og_snap_start(int64_t max_events);
+// NULL, or the message of what failed (a ring too large to allocate), recording unchanged.
+char* og_snap_start(int64_t max_events);
 void og_snap_stop();
 void og_snap_set_context(int64_t step, int32_t phase, int32_t micro_batch);
 // micro_batch < -1 leaves it as it is.
@@ -49,9 +50,11 @@ const char* og_snap_name(int32_t id);
 // A guarded attempt starts: its allocations are numbered from here; a failure before it is
 // forgotten.
 void og_snap_mark_attempt();
-// last_oom: the copy taken at the last failure (0 returned when there is none since the
-// attempt began), else the state now. Arrays are malloc'd (free with og_free).
-int og_snap_read(int last_oom, og_snap_info* info, og_snap_rec** live, int64_t* n_live, og_snap_rec** events, int64_t* n_events);
+// last_oom: the copy taken at the last failure (*got = 0 when there is none since the
+// attempt began), else the state now. Arrays are malloc'd (free with og_free). NULL, or the
+// message of what failed (an allocation for the copies), nothing returned.
+char* og_snap_read(int last_oom, int* got, og_snap_info* info, og_snap_rec** live, int64_t* n_live, og_snap_rec** events,
+                   int64_t* n_events);
 // The Python frames (a Python model's) at the last failure, one per line, innermost first; ""
 // when none ran. malloc'd (free with og_free).
 char* og_snap_oom_python();
@@ -59,7 +62,8 @@ char* og_snap_oom_python();
 
 namespace oomguard::snap {
 extern std::atomic<bool> g_on;
-void on_alloc(void* p, size_t n);
+void on_alloc(void* p, size_t n) noexcept;
 void on_free(void* p);
-void on_oom(size_t n, int64_t live, int64_t budget);
+// Records the failure and copies the history; never throws (the OOM error follows it).
+void on_oom(size_t n, int64_t live, int64_t budget) noexcept;
 }  // namespace oomguard::snap

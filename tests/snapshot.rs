@@ -292,3 +292,67 @@ fn bad_settings_exit_2_naming_the_key() {
         assert!(stderr(&o).contains(key), "{key}: {}", stderr(&o));
     }
 }
+
+/// A history too large for the machine (max_events 10^15: 64 PB, beyond any address space):
+/// its allocation fails inside C++, and that comes back as an error. The run trains without
+/// the history, saying so, instead of aborting on an exception thrown across the C ABI.
+#[test]
+fn a_history_too_large_to_allocate_is_an_error_not_an_abort() {
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = TINY.replace("max_steps: 6", "max_steps: 2")
+        + "memory: {snapshot: {mode: on_oom, max_events: 1000000000000000}}\n";
+    let cfg = write_config(dir.path(), "huge.yaml", &yaml);
+    let run = dir.path().join("run");
+    let o = oomguard(
+        &["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()],
+        dir.path(),
+    );
+    let err = stderr(&o);
+    assert!(o.status.success(), "{:?}: {err}", o.status);
+    assert!(err.contains("CPU memory history not started"), "{err}");
+    assert_eq!(records(&run, "step").len(), 2);
+}
+
+/// Trains TINY with one injected OOM and `OOMGUARD_TEST_CSRC_FAIL=point`, asserting success;
+/// returns the run and its stderr.
+fn train_failing_at(dir: &Path, point: &str) -> (std::path::PathBuf, String) {
+    let cfg = write_config(dir, "tiny.yaml", TINY);
+    let run = dir.join("run");
+    let o = isolated(&mut std::process::Command::new(bin()), dir)
+        .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()])
+        .args(["--inject-oom", "1:3"])
+        .current_dir(dir)
+        .env("OMP_NUM_THREADS", "1")
+        .env("OOMGUARD_TEST_CSRC_FAIL", point)
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert!(o.status.success(), "{:?}: {err}", o.status);
+    (run, err)
+}
+
+/// The dump's copy of the history failing (an allocation in og_snap_read) is an error the
+/// dump reports, not an abort: the OOM is recovered and the run completes.
+#[test]
+fn a_dump_whose_copy_cannot_be_allocated_is_skipped_not_an_abort() {
+    let dir = tempfile::tempdir().unwrap();
+    let (run, err) = train_failing_at(dir.path(), "snap_read");
+    let ooms = records(&run, "oom");
+    assert_eq!(ooms.len(), 1, "{err}");
+    assert!(ooms[0]["requested_bytes"].as_u64().is_some(), "{}", ooms[0]);
+    assert!(err.contains("could not write the memory snapshot"), "{err}");
+    assert!(!run.join("oom/001").exists());
+    assert_eq!(records(&run, "step").len(), 6);
+}
+
+/// An allocation failing inside the history's hook at the failed allocation (its copy)
+/// drops the copy, not the OOM: the guard still sees an out-of-memory error and recovers.
+#[test]
+fn a_failure_inside_the_oom_hook_leaves_the_oom_as_it_is() {
+    let dir = tempfile::tempdir().unwrap();
+    let (run, err) = train_failing_at(dir.path(), "snap_hook");
+    let ooms = records(&run, "oom");
+    assert_eq!(ooms.len(), 1, "{err}");
+    assert!(ooms[0]["requested_bytes"].as_u64().is_some(), "{}", ooms[0]);
+    assert_eq!(records(&run, "step").len(), 6);
+}

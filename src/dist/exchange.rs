@@ -137,7 +137,8 @@ pub(super) struct Channel {
 }
 
 const HELLO: &[u8; 4] = b"OGX1";
-/// A connection has this long to introduce itself (a stray one is dropped after it).
+/// A connection has this long to introduce itself (a stray one is dropped after it, or at
+/// rank 0's deadline, whichever comes first).
 const HELLO_WAIT: Duration = Duration::from_secs(10);
 
 fn io_error(what: String) -> impl Fn(std::io::Error) -> Error {
@@ -272,44 +273,142 @@ fn connect(addr: &str, port: u16, timeout: Duration) -> std::io::Result<TcpStrea
 }
 
 /// Rank 0: a connection from every other rank, in rank order. One that does not introduce
-/// itself with the run's token (another run, a stray client) is dropped with a warning.
+/// itself with the run's token (another run, a stray client, garbage) is dropped with a
+/// warning, and so is one that says nothing within HELLO_WAIT. Hellos are read without
+/// blocking, all at once: strangers, however many and however silent, delay no rank, and
+/// the deadline holds whatever they do.
 fn accept(listener: &TcpListener, world: usize, token: &str, timeout: Duration) -> Result<Vec<TcpStream>> {
     let failed = io_error("rank 0 waiting for the ranks at the exchange".into());
     listener.set_nonblocking(true).map_err(&failed)?;
     let deadline = Instant::now() + timeout;
     let mut peers: Vec<Option<TcpStream>> = (1..world).map(|_| None).collect();
+    let mut waiting: Vec<Hello> = vec![];
+    let mut dropped = 0usize;
     while peers.iter().any(Option::is_none) {
-        let mut s = match listener.accept() {
-            Ok((s, _)) => s,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(1));
-                continue;
+        let now = Instant::now();
+        if now >= deadline {
+            let missing: Vec<String> = (1..world)
+                .filter(|r| peers[r - 1].is_none())
+                .map(|r| r.to_string())
+                .collect();
+            return Err(Error::Dist(format!(
+                "rank 0 waiting for the ranks at the exchange: timed out after {:.1} s (train.dist_timeout_s) with {} of {} other ranks connected (missing: {}); {} connection(s) that did not introduce themselves as ranks of this run were dropped",
+                timeout.as_secs_f64(),
+                world - 1 - missing.len(),
+                world - 1,
+                missing.join(", "),
+                dropped + waiting.len(),
+            )));
+        }
+        let mut busy = false;
+        for _ in 0..64 {
+            match listener.accept() {
+                Ok((s, _)) => {
+                    busy = true;
+                    match s.set_nonblocking(true) {
+                        Ok(()) => waiting.push(Hello::new(s, now)),
+                        Err(_) => dropped += 1,
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                // The client gave up, or too many descriptors are open (strangers waiting for
+                // HELLO_WAIT hold them): try again, until the deadline.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::ConnectionAborted | std::io::ErrorKind::Interrupted
+                    ) || matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) =>
+                {
+                    break
+                }
+                Err(e) => return Err(failed(e)),
             }
-            Err(e) => return Err(failed(e)),
-        };
-        let hello = (|| -> std::io::Result<Option<usize>> {
-            s.set_nonblocking(false)?;
-            s.set_read_timeout(Some(HELLO_WAIT))?;
-            let mut head = [0u8; 12];
-            s.read_exact(&mut head)?;
-            let len = u32::from_le_bytes(head[8..12].try_into().expect("4 bytes")) as usize;
-            if &head[..4] != HELLO || len != token.len() {
-                return Ok(None);
+        }
+        let mut i = 0;
+        while i < waiting.len() {
+            let state = waiting[i].read(token, world);
+            busy |= !matches!(state, Ok(None));
+            match state {
+                Ok(None) if now.duration_since(waiting[i].since) < HELLO_WAIT => i += 1,
+                Ok(Some(r)) if peers[r - 1].is_none() => {
+                    let s = waiting.swap_remove(i).stream;
+                    s.set_nonblocking(false).map_err(&failed)?;
+                    peers[r - 1] = Some(s);
+                }
+                _ => {
+                    let h = waiting.swap_remove(i);
+                    dropped += 1;
+                    tracing::warn!(
+                        "the exchange dropped a connection from {} that is not a rank of this run",
+                        h.stream.peer_addr().map_or("?".into(), |a| a.to_string())
+                    );
+                }
             }
-            let mut theirs = vec![0u8; len];
-            s.read_exact(&mut theirs)?;
-            let rank = u32::from_le_bytes(head[4..8].try_into().expect("4 bytes")) as usize;
-            Ok((theirs == token.as_bytes() && (1..world).contains(&rank)).then_some(rank))
-        })();
-        match hello {
-            Ok(Some(r)) if peers[r - 1].is_none() => peers[r - 1] = Some(s),
-            _ => tracing::warn!(
-                "the exchange dropped a connection from {} that is not a rank of this run",
-                s.peer_addr().map_or("?".into(), |a| a.to_string())
-            ),
+        }
+        if !busy {
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
     Ok(peers.into_iter().flatten().collect())
+}
+
+/// A connection whose hello is being read, without blocking: `HELLO`, the rank and the
+/// token's length (12 bytes), then the token; never a byte past it (the rank's first
+/// exchange may follow at once).
+struct Hello {
+    stream: TcpStream,
+    since: Instant,
+    got: Vec<u8>,
+}
+
+impl Hello {
+    fn new(stream: TcpStream, since: Instant) -> Hello {
+        Hello {
+            stream,
+            since,
+            got: Vec::with_capacity(12),
+        }
+    }
+
+    /// What has arrived so far: `Ok(None)` while incomplete, `Ok(Some(rank))` once whole
+    /// and the run's own, an error for anything else (another run's, garbage, closed).
+    fn read(&mut self, token: &str, world: usize) -> std::io::Result<Option<usize>> {
+        let stranger = || std::io::Error::new(std::io::ErrorKind::InvalidData, "not a rank of this run");
+        loop {
+            let want = if self.got.len() < 12 { 12 } else { 12 + token.len() };
+            if self.got.len() == want {
+                let rank = u32::from_le_bytes(self.got[4..8].try_into().expect("4 bytes")) as usize;
+                let theirs = &self.got[12..];
+                if theirs == token.as_bytes() && (1..world).contains(&rank) {
+                    return Ok(Some(rank));
+                }
+                return Err(stranger());
+            }
+            let have = self.got.len();
+            self.got.resize(want, 0);
+            match self.stream.read(&mut self.got[have..]) {
+                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => self.got.truncate(have + n),
+                Err(e) => {
+                    self.got.truncate(have);
+                    return match e.kind() {
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted => Ok(None),
+                        _ => Err(e),
+                    };
+                }
+            }
+            // Garbage is dropped as soon as it shows, not after HELLO_WAIT.
+            let n = self.got.len().min(4);
+            if self.got[..n] != HELLO[..n] {
+                return Err(stranger());
+            }
+            if self.got.len() == 12
+                && u32::from_le_bytes(self.got[8..12].try_into().expect("4 bytes")) as usize != token.len()
+            {
+                return Err(stranger());
+            }
+        }
+    }
 }
 
 #[cfg(test)]

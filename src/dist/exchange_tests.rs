@@ -1,6 +1,6 @@
 //! The exchange's channel between threads of one process, over loopback.
 use super::*;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
 
 /// The store's part in `Channel::open`: rank 0 sets the key, the others wait for it.
 #[derive(Clone, Default)]
@@ -19,10 +19,112 @@ impl Store {
 }
 
 fn open(store: &Store, rank: usize, world: usize, token: &str) -> Result<Channel> {
+    open_within(store, rank, world, token, Duration::from_secs(20))
+}
+
+fn open_within(store: &Store, rank: usize, world: usize, token: &str, timeout: Duration) -> Result<Channel> {
     let s = store.clone();
-    Channel::open(rank, world, "127.0.0.1", token, Duration::from_secs(20), move |k, v| {
-        s.share(k, v)
-    })
+    Channel::open(rank, world, "127.0.0.1", token, timeout, move |k, v| s.share(k, v))
+}
+
+/// Rank 0 of `world` opening its channel on a thread (waiting up to `timeout`): its port,
+/// and the outcome with how long it took, on a channel, so that a test bounds its own wait.
+fn rank_zero(store: &Store, world: usize, timeout: Duration) -> (u16, mpsc::Receiver<(Result<Channel>, Duration)>) {
+    let (tx, rx) = mpsc::channel();
+    let s = store.clone();
+    std::thread::spawn(move || {
+        let t = Instant::now();
+        let got = open_within(&s, 0, world, "tok", timeout);
+        let _ = tx.send((got, t.elapsed()));
+    });
+    let port = String::from_utf8(store.share("", None).unwrap())
+        .unwrap()
+        .parse()
+        .unwrap();
+    (port, rx)
+}
+
+/// Rank 0's outcome, waiting at most `bound`.
+fn outcome(rx: &mpsc::Receiver<(Result<Channel>, Duration)>, bound: Duration) -> (Result<Channel>, Duration) {
+    rx.recv_timeout(bound)
+        .unwrap_or_else(|_| panic!("rank 0 still waits after {bound:?}"))
+}
+
+/// Slack for a loaded 2-core machine over a timeout rank 0 must keep.
+const MARGIN: Duration = Duration::from_millis(1500);
+
+#[test]
+fn a_silent_stranger_cannot_keep_rank_0_past_its_timeout() {
+    let store = Store::default();
+    let timeout = Duration::from_secs(2);
+    let (port, rx) = rank_zero(&store, 2, timeout);
+    let _silent = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let (got, took) = outcome(&rx, timeout + MARGIN);
+    let err = got.err().expect("no rank 1 came").to_string();
+    assert!(took < timeout + MARGIN, "{took:?}: {err}");
+    assert!(
+        err.contains("0 of 1 other ranks connected")
+            && err.contains("missing: 1")
+            && err.contains("1 connection(s) that did not introduce themselves as ranks of this run were dropped"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_flood_of_silent_connections_cannot_keep_rank_0_past_its_timeout() {
+    let store = Store::default();
+    let timeout = Duration::from_secs(3);
+    let (port, rx) = rank_zero(&store, 2, timeout);
+    // 50 connections that send nothing, one every 40 ms through most of the wait, all kept open.
+    let silent: Vec<TcpStream> = (0..50)
+        .map(|_| {
+            std::thread::sleep(Duration::from_millis(40));
+            TcpStream::connect(("127.0.0.1", port)).unwrap()
+        })
+        .collect();
+    let (got, took) = outcome(&rx, timeout + MARGIN);
+    let err = got.err().expect("no rank 1 came").to_string();
+    assert!(took < timeout + MARGIN, "{took:?}: {err}");
+    assert!(
+        err.contains("0 of 1 other ranks connected") && err.contains("50 connection(s)"),
+        "{err}"
+    );
+    drop(silent);
+}
+
+#[test]
+fn a_rank_gets_in_while_strangers_sit_silent_or_send_garbage() {
+    let store = Store::default();
+    let (port, rx) = rank_zero(&store, 2, Duration::from_secs(20));
+    let silent: Vec<TcpStream> = (0..5)
+        .map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap())
+        .collect();
+    let mut garbage = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    garbage.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    let t = Instant::now();
+    let one = Exchange::new(open(&store, 1, 2, "tok").unwrap(), 1);
+    let peer = std::thread::spawn(move || {
+        let mut v = [2.0];
+        one.run(Topic::Losses, &mut v).map(|_| v[0])
+    });
+    // Well inside HELLO_WAIT: rank 0 did not wait on the silent ones first.
+    let (got, took) = outcome(&rx, Duration::from_secs(5));
+    let zero = Exchange::new(got.unwrap(), 1);
+    let mut v = [1.0];
+    zero.run(Topic::Losses, &mut v).unwrap();
+    assert_eq!((v[0], peer.join().unwrap().unwrap()), (2.0, 2.0));
+    assert!(
+        took < Duration::from_secs(5) && t.elapsed() < Duration::from_secs(5),
+        "{took:?}"
+    );
+    // The garbage was answered by closing the connection (reset: its rest was never read).
+    garbage.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    match garbage.read(&mut [0u8]) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("the garbage's connection is still open: {other:?}"),
+    }
+    drop(silent);
 }
 
 #[test]

@@ -8,8 +8,8 @@
 //! (JSON lines, each launcher's first line carrying the run's `--rdzv-id`).
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::io::{BufRead, BufReader, Write};
-use std::net::{TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -22,6 +22,11 @@ use super::{LaunchError as Error, LaunchSpec, Micro};
 /// own workers done, for the other nodes' to finish (torchrun's join timeout and exit barrier).
 const JOIN_TIMEOUT: Duration = Duration::from_secs(600);
 const EXIT_BARRIER: Duration = Duration::from_secs(300);
+/// How long node 0's launcher waits for a node's launcher to take a message: one that stops
+/// reading (its socket's buffers full) counts as lost, and cannot freeze the coordinator.
+const WRITE_WAIT: Duration = Duration::from_secs(5);
+/// Messages a node's launcher may be behind before it counts as lost (a few a round are sent).
+const OUTBOX: usize = 256;
 
 /// What a node's failed attempt tells the coordinator.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -511,12 +516,16 @@ fn serve(spec: &LaunchSpec, addr: (&str, u16)) -> Result<Arc<Mutex<Coordinator>>
             ))(e))
         }
     };
-    let coordinator = Arc::new(Mutex::new(Coordinator::new(
-        spec.nnodes,
-        spec.max_restarts,
-        &spec.token,
-    )));
-    let writers: Arc<Mutex<BTreeMap<usize, TcpStream>>> = Arc::default();
+    Ok(coordinate(
+        listener,
+        Coordinator::new(spec.nnodes, spec.max_restarts, &spec.token),
+    ))
+}
+
+/// Runs `coordinator` for the connections `listener` accepts, each on its own thread.
+fn coordinate(listener: TcpListener, coordinator: Coordinator) -> Arc<Mutex<Coordinator>> {
+    let coordinator = Arc::new(Mutex::new(coordinator));
+    let writers: Arc<Mutex<BTreeMap<usize, Outbox>>> = Arc::default();
     let c = Arc::clone(&coordinator);
     std::thread::spawn(move || {
         for stream in listener.incoming().flatten() {
@@ -524,11 +533,45 @@ fn serve(spec: &LaunchSpec, addr: (&str, u16)) -> Result<Arc<Mutex<Coordinator>>
             std::thread::spawn(move || serve_node(stream, &c, &writers));
         }
     });
-    Ok(coordinator)
+    coordinator
 }
 
-fn serve_node(stream: TcpStream, coordinator: &Mutex<Coordinator>, writers: &Mutex<BTreeMap<usize, TcpStream>>) {
+/// Messages on their way to one node, written by a thread of its own: the coordinator only
+/// queues them, so no node's socket ever holds its locks.
+struct Outbox {
+    queue: SyncSender<String>,
+    socket: TcpStream,
+}
+
+impl Outbox {
+    /// A write that makes no progress for WRITE_WAIT (set on the socket) fails; then the socket
+    /// is shut, and the node's reader sees its connection close: the node is gone.
+    fn new(socket: TcpStream) -> std::io::Result<Outbox> {
+        socket.set_write_timeout(Some(WRITE_WAIT))?;
+        let (queue, lines) = mpsc::sync_channel::<String>(OUTBOX);
+        let mut writer = socket.try_clone()?;
+        std::thread::spawn(move || {
+            for line in lines {
+                if let Err(e) = writer.write_all(line.as_bytes()) {
+                    tracing::warn!(
+                        "a node's launcher does not take the coordinator's messages ({e}; the wait is {} s): it counts as gone",
+                        WRITE_WAIT.as_secs()
+                    );
+                    let _ = writer.shutdown(Shutdown::Both);
+                    return;
+                }
+            }
+        });
+        Ok(Outbox { queue, socket })
+    }
+}
+
+fn serve_node(stream: TcpStream, coordinator: &Mutex<Coordinator>, writers: &Mutex<BTreeMap<usize, Outbox>>) {
     stream.set_nodelay(true).ok();
+    // A refusal is written here, once, into an empty socket: it cannot block for longer.
+    if stream.set_write_timeout(Some(WRITE_WAIT)).is_err() {
+        return;
+    }
     let Ok(mut reply) = stream.try_clone() else { return };
     let mut node = None;
     for line in BufReader::new(stream).lines() {
@@ -554,28 +597,40 @@ fn serve_node(stream: TcpStream, coordinator: &Mutex<Coordinator>, writers: &Mut
                 return;
             }
             node = Some(from);
-            if let Ok(r) = reply.try_clone() {
-                w.insert(from, r);
+            if let Ok(o) = reply.try_clone().and_then(Outbox::new) {
+                w.insert(from, o);
             }
         }
-        deliver(&mut w, out);
+        deliver(&mut c, &mut w, out);
     }
     if let Some(n) = node {
         let mut c = coordinator.lock().unwrap_or_else(|p| p.into_inner());
         let mut w = writers.lock().unwrap_or_else(|p| p.into_inner());
         w.remove(&n);
         let out = c.gone(n);
-        deliver(&mut w, out);
+        deliver(&mut c, &mut w, out);
     }
 }
 
-fn deliver(writers: &mut BTreeMap<usize, TcpStream>, out: Vec<(To, ToNode)>) {
-    for (to, msg) in out {
-        let line = serde_json::to_string(&msg).unwrap_or_default();
-        for (n, w) in writers.iter_mut() {
-            if to == To::All || to == To::Node(*n) {
-                let _ = writeln!(w, "{line}");
+/// Queues each message for the nodes it is for. A node whose queue is full (OUTBOX messages
+/// behind: it stopped reading) is lost, as if its connection had closed: its socket is shut,
+/// the coordinator told, and what that brings queued for the others in turn.
+fn deliver(c: &mut Coordinator, writers: &mut BTreeMap<usize, Outbox>, out: Vec<(To, ToNode)>) {
+    let mut out = VecDeque::from(out);
+    while let Some((to, msg)) = out.pop_front() {
+        let line = format!("{}\n", serde_json::to_string(&msg).unwrap_or_default());
+        let mut lost = vec![];
+        for (n, w) in writers.iter() {
+            if (to == To::All || to == To::Node(*n)) && w.queue.try_send(line.clone()).is_err() {
+                lost.push(*n);
             }
+        }
+        for n in lost {
+            if let Some(w) = writers.remove(&n) {
+                let _ = w.socket.shutdown(Shutdown::Both);
+            }
+            tracing::warn!("node {n}'s launcher is {OUTBOX} messages behind the coordinator: it counts as gone");
+            out.extend(c.gone(n));
         }
     }
 }
@@ -762,6 +817,76 @@ mod tests {
         assert_eq!(c.gone(1), vec![], "a node that finished may leave");
         assert!(!c.settled());
         assert!(matches!(&c.gone(0)[..], [(To::All, ToNode::Stop { code: 1, why })] if why.contains("node 0")));
+    }
+
+    /// A node that says hello and then stops reading, while it makes the coordinator answer it
+    /// again and again: the answers back up (the old coordinator blocked writing them, holding
+    /// its locks, and froze). It counts as lost, and the other node hears that the group
+    /// stopped, naming it, within WRITE_WAIT and a margin.
+    #[test]
+    fn a_node_that_stops_reading_is_lost_and_the_others_hear_it() {
+        let listener = TcpListener::bind(("127.0.0.1", 0)).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let c = coordinate(listener, Coordinator::new(2, 3, "job"));
+        let line = |m: &ToCoordinator| format!("{}\n", serde_json::to_string(m).unwrap());
+        let mut good = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        good.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+        good.write_all(line(&hello(0, None)).as_bytes()).unwrap();
+        let mut stuck = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        stuck.write_all(line(&hello(1, None)).as_bytes()).unwrap();
+        let mut replies = BufReader::new(good.try_clone().unwrap()).lines();
+        let first = replies.next().unwrap().unwrap();
+        assert!(
+            matches!(serde_json::from_str(&first).unwrap(), ToNode::Go { round: 0, .. }),
+            "{first}"
+        );
+        // Node 1 says hello again and again (each answered with a refusal) and reads nothing,
+        // until its own writes block: the coordinator has stopped reading it, stuck writing.
+        let (wedged, wedge) = mpsc::channel();
+        let again = line(&hello(1, None)).repeat(100);
+        std::thread::spawn(move || {
+            stuck.set_write_timeout(Some(Duration::from_millis(300))).unwrap();
+            let mut sent = 0usize;
+            while stuck.write_all(again.as_bytes()).is_ok() && sent < 1 << 30 {
+                sent += again.len();
+            }
+            let _ = wedged.send(sent);
+            std::thread::sleep(Duration::from_secs(60)); // keeps the socket open, unread
+        });
+        let sent = wedge.recv_timeout(Duration::from_secs(60)).unwrap();
+        assert!(sent < 1 << 30, "node 1's hellos never backed up ({sent} bytes)");
+        let t = Instant::now();
+        good.write_all(
+            line(&ToCoordinator::Failed {
+                round: 0,
+                report: report(0, false, None),
+            })
+            .as_bytes(),
+        )
+        .unwrap();
+        let bound = WRITE_WAIT + Duration::from_secs(5);
+        let stop = loop {
+            assert!(t.elapsed() < bound, "node 0 heard nothing within {bound:?}");
+            match replies.next() {
+                Some(Ok(l)) => match serde_json::from_str::<ToNode>(&l).unwrap() {
+                    ToNode::Stop { code, why } => break (code, why),
+                    _ => continue,
+                },
+                Some(Err(e)) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+                other => panic!("node 0's connection: {other:?}"),
+            }
+        };
+        assert_eq!(stop.0, 1, "{}", stop.1);
+        assert!(stop.1.contains("node 1"), "{}", stop.1);
+        // The coordinator is free again (node 0's failure report, queued behind the stuck
+        // write, is taken) and the job has ended.
+        while !c.try_lock().is_ok_and(|c| c.settled()) {
+            assert!(
+                t.elapsed() < bound,
+                "the coordinator is still held, or the job did not end"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     #[test]

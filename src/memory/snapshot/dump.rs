@@ -195,8 +195,15 @@ impl Dumper {
                 ))
             }
             _ => {
-                let cap = if oom { super::take_oom() } else { None };
-                cap.unwrap_or_else(super::now)
+                let cap = if oom {
+                    super::take_oom().map_err(io::Error::other)?
+                } else {
+                    None
+                };
+                match cap {
+                    Some(cap) => cap,
+                    None => super::now().map_err(io::Error::other)?,
+                }
             }
         };
         fill_cpu(ctx, &cap);
@@ -246,7 +253,12 @@ pub fn begin(cfg: SnapshotConfig, device: Device) {
         return;
     }
     // The CPU's history records on every device: batches and offloaded state live there.
-    super::start(cfg.max_events);
+    if let Err(e) = super::start(cfg.max_events) {
+        tracing::warn!(
+            "CPU memory history not started (memory.snapshot.max_events {}): {e}",
+            cfg.max_events
+        );
+    }
     #[cfg(oomguard_cuda_snapshot)]
     if let Device::Cuda(_) = device {
         if let Err(e) = super::cuda::start(cfg.max_events) {

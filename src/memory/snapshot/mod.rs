@@ -19,7 +19,10 @@ pub use summary::{Breakdown, Category, Roles};
 
 use std::ffi::{c_char, CStr, CString};
 
+use tch::TchError;
+
 use crate::error::Phase;
+use crate::memory::check;
 
 /// One event, or one live allocation, as csrc/snapshot.h lays it out.
 #[repr(C)]
@@ -60,7 +63,7 @@ mod ffi {
     use super::{Info, Rec};
     use std::ffi::c_char;
     extern "C" {
-        pub fn og_snap_start(max_events: i64) -> i32;
+        pub fn og_snap_start(max_events: i64) -> *mut c_char;
         pub fn og_snap_stop();
         pub fn og_snap_set_context(step: i64, phase: i32, micro_batch: i32);
         pub fn og_snap_set_phase(phase: i32, micro_batch: i32);
@@ -70,12 +73,13 @@ mod ffi {
         pub fn og_snap_mark_attempt();
         pub fn og_snap_read(
             last_oom: i32,
+            got: *mut i32,
             info: *mut Info,
             live: *mut *mut Rec,
             n_live: *mut i64,
             events: *mut *mut Rec,
             n_events: *mut i64,
-        ) -> i32;
+        ) -> *mut c_char;
         pub fn og_snap_oom_python() -> *mut c_char;
         pub fn og_free(p: *mut c_char);
     }
@@ -112,9 +116,10 @@ pub fn phase_of(code: i32) -> Option<Phase> {
     usize::try_from(code - 1).ok().and_then(|i| PHASES.get(i).copied())
 }
 
-/// Starts recording (the CPU's history) with a ring of `max_events`.
-pub fn start(max_events: usize) {
-    unsafe { ffi::og_snap_start(max_events as i64) };
+/// Starts recording (the CPU's history) with a ring of `max_events`; an error (a ring too
+/// large to allocate) leaves the history as it was.
+pub fn start(max_events: usize) -> Result<(), TchError> {
+    check(unsafe { ffi::og_snap_start(max_events.min(i64::MAX as usize) as i64) })
 }
 
 pub fn stop() {
@@ -168,22 +173,24 @@ pub fn name(id: i32) -> String {
         .into_owned()
 }
 
-fn read(last_oom: bool) -> Option<Capture> {
+fn read(last_oom: bool) -> Result<Option<Capture>, TchError> {
+    let mut got = 0i32;
     let mut info = Info::default();
     let (mut live, mut events): (*mut Rec, *mut Rec) = (std::ptr::null_mut(), std::ptr::null_mut());
     let (mut n_live, mut n_events) = (0i64, 0i64);
-    let got = unsafe {
+    check(unsafe {
         ffi::og_snap_read(
             last_oom as i32,
+            &mut got,
             &mut info,
             &mut live,
             &mut n_live,
             &mut events,
             &mut n_events,
         )
-    };
+    })?;
     if got == 0 {
-        return None;
+        return Ok(None);
     }
     let copy = |p: *mut Rec, n: i64| -> Vec<Rec> {
         if p.is_null() {
@@ -207,20 +214,21 @@ fn read(last_oom: bool) -> Option<Capture> {
     } else {
         Vec::new()
     };
-    Some(Capture {
+    Ok(Some(Capture {
         info,
         live: copy(live, n_live),
         events: copy(events, n_events),
         python,
-    })
+    }))
 }
 
-/// The copy taken at the last failed CPU allocation of the current attempt, if any.
-pub fn take_oom() -> Option<Capture> {
+/// The copy taken at the last failed CPU allocation of the current attempt, if any; an error
+/// when the copies for Rust could not be allocated.
+pub fn take_oom() -> Result<Option<Capture>, TchError> {
     read(true)
 }
 
 /// The history as it is now.
-pub fn now() -> Capture {
-    read(false).unwrap_or_default()
+pub fn now() -> Result<Capture, TchError> {
+    read(false).map(Option::unwrap_or_default)
 }
