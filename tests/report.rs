@@ -125,7 +125,7 @@ fn a_recorded_run_with_an_oom_gives_pictures_whose_series_match_its_metrics() {
         "micro-batch size",
         "accumulation steps",
         "step",
-        &format!("OOM ({})", ooms.len()),
+        &format!("OOM, micro-batch halved ({})", ooms.len()),
     ] {
         assert!(svg.contains(&format!("\n{text}\n")), "the SVG lacks the text {text:?}");
     }

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Uni
 
 import torch
 
-from ._native import Policy, classify_oom, malloc_trim
+from ._native import Policy, classify_oom, malloc_trim, memory_step
 
 Batch = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -429,7 +429,7 @@ class Guard:
         below the current size; ranks take the smallest any of them read."""
         what = ";".join(f"{tuple(p.shape)}{p.dtype}" for p in self._params)
         what += "|" + ";".join(f"{tuple(t.shape[1:])}{t.dtype}" for t in tensors) + f"|G{self.global_batch_size}"
-        self.cache_key = f"python:{zlib.crc32(what.encode()):08x}|{self._device}|{(self._limit or 0) >> 26}"
+        self.cache_key = f"python:{zlib.crc32(what.encode()):08x}|{self._device}|{memory_step(self._limit) if self._limit else 0}"
         known = cached_micro_batch(self.cache_key) or self.policy.current
         if self._dist is not None:
             known = int(-self._agreed([-float(known)] + [0.0] * 9)[0])

@@ -159,10 +159,17 @@ fn malloc_trim() -> bool {
     oomguard_host::memory::return_freed_memory()
 }
 
+/// The micro-batch cache's memory key for a device limit (the runtime's own steps).
+#[pyfunction]
+fn memory_step(limit: u64) -> u64 {
+    oomguard_policy::memory_step(limit)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Policy>()?;
     m.add_function(wrap_pyfunction!(malloc_trim, m)?)?;
     m.add_function(wrap_pyfunction!(classify_oom, m)?)?;
+    m.add_function(wrap_pyfunction!(memory_step, m)?)?;
     Ok(())
 }

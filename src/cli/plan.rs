@@ -18,12 +18,18 @@ pub struct NothingFits(pub String);
 pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
     let cfg = config::load(&args.config, &args.set).map_err(Error::from)?;
     let c = &cfg.raw;
-    let precision = if args.precision == "bf16" {
-        Precision::Bf16
-    } else {
-        Precision::Fp32
+    // What `train` would run: the device `train.device` resolves to (auto: a GPU where there
+    // is one), and `train.precision` on it, or on the card `--device-memory` names.
+    let device = c.train.device();
+    let cuda_config = device.is_cuda();
+    let auto_on_a_card = args.device_memory.is_some() && c.train.precision == crate::precision::PrecisionConfig::Auto;
+    let precision = match args.precision.as_deref() {
+        Some("fp32") => Precision::Fp32,
+        Some("fp16") => Precision::Fp16,
+        Some(_) => Precision::Bf16,
+        None if auto_on_a_card => Precision::Bf16,
+        None => c.train.precision.resolve(device),
     };
-    let cuda_config = c.train.device.starts_with("cuda");
     let (memory, cuda, what) = match &args.device_memory {
         Some(text) => {
             let bytes = device_memory(text).ok_or_else(|| {

@@ -149,6 +149,8 @@ pub struct Injection {
     /// Failures assigned and not yet fired, and the fired count when they were armed.
     pending: u64,
     fired_at_arming: u64,
+    /// The failure of this step kept for the evaluation that ends it (`before_eval`).
+    eval_due: u32,
 }
 
 impl Injection {
@@ -163,6 +165,7 @@ impl Injection {
             smallest: u64::MAX,
             pending: 0,
             fired_at_arming: fired(),
+            eval_due: 0,
         }
     }
 
@@ -188,7 +191,11 @@ impl Injection {
             0 => self.window[0],
             w => w,
         };
-        let due = self.share.get((step - first - 1) as usize).copied().unwrap_or(0) as u64;
+        let mut due = self.share.get((step - first - 1) as usize).copied().unwrap_or(0) as u64;
+        // Of two or more, one waits for the evaluation: the windows cannot reach it reliably
+        // (a step's window is measured on steps whose failures all missed).
+        self.eval_due = (evaluates && due >= 2) as u32;
+        due -= self.eval_due as u64;
         self.pending = self.pending.saturating_sub(fired_since) + due;
         self.fired_at_arming = fired();
         arm(&positions(
@@ -196,6 +203,25 @@ impl Injection {
             self.spec.seed ^ splitmix64(step),
             now,
             window,
+        ));
+    }
+
+    /// Before the evaluation that ends step `step`: arms the failure kept for it among its
+    /// first allocations (an evaluation makes more than that many), so that evaluation is
+    /// always covered. Failures of the step not reached yet carry over as ever.
+    pub fn before_eval(&mut self, step: u64) {
+        if self.eval_due == 0 {
+            return;
+        }
+        let fired_since = fired() - self.fired_at_arming;
+        self.pending = self.pending.saturating_sub(fired_since) + self.eval_due as u64;
+        self.fired_at_arming = fired();
+        self.eval_due = 0;
+        arm(&positions(
+            1,
+            self.spec.seed ^ splitmix64(step ^ 0xE7A1),
+            alloc_count(),
+            16,
         ));
     }
 

@@ -108,6 +108,9 @@ pub fn train_with(
         };
         run.summary.final_loss = stats.loss;
         if evaluates {
+            if let Some(i) = inject.as_mut() {
+                i.before_eval(step);
+            }
             let t = Instant::now();
             run.evaluate(step)?;
             eval_s += t.elapsed().as_secs_f64();

@@ -84,9 +84,11 @@ pub struct PlanArgs {
     /// A100-80GB, H100 (80GiB). Default: the CPU memory budget for CPU configs.
     #[arg(long, value_name = "SIZE|CARD")]
     pub device_memory: Option<String>,
-    /// Precision to plan for: fp32 (what oomguard train runs) or bf16 (bf16 activations).
-    #[arg(long, default_value = "fp32", value_parser = ["fp32", "bf16"])]
-    pub precision: String,
+    /// Precision to plan for: fp32, or bf16/fp16 (half-size activations). Default: what
+    /// train would run, train.precision on the planned device (auto: bf16 on a GPU given by
+    /// --device-memory or an Ampere or newer one here, else fp32).
+    #[arg(long, value_parser = ["fp32", "bf16", "fp16"])]
+    pub precision: Option<String>,
     /// Data-parallel ranks: also plan each `train.shard` stage per rank (none, optimizer,
     /// gradients), and which fits at what micro-batch.
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]

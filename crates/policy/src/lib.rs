@@ -203,6 +203,13 @@ pub fn fits(obs: &Observation, current: usize, next: usize, headroom: f64) -> bo
     predicted <= limit as f64 * (1.0 - headroom)
 }
 
+/// The micro-batch cache's memory key: the device's limit in steps of 3% (an auto budget
+/// moves a little between runs), so that what one budget learned never shrinks a run whose
+/// budget is more than a step larger. Both guards key by it.
+pub fn memory_step(limit: u64) -> u64 {
+    ((limit.max(1) as f64).ln() / 1.03f64.ln()).floor() as u64
+}
+
 /// Live memory at step starts growing step after step: a graph or tensor kept alive
 /// across steps.
 #[derive(Debug, Clone, Default)]
@@ -231,6 +238,15 @@ impl LeakWatch {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn budgets_a_few_percent_apart_share_a_cache_key_and_others_do_not() {
+        let mib = |m: f64| (m * 1048576.0) as u64;
+        assert_ne!(super::memory_step(mib(64.0)), super::memory_step(mib(100.0)));
+        assert_ne!(super::memory_step(mib(64.0)), super::memory_step(mib(68.0)));
+        assert!(super::memory_step(mib(101.0)) < super::memory_step(mib(104.5)));
+        assert!(super::memory_step(mib(101.0)) - super::memory_step(mib(100.0)) <= 1);
+    }
+
     use super::*;
 
     const CFG: PolicyConfig = PolicyConfig {

@@ -48,8 +48,8 @@ impl MarkerKind {
     /// The legend's words.
     pub fn label(self) -> &'static str {
         match self {
-            MarkerKind::Oom => "OOM",
-            MarkerKind::Shrink => "shrink",
+            MarkerKind::Oom => "OOM, micro-batch halved",
+            MarkerKind::Shrink => "shrink, no OOM",
             MarkerKind::Grow => "grow-back",
             MarkerKind::Resumed => "resumed",
             MarkerKind::Rung => "rung",
@@ -241,7 +241,7 @@ impl Summary {
                 self.final_micro_batch.map_or("-".into(), |v| v.to_string()),
             ),
             ("OOMs", self.ooms.to_string()),
-            ("shrinks", self.shrinks.to_string()),
+            ("shrinks, no OOM", self.shrinks.to_string()),
             ("grow-backs", self.grows.to_string()),
             ("resumes", self.resumes.to_string()),
         ];

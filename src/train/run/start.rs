@@ -91,7 +91,7 @@ impl<'a> Run<'a> {
             } else {
                 ""
             },
-            limit.map_or(0, |l| l >> 26) // in 64 MiB steps: an auto budget moves a little
+            limit.map_or(0, crate::guard::policy::memory_step)
         );
         // Where to start: rank 0 decides (and reads the checkpoint); the others learn it.
         let agree = |r: Result<()>| match &pg {
