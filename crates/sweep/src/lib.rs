@@ -260,8 +260,8 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
         );
     }
     // Every trial's config is checked before the first one runs: a typo fails in seconds
-    // (model-based search: a draw of every parameter).
-    let drawn = spec::random(&sweep.domains, 1, sweep.seed);
+    // (model-based search: a draw, and every parameter at each end of its range).
+    let drawn = spec::corners(&sweep.domains, sweep.seed);
     let checks: Vec<&Trial> = if sweep.model_based() {
         drawn.iter().collect()
     } else {

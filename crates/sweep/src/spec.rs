@@ -375,12 +375,21 @@ pub fn load(path: &Path) -> Result<Sweep, ConfigError> {
         )));
     }
     // A W&B file's `log_uniform` takes exponents (W&B's meaning); ours takes values.
-    let wandb = matches!(raw.metric, RawMetric::Wandb(_))
-        || raw.program.is_some()
-        || raw.command.is_some()
-        || raw.run_cap.is_some()
-        || raw.early_terminate.is_some()
-        || raw.parameters.values().any(|p| p.parameters.is_some());
+    // Why the file reads as W&B's, for a refusal that depends on the reading.
+    let read_as_wandb = [
+        (matches!(raw.metric, RawMetric::Wandb(_)), "`metric` is a mapping"),
+        (raw.program.is_some(), "it sets `program`"),
+        (raw.command.is_some(), "it sets `command`"),
+        (raw.run_cap.is_some(), "it sets `run_cap`"),
+        (raw.early_terminate.is_some(), "it sets `early_terminate`"),
+        (
+            raw.parameters.values().any(|p| p.parameters.is_some()),
+            "it nests `parameters`",
+        ),
+    ]
+    .into_iter()
+    .find_map(|(w, why)| w.then_some(why));
+    let wandb = read_as_wandb.is_some();
     unhonoured_wandb_keys(&raw).map_err(at)?;
     let mut leaves = Vec::new();
     flatten("", &raw.parameters, wandb, &mut leaves).map_err(at)?;
@@ -392,7 +401,7 @@ pub fn load(path: &Path) -> Result<Sweep, ConfigError> {
                 "is given twice (once dotted, once nested); give it once",
             )));
         }
-        let d = domain(&key, p, wandb).map_err(at)?;
+        let d = domain(&key, p, read_as_wandb).map_err(at)?;
         domains.push((key, d));
     }
     if domains.is_empty() {
@@ -909,7 +918,9 @@ fn trials_max_steps(base: &Path, domains: &[(String, Domain)]) -> Option<u64> {
 
 /// One parameter's domain, by W&B's rules where W&B defines the key: `value` constant,
 /// `values` categorical, `min`/`max` int_uniform when both are integers else uniform.
-fn domain(key: &str, p: &RawParam, wandb: bool) -> Result<Domain, ConfigError> {
+/// `read_as_wandb`: why the file is read as a W&B sweep file, if it is.
+fn domain(key: &str, p: &RawParam, read_as_wandb: Option<&str>) -> Result<Domain, ConfigError> {
+    let wandb = read_as_wandb.is_some();
     let k = format!("parameters.{key}");
     if key.split('.').count() < 2 || key.split('.').any(str::is_empty) {
         return Err(ConfigError::invalid(
@@ -1099,7 +1110,7 @@ fn domain(key: &str, p: &RawParam, wandb: bool) -> Result<Domain, ConfigError> {
         // does a W&B file here, with its words. Ours takes values.
         "log_uniform" | "q_log_uniform" | "inv_log_uniform" if wandb => Err(ConfigError::invalid(
             &format!("{k}.distribution"),
-            format!("{key} uses {dist}, where min/max specify base-e exponents. Use {dist}_values to specify limit values. (W&B's schema){}", if dist == "inv_log_uniform" { "; oomguard has no inv_log_uniform_values either: use log_uniform_values" } else { "" }),
+            format!("{key} uses {dist}, where min/max specify base-e exponents. Use {dist}_values to specify limit values. (W&B's schema){}. This file is read as a W&B sweep file ({}); in oomguard's own format, log_uniform takes the values themselves", if dist == "inv_log_uniform" { "; oomguard has no inv_log_uniform_values either: use log_uniform_values" } else { "" }, read_as_wandb.unwrap_or_default()),
         )),
         "log_uniform" => real(Scale::Log, true, false),
         "normal" => normal(Scale::Linear, false),
@@ -1154,6 +1165,16 @@ pub fn grid(domains: &[(String, Domain)]) -> Result<Vec<Trial>, ConfigError> {
 }
 
 /// `count` draws from a generator seeded by `seed` (the same file always gives the same trials).
+/// What a model-based search can propose, checked before it runs: a random draw, and every
+/// parameter at the low end of its range, then at the high end (a constraint between keys,
+/// such as `optim.min_lr` <= `optim.lr`, fails at a corner where one draw may pass).
+pub fn corners(domains: &[(String, Domain)], seed: u64) -> Vec<Trial> {
+    let at = |i: usize, u: f64| trial(i, domains.iter().map(|(k, d)| (k.clone(), d.ppf(u))).collect());
+    let mut out = random(domains, 1, seed);
+    out.extend([at(1, 1e-3), at(2, 1.0 - 1e-3)]); // 3 sigmas for a normal
+    out
+}
+
 pub fn random(domains: &[(String, Domain)], count: usize, seed: u64) -> Vec<Trial> {
     let mut rng = SplitMix(seed);
     (0..count)
@@ -1174,6 +1195,30 @@ mod tests {
             values: v.to_vec(),
             weights: None,
         }
+    }
+
+    #[test]
+    fn corners_put_every_parameter_at_each_end_of_its_range() {
+        let d = vec![
+            (
+                "optim.lr".to_string(),
+                Domain::Real {
+                    scale: Scale::Log,
+                    lo: 1e-4f64.ln(),
+                    hi: 1e-2f64.ln(),
+                    q: None,
+                },
+            ),
+            ("model.n_layer".to_string(), values(&[json!(2), json!(3), json!(4)])),
+        ];
+        let c = corners(&d, 7);
+        assert_eq!(c.len(), 3);
+        let lr = |t: &Trial| t.params["optim.lr"].as_f64().unwrap();
+        assert!(lr(&c[1]) < 1.01e-4 && lr(&c[2]) > 0.99e-2, "{c:?}");
+        assert_eq!(
+            (&c[1].params["model.n_layer"], &c[2].params["model.n_layer"]),
+            (&json!(2), &json!(4))
+        );
     }
 
     #[test]
@@ -1297,6 +1342,7 @@ mod tests {
         // W&B's log_uniform (exponents) is deprecated: W&B's schema refuses it, in its words.
         let e = load_yaml("base: base.yaml\nmethod: random\nrun_cap: 50\nprogram: x.py\nparameters:\n  optim.lr: {distribution: log_uniform, min: -9.2, max: -4.6}\n").unwrap_err();
         assert!(format!("{e}").contains("optim.lr uses log_uniform, where min/max specify base-e exponents. Use log_uniform_values to specify limit values."), "{e}");
+        assert!(format!("{e}").contains("read as a W&B sweep file (it sets `program`); in oomguard's own format, log_uniform takes the values themselves"), "{e}");
         for (yaml, key) in [
             ("metric: {name: accuracy, goal: maximize}\n", "accuracy"),
             ("metric: {name: val_loss, goal: maximize}\n", "metric.goal"),
