@@ -65,7 +65,7 @@ fn main() {
     // 2. One dump with the ring as full as the steps made it.
     let dir = tempfile::tempdir().unwrap();
     let params = task.parameters().into_iter().map(|(_, t)| t).collect();
-    let state: Vec<Tensor> = opt.state().into_iter().map(|(_, t)| t.shallow_clone()).collect();
+    let state: Vec<tch::Tensor> = opt.state().into_iter().map(|(_, t)| t.shallow_clone()).collect();
     let always = snapshot::SnapshotConfig {
         mode: snapshot::SnapshotMode::Always,
         ..defaults
