@@ -55,8 +55,8 @@ Result compute(const Tensor& hidden, const Tensor& weight_in, const Tensor& targ
   // applied after the matmuls in fp32. Divided first, entries below 6e-8 (a 50k vocabulary
   // at 8k tokens: most of them) would flush to zero. k keeps the weight gradient's sum over
   // a chunk's rows below fp16's maximum.
-  const double k = cdt == at::kHalf ? std::min(1.0, 1024.0 / static_cast<double>(chunk)) : 1.0;
-  const Tensor unscale = inv / k;
+  const bool half = cdt == at::kHalf;
+  const double k = half ? std::min(1.0, 1024.0 / static_cast<double>(chunk)) : 1.0;
   Tensor loss = at::zeros({}, f32.dtype(at::kDouble));
   Result r;
   if (grads) {
@@ -80,22 +80,24 @@ Result compute(const Tensor& hidden, const Tensor& weight_in, const Tensor& targ
     const Tensor lse = (sum.log() + max).squeeze(1);
     loss.add_(at::where(valid, lse - target_logit, 0.0).sum(at::kDouble));
     if (!grads) continue;
-    // (softmax - one_hot(target)) * k over the valid tokens: d loss / d logits times N * k.
+    // softmax - one_hot(target) over the valid tokens: d loss / d logits, / N here, or (fp16)
+    // times k, / N after the matmuls.
     z.div_(sum);
     z.scatter_add_(1, idx, -valid.to(at::kFloat).unsqueeze(1));
-    z.mul_(valid.to(at::kFloat).unsqueeze(1));
-    if (k != 1.0) z.mul_(k);
+    z.mul_((half ? valid.to(at::kFloat) * k : valid.to(at::kFloat) * inv).unsqueeze(1));
     const Tensor g = z.to(cdt);
-    Tensor gh = g.mm(w);
-    if (gh.scalar_type() != at::kFloat) gh = gh.to(at::kFloat);
-    r.grad_h.narrow(0, s, m).copy_(gh.mul_(unscale));
+    if (half)
+      r.grad_h.narrow(0, s, m).copy_(g.mm(w).to(at::kFloat).mul_(inv).div_(k));
+    else
+      r.grad_h.narrow(0, s, m).copy_(g.mm(w));
     if (cdt == at::kFloat)
       r.grad_w.addmm_(g.t(), h);
     else
       r.grad_w.add_(g.t().mm(h));
   }
   r.loss = (loss * inv).to(at::kFloat);
-  if (grads) r.grad_w = r.grad_w.narrow(0, 0, v).mul_(unscale);
+  if (grads) r.grad_w = r.grad_w.narrow(0, 0, v);
+  if (grads && half) r.grad_w.mul_(inv).div_(k);
   return r;
 }
 
