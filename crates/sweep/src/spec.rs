@@ -1197,18 +1197,20 @@ mod tests {
         }
     }
 
+    /// log_uniform_values 1e-4..1e-2.
+    fn log_lr() -> Domain {
+        Domain::Real {
+            scale: Scale::Log,
+            lo: 1e-4f64.ln(),
+            hi: 1e-2f64.ln(),
+            q: None,
+        }
+    }
+
     #[test]
     fn corners_put_every_parameter_at_each_end_of_its_range() {
         let d = vec![
-            (
-                "optim.lr".to_string(),
-                Domain::Real {
-                    scale: Scale::Log,
-                    lo: 1e-4f64.ln(),
-                    hi: 1e-2f64.ln(),
-                    q: None,
-                },
-            ),
+            ("optim.lr".to_string(), log_lr()),
             ("model.n_layer".to_string(), values(&[json!(2), json!(3), json!(4)])),
         ];
         let c = corners(&d, 7);
@@ -1245,15 +1247,7 @@ mod tests {
     #[test]
     fn random_draws_are_seeded_and_in_range() {
         let d = vec![
-            (
-                "optim.lr".to_string(),
-                Domain::Real {
-                    scale: Scale::Log,
-                    lo: 1e-4f64.ln(),
-                    hi: 1e-2f64.ln(),
-                    q: None,
-                },
-            ),
+            ("optim.lr".to_string(), log_lr()),
             ("model.n_layer".to_string(), Domain::Int { min: 1, max: 3 }),
         ];
         let (a, b) = (random(&d, 50, 7), random(&d, 50, 7));
