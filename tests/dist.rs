@@ -108,15 +108,7 @@ fn two_ranks_end_where_one_process_does() {
 #[test]
 fn an_oom_on_one_rank_shrinks_both() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = config(dir.path(), 4, "");
-    let cfg = write_config(
-        dir.path(),
-        "fixed.yaml",
-        &std::fs::read_to_string(&cfg)
-            .unwrap()
-            .replace("micro_batch_size: 4,", "micro_batch_size: 8,"),
-    );
-    let budget = budget_between_4_and_8(dir.path(), &cfg);
+    let (cfg, budget) = at_8_with_a_budget_for_4(dir.path(), "");
     let single = train_ok(dir.path(), &cfg, &["--memory-budget", "none"]);
     let run = dir.path().join("two");
     let script = format!(
@@ -145,6 +137,19 @@ fn an_oom_on_one_rank_shrinks_both() {
     assert!(sizes.iter().all(|&s| s == sizes[0] && s < 8), "{sizes:?}");
     let d = max_abs_diff(&weights(&single), &weights(&run));
     assert!(d < 1e-5, "differ by {d}");
+}
+
+/// The 2-rank config at micro-batch 8 (`extra` appended), and a budget that holds 4 but not 8.
+fn at_8_with_a_budget_for_4(dir: &Path, extra: &str) -> (PathBuf, u64) {
+    let cfg = config(dir, 4, extra);
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let cfg = write_config(
+        dir,
+        "fixed.yaml",
+        &text.replace("micro_batch_size: 4,", "micro_batch_size: 8,"),
+    );
+    let budget = budget_between_4_and_8(dir, &cfg);
+    (cfg, budget)
 }
 
 /// A budget that holds micro-batch 4 of `cfg` but not 8.
@@ -178,15 +183,7 @@ fn budget_between_4_and_8(dir: &Path, cfg: &Path) -> u64 {
 #[test]
 fn ranks_whose_caches_disagree_start_at_the_smallest_size() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = config(dir.path(), 4, "memory: {cooldown_steps: 1000}\n");
-    let cfg = write_config(
-        dir.path(),
-        "fixed.yaml",
-        &std::fs::read_to_string(&cfg)
-            .unwrap()
-            .replace("micro_batch_size: 4,", "micro_batch_size: 8,"),
-    );
-    let budget = budget_between_4_and_8(dir.path(), &cfg);
+    let (cfg, budget) = at_8_with_a_budget_for_4(dir.path(), "memory: {cooldown_steps: 1000}\n");
     let single = train_ok(dir.path(), &cfg, &["--memory-budget", "none"]);
     // Rank 1's cache learns its size from a run under its budget.
     let (cache0, cache1) = (dir.path().join("cache0"), dir.path().join("cache1"));

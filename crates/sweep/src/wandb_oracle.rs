@@ -74,14 +74,21 @@ fn both(yaml: &str) -> (Result<Sweep, ConfigError>, Value) {
         yaml.bytes()
             .fold(0u64, |h, b| h.wrapping_mul(131).wrapping_add(u64::from(b)))
     ));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("base.yaml"), "train: {max_steps: 27}\n").unwrap();
-    std::fs::write(dir.join("sweep.yaml"), yaml).unwrap();
+    let write = |name: &str, text: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap_or_else(|e| panic!("writing {}: {e}", path.display()))
+    };
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("creating {}: {e}", dir.display()));
+    write("base.yaml", "train: {max_steps: 27}\n");
+    write("sweep.yaml", yaml);
     let ours = spec::load(&dir.join("sweep.yaml"));
-    std::fs::remove_dir_all(&dir).unwrap();
-    let mut wandb: Value = serde_json::to_value(serde_yaml::from_str::<serde_yaml::Value>(yaml).unwrap()).unwrap();
-    for k in ["base", "planner", "seed", "trial", "device_memory", "count"] {
-        wandb.as_object_mut().unwrap().remove(k);
+    let _ = std::fs::remove_dir_all(&dir);
+    let parsed: serde_yaml::Value = serde_yaml::from_str(yaml).expect("the oracle's sweep files are YAML");
+    let mut wandb = serde_json::to_value(parsed).expect("YAML maps to JSON");
+    if let Some(o) = wandb.as_object_mut() {
+        for k in ["base", "planner", "seed", "trial", "device_memory", "count"] {
+            o.remove(k);
+        }
     }
     (ours, wandb)
 }
@@ -89,7 +96,8 @@ fn both(yaml: &str) -> (Result<Sweep, ConfigError>, Value) {
 /// W&B's schema violations of each file, in one call of the engine.
 fn violations<'a>(files: impl IntoIterator<Item = &'a String>) -> Vec<Value> {
     let configs: Vec<Value> = files.into_iter().map(|y| both(y).1).collect();
-    serde_json::from_value(ask(json!({"op": "violations", "configs": configs}))).unwrap()
+    serde_json::from_value(ask(json!({"op": "violations", "configs": configs})))
+        .expect("the engine answers in the shape asked for")
 }
 
 fn close(a: &Value, b: &Value) -> bool {
@@ -112,9 +120,14 @@ const GRIDS: [&str; 4] = [
 fn grid_order_is_wandbs_next_run_iterated() {
     for yaml in GRIDS {
         let (ours, wandb) = both(yaml);
-        let ours: Vec<BTreeMap<String, Value>> = ours.unwrap().trials.into_iter().map(|t| t.params).collect();
-        let theirs: Vec<BTreeMap<String, Value>> =
-            serde_json::from_value(ask(json!({"op": "grid", "config": wandb}))).unwrap();
+        let ours: Vec<BTreeMap<String, Value>> = ours
+            .expect("oomguard loads the file")
+            .trials
+            .into_iter()
+            .map(|t| t.params)
+            .collect();
+        let theirs: Vec<BTreeMap<String, Value>> = serde_json::from_value(ask(json!({"op": "grid", "config": wandb})))
+            .expect("the engine answers in the shape asked for");
         assert_eq!(ours.len(), theirs.len(), "{yaml}: {ours:?}\n{theirs:?}");
         for (i, (a, b)) in ours.iter().zip(&theirs).enumerate() {
             let same = a.len() == b.len() && a.iter().all(|(k, v)| b.get(k).is_some_and(|w| close(v, w)));
@@ -122,7 +135,7 @@ fn grid_order_is_wandbs_next_run_iterated() {
         }
         println!(
             "grid file {}: {} runs in W&B's order",
-            GRIDS.iter().position(|g| *g == yaml).unwrap(),
+            GRIDS.iter().position(|g| *g == yaml).expect("a held-in grid"),
             ours.len()
         );
     }
@@ -142,7 +155,7 @@ const DISTRIBUTIONS: &str = "base: base.yaml\nmethod: random\nrun_cap: 300\nmetr
 #[test]
 fn random_and_model_based_draws_lie_in_wandbs_support() {
     let (ours, wandb) = both(DISTRIBUTIONS);
-    let sweep = ours.unwrap();
+    let sweep = ours.expect("oomguard loads the file");
     let mut draws: Vec<BTreeMap<String, Value>> = sweep.trials.iter().map(|t| t.params.clone()).collect();
     // Model-based proposals: 60, each told a result (a bowl around the middle of every CDF).
     let mut observations: Vec<Observation> = vec![];
@@ -206,9 +219,9 @@ fn both_refuse_what_wandbs_schema_refuses() {
         assert!(
             violations
                 .as_array()
-                .unwrap()
+                .expect("the engine answers a list")
                 .iter()
-                .any(|v| v.as_str().unwrap().contains(wandb_says)),
+                .any(|v| v.as_str().expect("the engine answers text").contains(wandb_says)),
             "{yaml}: W&B says {violations}"
         );
         let e = ours.expect_err(yaml).to_string();
@@ -337,12 +350,16 @@ fn compare(es: &EarlyStop, wandb_et: &Value, seeds: std::ops::Range<u64>, n: usi
         sequential.push(json!({"config": config, "curves": curves}));
     }
     // W&B's own sweeps, one agent each: each run trains until stop_runs stops it.
-    let reached: Vec<Vec<u64>> =
-        serde_json::from_value(ask(json!({"op": "sequential", "sweeps": sequential}))).unwrap();
+    let reached: Vec<Vec<u64>> = serde_json::from_value(ask(json!({"op": "sequential", "sweeps": sequential})))
+        .expect("the engine answers in the shape asked for");
     tally.wandb_steps += reached.iter().flatten().sum::<u64>();
     let answers = ask(json!({"op": "stop", "queries": queries}));
-    for ((id, decision, rank, n), stopped) in ours.iter().zip(answers.as_array().unwrap()) {
-        let wandb_stops = stopped.as_array().unwrap().iter().any(|s| s == &json!(id));
+    for ((id, decision, rank, n), stopped) in ours.iter().zip(answers.as_array().expect("the engine answers a list")) {
+        let wandb_stops = stopped
+            .as_array()
+            .expect("the engine answers a list")
+            .iter()
+            .any(|s| s == &json!(id));
         let ours_stops = *decision == Decision::Stop;
         tally.decisions += 1;
         if wandb_stops == ours_stops {
