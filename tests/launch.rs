@@ -1,7 +1,7 @@
 //! `oomguard launch` with real processes: a real torch.distributed job exactly as under
 //! torchrun, crashes and restarts, signals, and relaunch after an out-of-memory death.
 mod common;
-use common::dies_with_test;
+use common::{dies_with_test, path_with_venv};
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
@@ -13,17 +13,6 @@ fn root() -> PathBuf {
 
 fn script(name: &str) -> String {
     root().join("tests/scripts").join(name).display().to_string()
-}
-
-/// PATH with the set-up's venv (python3 with torch, torchrun) first.
-fn path_with_venv() -> String {
-    let venv = root().join(".venv/bin");
-    assert!(
-        venv.join("python3").exists(),
-        "{} is missing: run `make setup`",
-        venv.display()
-    );
-    format!("{}:{}", venv.display(), std::env::var("PATH").unwrap_or_default())
 }
 
 fn launcher(args: &[&str]) -> Command {

@@ -554,3 +554,71 @@ fn a_tpe_sweep_runs_count_trials_and_a_restart_runs_none() {
     );
     assert_eq!(results(&dir.path().join("out")), r, "nothing ran again");
 }
+
+/// A W&B sweep of the user's own script (examples/sweep/script/): each trial runs it under
+/// `oomguard launch` with W&B's `--KEY=VALUE` arguments, its guard's metrics.jsonl and
+/// `log_eval` land in the trial's directory and give the metric; a trial that does not fit
+/// even at micro-batch 1 (a real allocation failure, `oomguard.Infeasible`) is exit 3,
+/// recorded infeasible, and the sweep goes on. Two trials run side by side (each launcher
+/// on a port of its own).
+#[test]
+fn a_script_of_ones_own_is_swept_through_oomguard_launch() {
+    let root = common::root();
+    let dir = tempfile::tempdir().unwrap();
+    let run = |file: &Path, out: &Path| {
+        let mut cmd = Command::new(common::bin());
+        isolated(&mut cmd, dir.path())
+            .args([
+                "sweep",
+                &file.display().to_string(),
+                "--out",
+                &out.display().to_string(),
+            ])
+            .current_dir(&root)
+            .env("PATH", common::path_with_venv())
+            .env("OMP_NUM_THREADS", "1");
+        dies_with_test(&mut cmd).output().unwrap()
+    };
+    // The example as it ships.
+    let out = dir.path().join("example");
+    let o = run(&root.join("examples/sweep/script/sweep.yaml"), &out);
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let rs = results(&out);
+    assert_eq!(rs.len(), 4);
+    for r in &rs {
+        assert_eq!(
+            (r["status"].as_str(), r["steps"].as_u64()),
+            (Some("ok"), Some(20)),
+            "{r}"
+        );
+        assert!(r["final_eval_loss"].as_f64().is_some_and(f64::is_finite), "{r}");
+        let log = std::fs::read_to_string(out.join(r["run_dir"].as_str().unwrap()).join("trial.log")).unwrap();
+        let lr = r["params"]["lr"].as_f64().unwrap();
+        assert!(log.contains(&format!("'lr': {lr}")), "the script got its --lr: {log}");
+    }
+    // A trial that cannot fit, beside one that can.
+    let file = dir.path().join("sweep.yaml");
+    let script = root.join("examples/sweep/script/train.py");
+    std::fs::write(&file, format!("program: {}\ncommand: [oomguard, launch, '${{program}}', '${{args}}']\nmetric: {{name: loss, goal: minimize}}\nparameters:\n  scratch_mib: {{values: [0, 1.0e9]}}\n  steps: {{value: 3}}\n", script.display())).unwrap();
+    let out = dir.path().join("infeasible");
+    let o = run(&file, &out);
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let rs = results(&out);
+    let by = |mib: f64| {
+        rs.iter()
+            .find(|r| r["params"]["scratch_mib"].as_f64() == Some(mib))
+            .unwrap()
+    };
+    assert_eq!(
+        (by(0.0)["status"].as_str(), by(0.0)["steps"].as_u64()),
+        (Some("ok"), Some(3)),
+        "{rs:?}"
+    );
+    let bad = by(1e9);
+    assert_eq!(
+        (bad["status"].as_str(), bad["exit_code"].as_i64()),
+        (Some("infeasible"), Some(3)),
+        "{bad}"
+    );
+    assert!(bad["message"].as_str().unwrap().contains("micro-batch 1"), "{bad}");
+}

@@ -44,6 +44,10 @@ class Infeasible(RuntimeError):
     (what PyTorch said) tell what would have to change.
     """
 
+    # Printed as `oomguard.Infeasible: ...`, which `oomguard launch` reads as exit 3 (the
+    # runtime's "does not fit at micro-batch 1"): no restart, and a sweep records it infeasible.
+    __module__ = "oomguard"
+
     def __init__(self, message: str, *, step: int, phase: str, requested_bytes: Optional[int], oom_message: str):
         super().__init__(message)
         self.step = step
@@ -312,6 +316,17 @@ class Guard:
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.policy.load_json(state["policy"])
+
+    def log_eval(self, val_loss: float, eval_batch_size: Optional[int] = None) -> None:
+        """Records an evaluation (`{"event": "eval", "step", "val_loss"}` in metrics.jsonl, as
+        `oomguard train` writes it): what `oomguard report` draws and `oomguard sweep`'s
+        val_loss metric reads. Rank 0's call is the one written."""
+        loss = float(val_loss)
+        # The step it follows, numbered as step records are (the runtime's order).
+        record = {"event": "eval", "step": max(self.step - 1, 0), "val_loss": loss if math.isfinite(loss) else None}
+        if eval_batch_size is not None:
+            record["eval_batch_size"] = int(eval_batch_size)
+        self._write(record)
 
     def backward(self, batch: Batch, loss_fn: Callable[[Batch], torch.Tensor]) -> float:
         """Gradients of `loss_fn`'s mean over the whole `batch`, in micro-batches that fit.

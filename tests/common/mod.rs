@@ -162,6 +162,17 @@ pub fn python(args: &[&str]) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
+/// PATH with the set-up's venv (python3 with torch, torchrun) first.
+pub fn path_with_venv() -> String {
+    let venv = root().join(".venv/bin");
+    assert!(
+        venv.join("python3").exists(),
+        "{} is missing: run `make setup`",
+        venv.display()
+    );
+    format!("{}:{}", venv.display(), std::env::var("PATH").unwrap_or_default())
+}
+
 /// A file of the source tree, as an argument.
 pub fn script(name: &str) -> String {
     root().join(name).display().to_string()

@@ -72,8 +72,13 @@ struct Failure {
 }
 
 impl Failure {
+    /// The launcher's exit code for it: 3 also for a Python worker that ended with
+    /// `oomguard.Infeasible` (even micro-batch 1 does not fit: no restart can help).
     fn exit_code(&self) -> i32 {
-        if self.exitcode < 0 {
+        let infeasible = |t: &str| t.lines().any(|l| l.starts_with("oomguard.Infeasible: "));
+        if self.exitcode == 1 && infeasible(&self.final_error()) {
+            3
+        } else if self.exitcode < 0 {
             128 - self.exitcode
         } else {
             self.exitcode
@@ -250,7 +255,10 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
                     Err((code, why)) => {
                         eprint!("{}", summary(&f, spec));
                         let why = if code == 3 {
-                            format!("{why}: {}", f.final_error())
+                            // The error's last line: a Python traceback's is the exception.
+                            let e = f.final_error();
+                            let last = e.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or_default();
+                            format!("{why}: {}", last.trim())
                         } else {
                             why
                         };

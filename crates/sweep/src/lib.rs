@@ -19,6 +19,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 mod asha;
+mod command;
 mod domain;
 mod record;
 mod spec;
@@ -258,6 +259,23 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
             args.parallel,
             human_bytes(m.share(args.parallel).0)
         );
+    }
+    if let spec::Runner::Launch {
+        script: Some(script), ..
+    } = &sweep.runner
+    {
+        if !script.is_file() {
+            return Err(ConfigError {
+                origin: sweep.path.display().to_string(),
+                line_col: None,
+                key: "program".into(),
+                message: format!(
+                    "{} is not a file; `program` is relative to the directory oomguard sweep runs in, as for W&B's agent",
+                    script.display()
+                ),
+            }
+            .into());
+        }
     }
     // Every trial's config is checked before the first one runs: a typo fails in seconds
     // (model-based search: a draw, and every parameter at each end of its range).

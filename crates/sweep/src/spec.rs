@@ -9,6 +9,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use super::command;
+pub use super::command::Runner;
 pub use super::domain::Domain;
 use super::domain::{same, Quantum, Scale, SplitMix};
 use oomguard_console::ConfigError;
@@ -17,10 +19,10 @@ use oomguard_console::ConfigError;
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawSweep {
-    /// The config every trial starts from, relative to the sweep file.
-    base: PathBuf,
-    #[serde(default)]
-    method: Method,
+    /// The config every trial starts from, relative to the sweep file (not with a `command`
+    /// that runs a script through `oomguard launch`).
+    base: Option<PathBuf>,
+    method: Option<String>,
     /// Random and model-based search: how many trials (W&B: `run_cap`).
     count: Option<usize>,
     run_cap: Option<usize>,
@@ -39,9 +41,9 @@ struct RawSweep {
     early_stop: Option<RawEarlyStop>,
     /// W&B's spelling of early stopping (hyperband), mapped onto ASHA.
     early_terminate: Option<RawEarlyTerminate>,
-    /// W&B's: what its agent runs. Each trial here is `oomguard train`: ignored, with a notice.
+    /// W&B's: what its agent runs; `${program}` in `command`, else ignored with a notice.
     program: Option<serde_yaml::Value>,
-    /// W&B's: the agent's command line with its macros; read as `oomguard train` or refused.
+    /// W&B's: the agent's command line with its macros (command.rs reads it).
     command: Option<serde_yaml::Value>,
     project: Option<serde_yaml::Value>,
     entity: Option<serde_yaml::Value>,
@@ -62,8 +64,7 @@ fn yes() -> bool {
     true
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Method {
     #[default]
     Grid,
@@ -320,7 +321,8 @@ pub fn scalar(v: &Value) -> String {
 #[derive(Debug, Clone)]
 pub struct Sweep {
     pub path: PathBuf,
-    pub base: PathBuf,
+    /// What each trial runs: `oomguard train` of a base config, or a script under launch.
+    pub runner: Runner,
     pub method: Method,
     /// Grid and random: every trial, known up front. Model-based: none (proposed as results come).
     pub trials: Vec<Trial>,
@@ -364,16 +366,34 @@ pub fn load(path: &Path) -> Result<Sweep, ConfigError> {
         origin: origin.clone(),
         ..e
     };
-    let base = path.parent().unwrap_or(Path::new(".")).join(&raw.base);
-    if !base.is_file() {
-        return Err(at(ConfigError::invalid(
+    let method = method(raw.method.as_deref()).map_err(at)?;
+    let (runner, command_notice) = match (&raw.command, &raw.base) {
+        (Some(c), base) => {
+            let (r, notice) = command::read(c, raw.program.as_ref(), base.as_deref()).map_err(at)?;
+            (r, Some(format!("{origin}: `command` (W&B's) {notice}")))
+        }
+        (None, Some(b)) => (Runner::Train { base: b.clone() }, None),
+        (None, None) => return Err(at(ConfigError::invalid(
             "base",
-            format!(
-                "{} is not a file; give the config every trial starts from, relative to the sweep file",
-                base.display()
-            ),
-        )));
-    }
+            "is missing; give the config every trial starts from (relative to the sweep file), or a W&B command that runs your script: command: [oomguard, launch, ${program}, ${args}]",
+        ))),
+    };
+    let base = match &runner {
+        Runner::Train { base } => {
+            let resolved = path.parent().unwrap_or(Path::new(".")).join(base);
+            if !resolved.is_file() {
+                return Err(at(ConfigError::invalid(
+                    "base",
+                    format!(
+                        "{} is not a file; give the config every trial starts from, relative to the sweep file",
+                        resolved.display()
+                    ),
+                )));
+            }
+            Some(resolved)
+        }
+        Runner::Launch { .. } => None,
+    };
     // A W&B file's `log_uniform` takes exponents (W&B's meaning); ours takes values.
     // Why the file reads as W&B's, for a refusal that depends on the reading.
     let read_as_wandb = [
@@ -391,6 +411,9 @@ pub fn load(path: &Path) -> Result<Sweep, ConfigError> {
     .find_map(|(w, why)| w.then_some(why));
     let wandb = read_as_wandb.is_some();
     unhonoured_wandb_keys(&raw).map_err(at)?;
+    if base.is_none() {
+        script_limits(&raw).map_err(at)?;
+    }
     let mut leaves = Vec::new();
     flatten("", &raw.parameters, wandb, &mut leaves).map_err(at)?;
     let mut domains: Vec<(String, Domain)> = Vec::new();
@@ -401,7 +424,7 @@ pub fn load(path: &Path) -> Result<Sweep, ConfigError> {
                 "is given twice (once dotted, once nested); give it once",
             )));
         }
-        let d = domain(&key, p, read_as_wandb).map_err(at)?;
+        let d = domain(&key, p, read_as_wandb, base.is_some()).map_err(at)?;
         domains.push((key, d));
     }
     if domains.is_empty() {
@@ -426,7 +449,7 @@ pub fn load(path: &Path) -> Result<Sweep, ConfigError> {
         }
         (c, r) => c.or(r),
     };
-    let trials = match (raw.method, cap) {
+    let trials = match (method, cap) {
         (Method::Grid, _) if raw.count.is_some() => {
             return Err(at(ConfigError::invalid(
                 "count",
@@ -447,7 +470,7 @@ pub fn load(path: &Path) -> Result<Sweep, ConfigError> {
         (Method::Random, Some(n)) => random(&domains, n, raw.seed),
         (Method::Bayes | Method::Tpe, Some(_)) => vec![],
     };
-    let count = if raw.method == Method::Grid || raw.method == Method::Random {
+    let count = if method == Method::Grid || method == Method::Random {
         trials.len()
     } else {
         cap.unwrap_or(0)
@@ -464,16 +487,14 @@ pub fn load(path: &Path) -> Result<Sweep, ConfigError> {
             })
             .transpose()
     };
-    let early_stop = early_stop(&raw, metric, &base, &domains).map_err(at)?;
-    let decay_steps_set =
-        domains.iter().any(|(k, _)| k == "optim.decay_steps") || base_has(&base, "optim", "decay_steps");
-    let mut notices = vec![];
-    if let Some(c) = &raw.command {
-        notices.push(format!(
-            "{origin}: `command` (W&B's) {}",
-            command(c, raw.program.as_ref(), &raw.base).map_err(at)?
-        ));
-    }
+    let (early_stop, decay_steps_set) = match &base {
+        Some(base) => (
+            early_stop(&raw, metric, base, &domains).map_err(at)?,
+            domains.iter().any(|(k, _)| k == "optim.decay_steps") || base_has(base, "optim", "decay_steps"),
+        ),
+        None => (None, false),
+    };
+    let mut notices: Vec<String> = command_notice.into_iter().collect();
     let program = raw.program.as_ref().filter(|_| raw.command.is_none());
     for (key, v) in [
         ("program", &program),
@@ -481,16 +502,19 @@ pub fn load(path: &Path) -> Result<Sweep, ConfigError> {
         ("entity", &raw.entity.as_ref()),
     ] {
         if v.is_some() {
-            notices.push(format!(
-                "{origin}: `{key}` (W&B's) is ignored: each trial runs `oomguard train {}` with its parameters",
-                raw.base.display()
-            ));
+            let why = match &raw.base {
+                Some(b) if key == "program" => {
+                    format!("each trial runs `oomguard train {}` with its parameters", b.display())
+                }
+                _ => "nothing is sent to W&B".into(),
+            };
+            notices.push(format!("{origin}: `{key}` (W&B's) is ignored: {why}"));
         }
     }
     Ok(Sweep {
         path: path.to_path_buf(),
-        base,
-        method: raw.method,
+        runner,
+        method,
         trials,
         domains,
         count,
@@ -499,7 +523,8 @@ pub fn load(path: &Path) -> Result<Sweep, ConfigError> {
         grace: duration("trial.grace", &raw.trial.grace)?.unwrap_or(Duration::from_secs(120)),
         metric,
         target,
-        planner: raw.planner,
+        // The planner reads oomguard train's config; a script's trials have none.
+        planner: raw.planner && base.is_some(),
         device_memory: raw.device_memory,
         early_stop,
         decay_steps_set,
@@ -599,98 +624,46 @@ fn flatten<'a>(
     Ok(())
 }
 
-/// W&B's command macros, and what each means when the trial is `oomguard train`.
-const MACROS: [(&str, &str); 7] = [
-    ("${env}", "dropped (oomguard is not a script run by /usr/bin/env)"),
-    ("${interpreter}", "dropped (oomguard train is no Python script)"),
-    ("${program}", "`program`"),
-    ("${args}", "the parameters, as --set KEY=VALUE"),
-    ("${args_no_hyphens}", "the parameters, as --set KEY=VALUE"),
-    ("${args_json}", "the parameters, as --set KEY=VALUE"),
-    ("${args_json_file}", "the parameters, as --set KEY=VALUE"),
-];
-
-/// W&B's `command`: accepted when, with `${env}` and `${interpreter}` dropped and
-/// `${program}` replaced by `program`, it is `oomguard train [BASE]` followed only by
-/// parameter macros (`${args}` and its kin); the trial then runs as always (`oomguard train
-/// BASE --set KEY=VALUE ...`). Returns the notice saying so; anything else is refused.
-fn command(c: &serde_yaml::Value, program: Option<&serde_yaml::Value>, base: &Path) -> Result<String, ConfigError> {
-    let nearest = format!("oomguard sweep runs each trial as `oomguard train {} --set KEY=VALUE ...`: give command: [oomguard, train, ${{args}}] or leave command out (a script of your own runs under `oomguard launch`, outside a sweep)", base.display());
-    let Some(items) = c.as_sequence() else {
-        return Err(ConfigError::invalid(
-            "command",
-            format!("is not a list (W&B's schema: type array); {nearest}"),
-        ));
-    };
-    let mut words: Vec<String> = vec![];
-    for item in items {
-        let Some(w) = item
-            .as_str()
-            .map(str::to_string)
-            .or_else(|| item.as_i64().map(|n| n.to_string()))
-        else {
+/// `method`: W&B's words (and `tpe`), or refused naming the nearest thing.
+fn method(raw: Option<&str>) -> Result<Method, ConfigError> {
+    Ok(match raw {
+        None | Some("grid") => Method::Grid,
+        Some("random") => Method::Random,
+        Some("bayes") => Method::Bayes,
+        Some("tpe") => Method::Tpe,
+        Some("custom") => {
             return Err(ConfigError::invalid(
-                "command",
-                format!("holds {item:?}, not a word; {nearest}"),
-            ));
-        };
-        if w.contains("${") && !MACROS.iter().any(|(m, _)| *m == w) {
-            return Err(ConfigError::invalid(
-                "command",
-                format!(
-                    "`{w}` is not one of W&B's macros ({}); {nearest}",
-                    MACROS.map(|m| m.0).join(", ")
-                ),
-            ));
-        }
-        match w.as_str() {
-            "${env}" | "${interpreter}" => {}
-            "${program}" => match program.and_then(|p| p.as_str()) {
-                Some(p) => words.extend(p.split_whitespace().map(String::from)),
-                None => {
-                    return Err(ConfigError::invalid(
-                        "command",
-                        format!("uses ${{program}} but `program` is not given; {nearest}"),
-                    ))
-                }
-            },
-            _ => words.push(w),
-        }
-    }
-    let is_oomguard = |w: &str| Path::new(w).file_name().is_some_and(|n| n == "oomguard");
-    let args = |w: &String| w.starts_with("${args");
-    let rest: Vec<&String> = match words.as_slice() {
-        [exe, sub, rest @ ..] if is_oomguard(exe) && sub == "train" => rest.iter().collect(),
-        _ => {
-            return Err(ConfigError::invalid(
-                "command",
-                format!(
-                    "runs `{}`, not `oomguard train`; oomguard cannot honour it: {nearest}",
-                    words.join(" ")
-                ),
+                "method",
+                "is W&B's custom method (a controller of your own proposes each run); oomguard cannot honour it: \
+                 give grid, random, or bayes (a TPE here)",
             ))
         }
-    };
-    let rest: Vec<&String> = match rest.as_slice() {
-        [b, tail @ ..] if !args(b) && Path::new(b.as_str()) == base => tail.to_vec(),
-        _ => rest,
-    };
-    if let Some(w) = rest.iter().find(|w| !args(w)) {
+        Some(m) => {
+            return Err(ConfigError::invalid(
+                "method",
+                format!("`{m}` is not one of grid, random, bayes (W&B's schema) or tpe"),
+            ))
+        }
+    })
+}
+
+/// A script's trials (`oomguard launch` in `command`) run it whole: what needs oomguard
+/// train's config or checkpoints is refused, naming the nearest thing.
+fn script_limits(raw: &RawSweep) -> Result<(), ConfigError> {
+    let why = "a script under oomguard launch runs each trial whole (it cannot be paused at a rung and resumed, as oomguard train's trials are): remove it, or run the trials as oomguard train";
+    if raw.early_terminate.is_some() {
+        return Err(ConfigError::invalid("early_terminate", why));
+    }
+    if raw.early_stop.is_some() {
+        return Err(ConfigError::invalid("early_stop", why));
+    }
+    if let Some((k, _)) = raw.parameters.iter().find(|(_, p)| p.parameters.is_some()) {
         return Err(ConfigError::invalid(
-            "command",
-            format!("passes `{w}` to oomguard train; only the parameter macros (${{args}}, ${{args_no_hyphens}}, ${{args_json}}, ${{args_json_file}}) and the base config may follow: {nearest}"),
+            &format!("parameters.{k}"),
+            "nests parameters, whose W&B value (a dict) oomguard does not pass to a script: give dotted names (KEY.SUBKEY), each passed as --KEY.SUBKEY=VALUE",
         ));
     }
-    if rest.is_empty() {
-        return Err(ConfigError::invalid(
-            "command",
-            format!("passes no parameters (none of ${{args}}, ${{args_no_hyphens}}, ${{args_json}}, ${{args_json_file}}): every trial would be the same; {nearest}"),
-        ));
-    }
-    Ok(format!(
-        "is read as `oomguard train {} --set KEY=VALUE ...` (${{env}} and ${{interpreter}} dropped; ${{args}} and its kin are the parameters)",
-        base.display()
-    ))
+    Ok(())
 }
 
 /// W&B's top-level keys that oomguard cannot honour: each an exit-2 error with the nearest
@@ -918,11 +891,12 @@ fn trials_max_steps(base: &Path, domains: &[(String, Domain)]) -> Option<u64> {
 
 /// One parameter's domain, by W&B's rules where W&B defines the key: `value` constant,
 /// `values` categorical, `min`/`max` int_uniform when both are integers else uniform.
-/// `read_as_wandb`: why the file is read as a W&B sweep file, if it is.
-fn domain(key: &str, p: &RawParam, read_as_wandb: Option<&str>) -> Result<Domain, ConfigError> {
+/// `read_as_wandb`: why the file is read as a W&B sweep file, if it is. `config_key`: the
+/// key names an `oomguard train` config key (section.key), not a script's argument.
+fn domain(key: &str, p: &RawParam, read_as_wandb: Option<&str>, config_key: bool) -> Result<Domain, ConfigError> {
     let wandb = read_as_wandb.is_some();
     let k = format!("parameters.{key}");
-    if key.split('.').count() < 2 || key.split('.').any(str::is_empty) {
+    if config_key && (key.split('.').count() < 2 || key.split('.').any(str::is_empty)) {
         return Err(ConfigError::invalid(
             &k,
             "is not a config key path; use section.key, e.g. optim.lr or model.n_embd",
@@ -1369,8 +1343,12 @@ mod tests {
             ("early_terminate: {type: hyperband, min_iter: 3, eta: 1}\n", "above 1"),
             ("early_terminate: {type: envelope}\n", "early_terminate.type"),
             ("scheduler: {engine: optuna}\n", "scheduler"),
-            ("method: custom\n", "method"),
-            ("command: [python, train.py, '${args}']\n", "not `oomguard train`"),
+            ("method: custom\n", "W&B's custom method"),
+            ("method: annealing\n", "`annealing` is not one of grid, random, bayes"),
+            (
+                "command: [python, train.py, '${args}']\n",
+                "neither `oomguard train` nor `oomguard launch`",
+            ),
             (
                 "command: [oomguard, train, base.yaml, --fast, '${args}']\n",
                 "passes `--fast`",
@@ -1379,7 +1357,7 @@ mod tests {
             ("command: [oomguard, train]\n", "passes no parameters"),
             (
                 "command: ['${env}', '${interpreter}', '${program}', '${args}']\nprogram: train.py\n",
-                "runs `train.py ${args}`, not `oomguard train`",
+                "runs `train.py ${args}`, which is neither",
             ),
             (
                 "run_cap: 2\nparameters:\n  optim.lr: {min: 0.1, max: 0.1}\n",
@@ -1475,6 +1453,36 @@ mod tests {
         // `program` with a command that runs it through oomguard train is honoured too.
         let s = load_yaml("base: base.yaml\nprogram: oomguard train\ncommand: ['${program}', base.yaml, '${args_json_file}']\nparameters:\n  optim.lr: {values: [1]}\n").unwrap();
         assert_eq!(s.notices.len(), 1, "{:?}", s.notices);
+    }
+
+    /// A W&B file whose command runs a script through oomguard launch: no base, parameters
+    /// as the script's arguments, and what needs oomguard train refused by key.
+    #[test]
+    fn a_script_under_launch_is_a_runner_of_its_own() {
+        let file = "method: grid\nprogram: train.py\nmetric: {name: val_loss, goal: minimize}\ncommand: ['${env}', '${interpreter}', oomguard, launch, --nproc-per-node, 2, '${program}', '${args}']\nparameters:\n  lr: {values: [0.1, 0.2]}\n  hidden: {value: 8}\n";
+        let s = load_yaml(file).unwrap();
+        let words: Vec<String> = ["--nproc-per-node", "2", "train.py", "${args}"]
+            .map(String::from)
+            .to_vec();
+        let script = Some(PathBuf::from("train.py"));
+        assert_eq!(s.runner, Runner::Launch { words, script });
+        assert_eq!((s.trials.len(), s.planner, s.notices.len()), (2, false, 1));
+        for (extra, key) in [
+            ("early_terminate: {type: hyperband, min_iter: 3}\n", "early_terminate"),
+            ("early_stop: {type: asha, min_steps: 3}\n", "early_stop"),
+            ("base: base.yaml\n", "base"),
+        ] {
+            let e = load_yaml(&format!("{file}{extra}")).unwrap_err();
+            assert_eq!(e.key, key, "{e}");
+        }
+        let nested = file.replace("  hidden: {value: 8}", "  opt: {parameters: {lr: {value: 1}}}");
+        let e = load_yaml(&nested).unwrap_err();
+        assert!(
+            e.key == "parameters.opt" && format!("{e}").contains("--KEY.SUBKEY=VALUE"),
+            "{e}"
+        );
+        let e = load_yaml("method: grid\nparameters:\n  lr: {value: 1}\n").unwrap_err();
+        assert!(e.key == "base" && e.message.contains("is missing"), "{e}");
     }
 
     /// The sweep files the repository ships load as the README says.

@@ -104,7 +104,7 @@ impl<'a> Sweeper<'a> {
     pub fn launch<'t>(&'t self, t: &'t Trial, slot: Option<usize>) -> Launch<'t> {
         Launch {
             exe: &self.exe,
-            base: &self.sweep.base,
+            runner: &self.sweep.runner,
             trial: t,
             run_dir: self.run_dir(t),
             threads: self.threads,

@@ -4,7 +4,7 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
-use super::spec::Trial;
+use super::spec::{Runner, Trial};
 use crate::record::{Status, Summary};
 use oomguard_console::units::human_bytes;
 
@@ -58,7 +58,7 @@ pub enum Stop {
 /// The environment and arguments a trial runs with.
 pub struct Launch<'a> {
     pub exe: &'a Path,
-    pub base: &'a Path,
+    pub runner: &'a Runner,
     pub trial: &'a Trial,
     pub run_dir: PathBuf,
     /// CPU threads (several slots share the CPU), or None to leave the defaults.
@@ -72,17 +72,20 @@ pub struct Launch<'a> {
 }
 
 impl Launch<'_> {
+    /// `oomguard SUB` with the trial's environment; `oomguard train`'s config and overrides
+    /// when the runner is oomguard train (a script's arguments come from `spawn`).
     fn command(&self, args: &[&str]) -> Command {
         let mut cmd = Command::new(self.exe);
         cmd.args(args)
-            .arg(self.base)
-            .args(self.trial.overrides())
-            .args(&self.extra)
             .stdin(Stdio::null())
             .envs(self.env.iter().map(|(k, v)| (k, v)));
+        if let Runner::Train { base } = self.runner {
+            cmd.arg(base).args(self.trial.overrides()).args(&self.extra);
+        }
         if let Some(n) = self.threads {
             cmd.env("OMP_NUM_THREADS", n.to_string());
-            if !self.trial.params.contains_key("train.num_threads") {
+            let train = matches!(self.runner, Runner::Train { .. });
+            if train && !self.trial.params.contains_key("train.num_threads") {
                 cmd.args(["--set", &format!("train.num_threads={n}")]);
             }
         }
@@ -92,8 +95,12 @@ impl Launch<'_> {
         cmd
     }
 
-    /// `oomguard train --check`: the trial's config is valid (else the child's message).
+    /// `oomguard train --check`: the trial's config is valid (else the child's message). A
+    /// script's arguments are its own to check: Ok.
     pub fn check(&self) -> std::io::Result<Result<(), String>> {
+        if let Runner::Launch { .. } = self.runner {
+            return Ok(Ok(()));
+        }
         let o = self.command(&["train", "--check"]).output()?;
         Ok(if o.status.success() {
             Ok(())
@@ -126,19 +133,31 @@ impl Launch<'_> {
     }
 
     /// Starts `oomguard train ... --run-dir DIR --resume` (resumes from the newest
-    /// checkpoint, or starts fresh), its output appended to DIR/trial.log.
+    /// checkpoint, or starts fresh), or the script under `oomguard launch --run-dir DIR`
+    /// (run again whole after an interruption: resuming is the script's), its output
+    /// appended to DIR/trial.log.
     pub fn spawn(&self) -> std::io::Result<Child> {
         std::fs::create_dir_all(&self.run_dir)?;
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(self.log_path())?;
-        let mut cmd = self.command(&["train"]);
-        cmd.arg("--run-dir")
-            .arg(&self.run_dir)
-            .arg("--resume")
-            .stdout(log.try_clone()?)
-            .stderr(log);
+        let mut cmd = match self.runner {
+            Runner::Train { .. } => {
+                let mut cmd = self.command(&["train"]);
+                cmd.arg("--run-dir").arg(&self.run_dir).arg("--resume");
+                cmd
+            }
+            Runner::Launch { words, .. } => {
+                let mut cmd = self.command(&["launch"]);
+                // Port 0: each attempt on a free port, so trials side by side never share
+                // one (a --master-port in the command still wins).
+                cmd.env("PET_MASTER_PORT", "0");
+                cmd.args(Runner::launch_args(words, self.trial, &self.run_dir)?);
+                cmd
+            }
+        };
+        cmd.stdout(log.try_clone()?).stderr(log);
         oomguard_host::proc::spawn_shimmed(&mut cmd)
     }
 
