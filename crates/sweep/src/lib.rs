@@ -50,7 +50,8 @@ use sweeper::Sweeper;
 #[derive(Debug, clap::Args)]
 pub struct SweepArgs {
     /// The sweep file: a base config and the parameters to vary (see configs/demo-sweep.yaml);
-    /// a W&B sweep file is read as it is, with `base:` added (examples/sweep/wandb-sweep.yaml).
+    /// a W&B sweep file is read as it is, with `base:` added (examples/sweep/wandb-sweep.yaml),
+    /// or with a command that runs your script under oomguard launch (examples/sweep/script/).
     /// Grid, random or model-based (bayes/tpe) search; early stopping (ASHA) with early_stop
     /// or W&B's early_terminate.
     pub sweep: PathBuf,
