@@ -170,9 +170,17 @@ pub trait Samples {
     fn units_per_sample(&self) -> usize {
         1
     }
+    /// How many of the target units of the samples at `positions` count in the loss (those
+    /// that are not IGNORE_INDEX), or None when every unit counts (no target is ignored).
+    fn valid_units(&self, _positions: &[usize]) -> Result<Option<usize>> {
+        Ok(None)
+    }
     /// Where the samples come from, for messages.
     fn name(&self) -> String;
 }
+
+/// The target value a cross-entropy loss skips (PyTorch's default `ignore_index`).
+pub const IGNORE_INDEX: i64 = -100;
 
 /// Train and validation samples.
 pub struct Dataset {
@@ -256,6 +264,10 @@ pub trait StepBatches {
     /// Units the loss averages over in one sample (tokens), for throughput.
     fn units_per_sample(&self) -> usize;
     fn micro_batch(&self, step: u64, samples: Range<usize>) -> Result<(Tensor, Tensor)>;
+    /// `Samples::valid_units` of these samples of step `step`'s global batch.
+    fn valid_units(&self, _step: u64, _samples: Range<usize>) -> Result<Option<usize>> {
+        Ok(None)
+    }
 }
 
 /// `sample_positions(seed, step)` into a set of samples, `global_batch` a step.
@@ -293,6 +305,10 @@ impl StepBatches for StepSamples<'_> {
     fn micro_batch(&self, step: u64, samples: Range<usize>) -> Result<(Tensor, Tensor)> {
         let positions = sample_positions(self.seed, step, samples.end, self.samples.num_positions());
         self.samples.batch(&positions[samples], self.device)
+    }
+    fn valid_units(&self, step: u64, samples: Range<usize>) -> Result<Option<usize>> {
+        let positions = sample_positions(self.seed, step, samples.end, self.samples.num_positions());
+        self.samples.valid_units(&positions[samples])
     }
 }
 

@@ -4,13 +4,16 @@
 use std::path::Path;
 use tch::{Device, Tensor};
 
-use super::{Dataset, Samples};
+use super::{Dataset, Samples, IGNORE_INDEX};
 use crate::error::{Error, Result};
 
 struct Rows {
     inputs: Tensor,
     targets: Tensor,
     name: String,
+    /// Integer targets holding IGNORE_INDEX somewhere: the loss averages over fewer units
+    /// than the samples hold, so a step weighs its micro-batches by their valid units.
+    masked: bool,
 }
 
 impl Samples for Rows {
@@ -22,6 +25,15 @@ impl Samples for Rows {
         let idx = Tensor::f_from_slice(&idx)?;
         let pick = |t: &Tensor| crate::ops::upload(&t.f_index_select(0, &idx)?, device);
         Ok((pick(&self.inputs)?, pick(&self.targets)?))
+    }
+    fn valid_units(&self, positions: &[usize]) -> Result<Option<usize>> {
+        if !self.masked {
+            return Ok(None);
+        }
+        let idx: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
+        let picked = self.targets.f_index_select(0, &Tensor::f_from_slice(&idx)?)?;
+        let valid = picked.f_ne(IGNORE_INDEX)?.f_sum(tch::Kind::Int64)?.f_int64_value(&[])?;
+        Ok(Some(valid as usize))
     }
     fn name(&self) -> String {
         self.name.clone()
@@ -58,11 +70,17 @@ pub(super) fn open(path: &Path, val_fraction: f64) -> Result<Dataset> {
     }
     let part = |t: &Tensor, start: i64, len: i64| t.f_narrow(0, start, len);
     let name = path.display().to_string();
+    let integer = matches!(
+        targets.kind(),
+        tch::Kind::Int64 | tch::Kind::Int | tch::Kind::Int16 | tch::Kind::Int8
+    );
+    let masked = integer && targets.f_eq(IGNORE_INDEX)?.f_any()?.f_int64_value(&[])? != 0;
     let split = |start: i64, len: i64, which: &str| -> Result<Rows> {
         Ok(Rows {
             inputs: part(&inputs, start, len)?,
             targets: part(&targets, start, len)?,
             name: format!("{name} ({which} split)"),
+            masked,
         })
     };
     Ok(Dataset {

@@ -36,28 +36,57 @@ pub fn evaluate(
     let batch = spec.batch_size;
     let shard = pg.map_or(0..batch, |p| p.shard(batch));
     let in_eval = |e: Error| e.in_phase(Phase::Eval);
+    // Masked targets (IGNORE_INDEX): a part weighs its valid units over the evaluation's
+    // (times the batches, divided out at the end), so the loss is the mean over valid units.
+    // Counted inside the guard (its allocations may fail like any other), once.
+    let positions_of = |k: u64| sample_positions(seed, k, batch, spec.samples.num_positions());
+    let count_valid = || -> Result<Option<usize>> {
+        let mut all = Some(0);
+        for k in 0..spec.num_batches as u64 {
+            let v = spec.samples.valid_units(&positions_of(k)).map_err(in_eval)?;
+            all = all.zip(v).map(|(a, b)| a + b);
+        }
+        Ok(all)
+    };
+    let weight_of = |valid_in_all: Option<usize>, positions: &[usize]| -> Result<Option<f64>> {
+        Ok(match valid_in_all {
+            None => Some(positions.len() as f64 / batch as f64),
+            Some(all) => match spec.samples.valid_units(positions).map_err(in_eval)? {
+                Some(v) if v > 0 => Some(v as f64 * spec.num_batches as f64 / all as f64),
+                _ => None,
+            },
+        })
+    };
     // The batches' weighted losses add up on the device; one read at the end.
     let mut total: Option<Tensor> = None;
+    let mut valid_in_all: Option<Option<usize>> = None;
     for k in 0..spec.num_batches as u64 {
-        let positions = sample_positions(seed, k, batch, spec.samples.num_positions());
+        let positions = positions_of(k);
         // Each attempt adds its batch to the total so far (a new tensor, inside the guard: an
         // OOM in the addition is retried like any other).
         let so_far = total.as_ref();
         total = Some(guard.run(
             step,
-            &mut (),
-            |_, mb| {
+            &mut valid_in_all,
+            |valid_in_all, mb| {
                 let local = (|| {
+                    let valid = match *valid_in_all {
+                        Some(v) => v,
+                        None => *valid_in_all.insert(count_valid()?),
+                    };
                     let mut sum: Option<Tensor> = None;
                     crate::memory::snapshot::set_phase(Phase::Eval, None);
                     for part in split_range(shard.clone(), mb) {
+                        let Some(weight) = weight_of(valid, &positions[part.clone()])? else {
+                            continue; // every target ignored: nothing to average
+                        };
                         let (x, y) = spec
                             .samples
                             .batch(&positions[part.clone()], spec.device)
                             .map_err(in_eval)?;
                         let weighted = (|| {
                             let loss = task.eval_loss(&x, &y)?.f_to_kind(Kind::Double)?;
-                            let w = crate::ops::mul_scalar(&loss, part.len() as f64 / batch as f64)?;
+                            let w = crate::ops::mul_scalar(&loss, weight)?;
                             sum.as_ref().map_or(Ok(w.shallow_clone()), |s| s.f_add(&w))
                         })();
                         sum = Some(weighted.map_err(|e| in_eval(e.into()))?);

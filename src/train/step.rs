@@ -74,6 +74,10 @@ pub fn micro_batches(global: usize, micro: usize) -> Vec<Range<usize>> {
 /// Forward and backward over this process's samples: gradients accumulate, weighted so that
 /// their sum over all micro-batches (and ranks) is the gradient of the global batch's mean
 /// loss. Returns (the weighted loss sum, an f64 scalar on the device, micro-batches run).
+/// Keeps: the gradient does not depend on the split. With masked targets (IGNORE_INDEX) a
+/// micro-batch's loss is the mean over its valid units, so it weighs valid / the global
+/// batch's valid units (every rank counts the whole batch itself: no exchange); one with
+/// none runs no forward (its mean would be NaN) and adds nothing.
 pub fn accumulate(
     task: &dyn Task,
     data: &dyn StepBatches,
@@ -83,9 +87,18 @@ pub fn accumulate(
 ) -> Result<(Tensor, usize)> {
     let global = data.global_batch_size();
     let parts = split_range(data.shard(), micro_batch_size);
+    snapshot::set_phase(Phase::Data, None);
+    let data_err = |e: Error| e.in_phase(Phase::Data);
+    let valid_in_batch = data.valid_units(step, 0..global).map_err(data_err)?;
     let mut loss_sum: Option<Tensor> = None;
     for (i, part) in parts.iter().enumerate() {
-        let weight = part.len() as f64 / global as f64;
+        let weight = match valid_in_batch {
+            None => part.len() as f64 / global as f64,
+            Some(total) => match data.valid_units(step, part.clone()).map_err(data_err)? {
+                Some(valid) if valid > 0 => valid as f64 / total as f64,
+                _ => continue,
+            },
+        };
         let at = |phase: Phase| move |e: Error| e.in_phase(phase).at_micro_batch(i);
         snapshot::set_phase(Phase::Data, Some(i));
         let (x, y) = data.micro_batch(step, part.clone()).map_err(at(Phase::Data))?;
@@ -107,7 +120,11 @@ pub fn accumulate(
         data.shard().len(),
         "global-batch invariant: every sample exactly once"
     );
-    let loss_sum = loss_sum.expect("a shard has at least one sample");
+    let loss_sum = match loss_sum {
+        Some(l) => l,
+        // Every target of this shard is ignored: nothing to learn from it.
+        None => Tensor::f_zeros([], (Kind::Double, amp.device)).map_err(|e| data_err(e.into()))?,
+    };
     Ok((loss_sum, parts.len()))
 }
 
