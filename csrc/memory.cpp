@@ -10,8 +10,12 @@
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -23,7 +27,26 @@ using oomguard::guarded;
 std::atomic<int64_t> g_live{0};
 std::atomic<int64_t> g_peak{0};
 std::atomic<int64_t> g_budget{-1};
+// The process's footprint limit (RssAnon, bytes; -1: none): under a memory cgroup the
+// kernel counts the heap the allocator keeps, not only live tensors. Allocations of
+// kFootprintCheck and more read RssAnon first (/proc/self/statm: a few microseconds).
+std::atomic<int64_t> g_footprint_limit{-1};
+constexpr size_t kFootprintCheck = 1 << 20;
 std::atomic<int64_t> g_ooms{0};
+
+// RssAnon in bytes (statm's resident minus shared pages), or -1. No heap allocation.
+int64_t rss_anon() {
+  const int fd = open("/proc/self/statm", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  char buf[160];
+  const ssize_t k = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (k <= 0) return -1;
+  buf[k] = 0;
+  long long size = 0, resident = 0, shared = 0;
+  if (std::sscanf(buf, "%lld %lld %lld", &size, &resident, &shared) != 3) return -1;
+  return static_cast<int64_t>(resident - shared) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+}
 // Every allocation asked of the counting allocator, numbered from 0 (the fault injector's
 // clock), and the allocations the injector fails: sorted, written only while armed from a
 // quiet point between steps, read concurrently.
@@ -57,6 +80,19 @@ class CountingAllocator final : public c10::Allocator {
       }
       TORCH_CHECK_WITH(OutOfMemoryError, false, "oomguard memory budget exceeded: tried to allocate ", n,
                        " bytes with ", live, " bytes in use; injected by --inject-oom");
+    }
+    const int64_t footprint = g_footprint_limit.load(std::memory_order_relaxed);
+    if (footprint >= 0 && n >= kFootprintCheck) {
+      const int64_t rss = rss_anon();
+      if (rss >= 0 && rss + want > footprint) {
+        g_ooms.fetch_add(1);
+        if (oomguard::snap::g_on.load(std::memory_order_relaxed)) oomguard::snap::on_oom(n, live, footprint);
+        TORCH_CHECK_WITH(OutOfMemoryError, false,
+                         "oomguard memory budget exceeded (host footprint): tried to allocate ", n, " bytes with ",
+                         rss, " bytes resident (RssAnon) of a limit of ", footprint,
+                         " bytes under the memory cgroup; live tensors are ", live,
+                         " bytes of it, the rest is heap the allocator kept");
+      }
     }
     for (;;) {
       const int64_t budget = g_budget.load();
@@ -133,6 +169,7 @@ void og_free(char* msg) {
 
 void og_cpu_install() { install_counting(); }
 void og_cpu_set_budget(int64_t bytes) { g_budget.store(bytes); }
+void og_cpu_set_footprint_limit(int64_t bytes) { g_footprint_limit.store(bytes); }
 int64_t og_cpu_budget() { return g_budget.load(); }
 int64_t og_cpu_live_bytes() { return g_live.load(); }
 int64_t og_cpu_peak_bytes() { return g_peak.load(); }

@@ -13,6 +13,7 @@ void og_free(char* msg);
 // Counting CPU allocator with an optional budget (bytes; < 0 means none).
 void og_cpu_install();
 void og_cpu_set_budget(int64_t bytes);
+void og_cpu_set_footprint_limit(int64_t bytes);
 int64_t og_cpu_budget();
 int64_t og_cpu_live_bytes();
 int64_t og_cpu_peak_bytes();

@@ -245,24 +245,29 @@ fn a_run_inside_a_small_memory_cgroup_adapts_instead_of_being_killed() {
     assert!(out.contains("free under the cgroup limit 700.0 MiB"), "{out}\n{err}");
 }
 
-/// Activations dominate (micro-batch 128 of 256 tokens on a 4 x 256 GPT), everything else
-/// at its default: the budget from the cgroup is right and the guard recovers its OOMs, but
-/// glibc kept the failed attempts' freed buffers resident and the kernel killed the run at
-/// step 0 (137) until the heap returned them (a fixed mmap threshold under a cgroup, and
-/// malloc_trim when an OOM is cleaned up).
-#[test]
-fn a_run_whose_activations_dominate_is_not_killed_by_its_heap() {
-    let dir = tempfile::tempdir().unwrap();
+/// Micro-batch 128 of 256 tokens on a 4 x 256 GPT: its activations dominate.
+fn activations(dir: &Path) -> Command {
     let cfg = write_config(
-        dir.path(),
+        dir,
         "activations.yaml",
         "model: {n_layer: 4, n_head: 4, n_embd: 256, block_size: 256, vocab_size: 256}\n\
          data: {source: embedded}\n\
          train: {micro_batch_size: 128, grad_accum_steps: 1, max_steps: 1, eval_every: 0, eval_batch_size: 4, \
          eval_batches: 1, seed: 3, device: cpu, num_threads: 2}\n",
     );
-    let mut train = oomguard(dir.path());
+    let mut train = oomguard(dir);
     train.args(["train", cfg.to_str().unwrap(), "--run-dir", "run"]);
+    train
+}
+
+/// Activations dominate, everything else at its default: the budget from the cgroup is
+/// right and the guard recovers its OOMs, but glibc kept the failed attempts' freed buffers
+/// resident and the kernel killed the run at step 0 (137) until the heap returned them (a
+/// fixed mmap threshold under a cgroup, and malloc_trim when an OOM is cleaned up).
+#[test]
+fn a_run_whose_activations_dominate_is_not_killed_by_its_heap() {
+    let dir = tempfile::tempdir().unwrap();
+    let train = activations(dir.path());
     let Some(cg) = MemoryCgroup::make("heap", 700 * MIB) else {
         return;
     };
@@ -271,6 +276,29 @@ fn a_run_whose_activations_dominate_is_not_killed_by_its_heap() {
     let rd = dir.path().join("run");
     assert!(ooms(&rd) > 0, "the budget, not the kernel, stopped micro-batch 128");
     assert_eq!(records(&rd, "step").len(), 1);
+}
+
+/// The same run with the user's own MALLOC_MMAP_THRESHOLD_ (1 GiB: every buffer from the
+/// heap, which oomguard leaves as set): the heap keeps what the failed attempts freed, and
+/// only the footprint limit (RssAnon against the cgroup, checked on allocations of a MiB
+/// and more) turns that into an OOM the guard recovers, instead of the kernel's kill.
+#[test]
+fn a_heap_that_keeps_its_buffers_is_an_oom_not_a_kill() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut train = activations(dir.path());
+    train.env("MALLOC_MMAP_THRESHOLD_", (1u64 << 30).to_string());
+    let Some(cg) = MemoryCgroup::make("footprint", 700 * MIB) else {
+        return;
+    };
+    let err = survives(&cg, "train", &train);
+    assert!(err.contains("host footprint limit"), "{err}");
+    let rd = dir.path().join("run");
+    assert_eq!(records(&rd, "step").len(), 1);
+    let footprint = records(&rd, "oom")
+        .iter()
+        .filter(|o| o["message"].as_str().is_some_and(|m| m.contains("(host footprint)")))
+        .count();
+    assert!(footprint > 0, "{:?}", records(&rd, "oom"));
 }
 
 #[test]

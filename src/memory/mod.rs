@@ -20,6 +20,7 @@ mod ffi {
         pub fn og_free(msg: *mut c_char);
         pub fn og_cpu_install();
         pub fn og_cpu_set_budget(bytes: i64);
+        pub fn og_cpu_set_footprint_limit(bytes: i64);
         pub fn og_cpu_budget() -> i64;
         pub fn og_cpu_live_bytes() -> i64;
         pub fn og_cpu_peak_bytes() -> i64;
@@ -58,6 +59,12 @@ pub fn install_cpu_allocator() {
 /// cross it fail with an out-of-memory error.
 pub fn set_cpu_budget(bytes: Option<u64>) {
     unsafe { ffi::og_cpu_set_budget(bytes.map_or(-1, |b| b.min(i64::MAX as u64) as i64)) }
+}
+
+/// Sets (or with `None` removes) the limit on this process's RssAnon: an allocation of a
+/// MiB or more that would cross it fails with an out-of-memory error, as the budget's do.
+pub fn set_cpu_footprint_limit(bytes: Option<u64>) {
+    unsafe { ffi::og_cpu_set_footprint_limit(bytes.map_or(-1, |b| b.min(i64::MAX as u64) as i64)) }
 }
 
 pub fn cpu_budget() -> Option<u64> {
@@ -143,16 +150,29 @@ pub fn prepare(
             Some((total as f64 * fraction) as u64)
         }
         (Device::Cpu, b) => {
+            set_cpu_footprint_limit(None);
             let host = budget::host_memory();
-            if host
+            let cgroup = host
                 .as_ref()
-                .is_some_and(|h| matches!(h.source, oomguard_host::memory::Source::Cgroup { .. }))
-            {
+                .filter(|h| matches!(h.source, oomguard_host::memory::Source::Cgroup { .. }));
+            if let Some(h) = cgroup {
                 if let Some(t) = oomguard_host::memory::bound_heap() {
                     tracing::info!(
                         "under a memory cgroup: freed buffers of {} and more go back to the system \
                          (MALLOC_MMAP_THRESHOLD_ overrides)",
                         human_bytes(t as u64)
+                    );
+                }
+                // The kernel counts what the heap keeps too: the process's footprint may
+                // grow by FOOTPRINT_SHARE of what is free, whatever the live tensors are.
+                if let Some(rss) = oomguard_host::memory::own_anonymous_bytes() {
+                    let limit = rss + (h.available as f64 * FOOTPRINT_SHARE) as u64;
+                    set_cpu_footprint_limit(Some(limit));
+                    tracing::info!(
+                        "host footprint limit {} (RssAnon now {} + {:.0}% of what is free)",
+                        human_bytes(limit),
+                        human_bytes(rss),
+                        FOOTPRINT_SHARE * 100.0
                     );
                 }
             }
@@ -190,6 +210,10 @@ pub fn prepare(
     }
     Ok(budget)
 }
+
+/// Under a memory cgroup, the share of what is free at start-up that the process's RssAnon
+/// may grow by (the tensors' budget is 80% by default: the rest is the heap's slack).
+const FOOTPRINT_SHARE: f64 = 0.95;
 
 /// The `per_process_memory_fraction` in force (1.0 when none): the CUDA limit is the card's
 /// memory times this.
