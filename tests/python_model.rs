@@ -510,3 +510,77 @@ metric: final_eval_loss
         );
     }
 }
+
+/// A Python data file whose `loss_units(batch)` counts the labels its model's loss averages
+/// over (-100s, an SFT's prompt tokens, left out): each micro-batch weighs by its units over
+/// the step's, so micro-batch 16, 4 and 1 (whole micro-batches masked) end with the same
+/// parameters and evaluation. Without `loss_units` the split changes them: the test sees it.
+#[test]
+fn loss_units_make_masked_labels_exact_whatever_the_split() {
+    let dir = tempfile::tempdir().unwrap();
+    let sft = r#"
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+class Sft(torch.utils.data.Dataset):
+    def __init__(self, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, 32, (n, 8), generator=g)
+        self.labels = self.ids.roll(-1, 1).clone()
+        for i in range(n):
+            self.labels[i, : i % 9] = -100  # sample i masks its first i % 9 labels: i % 9 == 8, all
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+def dataset(settings, split):
+    return Sft(64 if split == "train" else 32, 1 if split == "train" else 2)
+
+def loss_units(batch):
+    return (batch["labels"] != -100).sum()
+
+class Lm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, input_ids, labels):
+        return F.cross_entropy(self.head(torch.tanh(self.emb(input_ids))).flatten(0, 1), labels.flatten())
+
+def build(settings):
+    return Lm()
+"#;
+    std::fs::write(dir.path().join("sft.py"), sft).unwrap();
+    std::fs::write(dir.path().join("plain.py"), sft.replace("def loss_units", "def unused")).unwrap();
+    for file in ["sft.py", "plain.py"] {
+        let cfg = write_config(dir.path(), &format!("{file}.yaml"), &format!("
+model: {{kind: python, path: {file}}}
+data: {{source: python, path: {file}, build: dataset}}
+optim: {{lr: 1.0e-2, min_lr: 1.0e-3, warmup_steps: 1}}
+train: {{micro_batch_size: 16, grad_accum_steps: 1, max_steps: 3, eval_every: 3, eval_batch_size: 16, eval_batches: 1, seed: 7, device: cpu, num_threads: 1}}
+"));
+        let run = |name: &str, mb: &str, accum: &str| {
+            let (m, a) = (
+                format!("train.micro_batch_size={mb}"),
+                format!("train.grad_accum_steps={accum}"),
+            );
+            train_into(dir.path(), &cfg, &format!("{file}-{name}"), &["--set", &m, "--set", &a])
+        };
+        let whole = run("whole", "16", "1");
+        let val = |r: &Path| records(r, "eval")[0]["val_loss"].as_f64().unwrap();
+        let worst = [run("mb4", "4", "4"), run("mb1", "1", "16")]
+            .iter()
+            .map(|r| max_abs_diff(&weights(&whole), &weights(r)).max((val(&whole) - val(r)).abs()))
+            .fold(0.0, f64::max);
+        if file == "sft.py" {
+            assert!(worst < 1e-5, "loss_units: the split changed the run by {worst}");
+        } else {
+            assert!(worst > 1e-4, "without loss_units the split should show: {worst}");
+        }
+    }
+}

@@ -205,6 +205,9 @@ class Data:
         data_file = load(path, "data.path", "data")
         make = function(data_file, path, build, "data.build", "build(settings, split) -> a map-style dataset")
         self.collate = getattr(data_file, "collate", None) or default_collate
+        self.units = getattr(data_file, "loss_units", None)
+        if self.units is not None and not callable(self.units):
+            raise UserError("data.path", f"{path}: loss_units is not a function; define loss_units(batch) -> the number of targets the loss averages over in the batch")
         self.splits = []
         for split in ("train", "val"):
             try:
@@ -227,6 +230,16 @@ class Data:
     def batch(self, split, indices):
         ds = self.splits[split]
         return self.collate([ds[i] for i in indices])
+
+    def loss_units(self, split, indices):
+        """What the loss averages over in these samples (the data file's `loss_units(batch)`,
+        a number or a 0-dim tensor), or None without one."""
+        if self.units is None:
+            return None
+        n = int(self.units(self.batch(split, indices)))
+        if n < 0:
+            raise ValueError(f"loss_units(batch) returned {n}; it must be 0 or more")
+        return n
 
 
 def python_rng_state():

@@ -377,6 +377,7 @@ fn dataset(py: Python<'_>, data: &Bound<'_, PyAny>, path: &Path) -> Result<Datas
             split: s,
             len,
             name: format!("{} ({name})", path.display()),
+            data: data.clone().unbind(),
         }))
     };
     Ok(Dataset {
@@ -393,6 +394,8 @@ struct PythonSamples {
     split: i64,
     len: usize,
     name: String,
+    /// glue.py's `Data`: `loss_units` when the data file defines it.
+    data: Py<PyAny>,
 }
 
 impl Samples for PythonSamples {
@@ -404,6 +407,20 @@ impl Samples for PythonSamples {
         let x = Tensor::f_from_slice(&idx)?;
         let y = Tensor::f_full([idx.len() as i64], self.split, (Kind::Int64, Device::Cpu))?;
         Ok((x, y))
+    }
+    /// The data file's `loss_units(batch)` of these samples' batch, when it defines one (its
+    /// loss is then a mean over those units, masked tokens left out).
+    fn valid_units(&self, positions: &[usize]) -> Result<Option<usize>> {
+        Python::with_gil(|py| {
+            let idx = PyList::new(py, positions).map_err(|e| to_tch(py, e))?;
+            let n = self
+                .data
+                .bind(py)
+                .call_method1("loss_units", (self.split, idx))
+                .and_then(|n| n.extract::<Option<usize>>())
+                .map_err(|e| to_tch(py, e))?;
+            Ok(n)
+        })
     }
     fn name(&self) -> String {
         self.name.clone()
