@@ -34,6 +34,10 @@ fn main() {
             .flag("-Wno-c++20-extensions")
             .flag("-Wno-deprecated-declarations")
             .opt_level(2);
+        // Test-only hooks (OOMGUARD_TEST_CSRC_FAIL): compiled in only with the `test-hooks` feature.
+        if std::env::var_os("CARGO_FEATURE_TEST_HOOKS").is_some() {
+            b.define("OOMGUARD_TEST_HOOKS", None);
+        }
         b
     };
     // c10d's Gloo headers come from Debian's libgloo-dev (the wheel ships none).

@@ -81,7 +81,7 @@ pub(super) struct Exchange {
 impl Exchange {
     /// `payload`: the values an exchange carries at most.
     pub fn new(channel: Channel, payload: usize) -> Exchange {
-        let misalign = std::env::var("OOMGUARD_TEST_MISALIGN").ok().and_then(|v| {
+        let misalign = test_hook!("OOMGUARD_TEST_MISALIGN").and_then(|v| {
             let (r, s) = v.split_once(':')?;
             Some((r.parse().ok()?, s.parse().ok()?))
         });

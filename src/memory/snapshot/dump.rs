@@ -222,10 +222,7 @@ impl Dumper {
         std::fs::create_dir(&tmp)?;
         let json = serde_json::to_vec_pretty(summary).map_err(io::Error::other)?;
         atomic::write(&tmp.join("snapshot.pickle"), pickle)?;
-        if let Some(ms) = std::env::var("OOMGUARD_TEST_DUMP_PAUSE_MS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-        {
+        if let Some(ms) = test_hook!("OOMGUARD_TEST_DUMP_PAUSE_MS").and_then(|v| v.parse().ok()) {
             // Tests kill a run here, mid-dump.
             std::thread::sleep(std::time::Duration::from_millis(ms));
         }
