@@ -241,7 +241,7 @@ fn kill_9_during_checkpoint_writes() {
     wait_for_steps(&run, 3, &mut child);
     let mut rng = 0x5EEDu64;
     for i in 0..20 {
-        rng = oomguard::data::splitmix64(rng);
+        rng = oomguard::rng::splitmix64(rng);
         std::thread::sleep(Duration::from_millis(20 + rng % 180));
         assert!(
             child.try_wait().unwrap().is_none(),

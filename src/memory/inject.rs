@@ -8,7 +8,7 @@
 //! A failure a step did not reach moves to the next.
 use std::str::FromStr;
 
-use crate::data::splitmix64;
+use crate::rng::splitmix64;
 
 mod ffi {
     extern "C" {
