@@ -217,6 +217,8 @@ impl Dumper {
         let oom = self.run_dir.join("oom");
         std::fs::create_dir_all(&oom)?;
         let name = format!("{:03}{}", self.next, self.suffix);
+        // A folder renamed whole into place (tempfile's `persist` is for files): its leftovers
+        // are found by this `.NAME.PID.tmp` name.
         let tmp = oom.join(format!(".{name}.{}.tmp", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir(&tmp)?;
