@@ -11,9 +11,11 @@ run: build
 	./target/release/oomguard train configs/demo.yaml
 
 # The tests drive the binaries' test-only hooks (OOMGUARD_TEST_*, docs/environment.md): they
-# are built with the `test-hooks` feature here, and in no other build.
+# are built with the `test-hooks` feature here, and in no other build. Clippy's warnings are
+# errors, over every target (tests, benches, examples) of every crate but python/ (maturin's).
 test: setup docs
 	cargo fmt --all --check
+	cargo clippy --release --workspace --all-targets --features oomguard/test-hooks -- -D warnings
 	cargo test --release --workspace --features oomguard/test-hooks
 	$(MAKE) test-python
 

@@ -123,7 +123,9 @@ fn main() {
         let run2 = dir.path().join(format!("two{round}"));
         launch(bin, "2", &cfg, &run2, dir.path());
         let (t, c, a) = measure(&run2);
-        (two.push(t), comm.push(c), agree.push(a));
+        two.push(t);
+        comm.push(c);
+        agree.push(a);
         let run_u = dir.path().join(format!("unbound{round}"));
         launch_with(bin, "2", &cfg, &run_u, dir.path(), "0");
         unbound.push(measure(&run_u).0);

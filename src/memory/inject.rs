@@ -126,7 +126,7 @@ impl InjectOom {
         match rank {
             0 => self,
             r => InjectOom {
-                seed: self.seed ^ splitmix64(r as u64 ^ 0x5EED_0F_4A4C),
+                seed: self.seed ^ splitmix64(r as u64 ^ 0x005E_ED0F_4A4C),
                 ..self
             },
         }

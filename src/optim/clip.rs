@@ -67,7 +67,7 @@ impl AdamW {
         let _ = clip.sq.f_sqrt_out(&clip.norm)?;
         if clip.max_norm > 0.0 {
             let mut coef = clip.coef.shallow_clone();
-            let _ = coef.f_copy_(&clip.norm)?;
+            coef.f_copy_(&clip.norm)?;
             let _ = coef.f_add_scalar_(1e-6)?;
             let _ = coef.f_reciprocal_()?;
             let _ = coef.f_mul_scalar_(clip.max_norm)?;

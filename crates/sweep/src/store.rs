@@ -40,8 +40,8 @@ impl Store {
         Ok(records)
     }
 
-    /// The records and the lines that do not parse (line number, text, why).
-    fn read_all(&self) -> std::io::Result<(BTreeMap<String, Record>, Vec<(usize, String, String)>)> {
+    /// The records and the lines that do not parse.
+    fn read_all(&self) -> std::io::Result<(BTreeMap<String, Record>, Vec<Corrupt>)> {
         let text = match std::fs::read_to_string(&self.path) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
@@ -112,6 +112,9 @@ fn shorten(line: &str) -> String {
         line.to_string()
     }
 }
+
+/// A line of results.jsonl that does not parse: its line number, its text, why.
+type Corrupt = (usize, String, String);
 
 /// An exclusive flock on `path` (created if missing): None when `nonblocking` and another
 /// process holds it. A filesystem without flock (Lustre mounted without `-o flock`, some
