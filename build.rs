@@ -44,7 +44,7 @@ fn main() {
             .opt_level(2);
         // Test-only hooks (OOMGUARD_TEST_CSRC_FAIL): compiled in only with the `test-hooks` feature.
         if std::env::var_os("CARGO_FEATURE_TEST_HOOKS").is_some() {
-            b.define("OOMGUARD_TEST_HOOKS", None);
+            b.define("OG_TEST_HOOKS", None);
         }
         b
     };

@@ -102,8 +102,8 @@ namespace oomguard {
 // allocation there would: `message` (guarded's copy of an error message), `snap_read`
 // (og_snap_read's copies), `snap_hook` (the snapshot's copy at a failed allocation).
 // Allocation-free: read where it fails, never on a hot path. Compiled in only with the
-// `test-hooks` cargo feature (build.rs defines OOMGUARD_TEST_HOOKS); otherwise never fails.
-#ifndef OOMGUARD_TEST_HOOKS
+// `test-hooks` cargo feature (build.rs defines OG_TEST_HOOKS); otherwise never fails.
+#ifndef OG_TEST_HOOKS
 inline bool test_fails(const char*) { return false; }
 #else
 inline bool test_fails(const char* point) {

@@ -6,7 +6,7 @@
 //! backward and the transactional fused AdamW update, inside `guard::Guard::run` → `metrics`
 //! records it.
 
-/// A test-only environment variable (`OOMGUARD_TEST_*`, docs/environment.md): its value in a
+/// A test-only environment variable (docs/environment.md, "Test hooks"): its value in a
 /// build with the `test-hooks` feature (the one `make test` runs); `None` in any other build,
 /// whose binary then holds neither the read nor the name.
 macro_rules! test_hook {
