@@ -520,5 +520,6 @@ fn changed_model_shape_is_refused() {
     );
     assert_eq!(o.status.code(), Some(2));
     let err = stderr(&o);
-    assert!(err.contains("the model's shape changed since this checkpoint: model.n_layer: 2 in the checkpoint, 3 in the config; model.n_embd: 32 in the checkpoint, 64 in the config"), "{err}");
+    assert!(err.contains("the model's shape changed since this checkpoint: model.n_layer: 2 in the checkpoint, 3 in the config; model.n_embd: 32 in \
+        the checkpoint, 64 in the config"), "{err}");
 }

@@ -292,7 +292,8 @@ fn accept(listener: &TcpListener, world: usize, token: &str, timeout: Duration) 
                 .map(|r| r.to_string())
                 .collect();
             return Err(Error::Dist(format!(
-                "rank 0 waiting for the ranks at the exchange: timed out after {:.1} s (train.dist_timeout_s) with {} of {} other ranks connected (missing: {}); {} connection(s) that did not introduce themselves as ranks of this run were dropped",
+                "rank 0 waiting for the ranks at the exchange: timed out after {:.1} s (train.dist_timeout_s) with {} of {} other ranks connected \
+                    (missing: {}); {} connection(s) that did not introduce themselves as ranks of this run were dropped",
                 timeout.as_secs_f64(),
                 world - 1 - missing.len(),
                 world - 1,

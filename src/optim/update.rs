@@ -217,6 +217,7 @@ impl AdamW {
 /// A commit that failed part-way: never retried (it is not an OOM to the guard).
 fn partial(step: u64, e: impl std::fmt::Display) -> Error {
     Error::PartialUpdate(format!(
-        "the optimizer update of step {step} failed part-way ({e}); the parameters may be partly updated, so the run stops here: resume from the last checkpoint"
+        "the optimizer update of step {step} failed part-way ({e}); the parameters may be partly updated, so the run stops here: resume from the last \
+            checkpoint"
     ))
 }

@@ -253,7 +253,8 @@ impl Coordinator {
             ),
             Next::GiveUp => self.end(
                 report.code,
-                format!("worker rank {} on node {failed_node} failed (exit code {}); no restarts left (--max-restarts {})", report.rank, report.code, self.max_restarts),
+                format!("worker rank {} on node {failed_node} failed (exit code {}); no restarts left (--max-restarts \
+                    {})", report.rank, report.code, self.max_restarts),
             ),
         }
     }

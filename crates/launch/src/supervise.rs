@@ -121,7 +121,8 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
     })?;
     let n = spec.nproc_per_node;
     if let Some((per, host)) = &spec.worker_threads {
-        tracing::warn!("OMP_NUM_THREADS is unset: setting it to {per} for each of the {n} workers (this host gives {host}), to avoid oversubscribing the CPU; set it yourself to tune");
+        tracing::warn!("OMP_NUM_THREADS is unset: setting it to {per} for each of the {n} workers (this host gives {host}), to avoid oversubscribing \
+            the CPU; set it yourself to tune");
     }
     if let Some(m) = &spec.worker_memory {
         tracing::info!(
@@ -234,7 +235,11 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
                 if m.size != micro.size {
                     match m.size {
                         Some(s) => tracing::warn!("relaunching with {}={s}", super::MICRO_BATCH_VAR),
-                        None => tracing::warn!("cannot halve the micro-batch: its size is unknown (set {} or have the worker print micro_batch_size=N)", super::MICRO_BATCH_VAR),
+                        None => tracing::warn!(
+                            "cannot halve the micro-batch: its size is unknown (set {} or have the worker print \
+                            micro_batch_size=N)",
+                            super::MICRO_BATCH_VAR
+                        ),
                     }
                 }
                 (attempt, micro) = (round, m);
@@ -418,7 +423,8 @@ fn summary(f: &Failure, spec: &LaunchSpec) -> String {
         format!("{} (pid: {})", f.exitcode, f.pid)
     };
     let mut s = format!(
-        "{line}\n{} FAILED\n{}\nRoot Cause (first observed failure):\n[0]:\n  time      : {}\n  host      : {}\n  rank      : {} (local_rank: {})\n  exitcode  : {exit}\n  error_file: {}\n  traceback : {}\n",
+        "{line}\n{} FAILED\n{}\nRoot Cause (first observed failure):\n[0]:\n  time      : {}\n  host      : {}\n  rank      : {} (local_rank: {})\n  \
+            exitcode  : {exit}\n  error_file: {}\n  traceback : {}\n",
         spec.program.join(" "), "-".repeat(60), humantime::format_rfc3339_seconds(f.time), host.trim(), f.rank, f.local_rank,
         if f.error_message.is_some() { f.error_file.display().to_string() } else { "<N/A>".into() },
         f.error_message.clone().unwrap_or_else(|| "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html".into()),
@@ -449,7 +455,8 @@ mod tests {
         assert_eq!(e, "2026-11-23T10:00:01Z ERROR reading data: disk full");
         assert!(classify_oom(&e).is_none());
         // A Python script that printed a recovered OOM's traceback, then crashed otherwise.
-        let py = "Traceback (most recent call last):\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\nretrying at 8\nTraceback (most recent call last):\n  File \"x.py\"\nValueError: bad batch\n";
+        let py = "Traceback (most recent call last):\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\nretrying at 8\n\
+            Traceback (most recent call last):\n  File \"x.py\"\nValueError: bad batch\n";
         assert!(
             last_error(&lines(py)).ends_with("ValueError: bad batch")
                 && !last_error(&lines(py)).contains("OutOfMemory")

@@ -376,7 +376,8 @@ mod tests {
 
     #[test]
     fn rung_values_and_history() {
-        let m = "{\"event\":\"step\",\"step\":2,\"loss\":4.5}\n{\"event\":\"eval\",\"step\":2,\"val_loss\":4.25}\n{\"event\":\"eval\",\"step\":8,\"val_loss\":null}\n";
+        let m = "{\"event\":\"step\",\"step\":2,\"loss\":4.5}\n{\"event\":\"eval\",\"step\":2,\"val_loss\":4.25}\n\
+            {\"event\":\"eval\",\"step\":8,\"val_loss\":null}\n";
         assert_eq!(value_at(m, 3, RungMetric::ValLoss), Some(4.25));
         assert_eq!(value_at(m, 3, RungMetric::Loss), Some(4.5));
         assert_eq!(value_at(m, 9, RungMetric::ValLoss), None, "NaN is written as null");
