@@ -4,8 +4,8 @@
 use std::ffi::{c_char, c_void};
 use tch::{Device, TchError, Tensor};
 
+use crate::error::check;
 use crate::error::{Error, Result};
-use crate::memory::check;
 
 extern "C" {
     fn og_rng_get_state(cuda_index: i32, out: *mut *mut c_void) -> *mut c_char;
