@@ -10,14 +10,19 @@ build: setup
 run: build
 	./target/release/oomguard train configs/demo.yaml
 
+# The tests drive the binaries' test-only hooks (OOMGUARD_TEST_*, docs/environment.md): they
+# are built with the `test-hooks` feature here, and in no other build. Clippy's warnings are
+# errors, over every target (tests, benches, examples) of every crate but python/ (maturin's).
 test: setup docs
 	cargo fmt --all --check
-	cargo test --release --workspace
+	cargo clippy --release --workspace --all-targets --features oomguard/test-hooks -- -D warnings
+	cargo test --release --workspace --features oomguard/test-hooks
 	$(MAKE) test-python
 
 # `import oomguard` (python/, built and installed into the venv by setup): tests/python/ in
 # real subprocesses, about 2 minutes; the launcher tests run the release build cargo test made
-# (`make test-python OOMGUARD_BIN=PATH` for another).
+# (`make test-python OOMGUARD_BIN=PATH` for another; they need none of the binary's test hooks:
+# OOMGUARD_TEST_OOM_AT is the Python guard's own).
 OOMGUARD_BIN ?= $(CURDIR)/target/release/oomguard
 test-python: setup
 	OMP_NUM_THREADS=1 OOMGUARD_BIN=$(OOMGUARD_BIN) .venv/bin/python -m pytest -p no:cacheprovider -rf tests/python

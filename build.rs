@@ -23,6 +23,14 @@ fn main() {
         "csrc/dist.cpp",
         "csrc/loss.cpp",
     ];
+    // `cargo clippy` checks the Rust and links nothing: csrc/ is not compiled for it (its build
+    // script run is its own, so it would compile csrc/ anew: about 3 minutes on 2 cores).
+    let linking = !std::env::var("RUSTC_WORKSPACE_WRAPPER").is_ok_and(|w| w.contains("clippy-driver"));
+    let compile = |b: &mut cc::Build, name: &str| {
+        if linking {
+            b.compile(name);
+        }
+    };
     let base = || {
         let mut b = cc::Build::new();
         b.cpp(true)
@@ -34,6 +42,10 @@ fn main() {
             .flag("-Wno-c++20-extensions")
             .flag("-Wno-deprecated-declarations")
             .opt_level(2);
+        // Test-only hooks (OOMGUARD_TEST_CSRC_FAIL): compiled in only with the `test-hooks` feature.
+        if std::env::var_os("CARGO_FEATURE_TEST_HOOKS").is_some() {
+            b.define("OG_TEST_HOOKS", None);
+        }
         b
     };
     // c10d's Gloo headers come from Debian's libgloo-dev (the wheel ships none).
@@ -41,10 +53,7 @@ fn main() {
         std::path::Path::new("/usr/include/gloo/config.h").exists(),
         "gloo headers are missing: run `make setup` (it installs Debian's libgloo-dev)"
     );
-    base()
-        .define("USE_C10D_GLOO", None)
-        .files(SOURCES)
-        .compile("oomguard_csrc");
+    compile(base().define("USE_C10D_GLOO", None).files(SOURCES), "oomguard_csrc");
     // NCCL's c10d header needs nccl.h and the CUDA runtime headers: the pip nvidia packages
     // beside torch (scripts/setup.sh installs the two header-only ones).
     let nvidia = torch_dir.parent().expect("site-packages").join("nvidia");
@@ -54,22 +63,23 @@ fn main() {
         "CUDA and NCCL headers are missing under {}: run `make setup`",
         nvidia.display()
     );
-    base()
-        .define("USE_C10D_NCCL", None)
-        .include(&cuda_inc)
-        .include(nccl_inc)
-        .flag("-w")
-        .file("csrc/dist_nccl.cpp")
-        .compile("oomguard_nccl");
+    compile(
+        base()
+            .define("USE_C10D_NCCL", None)
+            .include(&cuda_inc)
+            .include(nccl_inc)
+            .flag("-w")
+            .file("csrc/dist_nccl.cpp"),
+        "oomguard_nccl",
+    );
     // The CUDA memory snapshot needs libtorch_cuda's symbols: only against a libtorch that has
     // them; Rust sees `cfg(oomguard_cuda_snapshot)` (a CPU-only libtorch builds without it).
     println!("cargo:rustc-check-cfg=cfg(oomguard_cuda_snapshot)");
     if lib_dir.join("libtorch_cuda.so").exists() {
-        base()
-            .include(&cuda_inc)
-            .flag("-w")
-            .file("csrc/snapshot_cuda.cpp")
-            .compile("oomguard_cuda_snapshot");
+        compile(
+            base().include(&cuda_inc).flag("-w").file("csrc/snapshot_cuda.cpp"),
+            "oomguard_cuda_snapshot",
+        );
         println!("cargo:rustc-cfg=oomguard_cuda_snapshot");
         // --as-needed keeps them only where the snapshot is referenced (not in `oomguard`).
         println!("cargo:rustc-link-lib=dylib=torch_cuda");

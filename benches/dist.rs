@@ -17,7 +17,8 @@ use std::process::Command;
 const CONFIG: &str = "
 model: {n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab_size: 256}
 data: {source: embedded}
-train: {micro_batch_size: 16, grad_accum_steps: 1, global_batch_size: 32, max_steps: 25, eval_every: 0, eval_batch_size: 4, eval_batches: 1, device: cpu, num_threads: 1}
+train: {micro_batch_size: 16, grad_accum_steps: 1, global_batch_size: 32, max_steps: 25, eval_every: 0, eval_batch_size: 4, eval_batches: 1, device: \
+    cpu, num_threads: 1}
 memory: {budget: none}
 log: {every: 1000}
 ";
@@ -123,7 +124,9 @@ fn main() {
         let run2 = dir.path().join(format!("two{round}"));
         launch(bin, "2", &cfg, &run2, dir.path());
         let (t, c, a) = measure(&run2);
-        (two.push(t), comm.push(c), agree.push(a));
+        two.push(t);
+        comm.push(c);
+        agree.push(a);
         let run_u = dir.path().join(format!("unbound{round}"));
         launch_with(bin, "2", &cfg, &run_u, dir.path(), "0");
         unbound.push(measure(&run_u).0);
@@ -152,9 +155,11 @@ fn main() {
     );
     let ceiling = median(ratio(&pair));
     println!("the machine's ceiling (two independent 1-thread runs at once over 2 x one alone): {ceiling:.2}; the efficiency against it: {:.2}", e / ceiling);
-    println!("all-reduce and agreements: {:.1}% of a data-parallel step, of which the agreements (waiting for the slower rank included) {:.1}%", 100.0 * median(comm), 100.0 * median(agree));
+    println!("all-reduce and agreements: {:.1}% of a data-parallel step, of which the agreements (waiting for the slower rank included) \
+        {:.1}%", 100.0 * median(comm), 100.0 * median(agree));
     let run3 = dir.path().join("three");
     launch(bin, "3", &cfg, &run3, dir.path());
     let steps = events(&run3, "step").len();
-    println!("3 ranks on 2 cores (1 thread each; correctness under load, not speed): {steps} steps, parameters within {:.1e} of one process", max_diff(&dir.path().join("one0"), &run3));
+    println!("3 ranks on 2 cores (1 thread each; correctness under load, not speed): {steps} steps, parameters within {:.1e} of one \
+        process", max_diff(&dir.path().join("one0"), &run3));
 }

@@ -21,7 +21,8 @@ fn oomguard(dir: &Path, round: usize, threads: usize) -> (f64, f64) {
     let cfg = dir.join(format!("gpt{threads}.yaml"));
     std::fs::write(&cfg, format!(
         "model: {{n_layer: {l}, n_head: {h}, n_embd: {c}, block_size: {t}, vocab_size: {v}}}\ndata: {{source: embedded}}\n\
-         train: {{micro_batch_size: {BATCH}, grad_accum_steps: 1, max_steps: {STEPS}, eval_every: 0, eval_batch_size: 4, eval_batches: 1, device: cpu, num_threads: {threads}}}\n\
+         train: {{micro_batch_size: {BATCH}, grad_accum_steps: 1, max_steps: {STEPS}, eval_every: 0, eval_batch_size: 4, eval_batches: 1, device: \
+         cpu, num_threads: {threads}}}\n\
          memory: {{budget: none}}\nlog: {{every: 1000}}\n"
     )).unwrap();
     let run = dir.join(format!("run{threads}-{round}"));
@@ -74,12 +75,14 @@ fn main() {
                 (oomguard(dir.path(), round, threads), e)
             };
             println!(
-                "{threads} thread(s), round {}: median step: oomguard {ours:.0} tok/s, eager {theirs:.0} (ratio {:.3}); fastest step: oomguard {ours_fastest:.0}, eager {theirs_fastest:.0} (ratio {:.3})",
+                "{threads} thread(s), round {}: median step: oomguard {ours:.0} tok/s, eager {theirs:.0} (ratio {:.3}); fastest step: oomguard \
+                    {ours_fastest:.0}, eager {theirs_fastest:.0} (ratio {:.3})",
                 round + 1, ours / theirs, ours_fastest / theirs_fastest
             );
             med.push(ours / theirs);
             fast.push(ours_fastest / theirs_fastest);
         }
-        println!("{threads} thread(s): ratio oomguard / eager, median of {ROUNDS} rounds: median step {:.3}, fastest step {:.3} (aim >= 1.0)", median(med), median(fast));
+        println!("{threads} thread(s): ratio oomguard / eager, median of {ROUNDS} rounds: median step {:.3}, fastest step {:.3} (aim >= \
+            1.0)", median(med), median(fast));
     }
 }

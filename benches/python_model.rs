@@ -34,7 +34,8 @@ fn round(dir: &Path, tokens: &Path, s: &Shape, threads: usize, name: &str) -> [(
     std::fs::write(&cfg, format!(
         "model: {{kind: python, path: {}, loss: loss, settings: {}, block_size: {}}}\n\
          data: {{source: tokens, path: {}}}\noptim: {{lr: 1.0e-4, weight_decay: 0.0, warmup_steps: 0}}\n\
-         train: {{micro_batch_size: {}, grad_accum_steps: 1, max_steps: {}, eval_every: 0, eval_batch_size: 1, eval_batches: 1, seed: {SEED}, device: cpu, num_threads: {threads}}}\n\
+         train: {{micro_batch_size: {}, grad_accum_steps: 1, max_steps: {}, eval_every: 0, eval_batch_size: 1, eval_batches: 1, seed: {SEED}, device: \
+         cpu, num_threads: {threads}}}\n\
          memory: {{budget: none}}\ncheckpoint: {{every_minutes: 0}}\nlog: {{every: 100000}}\n",
         model.display(), s.settings, s.block, tokens.display(), s.batch, s.steps
     )).unwrap();
@@ -97,13 +98,15 @@ fn main() {
         steps: 7,
     };
     let big = tokens(50257, "tokens");
-    println!("python_model: GPT2LMHeadModel at GPT-2 small's shape (124M parameters), {}-token windows, batch {}, {} steps a run (steps 2.. timed), eager with fused AdamW, {ROUNDS} alternated rounds", gpt2.block, gpt2.batch, gpt2.steps);
+    println!("python_model: GPT2LMHeadModel at GPT-2 small's shape (124M parameters), {}-token windows, batch {}, {} steps a run (steps 2.. timed), \
+        eager with fused AdamW, {ROUNDS} alternated rounds", gpt2.block, gpt2.batch, gpt2.steps);
     for threads in [1, 2] {
         let (mut med, mut fast) = (vec![], vec![]);
         for r in 0..ROUNDS {
             let [ours, eager] = round(dir.path(), &big, &gpt2, threads, &format!("gpt2-{threads}-{r}"));
             println!(
-                "{threads} thread(s), round {}: median step: oomguard {:.0} tok/s, eager {:.0} (ratio {:.3}); fastest step: oomguard {:.0}, eager {:.0} (ratio {:.3})",
+                "{threads} thread(s), round {}: median step: oomguard {:.0} tok/s, eager {:.0} (ratio {:.3}); fastest step: oomguard {:.0}, eager \
+                    {:.0} (ratio {:.3})",
                 r + 1, ours.0, eager.0, ours.0 / eager.0, ours.1, eager.1, ours.1 / eager.1
             );
             med.push(ours.0 / eager.0);
@@ -122,7 +125,8 @@ fn main() {
         steps: 80,
     };
     let few = tokens(256, "small-tokens");
-    println!("overhead: the same model file at 1 layer, 64 wide, vocabulary 256, 16-token windows, batch 1 (one micro-batch a step), {} steps a run, 1 thread", small.steps);
+    println!("overhead: the same model file at 1 layer, 64 wide, vocabulary 256, 16-token windows, batch 1 (one micro-batch a step), {} steps a run, \
+        1 thread", small.steps);
     let mut added = vec![];
     for r in 0..ROUNDS {
         let [ours, eager] = round(dir.path(), &few, &small, 1, &format!("small-{r}"));

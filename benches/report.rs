@@ -20,8 +20,14 @@ fn write_metrics(path: &std::path::Path) -> usize {
             line(
                 &mut out,
                 format!(
-                    r#"{{"event":"oom","step":{s},"phase":"forward","source":"cuda","requested_bytes":1073741824,"memory_before":1,"memory_after_cleanup":1,"limit_bytes":85899345920,"old_micro_batch_size":{mb},"new_micro_batch_size":{},"time_lost_s":0.1,"message":"CUDA out of memory"}}"#,
-                    mb / 2
+                    concat!(
+                        r#"{{"event":"oom","step":{s},"phase":"forward","source":"cuda","requested_bytes":1073741824,"#,
+                        r#""memory_before":1,"memory_after_cleanup":1,"limit_bytes":85899345920,"old_micro_batch_size":{mb},"#,
+                        r#""new_micro_batch_size":{},"time_lost_s":0.1,"message":"CUDA out of memory"}}"#
+                    ),
+                    mb / 2,
+                    s = s,
+                    mb = mb
                 ),
             );
             (mb, acc) = (mb / 2, acc * 2);
@@ -59,11 +65,22 @@ fn write_metrics(path: &std::path::Path) -> usize {
         line(
             &mut out,
             format!(
-                r#"{{"event":"step","step":{s},"loss":{loss},"lr":0.001,"grad_norm":1.0,"tokens_per_s":{},"micro_batch_size":{mb},"grad_accum_steps":{acc},"num_samples":32,"world_size":1,"step_time_s":0.5,"elapsed_s":{},"memory":{{"live_bytes":{live},"peak_bytes":{},"reserved_bytes":{},"limit_bytes":85899345920,"alloc_retries":0,"device_free_bytes":1}},"precision":"bf16","activation_checkpointing":false}}"#,
+                concat!(
+                    r#"{{"event":"step","step":{s},"loss":{loss},"lr":0.001,"grad_norm":1.0,"tokens_per_s":{},"#,
+                    r#""micro_batch_size":{mb},"grad_accum_steps":{acc},"num_samples":32,"world_size":1,"step_time_s":0.5,"#,
+                    r#""elapsed_s":{},"memory":{{"live_bytes":{live},"peak_bytes":{},"reserved_bytes":{},"#,
+                    r#""limit_bytes":85899345920,"alloc_retries":0,"device_free_bytes":1}},"precision":"bf16","#,
+                    r#""activation_checkpointing":false}}"#
+                ),
                 250_000.0 + 16_000.0 * jitter,
                 s as f64 * 0.5,
                 live * 9 / 5,
-                live * 2
+                live * 2,
+                s = s,
+                loss = loss,
+                mb = mb,
+                acc = acc,
+                live = live
             ),
         );
         if s % 500 == 499 {

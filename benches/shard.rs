@@ -14,7 +14,8 @@ const STAGES: [&str; 3] = ["none", "optimizer", "gradients"];
 const CONFIG: &str = "
 model: {n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab_size: 256}
 data: {source: embedded}
-train: {micro_batch_size: 16, grad_accum_steps: 1, global_batch_size: 32, max_steps: 25, eval_every: 0, eval_batch_size: 4, eval_batches: 1, device: cpu, num_threads: 1}
+train: {micro_batch_size: 16, grad_accum_steps: 1, global_batch_size: 32, max_steps: 25, eval_every: 0, eval_batch_size: 4, eval_batches: 1, device: \
+    cpu, num_threads: 1}
 memory: {budget: none, snapshot: off}
 log: {every: 1000}
 ";

@@ -57,10 +57,12 @@ fn main() {
         common::median(rss_seen[STEPS - 10..].to_vec()),
     );
     let events = snapshot::now().expect("the history reads").events.len();
-    println!("recording (on_oom, always): {:.4} x the step time with it off, over {STEPS} alternating steps each ({:.3} s vs {:.3} s a step; goal at most 1.01)", on / off, on / STEPS as f64, off / STEPS as f64);
+    println!("recording (on_oom, always): {:.4} x the step time with it off, over {STEPS} alternating steps each ({:.3} s vs {:.3} s a step; goal at \
+        most 1.01)", on / off, on / STEPS as f64, off / STEPS as f64);
 
     let per_step = (rss_after - rss_before) / (2 * (STEPS - 10)) as f64;
-    println!("host memory (RssAnon) over those {} steps, median of the first and last ten pairs: {rss_before:.1} -> {rss_after:.1} MiB, {per_step:+.2} MiB a step (goal: flat, under 0.1)", 2 * STEPS);
+    println!("host memory (RssAnon) over those {} steps, median of the first and last ten pairs: {rss_before:.1} -> {rss_after:.1} MiB, \
+        {per_step:+.2} MiB a step (goal: flat, under 0.1)", 2 * STEPS);
 
     // 2. One dump with the ring as full as the steps made it.
     let dir = tempfile::tempdir().unwrap();
@@ -83,5 +85,6 @@ fn main() {
         size as f64 / (1 << 20) as f64
     );
     let run_s = 1000.0 * off / STEPS as f64;
-    println!("always over a 1000-step run: {:.4} x (recording, plus the dump's {dump_s:.3} s over {run_s:.0} s of steps; goal at most 1.03)", on / off + dump_s / run_s);
+    println!("always over a 1000-step run: {:.4} x (recording, plus the dump's {dump_s:.3} s over {run_s:.0} s of steps; goal at most \
+        1.03)", on / off + dump_s / run_s);
 }

@@ -129,5 +129,6 @@ fn main() {
         window.push(o.window / h.window);
         best.push(o.best_step / h.best_step);
     }
-    println!("throughput ratio oomguard / hand-written, median of {ROUNDS} rounds: fastest step {:.3}, whole window {:.3} (floor 0.97)", common::median(best), common::median(window));
+    println!("throughput ratio oomguard / hand-written, median of {ROUNDS} rounds: fastest step {:.3}, whole window {:.3} (floor \
+        0.97)", common::median(best), common::median(window));
 }

@@ -29,7 +29,8 @@ fn main() {
     let cfg = dir.path().join("ts.yaml");
     std::fs::write(&cfg, format!(
         "model: {{kind: torchscript, path: m.pt, block_size: {BLOCK}}}\ndata: {{source: embedded}}\noptim: {{lr: 1.0e-3, weight_decay: 0.0}}\n\
-         train: {{micro_batch_size: {BATCH}, grad_accum_steps: 1, max_steps: {STEPS}, eval_every: 0, eval_batch_size: 4, eval_batches: 1, device: cpu, num_threads: 2}}\n\
+         train: {{micro_batch_size: {BATCH}, grad_accum_steps: 1, max_steps: {STEPS}, eval_every: 0, eval_batch_size: 4, eval_batches: 1, device: \
+         cpu, num_threads: 2}}\n\
          memory: {{budget: none}}\nlog: {{every: 1000}}\n"
     )).unwrap();
     let (mut median_ratios, mut fastest_ratios) = (vec![], vec![]);
@@ -59,7 +60,8 @@ fn main() {
             e["fastest_tokens_per_s"].as_f64().unwrap(),
         );
         println!(
-            "round {}: median step: oomguard {ours:.0} tok/s, eager {eager:.0} (ratio {:.3}); fastest step: oomguard {ours_fastest:.0}, eager {eager_fastest:.0} (ratio {:.3})",
+            "round {}: median step: oomguard {ours:.0} tok/s, eager {eager:.0} (ratio {:.3}); fastest step: oomguard {ours_fastest:.0}, eager \
+                {eager_fastest:.0} (ratio {:.3})",
             round + 1, ours / eager, ours_fastest / eager_fastest
         );
         median_ratios.push(ours / eager);

@@ -102,7 +102,11 @@ namespace oomguard {
 // Test-only: OOMGUARD_TEST_CSRC_FAIL=POINT[,POINT...] makes these points fail as an
 // allocation there would: `message` (guarded's copy of an error message), `snap_read`
 // (og_snap_read's copies), `snap_hook` (the snapshot's copy at a failed allocation).
-// Allocation-free: read where it fails, never on a hot path.
+// Allocation-free: read where it fails, never on a hot path. Compiled in only with the
+// `test-hooks` cargo feature (build.rs defines OG_TEST_HOOKS); otherwise never fails.
+#ifndef OG_TEST_HOOKS
+inline bool test_fails(const char*) { return false; }
+#else
 inline bool test_fails(const char* point) {
   const char* spec = std::getenv("OOMGUARD_TEST_CSRC_FAIL");
   if (spec == nullptr) return false;
@@ -115,6 +119,7 @@ inline bool test_fails(const char* point) {
     p = end + 1;
   }
 }
+#endif
 
 // What guarded returns when the copy of a message cannot be made (malloc failed): static,
 // never freed (og_free knows it).

@@ -1,7 +1,24 @@
 //! The crate's error type. OOM is typed: every libtorch error passes through `From<TchError>`
 //! below, which asks `classify_oom` (oomguard-host's oom.rs, the one place that knows
 //! libtorch's messages).
+use std::ffi::{c_char, CStr};
 use tch::TchError;
+
+extern "C" {
+    fn og_free(msg: *mut c_char);
+}
+
+/// Turns a message returned by csrc/ into a `TchError`, so that OOM classification sees
+/// errors from our C++ exactly as it sees tch's.
+pub(crate) fn check(msg: *mut c_char) -> Result<(), TchError> {
+    if msg.is_null() {
+        return Ok(());
+    }
+    // SAFETY: a non-null return is a NUL-terminated string malloc'd by csrc/, ours to free.
+    let text = unsafe { CStr::from_ptr(msg) }.to_string_lossy().into_owned();
+    unsafe { og_free(msg) };
+    Err(TchError::Torch(text))
+}
 
 /// Config errors live in this leaf module's reach (the torch-free oomguard-console), so that the
 /// component sections and config/ never import each other.

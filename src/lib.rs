@@ -5,6 +5,20 @@
 //! `train::train_step` splits them into micro-batches, runs the task's fallible forward and
 //! backward and the transactional fused AdamW update, inside `guard::Guard::run` → `metrics`
 //! records it.
+
+/// A test-only environment variable (docs/environment.md, "Test hooks"): its value in a
+/// build with the `test-hooks` feature (the one `make test` runs); `None` in any other build,
+/// whose binary then holds neither the read nor the name.
+macro_rules! test_hook {
+    ($name:literal) => {{
+        #[cfg(feature = "test-hooks")]
+        let value = std::env::var($name).ok();
+        #[cfg(not(feature = "test-hooks"))]
+        let value: Option<String> = None;
+        value
+    }};
+}
+
 pub mod checkpoint;
 pub mod cli;
 pub mod config;

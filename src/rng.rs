@@ -4,8 +4,8 @@
 use std::ffi::{c_char, c_void};
 use tch::{Device, TchError, Tensor};
 
+use crate::error::check;
 use crate::error::{Error, Result};
-use crate::memory::check;
 
 extern "C" {
     fn og_rng_get_state(cuda_index: i32, out: *mut *mut c_void) -> *mut c_char;
@@ -65,7 +65,14 @@ pub fn set_states(saved: &[(String, Tensor)], device: Device) -> Result<()> {
 /// function of (seed, step, rank). Dropout masks differ by rank, a retried attempt draws
 /// what the first drew, and a resume at any world size needs no saved state.
 pub fn seed_rank_step(seed: u64, step: u64, rank: usize) {
-    use crate::data::splitmix64;
     let s = splitmix64(seed ^ splitmix64(step ^ splitmix64(rank as u64 ^ 0xD15C0)));
     tch::manual_seed((s >> 1) as i64);
+}
+
+/// SplitMix64: a counter-based generator, so any sample is computed without a sequence.
+pub fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
 }

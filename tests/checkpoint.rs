@@ -241,7 +241,7 @@ fn kill_9_during_checkpoint_writes() {
     wait_for_steps(&run, 3, &mut child);
     let mut rng = 0x5EEDu64;
     for i in 0..20 {
-        rng = oomguard::data::splitmix64(rng);
+        rng = oomguard::rng::splitmix64(rng);
         std::thread::sleep(Duration::from_millis(20 + rng % 180));
         assert!(
             child.try_wait().unwrap().is_none(),
@@ -520,5 +520,6 @@ fn changed_model_shape_is_refused() {
     );
     assert_eq!(o.status.code(), Some(2));
     let err = stderr(&o);
-    assert!(err.contains("the model's shape changed since this checkpoint: model.n_layer: 2 in the checkpoint, 3 in the config; model.n_embd: 32 in the checkpoint, 64 in the config"), "{err}");
+    assert!(err.contains("the model's shape changed since this checkpoint: model.n_layer: 2 in the checkpoint, 3 in the config; model.n_embd: 32 in \
+        the checkpoint, 64 in the config"), "{err}");
 }

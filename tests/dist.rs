@@ -112,7 +112,8 @@ fn an_oom_on_one_rank_shrinks_both() {
     let single = train_ok(dir.path(), &cfg, &["--memory-budget", "none"]);
     let run = dir.path().join("two");
     let script = format!(
-        "if [ \"$RANK\" = 1 ]; then exec {b} train {c} --run-dir {r} --memory-budget {budget} --set memory.cooldown_steps=1000; else exec {b} train {c} --run-dir {r} --memory-budget none --set memory.cooldown_steps=1000; fi",
+        "if [ \"$RANK\" = 1 ]; then exec {b} train {c} --run-dir {r} --memory-budget {budget} --set memory.cooldown_steps=1000; else exec {b} train \
+            {c} --run-dir {r} --memory-budget none --set memory.cooldown_steps=1000; fi",
         b = bin(), c = cfg.display(), r = run.display()
     );
     let t = Instant::now();
@@ -210,7 +211,8 @@ fn ranks_whose_caches_disagree_start_at_the_smallest_size() {
     );
     let run = dir.path().join("two");
     let script = format!(
-        "if [ \"$RANK\" = 1 ]; then export OOMGUARD_CACHE={c1}; B={budget}; else export OOMGUARD_CACHE={c0}; B=none; fi; exec {b} train {c} --run-dir {r} --memory-budget $B",
+        "if [ \"$RANK\" = 1 ]; then export OOMGUARD_CACHE={c1}; B={budget}; else export OOMGUARD_CACHE={c0}; B=none; fi; exec {b} train {c} --run-dir \
+            {r} --memory-budget $B",
         b = bin(), c = cfg.display(), r = run.display(), c0 = cache0.display(), c1 = cache1.display()
     );
     let err = ok(launch(

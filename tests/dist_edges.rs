@@ -128,14 +128,20 @@ fn torchscript_config(dir: &Path, name: &str, train: &str) -> PathBuf {
         .expect("python3 from the set-up's venv");
     assert!(o.status.success(), "{}", text(&o));
     write_config(dir, &format!("{name}.yaml"), &format!(
-        "model: {{kind: torchscript, path: {model}}}\ndata: {{source: tensors, path: {data}, val_fraction: 0.2}}\noptim: {{lr: 1.0e-2, warmup_steps: 2, decay_steps: 10}}\ntrain: {train}\n"
+        "model: {{kind: torchscript, path: {model}}}\ndata: {{source: tensors, path: {data}, val_fraction: 0.2}}\noptim: {{lr: 1.0e-2, warmup_steps: \
+            2, decay_steps: 10}}\ntrain: {train}\n"
     ))
 }
 
 #[test]
 fn a_parameter_unused_on_some_ranks_is_reduced_as_zeros() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = torchscript_config(dir.path(), "ts_branch", "{micro_batch_size: 2, global_batch_size: 8, max_steps: 10, eval_every: 0, eval_batch_size: 8, eval_batches: 1, seed: 3, device: cpu, num_threads: 1}");
+    let cfg = torchscript_config(
+        dir.path(),
+        "ts_branch",
+        "{micro_batch_size: 2, global_batch_size: 8, max_steps: 10, eval_every: 0, eval_batch_size: \
+        8, eval_batches: 1, seed: 3, device: cpu, num_threads: 1}",
+    );
     let t = Instant::now();
     let o = two_ranks(dir.path(), &cfg, &["--run-dir", "r"])
         .stdout(Stdio::null())
@@ -152,7 +158,12 @@ fn a_parameter_unused_on_some_ranks_is_reduced_as_zeros() {
 #[test]
 fn batchnorm_buffers_are_equal_on_both_ranks_after_training() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = torchscript_config(dir.path(), "ts_bn", "{micro_batch_size: 4, global_batch_size: 16, max_steps: 8, eval_every: 4, eval_batch_size: 8, eval_batches: 1, seed: 3, device: cpu, num_threads: 1}");
+    let cfg = torchscript_config(
+        dir.path(),
+        "ts_bn",
+        "{micro_batch_size: 4, global_batch_size: 16, max_steps: 8, eval_every: 4, eval_batch_size: 8, \
+        eval_batches: 1, seed: 3, device: cpu, num_threads: 1}",
+    );
     let o = two_ranks(dir.path(), &cfg, &["--run-dir", "r"])
         .env("OOMGUARD_TEST_RANK_WEIGHTS", "1")
         .stdout(Stdio::null())

@@ -84,7 +84,8 @@ fn the_configuration_reference_lists_every_key_and_only_real_keys() {
     let unknown: Vec<_> = listed_set.difference(&keys).collect();
     assert!(
         missing.is_empty() && unknown.is_empty(),
-        "docs/configuration.md is out of step with the config types:\n  keys the code accepts and the page lacks (add a row, from the field's doc comment): {missing:?}\n  keys the page lists that the code refuses (remove or rename): {unknown:?}"
+        "docs/configuration.md is out of step with the config types:\n  keys the code accepts and the page lacks (add a row, from the field's doc \
+            comment): {missing:?}\n  keys the page lists that the code refuses (remove or rename): {unknown:?}"
     );
 }
 
@@ -281,7 +282,12 @@ fn the_readme_is_short_and_each_page_says_whom_it_is_for() {
         let mut lines = text.lines().filter(|l| !l.trim().is_empty());
         let title = lines.next().unwrap_or_default();
         let opening = lines.next().unwrap_or_default();
-        assert!(title.starts_with("# ") && opening.starts_with("*You "), "{}: a page opens with its title, then what its reader is trying to do (`*You want ...*`); found {title:?} / {opening:?}", file.display());
+        assert!(
+            title.starts_with("# ") && opening.starts_with("*You "),
+            "{}: a page opens with its title, then what its reader is trying to do \
+            (`*You want ...*`); found {title:?} / {opening:?}",
+            file.display()
+        );
     }
 }
 

@@ -42,7 +42,8 @@ fn full_loss_that_does_not_fit_climbs_to_fused() {
     let dir = tempfile::tempdir().unwrap();
     let yaml = "model: {n_layer: 1, n_head: 2, n_embd: 64, block_size: 256, vocab_size: 16384, loss: full}\n\
                 data: {source: embedded, embedded_bytes: 65536}\n\
-                train: {micro_batch_size: 2, grad_accum_steps: 1, max_steps: 2, eval_every: 0, eval_batch_size: 1, eval_batches: 1, seed: 3, device: cpu, num_threads: 1}\n\
+                train: {micro_batch_size: 2, grad_accum_steps: 1, max_steps: 2, eval_every: 0, eval_batch_size: 1, eval_batches: 1, seed: 3, device: \
+                cpu, num_threads: 1}\n\
                 memory: {budget: 50MiB}\n";
     let cfg = write_config(dir.path(), "big_vocab.yaml", yaml);
     let run = train_ok(dir.path(), &cfg, &[]);

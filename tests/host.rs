@@ -197,7 +197,8 @@ fn hungry(dir: &Path, steps: u64) -> PathBuf {
             "model: {{n_layer: 1, n_head: 2, n_embd: 32, block_size: 256, vocab_size: 8192, loss: full}}\n\
              data: {{source: embedded, embedded_bytes: 65536}}\n\
              optim: {{lr: 1.0e-3, warmup_steps: 1}}\n\
-             train: {{micro_batch_size: 64, grad_accum_steps: 1, max_steps: {steps}, eval_every: 0, eval_batch_size: 4, eval_batches: 1, seed: 3, device: cpu, num_threads: 1}}\n\
+             train: {{micro_batch_size: 64, grad_accum_steps: 1, max_steps: {steps}, eval_every: 0, eval_batch_size: 4, eval_batches: 1, seed: 3, \
+             device: cpu, num_threads: 1}}\n\
              log: {{every: 1}}\n"
         ),
     )

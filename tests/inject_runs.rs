@@ -16,7 +16,8 @@ fn a_thousand_injected_ooms_change_nothing() {
     // Injected failures are not memory facts: a short cool-down lets sizes grow back, as after
     // a passing spike, so evaluation keeps a fair share of the allocations. No memory
     // snapshots: tests/snapshot.rs proves them, and a thousand dumps would triple the time.
-    let yaml = TINY.replace("max_steps: 6, eval_every: 0, eval_batch_size: 8, eval_batches: 2", "max_steps: 24, eval_every: 2, eval_batch_size: 32, eval_batches: 4")
+    let yaml = TINY.replace("max_steps: 6, eval_every: 0, eval_batch_size: 8, eval_batches: 2", "max_steps: 24, eval_every: 2, eval_batch_size: 32, \
+        eval_batches: 4")
         + "checkpoint: {every_steps: 1, keep: 2}\nmemory: {cooldown_steps: 2, grow_after_steps: 1, grow_headroom: 0.0, snapshot: off}\n";
     let cfg = write_config(dir.path(), "tiny.yaml", &yaml);
     let clean = train_ok(dir.path(), &cfg, &[]);

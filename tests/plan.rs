@@ -8,7 +8,8 @@ fn shape_yaml(l: i64, h: i64, c: i64, t: i64, v: i64, b: usize) -> String {
     format!(
         "model: {{n_layer: {l}, n_head: {h}, n_embd: {c}, block_size: {t}, vocab_size: {v}}}\n\
          data: {{source: embedded, embedded_bytes: 262144}}\n\
-         train: {{micro_batch_size: {b}, grad_accum_steps: 1, max_steps: 2, eval_every: 0, eval_batch_size: 1, eval_batches: 1, seed: 3, device: cpu, num_threads: 1}}\n"
+         train: {{micro_batch_size: {b}, grad_accum_steps: 1, max_steps: 2, eval_every: 0, eval_batch_size: 1, eval_batches: 1, seed: 3, device: cpu, \
+         num_threads: 1}}\n"
     )
 }
 

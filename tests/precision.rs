@@ -75,7 +75,8 @@ fn scaled_model(dir: &Path, multiplier: &str, grad_scaler: &str) -> (PathBuf, Pa
 model: {{kind: torchscript, path: scaled.pt}}
 data: {{source: tensors, path: scaled.safetensors, val_fraction: 0.2}}
 optim: {{lr: 1.0e-2, warmup_steps: 2, decay_steps: 8}}
-train: {{micro_batch_size: 32, grad_accum_steps: 1, max_steps: 8, eval_every: 0, eval_batch_size: 32, eval_batches: 1, seed: 3, device: cpu, num_threads: 1, precision: fp16, grad_scaler: {{{grad_scaler}}}}}
+train: {{micro_batch_size: 32, grad_accum_steps: 1, max_steps: 8, eval_every: 0, eval_batch_size: 32, eval_batches: 1, seed: 3, device: cpu, \
+    num_threads: 1, precision: fp16, grad_scaler: {{{grad_scaler}}}}}
 "));
     (cfg, init)
 }

@@ -31,7 +31,8 @@ fn hf_config(dir: &Path, arch: &str, steps: u64, extra: &str) -> PathBuf {
 model: {{kind: python, path: {file}, loss: loss, settings: {{arch: {arch}, block: 32}}, block_size: 32}}
 data: {{source: text, path: corpus.txt, val_fraction: 0.1}}
 optim: {{lr: 3.0e-3, min_lr: 3.0e-4, warmup_steps: 3, decay_steps: 30, weight_decay: 0.1, beta1: 0.9, beta2: 0.95, eps: 1.0e-8, grad_clip: 1.0}}
-train: {{micro_batch_size: 8, grad_accum_steps: 1, max_steps: {steps}, eval_every: 0, eval_batch_size: 8, eval_batches: 1, seed: 5, device: cpu, num_threads: 1}}
+train: {{micro_batch_size: 8, grad_accum_steps: 1, max_steps: {steps}, eval_every: 0, eval_batch_size: 8, eval_batches: 1, seed: 5, device: cpu, \
+    num_threads: 1}}
 log: {{every: 1}}
 {extra}", file = model_file("hf.py")))
 }
@@ -113,7 +114,7 @@ fn an_injected_and_a_budget_oom_end_at_the_clean_runs_parameters() {
         let injected = train_into(dir.path(), &cfg, "injected", &["--inject-oom", "3:11"]);
         let budget = hf_config(dir.path(), arch, 8, "memory: {budget: 2MiB}\n");
         let tight = train_into(dir.path(), &budget, "budget", &[]);
-        assert!(records(&tight, "oom").len() >= 1, "{arch}: the budget caused no OOM");
+        assert!(!records(&tight, "oom").is_empty(), "{arch}: the budget caused no OOM");
         let injected_ooms = records(&injected, "oom").len();
         assert_eq!(injected_ooms, 3, "{arch}");
         // The snapshots of OOMs in the forward name the Python lines it was running.
@@ -148,7 +149,8 @@ fn branchy_config(dir: &Path, steps: u64, extra: &str) -> PathBuf {
 model: {{kind: python, path: {file}, settings: {{dim: 32, depth: 3}}, block_size: 32}}
 data: {{source: embedded, embedded_bytes: 65536}}
 optim: {{lr: 3.0e-3, min_lr: 3.0e-4, warmup_steps: 2}}
-train: {{micro_batch_size: 8, grad_accum_steps: 2, max_steps: {steps}, eval_every: 0, eval_batch_size: 8, eval_batches: 2, seed: 7, device: cpu, num_threads: 1}}
+train: {{micro_batch_size: 8, grad_accum_steps: 2, max_steps: {steps}, eval_every: 0, eval_batch_size: 8, eval_batches: 2, seed: 7, device: cpu, \
+    num_threads: 1}}
 log: {{every: 1}}
 {extra}", file = model_file("branchy.py")))
 }
@@ -241,7 +243,7 @@ fn a_module_torchscript_refuses_trains_and_fine_tunes_from_init_from() {
     let l = losses(&first);
     assert!(l[29] < l[0] - 1.0, "{l:?}");
     let saved = first.join("model.safetensors");
-    let tune = branchy_config(dir.path(), 5, &format!("# fine-tune\n").replace("# fine-tune\n", ""));
+    let tune = branchy_config(dir.path(), 5, "");
     let yaml = std::fs::read_to_string(&tune).unwrap().replace(
         "block_size: 32}",
         &format!("block_size: 32, init_from: {}}}", saved.display()),
@@ -320,7 +322,8 @@ log: {{every: 1}}
 #[test]
 fn bad_python_files_exit_2_naming_the_file_and_the_fix() {
     let dir = tempfile::tempdir().unwrap();
-    let ok_model = "import torch\nfrom torch import nn\nclass M(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.w = nn.Linear(4, 1)\n    def forward(self, x, y):\n        return ((self.w(x.float()) - y.float()) ** 2).mean()\ndef build(s):\n    return M()\n";
+    let ok_model = "import torch\nfrom torch import nn\nclass M(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.w = \
+        nn.Linear(4, 1)\n    def forward(self, x, y):\n        return ((self.w(x.float()) - y.float()) ** 2).mean()\ndef build(s):\n    return M()\n";
     let cases: Vec<(&str, String, &str, Vec<&str>)> = vec![
         (
             "missing file",
@@ -383,7 +386,8 @@ fn bad_python_files_exit_2_naming_the_file_and_the_fix() {
             vec!["model.loss", "returned str"],
         ),
     ];
-    let rows = "import torch\nfrom safetensors.torch import save_file\nsave_file({'inputs': torch.randn(64, 4), 'targets': torch.randn(64, 1)}, 'rows.safetensors')\n";
+    let rows = "import torch\nfrom safetensors.torch import save_file\nsave_file({'inputs': torch.randn(64, 4), 'targets': torch.randn(64, 1)}, \
+        'rows.safetensors')\n";
     let here = dir.path().to_str().unwrap().to_string();
     python(&["-c", &format!("import os; os.chdir({here:?})\n{rows}")]);
     for (name, source, extra, needles) in cases {
@@ -437,7 +441,8 @@ fn an_exception_while_training_exits_1_with_its_traceback() {
     let dir = tempfile::tempdir().unwrap();
     let source = std::fs::read_to_string(model_file("branchy.py")).unwrap().replace(
         "        h = self.emb(x)\n",
-        "        h = self.emb(x)\n        if self.training:\n            self.calls = getattr(self, 'calls', 0) + 1\n            if self.calls == 7:\n                raise KeyError('the seventh call')\n",
+        "        h = self.emb(x)\n        if self.training:\n            self.calls = getattr(self, 'calls', 0) + 1\n            if self.calls == \
+            7:\n                raise KeyError('the seventh call')\n",
     );
     std::fs::write(dir.path().join("flaky.py"), source).unwrap();
     let yaml = std::fs::read_to_string(branchy_config(dir.path(), 10, "")).unwrap();

@@ -148,7 +148,11 @@ fn a_recorded_run_with_an_oom_gives_pictures_whose_series_match_its_metrics() {
     )));
 }
 
-const STEP: &str = r#"{"event":"step","step":STEP,"loss":5.0,"lr":0.001,"grad_norm":1.0,"tokens_per_s":1000.0,"micro_batch_size":8,"grad_accum_steps":2,"num_samples":16,"world_size":1,"step_time_s":0.1,"elapsed_s":1.0,"memory":{"live_bytes":1000,"peak_bytes":2000},"precision":"fp32","activation_checkpointing":false}"#;
+const STEP: &str = concat!(
+    r#"{"event":"step","step":STEP,"loss":5.0,"lr":0.001,"grad_norm":1.0,"tokens_per_s":1000.0,"micro_batch_size":8,"#,
+    r#""grad_accum_steps":2,"num_samples":16,"world_size":1,"step_time_s":0.1,"elapsed_s":1.0,"#,
+    r#""memory":{"live_bytes":1000,"peak_bytes":2000},"precision":"fp32","activation_checkpointing":false}"#
+);
 
 #[test]
 fn a_truncated_last_line_still_gives_a_report_and_a_warning_naming_it() {

@@ -392,7 +392,8 @@ fn a_run_that_sharded_under_pressure_comes_back_down() {
     let held = budget - (plain + sharded) / 2;
     let yaml = std::fs::read_to_string(&cfg).unwrap().replace("max_steps: 4", "max_steps: 10").replace(
         "memory: {snapshot: off,",
-        &format!("memory: {{budget: {budget}, grow_after_steps: 2, grow_headroom: 0.0, cooldown_steps: 2, pressure: [{{from_step: 0, to_step: 3, size: {held}}}], snapshot: off,"),
+        &format!("memory: {{budget: {budget}, grow_after_steps: 2, grow_headroom: 0.0, cooldown_steps: 2, pressure: [{{from_step: 0, to_step: 3, \
+            size: {held}}}], snapshot: off,"),
     );
     let cfg = write_config(dir.path(), "pressure.yaml", &yaml);
     let free = dir.path().join("free");

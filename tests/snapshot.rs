@@ -111,7 +111,8 @@ fn a_budget_oom_writes_a_snapshot_pytorch_reads_and_every_byte_is_accounted_for(
     // PyTorch's own reader: the pickle loads, and stats/segsum and trace run on it.
     let snap = run.join("oom/001/snapshot.pickle");
     let snap = snap.to_str().unwrap();
-    let keys = python(&["-c", "import pickle,sys; d = pickle.load(open(sys.argv[1], 'rb')); print(sorted(d), len(d['segments']), sum(b['size'] for s in d['segments'] for b in s['blocks']))", snap]);
+    let keys = python(&["-c", "import pickle,sys; d = pickle.load(open(sys.argv[1], 'rb')); print(sorted(d), len(d['segments']), sum(b['size'] for s \
+        in d['segments'] for b in s['blocks']))", snap]);
     assert!(
         keys.starts_with("['allocator_settings', 'device_traces', 'segments']"),
         "{keys}"

@@ -100,7 +100,8 @@ fn metric_target_reached_starts_no_new_trial_and_says_why() {
     let dir = tempfile::tempdir().unwrap();
     let file = setup(
         dir.path(),
-        "base: base.yaml\nmethod: grid\ncommand: ['${env}', oomguard, train, '${args}']\nmetric: {name: loss, goal: minimize, target: 1.0e9}\nparameters:\n  optim:\n    parameters:\n      lr: {values: [1.0e-3, 2.0e-3, 3.0e-3]}\n",
+        "base: base.yaml\nmethod: grid\ncommand: ['${env}', oomguard, train, '${args}']\nmetric: {name: loss, goal: minimize, target: 1.0e9}\n\
+            parameters:\n  optim:\n    parameters:\n      lr: {values: [1.0e-3, 2.0e-3, 3.0e-3]}\n",
     );
     let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -228,7 +229,8 @@ fn kill_9_mid_trial_then_restart_runs_every_trial_exactly_once() {
 #[test]
 fn concurrent_shards_are_disjoint_and_together_complete() {
     let dir = tempfile::tempdir().unwrap();
-    let file = setup(dir.path(), "base: base.yaml\nparameters:\n  optim.lr: {values: [1.0e-3, 2.0e-3, 3.0e-3, 4.0e-3, 5.0e-3]}\n  train.max_steps: {value: 3}\n");
+    let file = setup(dir.path(), "base: base.yaml\nparameters:\n  optim.lr: {values: [1.0e-3, 2.0e-3, 3.0e-3, 4.0e-3, 5.0e-3]}\n  train.max_steps: \
+        {value: 3}\n");
     let spawn = |s: &str| sweep_cmd(dir.path(), &[file.to_str().unwrap(), "--out", "out", "--shard", s]).output();
     let (a, b) = std::thread::scope(|sc| {
         let a = sc.spawn(|| spawn("0/2").unwrap());
@@ -266,7 +268,8 @@ fn a_bad_sweep_file_exits_2_naming_the_key() {
         ("base: base.yaml\nmethod: random\nparameters:\n  optim.lr: {distribution: log_uniform, min: 1.0e-4, max: 1}\n", "count"),
         ("base: nope.yaml\nparameters:\n  optim.lr: {value: 1}\n", "base"),
         ("base: base.yaml\ntrial: {timeout: soon}\nparameters:\n  optim.lr: {value: 1}\n", "trial.timeout"),
-        ("base: base.yaml\nmethod: random\ncount: 2\nparameters:\n  model.n_layer: {distribution: int_uniform, min: 1.2, max: 1.8}\n", "no integer in [min, max]"),
+        ("base: base.yaml\nmethod: random\ncount: 2\nparameters:\n  model.n_layer: {distribution: int_uniform, min: 1.2, max: 1.8}\n", "no integer in \
+            [min, max]"),
         ("base: base.yaml\nmetric: {name: accuracy, goal: maximize}\nparameters:\n  optim.lr: {value: 1}\n", "these exist: val_loss, loss, tokens_per_s"),
         ("base: base.yaml\nearly_terminate: {type: hyperband, min_iter: 3, strict: false}\nparameters:\n  optim.lr: {value: 1}\n", "early_terminate.strict"),
         ("base: base.yaml\ncommand: [python, train.py, '${args}']\nparameters:\n  optim.lr: {value: 1}\n", "command"),
@@ -347,7 +350,8 @@ fn status_lines_count_through_infeasible_and_failed_trials() {
     // embedded: runs; text from an empty file: fails (exit 2); a 10M vocabulary: infeasible.
     let file = setup(
         dir.path(),
-        "base: base.yaml\nparameters:\n  data.source: {values: [embedded, text]}\n  model.vocab_size: {values: [256, 10000000]}\n  data.path: {value: empty.txt}\n",
+        "base: base.yaml\nparameters:\n  data.source: {values: [embedded, text]}\n  model.vocab_size: {values: [256, 10000000]}\n  data.path: {value: \
+            empty.txt}\n",
     );
     let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out"]);
     let err = String::from_utf8_lossy(&o.stderr);
@@ -421,7 +425,11 @@ fn status_lines_count_through_infeasible_and_failed_trials() {
 #[test]
 fn two_sweeps_on_one_directory_run_every_trial_once() {
     let dir = tempfile::tempdir().unwrap();
-    let file = setup(dir.path(), "base: base.yaml\nplanner: false\nparameters:\n  optim.lr: {values: [1.0e-3, 2.0e-3, 3.0e-3, 4.0e-3]}\n  train.max_steps: {value: 3}\n");
+    let file = setup(
+        dir.path(),
+        "base: base.yaml\nplanner: false\nparameters:\n  optim.lr: {values: [1.0e-3, 2.0e-3, 3.0e-3, 4.0e-3]}\n  \
+        train.max_steps: {value: 3}\n",
+    );
     let run = || {
         sweep_cmd(dir.path(), &[file.to_str().unwrap(), "--out", "out"])
             .output()
@@ -459,7 +467,8 @@ fn two_sweeps_on_one_directory_run_every_trial_once() {
 #[test]
 fn status_in_a_loop_has_no_effect_on_a_sweep() {
     let dir = tempfile::tempdir().unwrap();
-    let file = setup(dir.path(), "base: base.yaml\nplanner: false\nparameters:\n  optim.lr: {values: [1.0e-3, 2.0e-3, 3.0e-3]}\n  train.max_steps: {value: 4}\n");
+    let file = setup(dir.path(), "base: base.yaml\nplanner: false\nparameters:\n  optim.lr: {values: [1.0e-3, 2.0e-3, 3.0e-3]}\n  train.max_steps: \
+        {value: 4}\n");
     let status = || sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out", "--status"]);
     let o = status();
     assert!(
@@ -529,7 +538,8 @@ fn a_tpe_sweep_runs_count_trials_and_a_restart_runs_none() {
     let dir = tempfile::tempdir().unwrap();
     let file = setup(
         dir.path(),
-        "base: base.yaml\nmethod: tpe\ncount: 5\nseed: 3\nmetric: final_loss\nparameters:\n  optim.lr: {distribution: log_uniform_values, min: 1.0e-3, max: 1.0e-2}\n  model.vocab_size: {values: [256, 10000000]}\n  train.max_steps: {value: 2}\n",
+        "base: base.yaml\nmethod: tpe\ncount: 5\nseed: 3\nmetric: final_loss\nparameters:\n  optim.lr: {distribution: log_uniform_values, min: \
+            1.0e-3, max: 1.0e-2}\n  model.vocab_size: {values: [256, 10000000]}\n  train.max_steps: {value: 2}\n",
     );
     let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));

@@ -70,7 +70,8 @@ fn asha_stops_the_hopeless_trials_early_and_replays_its_decisions_after_kill_9()
     let wandb = write_config(
         d,
         "asha.yaml",
-        &format!("program: train.py\nbase: base.yaml\nmethod: grid\nplanner: false\nmetric: {{name: val_loss, goal: minimize}}\nearly_terminate: {{type: hyperband, min_iter: 3, eta: 3}}\n{PARAMS}"),
+        &format!("program: train.py\nbase: base.yaml\nmethod: grid\nplanner: false\nmetric: {{name: val_loss, goal: minimize}}\nearly_terminate: \
+            {{type: hyperband, min_iter: 3, eta: 3}}\n{PARAMS}"),
     );
     let full = write_config(
         d,

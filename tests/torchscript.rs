@@ -472,7 +472,12 @@ fn too_small_budgets_exit_3_at_every_stage() {
         "--data",
         data.to_str().unwrap(),
     ]);
-    let bn = write_config(dir.path(), "bn.yaml", "model: {kind: torchscript, path: bn.pt}\ndata: {source: tensors, path: bn.safetensors}\ntrain: {device: cpu, max_steps: 1}\n");
+    let bn = write_config(
+        dir.path(),
+        "bn.yaml",
+        "model: {kind: torchscript, path: bn.pt}\ndata: {source: tensors, path: bn.safetensors}\ntrain: \
+        {device: cpu, max_steps: 1}\n",
+    );
     for (cfg, budget, stage) in [
         (&cfg, "64KiB", "creating the model ran out"),
         (&cfg, "1MiB", "creating the optimizer state ran out"),

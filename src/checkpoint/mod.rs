@@ -136,6 +136,8 @@ pub fn save(
         }
         None => false,
     };
+    // A folder, renamed whole into place: tempfile's `NamedTempFile::persist` is for files, and
+    // `clean_partial` finds a killed save's leftovers by this `.tmp-` name.
     let tmp = parent.join(format!(".tmp-step-{:08}-{}", state.next_step, std::process::id()));
     let io = |what: &str, p: &Path| {
         let m = format!("{what} {}", p.display());

@@ -2,7 +2,7 @@
 //! It mixes three kinds of line a small model learns in stages: sentences from a grammar
 //! with number agreement (spelling and syntax), sums of small numbers (arithmetic) and
 //! counting runs (long-range regularity). Loss falls from ln(256) ≈ 5.5 to about 1 quickly.
-use super::splitmix64;
+use crate::rng::splitmix64;
 
 const ADJ: &[&str] = &[
     "red", "small", "quiet", "old", "clever", "lazy", "bright", "tiny", "brave", "green",

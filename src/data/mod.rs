@@ -19,6 +19,8 @@ use tch::{Device, Tensor};
 pub use tokens::{Split, TokenSamples};
 
 use crate::error::{ConfigError, Result};
+// Its home is crate::rng; this path stays for programs that named it here.
+pub use crate::rng::splitmix64;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -220,14 +222,6 @@ impl Dataset {
         })?;
         tokens::open(cfg, &path, shape)
     }
-}
-
-/// SplitMix64: a counter-based generator, so any sample is computed without a sequence.
-pub fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
 }
 
 /// Positions of the `count` samples of step `step`, each in `0..num_positions`: a pure

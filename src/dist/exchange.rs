@@ -81,7 +81,7 @@ pub(super) struct Exchange {
 impl Exchange {
     /// `payload`: the values an exchange carries at most.
     pub fn new(channel: Channel, payload: usize) -> Exchange {
-        let misalign = std::env::var("OOMGUARD_TEST_MISALIGN").ok().and_then(|v| {
+        let misalign = test_hook!("OOMGUARD_TEST_MISALIGN").and_then(|v| {
             let (r, s) = v.split_once(':')?;
             Some((r.parse().ok()?, s.parse().ok()?))
         });
@@ -292,7 +292,8 @@ fn accept(listener: &TcpListener, world: usize, token: &str, timeout: Duration) 
                 .map(|r| r.to_string())
                 .collect();
             return Err(Error::Dist(format!(
-                "rank 0 waiting for the ranks at the exchange: timed out after {:.1} s (train.dist_timeout_s) with {} of {} other ranks connected (missing: {}); {} connection(s) that did not introduce themselves as ranks of this run were dropped",
+                "rank 0 waiting for the ranks at the exchange: timed out after {:.1} s (train.dist_timeout_s) with {} of {} other ranks connected \
+                    (missing: {}); {} connection(s) that did not introduce themselves as ranks of this run were dropped",
                 timeout.as_secs_f64(),
                 world - 1 - missing.len(),
                 world - 1,

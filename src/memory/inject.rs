@@ -8,7 +8,7 @@
 //! A failure a step did not reach moves to the next.
 use std::str::FromStr;
 
-use crate::data::splitmix64;
+use crate::rng::splitmix64;
 
 mod ffi {
     extern "C" {
@@ -69,7 +69,7 @@ pub mod targeted {
     fn targets() -> &'static Mutex<Vec<(String, u64, u64)>> {
         static T: OnceLock<Mutex<Vec<(String, u64, u64)>>> = OnceLock::new();
         T.get_or_init(|| {
-            let spec = std::env::var("OOMGUARD_TEST_OOM_IN").unwrap_or_default();
+            let spec = test_hook!("OOMGUARD_TEST_OOM_IN").unwrap_or_default();
             let parse = |t: &str| {
                 let mut f = t.split(':');
                 Some((
@@ -85,7 +85,7 @@ pub mod targeted {
     /// Whether any target was given (so the hot path costs one load otherwise).
     pub fn wanted() -> bool {
         static W: OnceLock<bool> = OnceLock::new();
-        *W.get_or_init(|| std::env::var_os("OOMGUARD_TEST_OOM_IN").is_some())
+        *W.get_or_init(|| test_hook!("OOMGUARD_TEST_OOM_IN").is_some())
     }
 
     pub fn at(rank: usize, step: u64) {
@@ -126,7 +126,7 @@ impl InjectOom {
         match rank {
             0 => self,
             r => InjectOom {
-                seed: self.seed ^ splitmix64(r as u64 ^ 0x5EED_0F_4A4C),
+                seed: self.seed ^ splitmix64(r as u64 ^ 0x005E_ED0F_4A4C),
                 ..self
             },
         }

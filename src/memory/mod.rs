@@ -1,6 +1,6 @@
 //! Safe API over csrc/memory.cpp: the counting CPU allocator and its budget, CUDA cache and
 //! statistics, and byte sizes as users write them.
-use std::ffi::{c_char, c_void, CStr};
+use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
 use tch::{Device, TchError, Tensor};
 
@@ -17,7 +17,6 @@ pub use pressure::PressureSchedule;
 mod ffi {
     use std::ffi::{c_char, c_int, c_void};
     extern "C" {
-        pub fn og_free(msg: *mut c_char);
         pub fn og_cpu_install();
         pub fn og_cpu_set_budget(bytes: i64);
         pub fn og_cpu_set_footprint_limit(bytes: i64);
@@ -37,17 +36,8 @@ mod ffi {
     }
 }
 
-/// Turns a message returned by csrc/ into a `TchError`, so that OOM classification sees
-/// errors from our C++ exactly as it sees tch's.
-pub(crate) fn check(msg: *mut c_char) -> Result<(), TchError> {
-    if msg.is_null() {
-        return Ok(());
-    }
-    // SAFETY: a non-null return is a NUL-terminated string malloc'd by csrc/, ours to free.
-    let text = unsafe { CStr::from_ptr(msg) }.to_string_lossy().into_owned();
-    unsafe { ffi::og_free(msg) };
-    Err(TchError::Torch(text))
-}
+// Its home is the leaf crate::error (rng.rs uses it without importing memory/).
+pub(crate) use crate::error::check;
 
 /// Routes every CPU tensor allocation through the counting allocator. Call it before the
 /// first allocation that should be counted; later calls do nothing.

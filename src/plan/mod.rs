@@ -375,7 +375,11 @@ pub fn suggestions(m: &GptConfig, precision: Precision, cuda: bool, memory: u64)
             >= 1
     };
     if ckpt(m, precision) {
-        out.push("activation checkpointing: model.activation_checkpointing: blocks (the guard turns it on by itself unless memory.allow_activation_checkpointing is false)".into());
+        out.push(
+            "activation checkpointing: model.activation_checkpointing: blocks (the guard turns it on by itself unless \
+            memory.allow_activation_checkpointing is false)"
+                .into(),
+        );
     }
     if precision == Precision::Fp32 && fits(m, Precision::Bf16) {
         out.push("lower precision: train.precision: bf16 (the guard falls back to it by itself unless memory.allow_precision_fallback is false)".into());
@@ -386,7 +390,8 @@ pub fn suggestions(m: &GptConfig, precision: Precision, cuda: bool, memory: u64)
         .ranks_to_fit(memory)
         .filter(|&w| w > 1)
     {
-        out.push(format!("data parallel over {w} or more ranks with AdamW's state sharded across them: train.shard: optimizer (ZeRO-1; the guard climbs to it by itself unless memory.allow_sharding is false)"));
+        out.push(format!("data parallel over {w} or more ranks with AdamW's state sharded across them: train.shard: optimizer (ZeRO-1; the guard \
+            climbs to it by itself unless memory.allow_sharding is false)"));
     }
     if out.is_empty() {
         out.push(format!(
@@ -401,7 +406,8 @@ pub fn suggestions(m: &GptConfig, precision: Precision, cuda: bool, memory: u64)
 pub fn advice(m: &GptConfig, memory: u64, cuda: bool) -> String {
     let e = Estimate::new(m, Precision::Fp32, cuda);
     format!(
-        "The planner: the parameters need {}, their gradients {} and AdamW's state {} ({:.2}M parameters); a step at micro-batch 1 peaks near {} against {}. What would fit: {}.",
+        "The planner: the parameters need {}, their gradients {} and AdamW's state {} ({:.2}M parameters); a step at micro-batch 1 peaks near {} \
+            against {}. What would fit: {}.",
         human_bytes(e.params_bytes), human_bytes(e.grads_bytes), human_bytes(e.optimizer_bytes), e.num_params as f64 / 1e6,
         human_bytes(e.peak(1)), human_bytes(memory), suggestions(m, Precision::Fp32, cuda, memory).join("; ")
     )

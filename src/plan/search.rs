@@ -165,7 +165,8 @@ pub fn auto_micro_batch(
         }
     })?;
     if found == 0 {
-        return Err(Error::Infeasible("micro_batch_size: auto found no size that fits: even one sample runs out of memory. Run `oomguard plan` on this config for what would fit".into()));
+        return Err(Error::Infeasible("micro_batch_size: auto found no size that fits: even one sample runs out of memory. Run `oomguard plan` on this \
+            config for what would fit".into()));
     }
     remember(&key, found);
     Ok(AutoResult {

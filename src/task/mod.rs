@@ -314,7 +314,8 @@ pub fn build_from_config(ctx: &BuildContext) -> Result<Built> {
                 origin: ctx.config_path.display().to_string(),
                 line_col: None,
                 key: "model.kind".into(),
-                message: "this oomguard was built without Python models (cargo feature `python`, on by default; the GPU kit leaves it out): use kind torchscript, or a build with the feature".into(),
+                message: "this oomguard was built without Python models (cargo feature `python`, on by default; the GPU kit leaves it out): use kind \
+                    torchscript, or a build with the feature".into(),
             }))
         }
         ModelKind::Rust => {
@@ -322,7 +323,8 @@ pub fn build_from_config(ctx: &BuildContext) -> Result<Built> {
                 origin: ctx.config_path.display().to_string(),
                 line_col: None,
                 key: "model.kind".into(),
-                message: "rust models are trained by a Rust program that links oomguard and brings its model (see examples/mlp.rs); `oomguard train` trains kind gpt, python or torchscript".into(),
+                message: "rust models are trained by a Rust program that links oomguard and brings its model (see examples/mlp.rs); `oomguard train` \
+                    trains kind gpt, python or torchscript".into(),
             }))
         }
     };

@@ -120,7 +120,8 @@ impl TrainConfig {
             (MicroBatch::Size(m), Some(g)) if self.grad_accum_steps > 1 && m * self.grad_accum_steps != g => {
                 return Err(ConfigError::invalid(
                     "train.global_batch_size",
-                    format!("is {g} but micro_batch_size x grad_accum_steps is {m} x {} = {}; make them agree, or leave grad_accum_steps out", self.grad_accum_steps, m * self.grad_accum_steps),
+                    format!("is {g} but micro_batch_size x grad_accum_steps is {m} x {} = {}; make them agree, or leave grad_accum_steps \
+                        out", self.grad_accum_steps, m * self.grad_accum_steps),
                 ));
             }
             _ => {}

@@ -301,7 +301,8 @@ pub fn inject_config(dir: &Path) -> PathBuf {
     let yaml = TINY
         .replace("micro_batch_size: 8, grad_accum_steps: 2", "micro_batch_size: 4, global_batch_size: 12")
         .replace("max_steps: 6, eval_every: 0, eval_batch_size: 8", "max_steps: 8, eval_every: 4, eval_batch_size: 12")
-        + "checkpoint: {every_steps: 2, keep: 2}\nmemory: {cooldown_steps: 2, grow_after_steps: 1, grow_headroom: 0.0, retries_at_one: 40, allow_precision_fallback: false, snapshot: off}\n";
+        + "checkpoint: {every_steps: 2, keep: 2}\nmemory: {cooldown_steps: 2, grow_after_steps: 1, grow_headroom: 0.0, retries_at_one: 40, \
+            allow_precision_fallback: false, snapshot: off}\n";
     write_config(dir, "inject.yaml", &yaml)
 }
 

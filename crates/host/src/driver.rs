@@ -22,7 +22,8 @@ pub fn refusal(image_cuda: &str, min_driver: u32, driver: &str) -> Option<String
     (major < min_driver).then(|| {
         format!(
             "this image's PyTorch is built for CUDA {image_cuda}, which needs NVIDIA driver {min_driver} or newer, but this host's driver is {driver}. \
-             Run on a host with a newer driver, or build the image for CUDA 12: docker build --build-arg TORCH_CUDA=cu126 (driver 525 or newer; see docker/README.md)"
+             Run on a host with a newer driver, or build the image for CUDA 12: docker build --build-arg TORCH_CUDA=cu126 (driver 525 or newer; see \
+             docker/README.md)"
         )
     })
 }

@@ -164,7 +164,8 @@ mod tests {
     // Messages as quoted in ../shared/seeds/ and as libtorch 2.13 prints them.
     #[test]
     fn cuda_caching_allocator_messages_from_the_seeds() {
-        let m = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 32.00 MiB. \nGPU 0 has a total capacity of 14.74 GiB of which 4.19 MiB is free. \nProcess has 14.73 GiB memory in use.";
+        let m = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 32.00 MiB. \nGPU 0 has a total capacity of 14.74 GiB of which 4.19 MiB \
+            is free. \nProcess has 14.73 GiB memory in use.";
         let o = classify_oom(m).unwrap();
         assert_eq!(o.source, OomSource::Cuda);
         assert_eq!(o.requested_bytes, Some(32 * MIB));
@@ -193,7 +194,8 @@ mod tests {
 
     #[test]
     fn cpu_allocator_and_budget() {
-        let m = "[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes. Error code 12 (Cannot allocate memory)";
+        let m = "[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes. \
+            Error code 12 (Cannot allocate memory)";
         let o = classify_oom(m).unwrap();
         assert_eq!(o.source, OomSource::Cpu);
         assert_eq!(o.requested_bytes, Some(1 << 40));
@@ -208,7 +210,9 @@ mod tests {
 
     #[test]
     fn reports_the_line_that_matched_not_a_wrapper() {
-        let m = "The following operation failed in the TorchScript interpreter.\nTraceback of TorchScript (most recent call last):\n  File \"model.py\", line 12\nRuntimeError: oomguard memory budget exceeded: tried to allocate 4096 bytes with 10 bytes in use of a budget of 100 bytes (90 bytes free)\n";
+        let m = "The following operation failed in the TorchScript interpreter.\nTraceback of TorchScript (most recent call last):\n  \
+            File \"model.py\", line 12\nRuntimeError: oomguard memory budget exceeded: tried to allocate 4096 bytes with 10 bytes in use of a budget \
+            of 100 bytes (90 bytes free)\n";
         let o = classify_oom(m).unwrap();
         assert_eq!(o.source, OomSource::Budget);
         assert!(

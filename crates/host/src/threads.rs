@@ -96,7 +96,9 @@ impl Threads {
     }
 }
 
-/// CPUs in this process's affinity mask.
+/// CPUs in this process's affinity mask. Not `std::thread::available_parallelism`: that is
+/// the smaller of the mask and the cgroup quota in one number, and the log names which
+/// limit decided (`decide`); the quota is read separately (`quota`).
 fn affinity() -> Option<usize> {
     // SAFETY: a zeroed cpu_set_t is valid, and sched_getaffinity writes at most its size.
     unsafe {
@@ -106,6 +108,7 @@ fn affinity() -> Option<usize> {
     }
 }
 
+/// CPUs online (not in the mask: the upper bound every other limit is compared with).
 fn online() -> usize {
     // SAFETY: sysconf has no preconditions.
     let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };

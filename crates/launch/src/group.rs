@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::supervise::{after_failure, Ended, Next};
+use super::outcome::{after_failure, Next, Report};
 use super::{LaunchError as Error, LaunchSpec, Micro};
 
 /// How long a launcher waits for every node's launcher to join, and node 0's launcher, its
@@ -27,29 +27,6 @@ const EXIT_BARRIER: Duration = Duration::from_secs(300);
 const WRITE_WAIT: Duration = Duration::from_secs(5);
 /// Messages a node's launcher may be behind before it counts as lost (a few a round are sent).
 const OUTBOX: usize = 256;
-
-/// What a node's failed attempt tells the coordinator.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Report {
-    pub rank: usize,
-    pub oom: bool,
-    /// The micro-batch the attempt ran with, when known.
-    pub micro: Option<usize>,
-    /// The worker's exit code (as the launcher would exit with it).
-    pub code: i32,
-}
-
-impl Report {
-    fn ended(&self) -> Ended {
-        if self.code == 3 {
-            Ended::CannotFit
-        } else if self.oom {
-            Ended::Oom
-        } else {
-            Ended::Other
-        }
-    }
-}
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "msg", rename_all = "snake_case")]
@@ -276,7 +253,8 @@ impl Coordinator {
             ),
             Next::GiveUp => self.end(
                 report.code,
-                format!("worker rank {} on node {failed_node} failed (exit code {}); no restarts left (--max-restarts {})", report.rank, report.code, self.max_restarts),
+                format!("worker rank {} on node {failed_node} failed (exit code {}); no restarts left (--max-restarts \
+                    {})", report.rank, report.code, self.max_restarts),
             ),
         }
     }

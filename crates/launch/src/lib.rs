@@ -19,6 +19,7 @@
 //! ```
 mod args;
 mod group;
+mod outcome;
 mod output;
 mod supervise;
 

@@ -8,43 +8,13 @@ use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
-use super::group::{Group, Report, ToNode};
+use super::group::{Group, ToNode};
+use super::outcome::Report;
 use super::output::{pump, Sink, Tail};
 use super::LaunchError as Error;
 use super::{worker_env, LaunchSpec, Micro, Streams};
 use oomguard_host::oom::classify_oom;
 use oomguard_host::proc::Signals;
-
-/// What to do after the group failed: a pure decision.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Next {
-    Restart { micro_batch_size: Option<usize> },
-    GiveUp,
-}
-
-/// How an attempt ended, from the error that ended it (not from errors it recovered from).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Ended {
-    /// Out of memory.
-    Oom,
-    /// Exit 3: does not fit even at micro-batch 1. Restarting cannot help.
-    CannotFit,
-    Other,
-}
-
-/// Restart while restarts remain (never after exit 3); after an out-of-memory death, with
-/// half the micro-batch; otherwise at the same one.
-pub fn after_failure(restarts_done: u32, max_restarts: u32, ended: Ended, micro: Option<usize>) -> Next {
-    if restarts_done >= max_restarts || ended == Ended::CannotFit {
-        return Next::GiveUp;
-    }
-    let oom = ended == Ended::Oom;
-    let micro_batch_size = match (oom, micro) {
-        (true, Some(m)) => Some((m / 2).max(1)),
-        (_, m) => m,
-    };
-    Next::Restart { micro_batch_size }
-}
 
 struct Worker {
     local_rank: usize,
@@ -156,7 +126,8 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
     })?;
     let n = spec.nproc_per_node;
     if let Some((per, host)) = &spec.worker_threads {
-        tracing::warn!("OMP_NUM_THREADS is unset: setting it to {per} for each of the {n} workers (this host gives {host}), to avoid oversubscribing the CPU; set it yourself to tune");
+        tracing::warn!("OMP_NUM_THREADS is unset: setting it to {per} for each of the {n} workers (this host gives {host}), to avoid oversubscribing \
+            the CPU; set it yourself to tune");
     }
     if let Some(m) = &spec.worker_memory {
         tracing::info!(
@@ -272,7 +243,11 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
                 if m.size != micro.size {
                     match m.size {
                         Some(s) => tracing::warn!("relaunching with {}={s}", super::MICRO_BATCH_VAR),
-                        None => tracing::warn!("cannot halve the micro-batch: its size is unknown (set {} or have the worker print micro_batch_size=N)", super::MICRO_BATCH_VAR),
+                        None => tracing::warn!(
+                            "cannot halve the micro-batch: its size is unknown (set {} or have the worker print \
+                            micro_batch_size=N)",
+                            super::MICRO_BATCH_VAR
+                        ),
                     }
                 }
                 (attempt, micro) = (round, m);
@@ -456,7 +431,8 @@ fn summary(f: &Failure, spec: &LaunchSpec) -> String {
         format!("{} (pid: {})", f.exitcode, f.pid)
     };
     let mut s = format!(
-        "{line}\n{} FAILED\n{}\nRoot Cause (first observed failure):\n[0]:\n  time      : {}\n  host      : {}\n  rank      : {} (local_rank: {})\n  exitcode  : {exit}\n  error_file: {}\n  traceback : {}\n",
+        "{line}\n{} FAILED\n{}\nRoot Cause (first observed failure):\n[0]:\n  time      : {}\n  host      : {}\n  rank      : {} (local_rank: {})\n  \
+            exitcode  : {exit}\n  error_file: {}\n  traceback : {}\n",
         spec.program.join(" "), "-".repeat(60), humantime::format_rfc3339_seconds(f.time), host.trim(), f.rank, f.local_rank,
         if f.error_message.is_some() { f.error_file.display().to_string() } else { "<N/A>".into() },
         f.error_message.clone().unwrap_or_else(|| "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html".into()),
@@ -477,37 +453,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn restart_policy() {
-        use Ended::*;
-        assert_eq!(after_failure(0, 0, Other, None), Next::GiveUp);
-        assert_eq!(
-            after_failure(0, 2, Other, Some(8)),
-            Next::Restart {
-                micro_batch_size: Some(8)
-            }
-        );
-        assert_eq!(
-            after_failure(1, 2, Oom, Some(8)),
-            Next::Restart {
-                micro_batch_size: Some(4)
-            }
-        );
-        assert_eq!(
-            after_failure(1, 2, Oom, Some(1)),
-            Next::Restart {
-                micro_batch_size: Some(1)
-            }
-        );
-        assert_eq!(after_failure(1, 2, Oom, None), Next::Restart { micro_batch_size: None });
-        assert_eq!(after_failure(2, 2, Oom, Some(8)), Next::GiveUp);
-        assert_eq!(
-            after_failure(0, 5, CannotFit, Some(1)),
-            Next::GiveUp,
-            "exit 3: no restart can help"
-        );
-    }
-
-    #[test]
     fn the_last_error_not_a_recovered_oom() {
         let lines = |t: &str| t.lines().map(String::from).collect::<Vec<_>>();
         let recovered =
@@ -518,7 +463,8 @@ mod tests {
         assert_eq!(e, "2026-11-23T10:00:01Z ERROR reading data: disk full");
         assert!(classify_oom(&e).is_none());
         // A Python script that printed a recovered OOM's traceback, then crashed otherwise.
-        let py = "Traceback (most recent call last):\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\nretrying at 8\nTraceback (most recent call last):\n  File \"x.py\"\nValueError: bad batch\n";
+        let py = "Traceback (most recent call last):\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\nretrying at 8\n\
+            Traceback (most recent call last):\n  File \"x.py\"\nValueError: bad batch\n";
         assert!(
             last_error(&lines(py)).ends_with("ValueError: bad batch")
                 && !last_error(&lines(py)).contains("OutOfMemory")

@@ -5,28 +5,29 @@
 //! is fsynced. A kill, an OOM or a full disk at any instant leaves the old file or the new
 //! one, never a torn one. Checkpoints (folders) take the same steps with `sync` and
 //! `sync_dir`. It lives in this crate because it is the one every other crate depends on.
-use std::io;
+use std::io::{self, Write};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 /// Replaces `path` with `bytes`.
 pub fn write(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    replace_with(path, |tmp| std::fs::write(tmp, bytes))
+    let mut tmp = temp_file(path)?;
+    tmp.write_all(bytes)?;
+    tmp.as_file().sync_all()?;
+    tmp.persist(path).map_err(|e| e.error)?;
+    sync_dir(&folder(path))
 }
 
 /// Replaces `path` with what `fill` writes to the temporary path it is given (for writers
 /// that take a path, such as a safetensors writer). On any error the temporary file is
-/// removed and `path` is untouched.
+/// removed (when the `NamedTempFile` drops) and `path` is untouched.
 pub fn replace_with(path: &Path, fill: impl FnOnce(&Path) -> io::Result<()>) -> io::Result<()> {
-    let tmp = temp_path(path);
-    let done = fill(&tmp).and_then(|()| {
-        sync(&tmp)?;
-        std::fs::rename(&tmp, path)?;
-        sync_dir(&folder(path))
-    });
-    if done.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    done
+    let tmp = temp_file(path)?;
+    fill(tmp.path())?;
+    // The writer may have replaced the file at that path: flush what is there now.
+    sync(tmp.path())?;
+    tmp.persist(path).map_err(|e| e.error)?;
+    sync_dir(&folder(path))
 }
 
 /// Flushes a file's contents to the disk.
@@ -50,12 +51,18 @@ pub fn remove_leftovers(dir: &Path) {
     }
 }
 
-/// `.NAME.PID.tmp` beside `path`: hidden, and one per process, so that writers never share one.
-fn temp_path(path: &Path) -> PathBuf {
+/// A new `.NAME.XXXXXX.tmp` beside `path` (hidden, unique, removed when dropped unpersisted),
+/// created as `std::fs::write` would create it (0o666 less the umask), so that the file that
+/// replaces `path` has the permissions a plain write would have given it.
+fn temp_file(path: &Path) -> io::Result<tempfile::NamedTempFile> {
     let name = path
         .file_name()
         .map_or_else(|| "file".into(), |n| n.to_string_lossy().into_owned());
-    folder(path).join(format!(".{name}.{}.tmp", std::process::id()))
+    tempfile::Builder::new()
+        .prefix(&format!(".{name}."))
+        .suffix(".tmp")
+        .permissions(std::fs::Permissions::from_mode(0o666))
+        .tempfile_in(folder(path))
 }
 
 /// The folder `path` is in (`.` for a bare file name).
@@ -91,8 +98,14 @@ mod tests {
         assert_eq!(e.unwrap_err().to_string(), "disk full");
         assert_eq!(std::fs::read(&p).unwrap(), b"new");
         assert_eq!(names(), ["a.json"]);
+        // The new file has the permissions a plain write gives (not the temporary file's 0o600).
+        let plain = dir.path().join("plain");
+        std::fs::write(&plain, b"x").unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode();
+        assert_eq!(mode(&p), mode(&plain));
+        std::fs::remove_file(&plain).unwrap();
         // What a killed writer leaves behind goes; the file stays.
-        std::fs::write(temp_path(&p), b"torn").unwrap();
+        std::fs::write(dir.path().join(".a.json.Xy12z9.tmp"), b"torn").unwrap();
         remove_leftovers(dir.path());
         assert_eq!(names(), ["a.json"]);
     }
@@ -100,10 +113,6 @@ mod tests {
     #[test]
     fn a_bare_file_name_is_in_the_current_folder() {
         assert_eq!(folder(Path::new("out.png")), PathBuf::from("."));
-        assert_eq!(
-            temp_path(Path::new("out.png")),
-            PathBuf::from(format!("./.out.png.{}.tmp", std::process::id()))
-        );
         assert_eq!(folder(Path::new("/r/model.safetensors")), PathBuf::from("/r"));
     }
 }

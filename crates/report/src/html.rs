@@ -34,7 +34,8 @@ fn page(title: &str, body: &str, warnings: &[String]) -> String {
         w.push_str("</ul>");
     }
     format!(
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{t}</title><style>{STYLE}</style></head>\n<body><h1>{t}</h1>{w}\n{body}\n</body></html>\n",
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{t}</title><style>{STYLE}</style></head>\n<body><h1>{t}</h1>{w}\n\
+            {body}\n</body></html>\n",
         t = escape(title)
     )
 }

@@ -5,7 +5,12 @@
 //! ```
 //! // Two steps and an evaluation of a run, drawn as a self-contained HTML page.
 //! let dir = tempfile::tempdir()?;
-//! let step = |s: u64, loss: f64| format!(r#"{{"event":"step","step":{s},"loss":{loss},"tokens_per_s":100.0,"micro_batch_size":8,"grad_accum_steps":1,"memory":{{"live_bytes":1048576,"peak_bytes":2097152}}}}"#);
+//! let step = |s: u64, loss: f64| {
+//!     format!(concat!(
+//!         r#"{{"event":"step","step":{s},"loss":{loss},"tokens_per_s":100.0,"micro_batch_size":8,"grad_accum_steps":1,"#,
+//!         r#""memory":{{"live_bytes":1048576,"peak_bytes":2097152}}}}"#
+//!     ), s = s, loss = loss)
+//! };
 //! let eval = r#"{"event":"eval","step":1,"val_loss":1.5}"#;
 //! std::fs::write(dir.path().join("metrics.jsonl"), [step(0, 2.0), step(1, 1.0), eval.into()].join("\n"))?;
 //! let outcome = oomguard_report::report(dir.path(), Some(&dir.path().join("run.html")))?;
@@ -124,7 +129,8 @@ pub fn read(dir: &Path) -> Result<Source, Error> {
     let metrics = dir.join("metrics.jsonl");
     if !metrics.is_file() {
         return Err(Error::BadInput(format!(
-            "{}: no metrics.jsonl (a run directory) or results.jsonl (a sweep directory) in it; give the --run-dir of `oomguard train` or the directory of `oomguard sweep`",
+            "{}: no metrics.jsonl (a run directory) or results.jsonl (a sweep directory) in it; give the --run-dir of `oomguard train` or the \
+                directory of `oomguard sweep`",
             dir.display()
         )));
     }

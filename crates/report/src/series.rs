@@ -262,8 +262,14 @@ mod tests {
         let p = dir.path().join("metrics.jsonl");
         let lines = [
             r#"{"event":"oom","step":0,"new_micro_batch_size":8}"#,
-            r#"{"event":"step","step":0,"loss":5.5,"tokens_per_s":100.0,"micro_batch_size":8,"grad_accum_steps":4,"memory":{"live_bytes":10,"peak_bytes":20,"limit_bytes":100}}"#,
-            r#"{"event":"step","step":1,"loss":null,"tokens_per_s":300.0,"micro_batch_size":16,"grad_accum_steps":2,"world_size":2,"comm_s":0.1,"memory":{"live_bytes":11,"peak_bytes":21}}"#,
+            concat!(
+                r#"{"event":"step","step":0,"loss":5.5,"tokens_per_s":100.0,"micro_batch_size":8,"grad_accum_steps":4,"#,
+                r#""memory":{"live_bytes":10,"peak_bytes":20,"limit_bytes":100}}"#
+            ),
+            concat!(
+                r#"{"event":"step","step":1,"loss":null,"tokens_per_s":300.0,"micro_batch_size":16,"grad_accum_steps":2,"#,
+                r#""world_size":2,"comm_s":0.1,"memory":{"live_bytes":11,"peak_bytes":21}}"#
+            ),
             r#"{"event":"eval","step":1,"val_loss":4.0}"#,
             r#"{"event":"grow","step":1}"#,
             r#"{"event":"resumed","step":2,"checkpoint":"x"}"#,

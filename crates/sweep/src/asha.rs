@@ -79,10 +79,7 @@ fn position(r: Option<&Record>) -> (u64, bool) {
         None => (0, true),
         Some(r) => {
             let reached = r.rungs.last().map_or(0, |g| g.step);
-            let open = match r.status {
-                Status::Promoted | Status::Interrupted | Status::Proposed => true,
-                _ => false,
-            };
+            let open = matches!(r.status, Status::Promoted | Status::Interrupted | Status::Proposed);
             (reached, open)
         }
     }
@@ -185,8 +182,7 @@ pub fn value_at(metrics: &str, step: u64, metric: RungMetric) -> Option<f64> {
     metrics
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v["event"] == event && v["step"].as_u64() == Some(step.saturating_sub(1)))
-        .last()
+        .rfind(|v| v["event"] == event && v["step"].as_u64() == Some(step.saturating_sub(1)))
         .and_then(|v| v[field].as_f64())
         .filter(|v| v.is_finite())
 }
@@ -380,7 +376,8 @@ mod tests {
 
     #[test]
     fn rung_values_and_history() {
-        let m = "{\"event\":\"step\",\"step\":2,\"loss\":4.5}\n{\"event\":\"eval\",\"step\":2,\"val_loss\":4.25}\n{\"event\":\"eval\",\"step\":8,\"val_loss\":null}\n";
+        let m = "{\"event\":\"step\",\"step\":2,\"loss\":4.5}\n{\"event\":\"eval\",\"step\":2,\"val_loss\":4.25}\n\
+            {\"event\":\"eval\",\"step\":8,\"val_loss\":null}\n";
         assert_eq!(value_at(m, 3, RungMetric::ValLoss), Some(4.25));
         assert_eq!(value_at(m, 3, RungMetric::Loss), Some(4.5));
         assert_eq!(value_at(m, 9, RungMetric::ValLoss), None, "NaN is written as null");

@@ -4,7 +4,6 @@
 //! directory) never lose each other's records nor hold a trial twice.
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use crate::record::Record;
@@ -41,8 +40,8 @@ impl Store {
         Ok(records)
     }
 
-    /// The records and the lines that do not parse (line number, text, why).
-    fn read_all(&self) -> std::io::Result<(BTreeMap<String, Record>, Vec<(usize, String, String)>)> {
+    /// The records and the lines that do not parse.
+    fn read_all(&self) -> std::io::Result<(BTreeMap<String, Record>, Vec<Corrupt>)> {
         let text = match std::fs::read_to_string(&self.path) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
@@ -114,26 +113,26 @@ fn shorten(line: &str) -> String {
     }
 }
 
+/// A line of results.jsonl that does not parse: its line number, its text, why.
+type Corrupt = (usize, String, String);
+
 /// An exclusive flock on `path` (created if missing): None when `nonblocking` and another
 /// process holds it. A filesystem without flock (Lustre mounted without `-o flock`, some
 /// NFS set-ups) is an error naming the fix, exit 2: the sweep never runs without the lock
 /// that keeps each trial once.
 fn exclusive(path: &Path, nonblocking: bool) -> anyhow::Result<Option<File>> {
     let f = File::options().create(true).truncate(false).write(true).open(path)?;
-    let flags = if nonblocking {
-        libc::LOCK_EX | libc::LOCK_NB
-    } else {
-        libc::LOCK_EX
-    };
-    // SAFETY: flock on an open descriptor; released when `f` closes (or the process dies).
-    if unsafe { libc::flock(f.as_raw_fd(), flags) } == 0 {
+    // std's file locks are flock(2) on Linux (what /proc/locks shows, `held_in` below); an
+    // error keeps its errno, so a filesystem without flock is still told apart.
+    if !nonblocking {
+        f.lock().map_err(|e| lock_error(path, e))?;
         return Ok(Some(f));
     }
-    let e = std::io::Error::last_os_error();
-    if e.kind() == std::io::ErrorKind::WouldBlock {
-        return Ok(None);
+    match f.try_lock() {
+        Ok(()) => Ok(Some(f)),
+        Err(std::fs::TryLockError::WouldBlock) => Ok(None),
+        Err(std::fs::TryLockError::Error(e)) => Err(lock_error(path, e)),
     }
-    Err(lock_error(path, e))
 }
 
 /// Why a flock failed, with the fix where the filesystem lacks flock.

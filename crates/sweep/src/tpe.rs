@@ -287,8 +287,7 @@ mod tests {
     #[test]
     fn tpe_beats_random_search_and_learns_the_memory_boundary() {
         let n = 40;
-        let (tpe, rnd): (Vec<(f64, usize)>, Vec<(f64, usize)>) =
-            (0..20).map(|s| (search(s, n, false), search(s, n, true))).unzip();
+        let (tpe, rnd): (Vec<_>, Vec<_>) = (0..20).map(|s| (search(s, n, false), search(s, n, true))).unzip();
         let (mt, mr) = (
             median(tpe.iter().map(|r| r.0).collect()),
             median(rnd.iter().map(|r| r.0).collect()),

@@ -110,10 +110,16 @@ fn close(a: &Value, b: &Value) -> bool {
 /// Held-in grid files: the issue's 2x3x2, W&B's grid rules (duplicates, int_uniform,
 /// q_uniform, inferred int_uniform, a constant), strings and booleans, and nested parameters.
 const GRIDS: [&str; 4] = [
-    "base: base.yaml\nmethod: grid\nmetric: {name: val_loss, goal: minimize}\nparameters:\n  optim.lr: {values: [1.0e-3, 3.0e-3]}\n  model.n_layer: {values: [1, 2, 3]}\n  train.precision: {values: [fp32, bf16]}\n",
-    "base: base.yaml\nprogram: train.py\nmethod: grid\nparameters:\n  optim.lr: {values: [0.001, 0.01, 1.0e-3]}\n  model.n_layer: {distribution: int_uniform, min: 1, max: 3}\n  optim.weight_decay: {distribution: q_uniform, min: 0.0, max: 0.3, q: 0.1}\n  train.seed: {value: 5}\n  model.n_head: {min: 2, max: 3}\n",
-    "base: base.yaml\nmethod: grid\nparameters:\n  data.shuffle: {values: [true, false]}\n  model.kind: {values: [gpt]}\n  optim.grad_clip: {values: [0.5, 1, 2.0]}\n  optim.warmup_steps: {distribution: q_uniform, min: 0, max: 20, q: 5}\n",
-    "base: base.yaml\nmethod: grid\nmetric: {name: loss}\nparameters:\n  optim:\n    parameters:\n      lr: {values: [0.001, 0.003]}\n      beta1: {values: [0.8, 0.9]}\n  model:\n    parameters:\n      n_layer: {distribution: int_uniform, min: 1, max: 2}\n  train.seed: {values: [1, 2]}\n  optim_z: {parameters: {x: {value: 1}}}\n",
+    "base: base.yaml\nmethod: grid\nmetric: {name: val_loss, goal: minimize}\nparameters:\n  optim.lr: {values: [1.0e-3, 3.0e-3]}\n  model.n_layer: \
+        {values: [1, 2, 3]}\n  train.precision: {values: [fp32, bf16]}\n",
+    "base: base.yaml\nprogram: train.py\nmethod: grid\nparameters:\n  optim.lr: {values: [0.001, 0.01, 1.0e-3]}\n  model.n_layer: {distribution: \
+        int_uniform, min: 1, max: 3}\n  optim.weight_decay: {distribution: q_uniform, min: 0.0, max: 0.3, q: 0.1}\n  train.seed: {value: 5}\n  \
+        model.n_head: {min: 2, max: 3}\n",
+    "base: base.yaml\nmethod: grid\nparameters:\n  data.shuffle: {values: [true, false]}\n  model.kind: {values: [gpt]}\n  optim.grad_clip: {values: \
+        [0.5, 1, 2.0]}\n  optim.warmup_steps: {distribution: q_uniform, min: 0, max: 20, q: 5}\n",
+    "base: base.yaml\nmethod: grid\nmetric: {name: loss}\nparameters:\n  optim:\n    parameters:\n      lr: {values: [0.001, 0.003]}\n      beta1: \
+        {values: [0.8, 0.9]}\n  model:\n    parameters:\n      n_layer: {distribution: int_uniform, min: 1, max: 2}\n  train.seed: {values: [1, \
+        2]}\n  optim_z: {parameters: {x: {value: 1}}}\n",
 ];
 
 #[test]
@@ -187,7 +193,8 @@ fn random_and_model_based_draws_lie_in_wandbs_support() {
 fn both_refuse_what_wandbs_schema_refuses() {
     let p = "parameters:\n  optim.lr: {values: [1, 2]}\n";
     let accepted = [
-        format!("base: base.yaml\nmethod: grid\nmetric: {{name: val_loss, goal: minimize, target: 4.2}}\nearly_terminate: {{type: hyperband, max_iter: 27, s: 2}}\n{p}"),
+        format!("base: base.yaml\nmethod: grid\nmetric: {{name: val_loss, goal: minimize, target: 4.2}}\nearly_terminate: {{type: hyperband, \
+            max_iter: 27, s: 2}}\n{p}"),
         format!("base: base.yaml\nmethod: grid\nmetric: {{name: val_loss}}\nearly_terminate: {{type: hyperband, min_iter: 3, eta: 2, strict: true}}\n{p}"),
         "base: base.yaml\nmethod: grid\nparameters:\n  optim: {parameters: {lr: {values: [1, 2]}, beta1: {value: 0.9}}}\n".to_string(),
         format!("base: base.yaml\nmethod: grid\nprogram: train.py\ncommand: ['${{env}}', oomguard, train, '${{args}}']\n{p}"),
@@ -200,18 +207,31 @@ fn both_refuse_what_wandbs_schema_refuses() {
     }
     // (file, what oomguard's error names, what W&B's violation says)
     let refused: [(String, &str, &str); 12] = [
-        (format!("base: base.yaml\nmethod: grid\nearly_terminate: {{type: hyperband, max_iter: 27}}\n{p}"), "early_terminate.s", "is not valid under any of the given schemas"),
-        (format!("base: base.yaml\nmethod: grid\nearly_terminate: {{type: hyperband, min_iter: 0}}\n{p}"), "early_terminate.min_iter", "is not valid under any of the given schemas"),
-        (format!("base: base.yaml\nmethod: grid\nearly_terminate: {{type: hyperband, min_iter: 3, eta: 1}}\n{p}"), "early_terminate.eta", "is not valid under any of the given schemas"),
-        (format!("base: base.yaml\nmethod: grid\nearly_terminate: {{type: envelope, min_iter: 3}}\n{p}"), "'envelope' is not one of ['hyperband']", "is not valid under any of the given schemas"),
-        (format!("base: base.yaml\nmethod: grid\nmetric: {{name: val_loss, goal: up}}\n{p}"), "'up' is not one of ['minimize', 'maximize']", "'up' is not one of ['minimize', 'maximize']"),
-        (format!("base: base.yaml\nmethod: grid\nmetric: {{name: val_loss, impute: median}}\n{p}"), "metric.impute", "'median' is not one of ['latest', 'best', 'worst']"),
-        ("base: base.yaml\nmethod: random\nrun_cap: 3\nparameters:\n  optim.lr: {min: 0.1, max: 0.1}\n".into(), "optim.lr: min 0.1 is not less than max 0.1", "optim.lr: min 0.1 is not less than max 0.1"),
-        ("base: base.yaml\nmethod: grid\nmetric: {name: val_loss}\nparameters:\n  model.n_layer: {distribution: int_uniform, min: 1.5, max: 3}\n".into(), "integer min and max", "is not valid under any of the given schemas"),
-        ("base: base.yaml\nmethod: random\nrun_cap: 3\nparameters:\n  optim.lr: {values: [1, 2], probabilities: [0.5, 0.4]}\n".into(), "Parameter optim.lr: Probabilities [0.5, 0.4] do not sum to 1", "Parameter optim.lr: Probabilities [0.5, 0.4] do not sum to 1"),
-        ("base: base.yaml\nmethod: random\nrun_cap: 3\nparameters:\n  optim.lr: {distribution: log_uniform, min: -9, max: -4}\n".into(), "optim.lr uses log_uniform, where min/max specify base-e exponents. Use log_uniform_values to specify limit values.", "optim.lr uses log_uniform, where min/max specify base-e exponents. Use log_uniform_values to specify limit values."),
-        ("base: base.yaml\nmethod: grid\nparameters:\n  9optim: {parameters: {lr: {value: 1}}}\n".into(), "does not match '^[A-Za-z_][A-Za-z0-9_.-]*$'", "does not match"),
-        ("base: base.yaml\nmethod: grid\nparameters:\n  optim: {values: [1], parameters: {lr: {value: 1}}}\n".into(), "a nested parameter takes `parameters` only", "is not valid under any of the given schemas"),
+        (format!("base: base.yaml\nmethod: grid\nearly_terminate: {{type: hyperband, max_iter: 27}}\n{p}"), "early_terminate.s", "is not valid under \
+            any of the given schemas"),
+        (format!("base: base.yaml\nmethod: grid\nearly_terminate: {{type: hyperband, min_iter: 0}}\n{p}"), "early_terminate.min_iter", "is not valid \
+            under any of the given schemas"),
+        (format!("base: base.yaml\nmethod: grid\nearly_terminate: {{type: hyperband, min_iter: 3, eta: 1}}\n{p}"), "early_terminate.eta", "is not \
+            valid under any of the given schemas"),
+        (format!("base: base.yaml\nmethod: grid\nearly_terminate: {{type: envelope, min_iter: 3}}\n{p}"), "'envelope' is not one of \
+            ['hyperband']", "is not valid under any of the given schemas"),
+        (format!("base: base.yaml\nmethod: grid\nmetric: {{name: val_loss, goal: up}}\n{p}"), "'up' is not one of ['minimize', 'maximize']", "'up' is \
+            not one of ['minimize', 'maximize']"),
+        (format!("base: base.yaml\nmethod: grid\nmetric: {{name: val_loss, impute: median}}\n{p}"), "metric.impute", "'median' is not one of \
+            ['latest', 'best', 'worst']"),
+        ("base: base.yaml\nmethod: random\nrun_cap: 3\nparameters:\n  optim.lr: {min: 0.1, max: 0.1}\n".into(), "optim.lr: min 0.1 is not less than \
+            max 0.1", "optim.lr: min 0.1 is not less than max 0.1"),
+        ("base: base.yaml\nmethod: grid\nmetric: {name: val_loss}\nparameters:\n  model.n_layer: {distribution: int_uniform, min: 1.5, max: \
+            3}\n".into(), "integer min and max", "is not valid under any of the given schemas"),
+        ("base: base.yaml\nmethod: random\nrun_cap: 3\nparameters:\n  optim.lr: {values: [1, 2], probabilities: [0.5, 0.4]}\n".into(), "Parameter \
+            optim.lr: Probabilities [0.5, 0.4] do not sum to 1", "Parameter optim.lr: Probabilities [0.5, 0.4] do not sum to 1"),
+        ("base: base.yaml\nmethod: random\nrun_cap: 3\nparameters:\n  optim.lr: {distribution: log_uniform, min: -9, max: -4}\n".into(), "optim.lr \
+            uses log_uniform, where min/max specify base-e exponents. Use log_uniform_values to specify limit values.", "optim.lr uses log_uniform, \
+            where min/max specify base-e exponents. Use log_uniform_values to specify limit values."),
+        ("base: base.yaml\nmethod: grid\nparameters:\n  9optim: {parameters: {lr: {value: 1}}}\n".into(), "does not match \
+            '^[A-Za-z_][A-Za-z0-9_.-]*$'", "does not match"),
+        ("base: base.yaml\nmethod: grid\nparameters:\n  optim: {values: [1], parameters: {lr: {value: 1}}}\n".into(), "a nested parameter takes \
+            `parameters` only", "is not valid under any of the given schemas"),
     ];
     let said = violations(refused.iter().map(|r| &r.0));
     for ((yaml, ours_says, wandb_says), violations) in refused.iter().zip(said) {
@@ -229,12 +249,15 @@ fn both_refuse_what_wandbs_schema_refuses() {
     }
     // W&B accepts these; oomguard cannot honour them: exit 2 naming the key and the nearest thing.
     let unhonoured = [
-        (format!("base: base.yaml\nmethod: grid\nearly_terminate: {{type: hyperband, min_iter: 3, strict: false}}\n{p}"), "early_terminate.strict", "strict: true"),
+        (format!("base: base.yaml\nmethod: grid\nearly_terminate: {{type: hyperband, min_iter: 3, strict: false}}\n\
+            {p}"), "early_terminate.strict", "strict: true"),
         (format!("base: base.yaml\nmethod: grid\nearly_terminate: {{type: hyperband, min_iter: 3, eta: 2.5}}\n{p}"), "early_terminate.eta", "give 2 or 3"),
-        (format!("base: base.yaml\nmethod: grid\nprogram: train.py\ncommand: ['${{env}}', '${{interpreter}}', '${{program}}', '${{args}}']\n{p}"), "command", "command: [oomguard, train, ${args}]"),
+        (format!("base: base.yaml\nmethod: grid\nprogram: train.py\ncommand: ['${{env}}', '${{interpreter}}', '${{program}}', '${{args}}']\n\
+            {p}"), "command", "command: [oomguard, train, ${args}]"),
         (format!("base: base.yaml\nmethod: grid\nmetric: {{name: val_loss, impute: best}}\n{p}"), "metric.impute", "give worst"),
         (format!("base: base.yaml\nmethod: grid\ncontroller: {{type: local}}\n{p}"), "controller", "oomguard sweep is the controller"),
-        ("base: base.yaml\nmethod: random\nrun_cap: 3\nparameters:\n  optim.lr: {distribution: inv_log_uniform_values, min: 0.1, max: 1}\n".into(), "inv_log_uniform_values", "use constant, categorical"),
+        ("base: base.yaml\nmethod: random\nrun_cap: 3\nparameters:\n  optim.lr: {distribution: inv_log_uniform_values, min: 0.1, max: \
+            1}\n".into(), "inv_log_uniform_values", "use constant, categorical"),
     ];
     println!(
         "{} files both accept, {} both refuse, {} W&B accepts and oomguard refuses",

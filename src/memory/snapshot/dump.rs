@@ -217,15 +217,14 @@ impl Dumper {
         let oom = self.run_dir.join("oom");
         std::fs::create_dir_all(&oom)?;
         let name = format!("{:03}{}", self.next, self.suffix);
+        // A folder renamed whole into place (tempfile's `persist` is for files): its leftovers
+        // are found by this `.NAME.PID.tmp` name.
         let tmp = oom.join(format!(".{name}.{}.tmp", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir(&tmp)?;
         let json = serde_json::to_vec_pretty(summary).map_err(io::Error::other)?;
         atomic::write(&tmp.join("snapshot.pickle"), pickle)?;
-        if let Some(ms) = std::env::var("OOMGUARD_TEST_DUMP_PAUSE_MS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-        {
+        if let Some(ms) = test_hook!("OOMGUARD_TEST_DUMP_PAUSE_MS").and_then(|v| v.parse().ok()) {
             // Tests kill a run here, mid-dump.
             std::thread::sleep(std::time::Duration::from_millis(ms));
         }

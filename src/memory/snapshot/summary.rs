@@ -556,7 +556,8 @@ mod tests {
             "the freed 500 bytes show: {:?}",
             b.timeline
         );
-        assert!(b.text.starts_with("Out of memory at step 3, backward, micro-batch size 4: asked 64 B with 790 B live of a 800 B limit (10 B free): loss/logits 300 B (38%)"), "{}", b.text);
+        assert!(b.text.starts_with("Out of memory at step 3, backward, micro-batch size 4: asked 64 B with 790 B live of a 800 B limit (10 B free): \
+            loss/logits 300 B (38%)"), "{}", b.text);
         assert!(
             b.text
                 .contains("activations 120 B (15%) (of which block.0 120 B), 50 B of it kept from earlier steps"),

@@ -132,7 +132,7 @@ impl Run<'_> {
         // Test-only: `OOMGUARD_TEST_RANK_WEIGHTS=1` has every other rank write its own copy,
         // `model.rank-R.safetensors`, so a test can see that the ranks hold one set.
         let path = match self.pg.as_ref().map(|p| p.rank) {
-            Some(r) if r > 0 && std::env::var_os("OOMGUARD_TEST_RANK_WEIGHTS").is_some() => {
+            Some(r) if r > 0 && test_hook!("OOMGUARD_TEST_RANK_WEIGHTS").is_some() => {
                 self.run_dir.join(format!("model.rank-{r}.safetensors"))
             }
             _ if !self.lead => return Ok(()),

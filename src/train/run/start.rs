@@ -408,7 +408,8 @@ pub fn check_world(global: usize, world: usize, origin: &str) -> Result<()> {
         origin: origin.into(),
         line_col: None,
         key: "train.global_batch_size".into(),
-        message: format!("is {global}, smaller than the {world} ranks: each rank needs at least one sample of every step; use a global batch of at least {world} (or fewer ranks)"),
+        message: format!("is {global}, smaller than the {world} ranks: each rank needs at least one sample of every step; use a global batch of at \
+            least {world} (or fewer ranks)"),
     }
     .into())
 }
@@ -493,7 +494,8 @@ fn check_loss(task: &dyn Task, data: &Dataset, device: Device, cfg: &Config, pre
     };
     match loss.map_err(Error::from) {
         Ok(loss) if loss.numel() == 1 && float(&loss) && users && !loss.requires_grad() => Err(bad(format!(
-            "{}: the loss on {samples} has no gradient (it does not depend on the parameters through autograd: detached, computed under no_grad, or converted with .item()); return the loss tensor as computed",
+            "{}: the loss on {samples} has no gradient (it does not depend on the parameters through autograd: detached, computed under no_grad, or \
+                converted with .item()); return the loss tensor as computed",
             task.describe()
         ))),
         Ok(loss) if loss.numel() == 1 && float(&loss) => Ok(()),
@@ -544,7 +546,8 @@ fn resumed_precision(precision: &mut Precision, saved: Option<Precision>, set: b
 fn known_good(key: &str, configured: usize) -> usize {
     match plan::cached(key) {
         Some(known) if known < configured => {
-            tracing::info!("starting at micro-batch {known}, not {configured}: an earlier run of this model on this memory ran out above it (the micro-batch cache)");
+            tracing::info!("starting at micro-batch {known}, not {configured}: an earlier run of this model on this memory ran out above it (the \
+                micro-batch cache)");
             known
         }
         _ => configured,

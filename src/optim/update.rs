@@ -1,0 +1,223 @@
+//! One optimizer step in two halves: `prepare` makes every allocation and changes nothing;
+//! `commit` runs the fused AdamW kernels (csrc/optim.cpp), allocating nothing.
+use std::ffi::{c_char, c_void};
+use tch::{Kind, TchError, Tensor};
+
+use super::zero::Buffers;
+use super::{ptrs, AdamW};
+use crate::error::{Error, Result as OgResult};
+use crate::memory::check;
+
+extern "C" {
+    fn og_adamw_commit(
+        params: *const *mut c_void,
+        exp_avgs: *const *mut c_void,
+        exp_avg_sqs: *const *mut c_void,
+        steps: *const *mut c_void,
+        next_steps: *const *mut c_void,
+        n: i32,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+        found_inf: *mut c_void,
+    ) -> *mut c_char;
+    fn og_adamw_update(
+        params: *const *mut c_void,
+        grads: *const *mut c_void,
+        exp_avgs: *const *mut c_void,
+        exp_avg_sqs: *const *mut c_void,
+        steps: *const *mut c_void,
+        n: i32,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+        found_inf: *mut c_void,
+    ) -> *mut c_char;
+}
+
+/// A step's allocations, made before anything changes (`AdamW::prepare`).
+pub struct Prepared {
+    step: u64,
+    next: Vec<Vec<Tensor>>,
+    found_inf: Option<Tensor>,
+    /// Sharded: the all-gather's buffers for the updated parameters.
+    gather: Option<Buffers>,
+}
+
+impl AdamW {
+    /// Applies optimizer step `step` (once: a second call for the same step is refused):
+    /// `prepare` then `commit`.
+    pub fn step(&mut self, step: u64, lr: f64) -> OgResult<()> {
+        let prepared = self.prepare(step, None)?;
+        self.commit(prepared, lr)
+    }
+
+    /// The allocating half of a step, which changes nothing: the step counts after the
+    /// update (unchanged where fp16's `found_inf` is 1: the update will be skipped, on the
+    /// device). An OOM here leaves the optimizer exactly as it was.
+    pub fn prepare(&self, step: u64, found_inf: Option<&Tensor>) -> OgResult<Prepared> {
+        if self.last_step.is_some_and(|last| step <= last) {
+            return Err(Error::Torch(TchError::Kind(format!(
+                "optimizer step {step} was already applied (last: {:?})",
+                self.last_step
+            ))));
+        }
+        // Each count plus one; `commit` takes found_inf off in place. Not here: under ZeRO-2
+        // the flag is this rank's own shard's until the ranks' MAX, which comes after.
+        let next = self
+            .groups
+            .iter()
+            .map(|g| {
+                g.steps
+                    .iter()
+                    .map(|s| crate::ops::add_scalar(s, 1.0))
+                    .collect::<Result<_, _>>()
+            })
+            .collect::<Result<_, TchError>>()?;
+        let gather = self
+            .zero
+            .as_ref()
+            .map(|z| Buffers::new(&z.layout, Kind::Float, z.exp_avg.device()))
+            .transpose()?;
+        Ok(Prepared {
+            step,
+            next,
+            found_inf: found_inf.map(Tensor::shallow_clone),
+            gather,
+        })
+    }
+
+    /// The half that changes the parameters, moments and step counts; it allocates nothing,
+    /// so once begun it completes.
+    pub fn commit(&mut self, prepared: Prepared, lr: f64) -> OgResult<()> {
+        let Prepared {
+            step,
+            next,
+            found_inf,
+            gather,
+        } = prepared;
+        if let Some(f) = &found_inf {
+            // A skipped update (the ranks' flag, now agreed) does not count: in place.
+            for n in next.iter().flatten() {
+                let _ = n.shallow_clone().f_sub_(f)?;
+            }
+        }
+        let inf = found_inf
+            .as_ref()
+            .map_or(std::ptr::null_mut(), |f| f.as_ptr() as *mut c_void);
+        if let Some(gather) = gather {
+            self.commit_shard(&next, inf, lr).map_err(|e| partial(step, e))?;
+            // Every rank's updated shard to every rank. A failure here is a collective's
+            // (a peer gone): the group restarts from the last checkpoint.
+            self.gather_params(&gather)?;
+            self.last_step = Some(step);
+            if let Some(z) = self.zero.as_mut() {
+                z.grad = None;
+            }
+            return Ok(());
+        }
+        for (g, next) in self.groups.iter().zip(&next) {
+            let n = g.params.len() as i32;
+            let (p, m, v, s, ns) = (
+                ptrs(&g.params),
+                ptrs(&g.exp_avg),
+                ptrs(&g.exp_avg_sq),
+                ptrs(&g.steps),
+                ptrs(next),
+            );
+            let done = check(unsafe {
+                og_adamw_commit(
+                    p.as_ptr(),
+                    m.as_ptr(),
+                    v.as_ptr(),
+                    s.as_ptr(),
+                    ns.as_ptr(),
+                    n,
+                    lr,
+                    self.cfg.beta1,
+                    self.cfg.beta2,
+                    g.weight_decay,
+                    self.cfg.eps,
+                    inf,
+                )
+            });
+            if let Err(e) = done {
+                return Err(partial(step, e));
+            }
+        }
+        self.last_step = Some(step);
+        Ok(())
+    }
+
+    /// The fused kernel over this rank's pieces; every step count advances (the ranks count
+    /// alike).
+    fn commit_shard(&self, next: &[Vec<Tensor>], inf: *mut c_void, lr: f64) -> Result<(), TchError> {
+        let z = self.zero.as_ref().expect("sharded");
+        for (g, next) in self.groups.iter().zip(next) {
+            for (s, n) in g.steps.iter().zip(next) {
+                s.shallow_clone().f_copy_(n)?;
+            }
+        }
+        let index = self.index();
+        for (gi, g) in self.groups.iter().enumerate() {
+            let (mut p, mut gr, mut m, mut v, mut s) = (vec![], vec![], vec![], vec![], vec![]);
+            for piece in z.pieces.iter().filter(|pc| index[pc.param].0 == gi) {
+                let param = &g.params[index[piece.param].1];
+                p.push(param.f_view([-1])?.f_narrow(0, piece.at, piece.len)?);
+                gr.push(match &z.grad {
+                    Some(grad) => grad.f_narrow(0, piece.in_shard, piece.len)?,
+                    None => param.grad().f_view([-1])?.f_narrow(0, piece.at, piece.len)?,
+                });
+                m.push(z.exp_avg.f_narrow(0, piece.in_shard, piece.len)?);
+                v.push(z.exp_avg_sq.f_narrow(0, piece.in_shard, piece.len)?);
+                s.push(g.steps[index[piece.param].1].shallow_clone());
+            }
+            let (p, gr, m, v, s) = (ptrs(&p), ptrs(&gr), ptrs(&m), ptrs(&v), ptrs(&s));
+            check(unsafe {
+                og_adamw_update(
+                    p.as_ptr(),
+                    gr.as_ptr(),
+                    m.as_ptr(),
+                    v.as_ptr(),
+                    s.as_ptr(),
+                    p.len() as i32,
+                    lr,
+                    self.cfg.beta1,
+                    self.cfg.beta2,
+                    g.weight_decay,
+                    self.cfg.eps,
+                    inf,
+                )
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The all-gather of the updated parameters, a chunk at a time.
+    fn gather_params(&self, b: &Buffers) -> OgResult<()> {
+        let z = self.zero.as_ref().expect("sharded");
+        let _no_grad = tch::no_grad_guard();
+        let flat = self.flat_params()?;
+        let (l, w) = (&z.layout, z.layout.world as i64);
+        for c in l.chunks() {
+            let own = b.own.f_narrow(0, 0, c.1)?;
+            l.pack(&flat, l.rank as i64 * l.shard + c.0, &own)?;
+            let all = b.all.f_narrow(0, 0, w * c.1)?;
+            z.comm.all_gather(&own, &all)?;
+            l.unpack_all(&all, c, &flat)?;
+        }
+        Ok(())
+    }
+}
+
+/// A commit that failed part-way: never retried (it is not an OOM to the guard).
+fn partial(step: u64, e: impl std::fmt::Display) -> Error {
+    Error::PartialUpdate(format!(
+        "the optimizer update of step {step} failed part-way ({e}); the parameters may be partly updated, so the run stops here: resume from the last \
+            checkpoint"
+    ))
+}
