@@ -609,7 +609,8 @@ fn a_script_of_ones_own_is_swept_through_oomguard_launch() {
     // A trial that cannot fit, beside one that can.
     let file = dir.path().join("sweep.yaml");
     let script = root.join("examples/sweep/script/train.py");
-    std::fs::write(&file, format!("program: {}\ncommand: [oomguard, launch, '${{program}}', '${{args}}']\nmetric: {{name: loss, goal: minimize}}\nparameters:\n  scratch_mib: {{values: [0, 1.0e9]}}\n  steps: {{value: 3}}\n", script.display())).unwrap();
+    std::fs::write(&file, format!("program: {}\ncommand: [oomguard, launch, '${{program}}', '${{args}}']\nmetric: {{name: loss, goal: minimize}}\n\
+        parameters:\n  scratch_mib: {{values: [0, 1.0e9]}}\n  steps: {{value: 3}}\n", script.display())).unwrap();
     let out = dir.path().join("infeasible");
     let o = run(&file, &out);
     assert!(o.status.success(), "{}", common::stderr(&o));

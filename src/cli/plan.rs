@@ -159,7 +159,8 @@ fn per_rank(args: &PlanArgs, estimate: &Estimate, memory: u64, global: usize, wh
             ),
             None => match ranks {
                 Some(w) => println!("nothing fits on {n} ranks, even sharded; {w} ranks with train.shard: optimizer would fit micro-batch 1"),
-                None => println!("nothing fits on any number of ranks: the parameters, their gradients and one sample alone need more than {}", human_bytes(memory)),
+                None => println!("nothing fits on any number of ranks: the parameters, their gradients and one sample alone need more than \
+                    {}", human_bytes(memory)),
             },
         }
     }

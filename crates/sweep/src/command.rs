@@ -94,12 +94,14 @@ pub fn read(
                 _ => rest,
             };
             if let Some(w) = rest.iter().find(|w| !is_args(w)) {
-                return Err(refuse(format!("passes `{w}` to oomguard train; only the parameter macros (${{args}}, ${{args_no_hyphens}}, ${{args_json}}, ${{args_json_file}}) and the base config may follow")));
+                return Err(refuse(format!("passes `{w}` to oomguard train; only the parameter macros (${{args}}, ${{args_no_hyphens}}, ${{args_json}}, \
+                    ${{args_json_file}}) and the base config may follow")));
             }
             if rest.is_empty() {
                 return Err(refuse(passes_none.into()));
             }
-            let notice = format!("is read as `oomguard train {shown} --set KEY=VALUE ...` (${{env}} and ${{interpreter}} dropped; ${{args}} and its kin are the parameters)");
+            let notice = format!("is read as `oomguard train {shown} --set KEY=VALUE ...` (${{env}} and ${{interpreter}} dropped; ${{args}} and its \
+                kin are the parameters)");
             Ok((
                 Runner::Train {
                     base: base.to_path_buf(),
@@ -109,7 +111,11 @@ pub fn read(
         }
         [exe, sub, rest @ ..] if is_oomguard(exe) && sub == "launch" => {
             if base.is_some() {
-                return Err(ConfigError::invalid("base", "is for trials that run `oomguard train`; this command runs a script under `oomguard launch`, whose parameters reach it as arguments: remove base"));
+                return Err(ConfigError::invalid(
+                    "base",
+                    "is for trials that run `oomguard train`; this command runs a script under `oomguard launch`, \
+                    whose parameters reach it as arguments: remove base",
+                ));
             }
             if let Some(w) = rest.iter().find(|w| {
                 ["--run-dir", "--run_dir"]
@@ -122,7 +128,8 @@ pub fn read(
                 return Err(refuse(passes_none.into()));
             }
             let notice = format!(
-                "runs each trial as `oomguard launch --run-dir TRIAL_DIR {}` (${{env}} and ${{interpreter}} dropped; ${{args}} is --KEY=VALUE per parameter, as W&B's agent passes them)",
+                "runs each trial as `oomguard launch --run-dir TRIAL_DIR {}` (${{env}} and ${{interpreter}} dropped; ${{args}} is --KEY=VALUE per \
+                    parameter, as W&B's agent passes them)",
                 rest.join(" ")
             );
             Ok((

@@ -8,7 +8,9 @@
 //! let dir = std::env::temp_dir().join(format!("oomguard-sweep-doc-{}", std::process::id()));
 //! std::fs::create_dir_all(&dir)?;
 //! std::fs::write(dir.join("base.yaml"), "train: {max_steps: 10}\n")?;
-//! std::fs::write(dir.join("sweep.yaml"), "base: base.yaml\nmethod: grid\nparameters:\n  optim.lr: {values: [1.0e-3, 3.0e-3]}\n  model.n_layer: {values: [2, 4]}\n")?;
+//! let sweep_file = "base: base.yaml\nmethod: grid\nparameters:\n  \
+//!     optim.lr: {values: [1.0e-3, 3.0e-3]}\n  model.n_layer: {values: [2, 4]}\n";
+//! std::fs::write(dir.join("sweep.yaml"), sweep_file)?;
 //! let sweep = oomguard_sweep::load(&dir.join("sweep.yaml"))?;
 //! assert_eq!(sweep.trials.len(), 4);
 //! // A key the file format does not know is refused, naming the file and the key (exit 2).

@@ -143,7 +143,8 @@ pub(super) fn early_stop(
     if let Some((m, s)) = max_iter.filter(|(m, s)| hyperband_bands(*m, *s, eta).iter().all(|b| *b >= max_steps)) {
         return Err(ConfigError::invalid(
             "early_terminate.max_iter",
-            format!("({m}, with s {s} and eta {eta}) puts no rung below max_steps {max_steps} (W&B's bands: {:?}); give a max_iter near the trials' train.max_steps, or min_iter", hyperband_bands(m, s, eta)),
+            format!("({m}, with s {s} and eta {eta}) puts no rung below max_steps {max_steps} (W&B's bands: {:?}); give a max_iter near the trials' \
+                train.max_steps, or min_iter", hyperband_bands(m, s, eta)),
         ));
     }
     if min_steps == 0 || min_steps >= max_steps {
@@ -200,7 +201,11 @@ pub(super) fn hyperband(t: &RawEarlyTerminate) -> Result<Hyperband, ConfigError>
     }
     let eta = t.eta as u64;
     if t.strict == Some(false) {
-        return Err(ConfigError::invalid("early_terminate.strict", "is false (W&B: compare a run's best value so far); oomguard cannot honour it: a rung compares the value at the rung, W&B's strict: true (its default): remove strict or give true"));
+        return Err(ConfigError::invalid(
+            "early_terminate.strict",
+            "is false (W&B: compare a run's best value so far); oomguard cannot honour it: a \
+            rung compares the value at the rung, W&B's strict: true (its default): remove strict or give true",
+        ));
     }
     if let Some(m) = t.min_iter.filter(|m| *m < 1) {
         return Err(ConfigError::invalid(
@@ -225,7 +230,8 @@ pub(super) fn hyperband(t: &RawEarlyTerminate) -> Result<Hyperband, ConfigError>
             let bands = hyperband_bands(m as u64, s as u64, eta);
             match bands.first() {
                 Some(first) => Ok((*first, eta, Some((m as u64, s as u64)))),
-                None => Err(ConfigError::invalid("early_terminate.max_iter", format!("is {m} with eta {eta}: no band (W&B's engine: \"Bands must be an array of length at least 1. Try increasing s, decreasing eta, or increasing min_iter.\"); give max_iter of eta or more"))),
+                None => Err(ConfigError::invalid("early_terminate.max_iter", format!("is {m} with eta {eta}: no band (W&B's engine: \"Bands must be an \
+                    array of length at least 1. Try increasing s, decreasing eta, or increasing min_iter.\"); give max_iter of eta or more"))),
             }
         }
         (_, _, Some(min)) => Ok((min as u64, eta, None)),

@@ -69,7 +69,8 @@ pub(super) fn metric(raw: &RawMetric) -> Result<(Metric, Option<f64>), ConfigErr
             }
             match w.impute.as_deref() {
                 None | Some("worst") => {}
-                Some(i @ ("latest" | "best")) => return Err(ConfigError::invalid("metric.impute", format!("is {i}; oomguard cannot honour it: model-based search counts a failed or infeasible trial as bad (W&B's worst): remove impute or give worst"))),
+                Some(i @ ("latest" | "best")) => return Err(ConfigError::invalid("metric.impute", format!("is {i}; oomguard cannot honour it: \
+                    model-based search counts a failed or infeasible trial as bad (W&B's worst): remove impute or give worst"))),
                 Some(i) => return Err(ConfigError::invalid("metric.impute", format!("'{i}' is not one of ['latest', 'best', 'worst'] (W&B's schema)"))),
             }
             match &w.impute_while_running {

@@ -226,7 +226,8 @@ pub fn load(path: &Path) -> Result<Sweep, ConfigError> {
         (None, Some(b)) => (Runner::Train { base: b.clone() }, None),
         (None, None) => return Err(at(ConfigError::invalid(
             "base",
-            "is missing; give the config every trial starts from (relative to the sweep file), or a W&B command that runs your script: command: [oomguard, launch, ${program}, ${args}]",
+            "is missing; give the config every trial starts from (relative to the sweep file), or a W&B command that runs your script: command: \
+                [oomguard, launch, ${program}, ${args}]",
         ))),
     };
     let base = match &runner {
@@ -409,7 +410,8 @@ fn method(raw: Option<&str>) -> Result<Method, ConfigError> {
 /// A script's trials (`oomguard launch` in `command`) run it whole: what needs oomguard
 /// train's config or checkpoints is refused, naming the nearest thing.
 fn script_limits(raw: &RawSweep) -> Result<(), ConfigError> {
-    let why = "a script under oomguard launch runs each trial whole (it cannot be paused at a rung and resumed, as oomguard train's trials are): remove it, or run the trials as oomguard train";
+    let why = "a script under oomguard launch runs each trial whole (it cannot be paused at a rung and resumed, as oomguard train's trials are): \
+        remove it, or run the trials as oomguard train";
     if raw.early_terminate.is_some() {
         return Err(ConfigError::invalid("early_terminate", why));
     }
@@ -466,8 +468,8 @@ mod tests {
     use super::early_stop::hyperband_bands;
     use super::params::scalar;
     use super::*;
-    use serde_json::json;
     use crate::domain::Scale;
+    use serde_json::json;
     use serde_json::Value;
 
     fn values(v: &[Value]) -> Domain {
@@ -601,7 +603,8 @@ mod tests {
 
     #[test]
     fn wandb_keys_map_or_are_refused_by_name() {
-        let s = load_yaml("base: base.yaml\nmethod: bayes\nrun_cap: 20\nmetric: {name: loss}\nearly_terminate: {type: hyperband, min_iter: 3}\nparameters:\n  optim.lr: {distribution: log_uniform_values, min: 1.0e-4, max: 1.0e-2}\n").unwrap();
+        let s = load_yaml("base: base.yaml\nmethod: bayes\nrun_cap: 20\nmetric: {name: loss}\nearly_terminate: {type: hyperband, min_iter: 3}\n\
+            parameters:\n  optim.lr: {distribution: log_uniform_values, min: 1.0e-4, max: 1.0e-2}\n").unwrap();
         assert_eq!((s.method, s.count, s.metric), (Method::Bayes, 20, Metric::FinalLoss));
         assert_eq!(
             s.early_stop,
@@ -614,9 +617,17 @@ mod tests {
             })
         );
         // W&B's log_uniform (exponents) is deprecated: W&B's schema refuses it, in its words.
-        let e = load_yaml("base: base.yaml\nmethod: random\nrun_cap: 50\nprogram: x.py\nparameters:\n  optim.lr: {distribution: log_uniform, min: -9.2, max: -4.6}\n").unwrap_err();
-        assert!(format!("{e}").contains("optim.lr uses log_uniform, where min/max specify base-e exponents. Use log_uniform_values to specify limit values."), "{e}");
-        assert!(format!("{e}").contains("read as a W&B sweep file (it sets `program`); in oomguard's own format, log_uniform takes the values themselves"), "{e}");
+        let e = load_yaml("base: base.yaml\nmethod: random\nrun_cap: 50\nprogram: x.py\nparameters:\n  optim.lr: {distribution: log_uniform, min: \
+            -9.2, max: -4.6}\n").unwrap_err();
+        assert!(format!("{e}").contains("optim.lr uses log_uniform, where min/max specify base-e exponents. Use log_uniform_values to specify limit \
+            values."), "{e}");
+        assert!(
+            format!("{e}").contains(
+                "read as a W&B sweep file (it sets `program`); in oomguard's own format, log_uniform takes the values \
+            themselves"
+            ),
+            "{e}"
+        );
         for (yaml, key) in [
             ("metric: {name: accuracy, goal: maximize}\n", "accuracy"),
             ("metric: {name: val_loss, goal: maximize}\n", "metric.goal"),
@@ -726,7 +737,14 @@ mod tests {
         assert_eq!(hyperband_bands(100, 3, 3), [3, 11, 33]);
         assert_eq!(hyperband_bands(5, 2, 2), [1, 2]);
         assert_eq!(hyperband_bands(2, 2, 3), Vec::<u64>::new());
-        let s = load_yaml("base: base.yaml\nmethod: grid\nmetric: {name: val_loss, goal: minimize, target: 4.5}\nearly_terminate: {type: hyperband, max_iter: 27, s: 2}\ncommand: ['${env}', oomguard, train, '${args_no_hyphens}']\nparameters:\n  optim:\n    parameters:\n      lr: {values: [0.001, 0.01]}\n      beta1: {value: 0.9}\n  model: {parameters: {n_layer: {values: [1, 2]}}}\n").unwrap();
+        let s = load_yaml(
+            "base: base.yaml\nmethod: grid\nmetric: {name: val_loss, goal: minimize, target: 4.5}\n\
+             early_terminate: {type: hyperband, max_iter: 27, s: 2}\n\
+             command: ['${env}', oomguard, train, '${args_no_hyphens}']\n\
+             parameters:\n  optim:\n    parameters:\n      lr: {values: [0.001, 0.01]}\n      beta1: {value: 0.9}\n\
+             \x20 model: {parameters: {n_layer: {values: [1, 2]}}}\n",
+        )
+        .unwrap();
         let es = s.early_stop.unwrap();
         assert_eq!(
             (es.rungs(), es.min_steps, es.max_iter),
@@ -757,7 +775,8 @@ mod tests {
         let s = load_yaml("base: base.yaml\nearly_terminate: {type: hyperband, max_iter: 81, s: 3, eta: 3}\nparameters:\n  optim.lr: {values: [1]}\n").unwrap();
         assert_eq!(s.early_stop.unwrap().rungs(), [3, 9, 27]);
         // `program` with a command that runs it through oomguard train is honoured too.
-        let s = load_yaml("base: base.yaml\nprogram: oomguard train\ncommand: ['${program}', base.yaml, '${args_json_file}']\nparameters:\n  optim.lr: {values: [1]}\n").unwrap();
+        let s = load_yaml("base: base.yaml\nprogram: oomguard train\ncommand: ['${program}', base.yaml, '${args_json_file}']\nparameters:\n  optim.lr: \
+            {values: [1]}\n").unwrap();
         assert_eq!(s.notices.len(), 1, "{:?}", s.notices);
     }
 
@@ -765,7 +784,8 @@ mod tests {
     /// as the script's arguments, and what needs oomguard train refused by key.
     #[test]
     fn a_script_under_launch_is_a_runner_of_its_own() {
-        let file = "method: grid\nprogram: train.py\nmetric: {name: val_loss, goal: minimize}\ncommand: ['${env}', '${interpreter}', oomguard, launch, --nproc-per-node, 2, '${program}', '${args}']\nparameters:\n  lr: {values: [0.1, 0.2]}\n  hidden: {value: 8}\n";
+        let file = "method: grid\nprogram: train.py\nmetric: {name: val_loss, goal: minimize}\ncommand: ['${env}', '${interpreter}', oomguard, launch, \
+            --nproc-per-node, 2, '${program}', '${args}']\nparameters:\n  lr: {values: [0.1, 0.2]}\n  hidden: {value: 8}\n";
         let s = load_yaml(file).unwrap();
         let words: Vec<String> = ["--nproc-per-node", "2", "train.py", "${args}"]
             .map(String::from)

@@ -82,7 +82,11 @@ pub(super) fn flatten<'a>(
                     && p.sigma.is_none()
                     && p.probabilities.is_none();
                 if !alone {
-                    return Err(ConfigError::invalid(&format!("parameters.{path}"), "holds nested `parameters` and a distribution of its own; a nested parameter takes `parameters` only (W&B's schema: not valid under any of the given schemas)"));
+                    return Err(ConfigError::invalid(
+                        &format!("parameters.{path}"),
+                        "holds nested `parameters` and a distribution of its own; a nested \
+                        parameter takes `parameters` only (W&B's schema: not valid under any of the given schemas)",
+                    ));
                 }
                 if nested.is_empty() {
                     return Err(ConfigError::invalid(
@@ -120,7 +124,11 @@ pub(super) fn domain(
             serde_yaml::Value::Bool(_) | serde_yaml::Value::Number(_) | serde_yaml::Value::String(_) => {
                 serde_json::to_value(v).map_err(|e| ConfigError::invalid(&k, e.to_string()))
             }
-            serde_yaml::Value::Mapping(_) => Err(ConfigError::invalid(&k, "a value that is a mapping cannot be set as one config key; give each key its own parameter (optim.lr), or nest them under `parameters:` as W&B does")),
+            serde_yaml::Value::Mapping(_) => Err(ConfigError::invalid(
+                &k,
+                "a value that is a mapping cannot be set as one config key; give each key \
+                its own parameter (optim.lr), or nest them under `parameters:` as W&B does",
+            )),
             _ => Err(ConfigError::invalid(&k, "values must be numbers, strings or booleans")),
         }
     };
@@ -268,24 +276,42 @@ pub(super) fn domain(
                     values.push(v);
                 }
             }
+            let bad = |why: String| Err(ConfigError::invalid(&format!("{k}.probabilities"), why));
+            let sum = |w: &[f64]| w.iter().sum::<f64>();
             let weights = match &p.probabilities {
                 None => None,
-                Some(w) if wandb && w.len() != vs.len() => return Err(ConfigError::invalid(&format!("{k}.probabilities"), format!("Parameter {key}: values and probabilities are not the same length ({} and {}; W&B's schema)", vs.len(), w.len()))),
-                Some(w) if wandb && (w.iter().sum::<f64>() - 1.0).abs() > 1e-8 + 1e-5 => return Err(ConfigError::invalid(&format!("{k}.probabilities"), format!("Parameter {key}: Probabilities {w:?} do not sum to 1 (W&B's schema)"))),
-                Some(w) if w.len() == vs.len() && values.len() == vs.len() && w.iter().all(|x| *x >= 0.0) && (w.iter().sum::<f64>() - 1.0).abs() < 1e-6 => Some(w.clone()),
-                Some(_) => return Err(ConfigError::invalid(&format!("{k}.probabilities"), "give one probability of 0 or more per distinct value, summing to 1")),
+                Some(w) if wandb && w.len() != vs.len() => {
+                    let (n, m) = (vs.len(), w.len());
+                    return bad(format!(
+                        "Parameter {key}: values and probabilities are not the same length ({n} and {m}; W&B's schema)"
+                    ));
+                }
+                Some(w) if wandb && (sum(w) - 1.0).abs() > 1e-8 + 1e-5 => {
+                    return bad(format!("Parameter {key}: Probabilities {w:?} do not sum to 1 (W&B's schema)"));
+                }
+                Some(w)
+                    if w.len() == vs.len()
+                        && values.len() == vs.len()
+                        && w.iter().all(|x| *x >= 0.0)
+                        && (sum(w) - 1.0).abs() < 1e-6 =>
+                {
+                    Some(w.clone())
+                }
+                Some(_) => return bad("give one probability of 0 or more per distinct value, summing to 1".into()),
             };
             Ok(Domain::Values { values, weights })
         }
         "int_uniform" => {
             unused(&["min", "max"])?;
             if wandb && !(min.is_some_and(|m| m.1) && max.is_some_and(|m| m.1)) {
-                return Err(ConfigError::invalid(&k, "int_uniform takes integer min and max (W&B's schema: not valid under any of the given schemas); write them as integers, or use uniform"));
+                return Err(ConfigError::invalid(&k, "int_uniform takes integer min and max (W&B's schema: not valid under any of the given schemas); \
+                    write them as integers, or use uniform"));
             }
             let (lo, hi) = bounds(false)?;
             let (lo, hi) = (lo.ceil(), hi.floor());
             if lo > hi {
-                return Err(ConfigError::invalid(&k, format!("int_uniform has no integer in [min, max] = [{}, {}]; widen it to hold one", min.unwrap_or_default().0, max.unwrap_or_default().0)));
+                return Err(ConfigError::invalid(&k, format!("int_uniform has no integer in [min, max] = [{}, {}]; widen it to hold \
+                    one", min.unwrap_or_default().0, max.unwrap_or_default().0)));
             }
             Ok(Domain::Int { min: lo as i64, max: hi as i64 })
         }
@@ -297,7 +323,17 @@ pub(super) fn domain(
         // does a W&B file here, with its words. Ours takes values.
         "log_uniform" | "q_log_uniform" | "inv_log_uniform" if wandb => Err(ConfigError::invalid(
             &format!("{k}.distribution"),
-            format!("{key} uses {dist}, where min/max specify base-e exponents. Use {dist}_values to specify limit values. (W&B's schema){}. This file is read as a W&B sweep file ({}); in oomguard's own format, log_uniform takes the values themselves", if dist == "inv_log_uniform" { "; oomguard has no inv_log_uniform_values either: use log_uniform_values" } else { "" }, read_as_wandb.unwrap_or_default()),
+            format!(
+                "{key} uses {dist}, where min/max specify base-e exponents. Use {dist}_values to specify limit values. \
+                 (W&B's schema){}. This file is read as a W&B sweep file ({}); in oomguard's own format, log_uniform \
+                 takes the values themselves",
+                if dist == "inv_log_uniform" {
+                    "; oomguard has no inv_log_uniform_values either: use log_uniform_values"
+                } else {
+                    ""
+                },
+                read_as_wandb.unwrap_or_default()
+            ),
         )),
         "log_uniform" => real(Scale::Log, true, false),
         "normal" => normal(Scale::Linear, false),
@@ -306,7 +342,8 @@ pub(super) fn domain(
         "q_log_normal" => normal(Scale::Log, true),
         other => Err(ConfigError::invalid(
             &format!("{k}.distribution"),
-            format!("`{other}` is not supported; use constant, categorical, int_uniform, uniform, q_uniform, log_uniform_values, q_log_uniform_values, normal, q_normal, log_normal or q_log_normal"),
+            format!("`{other}` is not supported; use constant, categorical, int_uniform, uniform, q_uniform, log_uniform_values, q_log_uniform_values, \
+                normal, q_normal, log_normal or q_log_normal"),
         )),
     }
 }
@@ -335,7 +372,11 @@ pub fn grid(domains: &[(String, Domain)]) -> Result<Vec<Trial>, ConfigError> {
     let mut combos: Vec<BTreeMap<String, Value>> = vec![BTreeMap::new()];
     for (key, d) in domains {
         let values = d.grid_values().ok_or_else(|| {
-            ConfigError::invalid(&format!("parameters.{key}"), "a grid takes value, values (without probabilities), int_uniform or q_uniform; other distributions need method: random, bayes or tpe")
+            ConfigError::invalid(
+                &format!("parameters.{key}"),
+                "a grid takes value, values (without probabilities), int_uniform or q_uniform; other \
+                distributions need method: random, bayes or tpe",
+            )
         })?;
         combos = combos
             .into_iter()
