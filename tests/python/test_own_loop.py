@@ -73,7 +73,8 @@ def test_infeasible_exits_with_what_would_fit(tmp_path):
     # Each sample's loss allocates 400 MiB more: even micro-batch 1 cannot fit 60 MiB.
     r = run_loop(tmp_path, "infeasible", "--guard", "--cap-mb", "60", "--sample-mb", "400", "--steps", "1")
     assert r.code == 1, r.out
-    assert "oomguard._guard.Infeasible: step 0: the step does not fit in memory even at micro-batch 1" in r.out
+    # Printed as oomguard.Infeasible: the line `oomguard launch` reads as exit 3.
+    assert "oomguard.Infeasible: step 0: the step does not fit in memory even at micro-batch 1" in r.out
     assert "the failed allocation wanted 400.0 MiB" in r.out
     halvings = re.findall(r"micro-batch (\d+) -> (\d+|none left)", r.out)
     assert [int(a) for a, _ in halvings[:11]] == [1024 >> i for i in range(11)]
