@@ -1,5 +1,5 @@
-//! `oomguard train CONFIG`, and the same command for a Rust program's own model
-//! (`main_with`).
+//! Owns `oomguard train CONFIG`, and the same command for a Rust program's model (`main_with`).
+//! Keeps: a resume whose config changes the trajectory is refused unless `--allow-change`.
 use anyhow::Context;
 use clap::Parser;
 use std::ffi::OsString;
