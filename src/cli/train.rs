@@ -1,5 +1,5 @@
 //! Owns `oomguard train CONFIG`, and the same command for a Rust program's model (`main_with`).
-//! Keeps: a resume whose config changes the trajectory is refused unless `--allow-change`.
+//! Keeps: a run is never overwritten: a fresh run refuses a directory that already holds one.
 use anyhow::Context;
 use clap::Parser;
 use std::ffi::OsString;
