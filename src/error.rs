@@ -1,6 +1,5 @@
-//! The crate's error type. OOM is typed: every libtorch error passes through `From<TchError>`
-//! below, which asks `classify_oom` (oomguard-host's oom.rs, the one place that knows
-//! libtorch's messages).
+//! Owns the crate's error type, with OOM typed.
+//! Keeps: every libtorch error passes through `From<TchError>`, which asks `classify_oom`.
 use std::ffi::{c_char, CStr};
 use tch::TchError;
 

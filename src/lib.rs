@@ -1,4 +1,6 @@
-//! oomguard: a tch (libtorch) training runtime that never dies of an out-of-memory error.
+//! Owns the runtime: a tch (libtorch) trainer that never dies of an out-of-memory error.
+//! Keeps: every sample of the global batch is trained exactly once per step, whatever the guard
+//! does to the micro-batch.
 //!
 //! The flow of one optimizer step: `config` → a `task::Task` (the GPT, a TorchScript module or
 //! a Rust program's own model) → `data::sample_positions(seed, step)` picks the samples →

@@ -1,5 +1,6 @@
-//! `oomguard`: runs `launch` and `report` here (no libtorch is loaded) and hands every
-//! other command to oomguard-torch beside it.
+//! Owns `oomguard`: runs `launch`, `sweep` and `report` itself and hands every other command
+//! to oomguard-torch beside it, by exec.
+//! Keeps: only the libtorch-free crates are used here, so libtorch is never loaded.
 use clap::Parser;
 use oomguard_cli::{self as cli, Cli, Command};
 

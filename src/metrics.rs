@@ -1,5 +1,5 @@
-//! metrics.jsonl (one JSON object per line, flushed as written, so a crash loses nothing
-//! already recorded), the `log` section, and the run's log file.
+//! Owns metrics.jsonl, the `log` section and the run's log file.
+//! Keeps: each line is flushed as written, so a crash loses nothing already recorded.
 use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::io::{BufWriter, Write};

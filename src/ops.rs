@@ -1,9 +1,5 @@
-//! Tensor operations that take a scalar, fallible without a panic (csrc/ops.cpp). Use these
-//! instead of tch's `f_mul_scalar`, `f_add_scalar`, `f_arange`, ... anywhere an allocation
-//! can fail: those free their `Scalar` argument through a call that unwraps libtorch's
-//! pending error, so an out-of-memory error in the operation panics instead of coming back
-//! as `Err` (tch 0.26). Every tch operation with a scalar parameter (`S: Into<Scalar>`) has
-//! the flaw; tensor-tensor operations do not.
+//! Owns tensor operations that take a scalar, fallible without a panic (csrc/ops.cpp).
+//! Keeps: an OOM comes back as `Err`; tch's scalar ops must not be used where allocation can fail.
 use std::ffi::{c_char, c_void};
 use std::sync::atomic::{AtomicU64, Ordering};
 use tch::{Device, Kind, TchError, Tensor};

@@ -1,9 +1,6 @@
-//! Mixed precision. `train.precision`: `fp32`, `bf16` or `fp16` (`auto`: bf16 on a GPU that
-//! runs it natively, fp32 on the CPU). The forward runs under autocast (csrc/amp.cpp, for the
-//! CPU and CUDA alike); master weights, gradients and optimizer state stay fp32. fp16 adds
-//! dynamic loss scaling with GradScaler's semantics: the loss is scaled, gradients are
-//! unscaled before clipping, a step whose gradients hold inf or nan is skipped and the scale
-//! backs off, and it grows again after a run of clean steps. The scale is checkpointed.
+//! Owns mixed precision (`train.precision`): autocast, and fp16's dynamic loss scaling.
+//! Keeps: master weights, gradients and optimizer state stay fp32; an fp16 step with inf or nan
+//! gradients is skipped.
 use serde::{Deserialize, Serialize};
 use std::ffi::{c_char, c_void};
 use tch::{Device, Kind, TchError, Tensor};

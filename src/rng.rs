@@ -1,6 +1,5 @@
-//! libtorch's default generators (CPU, and the CUDA device's): saved with checkpoints so
-//! dropout resumes exactly, and replayed by activation checkpointing so a recomputed block
-//! draws the dropout masks it drew the first time.
+//! Owns libtorch's default generators: saved with checkpoints, replayed by recomputation.
+//! Keeps: a resumed run and a recomputed block draw the same dropout masks as the first time.
 use std::ffi::{c_char, c_void};
 use tch::{Device, TchError, Tensor};
 

@@ -1,8 +1,5 @@
-//! SIGINT and SIGTERM: the first asks the run to stop at the next safe point (it then
-//! checkpoints, flushes and exits 130 or 143); a second one exits at once, and so does one
-//! before the first step, when there is nothing to save (a rank waiting for its peers to
-//! form the group would otherwise wait out the timeout). Checkpoints are written
-//! atomically, so exiting at any instant corrupts nothing.
+//! Owns SIGINT and SIGTERM: the first stops at the next safe point, a second exits at once.
+//! Keeps: checkpoints are atomic, so exiting at any instant corrupts nothing.
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 

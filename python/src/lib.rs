@@ -1,9 +1,6 @@
-//! `oomguard._native`: the runtime's own guard policy (crates/policy) for the Python guard,
-//! and the glibc calls that hand freed heap back after an OOM. This module owns no torch
-//! state and links no libtorch (an abi3 wheel, any torch >= 2.1 beside it); the Python front
-//! (python/oomguard/) does the torch work and asks this module every decision. Invariant:
-//! the decisions are `oomguard_policy::Policy`'s, unchanged: the same inputs decide the same
-//! as `oomguard train` does.
+//! Owns `oomguard._native`: the runtime's guard policy for the Python guard, and the glibc
+//! calls that hand freed heap back after an OOM.
+//! Keeps: no torch state and no libtorch; the decisions are `oomguard_policy::Policy`'s, unchanged.
 use oomguard_policy::{Adjust, Observation, OnOom, Policy as Inner, PolicyConfig};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;

@@ -1,4 +1,5 @@
-//! `oomguard-torch`: the commands that need libtorch (oomguard hands them over).
+//! Owns `oomguard-torch`: the binary that links libtorch and runs every command.
+//! Keeps: exit codes are `cli::exit_code`'s, the same contract as `oomguard`'s.
 use clap::Parser;
 use oomguard::cli::{self, Cli};
 

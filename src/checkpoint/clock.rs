@@ -1,7 +1,6 @@
-//! The checkpoint clock (`checkpoint.every_minutes`): when wall time since the last
-//! checkpoint calls for another. Keeps: checkpoints never take more than `MAX_SHARE` of wall
-//! time; a slow write stretches the interval rather than the run. Rank 0 alone asks; the
-//! ranks learn its answer at the step boundary. The decision is `due`, a pure function.
+//! Owns the checkpoint clock (`checkpoint.every_minutes`): when another checkpoint is due.
+//! Keeps: checkpoints never take more than `MAX_SHARE` of wall time; rank 0 alone asks and the
+//! ranks learn its answer at the step boundary.
 use std::time::{Duration, Instant};
 
 /// The most wall time checkpoints may take: the interval is at least their cost / this.

@@ -1,9 +1,6 @@
-//! Checkpoints: `run_dir/checkpoints/step-NNNNNNNN/` holding model.safetensors,
-//! optimizer.safetensors, rng.safetensors and state.json (training state plus the size and
-//! CRC32 of every file, written last). A checkpoint is built in a temporary folder, every
-//! file fsynced, then renamed into place and the parent fsynced (the steps of
-//! `oomguard_report::atomic`, for a folder): a kill at any instant leaves the previous
-//! checkpoint valid.
+//! Owns checkpoints: `run_dir/checkpoints/step-NNNNNNNN/` with the model, optimizer, RNG and
+//! state.json (the size and CRC32 of every file, written last).
+//! Keeps: built in a temporary folder and renamed into place, so the previous one stays valid.
 mod clock;
 mod retention;
 

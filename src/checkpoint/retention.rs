@@ -1,4 +1,5 @@
-//! Which checkpoints to keep: a pure function, tested in place.
+//! Owns which checkpoints to keep: a pure function, tested in place.
+//! Keeps: the newest valid checkpoint is never deleted.
 
 /// A checkpoint as retention sees it.
 #[derive(Debug, Clone, Copy, PartialEq)]

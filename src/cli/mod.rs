@@ -1,5 +1,5 @@
-//! The libtorch side of the command line: `oomguard-torch` runs every command; the
-//! definitions live in the oomguard-cli crate (launch, sweep and report in their own crates), which `oomguard` links alone.
+//! Owns the libtorch side of the command line and its exit codes.
+//! Keeps: exit codes are a contract (0, 1, 2 bad input, 3 does not fit, 130/143 signals).
 pub mod plan;
 pub mod train;
 

@@ -1,4 +1,5 @@
-//! `oomguard plan CONFIG [--device-memory SIZE|CARD] [--precision fp32|bf16] [--json]`
+//! Owns `oomguard plan`: the memory a config needs and the largest micro-batch that fits.
+//! Keeps: nothing is written to disk; when nothing fits, the exit code is 3.
 use crate::config::{self, Config};
 use crate::data::StepSamples;
 use crate::memory::{self, budget, human_bytes};

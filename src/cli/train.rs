@@ -1,5 +1,5 @@
-//! `oomguard train CONFIG`, and the same command for a Rust program's own model
-//! (`main_with`).
+//! Owns `oomguard train CONFIG`, and the same command for a Rust program's model (`main_with`).
+//! Keeps: a run is never overwritten: a fresh run refuses a directory that already holds one.
 use anyhow::Context;
 use clap::Parser;
 use std::ffi::OsString;

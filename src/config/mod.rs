@@ -1,6 +1,5 @@
-//! Configuration in two stages: `RawConfig` is what the YAML says (serde, unknown keys
-//! refused); `Config` is the validated runtime config the trainer uses. Each component owns
-//! its section's struct and its checks.
+//! Owns configuration: `RawConfig` is what the YAML says, `Config` the validated one.
+//! Keeps: unknown keys are refused, and nothing runs before every section's checks pass.
 pub mod resume;
 
 use serde::{Deserialize, Serialize};

@@ -1,8 +1,6 @@
-//! A resume keeps the run's identity: the config a resuming command gives against the one its
-//! run directory stores (`RUN_DIR/config.yaml`). Keeps: a change that alters the trajectory,
-//! done or planned (model, data, seed, optimizer, schedule, global batch), is refused unless
-//! `--allow-change`; a change that does not (logging, cadence, memory, threads, the machine's
-//! world, sharding and precision) passes and is logged. Pure, tested below.
+//! Owns a resume's identity check: the resuming config against `RUN_DIR/config.yaml`.
+//! Keeps: a change that alters the trajectory is refused unless `--allow-change`; any other
+//! change passes and is logged. Pure, tested below.
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 

@@ -1,12 +1,6 @@
-//! Training data: an embedded synthetic language (the default, no download), a UTF-8 text
-//! file read byte by byte, nanoGPT token files (train.bin/val.bin, little-endian u16), or a
-//! safetensors file of `inputs` and `targets` for models that are not language models, or a
-//! Python file's map-style dataset (`python`, for Python models: task/python).
-//! A user's Rust model may bring its own `Samples`.
-//!
-//! Which samples make up step `s` is `sample_positions(seed, s, ...)`, a pure function that
-//! knows nothing of the micro-batch size or of data-parallel ranks: the guard may split a
-//! step any way it likes and the step still sees exactly the same samples.
+//! Owns training data: the embedded language, text, nanoGPT tokens, safetensors or Python.
+//! Keeps: step `s`'s samples are `sample_positions(seed, s, ...)`, independent of the micro-batch
+//! and the ranks, so a step split any way sees exactly the same samples.
 mod embedded;
 mod tensors;
 mod tokens;

@@ -1,6 +1,5 @@
-//! `data.source: tensors`: a safetensors file holding `inputs` and `targets`, samples along
-//! dim 0, for models that are not language models. The last `val_fraction` of the rows is
-//! held out. A sample's position is its row.
+//! Owns `data.source: tensors`: `inputs` and `targets` from a safetensors file, along dim 0.
+//! Keeps: the last `val_fraction` of the rows is held out; a sample's position is its row.
 use std::path::Path;
 use tch::{Device, Tensor};
 

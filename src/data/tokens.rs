@@ -1,6 +1,5 @@
-//! Token streams: the embedded corpus, a byte-level text file, or nanoGPT's u16 token
-//! files (memory-mapped). A sample is a window of `block_size` tokens and its next-token
-//! targets; its position is the window's start.
+//! Owns token streams: the embedded corpus, a byte-level text file, or nanoGPT's u16 files.
+//! Keeps: a sample is a window of `block_size` tokens and its next-token targets.
 use memmap2::Mmap;
 use std::path::Path;
 use std::sync::Arc;

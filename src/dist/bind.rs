@@ -1,9 +1,5 @@
-//! Data-parallel ranks on the CPU, each bound to its own cores: rank R of a node's N takes
-//! the R-th contiguous share of the process's affinity mask (as PyTorch's
-//! `torch.backends.xeon.run_cpu` and DeepSpeed's `--bind_cores_to_rank` do). Unbound, the
-//! scheduler moves ranks between cores and one rank's lag becomes every rank's wait at the
-//! next collective (`make bench`, dist: 0.74 unbound against 0.91 bound on 2 cores).
-//! `OOMGUARD_CPU_BIND=0` leaves the mask alone.
+//! Owns binding data-parallel CPU ranks to cores: rank R of N takes the R-th share of the mask.
+//! Keeps: shares never overlap; `OOMGUARD_CPU_BIND=0` leaves the mask alone.
 
 /// Rank `local_rank`'s share of `cpus` over `local_world` ranks: contiguous, as even as can
 /// be; `None` when there are fewer cores than ranks (nothing to split).

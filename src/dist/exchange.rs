@@ -1,17 +1,6 @@
-//! The ranks' exchanges: every small collective of a run (each agreement, the guard's
-//! inputs, the losses, a stop signal, the start) is one element-wise MAX over the ranks of a
-//! buffer allocated once when the group forms, always of the same size, headed by
-//! `[seq, -seq, topic, -topic, step, -step]`: two ranks at different points of the
-//! protocol meet in the same exchange and see it in the header, instead of misaligning
-//! every later collective.
-//!
-//! They travel on their own channel, not through Gloo or NCCL: one TCP connection from each
-//! rank to rank 0, which reduces and answers, on the calling thread. An exchange is one
-//! round trip (0.1 ms on 2 ranks here, docs/benchmarks.md), where a Gloo all-reduce of the
-//! same few values hands each message between its worker and loop threads (1.8 ms), and an
-//! NCCL one would copy the buffer to the GPU and back, a sync each. The channel listens on
-//! MASTER_ADDR's own interface, as the store does, and a connection that does not bring
-//! the run's token is dropped.
+//! Owns the ranks' small exchanges: one element-wise MAX over a fixed buffer, on its own channel.
+//! Keeps: each exchange's header names its sequence, topic and step, so ranks at different points
+//! of the protocol see it instead of misaligning every later collective.
 use std::cell::{Cell, RefCell};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};

@@ -1,4 +1,5 @@
-//! The exchange's channel between threads of one process, over loopback.
+//! Owns tests of the exchange's channel between threads of one process, over loopback.
+//! Keeps: nothing outside loopback is opened.
 use super::*;
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 

@@ -1,10 +1,6 @@
-//! Data-parallel training over libtorch's c10d (csrc/dist.cpp): Gloo on the CPU, NCCL on
-//! CUDA, a TCPStore rendezvous from torchrun's environment (as `oomguard launch` sets it).
-//!
-//! The ranks agree before any gradient traffic: after each attempt every rank contributes
-//! its status (ok, out of memory, failed), all-reduced with MAX, so that when any rank ran
-//! out of memory every rank drops the attempt and shrinks together, and no rank is ever
-//! left waiting in a collective the others will not join.
+//! Owns data-parallel training over libtorch's c10d: Gloo on the CPU, NCCL on CUDA.
+//! Keeps: the ranks agree on each attempt's status before any gradient traffic, so all shrink
+//! together and none waits in a collective the others will not join.
 use std::ffi::{c_char, c_void, CString};
 use std::ops::Range;
 use std::time::Duration;

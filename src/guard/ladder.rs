@@ -1,8 +1,5 @@
-//! The rungs below micro-batch 1: when even one sample does not fit, the run switches a GPT
-//! configured with `model.loss: full` to the fused loss, then climbs the rung that saves
-//! the most memory for what it costs: activation checkpointing, bf16, and with data
-//! parallel the sharding of AdamW's state (ZeRO-1). A run that sharded comes back down when
-//! memory allows. Pure decisions, tested in place.
+//! Owns the rungs below micro-batch 1: fused loss, activation checkpointing, bf16, ZeRO-1.
+//! Keeps: pure decisions; the rung chosen saves the most memory for what it costs.
 use serde::{Deserialize, Serialize};
 
 use crate::model::LossKind;

@@ -1,8 +1,6 @@
-//! The allocation guard. Every optimizer step (and every evaluation batch) runs inside
-//! `Guard::run`. On an OOM it drops the failed attempt's tensors and gradients, empties the
-//! cache, checks that live memory is back to where the step started, asks the policy for a
-//! smaller micro-batch and redoes the step on exactly the same samples. The global batch
-//! never changes; only how it is split.
+//! Owns the allocation guard: every step and evaluation batch runs inside `Guard::run`.
+//! Keeps: after an OOM the step is redone on exactly the same samples; the global batch never
+//! changes, only how it is split.
 pub mod ladder;
 /// The pure policy lives in its own crate (`crates/policy`), shared with the Python extension.
 pub use oomguard_policy as policy;

@@ -1,5 +1,6 @@
-//! How much memory a run may use: on the CPU, what the machine and its cgroup leave
-//! available; on CUDA, a share of the card.
+//! Owns how much memory a run may use: on the CPU what the host leaves, on CUDA a card's share.
+//! Keeps: `auto` is live tensors plus a share of what is still available; a CUDA share is a
+//! fraction in (0, 1].
 pub use oomguard_host::HostMemory;
 
 use super::config::Budget;

@@ -1,4 +1,5 @@
-//! The `memory` section: the CPU budget, allocator settings and the guard's policy knobs.
+//! Owns the `memory` section: the CPU budget, allocator settings and the guard's knobs.
+//! Keeps: every value is validated here, a bad one refused naming its key.
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 

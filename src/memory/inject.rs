@@ -1,11 +1,6 @@
-//! Fault injection (`oomguard train --inject-oom COUNT[:SEED]`), a testing and chaos tool:
-//! chosen allocations of the counting CPU allocator fail with the same
-//! `c10::OutOfMemoryError` a real budget overrun raises, so every path that can meet an OOM
-//! (data loading, forward, backward, clipping, the optimizer, evaluation, checkpoints) is
-//! exercised. The first training step is counted; then the COUNT failures are spread over
-//! the remaining steps (each step's share drawn from the seed), each at a seeded random
-//! allocation among the ones the previous step made (evaluation and checkpoints included).
-//! A failure a step did not reach moves to the next.
+//! Owns fault injection (`--inject-oom COUNT[:SEED]`): chosen CPU allocations fail as a real
+//! budget overrun does.
+//! Keeps: the failures are seeded and reproducible; a failure a step did not reach moves on.
 use std::str::FromStr;
 
 use crate::rng::splitmix64;

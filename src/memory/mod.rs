@@ -1,5 +1,5 @@
-//! Safe API over csrc/memory.cpp: the counting CPU allocator and its budget, CUDA cache and
-//! statistics, and byte sizes as users write them.
+//! Owns the safe API over csrc/memory.cpp: the counting CPU allocator, CUDA cache and stats.
+//! Keeps: an allocation that would cross the CPU budget fails with an out-of-memory error.
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
 use tch::{Device, TchError, Tensor};

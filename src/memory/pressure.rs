@@ -1,6 +1,5 @@
-//! Simulated memory pressure (`memory.pressure`): real tensors held during a range of
-//! steps, as another tenant of the device would. Lets demos and tests show the guard
-//! shrinking under pressure and growing back when it lifts.
+//! Owns simulated memory pressure (`memory.pressure`): real tensors held over a range of steps.
+//! Keeps: the tensors are released when the range ends, so the guard can grow back.
 use tch::{Device, Kind, Tensor};
 
 use super::{parse_size, Pressure};

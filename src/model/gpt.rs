@@ -1,9 +1,5 @@
-//! A GPT (decoder-only transformer, as in nanoGPT): token and position embeddings, pre-LN
-//! blocks with causal scaled-dot-product attention and a GELU MLP, a final LayerNorm and an
-//! LM head tied to the token embedding (its gradient is the sum of the embedding's and the
-//! head's, as autograd sums any two uses of a tensor; the fused loss passes the tied weight
-//! to its autograd function like any other input). Every op is fallible (`f_*`): an OOM
-//! inside the forward is an `Err`, never a panic.
+//! Owns the built-in GPT (decoder-only, as in nanoGPT), with its LM head tied to the embedding.
+//! Keeps: every op is fallible (`f_*`): an OOM inside the forward is an `Err`, never a panic.
 use serde::{Deserialize, Serialize};
 use tch::{nn, Kind, Reduction, TchError, Tensor};
 

@@ -1,15 +1,5 @@
-//! `model.loss`: how the GPT turns its last hidden states into the loss.
-//! - `fused` (the default): the LM head and cross-entropy in one autograd function
-//!   (csrc/loss.cpp, Liger Kernel's FusedLinearCrossEntropy), a chunk of tokens at a time:
-//!   no more than one chunk of logits is ever alive; the gradients of the hidden states and
-//!   of the head's weight are formed in the forward and only scaled in backward.
-//! - `full`: the plain path, the whole `B x T x vocab` logits, their log-softmax and
-//!   gradient alive together (3 values per token per vocabulary entry).
-//!
-//! The vocabulary is padded to a multiple of 64 inside the head's weight storage
-//! (nanoGPT's 50304 for GPT-2's 50257): the fused head's matmuls run on the padded shape and
-//! the padding's logits are masked out of the loss. The parameter, checkpoints and
-//! `model.safetensors` keep the configured vocabulary.
+//! Owns `model.loss`: the LM head and cross-entropy, `fused` (a chunk at a time) or `full`.
+//! Keeps: the padded vocabulary never reaches the loss, checkpoints or `model.safetensors`.
 use serde::{Deserialize, Serialize};
 use std::ffi::{c_char, c_void};
 use tch::{TchError, Tensor};

@@ -1,14 +1,5 @@
-//! The `model` section, and the built-in GPT. `kind` picks what is trained:
-//! - `gpt` (the default): oomguard's GPT; the shape keys below describe it;
-//! - `torchscript`: a PyTorch module saved with `torch.jit.script` or `torch.jit.trace`
-//!   (`path`, and `method` if the loss is not `forward(inputs, targets)`);
-//! - `python`: a `torch.nn.Module` built by a Python file's function (`path`, `build`,
-//!   `settings`, and `loss` naming a loss function), trained in-process (task/python);
-//! - `rust`: a model a Rust program brings through the library; its own settings go under
-//!   `settings`, which the program reads.
-//!
-//! The section keeps every key optional, so that each kind refuses the keys of another
-//! by name; `gpt()` resolves the GPT's defaults.
+//! Owns the `model` section (`kind`: gpt, torchscript, python or rust) and the built-in GPT.
+//! Keeps: every key is optional, so each kind refuses another kind's keys by name.
 mod gpt;
 pub mod loss;
 

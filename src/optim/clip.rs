@@ -1,5 +1,5 @@
-//! Gradient clipping (csrc/optim.cpp's kernel; stage 2: the norm of the ranks' shards
-//! together) and the zeros for gradients a step left undefined.
+//! Owns gradient clipping (across ranks' shards in stage 2) and zeros for undefined gradients.
+//! Keeps: with sharded gradients the norm is the norm of all ranks' shards together.
 use std::ffi::{c_char, c_void};
 use tch::{Kind, TchError, Tensor};
 

@@ -1,4 +1,5 @@
-//! The `optim` section and the learning-rate schedule.
+//! Owns the `optim` section and the learning-rate schedule.
+//! Keeps: the learning rate is a pure function of the step and max_steps.
 use serde::{Deserialize, Serialize};
 
 use crate::error::ConfigError;

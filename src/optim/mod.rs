@@ -1,13 +1,6 @@
-//! AdamW with parameter groups (no weight decay where the model says so), the LR schedule
-//! and gradient clipping. The update is one fused libtorch kernel per group (csrc/optim.cpp)
-//! and every call is fallible. It is transactional: every allocation happens before
-//! anything changes, so an OOM leaves parameters, moments and step counts as they were, and
-//! a retried step updates each group exactly once.
-//!
-//! The parts: config.rs (the `optim` section and the LR schedule), update.rs (a step's
-//! prepare and commit: the fused AdamW kernels), clip.rs (gradient clipping, and stage 2's
-//! norm across ranks), sharding.rs (the moments split across ranks and back), state.rs (the
-//! state's names, saving and restoring), zero.rs (ZeRO's layout and buffers).
+//! Owns AdamW with parameter groups, the LR schedule and gradient clipping.
+//! Keeps: the update is transactional: an OOM leaves parameters, moments and step counts as
+//! they were, and a retried step updates each group exactly once.
 use std::ffi::c_void;
 use tch::{Kind, TchError, Tensor};
 

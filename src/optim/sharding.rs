@@ -1,5 +1,5 @@
-//! AdamW's moments sharded across data-parallel ranks (ZeRO-1/2), from the start or by a
-//! rung climbed, and gathered back whole; each change agreed by every rank first.
+//! Owns AdamW's moments sharded across data-parallel ranks (ZeRO-1/2), and gathered back.
+//! Keeps: each change of layout is agreed by every rank first.
 use std::rc::Rc;
 use tch::{Kind, TchError, Tensor};
 

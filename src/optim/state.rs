@@ -1,5 +1,5 @@
-//! The optimizer state: its size, its names (what a checkpoint holds), a sharded state
-//! gathered whole, and restoring it (sharded: rank 0's copy shared out).
+//! Owns the optimizer state: its size, its names, gathering and restoring it.
+//! Keeps: a checkpoint holds the whole state, gathered when sharded.
 use tch::{Kind, TchError, Tensor};
 
 use super::sharding::{agreed, gather_into, Agreed};

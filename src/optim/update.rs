@@ -1,5 +1,5 @@
-//! One optimizer step in two halves: `prepare` makes every allocation and changes nothing;
-//! `commit` runs the fused AdamW kernels (csrc/optim.cpp), allocating nothing.
+//! Owns one optimizer step in two halves: `prepare` and `commit`.
+//! Keeps: `prepare` makes every allocation and changes nothing; `commit` allocates nothing.
 use std::ffi::{c_char, c_void};
 use tch::{Kind, TchError, Tensor};
 

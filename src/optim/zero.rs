@@ -1,11 +1,5 @@
-//! ZeRO stages 1 and 2 (Rajbhandari et al., 2019) over the flat parameter space: the
-//! parameters, in the optimizer's order, laid end to end and cut into one equal shard per
-//! rank (the last padded). Each rank keeps AdamW's moments for its shard only (stage 1,
-//! `shard: optimizer`) and, with stage 2 (`shard: gradients`), only its shard of the summed
-//! gradients: a reduce-scatter replaces the all-reduce and the full gradients are dropped
-//! before the update. Each rank updates its shard; an all-gather brings every rank the
-//! updated parameters. Collectives move `world x chunk` elements at a time, so no buffer
-//! is ever the model's size.
+//! Owns ZeRO stages 1 and 2: the flat parameter space cut into one equal shard per rank.
+//! Keeps: each rank keeps only its shard's state, and no buffer is ever the model's size.
 use serde::{Deserialize, Serialize};
 use std::rc::Rc;
 use tch::{Kind, TchError, Tensor};

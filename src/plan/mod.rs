@@ -1,16 +1,5 @@
-//! The memory planner: what a GPT step needs, by component, as a function of the
-//! micro-batch, and the largest micro-batch that fits a given memory.
-//!
-//! The per-sample terms were calibrated against the counting allocator's measured peaks of
-//! oomguard's own step (fused scaled-dot-product attention, fp32 AdamW, grads dropped
-//! between steps): the peak comes at the start of backward, with every layer's saved
-//! activations (16 B*T*C values per layer), the logits, their log-softmax and gradient
-//! (3 B*T*V, `model.loss: full`), and the embeddings (about 2.3 B*T*C) alive on top of weights
-//! and optimizer state. With `model.loss: fused` the logits term is the hidden states'
-//! gradient (B*T*C, formed in the forward) and one chunk's share (about as much again), plus
-//! the head weight's gradient (V*C, fp32) and a chunk at its floor size, which do not scale
-//! with the micro-batch. tests/plan.rs keeps the estimate within 20% of measurement on
-//! several shapes, for both.
+//! Owns the memory planner: a GPT step's needs by component, and the largest micro-batch that fits.
+//! Keeps: tests/plan.rs holds the estimate within 20% of measurement on several shapes.
 mod profile;
 mod search;
 

@@ -1,8 +1,5 @@
-//! The planner for any model: where the GPT has a formula, other models are measured. Trial
-//! steps (forward and backward, twice, so that accumulated gradients are present as in a
-//! real step) run at a few small micro-batches under the counting allocator (CUDA: the
-//! caching allocator's peak statistics); a line `fixed + per_sample x B` fitted through the
-//! peaks is extrapolated to the memory given.
+//! Owns the planner for any model: trial steps at small micro-batches, fitted by a line.
+//! Keeps: trial steps run forward and backward twice, so accumulated gradients are counted.
 use serde::Serialize;
 
 use crate::data::StepBatches;

@@ -1,6 +1,5 @@
-//! `train.micro_batch_size: auto`: find the largest micro-batch that fits by real trial
-//! steps (forward and backward on real samples under the real allocator), starting from the
-//! planner's estimate, then remember it.
+//! Owns `train.micro_batch_size: auto`: the largest micro-batch that fits, by real trial steps.
+//! Keeps: the search starts from the planner's estimate and its result is remembered.
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;

@@ -1,5 +1,5 @@
-//! The built-in GPT as a `Task`: its parameters live in a VarStore, its planner is the
-//! formula in plan/, and its fingerprint is its shape keys.
+//! Owns the built-in GPT as a `Task`: a VarStore, the formula planner, its shape as fingerprint.
+//! Keeps: its fingerprint is exactly its shape keys.
 use tch::{nn::VarStore, Device, TchError, Tensor};
 
 use super::{Fingerprint, Task};

@@ -1,8 +1,5 @@
-//! What the trainer trains: the one door every model comes through (torchtitan's
-//! TrainSpec, burn's TrainStep). The built-in GPT, a TorchScript module and a user's Rust
-//! model each implement `Task`; the loop, the guard, checkpoints, resume, signals, metrics,
-//! evaluation, `micro_batch_size: auto`, the planner and data-parallel training serve them
-//! all alike.
+//! Owns `Task`: the one door every model comes through (GPT, TorchScript, Python, Rust).
+//! Keeps: the loop, guard, checkpoints and data parallel serve every `Task` alike.
 pub mod gpt;
 #[cfg(feature = "python")]
 pub mod python;

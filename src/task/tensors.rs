@@ -1,7 +1,5 @@
-//! Named tensors to and from safetensors files, with fallible calls only: tch's own
-//! `VarStore::load` converts with an operator that panics when an allocation fails, and its
-//! safetensors writer copies device tensors with an `unwrap`. Here every copy that can
-//! allocate happens first, as `Result`s; what is written is already CPU and contiguous.
+//! Owns named tensors to and from safetensors files, with fallible calls only.
+//! Keeps: every copy that can allocate happens first, as a `Result`; nothing here panics on OOM.
 use std::collections::HashMap;
 use std::path::Path;
 use tch::{Device, Tensor};

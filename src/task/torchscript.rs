@@ -1,8 +1,6 @@
-//! A PyTorch model trained by oomguard: a module saved with `torch.jit.script` or
-//! `torch.jit.trace` (`model: {kind: torchscript, path: model.pt}`), whose `forward(inputs,
-//! targets)` (or `model.method`) returns the mean loss. Loaded through csrc/torchscript.cpp,
-//! so parameters and buffers keep PyTorch's names: `model.safetensors` and checkpoints load
-//! into the Python module with `load_state_dict(strict=True)`.
+//! Owns TorchScript models (`model: {kind: torchscript, path: model.pt}`).
+//! Keeps: parameters keep PyTorch's names, so saved weights load back into the Python module
+//! with `load_state_dict(strict=True)`.
 use std::cell::Cell;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::path::{Path, PathBuf};

@@ -1,6 +1,5 @@
-//! Evaluation: the mean loss over fixed held-out batches (the same ones every time), no
-//! grad, each batch split by the evaluation guard's current size; one read back from the
-//! device per evaluation.
+//! Owns evaluation: the mean loss over fixed held-out batches, no grad.
+//! Keeps: the same batches every time, and one device read per evaluation.
 use tch::{Device, Kind, Tensor};
 
 use super::step::split_range;

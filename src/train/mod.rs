@@ -1,5 +1,5 @@
-//! Training: the config section, one optimizer step (step.rs), evaluation (eval.rs), a run's
-//! state (run.rs), its clock and bar (progress.rs) and the loop (trainer.rs), for any `Task`.
+//! Owns training for any `Task`: the config section, the step, evaluation, the run and the loop.
+//! Keeps: the global batch and its samples per step never depend on the micro-batch.
 mod eval;
 mod progress;
 mod run;

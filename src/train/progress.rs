@@ -1,5 +1,5 @@
-//! A run's clock: elapsed time, the ETA (oomguard_console::progress's estimator) and, for
-//! rank 0 on a terminal, the live bar.
+//! Owns a run's clock: elapsed time, the ETA and, for rank 0 on a terminal, the live bar.
+//! Keeps: only the lead rank shows a bar.
 use std::time::Instant;
 
 use oomguard_console::progress::{self, Bar, Eta, Schedule};

@@ -1,7 +1,6 @@
-//! A run's state between steps, for any `Task`, and what one step does with it: the guarded
-//! step, evaluation and the records. How a run starts (fresh or resumed) is start.rs, the
-//! rungs below micro-batch 1 rungs.rs, checkpoints and the final weights saving.rs. The
-//! loop in trainer.rs calls these in order.
+//! Owns a run's state between steps and what one step does with it.
+//! Keeps: signals and the checkpoint clock are agreed by the ranks, so all stop or checkpoint
+//! at the same step.
 mod rungs;
 mod saving;
 mod start;

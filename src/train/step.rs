@@ -1,13 +1,6 @@
-//! One optimizer step: this process's samples of the global batch split into micro-batches,
-//! each micro-batch's loss weighted by its share of the global batch, then clipping and the
-//! AdamW update. Only fallible tch calls: any failure, an OOM included, returns `Err`, and
-//! the parameters are updated either exactly once or not at all.
-//!
-//! The host reads nothing back from the device until the update is queued: the losses add
-//! up on the device, clipping's coefficient and fp16's overflow flag stay there (a skipped
-//! update is skipped by the kernel), and the loss, gradient norm, overflow flag and loss
-//! scale come back together in one read (`ops::read`), the step's only one. Each read would
-//! drain a GPU's queue and leave it idle while the host queues the next kernels.
+//! Owns one optimizer step: micro-batches weighted by their share, clipping and the update.
+//! Keeps: the parameters are updated exactly once or not at all, and the host reads the device
+//! once per step.
 use std::ops::Range;
 use tch::{Kind, Tensor};
 

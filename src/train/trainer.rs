@@ -1,5 +1,5 @@
-//! The training loop, for any `Task`. It reads top to bottom; `Run` (run.rs) holds what it
-//! works with.
+//! Owns the training loop, for any `Task`; `Run` (run.rs) holds what it works with.
+//! Keeps: a run stops or checkpoints only at a step boundary, and ends with a checkpoint.
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 

@@ -1,7 +1,6 @@
-//! The command line, shared by both binaries: `oomguard` (the libtorch-free crates only: it
-//! starts in milliseconds and runs `launch`, `sweep` and `report` itself) and
-//! `oomguard-torch` (links libtorch; `oomguard` hands it every other command by exec, so
-//! signals and exit codes pass straight through).
+//! Owns the command line both binaries share: `oomguard` runs `launch`, `sweep` and `report`
+//! itself and hands every other command to `oomguard-torch` by exec.
+//! Keeps: one definition of every command and flag, so both binaries parse alike.
 //!
 //! ```
 //! use clap::Parser;

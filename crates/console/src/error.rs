@@ -1,4 +1,5 @@
-//! Errors in what a user wrote: a config file, an override, a flag.
+//! Owns the errors in what a user wrote: a config file, an override, a flag.
+//! Keeps: each error names where it came from and the key; the CLI maps it to exit code 2.
 use std::fmt;
 
 /// A bad config: where it is, which key, and what would be valid.

@@ -1,6 +1,6 @@
-//! What an oomguard process shows its user, with no libtorch: errors that name the file,
-//! the key and the fix (exit 2) and the exit codes passed through, the run's log file, the
-//! live progress line, and sizes and durations for people.
+//! Owns what an oomguard process shows its user, with no libtorch: config errors, exit codes,
+//! the run's log file, the live progress line, and sizes and durations for people.
+//! Keeps: a user's mistake is reported naming the file, the key and the fix, and exits 2.
 //!
 //! ```
 //! use oomguard_console::{units::human_bytes, ConfigError};

@@ -1,4 +1,5 @@
-//! The run's log file: tracing writes to it once the run directory is known.
+//! Owns the run's log file: tracing writes to it once the run directory is known.
+//! Keeps: writes before a file is set are dropped, never an error; the file is only appended to.
 use std::fs::File;
 use std::io::Write;
 use std::path::Path;

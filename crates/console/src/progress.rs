@@ -1,6 +1,6 @@
-//! Progress a person can read at a glance, for `train` and `sweep` alike: the estimates
-//! (`Pace`, `Schedule`, `Eta`: pure, tested here), the choice of what stderr shows
-//! (`Console`), and the live bar with the log lines printed above it (`Bar`, `StderrWriter`).
+//! Owns progress a person can read at a glance, for `train` and `sweep`: the estimates, the
+//! choice of what stderr shows, and the live bar with log lines printed above it.
+//! Keeps: the estimates are pure functions of the times given; log lines print above the bar.
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressFinish, ProgressState, ProgressStyle};
 use std::collections::VecDeque;
 use std::io::Write;

@@ -1,4 +1,5 @@
-//! Sizes for people.
+//! Owns sizes written for people.
+//! Keeps: binary units (KiB, MiB, GiB), so a printed size reads back as the same bytes.
 
 /// `1.5 GiB`-style text for logs.
 pub fn human_bytes(bytes: u64) -> String {

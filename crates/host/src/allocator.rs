@@ -1,6 +1,5 @@
-//! Caching-allocator settings (`PYTORCH_ALLOC_CONF`): the one place that knows their keys.
-//! The config's `memory.allocator` is merged with the environment, validated before anything
-//! runs, applied inside libtorch and exported to child processes.
+//! Owns the caching-allocator settings (`PYTORCH_ALLOC_CONF`): the one place that knows their keys.
+//! Keeps: settings are merged with the environment and validated before anything runs.
 use std::collections::BTreeMap;
 
 use oomguard_console::ConfigError;

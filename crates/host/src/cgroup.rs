@@ -1,6 +1,5 @@
-//! The process's own cgroup: which directories hold its limits, for cgroup v2 (the unified
-//! `0::/path` line) and v1 (a controller's line and its mount, wherever it is mounted).
-//! Parsing is pure (tested on samples); `Cgroup::of_self` reads /proc.
+//! Owns finding the process's own cgroup directories, for cgroup v2 and v1.
+//! Keeps: parsing is pure and tested on samples; only `Cgroup::of_self` reads /proc.
 use std::path::{Path, PathBuf};
 
 /// One line of /proc/self/cgroup: `ID:CONTROLLERS:PATH`.

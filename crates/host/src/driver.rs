@@ -1,7 +1,6 @@
-//! The Docker image's start-up check: an image whose PyTorch is built for CUDA 13 cannot run
-//! on a host whose NVIDIA driver is too old for it, and should say so before anything else,
-//! naming both versions. The image names its CUDA and the driver it needs in a file
-//! (`OOMGUARD_IMAGE_ENV`, written from scripts/versions.env); elsewhere nothing is checked.
+//! Owns the Docker image's start-up check of the host's NVIDIA driver against the image's CUDA.
+//! Keeps: a driver too old is refused before anything else, naming both versions; outside the
+//! image nothing is checked.
 
 /// The host's driver version from /proc/driver/nvidia/version's first line
 /// (`NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 ...`).

@@ -1,10 +1,6 @@
-//! The machine and the processes on it, with no libtorch. What this host gives this
-//! process, read as the kernel enforces it: memory (memory.rs) and CPU threads
-//! (threads.rs), from the process's own cgroup (cgroup.rs), its affinity mask and the
-//! scheduler's variables; the GPUs it can see; the CUDA caching allocator's settings
-//! (allocator.rs); the Docker image's driver check (driver.rs); child processes and
-//! signals (proc.rs); and telling an out-of-memory death from others (oom.rs). Launchers
-//! and sweeps divide memory and threads among the processes they start on one host.
+//! Owns what this host gives this process, read as the kernel enforces it (memory, threads,
+//! GPUs, allocator settings), child processes and signals, and telling an OOM death from others.
+//! Keeps: no libtorch; every limit read is the tightest one that applies to this process.
 //!
 //! ```
 //! use oomguard_host::oom::{classify_oom, OomSource};

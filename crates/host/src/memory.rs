@@ -1,6 +1,6 @@
-//! Host memory this process may use: MemAvailable, capped by every memory limit from its
-//! own cgroup up to the top of the hierarchy, and by the share a launcher or sweep gave it.
-//! `decide` is pure; `HostMemory::of_self` reads /proc and the cgroup files.
+//! Owns host memory this process may use: MemAvailable capped by every cgroup limit above it
+//! and by the share a launcher or sweep gave it.
+//! Keeps: the result never exceeds any of those limits; `decide` is pure.
 use super::cgroup::Cgroup;
 use super::{read_u64, stat_field};
 use oomguard_console::units::human_bytes;

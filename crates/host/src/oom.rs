@@ -1,5 +1,5 @@
-//! Out-of-memory errors: one function knows libtorch's messages (CUDA caching allocator,
-//! CUDA runtime and libraries, the CPU allocator, oomguard's budget) and parses what it can.
+//! Owns recognising out-of-memory errors in libtorch's messages and parsing what they say.
+//! Keeps: this is the one place that knows those messages; the trainer and the Python guard ask it.
 use std::fmt;
 
 /// Where in a step an error happened.

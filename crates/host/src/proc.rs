@@ -1,4 +1,5 @@
-//! Child processes that never outlive their parent, and the signals that stop a parent.
+//! Owns child processes and the signals that stop a parent.
+//! Keeps: a child started here never outlives its parent, even one killed by SIGKILL.
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command};
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -1,6 +1,6 @@
-//! How many CPU threads this process may use: the smallest of the affinity mask, the cgroup
-//! CPU quota, Slurm's CPUs per task and the CPUs online; OMP_NUM_THREADS, when the user set
-//! it, always wins. `decide` is pure; `Threads::of_self` reads the facts.
+//! Owns how many CPU threads this process may use: the smallest of the affinity mask, the
+//! cgroup quota, Slurm's CPUs per task and the CPUs online.
+//! Keeps: OMP_NUM_THREADS, when the user set it, always wins; `decide` is pure.
 use super::cgroup::Cgroup;
 use super::read_u64;
 

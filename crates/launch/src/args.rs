@@ -1,4 +1,5 @@
-//! `oomguard launch`'s flags: torchrun's, with the same names and environment variables.
+//! Owns `oomguard launch`'s flags: torchrun's, with the same names and environment variables.
+//! Keeps: every torchrun spelling (underscores or hyphens) parses to the same option.
 use clap::{ArgAction, Args};
 
 /// `oomguard launch`: torchrun's options, spelled with hyphens or underscores, or set through

@@ -1,11 +1,6 @@
-//! Restarts that are group-wide across nodes. Node 0's launcher keeps the group's round, as
-//! torchelastic's rendezvous keeps its own: a failure on any node starts the next round, every
-//! node stops its workers, and when all have, every node starts the next attempt with the
-//! same micro-batch. One node's Ctrl-C, or one launcher gone, stops every node.
-//!
-//! The decisions are `Coordinator::on`, a pure state machine. A single node runs the same
-//! machine in-process; several nodes reach node 0's copy over TCP at `--master-port + 1`
-//! (JSON lines, each launcher's first line carrying the run's `--rdzv-id`).
+//! Owns restarts that are group-wide across nodes: node 0's launcher keeps the group's round.
+//! Keeps: a failure on any node ends the round on every node, and every node starts the next
+//! attempt with the same micro-batch; `Coordinator::on` decides, purely.
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::io::{BufRead, BufReader, Write};
 use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};

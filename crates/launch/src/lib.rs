@@ -1,6 +1,6 @@
-//! A torchrun-compatible launcher (no libtorch needed): validated options, the workers'
-//! environment (pure), and supervision (supervise.rs) with restarts that halve the
-//! micro-batch after an out-of-memory death.
+//! Owns a torchrun-compatible launcher, with no libtorch: validated options, the workers'
+//! environment, and supervision with restarts that halve the micro-batch after an OOM death.
+//! Keeps: options are validated before any worker starts; the workers' environment is pure.
 //!
 //! ```
 //! use clap::Parser;

@@ -1,5 +1,5 @@
-//! How an attempt ended and what comes next: the pure decisions and the failure report that
-//! both the supervisor (supervise.rs) and the group's rounds (group.rs) use.
+//! Owns how an attempt ended, what comes next, and the failure report.
+//! Keeps: one set of pure decisions, shared by the supervisor and the group's rounds.
 use serde::{Deserialize, Serialize};
 
 /// What to do after the group failed: a pure decision.

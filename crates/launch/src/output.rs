@@ -1,6 +1,6 @@
-//! A worker's stdout and stderr: each line prefixed with `[<role><local rank>]:` on the
-//! console (unless filtered or redirected), copied to its log file when asked, and its last
-//! lines kept for the failure summary and for spotting an out-of-memory death.
+//! Owns a worker's stdout and stderr: prefixed on the console, copied to its log file when
+//! asked, and its last lines kept for the failure summary and OOM detection.
+//! Keeps: each line is written whole with its prefix, so workers' lines never mix mid-line.
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};

@@ -1,7 +1,6 @@
-//! Running the worker group: spawn, watch, stop, restart, summarise. Nothing outlives the
-//! launcher: each worker runs under a shim that leads its process group (killed as a
-//! group) and kills that group if the launcher dies, even of SIGKILL; everything is waited
-//! for.
+//! Owns running the worker group: spawn, watch, stop, restart, summarise.
+//! Keeps: nothing outlives the launcher; each worker's process group dies with it, even on
+//! SIGKILL, and every child is waited for.
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::Ordering;

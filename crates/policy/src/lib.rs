@@ -1,10 +1,6 @@
-//! The guard's decisions, as pure state machines: when to shrink, when to grow back, which
-//! sizes are cooling down, when allocator thrash calls for a shrink, and when live memory
-//! looks like a leak. This crate owns the policy of both guards, `oomguard train`'s (in the
-//! main crate, re-exported as `oomguard::guard::policy`) and the Python package's (`import
-//! oomguard`, python/): there is no second copy. Invariant: no I/O, no clock, no libtorch;
-//! the same inputs give the same decisions (data-parallel ranks feed it agreed inputs and so
-//! decide alike), and `Policy`'s serde form is what checkpoints hold. Unit-tested below.
+//! Owns the guard's decisions (shrink, grow back, cool-downs, thrash, leaks) for both guards.
+//! Keeps: no I/O, no clock, no libtorch, so the same inputs decide alike on every rank; and
+//! `Policy`'s serde form is what checkpoints hold.
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -1,10 +1,6 @@
-//! Files written whole or not at all. Every file oomguard rewrites goes through here (the
-//! final weights, a run's config.yaml, metrics.jsonl trimmed on resume, the micro-batch
-//! cache, a sweep's results.jsonl and sweep.yaml, a report): the new contents go to a
-//! temporary file beside the target, which is fsynced, renamed over it, and then the folder
-//! is fsynced. A kill, an OOM or a full disk at any instant leaves the old file or the new
-//! one, never a torn one. Checkpoints (folders) take the same steps with `sync` and
-//! `sync_dir`. It lives in this crate because it is the one every other crate depends on.
+//! Owns writing files whole or not at all: every file oomguard rewrites goes through here.
+//! Keeps: a kill, an OOM or a full disk at any instant leaves the old file or the new one,
+//! never a torn one (temporary file, fsync, rename, fsync of the folder).
 use std::io::{self, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};

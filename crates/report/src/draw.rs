@@ -1,6 +1,6 @@
-//! What the run and sweep pictures share: the embedded font, colours, marker styles, the
-//! decimation that keeps a 100k-step run fast, and a panel of lines with its legend beside
-//! it (never on the data).
+//! Owns what the run and sweep pictures share: font, colours, markers, decimation and a panel
+//! of lines with its legend.
+//! Keeps: a legend is drawn beside the data, never on it; long runs are decimated to stay fast.
 use plotters::coord::Shift;
 use plotters::element::DashedPathElement;
 use plotters::prelude::*;

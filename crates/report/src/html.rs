@@ -1,5 +1,5 @@
-//! The self-contained HTML page: the same charts as inline SVG and the figures as tables.
-//! No script, no external file: it opens anywhere, offline, and can be mailed.
+//! Owns the self-contained HTML page: the charts as inline SVG and the figures as tables.
+//! Keeps: no script and no external file; the page opens offline.
 use crate::series::Summary;
 use crate::sweep::Sweep;
 

@@ -1,5 +1,5 @@
-//! Lenient JSON-lines reading: a run killed mid-write leaves a torn last line, and a report
-//! must still come out of everything before it. Bad lines become warnings, never errors.
+//! Owns lenient JSON-lines reading, for runs killed mid-write.
+//! Keeps: a bad or torn line becomes a warning, never an error; every good line is read.
 use serde::de::DeserializeOwned;
 use std::io::{BufRead, BufReader};
 use std::path::Path;

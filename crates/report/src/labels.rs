@@ -1,4 +1,5 @@
-//! Numbers, sizes and steps as the pictures and tables print them.
+//! Owns numbers, sizes and steps as the pictures and tables print them.
+//! Keeps: pure formatting; the same value always prints the same way.
 
 /// 93.3 MiB, 1.50 GiB
 pub fn human_bytes(b: f64) -> String {

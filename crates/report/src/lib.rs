@@ -1,6 +1,6 @@
-//! `oomguard report`: pictures of a run (metrics.jsonl) and of a sweep (results.jsonl), as
-//! PNG, SVG or a self-contained HTML page; and the TensorBoard event writer the trainer
-//! uses for `log.tensorboard`. No libtorch, no Python, no system fonts.
+//! Owns `oomguard report` (pictures of a run or a sweep, as PNG, SVG or HTML) and the
+//! TensorBoard event writer the trainer uses.
+//! Keeps: no libtorch, no Python, no system fonts; a report comes out of whatever is readable.
 //!
 //! ```
 //! // Two steps and an evaluation of a run, drawn as a self-contained HTML page.

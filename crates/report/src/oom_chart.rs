@@ -1,7 +1,6 @@
-//! One panel per OOM (RUN_DIR/oom/NNN/summary.json, written by the trainer): the failing
-//! attempt's live bytes over its allocation events, stacked by category (memory_viz's
-//! "active memory timeline", without a browser), and beside it the largest live allocations
-//! labelled with their op and module.
+//! Owns the OOM panels: per `oom/NNN/summary.json`, live bytes over the failing attempt by
+//! category, and the largest live allocations beside it.
+//! Keeps: reads only the summary the trainer wrote; a missing or bad one is a warning.
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use serde::Deserialize;

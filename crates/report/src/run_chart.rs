@@ -1,5 +1,6 @@
-//! The picture of a run: a header (title, figures, what the markers mean) over four panels
-//! sharing the step axis: loss, tokens/s, memory, micro-batch and accumulation.
+//! Owns the picture of a run: a header over four panels sharing the step axis (loss, tokens/s,
+//! memory, micro-batch and accumulation).
+//! Keeps: every panel uses the same step axis.
 use plotters::coord::Shift;
 use plotters::prelude::*;
 

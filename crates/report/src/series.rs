@@ -1,6 +1,6 @@
-//! A run's metrics.jsonl read into the series the report draws. The records are read
-//! leniently (their own structs, every field optional, unknown fields ignored) so that runs
-//! written by older and newer versions both read, and without linking the trainer.
+//! Owns reading a run's metrics.jsonl into the series the report draws.
+//! Keeps: reading is lenient (every field optional, unknown fields ignored), so runs written by
+//! older and newer versions both read, without linking the trainer.
 use serde::Deserialize;
 use std::path::Path;
 

@@ -1,5 +1,5 @@
-//! A sweep directory: results.jsonl (one object per trial, written by `oomguard sweep`) and
-//! each trial's run directory, read as leniently as a run's metrics.
+//! Owns reading a sweep directory: results.jsonl and each trial's run directory.
+//! Keeps: read as leniently as a run's metrics; a bad record is a warning.
 use serde::Deserialize;
 use std::path::Path;
 

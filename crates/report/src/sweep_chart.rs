@@ -1,6 +1,6 @@
-//! The picture of a sweep: eval loss over steps, one line per trial (the best thicker, an
-//! unfinished trial dashed), trials without a line listed beside it with their status, and
-//! (PNG and SVG) the table of trials under it.
+//! Owns the picture of a sweep: eval loss over steps, one line per trial, and the table of
+//! trials.
+//! Keeps: every trial appears, as a line or listed beside the chart with its status.
 use plotters::coord::Shift;
 use plotters::prelude::*;
 

@@ -1,8 +1,5 @@
-//! TensorBoard event files (`log.tensorboard`): scalars only, in TFRecord framing, written
-//! without TensorFlow or protobuf crates (the maintained Rust writers are gone or heavy).
-//! Record: u64 length, masked CRC-32C of the length, the Event message, its masked CRC-32C.
-//! Event: wall_time (1, double), step (2, int64), file_version (3, string) in the first,
-//! summary (5) -> value (1, repeated) -> tag (1, string), simple_value (2, float).
+//! Owns TensorBoard event files (`log.tensorboard`): scalars only, in TFRecord framing.
+//! Keeps: each record is length, masked CRC-32C, Event, masked CRC-32C, as TensorBoard reads it.
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -1,11 +1,6 @@
-//! Asynchronous successive halving (ASHA; Li et al., "A System for Massively Parallel
-//! Hyperparameter Tuning", MLSys 2020), as pure functions of the records. A trial runs in
-//! segments, `oomguard train --max-steps RUNG --resume`, each ending at a rung with a
-//! checkpoint and an evaluation; between segments the sweep decides. A trial in the top
-//! 1/eta of the values reported at its rung goes on; one below stops (`stopped_early`) and
-//! can be promoted later, when enough trials have reported there that it is in the top, and
-//! then resumes from its checkpoint. Every decision is written into the trial's record
-//! (`rungs`) and read back, never made again: a restarted sweep replays them.
+//! Owns asynchronous successive halving (ASHA), as pure functions of the trials' records.
+//! Keeps: every decision is written into the trial's record and read back, never made again, so
+//! a restarted sweep replays them.
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::spec::{EarlyStop, RungMetric, Trial};

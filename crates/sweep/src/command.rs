@@ -1,7 +1,6 @@
-//! W&B's `command`: what each trial runs. Owns the reading of W&B's macros and their
-//! expansion for a trial. Keeps: a command is either `oomguard train [BASE]` followed only by
-//! parameter macros, or `oomguard launch [FLAGS] SCRIPT ...` with at least one of them;
-//! anything else is refused at load, naming `command` and the nearest thing that works.
+//! Owns W&B's `command`: reading its macros and expanding them for a trial.
+//! Keeps: a command is `oomguard train [BASE]` with parameter macros or `oomguard launch ...`
+//! with at least one; anything else is refused at load, naming `command`.
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 

@@ -1,6 +1,6 @@
-//! One parameter's domain (ours and W&B's distributions), its seeded draws, its grid values
-//! (W&B's rules), and its map to and from [0, 1] (the CDF and its inverse) that the
-//! model-based search works in.
+//! Owns one parameter's domain: its seeded draws, its grid values and its map to and from the
+//! unit interval (the CDF and its inverse).
+//! Keeps: draws are seeded; a value outside the domain has no CDF rather than a wrong one.
 use serde_json::Value;
 
 /// A parameter's domain. Bounds of `Real` are in its sampling space (logarithms for `Log`).

@@ -1,7 +1,6 @@
-//! `oomguard sweep SWEEP.yaml [--parallel N] [--shard I/N] [--status]`: one guarded
-//! `oomguard train` child per trial, so no trial can take the sweep down; results.jsonl holds
-//! one record per trial; a sweep killed at any moment (kill -9 too) starts again where it
-//! was: finished trials skipped, unfinished ones resumed from their checkpoints.
+//! Owns `oomguard sweep`: one guarded `oomguard train` child per trial, recorded in results.jsonl.
+//! Keeps: a sweep killed at any moment starts again where it was: finished trials skipped,
+//! unfinished ones resumed from their checkpoints.
 //!
 //! ```
 //! // A grid over two keys: every combination, each trial a base config with overrides.

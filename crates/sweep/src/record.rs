@@ -1,6 +1,5 @@
-//! What results.jsonl says about a trial (a contract: fields are added, never renamed):
-//! its status, what its run reported (the summary), and its early-stopping rungs. The
-//! store writes these, trials and early stopping fill them in.
+//! Owns what results.jsonl says about a trial: status, summary and early-stopping rungs.
+//! Keeps: a contract; fields are added, never renamed.
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::BTreeMap;

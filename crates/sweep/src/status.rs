@@ -1,7 +1,6 @@
-//! How far along a sweep is: trials done / running / left, their outcomes, the best so far
-//! and an ETA from the finished trials' durations. A log line after each trial and every
-//! minute; on a terminal, a live line as well (the log file keeps the lines). And whether
-//! the sweep reached W&B's `metric.target` (then it starts nothing more), and why.
+//! Owns how far along a sweep is: trials done, running and left, the best so far, an ETA, and
+//! whether W&B's `metric.target` was reached.
+//! Keeps: once the target is reached, nothing more is started.
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 

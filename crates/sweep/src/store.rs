@@ -1,7 +1,6 @@
-//! results.jsonl: one record per trial. Every change is a whole-file rewrite under an
-//! exclusive lock (flock on results.lock), renamed into place: a kill at any moment leaves
-//! the old file or the new, never a torn one, and concurrent sweeps (shards sharing the
-//! directory) never lose each other's records nor hold a trial twice.
+//! Owns results.jsonl: one record per trial.
+//! Keeps: every change is a whole-file rewrite under an exclusive lock, so the file is never torn
+//! and concurrent shards never lose each other's records nor hold a trial twice.
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};

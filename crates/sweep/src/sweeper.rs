@@ -1,6 +1,6 @@
-//! The sweep in progress: which trial (or early-stopping segment) runs next, a pure choice
-//! from the records; starting it exactly once (its lock, then its record read again);
-//! watching, stopping and recording it.
+//! Owns the sweep in progress: which trial or segment runs next, starting, watching, stopping
+//! and recording it.
+//! Keeps: a trial is started exactly once (its lock taken, then its record read again).
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::process::Child;

@@ -1,4 +1,5 @@
-//! The summary table (end of a sweep, and `--status`): a pure rendering of the records.
+//! Owns the summary table (end of a sweep, and `--status`).
+//! Keeps: a pure rendering of the records.
 use std::collections::BTreeMap;
 
 use super::spec::{Metric, Trial};

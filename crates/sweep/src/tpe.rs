@@ -1,13 +1,6 @@
-//! Model-based search (`method: bayes` or `tpe`): a Tree-structured Parzen Estimator
-//! (Bergstra, Bardenet, Bengio and Kégl, "Algorithms for Hyper-Parameter Optimization",
-//! NeurIPS 2011, section 4). The finished trials are split at the quantile gamma of their
-//! metric into good and bad; each parameter gets two Parzen densities over its CDF space
-//! [0, 1] (truncated Gaussians at the observations, widths from the gaps to their
-//! neighbours, plus the uniform prior), l(x) from the good and g(x) from the bad; candidates
-//! are drawn from l and the one with the largest l(x) / g(x) (the expected improvement's
-//! argmax, eq. 15) is proposed. Trials that could not fit (the planner or the run said exit
-//! 3), failed or diverged join the bad set: their region's g grows and the search stops
-//! proposing there. Pure and seeded: the same results give the same proposal.
+//! Owns model-based search (`method: bayes` or `tpe`): a Tree-structured Parzen Estimator.
+//! Keeps: pure and seeded, the same results give the same proposal; trials that did not fit,
+//! failed or diverged count as bad.
 use serde_json::Value;
 use std::collections::BTreeMap;
 

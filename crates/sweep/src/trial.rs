@@ -1,5 +1,6 @@
-//! One trial: the planner's verdict, the guarded `oomguard train` child, and what its run
+//! Owns one trial: the planner's verdict, the guarded `oomguard train` child, and what its run
 //! directory says when it ends.
+//! Keeps: each trial is its own child process, so no trial can take the sweep down.
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -1,7 +1,5 @@
-//! Tests only: W&B's own sweep engine (PyPI's `sweeps`, what W&B's controller runs; in the
-//! repository's .venv, from TEST_PYTHON_NODEPS) as the oracle for how oomguard reads a W&B
-//! sweep file: the grid's order, the draws' support, hyperband's decisions, and which files
-//! are refused. The engine runs in tests/wandb_oracle.py; nothing here mocks either side.
+//! Owns tests only: W&B's own sweep engine as the oracle for how oomguard reads a W&B file.
+//! Keeps: nothing here mocks either side; the engine runs in tests/wandb_oracle.py.
 #![cfg(test)]
 
 use serde_json::{json, Value};

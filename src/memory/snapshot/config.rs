@@ -1,6 +1,5 @@
-//! `memory.snapshot`: `on_oom` (default), `off` or `always` (also a dump at the end), or the
-//! long form `{mode: on_oom, max_events: 20000}`. The raw YAML value is kept as written and
-//! validated here, so a bad value is refused naming its key.
+//! Owns `memory.snapshot`: `on_oom` (default), `off`, `always`, or the long form.
+//! Keeps: the raw value is validated here, so a bad one is refused naming its key.
 use serde::{Deserialize, Serialize};
 
 use crate::error::ConfigError;

@@ -1,8 +1,5 @@
-//! The CUDA path (csrc/snapshot_cuda.cpp): libtorch's recorder and its pickled snapshot, taken
-//! by an OOM observer before unwinding. The pickle is written as libtorch made it; the
-//! summary reads its active blocks (roles by address, the rest `other`: libtorch records no
-//! op names without Python) and its free blocks (the largest free block). Not yet run on a
-//! GPU: scripts/gpu-check.sh runs it.
+//! Owns the CUDA snapshot path: libtorch's recorder, taken by an OOM observer before unwinding.
+//! Keeps: the pickle is written as libtorch made it; only the summary is derived.
 use std::collections::BTreeMap;
 use std::ffi::c_char;
 use std::io;

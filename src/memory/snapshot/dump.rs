@@ -1,6 +1,6 @@
-//! `RUN_DIR/oom/NNN/`: written into a hidden temporary folder (each file atomically), then
-//! renamed into place, so a kill mid-dump leaves earlier folders as they were and no torn
-//! one. A dump that fails is a warning: it never changes what the run does or its exit code.
+//! Owns writing `RUN_DIR/oom/NNN/`.
+//! Keeps: a kill mid-dump leaves no torn folder, and a failed dump is a warning that never
+//! changes what the run does or its exit code.
 use std::collections::BTreeMap;
 use std::io;
 use std::path::{Path, PathBuf};

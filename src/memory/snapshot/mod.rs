@@ -1,11 +1,6 @@
-//! Every OOM explains itself (issue 24). The counting CPU allocator keeps a bounded history
-//! (csrc/snapshot.cpp): alloc/free/oom events in a ring of `memory.snapshot.max_events`, the
-//! live allocations, each with the op that made it (a libtorch RecordFunction callback) and
-//! the runtime's step, phase, micro-batch and module scope; at a failed allocation it copies
-//! both before unwinding frees anything. On CUDA libtorch's own recorder and an OOM observer
-//! do the same (cuda.rs). `Dumper` turns a copy into `RUN_DIR/oom/NNN/`: `snapshot.pickle`
-//! (PyTorch's memory snapshot format), `summary.json` (every live byte by category) and
-//! `summary.txt` (the paragraph that also goes to the log, the `oom` event and exit 3).
+//! Owns OOM snapshots: the allocator's bounded history, copied at a failed allocation.
+//! Keeps: the copy is taken before unwinding frees anything, and the history stays bounded by
+//! `memory.snapshot.max_events`.
 mod config;
 #[cfg(oomguard_cuda_snapshot)]
 mod cuda;

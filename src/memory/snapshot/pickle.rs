@@ -1,8 +1,5 @@
-//! A CPU capture in PyTorch's memory snapshot format (what `torch.cuda.memory._snapshot()`
-//! returns and `torch.cuda._memory_viz` and memory_viz read): `segments` (each live
-//! allocation is its own segment, as malloc's are), `device_traces` (the ring's events as
-//! `alloc`, `free_requested`/`free_completed` and `oom`) and `allocator_settings`. Frames
-//! carry the op, the outermost op and the runtime's context where Python frames would be.
+//! Owns writing a CPU capture in PyTorch's memory snapshot format.
+//! Keeps: the output loads in `torch.cuda._memory_viz` and memory_viz as a CUDA snapshot does.
 use serde::Serialize;
 
 use super::{phase_of, Capture, Rec, ALLOC, FREE, OOM};

@@ -1,6 +1,6 @@
-//! What filled memory, from a capture: every live byte in one category, the largest
-//! allocations, the failing attempt's timeline by category, and the paragraph. Pure: the
-//! capture, the roles' addresses and the names come in; tested below.
+//! Owns what filled memory, from a capture: bytes by category, the largest allocations, the
+//! timeline and the paragraph.
+//! Keeps: pure; every live byte falls in exactly one category.
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 

@@ -1,13 +1,6 @@
-//! `model.kind: python` and `data.source: python`: a `torch.nn.Module` built by the user's
-//! Python file, trained in this process by CPython embedded here (pyo3). Its parameters are
-//! the module's own tensors (the same at::Tensor on both sides, no copy), named as its
-//! `state_dict` names them; oomguard's AdamW updates them in place.
-//!
-//! Invariants: the GIL is held only while Python runs (a forward, a batch's collation) and
-//! never during backward (autograd refuses to run under it, and a custom autograd.Function's
-//! backward takes it itself); a Python exception comes back as an OOM when it is one
-//! (`torch.OutOfMemoryError`, or the CPU allocator's RuntimeError), its traceback dropped so
-//! that the failed attempt's activations are freed before the guard retries.
+//! Owns `model.kind: python` and `data.source: python`: a user's module, run in-process.
+//! Keeps: the GIL is held only while Python runs, never during backward; a Python OOM comes back
+//! as an OOM, its traceback dropped so the guard can free the attempt.
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyModule, PyTuple};
 use std::ffi::CString;

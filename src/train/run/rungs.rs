@@ -1,6 +1,5 @@
-//! The rungs below micro-batch 1, applied to a run: climbing one (the ladder's pure choice,
-//! from what each would save for what it costs), coming back down from sharding when memory
-//! allows, and the planner's advice when none is left.
+//! Owns the rungs below micro-batch 1, applied to a run, and coming back down.
+//! Keeps: every rank climbs or leaves a rung together.
 use super::*;
 
 impl Run<'_> {

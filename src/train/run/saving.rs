@@ -1,6 +1,5 @@
-//! What a run leaves on disk: checkpoints (rank 0 writes, the ranks agree; the optimizer's
-//! whole state, gathered when sharded) and the final weights, each write retried after an
-//! OOM.
+//! Owns what a run leaves on disk: checkpoints and the final weights.
+//! Keeps: rank 0 writes, the ranks agree; each write is retried after an OOM.
 use super::*;
 
 /// Attempts at writing a checkpoint or the final weights when they run out of memory.

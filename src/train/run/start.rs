@@ -1,7 +1,5 @@
-//! How a run starts: the device, threads and process group; the model, its data and its
-//! optimizer (sharded when asked or when nothing else fits); where it starts (fresh, from a
-//! checkpoint, from the micro-batch cache or `auto`'s search), agreed by every rank; and
-//! what it refuses before any step (a model that cannot fit, data the model cannot take).
+//! Owns how a run starts: device, group, model, data, optimizer and its starting point.
+//! Keeps: every rank agrees where it starts, and what cannot run is refused before any step.
 use super::*;
 
 impl<'a> Run<'a> {

@@ -1,4 +1,4 @@
-//! Early stopping: ours (`early_stop: asha`) or W&B's hyperband, as rungs at training steps.
+//! Owns early stopping: ours (`early_stop: asha`) or W&B's hyperband, as rungs at training steps.
 //! Keeps: rungs increase and end at the trials' max_steps (the whole run).
 use oomguard_console::ConfigError;
 use serde_json::Value;

@@ -1,4 +1,4 @@
-//! The sweep's metric: which record a trial is judged by, W&B's names mapped onto ours.
+//! Owns the sweep's metric: which record a trial is judged by, W&B's names mapped onto ours.
 //! Keeps: a name is one of METRIC_NAMES, and a W&B goal never contradicts its direction.
 use oomguard_console::ConfigError;
 use serde::Deserialize;

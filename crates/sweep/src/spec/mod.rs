@@ -1,8 +1,6 @@
-//! The sweep file: raw (serde, unknown keys refused) → a validated `Sweep`, whose trials are
-//! expanded by pure functions (a grid, or seeded random draws). A W&B file's keys mean what
-//! W&B's engine makes of them (nested parameters are dotted config keys, hyperband's bands are
-//! the rungs), or the file is refused naming the key: what W&B's schema refuses in its words,
-//! what oomguard cannot honour with the nearest thing it does.
+//! Owns the sweep file: raw (serde, unknown keys refused) to a validated `Sweep`.
+//! Keeps: a W&B key means what W&B's engine makes of it, or the file is refused naming the key;
+//! trials are expanded by pure functions.
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -1,6 +1,5 @@
-//! Parameters: each key's domain (W&B's distributions, nesting as dotted keys) and the
-//! trials they expand to (a grid in W&B's order, seeded draws). Keeps: a trial's id is its
-//! index and a hash of its parameters.
+//! Owns parameters: each key's domain and the trials they expand to (a grid, or seeded draws).
+//! Keeps: a trial's id is its index and a hash of its parameters.
 use oomguard_console::ConfigError;
 use serde_json::Value;
 use std::collections::BTreeMap;
