@@ -88,16 +88,7 @@ fn exact_resume() {
     let full = dir.path().join("full");
     let half = train_ok(dir.path(), &cfg, &["--max-steps", "4"]);
     assert_eq!(checkpoints(&half).last().unwrap().file_name().unwrap(), "step-00000004");
-    let o = oomguard(
-        &[
-            "train",
-            cfg.to_str().unwrap(),
-            "--run-dir",
-            half.to_str().unwrap(),
-            "--resume",
-        ],
-        dir.path(),
-    );
+    let o = resume(dir.path(), &cfg, &half, &[]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("resumed from"), "{}", stderr(&o));
     assert_same_weights(&full, &half);
@@ -132,16 +123,7 @@ fn sigterm_then_resume() {
     assert!(steps_done < 300);
     assert_eq!(stopped[0]["step"].as_u64().unwrap() as usize, steps_done - 1);
 
-    let o = oomguard(
-        &[
-            "train",
-            cfg.to_str().unwrap(),
-            "--run-dir",
-            run.to_str().unwrap(),
-            "--resume",
-        ],
-        dir.path(),
-    );
+    let o = resume(dir.path(), &cfg, &run, &[]);
     assert!(o.status.success(), "{}", stderr(&o));
     std::fs::rename(&run, dir.path().join("stopped")).unwrap();
     let run = dir.path().join("stopped");
@@ -190,20 +172,12 @@ fn second_signal_exits_at_once() {
         records(&run, "stopped").is_empty(),
         "the second signal should not wait for the checkpoint"
     );
-    let o = oomguard(
-        &[
-            "train",
-            cfg.to_str().unwrap(),
-            "--run-dir",
-            run.to_str().unwrap(),
-            "--resume",
-            "--max-steps",
-            "3",
-            // Shorter, on the same schedule.
-            "--set",
-            "optim.decay_steps=100",
-        ],
+    // Shorter, on the same schedule.
+    let o = resume(
         dir.path(),
+        &cfg,
+        &run,
+        &["--max-steps", "3", "--set", "optim.decay_steps=100"],
     );
     assert!(o.status.success(), "{}", stderr(&o));
 }
@@ -369,18 +343,7 @@ fn corrupt_and_truncated_checkpoints() {
 
     // A final weights file a kill interrupted mid-write: the temporary file, never the real one.
     std::fs::write(run.join(".model.safetensors.99999.tmp"), b"half a file").unwrap();
-    let o = oomguard(
-        &[
-            "train",
-            cfg.to_str().unwrap(),
-            "--run-dir",
-            run.to_str().unwrap(),
-            "--resume",
-            "--max-steps",
-            "8",
-        ],
-        dir.path(),
-    );
+    let o = resume(dir.path(), &cfg, &run, &["--max-steps", "8"]);
     let err = stderr(&o);
     assert!(o.status.success(), "{err}");
     assert_eq!(hidden_files(&run), Vec::<String>::new());
@@ -431,13 +394,11 @@ fn keep_best_across_a_resume() {
         .map(|e| e["val_loss"].as_f64().unwrap())
         .fold(f64::MAX, f64::min);
     // Resumed with a learning rate that wrecks the model: every later evaluation is worse.
-    let o = oomguard(
+    let o = resume(
+        dir.path(),
+        &cfg,
+        &run,
         &[
-            "train",
-            cfg.to_str().unwrap(),
-            "--run-dir",
-            run.to_str().unwrap(),
-            "--resume",
             "--max-steps",
             "10",
             "--set",
@@ -446,7 +407,6 @@ fn keep_best_across_a_resume() {
             "optim.min_lr=50.0",
             "--allow-change",
         ],
-        dir.path(),
     );
     assert!(o.status.success(), "{}", stderr(&o));
     let later: Vec<f64> = records(&run, "eval")
@@ -479,18 +439,7 @@ fn auto_micro_batch_record_survives_a_resume() {
         .replace("warmup_steps: 2}", "warmup_steps: 2, decay_steps: 6}");
     let cfg = write_config(dir.path(), "auto.yaml", &yaml);
     let run = train_ok(dir.path(), &cfg, &["--max-steps", "3", "--memory-budget", "64MiB"]);
-    let o = oomguard(
-        &[
-            "train",
-            cfg.to_str().unwrap(),
-            "--run-dir",
-            run.to_str().unwrap(),
-            "--resume",
-            "--memory-budget",
-            "64MiB",
-        ],
-        dir.path(),
-    );
+    let o = resume(dir.path(), &cfg, &run, &["--memory-budget", "64MiB"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(records(&run, "auto_micro_batch").len(), 1);
     let replaced = std::fs::read_to_string(run.join("metrics.replaced.jsonl")).unwrap_or_default();
@@ -502,22 +451,9 @@ fn changed_model_shape_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = write_config(dir.path(), "tiny.yaml", TINY);
     let run = train_ok(dir.path(), &cfg, &["--max-steps", "2"]);
-    let o = oomguard(
-        &[
-            "train",
-            cfg.to_str().unwrap(),
-            "--run-dir",
-            run.to_str().unwrap(),
-            "--resume",
-            "--set",
-            "model.n_layer=3",
-            "--set",
-            "model.n_embd=64",
-            // Accepted as a config change, the checkpoint's shape still refuses it.
-            "--allow-change",
-        ],
-        dir.path(),
-    );
+    // Accepted as a config change (--allow-change), the checkpoint's shape still refuses it.
+    let extra = ["--set", "model.n_layer=3", "--set", "model.n_embd=64", "--allow-change"];
+    let o = resume(dir.path(), &cfg, &run, &extra);
     assert_eq!(o.status.code(), Some(2));
     let err = stderr(&o);
     assert!(err.contains("the model's shape changed since this checkpoint: model.n_layer: 2 in the checkpoint, 3 in the config; model.n_embd: 32 in \

@@ -88,17 +88,7 @@ fn two_ranks_end_where_one_process_does() {
     assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-5), "{a:?} {b:?}");
     // The shorthand: oomguard train CONFIG --nproc-per-node 2.
     let short = dir.path().join("short");
-    let o = oomguard(
-        &[
-            "train",
-            cfg.to_str().unwrap(),
-            "--run-dir",
-            short.to_str().unwrap(),
-            "--nproc-per-node",
-            "2",
-        ],
-        dir.path(),
-    );
+    let o = train_at(dir.path(), &cfg, &short, &["--nproc-per-node", "2"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(max_abs_diff(&weights(&run), &weights(&short)), 0.0);
 }
@@ -157,12 +147,11 @@ fn at_8_with_a_budget_for_4(dir: &Path, extra: &str) -> (PathBuf, u64) {
 fn budget_between_4_and_8(dir: &Path, cfg: &Path) -> u64 {
     let peak = |mb: &str| {
         let r = dir.join(format!("p{mb}"));
-        let o = oomguard(
+        let o = train_at(
+            dir,
+            cfg,
+            &r,
             &[
-                "train",
-                cfg.to_str().unwrap(),
-                "--run-dir",
-                r.to_str().unwrap(),
                 "--max-steps",
                 "1",
                 "--memory-budget",
@@ -170,7 +159,6 @@ fn budget_between_4_and_8(dir: &Path, cfg: &Path) -> u64 {
                 "--set",
                 &format!("train.micro_batch_size={mb}"),
             ],
-            dir,
         );
         assert!(o.status.success(), "{}", stderr(&o));
         records(&r, "step")[0]["memory"]["peak_bytes"].as_u64().unwrap()

@@ -168,17 +168,7 @@ fn infeasible_exits_3_with_message_and_weights() {
     let (base, p1) = measure(dir.path(), &cfg, 1);
     let budget = (base + (p1 - base) / 2).to_string();
     let run = dir.path().join("run");
-    let o = oomguard(
-        &[
-            "train",
-            cfg.to_str().unwrap(),
-            "--run-dir",
-            run.to_str().unwrap(),
-            "--memory-budget",
-            &budget,
-        ],
-        dir.path(),
-    );
+    let o = train_at(dir.path(), &cfg, &run, &["--memory-budget", &budget]);
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(3), "{err}");
     assert!(err.contains("does not fit in memory even at micro-batch 1"), "{err}");
@@ -200,18 +190,7 @@ fn infeasible_exits_3_with_message_and_weights() {
         max_abs_diff(&weights(&run), &safetensors(&ckpt.join("model.safetensors"))),
         0.0
     );
-    let o = oomguard(
-        &[
-            "train",
-            cfg.to_str().unwrap(),
-            "--run-dir",
-            run.to_str().unwrap(),
-            "--resume",
-            "--memory-budget",
-            "none",
-        ],
-        dir.path(),
-    );
+    let o = resume(dir.path(), &cfg, &run, &["--memory-budget", "none"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let clean = train_into(dir.path(), &cfg, "clean", &["--memory-budget", "none"]);
     let d = max_abs_diff(&weights(&run), &weights(&clean));
@@ -354,17 +333,7 @@ fn a_model_that_cannot_fit_at_start_exits_3() {
     let dir = tempfile::tempdir().unwrap();
     let demo = common::root().join("configs/demo.yaml");
     let run = dir.path().join("a");
-    let o = oomguard(
-        &[
-            "train",
-            demo.to_str().unwrap(),
-            "--run-dir",
-            run.to_str().unwrap(),
-            "--memory-budget",
-            "1MiB",
-        ],
-        dir.path(),
-    );
+    let o = train_at(dir.path(), &demo, &run, &["--memory-budget", "1MiB"]);
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(3), "{err}");
     assert!(

@@ -27,17 +27,7 @@ fn a_thousand_injected_ooms_change_nothing() {
     // Two runs at a time (one thread each, on 2 cores).
     let one = |seed: u64| -> Vec<String> {
         let run = dir.path().join(format!("run{seed}"));
-        let o = oomguard(
-            &[
-                "train",
-                cfg.to_str().unwrap(),
-                "--run-dir",
-                run.to_str().unwrap(),
-                "--inject-oom",
-                &format!("{PER_RUN}:{seed}"),
-            ],
-            dir.path(),
-        );
+        let o = train_at(dir.path(), &cfg, &run, &["--inject-oom", &format!("{PER_RUN}:{seed}")]);
         let err = stderr(&o);
         assert!(o.status.success(), "seed {seed}: {err}");
         assert!(

@@ -15,6 +15,26 @@ fn script(name: &str) -> String {
     root().join("tests/scripts").join(name).display().to_string()
 }
 
+/// `oomguard train CONFIG --run-dir RUN EXTRA...` as the launcher's only worker, up to 3
+/// restarts, with a micro-batch cache of its own under `dir`.
+fn train_under_launch(dir: &std::path::Path, cfg: &std::path::Path, run: &std::path::Path, extra: &[&str]) -> Output {
+    let bin = common::bin();
+    let mut args = vec![
+        "--max-restarts",
+        "3",
+        "--monitor-interval",
+        "0.05",
+        "--no-python",
+        bin.to_str().unwrap(),
+    ];
+    args.extend(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()]);
+    args.extend_from_slice(extra);
+    launcher(&args)
+        .env("OOMGUARD_CACHE", dir.join(".cache"))
+        .output()
+        .unwrap()
+}
+
 fn launcher(args: &[&str]) -> Command {
     let mut c = Command::new(common::bin());
     dies_with_test(&mut c);
@@ -288,23 +308,7 @@ train: {micro_batch_size: 8, grad_accum_steps: 2, max_steps: 4, eval_every: 0, e
 memory: {guard: false, budget: 1275000}
 ").unwrap();
     let run = dir.path().join("run");
-    let torch_bin = common::bin();
-    let o = launcher(&[
-        "--max-restarts",
-        "3",
-        "--monitor-interval",
-        "0.05",
-        "--no-python",
-        torch_bin.to_str().unwrap(),
-        "train",
-        cfg.to_str().unwrap(),
-        "--run-dir",
-        run.to_str().unwrap(),
-        "--resume",
-    ])
-    .env("OOMGUARD_CACHE", dir.path().join(".cache"))
-    .output()
-    .unwrap();
+    let o = train_under_launch(dir.path(), &cfg, &run, &["--resume"]);
     let (out, err) = text(&o);
     assert!(o.status.success(), "{out}\n{err}");
     assert!(err.contains("ran out of memory at micro_batch_size=8"), "{err}");
@@ -362,22 +366,7 @@ data: {source: embedded, embedded_bytes: 65536}
 train: {micro_batch_size: 8, grad_accum_steps: 2, max_steps: 4, eval_every: 0, eval_batch_size: 2, eval_batches: 1, seed: 7, device: cpu, num_threads: 1}
 memory: {budget: 256MiB}
 ").unwrap();
-    let bin = common::bin();
-    let o = launcher(&[
-        "--max-restarts",
-        "3",
-        "--monitor-interval",
-        "0.05",
-        "--no-python",
-        bin.to_str().unwrap(),
-        "train",
-        cfg.to_str().unwrap(),
-        "--run-dir",
-        dir.path().join("run").to_str().unwrap(),
-    ])
-    .env("OOMGUARD_CACHE", dir.path().join(".cache"))
-    .output()
-    .unwrap();
+    let o = train_under_launch(dir.path(), &cfg, &dir.path().join("run"), &[]);
     let (out, err) = text(&o);
     assert_eq!(o.status.code(), Some(3), "{out}\n{err}");
     assert!(!err.contains("restarting the group"), "{err}");

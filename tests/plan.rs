@@ -38,17 +38,7 @@ fn planner_peak_within_20_percent_of_measured() {
     {
         let cfg = write_config(dir.path(), &format!("s{i}.yaml"), &shape_yaml(l, h, c, t, v, b));
         let run = dir.path().join(format!("run{i}"));
-        let o = oomguard(
-            &[
-                "train",
-                cfg.to_str().unwrap(),
-                "--run-dir",
-                run.to_str().unwrap(),
-                "--memory-budget",
-                "none",
-            ],
-            dir.path(),
-        );
+        let o = train_at(dir.path(), &cfg, &run, &["--memory-budget", "none"]);
         assert!(o.status.success(), "{}", stderr(&o));
         let measured = records(&run, "step")[1]["memory"]["peak_bytes"].as_u64().unwrap() as f64;
         let planned = planned_peak(dir.path(), &cfg) as f64;

@@ -96,17 +96,7 @@ fn fp16_overflow_skips_the_step_and_halves_the_scale() {
     let dir = tempfile::tempdir().unwrap();
     let (cfg, init) = scaled_model(dir.path(), "1e12", "");
     let r = dir.path().join("r");
-    let o = oomguard(
-        &[
-            "train",
-            cfg.to_str().unwrap(),
-            "--run-dir",
-            r.to_str().unwrap(),
-            "--max-steps",
-            "4",
-        ],
-        dir.path(),
-    );
+    let o = train_at(dir.path(), &cfg, &r, &["--max-steps", "4"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(
         stderr(&o).contains("step 0: fp16 gradients overflowed: update skipped, loss scale now 32768"),
@@ -152,16 +142,7 @@ fn fp16_scale_grows_every_growth_interval_and_resumes_exactly() {
         "{}",
         state["extra"]
     );
-    let o = oomguard(
-        &[
-            "train",
-            cfg.to_str().unwrap(),
-            "--run-dir",
-            half.to_str().unwrap(),
-            "--resume",
-        ],
-        dir.path(),
-    );
+    let o = resume(dir.path(), &cfg, &half, &[]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(scales(&half), expected);
     assert_eq!(
@@ -308,18 +289,7 @@ fn the_guard_climbs_down_the_rungs_when_one_sample_does_not_fit() {
     assert!(records(&climbed, "step")
         .iter()
         .all(|s| s["activation_checkpointing"] == true && s["precision"] == "fp32"));
-    let o = oomguard(
-        &[
-            "train",
-            cfg.to_str().unwrap(),
-            "--run-dir",
-            climbed.to_str().unwrap(),
-            "--resume",
-            "--memory-budget",
-            &budget,
-        ],
-        dir.path(),
-    );
+    let o = resume(dir.path(), &cfg, &climbed, &["--memory-budget", &budget]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(
         stderr(&o).contains("activation checkpointing"),

@@ -214,17 +214,7 @@ fn two_ranks_equal_one_process() {
     let cfg = hf_config(dir.path(), "gpt2", 6, "");
     let single = train_into(dir.path(), &cfg, "single", &[]);
     let two = dir.path().join("two");
-    let o = oomguard(
-        &[
-            "train",
-            cfg.to_str().unwrap(),
-            "--run-dir",
-            two.to_str().unwrap(),
-            "--nproc-per-node",
-            "2",
-        ],
-        dir.path(),
-    );
+    let o = train_at(dir.path(), &cfg, &two, &["--nproc-per-node", "2"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let steps = records(&two, "step");
     assert!(steps.iter().all(|s| s["world_size"] == 2), "{steps:?}");

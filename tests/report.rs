@@ -1,7 +1,7 @@
 //! `oomguard report` on real runs and sweeps, and `log.tensorboard`, through the binary.
 mod common;
 
-use common::{oomguard, records, stderr, write_config, TINY};
+use common::{oomguard, records, stderr, train_at, write_config, TINY};
 use oomguard_report::tensorboard::read_events;
 use oomguard_report::{run_chart, sweep_chart, MarkerKind, RunSeries};
 use std::path::Path;
@@ -354,18 +354,11 @@ fn a_tensorboard_folder_that_cannot_be_written_warns_and_the_run_goes_on() {
     let run = dir.path().join("run");
     std::fs::create_dir(&run).unwrap();
     std::fs::write(run.join("tensorboard"), "a file where the folder would go").unwrap();
-    let o = oomguard(
-        &[
-            "train",
-            cfg.to_str().unwrap(),
-            "--run-dir",
-            run.to_str().unwrap(),
-            "--set",
-            "log.tensorboard=true",
-            "--max-steps",
-            "2",
-        ],
+    let o = train_at(
         dir.path(),
+        &cfg,
+        &run,
+        &["--set", "log.tensorboard=true", "--max-steps", "2"],
     );
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(

@@ -110,18 +110,11 @@ fn the_clock_fires_at_the_same_step_on_every_rank() {
         .replace("log: {every: 1}", "log: {every: 40}");
     let cfg = write_config(dir.path(), "tiny.yaml", &yaml);
     let run = dir.path().join("two");
-    let o = oomguard(
-        &[
-            "train",
-            cfg.to_str().unwrap(),
-            "--run-dir",
-            run.to_str().unwrap(),
-            "--nproc-per-node",
-            "2",
-            "--set",
-            "checkpoint.every_minutes=0.0001",
-        ],
+    let o = train_at(
         dir.path(),
+        &cfg,
+        &run,
+        &["--nproc-per-node", "2", "--set", "checkpoint.every_minutes=0.0001"],
     );
     assert!(o.status.success(), "{}", stderr(&o));
     let ticks: Vec<u64> = records(&run, "checkpoint")

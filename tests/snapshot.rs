@@ -243,18 +243,7 @@ fn a_kill_mid_dump_leaves_earlier_dumps_and_a_resumable_run() {
         run.join("oom/001/snapshot.pickle").to_str().unwrap(),
     ]);
 
-    let o = oomguard(
-        &[
-            "train",
-            cfg.to_str().unwrap(),
-            "--run-dir",
-            run.to_str().unwrap(),
-            "--resume",
-            "--inject-oom",
-            "2:5",
-        ],
-        dir.path(),
-    );
+    let o = resume(dir.path(), &cfg, &run, &["--inject-oom", "2:5"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(summary(&run, 1), first, "oom/001 unchanged");
     assert!(
@@ -280,15 +269,7 @@ fn bad_settings_exit_2_naming_the_key() {
         ),
     ] {
         let cfg = write_config(dir.path(), "bad.yaml", &(TINY.to_string() + yaml));
-        let o = oomguard(
-            &[
-                "train",
-                cfg.to_str().unwrap(),
-                "--run-dir",
-                dir.path().join("bad").to_str().unwrap(),
-            ],
-            dir.path(),
-        );
+        let o = train_at(dir.path(), &cfg, &dir.path().join("bad"), &[]);
         assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
         assert!(stderr(&o).contains(key), "{key}: {}", stderr(&o));
     }

@@ -344,15 +344,7 @@ fn batchnorm_statistics_follow_the_micro_batch() {
 fn bad_models_exit_2_saying_what_was_expected() {
     let dir = tempfile::tempdir().unwrap();
     let fails = |cfg: &Path, wants: &[&str]| {
-        let o = oomguard(
-            &[
-                "train",
-                cfg.to_str().unwrap(),
-                "--run-dir",
-                dir.path().join("r").to_str().unwrap(),
-            ],
-            dir.path(),
-        );
+        let o = train_at(dir.path(), cfg, &dir.path().join("r"), &[]);
         let err = stderr(&o);
         assert_eq!(o.status.code(), Some(2), "{err}");
         for w in wants {
@@ -483,17 +475,7 @@ fn too_small_budgets_exit_3_at_every_stage() {
         (&cfg, "1MiB", "creating the optimizer state ran out"),
         (&bn, "24KiB", "loading the data ran out"),
     ] {
-        let o = oomguard(
-            &[
-                "train",
-                cfg.to_str().unwrap(),
-                "--run-dir",
-                dir.path().join("r").to_str().unwrap(),
-                "--memory-budget",
-                budget,
-            ],
-            dir.path(),
-        );
+        let o = train_at(dir.path(), cfg, &dir.path().join("r"), &["--memory-budget", budget]);
         let err = stderr(&o);
         assert_eq!(o.status.code(), Some(3), "{budget}: {err}");
         assert!(

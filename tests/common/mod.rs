@@ -109,11 +109,22 @@ pub fn train_ok(dir: &Path, config: &Path, extra: &[&str]) -> PathBuf {
 /// Trains `config` into `dir/name`, asserting success; returns the run directory.
 pub fn train_into(dir: &Path, config: &Path, name: &str, extra: &[&str]) -> PathBuf {
     let run = dir.join(name);
-    let mut args = vec!["train", config.to_str().unwrap(), "--run-dir", run.to_str().unwrap()];
-    args.extend_from_slice(extra);
-    let o = oomguard(&args, dir);
+    let o = train_at(dir, config, &run, extra);
     assert!(o.status.success(), "oomguard train failed: {}", stderr(&o));
     run
+}
+
+/// `oomguard train CONFIG --run-dir RUN EXTRA...` from `dir`; its output, checked by the
+/// caller (a run may be meant to fail).
+pub fn train_at(dir: &Path, config: &Path, run: &Path, extra: &[&str]) -> Output {
+    let mut args = vec!["train", config.to_str().unwrap(), "--run-dir", run.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    oomguard(&args, dir)
+}
+
+/// `train_at` with `--resume` first.
+pub fn resume(dir: &Path, config: &Path, run: &Path, extra: &[&str]) -> Output {
+    train_at(dir, config, run, &[&["--resume"], extra].concat())
 }
 
 /// The records of metrics.jsonl with the given `event`.

@@ -366,11 +366,13 @@ fn dataset(py: Python<'_>, data: &Bound<'_, PyAny>, path: &Path) -> Result<Datas
                 to_tch(py, e)
             ))
         })?;
+        // Asked once: a data file without `loss_units` costs the step no Python call.
+        let units = data.getattr("units").is_ok_and(|u| !u.is_none());
         Ok(Box::new(PythonSamples {
             split: s,
             len,
             name: format!("{} ({name})", path.display()),
-            data: data.clone().unbind(),
+            data: units.then(|| data.clone().unbind()),
         }))
     };
     Ok(Dataset {
@@ -387,8 +389,8 @@ struct PythonSamples {
     split: i64,
     len: usize,
     name: String,
-    /// glue.py's `Data`: `loss_units` when the data file defines it.
-    data: Py<PyAny>,
+    /// glue.py's `Data`, when the data file defines `loss_units`.
+    data: Option<Py<PyAny>>,
 }
 
 impl Samples for PythonSamples {
@@ -404,10 +406,12 @@ impl Samples for PythonSamples {
     /// The data file's `loss_units(batch)` of these samples' batch, when it defines one (its
     /// loss is then a mean over those units, masked tokens left out).
     fn valid_units(&self, positions: &[usize]) -> Result<Option<usize>> {
+        let Some(data) = &self.data else {
+            return Ok(None);
+        };
         Python::with_gil(|py| {
             let idx = PyList::new(py, positions).map_err(|e| to_tch(py, e))?;
-            let n = self
-                .data
+            let n = data
                 .bind(py)
                 .call_method1("loss_units", (self.split, idx))
                 .and_then(|n| n.extract::<Option<usize>>())
