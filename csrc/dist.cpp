@@ -107,14 +107,19 @@ char* og_dist_init(const char* addr, int port, const char* token, int rank, int 
     auto g = std::make_unique<Group>();
     g->store = c10::make_intrusive<c10d::TCPStore>(std::string(addr), opts);
     // Before the backend touches the store: a rank of another run that reached the same
-    // address and port stops here instead of joining (or disturbing) that run's group.
-    const std::string key = "oomguard/run-token", mine = token;
-    if (rank == 0) g->store->set(key, std::vector<uint8_t>(mine.begin(), mine.end()));
-    const auto theirs = g->store->get(key);
-    if (std::string(theirs.begin(), theirs.end()) != mine) {
+    // address and port stops here instead of joining (or disturbing) that run's group. The
+    // token is a key's name, never a value: the store answers whether a key exists but lists
+    // none, so a client that does not know the token cannot read it.
+    const std::string marker = "oomguard/run", mine = std::string("oomguard/run/") + token;
+    if (rank == 0) {
+      g->store->set(mine, std::vector<uint8_t>{1});
+      g->store->set(marker, std::vector<uint8_t>{1});
+    }
+    g->store->get(marker);
+    if (!g->store->check({mine})) {
       throw std::runtime_error("the group at " + std::string(addr) + ":" + std::to_string(port) +
-                               " belongs to another run (its token `" + std::string(theirs.begin(), theirs.end()) +
-                               "`, this rank's `" + mine + "`): two runs share the address and port; give each its own --master-port");
+                               " belongs to another run (its token is not this rank's): two runs share the address and port; "
+                               "give each its own --master-port");
     }
     if (cuda_index < 0) {
       auto o = c10d::ProcessGroupGloo::Options::create();

@@ -1,9 +1,11 @@
-//! Owns the ranks' small exchanges: one element-wise MAX over a fixed buffer, on its own channel.
+//! Owns the ranks' small exchanges: one element-wise MAX (or sum) over a fixed buffer, on its own
+//! channel, a binary tree of TCP connections.
 //! Keeps: each exchange's header names its sequence, topic and step, so ranks at different points
-//! of the protocol see it instead of misaligning every later collective.
+//! of the protocol see it instead of misaligning every later collective; a rank's bytes and
+//! connections per exchange do not grow with the world.
 use std::cell::{Cell, RefCell};
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -55,9 +57,19 @@ fn topic_name(k: f64) -> &'static str {
 
 const HEADER: usize = 6;
 
-pub(super) struct Exchange {
+/// How an exchange combines the ranks' payloads (the header is always a MAX).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reduce {
+    /// The element-wise maximum; a NaN anywhere wins (a rank's diverged loss reaches all).
+    Max,
+    /// The sum, added in the tree's fixed order (a rank's own value, then each child's
+    /// subtree in rank order): the same bits on every rank.
+    Sum,
+}
+
+pub struct Exchange {
     channel: Channel,
-    /// The message, header and payload: its size is fixed for the run.
+    /// The message, header and payload: its size is fixed for the run, whatever the world.
     msg: RefCell<Vec<f64>>,
     /// Exchanges so far, and the step the run is at (`ProcessGroup::at_step`).
     seq: Cell<u64>,
@@ -87,6 +99,10 @@ impl Exchange {
     /// that all ranks were at the same exchange of the same step, or fails naming both
     /// views.
     pub fn run(&self, topic: Topic, payload: &mut [f64]) -> Result<()> {
+        self.run_as(topic, payload, Reduce::Max)
+    }
+
+    pub fn run_as(&self, topic: Topic, payload: &mut [f64], how: Reduce) -> Result<()> {
         let mut msg = self.msg.borrow_mut();
         let cap = msg.len() - HEADER;
         assert!(
@@ -100,10 +116,11 @@ impl Exchange {
             seq += 1;
         }
         let (k, step) = (topic as i64 as f64, self.step.get() as f64);
-        msg.fill(f64::NEG_INFINITY);
+        let filler = if how == Reduce::Sum { 0.0 } else { f64::NEG_INFINITY };
+        msg.fill(filler);
         msg[..HEADER].copy_from_slice(&[seq as f64, -(seq as f64), k, -k, step, -step]);
         msg[HEADER..HEADER + payload.len()].copy_from_slice(payload);
-        self.channel.max(&mut msg)?;
+        self.channel.reduce(&mut msg, how)?;
         let h = &msg[..HEADER];
         if h[0] != -h[1] || h[2] != -h[3] || h[4] != -h[5] {
             return Err(Error::Dist(format!(
@@ -115,19 +132,43 @@ impl Exchange {
         payload.copy_from_slice(&msg[HEADER..HEADER + payload.len()]);
         Ok(())
     }
+
+    /// Bytes this rank has sent and received on the channel so far.
+    pub fn bytes_moved(&self) -> u64 {
+        self.channel.moved.get()
+    }
 }
 
-/// The exchanges' connections: rank 0 holds one per other rank, in rank order; every other
-/// rank holds one, to rank 0. A group of one holds none.
-pub(super) struct Channel {
+/// The ranks as a binary tree rooted at rank 0: rank r's parent is (r - 1) / 2 and its
+/// children 2r + 1 and 2r + 2. A reduction climbs it and the result comes back down, so a
+/// rank talks to three others at most and the depth is log2(world).
+pub fn parent(rank: usize) -> Option<usize> {
+    (rank > 0).then(|| (rank - 1) / 2)
+}
+
+pub fn children(rank: usize, world: usize) -> Vec<usize> {
+    [2 * rank + 1, 2 * rank + 2]
+        .into_iter()
+        .filter(|&c| c < world)
+        .collect()
+}
+
+/// The exchanges' connections, one to the parent and one per child (a group of one holds
+/// none). After an I/O failure every connection is shut, so the failure reaches the whole
+/// tree at once instead of each rank's timeout.
+pub struct Channel {
     rank: usize,
-    streams: Vec<TcpStream>,
+    parent: Option<(usize, TcpStream)>,
+    children: Vec<(usize, TcpStream)>,
     bytes: RefCell<Vec<u8>>,
+    theirs: RefCell<Vec<f64>>,
+    moved: Cell<u64>,
+    broken: Cell<bool>,
 }
 
 const HELLO: &[u8; 4] = b"OGX1";
 /// A connection has this long to introduce itself (a stray one is dropped after it, or at
-/// rank 0's deadline, whichever comes first).
+/// the rank's deadline, whichever comes first).
 const HELLO_WAIT: Duration = Duration::from_secs(10);
 
 fn io_error(what: String) -> impl Fn(std::io::Error) -> Error {
@@ -145,19 +186,29 @@ fn io_error(what: String) -> impl Fn(std::io::Error) -> Error {
     }
 }
 
+/// The store key under which rank `r` publishes its listener's address.
+fn key(rank: usize) -> String {
+    format!("oomguard/exchange/{rank}")
+}
+
 impl Channel {
     /// No connection (a placeholder until the group's channel opens).
     pub fn alone() -> Channel {
         Channel {
             rank: 0,
-            streams: vec![],
+            parent: None,
+            children: vec![],
             bytes: RefCell::new(vec![]),
+            theirs: RefCell::new(vec![]),
+            moved: 0.into(),
+            broken: false.into(),
         }
     }
 
-    /// Connects the ranks: rank 0 listens on `addr`'s interface at a free port, which it
-    /// publishes through the store (`share`: rank 0 sets a key, every rank reads it), and
-    /// waits up to `timeout` for every other rank to connect with `token`.
+    /// Connects the tree: a rank with children listens at a free port on `addr`'s interface
+    /// (rank 0) or on its own interface towards `addr` (the others), publishes it through
+    /// the store (`share(key, Some(value))` sets, `share(key, None)` waits for a key), then
+    /// connects to its parent with `token` and waits up to `timeout` for its children.
     pub fn open(
         rank: usize,
         world: usize,
@@ -166,82 +217,140 @@ impl Channel {
         timeout: Duration,
         share: impl Fn(&str, Option<&[u8]>) -> Result<Vec<u8>>,
     ) -> Result<Channel> {
-        let key = "oomguard/exchange-port";
         let timeout = timeout.max(Duration::from_millis(1));
-        let streams = if world < 2 {
-            vec![]
-        } else if rank == 0 {
-            let listener =
-                TcpListener::bind((addr, 0)).map_err(io_error(format!("the exchange's listener on {addr}")))?;
-            let port = listener
-                .local_addr()
-                .map_err(io_error("the exchange's listener".into()))?
-                .port();
-            share(key, Some(port.to_string().as_bytes()))?;
-            accept(&listener, world, token, timeout)?
+        let mut ch = Channel::alone();
+        ch.rank = rank;
+        if world < 2 {
+            return Ok(ch);
+        }
+        let kids = children(rank, world);
+        let listener = if kids.is_empty() {
+            None
         } else {
-            let port = String::from_utf8_lossy(&share(key, None)?)
-                .parse::<u16>()
-                .map_err(|_| Error::Dist("the store's exchange port is not a port".into()))?;
-            let what = format!("rank {rank} connecting to the exchange at {addr}:{port}");
-            let mut s = connect(addr, port, timeout).map_err(io_error(what.clone()))?;
+            let what = format!("rank {rank}'s exchange listener towards {addr}");
+            let ip = if rank == 0 {
+                None
+            } else {
+                Some(local_ip_towards(addr).map_err(io_error(what.clone()))?)
+            };
+            let l = match ip {
+                None => TcpListener::bind((addr, 0)),
+                Some(ip) => TcpListener::bind((ip, 0)),
+            }
+            .map_err(io_error(what.clone()))?;
+            let at = l.local_addr().map_err(io_error(what))?;
+            share(&key(rank), Some(at.to_string().as_bytes()))?;
+            Some(l)
+        };
+        if let Some(p) = parent(rank) {
+            let at = String::from_utf8_lossy(&share(&key(p), None)?)
+                .parse::<SocketAddr>()
+                .map_err(|_| Error::Dist(format!("the store's exchange address of rank {p} is not an address")))?;
+            let what = format!("rank {rank} connecting to the exchange of rank {p} at {at}");
+            let mut s = TcpStream::connect_timeout(&at, timeout).map_err(io_error(what.clone()))?;
             let mut hello = HELLO.to_vec();
             hello.extend((rank as u32).to_le_bytes());
             hello.extend((token.len() as u32).to_le_bytes());
             hello.extend(token.as_bytes());
             s.write_all(&hello).map_err(io_error(what))?;
-            vec![s]
-        };
-        for s in &streams {
+            ch.parent = Some((p, s));
+        }
+        if let Some(l) = listener {
+            ch.children = kids
+                .iter()
+                .copied()
+                .zip(accept(&l, rank, &kids, token, timeout)?)
+                .collect();
+        }
+        for s in ch.streams() {
             let setup = io_error("the exchange's connection".into());
             s.set_nodelay(true).map_err(&setup)?;
             s.set_read_timeout(Some(timeout)).map_err(&setup)?;
             s.set_write_timeout(Some(timeout)).map_err(&setup)?;
         }
-        Ok(Channel {
-            rank,
-            streams,
-            bytes: RefCell::new(vec![]),
-        })
+        Ok(ch)
     }
 
-    /// `values` becomes the element-wise maximum over the ranks (a NaN anywhere wins: a
-    /// rank's diverged loss reaches every rank).
-    fn max(&self, values: &mut [f64]) -> Result<()> {
+    fn streams(&self) -> impl Iterator<Item = &TcpStream> {
+        self.parent.iter().chain(&self.children).map(|(_, s)| s)
+    }
+
+    /// `values` becomes the reduction over the ranks: the children's subtrees are folded
+    /// in (in rank order), the result goes to the parent, and the root's comes back down.
+    fn reduce(&self, values: &mut [f64], how: Reduce) -> Result<()> {
+        if self.broken.get() {
+            return Err(Error::Dist(
+                "the exchange is closed after an earlier failure on it".into(),
+            ));
+        }
+        let got = self.climb(values, how);
+        if got.is_err() {
+            self.broken.set(true);
+            for s in self.streams() {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+        }
+        got
+    }
+
+    fn climb(&self, values: &mut [f64], how: Reduce) -> Result<()> {
         let mut bytes = self.bytes.borrow_mut();
+        let mut theirs = self.theirs.borrow_mut();
         bytes.resize(values.len() * 8, 0);
-        if self.rank == 0 {
-            for (i, s) in self.streams.iter().enumerate() {
-                (&*s)
-                    .read_exact(&mut bytes)
-                    .map_err(io_error(format!("the exchange with rank {}", i + 1)))?;
-                for (v, b) in values.iter_mut().zip(bytes.chunks_exact(8)) {
-                    let x = f64::from_le_bytes(b.try_into().expect("8 bytes"));
-                    if x.is_nan() || x > *v {
-                        *v = x;
-                    }
+        theirs.resize(values.len(), 0.0);
+        let with = |r: usize| io_error(format!("the exchange with rank {r}"));
+        for (r, s) in &self.children {
+            self.recv(s, &mut bytes, &mut theirs).map_err(with(*r))?;
+            for (i, (v, x)) in values.iter_mut().zip(theirs.iter()).enumerate() {
+                if how == Reduce::Sum && i >= HEADER {
+                    *v += x;
+                } else if x.is_nan() || x > v {
+                    *v = *x;
                 }
             }
+        }
+        if let Some((r, s)) = &self.parent {
             encode(values, &mut bytes);
-            for (i, s) in self.streams.iter().enumerate() {
-                (&*s)
-                    .write_all(&bytes)
-                    .map_err(io_error(format!("the exchange with rank {}", i + 1)))?;
-            }
-        } else if let Some(s) = self.streams.first() {
-            encode(values, &mut bytes);
-            (&*s)
-                .write_all(&bytes)
-                .map_err(io_error("the exchange with rank 0".into()))?;
-            (&*s)
-                .read_exact(&mut bytes)
-                .map_err(io_error("the exchange with rank 0".into()))?;
-            for (v, b) in values.iter_mut().zip(bytes.chunks_exact(8)) {
-                *v = f64::from_le_bytes(b.try_into().expect("8 bytes"));
-            }
+            self.send(s, &bytes).map_err(with(*r))?;
+            self.recv(s, &mut bytes, values).map_err(with(*r))?;
+        }
+        encode(values, &mut bytes);
+        for (r, s) in &self.children {
+            self.send(s, &bytes).map_err(with(*r))?;
         }
         Ok(())
     }
+
+    fn recv(&self, mut s: &TcpStream, bytes: &mut [u8], out: &mut [f64]) -> std::io::Result<()> {
+        s.read_exact(bytes)?;
+        self.moved.set(self.moved.get() + bytes.len() as u64);
+        for (v, b) in out.iter_mut().zip(bytes.chunks_exact(8)) {
+            *v = f64::from_le_bytes(b.try_into().expect("8 bytes"));
+        }
+        Ok(())
+    }
+
+    fn send(&self, mut s: &TcpStream, bytes: &[u8]) -> std::io::Result<()> {
+        s.write_all(bytes)?;
+        self.moved.set(self.moved.get() + bytes.len() as u64);
+        Ok(())
+    }
+}
+
+/// This host's address on the route to `addr` (a UDP socket's `connect` sends nothing).
+fn local_ip_towards(addr: &str) -> std::io::Result<IpAddr> {
+    let target = (addr, 9)
+        .to_socket_addrs()?
+        .next()
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, "MASTER_ADDR resolves to no address"))?;
+    let any: IpAddr = if target.is_ipv4() {
+        Ipv4Addr::UNSPECIFIED.into()
+    } else {
+        Ipv6Addr::UNSPECIFIED.into()
+    };
+    let s = UdpSocket::bind((any, 0))?;
+    s.connect(target)?;
+    Ok(s.local_addr()?.ip())
 }
 
 fn encode(values: &[f64], bytes: &mut [u8]) {
@@ -250,42 +359,39 @@ fn encode(values: &[f64], bytes: &mut [u8]) {
     }
 }
 
-fn connect(addr: &str, port: u16, timeout: Duration) -> std::io::Result<TcpStream> {
-    let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "MASTER_ADDR resolves to no address");
-    for a in (addr, port).to_socket_addrs()? {
-        match TcpStream::connect_timeout(&a, timeout) {
-            Ok(s) => return Ok(s),
-            Err(e) => last = e,
-        }
-    }
-    Err(last)
-}
-
-/// Rank 0: a connection from every other rank, in rank order. One that does not introduce
+/// Rank `me`: a connection from each rank of `expected` (its children), in that order. One that does not introduce
 /// itself with the run's token (another run, a stray client, garbage) is dropped with a
 /// warning, and so is one that says nothing within HELLO_WAIT. Hellos are read without
 /// blocking, all at once: strangers, however many and however silent, delay no rank, and
 /// the deadline holds whatever they do.
-fn accept(listener: &TcpListener, world: usize, token: &str, timeout: Duration) -> Result<Vec<TcpStream>> {
-    let failed = io_error("rank 0 waiting for the ranks at the exchange".into());
+fn accept(
+    listener: &TcpListener,
+    me: usize,
+    expected: &[usize],
+    token: &str,
+    timeout: Duration,
+) -> Result<Vec<TcpStream>> {
+    let failed = io_error(format!("rank {me} waiting for the ranks at the exchange"));
     listener.set_nonblocking(true).map_err(&failed)?;
     let deadline = Instant::now() + timeout;
-    let mut peers: Vec<Option<TcpStream>> = (1..world).map(|_| None).collect();
+    let mut peers: Vec<Option<TcpStream>> = expected.iter().map(|_| None).collect();
     let mut waiting: Vec<Hello> = vec![];
     let mut dropped = 0usize;
     while peers.iter().any(Option::is_none) {
         let now = Instant::now();
         if now >= deadline {
-            let missing: Vec<String> = (1..world)
-                .filter(|r| peers[r - 1].is_none())
-                .map(|r| r.to_string())
+            let missing: Vec<String> = expected
+                .iter()
+                .zip(&peers)
+                .filter(|(_, p)| p.is_none())
+                .map(|(r, _)| r.to_string())
                 .collect();
             return Err(Error::Dist(format!(
-                "rank 0 waiting for the ranks at the exchange: timed out after {:.1} s (train.dist_timeout_s) with {} of {} other ranks connected \
+                "rank {me} waiting for the ranks at the exchange: timed out after {:.1} s (train.dist_timeout_s) with {} of {} other ranks connected \
                     (missing: {}); {} connection(s) that did not introduce themselves as ranks of this run were dropped",
                 timeout.as_secs_f64(),
-                world - 1 - missing.len(),
-                world - 1,
+                expected.len() - missing.len(),
+                expected.len(),
                 missing.join(", "),
                 dropped + waiting.len(),
             )));
@@ -316,14 +422,14 @@ fn accept(listener: &TcpListener, world: usize, token: &str, timeout: Duration) 
         }
         let mut i = 0;
         while i < waiting.len() {
-            let state = waiting[i].read(token, world);
+            let state = waiting[i].read(token, expected);
             busy |= !matches!(state, Ok(None));
             match state {
                 Ok(None) if now.duration_since(waiting[i].since) < HELLO_WAIT => i += 1,
-                Ok(Some(r)) if peers[r - 1].is_none() => {
+                Ok(Some(slot)) if peers[slot].is_none() => {
                     let s = waiting.swap_remove(i).stream;
                     s.set_nonblocking(false).map_err(&failed)?;
-                    peers[r - 1] = Some(s);
+                    peers[slot] = Some(s);
                 }
                 _ => {
                     let h = waiting.swap_remove(i);
@@ -360,19 +466,20 @@ impl Hello {
         }
     }
 
-    /// What has arrived so far: `Ok(None)` while incomplete, `Ok(Some(rank))` once whole
-    /// and the run's own, an error for anything else (another run's, garbage, closed).
-    fn read(&mut self, token: &str, world: usize) -> std::io::Result<Option<usize>> {
+    /// What has arrived so far: `Ok(None)` while incomplete, `Ok(Some(i))` once whole and
+    /// from `expected[i]` with the run's token, an error for anything else (another run's,
+    /// another rank's, garbage, closed).
+    fn read(&mut self, token: &str, expected: &[usize]) -> std::io::Result<Option<usize>> {
         let stranger = || std::io::Error::new(std::io::ErrorKind::InvalidData, "not a rank of this run");
         loop {
             let want = if self.got.len() < 12 { 12 } else { 12 + token.len() };
             if self.got.len() == want {
                 let rank = u32::from_le_bytes(self.got[4..8].try_into().expect("4 bytes")) as usize;
                 let theirs = &self.got[12..];
-                if theirs == token.as_bytes() && (1..world).contains(&rank) {
-                    return Ok(Some(rank));
-                }
-                return Err(stranger());
+                return match expected.iter().position(|&r| r == rank) {
+                    Some(i) if theirs == token.as_bytes() => Ok(Some(i)),
+                    _ => Err(stranger()),
+                };
             }
             let have = self.got.len();
             self.got.resize(want, 0);

@@ -1,21 +1,28 @@
 //! Owns tests of the exchange's channel between threads of one process, over loopback.
 //! Keeps: nothing outside loopback is opened.
 use super::*;
+use std::collections::HashMap;
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 
-/// The store's part in `Channel::open`: rank 0 sets the key, the others wait for it.
+/// The store's part in `Channel::open`: a rank sets its key, the others wait for it.
 #[derive(Clone, Default)]
-struct Store(Arc<(Mutex<Option<Vec<u8>>>, Condvar)>);
+struct Store(Arc<(Mutex<HashMap<String, Vec<u8>>>, Condvar)>);
 
 impl Store {
-    fn share(&self, _key: &str, value: Option<&[u8]>) -> Result<Vec<u8>> {
+    fn share(&self, key: &str, value: Option<&[u8]>) -> Result<Vec<u8>> {
         let (m, c) = &*self.0;
         let mut v = m.lock().unwrap();
         if let Some(value) = value {
-            *v = Some(value.to_vec());
+            v.insert(key.to_string(), value.to_vec());
             c.notify_all();
         }
-        Ok(c.wait_while(v, |v| v.is_none()).unwrap().clone().unwrap())
+        Ok(c.wait_while(v, |v| !v.contains_key(key)).unwrap()[key].clone())
+    }
+
+    /// Rank `r`'s exchange listener.
+    fn port_of(&self, r: usize) -> u16 {
+        let at = String::from_utf8(self.share(&key(r), None).unwrap()).unwrap();
+        at.parse::<SocketAddr>().unwrap().port()
     }
 }
 
@@ -38,11 +45,7 @@ fn rank_zero(store: &Store, world: usize, timeout: Duration) -> (u16, mpsc::Rece
         let got = open_within(&s, 0, world, "tok", timeout);
         let _ = tx.send((got, t.elapsed()));
     });
-    let port = String::from_utf8(store.share("", None).unwrap())
-        .unwrap()
-        .parse()
-        .unwrap();
-    (port, rx)
+    (store.port_of(0), rx)
 }
 
 /// Rank 0's outcome, waiting at most `bound`.
@@ -138,10 +141,7 @@ fn ranks_meet_at_the_maximum_and_strangers_are_turned_away() {
         x.run(Topic::Losses, &mut v).unwrap();
         v
     });
-    let port: u16 = String::from_utf8(store.share("", None).unwrap())
-        .unwrap()
-        .parse()
-        .unwrap();
+    let port = store.port_of(0);
     // A stray client with the wrong token, and one claiming rank 0: both dropped.
     let mut wrong = TcpStream::connect(("127.0.0.1", port)).unwrap();
     wrong.write_all(b"OGX1\x01\0\0\0\x03\0\0\0bad").unwrap();
@@ -203,4 +203,82 @@ fn ranks_at_different_exchanges_fail_naming_both() {
         zero.contains("this rank is at exchange 1 (the losses, step 7)"),
         "{zero}"
     );
+}
+
+/// `world` ranks on threads, each running `f` with its exchange; their results in rank order.
+fn ranks<T: Send + 'static>(world: usize, f: impl Fn(usize, Exchange) -> T + Send + Sync + 'static) -> Vec<T> {
+    let store = Store::default();
+    let f = Arc::new(f);
+    let threads: Vec<_> = (0..world)
+        .map(|r| {
+            let (s, f) = (store.clone(), f.clone());
+            std::thread::spawn(move || f(r, Exchange::new(open(&s, r, world, "tok").unwrap(), 4)))
+        })
+        .collect();
+    threads.into_iter().map(|t| t.join().unwrap()).collect()
+}
+
+#[test]
+fn sixty_four_ranks_agree_on_the_maximum_and_the_sum_in_constant_bytes() {
+    let got = ranks(64, |r, x| {
+        let mut v = [r as f64, -(r as f64), if r == 37 { f64::NAN } else { 0.0 }];
+        x.run(Topic::Losses, &mut v).unwrap();
+        let mut s = [1.0 + r as f64 / 8.0];
+        x.run_as(Topic::EvalLosses, &mut s, Reduce::Sum).unwrap();
+        (format!("{v:?}"), s[0].to_bits(), x.bytes_moved())
+    });
+    let want_sum: f64 = (0..64).map(|r| 1.0 + r as f64 / 8.0).sum();
+    for (v, sum, _) in &got {
+        assert_eq!(v, &format!("{:?}", [63.0, -0.0, f64::NAN]));
+        // One sum, the same bits everywhere.
+        assert_eq!(*sum, got[0].1);
+        assert!((f64::from_bits(*sum) - want_sum).abs() < 1e-9, "{sum} vs {want_sum}");
+    }
+    // Two exchanges of (6 + 4) values each: a rank moves one message per neighbour each way,
+    // three neighbours at most.
+    let msg = 8 * (HEADER as u64 + 4);
+    let most = got.iter().map(|g| g.2).max().unwrap();
+    assert_eq!(most, 2 * 2 * 3 * msg);
+    assert_eq!(got[63].2, 2 * 2 * msg, "a leaf talks to its parent only");
+}
+
+#[test]
+fn sixty_four_ranks_at_different_exchanges_all_fail_naming_both() {
+    let errs = ranks(64, |r, x| {
+        x.step.set(3);
+        let topic = if r == 50 { Topic::Agreement } else { Topic::Losses };
+        x.run(topic, &mut [0.0]).unwrap_err().to_string()
+    });
+    for e in errs {
+        assert!(
+            e.contains("collective mismatch") && e.contains("the agreement on a step's attempt .. the losses"),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn a_dead_rank_among_sixty_four_fails_every_other_within_seconds() {
+    let t = Instant::now();
+    let errs = ranks(64, |r, x| {
+        x.run(Topic::Losses, &mut [1.0]).unwrap();
+        if r == 21 {
+            return None; // dies: its connections close
+        }
+        Some(x.run(Topic::Losses, &mut [1.0]).unwrap_err().to_string())
+    });
+    let took = t.elapsed();
+    let errs: Vec<String> = errs.into_iter().flatten().collect();
+    assert_eq!(errs.len(), 63);
+    for e in &errs {
+        assert!(
+            e.contains("the connection closed") || e.contains("closed after an earlier failure"),
+            "{e}"
+        );
+    }
+    // Its neighbours name it; the timeout (20 s) was never waited for.
+    assert!(errs
+        .iter()
+        .any(|e| e.contains("the exchange with rank 21: the connection closed")));
+    assert!(took < Duration::from_secs(10), "{took:?}");
 }

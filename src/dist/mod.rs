@@ -10,10 +10,10 @@ use crate::error::{ConfigError, Error, OomError, OomSource, Phase, Result};
 use crate::memory::check;
 
 pub mod bind;
-mod exchange;
+pub mod exchange;
 
 pub use exchange::Topic;
-use exchange::{Channel, Exchange};
+use exchange::{Channel, Exchange, Reduce};
 
 extern "C" {
     fn og_dist_init(
@@ -60,12 +60,26 @@ pub struct ProcessGroup {
     said: std::cell::Cell<[bool; 2]>,
 }
 
+/// Where a rank joins its group: torchrun's variables, or a simulation's.
+#[derive(Debug, Clone)]
+pub struct Rendezvous {
+    pub rank: usize,
+    pub world: usize,
+    pub local_rank: usize,
+    /// MASTER_ADDR and MASTER_PORT: rank 0's store.
+    pub addr: String,
+    pub port: u16,
+    /// The run's secret: a group whose store holds another is refused.
+    pub token: String,
+    pub timeout: Duration,
+}
+
 /// Set by `oomguard launch`: one value per launch (per `--rdzv-id` across nodes).
 pub const TOKEN_VAR: &str = "OOMGUARD_RUN_TOKEN";
 
-/// Payload slots of an exchange: enough for the guard's inputs, and an agreement's slot per
-/// rank.
-const PAYLOAD_MIN: usize = 16;
+/// Payload slots of an exchange, whatever the world: enough for the guard's inputs and an
+/// agreement's detail.
+const PAYLOAD: usize = 16;
 
 impl Drop for ProcessGroup {
     fn drop(&mut self) {
@@ -124,22 +138,45 @@ impl ProcessGroup {
                 .transpose()?,
             port,
         )?;
+        // The launch's token, checked in the store before the group forms (TOKEN_VAR).
+        let token = var(TOKEN_VAR)
+            .or_else(|| var("TORCHELASTIC_RUN_ID"))
+            .unwrap_or_default();
+        let at = Rendezvous {
+            rank,
+            world,
+            local_rank,
+            addr,
+            port: port as u16,
+            token,
+            timeout,
+        };
+        ProcessGroup::join(&at, device).map(Some)
+    }
+
+    /// Rank `at.rank`'s place in the group `at` describes (rank 0 serves its store).
+    pub fn join(at: &Rendezvous, device: Device) -> Result<ProcessGroup> {
+        let Rendezvous {
+            rank,
+            world,
+            local_rank,
+            ref addr,
+            port,
+            ref token,
+            timeout,
+        } = *at;
         let device = match device {
             Device::Cuda(_) => Device::Cuda(local_rank),
             d => d,
         };
         let cuda = if let Device::Cuda(i) = device { i as i32 } else { -1 };
         let caddr = CString::new(addr.clone()).map_err(|_| Error::Dist("MASTER_ADDR holds a NUL byte".into()))?;
-        // The launch's token, checked in the store before the group forms (TOKEN_VAR).
-        let token = var(TOKEN_VAR)
-            .or_else(|| var("TORCHELASTIC_RUN_ID"))
-            .unwrap_or_default();
         let ctoken = CString::new(token.clone()).map_err(|_| Error::Dist(format!("{TOKEN_VAR} holds a NUL byte")))?;
         let mut ptr: *mut c_void = std::ptr::null_mut();
         check(unsafe {
             og_dist_init(
                 caddr.as_ptr(),
-                port as i32,
+                i32::from(port),
                 ctoken.as_ptr(),
                 rank as i32,
                 world as i32,
@@ -155,19 +192,18 @@ impl ProcessGroup {
             "rank {rank} of {world} ({}) joined the group at {addr}:{port}",
             if cuda < 0 { "gloo" } else { "nccl" }
         );
-        let payload = PAYLOAD_MIN.max(AGREE_SLOT * world);
         let mut pg = ProcessGroup {
             ptr,
             rank,
             world,
             local_rank,
             device,
-            exchange: Exchange::new(Channel::alone(), payload),
+            exchange: Exchange::new(Channel::alone(), PAYLOAD),
             said: Default::default(),
         };
-        let channel = Channel::open(rank, world, &addr, &token, timeout, |k, b| pg.share(k, b))?;
-        pg.exchange = Exchange::new(channel, payload);
-        Ok(Some(pg))
+        let channel = Channel::open(rank, world, addr, token, timeout, |k, b| pg.share(k, b))?;
+        pg.exchange = Exchange::new(channel, PAYLOAD);
+        Ok(pg)
     }
 
     /// The step the run is at, carried in every exchange's header.
@@ -193,13 +229,17 @@ impl ProcessGroup {
             .map_err(dist_error("all-reduce"))
     }
 
-    /// The sum over ranks of one value each, added in rank order (the same on every rank,
-    /// bitwise), through the exchange.
+    /// The sum over ranks of one value each, added in the exchange tree's fixed order (the
+    /// same on every rank, bitwise).
     pub fn sum_f64(&self, topic: Topic, value: f64) -> Result<f64> {
-        let mut slots = vec![f64::NEG_INFINITY; self.world];
-        slots[self.rank] = value;
-        self.exchange(topic, &mut slots)?;
-        Ok(slots.iter().sum())
+        let mut v = [value];
+        self.exchange.run_as(topic, &mut v, Reduce::Sum)?;
+        Ok(v[0])
+    }
+
+    /// Bytes this rank has sent and received on the exchange so far.
+    pub fn exchange_bytes(&self) -> u64 {
+        self.exchange.bytes_moved()
     }
 
     /// ZeRO's reduce-scatter: `out` (S values) becomes the sum over ranks of their
@@ -299,36 +339,42 @@ impl ProcessGroup {
     /// the guards, which decide on them, decide alike.
     /// `topic`: the site's own, so that ranks at different sites fail at once, named.
     pub fn agree<T>(&self, topic: Topic, local: Result<T>) -> Result<T> {
-        let mut slots = vec![f64::NEG_INFINITY; AGREE_SLOT * self.world];
-        let own = &mut slots[AGREE_SLOT * self.rank..AGREE_SLOT * (self.rank + 1)];
-        own.fill(-1.0);
-        match &local {
-            Ok(_) => own[0] = 0.0,
-            Err(Error::Oom(o)) => {
-                let n = |v: Option<u64>| v.map_or(-1.0, |v| v as f64);
-                own.copy_from_slice(&[
-                    1.0,
-                    o.phase.map_or(-1.0, |p| p as u8 as f64),
-                    n(o.micro_batch.map(|m| m as u64)),
-                    n(o.requested_bytes),
-                    n(o.free_bytes),
-                    o.source as u8 as f64,
-                ]);
-            }
-            Err(_) => own[0] = 2.0,
-        }
-        self.exchange(topic, &mut slots)?;
-        let views: Vec<&[f64]> = slots.chunks(AGREE_SLOT).collect();
-        if let Some(r) = views.iter().position(|v| v[0] == 2.0) {
+        // Which ranks failed, in O(1) values: the lowest rank with an OOM, and with another
+        // error (-rank, under MAX; -inf for none).
+        let me = -(self.rank as f64);
+        let none = f64::NEG_INFINITY;
+        let mut v = match &local {
+            Ok(_) => [none, none],
+            Err(Error::Oom(_)) => [me, none],
+            Err(_) => [none, me],
+        };
+        self.exchange(topic, &mut v)?;
+        if v[1] > none {
+            let r = -v[1] as usize;
             return Err(match local {
                 Err(e) if r == self.rank => e,
                 _ => Error::Dist(format!("rank {r} failed (see its log)")),
             });
         }
-        let Some(r) = views.iter().position(|v| v[0] == 1.0) else {
+        if v[0] == none {
             return local;
-        };
-        let v = views[r];
+        }
+        // The rare path: that rank's detail, which every rank then decides on.
+        let r = -v[0] as usize;
+        let mut d = [none; 5];
+        if let Err(Error::Oom(o)) = &local {
+            if r == self.rank {
+                let n = |v: Option<u64>| v.map_or(-1.0, |v| v as f64);
+                d = [
+                    o.phase.map_or(-1.0, |p| p as u8 as f64),
+                    n(o.micro_batch.map(|m| m as u64)),
+                    n(o.requested_bytes),
+                    n(o.free_bytes),
+                    o.source as u8 as f64,
+                ];
+            }
+        }
+        self.exchange(topic, &mut d)?;
         let n = |x: f64| (x >= 0.0).then_some(x as u64);
         let (own_message, capacity) = match &local {
             Err(Error::Oom(o)) if r == self.rank => (Some(o.message.clone()), o.capacity_bytes),
@@ -341,22 +387,19 @@ impl ProcessGroup {
                 OomSource::Cpu,
                 OomSource::Budget,
             ]
-            .get(v[5] as usize)
+            .get(d[4] as usize)
             .copied()
             .unwrap_or(OomSource::Budget),
-            requested_bytes: n(v[3]),
+            requested_bytes: n(d[2]),
             capacity_bytes: capacity,
-            free_bytes: n(v[4]),
-            phase: n(v[1]).and_then(|p| PHASES.get(p as usize).copied()),
-            micro_batch: n(v[2]).map(|m| m as usize),
+            free_bytes: n(d[3]),
+            phase: n(d[0]).and_then(|p| PHASES.get(p as usize).copied()),
+            micro_batch: n(d[1]).map(|m| m as usize),
             message: own_message.unwrap_or_else(|| format!("rank {r} ran out of memory")),
         }))
     }
 }
 
-/// Values per rank in an agreement: status, then an OOM's phase, micro-batch, requested
-/// and free bytes, and source (-1: unknown).
-const AGREE_SLOT: usize = 6;
 /// `Phase as u8` back to the phase.
 const PHASES: [Phase; 8] = [
     Phase::Data,

@@ -8,9 +8,6 @@ use super::{groups, AdamW, Comm, Group, OptimConfig, Shard};
 use crate::error::{Error, Result as OgResult};
 use crate::memory::clear_grad;
 
-/// ZeRO's collectives move at most this much at a time (all ranks' chunks together).
-const ZERO_BUCKET_BYTES: i64 = 25 << 20;
-
 impl AdamW {
     /// `new` with the moments sharded from the start (`Shard::None`: `new`), so that the
     /// whole state is never allocated on one rank.
@@ -45,7 +42,7 @@ impl AdamW {
             ))));
         }
         let numels: Vec<i64> = params.iter().map(|p| p.numel() as i64).collect();
-        let layout = Layout::new(&numels, comm.rank(), comm.world(), ZERO_BUCKET_BYTES / 4);
+        let layout = Layout::new(&numels, comm.rank(), comm.world(), super::zero::BUCKET_BYTES / 4);
         let device = params.first().map_or(tch::Device::Cpu, |p| p.device());
         let zeros = |n: i64| Tensor::f_zeros([n], (Kind::Float, device));
         // A fresh state's shards; empty when `set_shard` fills them from whole moments.

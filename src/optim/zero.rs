@@ -43,6 +43,10 @@ pub trait Comm {
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<()>;
 }
 
+/// The most bytes one of sharding's collectives moves over all ranks (f32 elements: a
+/// quarter of it).
+pub const BUCKET_BYTES: i64 = 25 << 20;
+
 /// The fewest collectives a shard is moved in.
 const CHUNKS_PER_SHARD: i64 = 16;
 
@@ -59,6 +63,29 @@ pub struct Layout {
     pub shard: i64,
     /// Elements per rank in one collective (its buffer holds `world x chunk`).
     pub chunk: i64,
+    /// Each chunk's copies between the parameters and a `world x len` buffer, worked out
+    /// once per layout: a step's host work is then O(parameters x chunks), whatever the world.
+    plan: Vec<ChunkPlan>,
+}
+
+/// Copies of `count` segments of `len` elements: parameter `param` (flattened) from `at`, a
+/// segment every `shard` elements, to or from the buffer at `rel`, a segment every `len`
+/// elements (one strided copy, however many ranks' segments it covers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Block {
+    pub param: usize,
+    pub at: i64,
+    pub rel: i64,
+    pub len: i64,
+    pub count: i64,
+}
+
+/// One chunk's blocks, and where its zero padding (past the last parameter) starts in the
+/// buffer.
+#[derive(Debug, Clone, PartialEq)]
+struct ChunkPlan {
+    blocks: Vec<Block>,
+    zeros_from: i64,
 }
 
 /// A parameter's part in this rank's shard.
@@ -88,7 +115,7 @@ impl Layout {
         let chunk = (bucket_elems / world as i64)
             .min((shard + CHUNKS_PER_SHARD - 1) / CHUNKS_PER_SHARD)
             .clamp(1, shard.max(1));
-        Layout {
+        let mut l = Layout {
             rank,
             world,
             offsets,
@@ -96,18 +123,80 @@ impl Layout {
             total,
             shard,
             chunk,
+            plan: vec![],
+        };
+        l.plan = l.chunks().into_iter().map(|c| l.plan_chunk(c)).collect();
+        l
+    }
+
+    /// The blocks moving shard chunk `(start, len)` of every rank: for each parameter, the
+    /// ranks whose segment lies wholly inside it in one strided block, and a partial segment
+    /// at either end.
+    fn plan_chunk(&self, (start, len): (i64, i64)) -> ChunkPlan {
+        let (shard, last) = (self.shard, self.world as i64 - 1);
+        let mut blocks = Vec::new();
+        for (i, (&o, &n)) in self.offsets.iter().zip(&self.numels).enumerate() {
+            // Ranks whose segment [r*shard + start, +len) meets [o, o + n).
+            let lo = ((o - start - len).div_euclid(shard) + 1).max(0);
+            let hi = (o + n - start - 1).div_euclid(shard).min(last);
+            let seg = |r: i64| r * shard + start;
+            let whole = |r: i64| seg(r) >= o && seg(r) + len <= o + n;
+            let mut part = |r: i64| {
+                let (a, b) = (seg(r).max(o), (seg(r) + len).min(o + n));
+                blocks.push(Block {
+                    param: i,
+                    at: a - o,
+                    rel: r * len + a - seg(r),
+                    len: b - a,
+                    count: 1,
+                });
+            };
+            if lo > hi {
+                continue;
+            }
+            let (mut first, mut end) = (lo, hi);
+            if !whole(lo) {
+                part(lo);
+                first += 1;
+            }
+            if hi >= first && !whole(hi) {
+                part(hi);
+                end -= 1;
+            }
+            if end >= first {
+                let at = seg(first) - o;
+                blocks.push(Block {
+                    param: i,
+                    at,
+                    rel: first * len,
+                    len,
+                    count: end - first + 1,
+                });
+            }
         }
+        // Segments past the last parameter: the first rank's whose segment ends past `total`
+        // from there on, and every later rank's whole segment.
+        let zeros_from = (0..=last)
+            .find(|&r| seg_end(r, shard, start, len) > self.total)
+            .map_or(self.world as i64 * len, |r| {
+                r * len + (self.total - (r * shard + start)).max(0)
+            });
+        ChunkPlan { blocks, zeros_from }
     }
 
     /// The parts of parameters in flat `[lo, lo + len)`: (parameter, start inside it,
     /// length, start relative to `lo`).
     fn within(&self, lo: i64, len: i64) -> impl Iterator<Item = (usize, i64, i64, i64)> + '_ {
         let hi = lo + len;
-        (0..self.numels.len()).filter_map(move |i| {
-            let (o, n) = (self.offsets[i], self.numels[i]);
-            let (a, b) = (lo.max(o), hi.min(o + n));
-            (a < b).then_some((i, a - o, b - a, a - lo))
-        })
+        // The first parameter ending past `lo`: O(log parameters) to find, then only those met.
+        let first = self.offsets.partition_point(|&o| o <= lo).saturating_sub(1);
+        (first..self.numels.len())
+            .map_while(move |i| (self.offsets[i] < hi).then_some(i))
+            .filter_map(move |i| {
+                let (o, n) = (self.offsets[i], self.numels[i]);
+                let (a, b) = (lo.max(o), hi.min(o + n));
+                (a < b).then_some((i, a - o, b - a, a - lo))
+            })
     }
 
     /// This rank's pieces, in shard order.
@@ -154,30 +243,60 @@ impl Layout {
         Ok(())
     }
 
-    /// Shard chunk `(start, len)` of every rank in a `world x len` buffer and back.
-    pub fn pack_all(
-        &self,
-        flat: &[Tensor],
-        (start, len): (i64, i64),
-        buf: &Tensor,
-    ) -> std::result::Result<(), TchError> {
-        for r in 0..self.world as i64 {
-            self.pack(flat, r * self.shard + start, &buf.f_narrow(0, r * len, len)?)?;
+    /// Shard chunk `(start, len)` (one of `chunks()`) of every rank in a `world x len`
+    /// buffer, by the layout's plan; zeros past the last parameter. Allocates nothing.
+    pub fn pack_all(&self, flat: &[Tensor], chunk: (i64, i64), buf: &Tensor) -> std::result::Result<(), TchError> {
+        let plan = self.plan_of(chunk)?;
+        for b in &plan.blocks {
+            let (param, mut ours) = self.block_views(b, flat, buf)?;
+            ours.f_copy_(&param)?;
+        }
+        let end = self.world as i64 * chunk.1;
+        if plan.zeros_from < end {
+            let _ = buf.f_narrow(0, plan.zeros_from, end - plan.zeros_from)?.f_zero_()?;
         }
         Ok(())
     }
 
-    pub fn unpack_all(
-        &self,
-        buf: &Tensor,
-        (start, len): (i64, i64),
-        flat: &[Tensor],
-    ) -> std::result::Result<(), TchError> {
-        for r in 0..self.world as i64 {
-            self.unpack(&buf.f_narrow(0, r * len, len)?, r * self.shard + start, flat)?;
+    /// The reverse of `pack_all`: a `world x len` buffer's values into the parameters.
+    pub fn unpack_all(&self, buf: &Tensor, chunk: (i64, i64), flat: &[Tensor]) -> std::result::Result<(), TchError> {
+        for b in &self.plan_of(chunk)?.blocks {
+            let (mut param, ours) = self.block_views(b, flat, buf)?;
+            param.f_copy_(&ours)?;
         }
         Ok(())
     }
+
+    /// The plan of one of `chunks()`.
+    fn plan_of(&self, (start, len): (i64, i64)) -> std::result::Result<&ChunkPlan, TchError> {
+        let i = (start / self.chunk.max(1)) as usize;
+        match self.plan.get(i) {
+            Some(p) if self.chunks().get(i) == Some(&(start, len)) => Ok(p),
+            _ => Err(TchError::Shape(format!(
+                "({start}, {len}) is not a chunk of this layout"
+            ))),
+        }
+    }
+
+    /// A block's two sides as `[count, len]` views: the parameter's (a segment every
+    /// `shard` elements) and the buffer's.
+    fn block_views(&self, b: &Block, flat: &[Tensor], buf: &Tensor) -> std::result::Result<(Tensor, Tensor), TchError> {
+        let span = (b.count - 1) * self.shard + b.len;
+        let param = flat[b.param]
+            .f_narrow(0, b.at, span)?
+            .f_unfold(0, b.len, self.shard.max(1))?;
+        let ours = buf.f_narrow(0, b.rel, b.count * b.len)?.f_view([b.count, b.len])?;
+        Ok((param, ours))
+    }
+
+    /// Blocks per step (pack and unpack each), for the scale bench and the cost model.
+    pub fn blocks(&self) -> usize {
+        self.plan.iter().map(|p| p.blocks.len()).sum()
+    }
+}
+
+fn seg_end(r: i64, shard: i64, start: i64, len: i64) -> i64 {
+    r * shard + start + len
 }
 
 /// A sharded optimizer's own state: the layout, this rank's moments and (stage 2) its
@@ -277,5 +396,51 @@ mod tests {
         assert_eq!(t.narrow(0, 5, 1).double_value(&[0]), 0.0);
         assert_eq!(t.narrow(0, 4, 1).double_value(&[0]), 100.0); // the last parameter's one value
         assert_eq!(t.narrow(0, 0, 1).double_value(&[0]), 804.0); // the third's fifth
+    }
+
+    #[test]
+    fn the_plan_moves_what_each_rank_by_rank_copy_would() {
+        let opts = (Kind::Float, tch::Device::Cpu);
+        for numels in [vec![5i64, 3, 8, 1], vec![1; 7], vec![40, 2, 2, 33, 1, 9], vec![100]] {
+            let total: i64 = numels.iter().sum();
+            let params: Vec<Tensor> = numels
+                .iter()
+                .scan(0, |o, &n| {
+                    *o += n;
+                    Some(Tensor::arange(n, opts) + (*o - n + 1))
+                })
+                .collect();
+            for world in 1..=9 {
+                for bucket in [1, 4, 6, 13, 1000] {
+                    let l = Layout::new(&numels, 0, world, bucket);
+                    let padded = Tensor::cat(
+                        &[
+                            Tensor::cat(&params, 0),
+                            Tensor::zeros([l.world as i64 * l.shard - total], opts),
+                        ],
+                        0,
+                    );
+                    let back: Vec<Tensor> = params.iter().map(|p| p.zeros_like()).collect();
+                    for (start, len) in l.chunks() {
+                        let buf = Tensor::full([l.world as i64 * len], -7.0, opts);
+                        l.pack_all(&params, (start, len), &buf).unwrap();
+                        let want = padded
+                            .view([l.world as i64, l.shard])
+                            .narrow(1, start, len)
+                            .reshape([-1]);
+                        assert!(
+                            buf.equal(&want),
+                            "{numels:?} world {world} bucket {bucket} chunk ({start}, {len})"
+                        );
+                        l.unpack_all(&buf, (start, len), &back).unwrap();
+                    }
+                    for (p, b) in params.iter().zip(&back) {
+                        assert!(p.equal(b), "{numels:?} world {world} bucket {bucket}: unpacked {b:?}");
+                    }
+                    // A step's copies do not grow with the world: at most three per parameter a chunk.
+                    assert!(l.blocks() <= 3 * numels.len() * l.chunks().len(), "{}", l.blocks());
+                }
+            }
+        }
     }
 }
