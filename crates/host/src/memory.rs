@@ -381,3 +381,19 @@ mod tests {
         assert!(own_anonymous_bytes().unwrap() > 0);
     }
 }
+
+/// Starts measuring this process's peak resident memory from here: resets the kernel's
+/// high-water mark (VmHWM) to the current resident size (writing 5 to /proc/self/clear_refs,
+/// Linux 4.0 and later). Returns that size; None where it cannot be reset or read.
+pub fn reset_peak_resident() -> Option<u64> {
+    std::fs::write("/proc/self/clear_refs", "5").ok()?;
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    meminfo_kib(&status, "VmRSS:").map(|k| k * 1024)
+}
+
+/// The peak resident memory (VmHWM) since `reset_peak_resident`; None where /proc cannot
+/// be read.
+pub fn peak_resident() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    meminfo_kib(&status, "VmHWM:").map(|k| k * 1024)
+}
