@@ -336,7 +336,10 @@ checkpoint: {every_steps: 1}
     assert_eq!(saves.len(), 2, "{saves:?}");
     for c in &saves {
         let rise = c["host_peak_rise_bytes"].as_u64().expect("measured on Linux");
-        println!("checkpoint at step {}: resident memory rose {rise} bytes (state {state}, shard {shard})", c["next_step"]);
+        println!(
+            "checkpoint at step {}: resident memory rose {rise} bytes (state {state}, shard {shard})",
+            c["next_step"]
+        );
         assert!(
             rise <= shard + chunk,
             "a rank's memory rose {rise} bytes while saving: more than its shard ({shard}) and a chunk ({chunk})"
@@ -364,7 +367,13 @@ fn a_corrupt_or_missing_shard_is_refused_naming_the_file() {
     std::fs::write(&file, &bad).unwrap();
     let from = ["--resume-from", newest.to_str().unwrap()].map(String::from);
     for ranks in [1, 2] {
-        let o = train_n(dir.path(), &cfg, &run, ranks, &[&shard[..], &[&from[0], &from[1]]].concat());
+        let o = train_n(
+            dir.path(),
+            &cfg,
+            &run,
+            ranks,
+            &[&shard[..], &[&from[0], &from[1]]].concat(),
+        );
         assert_eq!(o.status.code(), Some(2), "{ranks} ranks: {}", stderr(&o));
         let want = "step-00000004/optimizer.shard-1-of-2.safetensors: corrupt";
         assert!(stderr(&o).contains(want), "{ranks} ranks: {}", stderr(&o));
@@ -384,7 +393,13 @@ fn a_corrupt_or_missing_shard_is_refused_naming_the_file() {
         "{err}"
     );
     let resumed = records(&run, "resumed");
-    assert!(resumed.last().unwrap()["checkpoint"].as_str().unwrap().ends_with("step-00000002"), "{resumed:?}");
+    assert!(
+        resumed.last().unwrap()["checkpoint"]
+            .as_str()
+            .unwrap()
+            .ends_with("step-00000002"),
+        "{resumed:?}"
+    );
     let whole = train_ok(dir.path(), &cfg, &[]);
     let d = max_abs_diff(&weights(&whole), &weights(&run));
     assert!(d < 1e-5, "resumed from the older checkpoint: differs by {d}");

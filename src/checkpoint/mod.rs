@@ -168,7 +168,12 @@ pub fn begin(run_dir: &Path, next_step: u64, tmp_name: &str) -> Result<Begun> {
     let replaces = match final_dir.exists().then(|| verify(&final_dir)) {
         Some(Ok(_)) => {
             let tmp = parent.join(tmp_name);
-            return Ok(Begun { tmp, final_dir, replaces: false, skip: true }); // already saved
+            return Ok(Begun {
+                tmp,
+                final_dir,
+                replaces: false,
+                skip: true,
+            }); // already saved
         }
         Some(Err(e)) => {
             tracing::warn!("replacing a corrupt checkpoint: {e}");
@@ -181,7 +186,12 @@ pub fn begin(run_dir: &Path, next_step: u64, tmp_name: &str) -> Result<Begun> {
     let tmp = parent.join(tmp_name);
     let _ = std::fs::remove_dir_all(&tmp); // a failed attempt's leftovers
     std::fs::create_dir_all(&tmp).map_err(io_err("cannot create", &tmp))?;
-    Ok(Begun { tmp, final_dir, replaces, skip: false })
+    Ok(Begun {
+        tmp,
+        final_dir,
+        replaces,
+        skip: false,
+    })
 }
 
 /// The model, the optimizer's `opt_state` and the generators into `tmp` (each file fsynced).

@@ -267,9 +267,24 @@ mod tests {
         assert_eq!(
             old.reads(5, 8),
             vec![
-                Read1 { rank: 0, start: 5, len: 1, at: 0 },
-                Read1 { rank: 1, start: 0, len: 6, at: 1 },
-                Read1 { rank: 2, start: 0, len: 1, at: 7 },
+                Read1 {
+                    rank: 0,
+                    start: 5,
+                    len: 1,
+                    at: 0
+                },
+                Read1 {
+                    rank: 1,
+                    start: 0,
+                    len: 6,
+                    at: 1
+                },
+                Read1 {
+                    rank: 2,
+                    start: 0,
+                    len: 1,
+                    at: 7
+                },
             ]
         );
     }

@@ -108,7 +108,11 @@ impl AdamW {
         self.last_step = None;
         let by_name: std::collections::HashMap<&str, &Tensor> = saved.iter().map(|(n, t)| (n.as_str(), t)).collect();
         let _no_grad = tch::no_grad_guard();
-        let moments: &[&str] = if shards.is_some() { &[] } else { &["exp_avg", "exp_avg_sq"] };
+        let moments: &[&str] = if shards.is_some() {
+            &[]
+        } else {
+            &["exp_avg", "exp_avg_sq"]
+        };
         if let Some(s) = &shards {
             self.check_total(s)?;
         }

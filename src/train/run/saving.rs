@@ -28,7 +28,9 @@ impl Run<'_> {
         } else {
             Ok(None)
         };
-        let rise = resident.zip(oomguard_host::memory::peak_resident()).map(|(a, b)| b.saturating_sub(a));
+        let rise = resident
+            .zip(oomguard_host::memory::peak_resident())
+            .map(|(a, b)| b.saturating_sub(a));
         // Agreed, not a bare barrier: a write that failed on rank 0 (an OOM past its retries
         // included) fails every rank alike, at once.
         let (dir, rise) = match &self.pg {
@@ -78,7 +80,12 @@ impl Run<'_> {
     fn write_checkpoint(&mut self, next_step: u64) -> Result<PathBuf> {
         let state = self.train_state(next_step);
         let dir = self.retrying_oom(next_step, |run| {
-            let opt: Vec<(String, Tensor)> = run.opt.state().into_iter().map(|(n, t)| (n, t.shallow_clone())).collect();
+            let opt: Vec<(String, Tensor)> = run
+                .opt
+                .state()
+                .into_iter()
+                .map(|(n, t)| (n, t.shallow_clone()))
+                .collect();
             checkpoint::save(&run.run_dir, &state, run.task.as_ref(), &opt, run.device)
         })?;
         Ok(self.written(next_step, dir))
@@ -94,7 +101,9 @@ impl Run<'_> {
         let tmp_name = checkpoint::shard_tmp(next_step);
         // 1. Rank 0: the folder (or the step's valid checkpoint, kept) and its own files.
         let begun = match self.lead {
-            true => self.retrying_oom(next_step, |run| run.begin_sharded(next_step, &tmp_name)).map(Some),
+            true => self
+                .retrying_oom(next_step, |run| run.begin_sharded(next_step, &tmp_name))
+                .map(Some),
             false => Ok(None),
         };
         let begun = pg.agree(Topic::CheckpointWrite, begun)?;
@@ -107,11 +116,13 @@ impl Run<'_> {
         let layout = self.opt.shard_layout().expect("sharded");
         let tmp = checkpoint::checkpoints_dir(&self.run_dir).join(&tmp_name);
         let path = tmp.join(layout.file(pg.rank));
-        let sum = self.retrying_oom(next_step, |run| run.opt.write_shard(&path)).and_then(|s| {
-            oomguard_report::atomic::sync_dir(&tmp)
-                .map(|()| s)
-                .map_err(|e| Error::io(format!("cannot fsync {}", tmp.display()), e))
-        });
+        let sum = self
+            .retrying_oom(next_step, |run| run.opt.write_shard(&path))
+            .and_then(|s| {
+                oomguard_report::atomic::sync_dir(&tmp)
+                    .map(|()| s)
+                    .map_err(|e| Error::io(format!("cannot fsync {}", tmp.display()), e))
+            });
         let sum = pg.agree(Topic::CheckpointWrite, sum)?;
         // 3. Every shard's sum to rank 0, through the exchange (exact in f64: sizes below
         // 2^53, CRC32s below 2^32), so that no file is read twice.
@@ -172,9 +183,12 @@ impl Run<'_> {
     fn written(&mut self, next_step: u64, dir: PathBuf) -> PathBuf {
         self.verified.insert(next_step, true);
         let verified = &mut self.verified;
-        checkpoint::prune(&self.run_dir, &self.cfg.raw.checkpoint, &self.eval_history, |step, dir| {
-            *verified.entry(step).or_insert_with(|| checkpoint::verify(dir).is_ok())
-        });
+        checkpoint::prune(
+            &self.run_dir,
+            &self.cfg.raw.checkpoint,
+            &self.eval_history,
+            |step, dir| *verified.entry(step).or_insert_with(|| checkpoint::verify(dir).is_ok()),
+        );
         dir
     }
 
