@@ -54,7 +54,7 @@ fn an_oom_at_every_allocation_changes_nothing() {
     );
     let reset = |opt: &mut AdamW| {
         tensors::copy_into(&start_params, &task.state()).unwrap();
-        opt.load_state(&start_opt).unwrap();
+        opt.load_state(&start_opt, None).unwrap();
     };
     let step = |opt: &mut AdamW| {
         let mut guard = Guard::new(&MemoryConfig::default(), 8, Device::Cpu);

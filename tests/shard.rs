@@ -347,6 +347,51 @@ checkpoint: {every_steps: 1}
     }
 }
 
+/// An OOM in one rank's shard write (its chunk buffer) is retried on that rank alone: the
+/// checkpoint completes, verifies, and a resume from it ends where one process does.
+#[test]
+fn an_oom_writing_one_ranks_shard_is_retried_and_the_checkpoint_completes() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), "c.yaml", "checkpoint: {every_steps: 3}\n");
+    let run = dir.path().join("sharded");
+    let mut c = Command::new(bin());
+    isolated(dies_with_test(&mut c), dir.path())
+        .args([
+            "train",
+            cfg.to_str().unwrap(),
+            "--nproc-per-node",
+            "2",
+            "--run-dir",
+            run.to_str().unwrap(),
+        ])
+        .args(["--max-steps", "3", "--set", "train.shard=optimizer"])
+        .env("OOMGUARD_TEST_OOM_IN", "checkpoint:1:2");
+    let o = c.output().unwrap();
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("out of memory writing at step 3 (attempt 1 of 4)"),
+        "{err}"
+    );
+    let ckpt = run.join("checkpoints/step-00000003");
+    assert!(ckpt.join("optimizer.shard-1-of-2.safetensors").is_file());
+    let names: Vec<String> = std::fs::read_dir(run.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["step-00000003"], "no temporary folder is left");
+    ok(train_n(
+        dir.path(),
+        &cfg,
+        &run,
+        2,
+        &["--resume", "--set", "train.shard=optimizer"],
+    ));
+    let whole = train_ok(dir.path(), &cfg, &[]);
+    let d = max_abs_diff(&weights(&whole), &weights(&run));
+    assert!(d < 1e-5, "resumed from the retried checkpoint: differs by {d}");
+}
+
 /// A shard that is corrupt or missing is refused by name (exit 2) and never loaded, on any
 /// world size; with an older valid checkpoint, `--resume` falls back to it, saying why, and
 /// ends where an uninterrupted run does.

@@ -99,6 +99,7 @@ impl Run<'_> {
     fn write_sharded(&mut self, next_step: u64) -> Result<Option<PathBuf>> {
         let pg = self.pg.clone().expect("a sharded run has a group");
         let tmp_name = checkpoint::shard_tmp(next_step);
+        memory::snapshot::set_phase(Phase::Checkpoint, None);
         // 1. Rank 0: the folder (or the step's valid checkpoint, kept) and its own files.
         let begun = match self.lead {
             true => self
