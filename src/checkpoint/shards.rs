@@ -201,7 +201,7 @@ impl Opened {
 
 /// Reads slices of a sharded checkpoint's moments, opening each file once.
 pub struct Reader {
-    dir: PathBuf,
+    pub dir: PathBuf,
     pub layout: ShardLayout,
     open: HashMap<usize, Opened>,
     buf: Tensor,

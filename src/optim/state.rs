@@ -67,7 +67,8 @@ impl AdamW {
         let total: i64 = self.all_params().map(|p| p.numel() as i64).sum();
         if shards.layout.total != total {
             return Err(Error::Checkpoint(format!(
-                "its optimizer shards hold {} values per moment, this model has {total} parameters",
+                "{}: its optimizer shards hold {} values per moment, this model has {total} parameters",
+                shards.dir.join("state.json").display(),
                 shards.layout.total
             )));
         }
