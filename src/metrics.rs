@@ -160,6 +160,10 @@ pub enum Record {
         bytes: u64,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         interval_s: Option<f64>,
+        /// The most any rank's resident host memory rose above where it was while writing
+        /// it (VmHWM; absent where the kernel cannot reset it).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        host_peak_rise_bytes: Option<u64>,
     },
     /// A resume whose config differs from the run's stored one: every key that changed,
     /// with its stored and new value; `allowed` when a change that alters the run was

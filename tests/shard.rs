@@ -3,7 +3,8 @@
 //! about 1/world of the optimizer state per rank (the counting allocator's live bytes); a
 //! budget too small for the unsharded state climbs to sharding by itself (exit 3 naming
 //! sharding when it may not); checkpoints move between sharded and unsharded runs and
-//! between 2 ranks and 1; injected OOMs on any subset of ranks under each stage neither
+//! world sizes, a sharded one written shard by shard with no whole copy, a corrupt or
+//! missing shard refused by name; injected OOMs on any subset of ranks under each stage neither
 //! hang nor drift.
 mod common;
 use common::*;
@@ -225,17 +226,29 @@ fn a_budget_too_small_for_the_whole_state_climbs_to_sharding() {
     assert!(stderr(&o).contains("memory.allow_sharding"), "{}", stderr(&o));
 }
 
+/// A checkpoint's optimizer files: `optimizer.safetensors` and, sharded, the ranks' shards
+/// as the manifest names them.
+fn optimizer_files(ckpt: &Path) -> (Vec<(String, tch::Tensor)>, serde_json::Value) {
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ckpt.join("state.json")).unwrap()).unwrap();
+    (safetensors(&ckpt.join("optimizer.safetensors")), state)
+}
+
 #[test]
 fn checkpoints_move_between_sharded_and_unsharded_runs_and_world_sizes() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), "c.yaml", "checkpoint: {every_steps: 3}\n");
     let whole = train_ok(dir.path(), &cfg, &[]);
-    // (first half: ranks, shard), (second half: ranks, shard)
+    let params: i64 = weights(&whole).iter().map(|(_, t)| t.numel() as i64).sum();
+    // (first half: ranks, shard), (second half: ranks, shard): a checkpoint written sharded
+    // at 2 ranks resumes at 1, 2 and 3, sharded or not; a whole one into a sharded run.
     for (i, (a, b)) in [
         ((2, "optimizer"), (1, "none")),
         ((1, "none"), (2, "gradients")),
         ((2, "gradients"), (2, "optimizer")),
         ((2, "gradients"), (2, "gradients")),
+        ((2, "optimizer"), (3, "gradients")),
+        ((2, "gradients"), (3, "none")),
     ]
     .into_iter()
     .enumerate()
@@ -248,13 +261,32 @@ fn checkpoints_move_between_sharded_and_unsharded_runs_and_world_sizes() {
             a.0,
             &["--max-steps", "3", "--set", &format!("train.shard={}", a.1)],
         ));
-        // The checkpoint is one format: the whole optimizer state, whatever the sharding.
-        let opt = safetensors(&run.join("checkpoints/step-00000003/optimizer.safetensors"));
-        assert!(
-            opt.iter().any(|(n, _)| n.ends_with(".exp_avg")) && !opt.iter().any(|(n, _)| n.starts_with("zero.")),
-            "{:?}",
-            opt.iter().map(|x| &x.0).collect::<Vec<_>>()
-        );
+        let ckpt = run.join("checkpoints/step-00000003");
+        let (opt, state) = optimizer_files(&ckpt);
+        let names: Vec<&String> = opt.iter().map(|x| &x.0).collect();
+        if a.1 == "none" {
+            // Unsharded: the whole state in one file.
+            assert!(names.iter().any(|n| n.ends_with(".exp_avg")), "{names:?}");
+            assert_eq!(state["shards"], serde_json::Value::Null);
+        } else {
+            // Sharded: rank 0's file holds the step counts only; each rank wrote its own
+            // shard of the moments, named in the manifest with its size and CRC32.
+            assert!(names.iter().all(|n| n.ends_with(".step")), "{names:?}");
+            let shard = (params + 1) / 2;
+            assert_eq!(
+                state["shards"],
+                serde_json::json!({"world": 2, "shard": shard, "total": params})
+            );
+            for r in 0..2 {
+                let f = format!("optimizer.shard-{r}-of-2.safetensors");
+                let t = safetensors(&ckpt.join(&f));
+                let sizes: Vec<(String, Vec<i64>)> = t.iter().map(|(n, t)| (n.clone(), t.size())).collect();
+                let want = [("zero.exp_avg", vec![shard]), ("zero.exp_avg_sq", vec![shard])];
+                assert_eq!(sizes, want.map(|(n, s)| (n.to_string(), s)), "{f}");
+                let len = std::fs::metadata(ckpt.join(&f)).unwrap().len();
+                assert_eq!(state["files"][&f]["bytes"], len, "{f}");
+            }
+        }
         ok(train_n(
             dir.path(),
             &cfg,
@@ -278,6 +310,159 @@ fn checkpoints_move_between_sharded_and_unsharded_runs_and_world_sizes() {
         &["--set", "train.shard=gradients"],
     ));
     assert_eq!(max_abs_diff(&weights(&straight), &weights(&dir.path().join("r3"))), 0.0);
+}
+
+/// A sharded save holds no gathered copy: on a model whose optimizer state is 25 MiB (a
+/// shard 12.5 MiB, 12 chunks), no rank's resident memory rises by more than its shard and a
+/// chunk while writing, where gathering the state would add all of it.
+#[test]
+fn a_sharded_checkpoint_is_written_with_no_whole_copy_of_the_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = "
+model: {n_layer: 4, n_head: 4, n_embd: 256, block_size: 16, vocab_size: 256}
+data: {source: embedded, embedded_bytes: 65536}
+train: {micro_batch_size: 1, global_batch_size: 2, max_steps: 2, eval_every: 0, seed: 7, device: cpu, num_threads: 1, shard: optimizer}
+memory: {snapshot: off}
+checkpoint: {every_steps: 1}
+";
+    let cfg = write_config(dir.path(), "big.yaml", yaml);
+    let run = dir.path().join("run");
+    ok(train_n(dir.path(), &cfg, &run, 2, &[]));
+    let params: u64 = weights(&run).iter().map(|(_, t)| t.numel() as u64).sum();
+    let state = 8 * params; // two fp32 moments
+    let (shard, chunk) = (state / 2, 4u64 << 18); // `shards::CHUNK` elements of 4 bytes
+    assert!(state > 20 * chunk, "the state ({state} bytes) is large against a chunk");
+    let saves = records(&run, "checkpoint");
+    assert_eq!(saves.len(), 2, "{saves:?}");
+    for c in &saves {
+        let rise = c["host_peak_rise_bytes"].as_u64().expect("measured on Linux");
+        println!(
+            "checkpoint at step {}: resident memory rose {rise} bytes (state {state}, shard {shard})",
+            c["next_step"]
+        );
+        assert!(
+            rise <= shard + chunk,
+            "a rank's memory rose {rise} bytes while saving: more than its shard ({shard}) and a chunk ({chunk})"
+        );
+    }
+}
+
+/// An OOM in one rank's shard write (its chunk buffer) is retried on that rank alone: the
+/// checkpoint completes, verifies, and a resume from it ends where one process does.
+#[test]
+fn an_oom_writing_one_ranks_shard_is_retried_and_the_checkpoint_completes() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), "c.yaml", "checkpoint: {every_steps: 3}\n");
+    let run = dir.path().join("sharded");
+    let mut c = Command::new(bin());
+    isolated(dies_with_test(&mut c), dir.path())
+        .args([
+            "train",
+            cfg.to_str().unwrap(),
+            "--nproc-per-node",
+            "2",
+            "--run-dir",
+            run.to_str().unwrap(),
+        ])
+        .args(["--max-steps", "3", "--set", "train.shard=optimizer"])
+        .env("OOMGUARD_TEST_OOM_IN", "checkpoint:1:2");
+    let o = c.output().unwrap();
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("out of memory writing at step 3 (attempt 1 of 4)"),
+        "{err}"
+    );
+    let ckpt = run.join("checkpoints/step-00000003");
+    assert!(ckpt.join("optimizer.shard-1-of-2.safetensors").is_file());
+    let names: Vec<String> = std::fs::read_dir(run.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["step-00000003"], "no temporary folder is left");
+    ok(train_n(
+        dir.path(),
+        &cfg,
+        &run,
+        2,
+        &["--resume", "--set", "train.shard=optimizer"],
+    ));
+    let whole = train_ok(dir.path(), &cfg, &[]);
+    let d = max_abs_diff(&weights(&whole), &weights(&run));
+    assert!(d < 1e-5, "resumed from the retried checkpoint: differs by {d}");
+}
+
+/// A shard that is corrupt or missing is refused by name (exit 2) and never loaded, on any
+/// world size; with an older valid checkpoint, `--resume` falls back to it, saying why, and
+/// ends where an uninterrupted run does.
+#[test]
+fn a_corrupt_or_missing_shard_is_refused_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), "c.yaml", "checkpoint: {every_steps: 2, keep: 3}\n");
+    let run = dir.path().join("sharded");
+    let shard = ["--set", "train.shard=optimizer"];
+    let args = |extra: &[&'static str]| [&shard[..], extra].concat();
+    ok(train_n(dir.path(), &cfg, &run, 2, &args(&["--max-steps", "4"])));
+    let newest = run.join("checkpoints/step-00000004");
+    let file = newest.join("optimizer.shard-1-of-2.safetensors");
+    let good = std::fs::read(&file).unwrap();
+    let mut bad = good.clone();
+    let n = bad.len();
+    bad[n - 10] ^= 0xFF; // inside the second moment's values
+    std::fs::write(&file, &bad).unwrap();
+    let from = ["--resume-from", newest.to_str().unwrap()].map(String::from);
+    for ranks in [1, 2] {
+        let o = train_n(
+            dir.path(),
+            &cfg,
+            &run,
+            ranks,
+            &[&shard[..], &[&from[0], &from[1]]].concat(),
+        );
+        assert_eq!(o.status.code(), Some(2), "{ranks} ranks: {}", stderr(&o));
+        let want = "step-00000004/optimizer.shard-1-of-2.safetensors: corrupt";
+        assert!(stderr(&o).contains(want), "{ranks} ranks: {}", stderr(&o));
+    }
+    std::fs::remove_file(&file).unwrap();
+    let o = train_n(dir.path(), &cfg, &run, 2, &[&shard[..], &[&from[0], &from[1]]].concat());
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("step-00000004/optimizer.shard-1-of-2.safetensors: cannot read"),
+        "{}",
+        stderr(&o)
+    );
+    // --resume skips it for the older checkpoint, and the run ends where one process does.
+    let err = ok(train_n(dir.path(), &cfg, &run, 2, &args(&["--resume"])));
+    assert!(
+        err.contains("skipping checkpoint") && err.contains("optimizer.shard-1-of-2.safetensors"),
+        "{err}"
+    );
+    let resumed = records(&run, "resumed");
+    assert!(
+        resumed.last().unwrap()["checkpoint"]
+            .as_str()
+            .unwrap()
+            .ends_with("step-00000002"),
+        "{resumed:?}"
+    );
+    let whole = train_ok(dir.path(), &cfg, &[]);
+    let d = max_abs_diff(&weights(&whole), &weights(&run));
+    assert!(d < 1e-5, "resumed from the older checkpoint: differs by {d}");
+    // With none valid, --resume refuses, naming the newest one's bad file.
+    let only = dir.path().join("only");
+    ok(train_n(dir.path(), &cfg, &only, 2, &args(&["--max-steps", "2"])));
+    let file = only.join("checkpoints/step-00000002/optimizer.shard-0-of-2.safetensors");
+    let mut bad = std::fs::read(&file).unwrap();
+    let n = bad.len();
+    bad[n - 10] ^= 0xFF;
+    std::fs::write(&file, &bad).unwrap();
+    let o = train_n(dir.path(), &cfg, &only, 2, &args(&["--resume"]));
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("step-00000002/optimizer.shard-0-of-2.safetensors: corrupt"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 const PER_RANK: u64 = 12;

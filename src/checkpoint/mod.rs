@@ -1,13 +1,16 @@
 //! Owns checkpoints: `run_dir/checkpoints/step-NNNNNNNN/` with the model, optimizer, RNG and
-//! state.json (the size and CRC32 of every file, written last).
+//! state.json (the size and CRC32 of every file, a sharded optimizer's files and layout,
+//! written last).
 //! Keeps: built in a temporary folder and renamed into place, so the previous one stays valid.
 mod clock;
 mod retention;
+pub mod shards;
 
 use crate::rng;
 
 pub use clock::Clock;
 pub use retention::{retention, Candidate};
+pub use shards::ShardLayout;
 
 use oomguard_report::atomic;
 use serde::{Deserialize, Serialize};
@@ -72,8 +75,10 @@ impl CheckpointConfig {
 }
 
 /// The version of state.json this build writes and reads (2: any model kind, by
-/// fingerprint; the evaluation history).
+/// fingerprint; the evaluation history). A sharded optimizer's checkpoint is
+/// `FORMAT_SHARDED`, so that a build that knows only whole states refuses it by its format.
 pub const FORMAT: u32 = 2;
+pub const FORMAT_SHARDED: u32 = 3;
 const FILES: [&str; 3] = ["model.safetensors", "optimizer.safetensors", "rng.safetensors"];
 
 /// Everything besides tensors that exact resume needs.
@@ -99,6 +104,10 @@ pub struct TrainState {
     pub extra: BTreeMap<String, serde_json::Value>,
     #[serde(default)]
     pub files: BTreeMap<String, FileSum>,
+    /// A sharded optimizer's layout: one file per rank (`ShardLayout::files`, each in
+    /// `files`), and `optimizer.safetensors` holds only the step counts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shards: Option<ShardLayout>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -114,8 +123,8 @@ pub fn checkpoints_dir(run_dir: &Path) -> PathBuf {
 /// Writes a checkpoint of `state` atomically; returns its folder. A valid checkpoint of the
 /// same step is kept as it is; a corrupt one is replaced (the new one is complete before the
 /// old one goes).
-/// `opt_state`: the optimizer's whole state (`AdamW::full_state`), one format whatever the
-/// sharding.
+/// `opt_state`: the optimizer's `state()` (unsharded: the whole; the sharded path writes
+/// the step counts here and each rank's shard with `shards::write`).
 pub fn save(
     run_dir: &Path,
     state: &TrainState,
@@ -123,10 +132,49 @@ pub fn save(
     opt_state: &[(String, Tensor)],
     device: tch::Device,
 ) -> Result<PathBuf> {
+    let tmp = format!(".tmp-step-{:08}-{}", state.next_step, std::process::id());
+    let begun = begin(run_dir, state.next_step, &tmp)?;
+    if begun.skip {
+        return Ok(begun.final_dir);
+    }
+    write_common(&begun.tmp, task, opt_state, device)?;
+    finish(&begun, state, &[])
+}
+
+/// A checkpoint being written: its temporary folder, where it goes, and whether it
+/// replaces a corrupt one there (`skip`: a valid one is there already).
+pub struct Begun {
+    pub tmp: PathBuf,
+    pub final_dir: PathBuf,
+    replaces: bool,
+    pub skip: bool,
+}
+
+fn io_err(what: &str, p: &Path) -> impl FnOnce(std::io::Error) -> Error {
+    let m = format!("{what} {}", p.display());
+    move |e: std::io::Error| Error::io(m, e)
+}
+
+/// The temporary folder every rank of a sharded save writes into (all agree on it: the
+/// name is the step's), `begin`'s `tmp_name` there.
+pub fn shard_tmp(next_step: u64) -> String {
+    format!(".tmp-step-{next_step:08}-shards")
+}
+
+/// Creates the empty temporary folder `tmp_name` for step `next_step`'s checkpoint.
+pub fn begin(run_dir: &Path, next_step: u64, tmp_name: &str) -> Result<Begun> {
     let parent = checkpoints_dir(run_dir);
-    let final_dir = parent.join(format!("step-{:08}", state.next_step));
+    let final_dir = parent.join(format!("step-{next_step:08}"));
     let replaces = match final_dir.exists().then(|| verify(&final_dir)) {
-        Some(Ok(_)) => return Ok(final_dir), // this step is already saved
+        Some(Ok(_)) => {
+            let tmp = parent.join(tmp_name);
+            return Ok(Begun {
+                tmp,
+                final_dir,
+                replaces: false,
+                skip: true,
+            }); // already saved
+        }
         Some(Err(e)) => {
             tracing::warn!("replacing a corrupt checkpoint: {e}");
             true
@@ -135,28 +183,43 @@ pub fn save(
     };
     // A folder, renamed whole into place: tempfile's `NamedTempFile::persist` is for files, and
     // `clean_partial` finds a killed save's leftovers by this `.tmp-` name.
-    let tmp = parent.join(format!(".tmp-step-{:08}-{}", state.next_step, std::process::id()));
-    let io = |what: &str, p: &Path| {
-        let m = format!("{what} {}", p.display());
-        move |e: std::io::Error| Error::io(m, e)
-    };
+    let tmp = parent.join(tmp_name);
     let _ = std::fs::remove_dir_all(&tmp); // a failed attempt's leftovers
-    std::fs::create_dir_all(&tmp).map_err(io("cannot create", &tmp))?;
+    std::fs::create_dir_all(&tmp).map_err(io_err("cannot create", &tmp))?;
+    Ok(Begun {
+        tmp,
+        final_dir,
+        replaces,
+        skip: false,
+    })
+}
+
+/// The model, the optimizer's `opt_state` and the generators into `tmp` (each file fsynced).
+pub fn write_common(tmp: &Path, task: &dyn Task, opt_state: &[(String, Tensor)], device: tch::Device) -> Result<()> {
     tensors::save(&task.state(), &tmp.join(FILES[0]))?;
     tensors::save(opt_state, &tmp.join(FILES[1]))?;
-    tensors::save(&rng::get_states(device)?, &tmp.join(FILES[2]))?;
+    tensors::save(&rng::get_states(device)?, &tmp.join(FILES[2]))
+}
 
-    // tensors::save fsyncs each file; the manifest is written last.
+/// The manifest, written last (`shard_sums`: the shard files the ranks wrote, with their
+/// sizes and CRC32s, as `state.shards` names them), then the folder renamed into place.
+pub fn finish(begun: &Begun, state: &TrainState, shard_sums: &[(String, FileSum)]) -> Result<PathBuf> {
+    let (tmp, final_dir) = (&begun.tmp, &begun.final_dir);
+    let parent = final_dir.parent().unwrap_or(Path::new("."));
     let mut state = state.clone();
+    state.format = if state.shards.is_some() { FORMAT_SHARDED } else { FORMAT };
     for f in FILES {
         state.files.insert(f.to_string(), checksum(&tmp.join(f))?);
+    }
+    for (f, sum) in shard_sums {
+        state.files.insert(f.clone(), sum.clone());
     }
     let manifest = tmp.join("state.json");
     let text = serde_json::to_string_pretty(&state).map_err(|e| Error::Data(format!("encoding state.json: {e}")))?;
     std::fs::write(&manifest, text)
         .and_then(|()| atomic::sync(&manifest))
-        .map_err(io("cannot write", &manifest))?;
-    atomic::sync_dir(&tmp).map_err(io("cannot fsync", &tmp))?;
+        .map_err(io_err("cannot write", &manifest))?;
+    atomic::sync_dir(tmp).map_err(io_err("cannot fsync", tmp))?;
     // A directory cannot be renamed over a non-empty one: the corrupt one steps aside first
     // (a kill between the two renames leaves the new one complete under its .tmp- name).
     let aside = parent.join(format!(
@@ -164,15 +227,15 @@ pub fn save(
         state.next_step,
         std::process::id()
     ));
-    if replaces {
-        std::fs::rename(&final_dir, &aside).map_err(io("cannot move aside", &final_dir))?;
+    if begun.replaces {
+        std::fs::rename(final_dir, &aside).map_err(io_err("cannot move aside", final_dir))?;
     }
-    std::fs::rename(&tmp, &final_dir).map_err(io("cannot rename into", &final_dir))?;
-    atomic::sync_dir(&parent).map_err(io("cannot fsync", &parent))?;
-    if replaces {
+    std::fs::rename(tmp, final_dir).map_err(io_err("cannot rename into", final_dir))?;
+    atomic::sync_dir(parent).map_err(io_err("cannot fsync", parent))?;
+    if begun.replaces {
         let _ = std::fs::remove_dir_all(&aside);
     }
-    Ok(final_dir)
+    Ok(final_dir.clone())
 }
 
 fn checksum(path: &Path) -> Result<FileSum> {
@@ -207,14 +270,17 @@ pub fn verify(dir: &Path) -> Result<TrainState> {
         )
     })?;
     let state: TrainState = serde_json::from_str(&text).map_err(|e| bad(&manifest, format!("corrupt ({e})")))?;
-    if state.format != FORMAT {
-        return Err(bad(&manifest, format!("format {} is not {FORMAT}", state.format)));
+    let want_format = if state.shards.is_some() { FORMAT_SHARDED } else { FORMAT };
+    if state.format != want_format {
+        return Err(bad(&manifest, format!("format {} is not {want_format}", state.format)));
     }
-    for f in FILES {
-        let p = dir.join(f);
+    // Every file, the shards included: a missing or corrupt one is refused by name.
+    let shard_files = state.shards.map(|l| l.files()).unwrap_or_default();
+    for f in FILES.iter().map(|f| f.to_string()).chain(shard_files) {
+        let p = dir.join(&f);
         let want = state
             .files
-            .get(f)
+            .get(&f)
             .ok_or_else(|| bad(&manifest, format!("lists no {f}")))?;
         let got = checksum(&p).map_err(|e| bad(&p, e.to_string()))?;
         if got.bytes != want.bytes {
@@ -282,30 +348,49 @@ pub fn list(run_dir: &Path) -> Vec<(u64, PathBuf)> {
 /// The newest checkpoint that verifies; a corrupt newer one is skipped, saying so.
 pub fn newest_valid(run_dir: &Path) -> Result<(PathBuf, TrainState)> {
     let all = list(run_dir);
+    let mut newest_error = None;
     for (_, dir) in all.iter().rev() {
         match verify(dir) {
             Ok(state) => return Ok((dir.clone(), state)),
-            Err(e) => tracing::warn!("skipping checkpoint: {e}; trying an older one"),
+            Err(e) => {
+                tracing::warn!("skipping checkpoint: {e}; trying an older one");
+                newest_error.get_or_insert(e);
+            }
         }
     }
+    // All corrupt: the error names the newest one's bad file.
     Err(Error::Checkpoint(format!(
         "{}: no valid checkpoint to resume from{}",
         checkpoints_dir(run_dir).display(),
-        if all.is_empty() { "" } else { " (all are corrupt)" }
+        newest_error.map_or(String::new(), |e| format!(" (all are corrupt; the newest: {e})"))
     )))
 }
 
 /// Loads a verified checkpoint's tensors into the model and optimizer. An OOM while
-/// loading comes back as `Error::Oom`; anything else names the file.
+/// loading comes back as `Error::Oom`; anything else names the file. A sharded checkpoint's
+/// moments are read from its shard files a chunk at a time: the whole state by an unsharded
+/// optimizer, none by a sharded one (each rank reads its own: `AdamW::load_own_shard`).
 pub fn restore(dir: &Path, task: &dyn Task, opt: &mut AdamW, device: tch::Device) -> Result<()> {
     let bad = |f: &str, why: String| Error::Checkpoint(format!("{}: {why}", dir.join(f).display()));
     let read = |f: &str| tensors::read(&dir.join(f)).map_err(|why| oom_or(why, |w| bad(f, w)));
     tensors::copy_into(&read(FILES[0])?, &task.state()).map_err(|why| oom_or(why, |w| bad(FILES[0], w)))?;
-    opt.load_state(&read(FILES[1])?).map_err(|e| match Error::from(e) {
-        Error::Oom(o) => Error::Oom(o),
+    let mut shards = match manifest(dir)?.shards {
+        Some(l) => Some(shards::Reader::new(dir, l)?),
+        None => None,
+    };
+    opt.load_state(&read(FILES[1])?, shards.as_mut()).map_err(|e| match e {
+        e @ (Error::Oom(_) | Error::Checkpoint(_)) => e,
         e => bad(FILES[1], e.to_string()),
     })?;
     rng::set_states(&read(FILES[2])?, device)
+}
+
+/// A checkpoint's state.json, unverified (`verify` checks the files too).
+pub fn manifest(dir: &Path) -> Result<TrainState> {
+    let p = dir.join("state.json");
+    let bad = |why: String| Error::Checkpoint(format!("{}: {why}", p.display()));
+    let text = std::fs::read_to_string(&p).map_err(|e| bad(format!("cannot read it ({e})")))?;
+    serde_json::from_str(&text).map_err(|e| bad(format!("corrupt ({e})")))
 }
 
 /// An OOM message stays an OOM (the caller decides); other failures become `other(why)`.

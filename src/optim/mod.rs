@@ -16,7 +16,6 @@ use zero::Zero;
 
 pub use config::OptimConfig;
 pub use sharding::Agreed;
-pub use state::FullState;
 pub use update::Prepared;
 pub use zero::{Comm, Shard};
 

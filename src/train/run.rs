@@ -28,7 +28,7 @@ use crate::guard::{Agree, Guard, GuardEvent, Policy, SharedDumper};
 use crate::memory::{self, allocator, human_bytes, MemoryStats, PressureSchedule};
 use crate::metrics::{device_label, EvalRecord, MetricsWriter, Record, RungRecord, StepRecord};
 use crate::model::{ActivationCheckpointing, LossKind, ModelKind};
-use crate::optim::{AdamW, Comm, FullState, Shard};
+use crate::optim::{AdamW, Comm, Shard};
 use crate::plan::{self, AutoResult, AutoSearch};
 use crate::precision::{bf16_is_fast, Amp, Precision, Scaler};
 use crate::task::{self, fingerprint_key, BuildContext, Built, Task};

@@ -193,6 +193,22 @@ pub fn own_anonymous_bytes() -> Option<u64> {
     meminfo_kib(&status, "RssAnon:").map(|k| k * 1024)
 }
 
+/// Starts measuring this process's peak resident memory from here: resets the kernel's
+/// high-water mark (VmHWM) to the current resident size (writing 5 to /proc/self/clear_refs,
+/// Linux 4.0 and later). Returns that size; None where it cannot be reset or read.
+pub fn reset_peak_resident() -> Option<u64> {
+    std::fs::write("/proc/self/clear_refs", "5").ok()?;
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    meminfo_kib(&status, "VmRSS:").map(|k| k * 1024)
+}
+
+/// The peak resident memory (VmHWM) since `reset_peak_resident`; None where /proc cannot
+/// be read.
+pub fn peak_resident() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    meminfo_kib(&status, "VmHWM:").map(|k| k * 1024)
+}
+
 /// Each level's limit and use. The process's own level unreadable: a notice.
 fn read_levels(cg: &Cgroup) -> (Vec<Level>, Option<String>) {
     let mut notice = None;
@@ -261,6 +277,26 @@ fn meminfo_kib(text: &str, key: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// 64 MiB touched and freed after a reset show in the peak; the next reset forgets them.
+    #[test]
+    fn the_peak_resident_size_counts_what_was_touched_since_its_reset() {
+        let Some(start) = reset_peak_resident() else {
+            return; // no /proc/self/clear_refs here: nothing to measure
+        };
+        let mut v = vec![0u8; 64 << 20];
+        v.iter_mut().step_by(4096).for_each(|b| *b = 1);
+        assert_eq!(v.iter().step_by(4096).map(|&b| b as usize).sum::<usize>(), 16384);
+        drop(v);
+        // Within 2 MiB: the kernel's RSS counters are batched per thread (64 pages each).
+        let rise = peak_resident().unwrap() - start;
+        assert!(rise >= 62 << 20, "the peak rose {rise} bytes");
+        let again = reset_peak_resident().unwrap();
+        assert!(
+            peak_resident().unwrap() - again < 64 << 20,
+            "the reset brought the peak down"
+        );
+    }
 
     fn level(path: &str, limit: Option<u64>, used: u64) -> Level {
         Level {

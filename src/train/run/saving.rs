@@ -1,31 +1,47 @@
-//! Owns what a run leaves on disk: checkpoints and the final weights.
-//! Keeps: rank 0 writes, the ranks agree; each write is retried after an OOM.
+//! Owns what a run leaves on disk: checkpoints (sharded: a shard per rank) and the final
+//! weights.
+//! Keeps: rank 0 writes (sharded: each rank its shard, rank 0 the manifest last), the ranks
+//! agree; each write is retried after an OOM.
 use super::*;
+use crate::checkpoint::FileSum;
 
 /// Attempts at writing a checkpoint or the final weights when they run out of memory.
 const WRITE_ATTEMPTS: u32 = 4;
 
 impl Run<'_> {
     /// A checkpoint from which the run resumes at `next_step`, written for `reason`; old ones
-    /// are pruned. Rank 0 writes it and records what it cost; the ranks wait for it together.
+    /// are pruned. Rank 0 writes it (sharded: each rank writes its own shard of the moments
+    /// too) and records what it cost; the ranks wait for it together.
     pub fn checkpoint(&mut self, next_step: u64, reason: checkpoint::Reason) -> Result<()> {
         // Every rank knows it: all skip together, before the barrier.
         if self.checkpointed == Some(next_step) {
             return Ok(());
         }
         let started = Instant::now();
-        // Sharded: every rank takes part in gathering the whole state.
-        let full = self.gathered_state(next_step)?;
-        let written = if self.lead {
-            self.write_checkpoint(next_step, &full)
+        // Freed heap pages go back first, so that what the save touches shows as a rise.
+        oomguard_host::memory::return_freed_memory();
+        let resident = oomguard_host::memory::reset_peak_resident();
+        let written = if self.opt.shard() != Shard::None && self.pg.is_some() {
+            self.write_sharded(next_step)
+        } else if self.lead {
+            self.write_checkpoint(next_step).map(Some)
         } else {
             Ok(None)
         };
+        let rise = resident
+            .zip(oomguard_host::memory::peak_resident())
+            .map(|(a, b)| b.saturating_sub(a));
         // Agreed, not a bare barrier: a write that failed on rank 0 (an OOM past its retries
         // included) fails every rank alike, at once.
-        let dir = match &self.pg {
-            Some(pg) => pg.agree(Topic::CheckpointWrite, written)?,
-            None => written?,
+        let (dir, rise) = match &self.pg {
+            Some(pg) => {
+                let dir = pg.agree(Topic::CheckpointWrite, written)?;
+                // The most any rank's resident memory rose (-1: unknown there).
+                let mut v = [rise.map_or(-1.0, |r| r as f64)];
+                pg.exchange(Topic::CheckpointWrite, &mut v)?;
+                (dir, (v[0] >= 0.0).then_some(v[0] as u64))
+            }
+            None => (written?, rise),
         };
         self.checkpointed = Some(next_step);
         self.progress.other_done(Other::Checkpoint);
@@ -56,24 +72,100 @@ impl Run<'_> {
             seconds: cost.as_secs_f64(),
             bytes,
             interval_s,
+            host_peak_rise_bytes: rise,
         })
     }
 
-    /// The optimizer's whole state, for a checkpoint (a sharded one gathered, its buffer's
-    /// allocation agreed and retried like a write).
-    fn gathered_state(&mut self, step: u64) -> Result<FullState> {
-        let pg = self.pg.clone();
-        let agree = |r: Result<()>| match &pg {
-            Some(pg) => pg.agree(Topic::StateGather, r),
-            None => r,
-        };
-        self.retrying_oom(step, |run| run.opt.full_state(&agree))
+    /// Rank 0's write of a whole checkpoint; returns its folder.
+    fn write_checkpoint(&mut self, next_step: u64) -> Result<PathBuf> {
+        let state = self.train_state(next_step);
+        let dir = self.retrying_oom(next_step, |run| {
+            let opt: Vec<(String, Tensor)> = run
+                .opt
+                .state()
+                .into_iter()
+                .map(|(n, t)| (n, t.shallow_clone()))
+                .collect();
+            checkpoint::save(&run.run_dir, &state, run.task.as_ref(), &opt, run.device)
+        })?;
+        Ok(self.written(next_step, dir))
     }
 
-    /// Rank 0's write; returns the checkpoint's folder.
-    fn write_checkpoint(&mut self, next_step: u64, opt_state: &FullState) -> Result<Option<PathBuf>> {
+    /// Sharded: every rank writes its shard of the moments into one temporary folder (named
+    /// by the step: `checkpoint::shard_tmp`), rank 0 the model, the step counts and the
+    /// generators, and, once every shard is fsynced and agreed, the manifest naming each
+    /// shard with its size and CRC32; then rank 0 renames the folder into place. No rank
+    /// gathers the state: each holds its shard and one chunk (`shards::CHUNK`).
+    fn write_sharded(&mut self, next_step: u64) -> Result<Option<PathBuf>> {
+        let pg = self.pg.clone().expect("a sharded run has a group");
+        let tmp_name = checkpoint::shard_tmp(next_step);
+        memory::snapshot::set_phase(Phase::Checkpoint, None);
+        // 1. Rank 0: the folder (or the step's valid checkpoint, kept) and its own files.
+        let begun = match self.lead {
+            true => self
+                .retrying_oom(next_step, |run| run.begin_sharded(next_step, &tmp_name))
+                .map(Some),
+            false => Ok(None),
+        };
+        let begun = pg.agree(Topic::CheckpointWrite, begun)?;
+        let mut skip = [begun.as_ref().map_or(f64::NEG_INFINITY, |b| b.skip as u8 as f64)];
+        pg.exchange(Topic::CheckpointWrite, &mut skip)?;
+        if skip[0] == 1.0 {
+            return Ok(begun.map(|b| self.written(next_step, b.final_dir)));
+        }
+        // 2. Every rank: its shard, fsynced, its size and CRC32 computed as it is written.
+        let layout = self.opt.shard_layout().expect("sharded");
+        let tmp = checkpoint::checkpoints_dir(&self.run_dir).join(&tmp_name);
+        let path = tmp.join(layout.file(pg.rank));
+        let sum = self
+            .retrying_oom(next_step, |run| run.opt.write_shard(&path))
+            .and_then(|s| {
+                oomguard_report::atomic::sync_dir(&tmp)
+                    .map(|()| s)
+                    .map_err(|e| Error::io(format!("cannot fsync {}", tmp.display()), e))
+            });
+        let sum = pg.agree(Topic::CheckpointWrite, sum)?;
+        // 3. Every shard's sum to rank 0, through the exchange (exact in f64: sizes below
+        // 2^53, CRC32s below 2^32), so that no file is read twice.
+        let mut sums = vec![f64::NEG_INFINITY; 2 * pg.world];
+        sums[2 * pg.rank] = sum.bytes as f64;
+        sums[2 * pg.rank + 1] = sum.crc32 as f64;
+        pg.exchange(Topic::CheckpointWrite, &mut sums)?;
+        let Some(begun) = begun else { return Ok(None) };
+        // 4. Rank 0: the manifest, written last, and the rename.
+        let files: Vec<(String, FileSum)> = (0..pg.world)
+            .map(|r| {
+                let sum = FileSum {
+                    bytes: sums[2 * r] as u64,
+                    crc32: sums[2 * r + 1] as u32,
+                };
+                (layout.file(r), sum)
+            })
+            .collect();
+        let mut state = self.train_state(next_step);
+        state.shards = Some(layout);
+        let dir = checkpoint::finish(&begun, &state, &files)?;
+        Ok(Some(self.written(next_step, dir)))
+    }
+
+    /// Rank 0's part of a sharded checkpoint before the shards: the folder, the model, the
+    /// step counts (the replicated part of the optimizer state) and the generators.
+    fn begin_sharded(&self, next_step: u64, tmp_name: &str) -> Result<checkpoint::Begun> {
+        let begun = checkpoint::begin(&self.run_dir, next_step, tmp_name)?;
+        if !begun.skip {
+            let steps: Vec<(String, Tensor)> = (self.opt.state().into_iter())
+                .filter(|(n, _)| n.ends_with(".step"))
+                .map(|(n, t)| (n, t.shallow_clone()))
+                .collect();
+            checkpoint::write_common(&begun.tmp, self.task.as_ref(), &steps, self.device)?;
+        }
+        Ok(begun)
+    }
+
+    /// What a checkpoint at `next_step` records besides its files.
+    fn train_state(&self, next_step: u64) -> TrainState {
         let c = &self.cfg.raw;
-        let state = TrainState {
+        TrainState {
             format: checkpoint::FORMAT,
             next_step,
             samples_seen: next_step * c.train.global_batch_size() as u64,
@@ -84,16 +176,21 @@ impl Run<'_> {
             model: self.task.fingerprint(),
             extra: self.extra_state(),
             files: Default::default(),
-        };
-        let dir = self.retrying_oom(next_step, |run| {
-            checkpoint::save(&run.run_dir, &state, run.task.as_ref(), &opt_state.tensors, run.device)
-        })?;
+            shards: None,
+        }
+    }
+
+    /// A checkpoint written (rank 0): it verifies; older ones the retention drops go.
+    fn written(&mut self, next_step: u64, dir: PathBuf) -> PathBuf {
         self.verified.insert(next_step, true);
         let verified = &mut self.verified;
-        checkpoint::prune(&self.run_dir, &c.checkpoint, &self.eval_history, |step, dir| {
-            *verified.entry(step).or_insert_with(|| checkpoint::verify(dir).is_ok())
-        });
-        Ok(Some(dir))
+        checkpoint::prune(
+            &self.run_dir,
+            &self.cfg.raw.checkpoint,
+            &self.eval_history,
+            |step, dir| *verified.entry(step).or_insert_with(|| checkpoint::verify(dir).is_ok()),
+        );
+        dir
     }
 
     /// The rungs climbed and the loss scale, for checkpoints.

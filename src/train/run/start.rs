@@ -109,6 +109,8 @@ impl<'a> Run<'a> {
             // future, which the next --resume must not load.
             checkpoint::prune_after(run_dir, s.next_step);
         }
+        // A sharded checkpoint: every rank of a sharded run reads its own part of it.
+        let own_shards = from.as_ref().and_then(|(dir, s)| Some((dir.clone(), s.shards?)));
         let mut eval_guard = Guard::for_eval(&c.memory, c.train.eval_batch_size, device);
         let mut resumed_extra = BTreeMap::new();
         let (mut guard, next_step, eval_history) = match from {
@@ -158,7 +160,7 @@ impl<'a> Run<'a> {
                     )));
                 }
                 // A sharding rung climbed before the checkpoint stays climbed (it may come
-                // back down); the checkpoint's state is whole, whatever the sharding.
+                // back down); any checkpoint loads into any sharding and world size.
                 let saved_shard: Option<Shard> = state
                     .extra
                     .get("shard")
@@ -234,7 +236,11 @@ impl<'a> Run<'a> {
                     0,
                 )?;
             } else if next_step > 0 {
-                opt.share_restored(&agree)?;
+                if let Some((dir, layout)) = &own_shards {
+                    let r = checkpoint::shards::Reader::new(dir, *layout).and_then(|mut r| opt.load_own_shard(&mut r));
+                    agree(r.map_err(|e| init_failure(e, cfg, device, "restoring the checkpoint")))?;
+                }
+                opt.share_restored(&agree, own_shards.is_none())?;
             }
         }
         if let (Some(rung), Some(m)) = (init_rung, metrics.as_mut()) {
@@ -632,6 +638,8 @@ fn shared_start(pg: &ProcessGroup, run_dir: &Path, resume: &Resume) -> Result<Op
         let msg = match &r {
             Ok(None) => serde_json::json!({ "start": null }),
             Ok(Some((dir, state))) => serde_json::json!({ "start": { "dir": dir, "state": state } }),
+            // A checkpoint refused (missing, corrupt): every rank exits with its code (2).
+            Err(Error::Checkpoint(m)) => serde_json::json!({ "checkpoint": m }),
             Err(e) => serde_json::json!({ "error": e.to_string() }),
         };
         pg.share(KEY, Some(msg.to_string().as_bytes()))?;
@@ -639,6 +647,9 @@ fn shared_start(pg: &ProcessGroup, run_dir: &Path, resume: &Resume) -> Result<Op
     }
     let msg: serde_json::Value =
         serde_json::from_slice(&pg.share(KEY, None)?).map_err(|e| Error::Dist(format!("rank 0's start: {e}")))?;
+    if let Some(m) = msg["checkpoint"].as_str() {
+        return Err(Error::Checkpoint(m.to_string()));
+    }
     if let Some(e) = msg["error"].as_str() {
         return Err(Error::Dist(format!("rank 0 could not start: {e}")));
     }
