@@ -3,10 +3,12 @@
 //! - `exchange ranks=N bytes_per_rank=B p50_us=T` (N in 8 64 256): one agreement round of the
 //!   ranks' exchange (a tree: src/dist/exchange.rs); B is the busiest rank's bytes sent and
 //!   received a round, T the median round on rank 0;
-//! - `exchange_gloo ranks=N p50_us=T` (N in 8 64): the same round as one MAX all-reduce on
+//! - `# exchange_gloo ranks=N p50_us=T` (N in 8 64): the same round as one MAX all-reduce on
 //!   c10d's Gloo group of the same ranks, the alternative (docs/data-parallel.md: why the tree);
 //! - `zero_pack world=N params=P host_ms=T` (N in 8 64 512, P = GPT-2 124M): one rank's per-step
-//!   layout work, packing every chunk's buffer and unpacking it back, no collectives (median of 5).
+//!   layout work, packing every chunk's buffer and unpacking it back, no collectives (median of
+//!   5), after `# zero_plan world=N chunks=C blocks=B`, the plan's copies a step.
+//! Lines starting with `#` are context, not the figures.
 //!
 //! Floors (issue #41): bytes per rank at 256 at most 2x that at 8; the exchange at 256 ranks at
 //! most 20 ms at the median; ZeRO host work at world 512 at most 1.5x that at world 8.
@@ -143,6 +145,7 @@ fn gpt2_numels() -> Vec<i64> {
 
 fn zero_pack(world: usize, numels: &[i64], grads: &[Tensor], params: &[Tensor]) -> f64 {
     let layout = Layout::new(numels, 0, world, BUCKET_BYTES / 4);
+    println!("# zero_plan world={world} chunks={} blocks={}", layout.chunks().len(), layout.blocks());
     let buf = Tensor::zeros([world as i64 * layout.chunk], (Kind::Float, Device::Cpu));
     let step = || {
         let t = Instant::now();
@@ -164,7 +167,7 @@ fn main() {
         println!("exchange ranks={n} bytes_per_rank={bytes} p50_us={p50:.0}");
     }
     for n in [8, 64] {
-        println!("exchange_gloo ranks={n} p50_us={:.0}", gloo(n));
+        println!("# exchange_gloo ranks={n} p50_us={:.0}", gloo(n));
     }
     let numels = gpt2_numels();
     let total: i64 = numels.iter().sum();

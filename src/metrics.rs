@@ -90,6 +90,10 @@ pub struct StepRecord {
     /// training thread (sync-debug mode), to check `d2h_reads` against.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cuda_syncs: Option<u64>,
+    /// Data parallel: bytes this rank sent and received on the ranks' exchange during the
+    /// step (the control plane; a fixed message, at most three neighbours: docs/scaling.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exchange_bytes: Option<u64>,
 }
 
 /// A device as step records name it: `cpu`, `cuda:N`.

@@ -54,6 +54,11 @@ fn topic_name(k: f64) -> &'static str {
 }
 
 const HEADER: usize = 6;
+/// Payload values of every exchange, whatever the world: enough for the guard's inputs and
+/// an agreement's detail.
+pub const PAYLOAD: usize = 16;
+/// Bytes of one message, one way, between two neighbours.
+pub const MESSAGE_BYTES: u64 = 8 * (HEADER + PAYLOAD) as u64;
 
 /// How an exchange combines the ranks' payloads (the header is always a MAX).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

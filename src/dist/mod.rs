@@ -10,10 +10,11 @@ use crate::error::{ConfigError, Error, OomError, OomSource, Phase, Result};
 use crate::memory::check;
 
 pub mod bind;
+pub mod cost;
 pub mod exchange;
 
 pub use exchange::Topic;
-use exchange::{Channel, Exchange, Reduce};
+use exchange::{Channel, Exchange, Reduce, PAYLOAD};
 
 extern "C" {
     fn og_dist_init(
@@ -77,9 +78,6 @@ pub struct Rendezvous {
 /// Set by `oomguard launch`: one value per launch (per `--rdzv-id` across nodes).
 pub const TOKEN_VAR: &str = "OOMGUARD_RUN_TOKEN";
 
-/// Payload slots of an exchange, whatever the world: enough for the guard's inputs and an
-/// agreement's detail.
-const PAYLOAD: usize = 16;
 
 impl Drop for ProcessGroup {
     fn drop(&mut self) {

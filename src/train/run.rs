@@ -111,6 +111,7 @@ impl<'a> Run<'a> {
         let lr = c.optim.lr_at(step, c.train.max_steps);
         let t0 = Instant::now();
         let reads_before = crate::ops::d2h_reads();
+        let exchanged_before = self.pg.as_ref().map(|pg| pg.exchange_bytes());
         memory::inject::targeted::at(self.rank(), step);
         let ooms_before = self.guard.policy.num_ooms;
         let result = loop {
@@ -213,6 +214,7 @@ impl<'a> Run<'a> {
             d2h_reads: Some(crate::ops::d2h_reads() - reads_before),
             cuda_syncs: crate::ops::cuda_syncs(),
             shard: self.opt.shard(),
+            exchange_bytes: self.pg.as_ref().zip(exchanged_before).map(|(pg, b)| pg.exchange_bytes() - b),
         };
         if stats.skipped {
             tracing::warn!(

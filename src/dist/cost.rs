@@ -1,0 +1,182 @@
+//! Owns the cost model of a data-parallel step at a world size: each rank's memory for the
+//! training state, its bytes on the wire and its host work a step (docs/scaling.md's tables).
+//! Keeps: every figure comes from the code's own constants and layout (the exchange's message
+//! and tree, `zero::Layout`'s chunks and plan); tests check it against measured small worlds.
+use super::exchange::{children, parent, MESSAGE_BYTES};
+use crate::optim::zero::{Layout, BUCKET_BYTES};
+use crate::optim::Shard;
+
+/// Exchanges in a clean step of `oomguard train`: the attempt's agreement, the update's, the
+/// losses' sum, the guard's inputs (checked against a real run's `exchange_bytes`).
+pub const EXCHANGES_PER_STEP: u64 = 4;
+
+/// One rank's costs in one step, in bytes or counts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Cost {
+    /// fp32 parameters, replicated.
+    pub params: u64,
+    /// fp32 gradients at their peak (after backward, before the reduction).
+    pub grads: u64,
+    /// AdamW's two moments: this rank's shard of them, or all.
+    pub moments: u64,
+    /// ZeRO's collective buffers (`world x chunk` and one chunk).
+    pub buffers: u64,
+    /// Gradient and parameter collectives' bytes sent by this rank (ring algorithms: NCCL's
+    /// flat forms; on Gloo ZeRO's reduce-scatter and all-gather are all-reduces, twice this).
+    pub wire: u64,
+    /// The busiest rank's exchange bytes (sent and received) a step.
+    pub control: u64,
+    /// Collective calls a step (ZeRO: one per chunk and direction; plain: buckets aside, 1).
+    pub collectives: u64,
+    /// Host-side copies a step between the parameters and ZeRO's buffers (the plan's blocks).
+    pub host_copies: u64,
+}
+
+impl Cost {
+    /// Memory for the training state at its peak (activations aside).
+    pub fn peak(&self) -> u64 {
+        self.params + self.grads + self.moments + self.buffers
+    }
+}
+
+/// The neighbours of the exchange tree's busiest rank.
+pub fn busiest_neighbours(world: usize) -> u64 {
+    (0..world.min(4))
+        .map(|r| (children(r, world).len() + usize::from(parent(r).is_some())) as u64)
+        .max()
+        .unwrap_or(0)
+}
+
+/// One rank's step with parameters of sizes `numels` (fp32, AdamW) over `world` ranks.
+pub fn cost(numels: &[i64], world: usize, shard: Shard) -> Cost {
+    let p: u64 = numels.iter().map(|&n| n as u64).sum();
+    let w = world as u64;
+    let ring = |bytes: u64| bytes * (w - 1) / w;
+    let control = EXCHANGES_PER_STEP * 2 * MESSAGE_BYTES * busiest_neighbours(world);
+    let plain = Cost {
+        params: 4 * p,
+        grads: 4 * p,
+        moments: 8 * p,
+        buffers: 0,
+        wire: 2 * ring(4 * p),
+        control,
+        collectives: 1,
+        host_copies: 0,
+    };
+    if shard == Shard::None || world < 2 {
+        return plain;
+    }
+    let l = Layout::new(numels, 0, world, BUCKET_BYTES / 4);
+    let chunks = l.chunks().len() as u64;
+    let blocks = l.blocks() as u64;
+    let sharded = Cost {
+        moments: 8 * l.shard as u64,
+        buffers: 4 * (w + 1) * l.chunk as u64,
+        ..plain
+    };
+    match shard {
+        // The gradients all-reduced whole, then the updated shard all-gathered.
+        Shard::Optimizer => Cost {
+            wire: 2 * ring(4 * p) + ring(4 * p),
+            collectives: 1 + chunks,
+            host_copies: blocks + chunks,
+            ..sharded
+        },
+        // A reduce-scatter and an all-gather a chunk at a time, each through the plan.
+        _ => Cost {
+            wire: 2 * ring(4 * p),
+            collectives: 2 * chunks,
+            host_copies: 2 * blocks,
+            ..sharded
+        },
+    }
+}
+
+/// GPT-2 124M's parameters in the optimizer's order (the LM head tied to the embedding).
+pub fn gpt2_124m() -> Vec<i64> {
+    let (d, v, ctx) = (768i64, 50257i64, 1024i64);
+    let mut n = vec![v * d, ctx * d];
+    for _ in 0..12 {
+        n.extend([d, d, d * 3 * d, 3 * d, d * d, d, d, d, d * 4 * d, 4 * d, 4 * d * d, d]);
+    }
+    n.extend([d, d]);
+    n
+}
+
+/// A 7B decoder (LLaMA-2 7B's shapes: 32 layers, width 4096, MLP 11008, vocabulary 32000,
+/// an untied head).
+pub fn llama_7b() -> Vec<i64> {
+    let (d, f, v) = (4096i64, 11008i64, 32000i64);
+    let mut n = vec![v * d];
+    for _ in 0..32 {
+        n.extend([d, d * d, d * d, d * d, d * d, d, f * d, f * d, d * f]);
+    }
+    n.extend([d, v * d]);
+    n
+}
+
+fn gib(b: u64) -> String {
+    let g = b as f64 / (1u64 << 30) as f64;
+    if g >= 10.0 {
+        format!("{g:.0} GiB")
+    } else if g >= 0.1 {
+        format!("{g:.1} GiB")
+    } else {
+        format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+    }
+}
+
+fn count(n: u64) -> String {
+    match n {
+        0..10_000 => n.to_string(),
+        10_000..10_000_000 => format!("{:.0}k", n as f64 / 1e3),
+        _ => format!("{:.1}M", n as f64 / 1e6),
+    }
+}
+
+/// docs/scaling.md's table: both models at 8, 64, 512 and 4,096 ranks, plain and ZeRO-2.
+pub fn table() -> String {
+    let mut out = String::from(
+        "| model | ranks | state per rank, plain | ZeRO-2 | wire a step | exchange a step | ZeRO-2 collectives | host copies |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+    );
+    for (name, numels) in [("GPT-2 124M", gpt2_124m()), ("7B", llama_7b())] {
+        for world in [8, 64, 512, 4096] {
+            let (a, z) = (cost(&numels, world, Shard::None), cost(&numels, world, Shard::Gradients));
+            out += &format!(
+                "| {name} | {world} | {} | {} | {} | {} B | {} | {} |\n",
+                gib(a.peak()),
+                gib(z.peak()),
+                gib(z.wire),
+                z.control,
+                count(z.collectives),
+                count(z.host_copies),
+            );
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_control_plane_is_constant_and_the_state_shrinks_with_the_world() {
+        let n = gpt2_124m();
+        assert_eq!(n.iter().sum::<i64>(), 124_439_808);
+        assert!((llama_7b().iter().sum::<i64>() - 6_738_415_616).abs() < 1_000);
+        let (at8, at4096) = (cost(&n, 8, Shard::Gradients), cost(&n, 4096, Shard::Gradients));
+        assert_eq!(at8.control, at4096.control);
+        assert_eq!(busiest_neighbours(2), 1);
+        assert_eq!(busiest_neighbours(3), 2);
+        assert_eq!(busiest_neighbours(4096), 3);
+        assert!(at4096.moments * 512 <= at8.moments + 8 * 512);
+    }
+
+    #[test]
+    fn docs_scaling_md_holds_the_models_table() {
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/scaling.md")).unwrap();
+        assert!(doc.contains(&table()), "docs/scaling.md's table is not the model's; it is now:\n{}", table());
+    }
+}
