@@ -8,36 +8,20 @@
 //! - `zero_pack world=N params=P host_ms=T` (N in 8 64 512, P = GPT-2 124M): one rank's per-step
 //!   layout work, packing every chunk's buffer and unpacking it back, no collectives (median of
 //!   5), after `# zero_plan world=N chunks=C blocks=B`, the plan's copies a step.
+//!
 //! Lines starting with `#` are context, not the figures.
 //!
 //! Floors (issue #41): bytes per rank at 256 at most 2x that at 8; the exchange at 256 ranks at
 //! most 20 ms at the median; ZeRO host work at world 512 at most 1.5x that at world 8.
-use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use oomguard::dist::exchange::{Channel, Exchange, Topic};
+use oomguard::dist::exchange::{Channel, Exchange, MemoryStore, Topic};
 use oomguard::dist::{Op, ProcessGroup, Rendezvous};
 use oomguard::optim::zero::{Layout, BUCKET_BYTES};
 use tch::{Device, Kind, Tensor};
 
 const ROUNDS: usize = 200;
-
-/// The rendezvous store's part in `Channel::open`, in memory.
-#[derive(Clone, Default)]
-struct Store(Arc<(Mutex<HashMap<String, Vec<u8>>>, Condvar)>);
-
-impl Store {
-    fn share(&self, key: &str, value: Option<&[u8]>) -> oomguard::Result<Vec<u8>> {
-        let (m, c) = &*self.0;
-        let mut v = m.lock().unwrap();
-        if let Some(value) = value {
-            v.insert(key.to_string(), value.to_vec());
-            c.notify_all();
-        }
-        Ok(c.wait_while(v, |v| !v.contains_key(key)).unwrap()[key].clone())
-    }
-}
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -83,7 +67,7 @@ fn agreement(x: &Exchange) {
 }
 
 fn exchange(world: usize) -> (f64, u64) {
-    let store = Store::default();
+    let store = MemoryStore::default();
     simulate(
         world,
         move |r| {
@@ -132,20 +116,13 @@ fn gloo(world: usize) -> f64 {
     p50
 }
 
-/// GPT-2 124M's parameters in the optimizer's order (the LM head tied to the embedding).
-fn gpt2_numels() -> Vec<i64> {
-    let (d, v, ctx) = (768i64, 50257i64, 1024i64);
-    let mut n = vec![v * d, ctx * d];
-    for _ in 0..12 {
-        n.extend([d, d, d * 3 * d, 3 * d, d * d, d, d, d, d * 4 * d, 4 * d, 4 * d * d, d]);
-    }
-    n.extend([d, d]);
-    n
-}
-
 fn zero_pack(world: usize, numels: &[i64], grads: &[Tensor], params: &[Tensor]) -> f64 {
     let layout = Layout::new(numels, 0, world, BUCKET_BYTES / 4);
-    println!("# zero_plan world={world} chunks={} blocks={}", layout.chunks().len(), layout.blocks());
+    println!(
+        "# zero_plan world={world} chunks={} blocks={}",
+        layout.chunks().len(),
+        layout.blocks()
+    );
     let buf = Tensor::zeros([world as i64 * layout.chunk], (Kind::Float, Device::Cpu));
     let step = || {
         let t = Instant::now();
@@ -169,7 +146,7 @@ fn main() {
     for n in [8, 64] {
         println!("# exchange_gloo ranks={n} p50_us={:.0}", gloo(n));
     }
-    let numels = gpt2_numels();
+    let numels = oomguard::dist::cost::gpt2_124m();
     let total: i64 = numels.iter().sum();
     let make = |x: f64| -> Vec<Tensor> {
         numels

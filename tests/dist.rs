@@ -89,7 +89,9 @@ fn two_ranks_end_where_one_process_does() {
     use oomguard::dist::{cost::EXCHANGES_PER_STEP, exchange::MESSAGE_BYTES};
     let exchanged: Vec<_> = steps.iter().map(|s| s["exchange_bytes"].as_u64()).collect();
     assert!(
-        exchanged.iter().all(|&b| b == Some(EXCHANGES_PER_STEP * 2 * MESSAGE_BYTES)),
+        exchanged
+            .iter()
+            .all(|&b| b == Some(EXCHANGES_PER_STEP * 2 * MESSAGE_BYTES)),
         "{exchanged:?}"
     );
     let (a, b) = (losses(&dir.path().join("single")), losses(&run));

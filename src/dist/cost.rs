@@ -142,7 +142,10 @@ pub fn table() -> String {
     );
     for (name, numels) in [("GPT-2 124M", gpt2_124m()), ("7B", llama_7b())] {
         for world in [8, 64, 512, 4096] {
-            let (a, z) = (cost(&numels, world, Shard::None), cost(&numels, world, Shard::Gradients));
+            let (a, z) = (
+                cost(&numels, world, Shard::None),
+                cost(&numels, world, Shard::Gradients),
+            );
             out += &format!(
                 "| {name} | {world} | {} | {} | {} | {} B | {} | {} |\n",
                 gib(a.peak()),
@@ -177,6 +180,10 @@ mod tests {
     #[test]
     fn docs_scaling_md_holds_the_models_table() {
         let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/scaling.md")).unwrap();
-        assert!(doc.contains(&table()), "docs/scaling.md's table is not the model's; it is now:\n{}", table());
+        assert!(
+            doc.contains(&table()),
+            "docs/scaling.md's table is not the model's; it is now:\n{}",
+            table()
+        );
     }
 }

@@ -511,6 +511,39 @@ impl Hello {
     }
 }
 
+/// Keys and their values, and the condition a reader waits on.
+type Keys = (
+    std::sync::Mutex<std::collections::HashMap<String, Vec<u8>>>,
+    std::sync::Condvar,
+);
+
+/// The store's part in `Channel::open` kept in memory, for ranks simulated as threads of
+/// one process (tests, `cargo bench --bench scale`): `share(key, Some(v))` sets, and
+/// `share(key, None)` waits for the key.
+#[derive(Clone, Default)]
+pub struct MemoryStore(std::sync::Arc<Keys>);
+
+impl MemoryStore {
+    pub fn share(&self, key: &str, value: Option<&[u8]>) -> Result<Vec<u8>> {
+        let (m, c) = &*self.0;
+        let poisoned = |_| Error::Dist("the in-memory store's lock is poisoned".into());
+        let mut v = m.lock().map_err(poisoned)?;
+        if let Some(value) = value {
+            v.insert(key.to_string(), value.to_vec());
+            c.notify_all();
+        }
+        let v = c.wait_while(v, |v| !v.contains_key(key)).map_err(poisoned)?;
+        Ok(v.get(key).cloned().unwrap_or_default())
+    }
+
+    /// Rank `rank`'s exchange listener, once published.
+    pub fn listener_of(&self, rank: usize) -> Result<SocketAddr> {
+        String::from_utf8_lossy(&self.share(&key(rank), None)?)
+            .parse()
+            .map_err(|_| Error::Dist(format!("rank {rank}'s exchange address is not an address")))
+    }
+}
+
 #[cfg(test)]
 #[path = "exchange_tests.rs"]
 mod tests;

@@ -1,30 +1,9 @@
 //! Owns tests of the exchange's channel between threads of one process, over loopback.
 //! Keeps: nothing outside loopback is opened.
 use super::*;
-use std::collections::HashMap;
-use std::sync::{mpsc, Arc, Condvar, Mutex};
+use std::sync::{mpsc, Arc};
 
-/// The store's part in `Channel::open`: a rank sets its key, the others wait for it.
-#[derive(Clone, Default)]
-struct Store(Arc<(Mutex<HashMap<String, Vec<u8>>>, Condvar)>);
-
-impl Store {
-    fn share(&self, key: &str, value: Option<&[u8]>) -> Result<Vec<u8>> {
-        let (m, c) = &*self.0;
-        let mut v = m.lock().unwrap();
-        if let Some(value) = value {
-            v.insert(key.to_string(), value.to_vec());
-            c.notify_all();
-        }
-        Ok(c.wait_while(v, |v| !v.contains_key(key)).unwrap()[key].clone())
-    }
-
-    /// Rank `r`'s exchange listener.
-    fn port_of(&self, r: usize) -> u16 {
-        let at = String::from_utf8(self.share(&key(r), None).unwrap()).unwrap();
-        at.parse::<SocketAddr>().unwrap().port()
-    }
-}
+type Store = MemoryStore;
 
 fn open(store: &Store, rank: usize, world: usize, token: &str) -> Result<Channel> {
     open_within(store, rank, world, token, Duration::from_secs(20))
@@ -45,7 +24,7 @@ fn rank_zero(store: &Store, world: usize, timeout: Duration) -> (u16, mpsc::Rece
         let got = open_within(&s, 0, world, "tok", timeout);
         let _ = tx.send((got, t.elapsed()));
     });
-    (store.port_of(0), rx)
+    (store.listener_of(0).unwrap().port(), rx)
 }
 
 /// Rank 0's outcome, waiting at most `bound`.
@@ -141,7 +120,7 @@ fn ranks_meet_at_the_maximum_and_strangers_are_turned_away() {
         x.run(Topic::Losses, &mut v).unwrap();
         v
     });
-    let port = store.port_of(0);
+    let port = store.listener_of(0).unwrap().port();
     // A stray client with the wrong token, and one claiming rank 0: both dropped.
     let mut wrong = TcpStream::connect(("127.0.0.1", port)).unwrap();
     wrong.write_all(b"OGX1\x01\0\0\0\x03\0\0\0bad").unwrap();

@@ -78,7 +78,6 @@ pub struct Rendezvous {
 /// Set by `oomguard launch`: one value per launch (per `--rdzv-id` across nodes).
 pub const TOKEN_VAR: &str = "OOMGUARD_RUN_TOKEN";
 
-
 impl Drop for ProcessGroup {
     fn drop(&mut self) {
         unsafe { og_dist_free(self.ptr) }

@@ -214,7 +214,11 @@ impl<'a> Run<'a> {
             d2h_reads: Some(crate::ops::d2h_reads() - reads_before),
             cuda_syncs: crate::ops::cuda_syncs(),
             shard: self.opt.shard(),
-            exchange_bytes: self.pg.as_ref().zip(exchanged_before).map(|(pg, b)| pg.exchange_bytes() - b),
+            exchange_bytes: self
+                .pg
+                .as_ref()
+                .zip(exchanged_before)
+                .map(|(pg, b)| pg.exchange_bytes() - b),
         };
         if stats.skipped {
             tracing::warn!(
