@@ -234,6 +234,38 @@ fn optimizer_files(ckpt: &Path) -> (Vec<(String, tch::Tensor)>, serde_json::Valu
     (safetensors(&ckpt.join("optimizer.safetensors")), state)
 }
 
+/// More ranks than an exchange carries values (16 / 2): the shards' sums reach rank 0
+/// through the store, and the checkpoint resumes exactly at 2 ranks.
+#[test]
+fn nine_ranks_write_a_sharded_checkpoint_that_two_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), "c.yaml", "checkpoint: {every_steps: 3}\n");
+    let whole = train_ok(dir.path(), &cfg, &[]);
+    let run = dir.path().join("nine");
+    let shard = ["--set", "train.shard=gradients"];
+    ok(train_n(
+        dir.path(),
+        &cfg,
+        &run,
+        9,
+        &[&["--max-steps", "3"][..], &shard].concat(),
+    ));
+    let ckpt = run.join("checkpoints/step-00000003");
+    let state: serde_json::Value = serde_json::from_slice(&std::fs::read(ckpt.join("state.json")).unwrap()).unwrap();
+    let shards =
+        (0..9).filter(|r| state["files"][format!("optimizer.shard-{r}-of-9.safetensors")]["bytes"].as_u64() > Some(0));
+    assert_eq!(shards.count(), 9, "{state}");
+    ok(train_n(
+        dir.path(),
+        &cfg,
+        &run,
+        2,
+        &[&["--resume"][..], &shard].concat(),
+    ));
+    let d = max_abs_diff(&weights(&whole), &weights(&run));
+    assert!(d < 1e-5, "9 ranks then 2 differ from one process by {d}");
+}
+
 #[test]
 fn checkpoints_move_between_sharded_and_unsharded_runs_and_world_sizes() {
     let dir = tempfile::tempdir().unwrap();

@@ -8,6 +8,10 @@ use crate::checkpoint::FileSum;
 /// Attempts at writing a checkpoint or the final weights when they run out of memory.
 const WRITE_ATTEMPTS: u32 = 4;
 
+/// Sharded checkpoints written by this process: every rank writes each one, in the same
+/// order, so the count names a write's store keys alike on every rank.
+static SHARDED_WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 impl Run<'_> {
     /// A checkpoint from which the run resumes at `next_step`, written for `reason`; old ones
     /// are pruned. Rank 0 writes it (sharded: each rank writes its own shard of the moments
@@ -97,7 +101,10 @@ impl Run<'_> {
     /// shard with its size and CRC32; then rank 0 renames the folder into place. No rank
     /// gathers the state: each holds its shard and one chunk (`shards::CHUNK`).
     fn write_sharded(&mut self, next_step: u64) -> Result<Option<PathBuf>> {
-        let pg = self.pg.clone().expect("a sharded run has a group");
+        let pg = self
+            .pg
+            .clone()
+            .ok_or_else(|| Error::Dist("a sharded checkpoint without a process group".into()))?;
         let tmp_name = checkpoint::shard_tmp(next_step);
         memory::snapshot::set_phase(Phase::Checkpoint, None);
         // 1. Rank 0: the folder (or the step's valid checkpoint, kept) and its own files.
@@ -114,7 +121,8 @@ impl Run<'_> {
             return Ok(begun.map(|b| self.written(next_step, b.final_dir)));
         }
         // 2. Every rank: its shard, fsynced, its size and CRC32 computed as it is written.
-        let layout = self.opt.shard_layout().expect("sharded");
+        let layout = (self.opt.shard_layout())
+            .ok_or_else(|| Error::Dist("a sharded checkpoint of an optimizer that is not sharded".into()))?;
         let tmp = checkpoint::checkpoints_dir(&self.run_dir).join(&tmp_name);
         let path = tmp.join(layout.file(pg.rank));
         let sum = self
@@ -125,23 +133,33 @@ impl Run<'_> {
                     .map_err(|e| Error::io(format!("cannot fsync {}", tmp.display()), e))
             });
         let sum = pg.agree(Topic::CheckpointWrite, sum)?;
-        // 3. Every shard's sum to rank 0, through the exchange (exact in f64: sizes below
-        // 2^53, CRC32s below 2^32), so that no file is read twice.
-        let mut sums = vec![f64::NEG_INFINITY; 2 * pg.world];
-        sums[2 * pg.rank] = sum.bytes as f64;
-        sums[2 * pg.rank + 1] = sum.crc32 as f64;
-        pg.exchange(Topic::CheckpointWrite, &mut sums)?;
+        // 3. Every shard's size and CRC32 to rank 0 through the store, a key per rank and
+        // write (O(1) bytes for every other rank, whatever the world), so that no file is
+        // read twice.
+        let write = SHARDED_WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let key = |r: usize| format!("oomguard/checkpoint/{write}/{r}");
+        pg.share(&key(pg.rank), Some(format!("{} {}", sum.bytes, sum.crc32).as_bytes()))?;
         let Some(begun) = begun else { return Ok(None) };
         // 4. Rank 0: the manifest, written last, and the rename.
-        let files: Vec<(String, FileSum)> = (0..pg.world)
+        let files = (0..pg.world)
             .map(|r| {
-                let sum = FileSum {
-                    bytes: sums[2 * r] as u64,
-                    crc32: sums[2 * r + 1] as u32,
-                };
-                (layout.file(r), sum)
+                let got = String::from_utf8_lossy(&pg.share(&key(r), None)?).into_owned();
+                let sum = got
+                    .split_once(' ')
+                    .and_then(|(b, c)| {
+                        Some(FileSum {
+                            bytes: b.parse().ok()?,
+                            crc32: c.parse().ok()?,
+                        })
+                    })
+                    .ok_or_else(|| {
+                        Error::Dist(format!(
+                            "rank {r}'s shard sum in the store is `{got}`, not a size and a CRC32"
+                        ))
+                    })?;
+                Ok((layout.file(r), sum))
             })
-            .collect();
+            .collect::<Result<Vec<(String, FileSum)>>>()?;
         let mut state = self.train_state(next_step);
         state.shards = Some(layout);
         let dir = checkpoint::finish(&begun, &state, &files)?;
