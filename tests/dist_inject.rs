@@ -1,7 +1,7 @@
 //! Rank-level fault injection over Gloo: `--inject-oom COUNT:SEED` on every rank, each rank
 //! drawing its own failures from (SEED, rank), so they land on any subset of the ranks and
 //! in any phase (data, forward, backward, the update, evaluation, checkpoints). At least
-//! 500 in all over seeded 2- and 3-rank runs: every run must end with exit 0 within its
+//! 500 in all over seeded 2-, 3- and 7-rank runs: every run must end with exit 0 within its
 //! time limit (no hang, no abort) and with the clean run's parameters within 1e-5.
 mod common;
 use common::*;
@@ -15,7 +15,8 @@ fn injected_ooms_on_any_subset_of_ranks_neither_hang_nor_drift() {
     let clean = train_ok(dir.path(), &cfg, &[]);
     let mut injected = 0;
     let mut phases = std::collections::BTreeMap::<String, u64>::new();
-    for (world, seeds) in [(2u64, 0..12u64), (3, 100..108)] {
+    // 7 ranks: a tree of depth 3 under the exchange, an OOM's detail crossing it.
+    for (world, seeds) in [(2u64, 0..12u64), (3, 100..108), (7, 200..201)] {
         for seed in seeds {
             let run = dir.path().join(format!("w{world}s{seed}"));
             let fired = train_injected(
@@ -45,7 +46,7 @@ fn injected_ooms_on_any_subset_of_ranks_neither_hang_nor_drift() {
             std::fs::remove_dir_all(&run).unwrap();
         }
     }
-    println!("{injected} injected OOMs over 20 data-parallel runs, all recovered; agreed OOMs by phase: {phases:?}");
+    println!("{injected} injected OOMs over 21 data-parallel runs, all recovered; agreed OOMs by phase: {phases:?}");
     assert!(injected >= 500, "{injected}");
     for p in ["data", "forward", "backward", "eval"] {
         assert!(
