@@ -1028,8 +1028,10 @@ mod tests {
             c.on(0, hello(0, Some(secret))),
             vec![(To::Node(0), ToNode::Welcome { token: secret.into() })]
         );
+        let both = c.on(1, hello(1, Some(secret)));
         assert!(
-            matches!(&c.on(1, hello(1, Some(secret)))[..], [(To::Node(1), ToNode::Welcome { token }), (To::All, ToNode::Go { round: 0, .. })] if token == secret)
+            matches!(&both[..], [(To::Node(1), ToNode::Welcome { token }), (To::All, ToNode::Go { round: 0, .. })] if token == secret),
+            "{both:?}"
         );
         // Without a token of the user's, the id admits, and the run's token is handed out.
         let mut c = Coordinator::new(1, 0, "job", "random", false);
