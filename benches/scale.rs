@@ -21,9 +21,12 @@ use tch::{Device, Kind, Tensor};
 
 const ROUNDS: usize = 200;
 
+/// The store's keys and values, and the condition a reader waits on for a key.
+type Keys = (Mutex<HashMap<String, Vec<u8>>>, Condvar);
+
 /// The rendezvous store's part in `Channel::open`, in memory.
 #[derive(Clone, Default)]
-struct Store(Arc<(Mutex<HashMap<String, Vec<u8>>>, Condvar)>);
+struct Store(Arc<Keys>);
 
 impl Store {
     fn share(&self, key: &str, value: Option<&[u8]>) -> oomguard::Result<Vec<u8>> {

@@ -4,9 +4,12 @@ use super::*;
 use std::collections::HashMap;
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 
+/// The store's keys and values, and the condition a reader waits on for a key.
+type Keys = (Mutex<HashMap<String, Vec<u8>>>, Condvar);
+
 /// The store's part in `Channel::open`: a rank sets its key, the others wait for it.
 #[derive(Clone, Default)]
-struct Store(Arc<(Mutex<HashMap<String, Vec<u8>>>, Condvar)>);
+struct Store(Arc<Keys>);
 
 impl Store {
     fn share(&self, key: &str, value: Option<&[u8]>) -> Result<Vec<u8>> {

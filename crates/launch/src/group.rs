@@ -306,7 +306,7 @@ pub struct Group {
 
 enum Link {
     Local {
-        coordinator: Coordinator,
+        coordinator: Box<Coordinator>,
         inbox: VecDeque<ToNode>,
     },
     Remote {
@@ -329,7 +329,13 @@ impl Group {
         };
         let mut group = if spec.nnodes == 1 {
             let link = Link::Local {
-                coordinator: Coordinator::new(1, spec.max_restarts, &spec.run_id, &spec.token, spec.token_given),
+                coordinator: Box::new(Coordinator::new(
+                    1,
+                    spec.max_restarts,
+                    &spec.run_id,
+                    &spec.token,
+                    spec.token_given,
+                )),
                 inbox: VecDeque::new(),
             };
             Group { node: 0, link }
