@@ -640,7 +640,8 @@ fn two_nodes_share_node_0s_token_and_strangers_are_refused() {
 
 /// OOMGUARD_RUN_TOKEN in the launchers' environment is the token on every node, and node 0's
 /// coordinator requires it: a node without it is refused (naming the variable, not the value)
-/// and the run goes on with the node that has it. A token that cannot be one exits 2.
+/// and the run goes on with the node that has it; a node with a token when node 0 has none is
+/// refused too, before any worker starts. A token that cannot be one exits 2.
 #[test]
 fn a_token_given_in_the_environment_is_every_nodes_and_required() {
     let dir = tempfile::tempdir().unwrap();
@@ -665,6 +666,25 @@ fn a_token_given_in_the_environment_is_every_nodes_and_required() {
     let t = tokens(dir.path());
     assert_eq!(t.len(), 4, "{t:?}");
     assert!(t.values().all(|v| v == secret), "{t:?}");
+    // The other way round: node 0 has no token of the user's, node 1 has one; node 1 is
+    // refused before any worker starts, and a node 1 without it joins.
+    let out = dir.path().join("second");
+    std::fs::create_dir(&out).unwrap();
+    let port = port_pair();
+    let node0 = node("0", port, &out, None).spawn().unwrap();
+    let own = node("1", port, &out, Some(secret)).output().unwrap();
+    let (_, err) = text(&own);
+    assert_eq!(own.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("OOMGUARD_RUN_TOKEN is set for this node's launcher but not for node 0's"),
+        "{err}"
+    );
+    assert!(tokens(&out).is_empty(), "workers started: {:?}", tokens(&out));
+    let node1 = node("1", port, &out, None).spawn().unwrap();
+    for (i, o) in [node0, node1].map(|n| n.wait_with_output().unwrap()).iter().enumerate() {
+        assert!(o.status.success(), "node {i}: {:?}", text(o));
+    }
+    assert_eq!(tokens(&out).len(), 4);
     for bad in ["", "short", "two words and more text"] {
         let o = launcher(&["--no-python", "true"])
             .env("OOMGUARD_RUN_TOKEN", bad)

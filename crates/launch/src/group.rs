@@ -189,6 +189,12 @@ impl Coordinator {
                 if token.is_some() { "has another" } else { "has none" }
             ));
         }
+        if !self.given && token.is_some() {
+            return refuse(format!(
+                "{} is set for this node's launcher but not for node 0's: give every node's launcher the same one",
+                super::TOKEN_VAR
+            ));
+        }
         if node >= self.nnodes || self.joined.contains(&node) || !matches!(self.phase, Phase::Joining) {
             return refuse(format!(
                 "node rank {node} has already joined, or is not below --nnodes {}",
@@ -369,6 +375,11 @@ impl Group {
                 }
                 Some(ToNode::Stop { why, .. }) => {
                     return Err(Error::Start(format!("the group stopped before it started: {why}")))
+                }
+                _ if matches!(group.link, Link::Remote { gone: true, .. }) => {
+                    return Err(Error::Start(
+                        "node 0's launcher closed the connection before the group started".into(),
+                    ))
                 }
                 _ => {
                     return Err(Error::Start(format!(
@@ -1039,8 +1050,13 @@ mod tests {
             matches!(&both[..], [(To::Node(1), ToNode::Welcome { token }), (To::All, ToNode::Go { round: 0, .. })] if token == secret),
             "{both:?}"
         );
-        // Without a token of the user's, the id admits, and the run's token is handed out.
+        // Without a token of the user's, the id admits, and the run's token is handed out; a
+        // node that brings a token of its own is refused (its workers would not match).
         let mut c = Coordinator::new(1, 0, "job", "random", false);
+        assert!(
+            matches!(&c.on(0, hello(0, Some(secret)))[..], [(To::Node(0), ToNode::Refused { why })]
+                if why.contains("not for node 0's") && !why.contains(secret))
+        );
         assert!(
             matches!(&c.on(0, hello(0, None))[..], [(To::Node(0), ToNode::Welcome { token }), _] if token == "random")
         );
