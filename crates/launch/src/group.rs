@@ -105,7 +105,7 @@ pub struct Coordinator {
     /// The run's --rdzv-id: a node's hello must name it.
     id: String,
     /// The run's token, handed to each admitted node; also required of each when `given`.
-    token: String,
+    token: super::Token,
     given: bool,
     round: u32,
     micro: Micro,
@@ -128,7 +128,7 @@ impl Coordinator {
             nnodes,
             max_restarts,
             id: id.into(),
-            token: token.into(),
+            token: super::Token::new(token.into()),
             given,
             round: 0,
             micro: Micro::default(),
@@ -182,7 +182,7 @@ impl Coordinator {
                 self.id
             ));
         }
-        if self.given && !token.is_some_and(|t| same_secret(t, &self.token)) {
+        if self.given && !token.is_some_and(|t| same_secret(t, self.token.reveal())) {
             return refuse(format!(
                 "{} is set for node 0's launcher, and this node's launcher {}: give every node's launcher the same one",
                 super::TOKEN_VAR,
@@ -209,7 +209,7 @@ impl Coordinator {
         let welcome = (
             To::Node(node),
             ToNode::Welcome {
-                token: self.token.clone(),
+                token: self.token.reveal().to_string(),
             },
         );
         if self.joined.len() < self.nnodes {
@@ -331,7 +331,7 @@ impl Group {
             id: spec.run_id.clone(),
             node: spec.node_rank,
             micro: spec.micro_batch_size,
-            token: spec.token_given.then(|| spec.token.clone()),
+            token: spec.token_given.then(|| spec.token.reveal().to_string()),
         };
         let mut group = if spec.nnodes == 1 {
             let link = Link::Local {
@@ -339,7 +339,7 @@ impl Group {
                     1,
                     spec.max_restarts,
                     &spec.run_id,
-                    &spec.token,
+                    spec.token.reveal(),
                     spec.token_given,
                 )),
                 inbox: VecDeque::new(),
@@ -353,7 +353,7 @@ impl Group {
         loop {
             match group.recv(Some(JOIN_TIMEOUT)) {
                 Some(ToNode::Welcome { token: t }) => {
-                    if spec.token_given && !same_secret(&t, &spec.token) {
+                    if spec.token_given && !same_secret(&t, spec.token.reveal()) {
                         return Err(Error::Start(format!(
                             "{} is set for this node's launcher, but node 0's launcher runs with another token: give every \
                             node's launcher the same one",
@@ -570,7 +570,7 @@ fn serve(spec: &LaunchSpec, port: u16) -> Result<Arc<Mutex<Coordinator>>, Error>
                     spec.nnodes,
                     spec.max_restarts,
                     &spec.run_id,
-                    &spec.token,
+                    spec.token.reveal(),
                     spec.token_given,
                 );
                 return Ok(coordinate(l, c));

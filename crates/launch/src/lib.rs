@@ -89,8 +89,8 @@ pub struct LaunchSpec {
     /// present to each other's exchange, so that nobody outside the run can join it. 256 random
     /// bits from the OS, made by this launcher on one node and by node 0's launcher on several
     /// (the others get it from node 0's coordinator when it admits them), unless the user gave
-    /// it (`token_given`). Never printed.
-    pub token: String,
+    /// it (`token_given`). Never printed: its Debug form hides it.
+    pub token: Token,
     /// Whether the token is the user's, OOMGUARD_RUN_TOKEN in the launcher's environment: then
     /// every node uses it, and node 0's coordinator admits only a node that presents it.
     pub token_given: bool,
@@ -187,7 +187,7 @@ impl LaunchSpec {
             }),
             worker_memory: (nproc_per_node > 1).then(HostMemory::of_self).flatten(),
             micro_batch_size: std::env::var(MICRO_BATCH_VAR).ok().and_then(|v| v.parse().ok()),
-            token,
+            token: Token(token),
             token_given,
         })
     }
@@ -197,6 +197,26 @@ impl LaunchSpec {
 pub const MICRO_BATCH_VAR: &str = "OOMGUARD_MICRO_BATCH_SIZE";
 /// The size the worker died at, so the relaunched run lets it cool down before growing back.
 pub const FAILED_MICRO_BATCH_VAR: &str = "OOMGUARD_FAILED_MICRO_BATCH_SIZE";
+
+/// A run's token. `{:?}` shows its length, never its value, so no debug print of a spec or of
+/// the coordinator can leak it; `reveal` is for the workers' environment and the rendezvous.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Token(String);
+
+impl Token {
+    pub fn new(token: String) -> Token {
+        Token(token)
+    }
+    pub fn reveal(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Token(hidden, {} bytes)", self.0.len())
+    }
+}
 
 /// The run's token, as the workers read it; in the launcher's own environment, the user's.
 pub const TOKEN_VAR: &str = "OOMGUARD_RUN_TOKEN";
@@ -377,7 +397,7 @@ pub fn worker_env(
         ("TORCHELASTIC_RUN_ID", spec.run_id.clone()),
         ("TORCHELASTIC_ERROR_FILE", error_file.display().to_string()),
         ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1".into()),
-        (TOKEN_VAR, spec.token.clone()),
+        (TOKEN_VAR, spec.token.reveal().to_string()),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
@@ -505,6 +525,12 @@ mod tests {
         assert_ne!(a.0, b.0);
         let given = "my-own-secret-0123456789";
         assert_eq!(run_token(Some(given.into())).unwrap(), (given.to_string(), true));
+        let s = spec(&["x.py"]).unwrap();
+        let shown = format!("{s:?}");
+        assert!(
+            shown.contains("Token(hidden, ") && !shown.contains(s.token.reveal()),
+            "{shown}"
+        );
         for bad in [
             "",
             "short-one",
