@@ -236,16 +236,58 @@ fn two_nodes_over_loopback() {
     let cfg = config(dir.path(), 4, "memory: {budget: 64MiB}\n");
     let single = train_ok(dir.path(), &cfg, &[]);
     let run = dir.path().join("nodes");
-    let nodes = two_nodes(dir.path(), &cfg, &run, &[], &[], "none");
+    // The token the ranks check in the store and at the exchange, given here so that it is
+    // known: no launcher's or worker's output, and no file of the run, shows it.
+    let secret = "loopback-secret-7c1e93b0a5";
+    let nodes = two_node_commands(dir.path(), &cfg, &run, &[], &[], "none").map(|mut c| {
+        c.env("OOMGUARD_RUN_TOKEN", secret)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap()
+    });
     for node in nodes {
-        ok(node.wait_with_output().unwrap());
+        let o = node.wait_with_output().unwrap();
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        let err = ok(o);
+        assert!(
+            !out.contains(secret) && !err.contains(secret),
+            "a node printed the token: {err}"
+        );
+    }
+    for f in walk(&run) {
+        let text = String::from_utf8_lossy(&std::fs::read(&f).unwrap()).into_owned();
+        assert!(!text.contains(secret), "{} holds the token", f.display());
     }
     assert!(records(&run, "step").iter().all(|s| s["world_size"] == 2));
     assert!(max_abs_diff(&weights(&single), &weights(&run)) < 1e-5);
 }
 
+/// Every file under `dir`.
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = vec![];
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        match e.path() {
+            p if p.is_dir() => out.extend(walk(&p)),
+            p => out.push(p),
+        }
+    }
+    out
+}
+
 /// Node 0's and node 1's launchers (one rank each) on one port, over loopback.
 fn two_nodes(dir: &Path, cfg: &Path, run: &Path, extra: &[&str], train_extra: &[&str], marker: &str) -> [Child; 2] {
+    two_node_commands(dir, cfg, run, extra, train_extra, marker).map(|mut c| c.spawn().unwrap())
+}
+
+/// The commands of `two_nodes`, to be spawned.
+fn two_node_commands(
+    dir: &Path,
+    cfg: &Path,
+    run: &Path,
+    extra: &[&str],
+    train_extra: &[&str],
+    marker: &str,
+) -> [Command; 2] {
     let p = port();
     ["0", "1"].map(|rank| {
         let mut args = vec![
@@ -273,7 +315,8 @@ fn two_nodes(dir: &Path, cfg: &Path, run: &Path, extra: &[&str], train_extra: &[
             .current_dir(dir)
             .env("OOMGUARD_TEST_MARKER", marker)
             .env("OMP_NUM_THREADS", "1");
-        c.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
+        c.stdout(Stdio::null()).stderr(Stdio::piped());
+        c
     })
 }
 

@@ -409,3 +409,317 @@ fn workers_get_the_shutdown_timeout_after_sigterm() {
         assert_eq!(done.exists(), written, "--shutdown-timeout {timeout}: {:?}", text(&o));
     }
 }
+
+/// A worker that writes its OOMGUARD_RUN_TOKEN to OUT/token.NODE.LOCAL_RANK and chats on both
+/// streams (so the launcher's output and the log files have something to be grepped).
+const TOKEN_WORKER: &str = r#"printf %s "$OOMGUARD_RUN_TOKEN" > "$OUT/token.$GROUP_RANK.$LOCAL_RANK"; echo "rank $RANK up"; echo "rank $RANK err" >&2"#;
+
+/// The tokens the workers of a launch wrote under `dir`, by file name.
+fn tokens(dir: &std::path::Path) -> std::collections::BTreeMap<String, String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("token."))
+        .map(|e| {
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                std::fs::read_to_string(e.path()).unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Every file under `dir`, read, with its path.
+fn files_under(dir: &std::path::Path) -> Vec<(PathBuf, String)> {
+    let mut out = vec![];
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(files_under(&p));
+        } else {
+            out.push((
+                p.clone(),
+                String::from_utf8_lossy(&std::fs::read(&p).unwrap()).into_owned(),
+            ));
+        }
+    }
+    out
+}
+
+/// A token the launcher made: 64 hex digits (256 bits), and nothing of the --rdzv-id.
+fn assert_random(token: &str, id: &str) {
+    assert!(
+        token.len() >= 32 && token.chars().all(|c| c.is_ascii_hexdigit()) && !token.contains(id),
+        "not a random token: {token:?}"
+    );
+}
+
+/// No token given: each launch makes its own, the same for its workers, different from the
+/// last launch's, never the --rdzv-id, and never printed.
+#[test]
+fn each_launch_gets_a_random_token_that_is_never_printed() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut seen = vec![];
+    for launch in ["a", "b"] {
+        let out = dir.path().join(launch);
+        std::fs::create_dir(&out).unwrap();
+        let o = launcher(&[
+            "--nproc-per-node",
+            "2",
+            "--rdzv-id",
+            "job-7",
+            "--no-python",
+            "sh",
+            "-c",
+            TOKEN_WORKER,
+        ])
+        .env("OUT", &out)
+        .env_remove("OOMGUARD_RUN_TOKEN")
+        .output()
+        .unwrap();
+        let (stdout, stderr) = text(&o);
+        assert!(o.status.success(), "{stderr}");
+        assert!(stdout.contains("rank 1 up"), "{stdout}");
+        let t = tokens(&out);
+        assert_eq!(t.keys().collect::<Vec<_>>(), ["token.0.0", "token.0.1"], "{stderr}");
+        assert_eq!(t["token.0.0"], t["token.0.1"], "one launch, one token");
+        assert_random(&t["token.0.0"], "job-7");
+        assert!(!stdout.contains(&t["token.0.0"]) && !stderr.contains(&t["token.0.0"]));
+        seen.push(t["token.0.0"].clone());
+    }
+    assert_ne!(seen[0], seen[1], "two launches, one token");
+}
+
+/// A free port whose next port is free too (node 0's coordinator listens on port + 1).
+fn port_pair() -> u16 {
+    loop {
+        let p = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            return p;
+        }
+    }
+}
+
+/// Sockets listening on `port`, as /proc/net shows them: the local address in the kernel's hex.
+fn listeners(port: u16) -> Vec<String> {
+    let want = format!(":{port:04X}");
+    ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .flat_map(|f| {
+            std::fs::read_to_string(f)
+                .unwrap_or_default()
+                .lines()
+                .skip(1)
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() > 3 && f[3] == "0A" && f[1].ends_with(&want)).then(|| f[1].to_string())
+        })
+        .collect()
+}
+
+/// One node's launcher of a 2-node run on loopback at `port`, its workers running TOKEN_WORKER
+/// into `out`, logs (tee'd) under `out/logs.NODE`.
+fn node(rank: &str, port: u16, out: &std::path::Path, token: Option<&str>) -> Command {
+    let logs = out.join(format!("logs.{rank}"));
+    let port = port.to_string();
+    let mut c = launcher(&[
+        "--nnodes",
+        "2",
+        "--node-rank",
+        rank,
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        &port,
+        "--rdzv-id",
+        "job-9",
+        "--monitor-interval",
+        "0.05",
+        "--tee",
+        "3",
+        "--log-dir",
+        logs.to_str().unwrap(),
+        "--no-python",
+        "sh",
+        "-c",
+        TOKEN_WORKER,
+    ]);
+    c.env("OUT", out).stdout(Stdio::piped()).stderr(Stdio::piped());
+    match token {
+        Some(t) => c.env("OOMGUARD_RUN_TOKEN", t),
+        None => c.env_remove("OOMGUARD_RUN_TOKEN"),
+    };
+    c
+}
+
+/// Two nodes on loopback: node 0's launcher makes the token and hands it to node 1's, so all
+/// four workers share it; it is no --rdzv-id and shows in no output or log file. The
+/// coordinator listens on --master-addr only. Strangers at its port (garbage, one that leaves
+/// without a word, another run's hello) are refused and logged with their address, and the run
+/// goes on.
+#[test]
+fn two_nodes_share_node_0s_token_and_strangers_are_refused() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let port = port_pair();
+    let node0 = node("0", port, dir.path(), None).spawn().unwrap();
+    let connect = || std::net::TcpStream::connect(("127.0.0.1", port + 1));
+    wait_until("node 0's coordinator", || connect().is_ok());
+    let l = listeners(port + 1);
+    assert!(
+        !l.is_empty() && l.iter().all(|a| a == &format!("0100007F:{:04X}", port + 1)),
+        "the coordinator listens beyond --master-addr: {l:?}"
+    );
+    let mut garbage = connect().unwrap();
+    garbage.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    let silent = connect().unwrap();
+    let mut other = connect().unwrap();
+    other
+        .write_all(b"{\"msg\":\"hello\",\"id\":\"another-job\",\"node\":1,\"micro\":null}\n")
+        .unwrap();
+    other.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut heard = String::new();
+    other.read_to_string(&mut heard).unwrap();
+    assert!(heard.contains("refused") && heard.contains("another-job"), "{heard}");
+    // The silent one leaves; the others stay connected while the run goes on.
+    let quiet = silent.local_addr().unwrap().to_string();
+    drop(silent);
+    let node1 = node("1", port, dir.path(), None).spawn().unwrap();
+    let outs = [node0, node1].map(|n| n.wait_with_output().unwrap());
+    for (i, o) in outs.iter().enumerate() {
+        assert!(o.status.success(), "node {i}: {:?}", text(o));
+    }
+    let t = tokens(dir.path());
+    assert_eq!(t.len(), 4, "{t:?}");
+    let token = &t["token.0.0"];
+    assert!(t.values().all(|v| v == token), "the nodes' workers disagree: {t:?}");
+    assert_random(token, "job-9");
+    assert!(!heard.contains(token.as_str()), "a stranger heard the token");
+    let (_, log0) = text(&outs[0]);
+    let addr = |s: &std::net::TcpStream| s.local_addr().unwrap().to_string();
+    for (what, at) in [
+        ("garbage", addr(&garbage)),
+        ("silent", quiet),
+        ("another run", addr(&other)),
+    ] {
+        assert!(
+            log0.lines().any(|l| l.contains("WARN") && l.contains(&at)),
+            "no warning names the {what} stranger at {at}: {log0}"
+        );
+    }
+    let logs = files_under(dir.path());
+    assert!(
+        logs.iter()
+            .any(|(p, f)| p.ends_with("stdout.log") && f.contains("rank 3 up")),
+        "{logs:?}"
+    );
+    for (i, o) in outs.iter().enumerate() {
+        let (stdout, stderr) = text(o);
+        assert!(stdout.contains("up"), "node {i}: {stdout}");
+        assert!(
+            !stdout.contains(token.as_str()) && !stderr.contains(token.as_str()),
+            "node {i} printed the token"
+        );
+    }
+    for (p, f) in logs
+        .iter()
+        .filter(|(p, _)| !p.file_name().unwrap().to_string_lossy().starts_with("token."))
+    {
+        assert!(!f.contains(token.as_str()), "{} holds the token", p.display());
+    }
+}
+
+/// OOMGUARD_RUN_TOKEN in the launchers' environment is the token on every node, and node 0's
+/// coordinator requires it: a node without it is refused (naming the variable, not the value)
+/// and the run goes on with the node that has it; a node with a token when node 0 has none is
+/// refused too, before any worker starts. A token that cannot be one exits 2.
+#[test]
+fn a_token_given_in_the_environment_is_every_nodes_and_required() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = "Our-Own-Secret-4f9c2a71d0";
+    let port = port_pair();
+    let node0 = node("0", port, dir.path(), Some(secret)).spawn().unwrap();
+    let bare = node("1", port, dir.path(), None).output().unwrap();
+    let (_, err) = text(&bare);
+    assert_eq!(bare.status.code(), Some(2), "{err}");
+    assert!(err.contains("OOMGUARD_RUN_TOKEN") && err.contains("refused"), "{err}");
+    let node1 = node("1", port, dir.path(), Some(secret)).spawn().unwrap();
+    let outs = [node0, node1].map(|n| n.wait_with_output().unwrap());
+    for (i, o) in outs.iter().enumerate() {
+        let (stdout, stderr) = text(o);
+        assert!(o.status.success(), "node {i}: {stderr}");
+        assert!(
+            !stdout.contains(secret) && !stderr.contains(secret),
+            "node {i} printed the token"
+        );
+    }
+    assert!(!err.contains(secret), "the refused node was told the token: {err}");
+    let t = tokens(dir.path());
+    assert_eq!(t.len(), 4, "{t:?}");
+    assert!(t.values().all(|v| v == secret), "{t:?}");
+    // The other way round: node 0 has no token of the user's, node 1 has one; node 1 is
+    // refused before any worker starts, and a node 1 without it joins.
+    let out = dir.path().join("second");
+    std::fs::create_dir(&out).unwrap();
+    let port = port_pair();
+    let node0 = node("0", port, &out, None).spawn().unwrap();
+    let own = node("1", port, &out, Some(secret)).output().unwrap();
+    let (_, err) = text(&own);
+    assert_eq!(own.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("OOMGUARD_RUN_TOKEN is set for this node's launcher but not for node 0's"),
+        "{err}"
+    );
+    assert!(tokens(&out).is_empty(), "workers started: {:?}", tokens(&out));
+    let node1 = node("1", port, &out, None).spawn().unwrap();
+    for (i, o) in [node0, node1].map(|n| n.wait_with_output().unwrap()).iter().enumerate() {
+        assert!(o.status.success(), "node {i}: {:?}", text(o));
+    }
+    assert_eq!(tokens(&out).len(), 4);
+    for bad in ["", "short", "two words and more text"] {
+        let o = launcher(&["--no-python", "true"])
+            .env("OOMGUARD_RUN_TOKEN", bad)
+            .output()
+            .unwrap();
+        let (_, err) = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{bad:?}: {err}");
+        assert!(err.contains("OOMGUARD_RUN_TOKEN"), "{err}");
+        assert!(bad.is_empty() || !err.contains(bad), "{err}");
+    }
+}
+
+/// Node 0's coordinator listens on --master-addr's address or not at all: an address that is
+/// not this host's is a clear error (exit 2), not a listener on every interface.
+#[test]
+fn the_coordinator_does_not_listen_beyond_master_addr() {
+    let port = port_pair().to_string();
+    let o = launcher(&[
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--master-addr",
+        "192.0.2.1",
+        "--master-port",
+        &port,
+        "--no-python",
+        "true",
+    ])
+    .output()
+    .unwrap();
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("cannot listen on 192.0.2.1") && err.contains("--master-addr must be an address of node 0's"),
+        "{err}"
+    );
+}

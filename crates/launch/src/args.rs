@@ -53,7 +53,7 @@ pub struct LaunchArgs {
         default_value = ""
     )]
     pub rdzv_endpoint: String,
-    /// The job's id, shared by its nodes.
+    /// The job's id, shared by its nodes: an identifier, not a secret.
     #[arg(long = "rdzv-id", alias = "rdzv_id", env = "PET_RDZV_ID", default_value = "none")]
     pub rdzv_id: String,
     /// Extra rendezvous settings (accepted for compatibility).

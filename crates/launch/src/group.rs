@@ -1,9 +1,12 @@
 //! Owns restarts that are group-wide across nodes: node 0's launcher keeps the group's round.
 //! Keeps: a failure on any node ends the round on every node, and every node starts the next
-//! attempt with the same micro-batch; `Coordinator::on` decides, purely.
+//! attempt with the same micro-batch; `Coordinator::on` decides, purely. A connection that is
+//! not an admitted node's launcher (garbage, another run's id, a missing or wrong user-given
+//! token) is refused, logged with its address, and changes nothing; the run's token reaches
+//! an admitted node only, and no message names it.
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::io::{BufRead, BufReader, Write};
-use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -22,14 +25,22 @@ const EXIT_BARRIER: Duration = Duration::from_secs(300);
 const WRITE_WAIT: Duration = Duration::from_secs(5);
 /// Messages a node's launcher may be behind before it counts as lost (a few a round are sent).
 const OUTBOX: usize = 256;
+/// How long a new connection has to say hello: a launcher says it at once.
+const HELLO_WAIT: Duration = Duration::from_secs(30);
+/// The longest message line read: the protocol's are far shorter; longer is garbage.
+const MAX_LINE: u64 = 64 * 1024;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "msg", rename_all = "snake_case")]
 pub enum ToCoordinator {
+    /// A node's launcher joins: `id` its --rdzv-id (an identifier, not a secret); `token` the
+    /// user-given token (OOMGUARD_RUN_TOKEN), if it has one.
     Hello {
-        token: String,
+        id: String,
         node: usize,
         micro: Option<usize>,
+        #[serde(default)]
+        token: Option<String>,
     },
     Failed {
         round: u32,
@@ -47,6 +58,10 @@ pub enum ToCoordinator {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "msg", rename_all = "snake_case")]
 pub enum ToNode {
+    /// This node is admitted: the run's token, for its workers (to this node only).
+    Welcome {
+        token: String,
+    },
     /// Start attempt `round` with this micro-batch.
     Go {
         round: u32,
@@ -87,7 +102,11 @@ enum Phase {
 pub struct Coordinator {
     nnodes: usize,
     max_restarts: u32,
-    token: String,
+    /// The run's --rdzv-id: a node's hello must name it.
+    id: String,
+    /// The run's token, handed to each admitted node; also required of each when `given`.
+    token: super::Token,
+    given: bool,
     round: u32,
     micro: Micro,
     joined: BTreeSet<usize>,
@@ -103,11 +122,14 @@ pub enum To {
 }
 
 impl Coordinator {
-    pub fn new(nnodes: usize, max_restarts: u32, token: &str) -> Coordinator {
+    /// `given`: the token is the user's, so a node must present it to be admitted.
+    pub fn new(nnodes: usize, max_restarts: u32, id: &str, token: &str, given: bool) -> Coordinator {
         Coordinator {
             nnodes,
             max_restarts,
-            token: token.into(),
+            id: id.into(),
+            token: super::Token::new(token.into()),
+            given,
             round: 0,
             micro: Micro::default(),
             joined: BTreeSet::new(),
@@ -123,7 +145,7 @@ impl Coordinator {
 
     pub fn on(&mut self, node: usize, msg: ToCoordinator) -> Vec<(To, ToNode)> {
         match msg {
-            ToCoordinator::Hello { token, node, micro } => self.hello(&token, node, micro),
+            ToCoordinator::Hello { id, node, micro, token } => self.hello(&id, token.as_deref(), node, micro),
             ToCoordinator::Failed { round, report } => self.failed(node, round, report),
             ToCoordinator::Stopped { round } => self.stopped(node, round),
             ToCoordinator::Done => {
@@ -150,12 +172,27 @@ impl Coordinator {
         vec![(To::All, ToNode::Stop { code, why })]
     }
 
-    fn hello(&mut self, token: &str, node: usize, micro: Option<usize>) -> Vec<(To, ToNode)> {
+    /// Admits a node's launcher: the run's id, the user's token when there is one (never named
+    /// in a refusal), a node rank not yet taken. The admitted node gets the run's token.
+    fn hello(&mut self, id: &str, token: Option<&str>, node: usize, micro: Option<usize>) -> Vec<(To, ToNode)> {
         let refuse = |why: String| vec![(To::Node(node), ToNode::Refused { why })];
-        if token != self.token {
+        if id != self.id {
             return refuse(format!(
-                "this is run `{}`, not `{token}`: give every node's launcher the same --rdzv-id",
-                self.token
+                "this is run {:?}, not {id:?}: give every node's launcher the same --rdzv-id",
+                self.id
+            ));
+        }
+        if self.given && !token.is_some_and(|t| same_secret(t, self.token.reveal())) {
+            return refuse(format!(
+                "{} is set for node 0's launcher, and this node's launcher {}: give every node's launcher the same one",
+                super::TOKEN_VAR,
+                if token.is_some() { "has another" } else { "has none" }
+            ));
+        }
+        if !self.given && token.is_some() {
+            return refuse(format!(
+                "{} is set for this node's launcher but not for node 0's: give every node's launcher the same one",
+                super::TOKEN_VAR
             ));
         }
         if node >= self.nnodes || self.joined.contains(&node) || !matches!(self.phase, Phase::Joining) {
@@ -169,11 +206,17 @@ impl Coordinator {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
+        let welcome = (
+            To::Node(node),
+            ToNode::Welcome {
+                token: self.token.reveal().to_string(),
+            },
+        );
         if self.joined.len() < self.nnodes {
-            return vec![];
+            return vec![welcome];
         }
         self.phase = Phase::Running;
-        vec![(To::All, self.go())]
+        vec![welcome, (To::All, self.go())]
     }
 
     fn go(&self) -> ToNode {
@@ -255,6 +298,11 @@ impl Coordinator {
     }
 }
 
+/// Whether `a` and `b` are equal, in a time that does not tell how much of them matches.
+fn same_secret(a: &str, b: &str) -> bool {
+    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
 /// One launcher's end of the group: node 0's coordinator in-process on a single node, or a
 /// connection to it.
 pub struct Group {
@@ -264,7 +312,7 @@ pub struct Group {
 
 enum Link {
     Local {
-        coordinator: Coordinator,
+        coordinator: Box<Coordinator>,
         inbox: VecDeque<ToNode>,
     },
     Remote {
@@ -276,16 +324,24 @@ enum Link {
 }
 
 impl Group {
-    /// Joins the group and waits for the first attempt's go.
-    pub fn join(spec: &LaunchSpec) -> Result<(Group, Micro), Error> {
+    /// Joins the group and waits for the first attempt's go; returns the run's token too (node
+    /// 0's, handed over when it admitted this node).
+    pub fn join(spec: &LaunchSpec) -> Result<(Group, Micro, String), Error> {
         let hello = ToCoordinator::Hello {
-            token: spec.token.clone(),
+            id: spec.run_id.clone(),
             node: spec.node_rank,
             micro: spec.micro_batch_size,
+            token: spec.token_given.then(|| spec.token.reveal().to_string()),
         };
         let mut group = if spec.nnodes == 1 {
             let link = Link::Local {
-                coordinator: Coordinator::new(1, spec.max_restarts, &spec.token),
+                coordinator: Box::new(Coordinator::new(
+                    1,
+                    spec.max_restarts,
+                    &spec.run_id,
+                    spec.token.reveal(),
+                    spec.token_given,
+                )),
                 inbox: VecDeque::new(),
             };
             Group { node: 0, link }
@@ -293,15 +349,46 @@ impl Group {
             connect(spec)?
         };
         group.send(hello);
-        match group.recv(Some(JOIN_TIMEOUT)) {
-            Some(ToNode::Go { round: 0, size, failed }) => Ok((group, Micro { size, failed })),
-            Some(ToNode::Refused { why }) => Err(Error::Start(format!("node 0's launcher refused this node: {why}"))),
-            Some(ToNode::Stop { why, .. }) => Err(Error::Start(format!("the group stopped before it started: {why}"))),
-            _ => Err(Error::Start(format!(
-                "not every node's launcher joined within {} s (--nnodes {})",
-                JOIN_TIMEOUT.as_secs(),
-                spec.nnodes
-            ))),
+        let mut token = None;
+        loop {
+            match group.recv(Some(JOIN_TIMEOUT)) {
+                Some(ToNode::Welcome { token: t }) => {
+                    if spec.token_given && !same_secret(&t, spec.token.reveal()) {
+                        return Err(Error::Start(format!(
+                            "{} is set for this node's launcher, but node 0's launcher runs with another token: give every \
+                            node's launcher the same one",
+                            super::TOKEN_VAR
+                        )));
+                    }
+                    token = Some(t);
+                }
+                Some(ToNode::Go { round: 0, size, failed }) => {
+                    let Some(token) = token else {
+                        return Err(Error::Start(
+                            "node 0's launcher started the group without admitting this node".into(),
+                        ));
+                    };
+                    return Ok((group, Micro { size, failed }, token));
+                }
+                Some(ToNode::Refused { why }) => {
+                    return Err(Error::Start(format!("node 0's launcher refused this node: {why}")))
+                }
+                Some(ToNode::Stop { why, .. }) => {
+                    return Err(Error::Start(format!("the group stopped before it started: {why}")))
+                }
+                _ if matches!(group.link, Link::Remote { gone: true, .. }) => {
+                    return Err(Error::Start(
+                        "node 0's launcher closed the connection before the group started".into(),
+                    ))
+                }
+                _ => {
+                    return Err(Error::Start(format!(
+                        "not every node's launcher joined within {} s (--nnodes {})",
+                        JOIN_TIMEOUT.as_secs(),
+                        spec.nnodes
+                    )))
+                }
+            }
         }
     }
 
@@ -410,7 +497,7 @@ fn connect(spec: &LaunchSpec) -> Result<Group, Error> {
     })?;
     let addr = (spec.master_addr.as_str(), port);
     let server = if spec.node_rank == 0 {
-        Some(serve(spec, addr)?)
+        Some(serve(spec, port)?)
     } else {
         None
     };
@@ -466,33 +553,41 @@ fn connect(spec: &LaunchSpec) -> Result<Group, Error> {
     })
 }
 
-/// The coordinator's listener: on the interface of --master-addr (every interface when that
-/// address is not this host's), one thread per node's connection.
-fn serve(spec: &LaunchSpec, addr: (&str, u16)) -> Result<Arc<Mutex<Coordinator>>, Error> {
-    let listener = match TcpListener::bind(addr) {
-        Ok(l) => l,
-        Err(e) if e.kind() == std::io::ErrorKind::AddrNotAvailable => {
-            tracing::warn!(
-                "{} is not an address of this host: the launchers' coordinator listens on every interface, port {}",
-                addr.0,
-                addr.1
-            );
-            TcpListener::bind(("0.0.0.0", addr.1)).map_err(io(format!(
-                "listening on port {} for the other nodes' launchers",
-                addr.1
-            )))?
+/// The coordinator's listener: on --master-addr's own address (so on that interface only, a
+/// loopback address staying on this host), one thread per connection. An address that is not
+/// this host's is refused: node 0 is the host --master-addr names.
+fn serve(spec: &LaunchSpec, port: u16) -> Result<Arc<Mutex<Coordinator>>, Error> {
+    let addr = &spec.master_addr;
+    let addrs: Vec<SocketAddr> = (addr.as_str(), port)
+        .to_socket_addrs()
+        .map_err(|e| Error::Start(format!("--master-addr {addr} does not resolve: {e}")))?
+        .collect();
+    let mut failed = None;
+    for a in &addrs {
+        match TcpListener::bind(a) {
+            Ok(l) => {
+                let c = Coordinator::new(
+                    spec.nnodes,
+                    spec.max_restarts,
+                    &spec.run_id,
+                    spec.token.reveal(),
+                    spec.token_given,
+                );
+                return Ok(coordinate(l, c));
+            }
+            Err(e) => failed = Some(e),
         }
-        Err(e) => {
-            return Err(io(format!(
-                "listening on {}:{} for the other nodes' launchers (it is --master-port + 1)",
-                addr.0, addr.1
-            ))(e))
-        }
-    };
-    Ok(coordinate(
-        listener,
-        Coordinator::new(spec.nnodes, spec.max_restarts, &spec.token),
-    ))
+    }
+    Err(match failed {
+        Some(e) if e.kind() == std::io::ErrorKind::AddrNotAvailable => Error::Start(format!(
+            "cannot listen on {addr}:{port} for the other nodes' launchers ({e}): --master-addr must be an address of node 0's \
+            own host, the interface the launchers' coordinator listens on (at --master-port + 1)"
+        )),
+        Some(e) => io(format!(
+            "listening on {addr}:{port} for the other nodes' launchers (it is --master-port + 1)"
+        ))(e),
+        None => Error::Start(format!("--master-addr {addr} resolves to no address")),
+    })
 }
 
 /// Runs `coordinator` for the connections `listener` accepts, each on its own thread.
@@ -539,35 +634,87 @@ impl Outbox {
     }
 }
 
+/// One line of at most MAX_LINE bytes, without its newline; None at the end of the stream.
+/// A longer line, or one cut off by the end, is an error.
+fn read_line(r: &mut impl BufRead) -> std::io::Result<Option<String>> {
+    let mut buf = Vec::new();
+    match r.take(MAX_LINE).read_until(b'\n', &mut buf)? {
+        0 => Ok(None),
+        _ if buf.last() != Some(&b'\n') => Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "a line too long, or cut off",
+        )),
+        _ => String::from_utf8(buf)
+            .map(|l| Some(l.trim_end().to_string()))
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8")),
+    }
+}
+
+/// Serves one connection. Until it is an admitted node's launcher it changes nothing: a
+/// stranger (silent for HELLO_WAIT, garbage, refused) is dropped with a warning naming its
+/// address, and the run goes on.
 fn serve_node(stream: TcpStream, coordinator: &Mutex<Coordinator>, writers: &Mutex<BTreeMap<usize, Outbox>>) {
+    let peer = stream
+        .peer_addr()
+        .map_or_else(|_| "an unknown address".to_string(), |a| a.to_string());
     stream.set_nodelay(true).ok();
     // A refusal is written here, once, into an empty socket: it cannot block for longer.
-    if stream.set_write_timeout(Some(WRITE_WAIT)).is_err() {
+    if stream.set_write_timeout(Some(WRITE_WAIT)).is_err() || stream.set_read_timeout(Some(HELLO_WAIT)).is_err() {
         return;
     }
     let Ok(mut reply) = stream.try_clone() else { return };
+    let Ok(reads) = stream.try_clone() else { return };
     let mut node = None;
-    for line in BufReader::new(stream).lines() {
-        let Ok(msg) = line
-            .map_err(drop)
-            .and_then(|l| serde_json::from_str::<ToCoordinator>(&l).map_err(drop))
-        else {
-            break;
+    let mut lines = BufReader::new(stream);
+    loop {
+        let msg = match read_line(&mut lines) {
+            Ok(Some(l)) => serde_json::from_str::<ToCoordinator>(&l).ok(),
+            Ok(None) => {
+                if node.is_none() {
+                    tracing::warn!(
+                        "a connection from {peer} to the launchers' coordinator closed without a launcher's hello"
+                    );
+                }
+                break;
+            }
+            Err(e) => {
+                if node.is_none() {
+                    tracing::warn!(
+                        "dropped a connection from {peer} to the launchers' coordinator: no launcher's hello ({e})"
+                    );
+                }
+                break;
+            }
         };
+        let from = match (&msg, node) {
+            (Some(_), Some(n)) => n,
+            (Some(ToCoordinator::Hello { node: n, .. }), None) => *n,
+            (_, None) => {
+                tracing::warn!(
+                    "dropped a connection from {peer} to the launchers' coordinator: it did not open with a launcher's hello"
+                );
+                return;
+            }
+            (None, Some(_)) => break, // garbage from an admitted node: it is gone
+        };
+        let Some(msg) = msg else { break };
         let mut c = coordinator.lock().unwrap_or_else(|p| p.into_inner());
         let mut w = writers.lock().unwrap_or_else(|p| p.into_inner());
-        let from = match (&msg, node) {
-            (_, Some(n)) => n,
-            (ToCoordinator::Hello { node: n, .. }, None) => *n,
-            (_, None) => break, // a connection must say hello first
-        };
         let out = c.on(from, msg);
         if node.is_none() {
-            if out.iter().any(|(_, m)| matches!(m, ToNode::Refused { .. })) {
+            if let Some(why) = out.iter().find_map(|(_, m)| match m {
+                ToNode::Refused { why } => Some(why),
+                _ => None,
+            }) {
+                tracing::warn!("refused a connection from {peer} to the launchers' coordinator: {why}");
                 let _ = out
                     .iter()
                     .try_for_each(|(_, m)| writeln!(reply, "{}", serde_json::to_string(m).unwrap_or_default()));
                 return;
+            }
+            // Admitted: from now on it may be quiet for as long as the run lasts.
+            if reads.set_read_timeout(None).is_err() {
+                tracing::warn!("node {from}'s launcher at {peer}: cannot wait on its connection");
             }
             node = Some(from);
             if let Ok(o) = reply.try_clone().and_then(Outbox::new) {
@@ -614,10 +761,14 @@ mod tests {
 
     fn hello(node: usize, micro: Option<usize>) -> ToCoordinator {
         ToCoordinator::Hello {
-            token: "job".into(),
+            id: "job".into(),
             node,
             micro,
+            token: None,
         }
+    }
+    fn welcome(node: usize) -> (To, ToNode) {
+        (To::Node(node), ToNode::Welcome { token: "tok".into() })
     }
     fn report(rank: usize, oom: bool, micro: Option<usize>) -> Report {
         Report {
@@ -630,20 +781,16 @@ mod tests {
 
     #[test]
     fn every_node_joins_before_the_first_go_at_the_smallest_micro_batch() {
-        let mut c = Coordinator::new(2, 3, "job");
-        assert_eq!(c.on(0, hello(0, Some(8))), vec![]);
+        let mut c = Coordinator::new(2, 3, "job", "tok", false);
+        assert_eq!(c.on(0, hello(0, Some(8))), vec![welcome(0)]);
+        let other = ToCoordinator::Hello {
+            id: "other".into(),
+            node: 1,
+            micro: None,
+            token: None,
+        };
         assert!(
-            matches!(
-                c.on(
-                    1,
-                    ToCoordinator::Hello {
-                        token: "other".into(),
-                        node: 1,
-                        micro: None
-                    }
-                )[0],
-                (To::Node(1), ToNode::Refused { .. })
-            ),
+            matches!(&c.on(1, other)[..], [(To::Node(1), ToNode::Refused { why })] if why.contains("\"job\", not \"other\"")),
             "another run"
         );
         assert!(
@@ -652,20 +799,23 @@ mod tests {
         );
         assert_eq!(
             c.on(1, hello(1, Some(4))),
-            vec![(
-                To::All,
-                ToNode::Go {
-                    round: 0,
-                    size: Some(4),
-                    failed: None
-                }
-            )]
+            vec![
+                welcome(1),
+                (
+                    To::All,
+                    ToNode::Go {
+                        round: 0,
+                        size: Some(4),
+                        failed: None
+                    }
+                )
+            ]
         );
     }
 
     #[test]
     fn a_failure_on_one_node_restarts_every_node_once_they_all_stopped() {
-        let mut c = Coordinator::new(2, 3, "job");
+        let mut c = Coordinator::new(2, 3, "job", "tok", false);
         c.on(0, hello(0, Some(8)));
         c.on(1, hello(1, Some(8)));
         let out = c.on(
@@ -721,7 +871,7 @@ mod tests {
 
     #[test]
     fn an_oom_reported_second_still_halves_the_micro_batch() {
-        let mut c = Coordinator::new(2, 3, "job");
+        let mut c = Coordinator::new(2, 3, "job", "tok", false);
         c.on(0, hello(0, Some(8)));
         c.on(1, hello(1, None));
         c.on(
@@ -754,7 +904,7 @@ mod tests {
 
     #[test]
     fn no_restarts_left_a_signal_or_a_lost_node_stops_every_node() {
-        let mut c = Coordinator::new(2, 0, "job");
+        let mut c = Coordinator::new(2, 0, "job", "tok", false);
         c.on(0, hello(0, None));
         c.on(1, hello(1, None));
         c.on(
@@ -774,7 +924,7 @@ mod tests {
         assert!(matches!(&out[..], [(To::All, ToNode::Stop { code: 7, why })] if why.contains("no restarts left")));
         assert!(c.settled());
 
-        let mut c = Coordinator::new(2, 5, "job");
+        let mut c = Coordinator::new(2, 5, "job", "tok", false);
         c.on(0, hello(0, None));
         c.on(1, hello(1, None));
         assert!(matches!(
@@ -783,7 +933,7 @@ mod tests {
         ));
         assert_eq!(c.gone(1), vec![], "already ended");
 
-        let mut c = Coordinator::new(2, 5, "job");
+        let mut c = Coordinator::new(2, 5, "job", "tok", false);
         c.on(0, hello(0, None));
         c.on(1, hello(1, None));
         c.on(1, ToCoordinator::Done);
@@ -800,7 +950,7 @@ mod tests {
     fn a_node_that_stops_reading_is_lost_and_the_others_hear_it() {
         let listener = TcpListener::bind(("127.0.0.1", 0)).unwrap();
         let port = listener.local_addr().unwrap().port();
-        let c = coordinate(listener, Coordinator::new(2, 3, "job"));
+        let c = coordinate(listener, Coordinator::new(2, 3, "job", "tok", false));
         let line = |m: &ToCoordinator| format!("{}\n", serde_json::to_string(m).unwrap());
         let mut good = TcpStream::connect(("127.0.0.1", port)).unwrap();
         good.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
@@ -808,6 +958,11 @@ mod tests {
         let mut stuck = TcpStream::connect(("127.0.0.1", port)).unwrap();
         stuck.write_all(line(&hello(1, None)).as_bytes()).unwrap();
         let mut replies = BufReader::new(good.try_clone().unwrap()).lines();
+        let welcome = replies.next().unwrap().unwrap();
+        assert!(
+            matches!(serde_json::from_str(&welcome).unwrap(), ToNode::Welcome { ref token } if token == "tok"),
+            "{welcome}"
+        );
         let first = replies.next().unwrap().unwrap();
         assert!(
             matches!(serde_json::from_str(&first).unwrap(), ToNode::Go { round: 0, .. }),
@@ -862,19 +1017,131 @@ mod tests {
         }
     }
 
+    /// The user's token (OOMGUARD_RUN_TOKEN): a node without it, or with another, is refused
+    /// by a message that names the variable and neither token; one with it is admitted.
+    #[test]
+    fn a_user_given_token_is_required_and_never_named() {
+        let secret = "s3cret-Token-0123456789";
+        let mut c = Coordinator::new(2, 3, "job", secret, true);
+        let hello = |node: usize, token: Option<&str>| ToCoordinator::Hello {
+            id: "job".into(),
+            node,
+            micro: None,
+            token: token.map(str::to_string),
+        };
+        for (token, says) in [(None, "has none"), (Some("wrong-token-0123456789"), "has another")] {
+            match &c.on(1, hello(1, token))[..] {
+                [(To::Node(1), ToNode::Refused { why })] => {
+                    assert!(why.contains("OOMGUARD_RUN_TOKEN") && why.contains(says), "{why}");
+                    assert!(
+                        !why.contains(secret) && !token.is_some_and(|t| why.contains(t)),
+                        "{why}"
+                    );
+                }
+                other => panic!("admitted without the token: {other:?}"),
+            }
+        }
+        assert_eq!(
+            c.on(0, hello(0, Some(secret))),
+            vec![(To::Node(0), ToNode::Welcome { token: secret.into() })]
+        );
+        let both = c.on(1, hello(1, Some(secret)));
+        assert!(
+            matches!(&both[..], [(To::Node(1), ToNode::Welcome { token }), (To::All, ToNode::Go { round: 0, .. })] if token == secret),
+            "{both:?}"
+        );
+        // Without a token of the user's, the id admits, and the run's token is handed out; a
+        // node that brings a token of its own is refused (its workers would not match).
+        let mut c = Coordinator::new(1, 0, "job", "random", false);
+        assert!(
+            matches!(&c.on(0, hello(0, Some(secret)))[..], [(To::Node(0), ToNode::Refused { why })]
+                if why.contains("not for node 0's") && !why.contains(secret))
+        );
+        assert!(
+            matches!(&c.on(0, hello(0, None))[..], [(To::Node(0), ToNode::Welcome { token }), _] if token == "random")
+        );
+        assert!(same_secret("abc", "abc") && !same_secret("abc", "abd") && !same_secret("abc", "abcd"));
+    }
+
+    /// Strangers at the coordinator's port while a run joins: one sends garbage, one stays
+    /// silent, one says hello with another run's id, one with a line longer than MAX_LINE.
+    /// Each is dropped or refused (the refused one hears why, and not the token); the two real
+    /// nodes still join, get the token and the go, and finish.
+    #[test]
+    fn strangers_are_refused_and_the_run_goes_on() {
+        let listener = TcpListener::bind(("127.0.0.1", 0)).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let c = coordinate(listener, Coordinator::new(2, 0, "job", "the-token-0123456789", false));
+        let line = |m: &ToCoordinator| format!("{}\n", serde_json::to_string(m).unwrap());
+        let connect = || {
+            let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            s
+        };
+        let mut garbage = connect();
+        garbage.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+        let _silent = connect();
+        let mut long = connect();
+        long.write_all(&vec![b'x'; MAX_LINE as usize + 10]).unwrap();
+        let mut other = connect();
+        let stranger = ToCoordinator::Hello {
+            id: "other".into(),
+            node: 1,
+            micro: None,
+            token: None,
+        };
+        other.write_all(line(&stranger).as_bytes()).unwrap();
+        let mut heard = String::new();
+        other.read_to_string(&mut heard).unwrap();
+        assert!(heard.contains("refused") && heard.contains("--rdzv-id"), "{heard}");
+        assert!(!heard.contains("the-token"), "a stranger heard the token: {heard}");
+        let mut rest = String::new();
+        assert_eq!(
+            garbage.read_to_string(&mut rest).unwrap(),
+            0,
+            "garbage got an answer: {rest}"
+        );
+        let nodes = [0, 1].map(|n| {
+            let mut s = connect();
+            s.write_all(line(&hello(n, None)).as_bytes()).unwrap();
+            s
+        });
+        for s in &nodes {
+            let mut replies = BufReader::new(s.try_clone().unwrap()).lines();
+            let got: Vec<ToNode> = (0..2)
+                .map(|_| serde_json::from_str(&replies.next().unwrap().unwrap()).unwrap())
+                .collect();
+            assert!(
+                matches!(&got[..], [ToNode::Welcome { token }, ToNode::Go { round: 0, .. }] if token == "the-token-0123456789"),
+                "{got:?}"
+            );
+        }
+        for mut s in nodes {
+            s.write_all(line(&ToCoordinator::Done).as_bytes()).unwrap();
+        }
+        let t = Instant::now();
+        while !c.lock().is_ok_and(|c| c.settled()) {
+            assert!(t.elapsed() < Duration::from_secs(20), "the run did not finish");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     #[test]
     fn one_node_restarts_alone_in_process() {
-        let mut c = Coordinator::new(1, 1, "job");
+        let mut c = Coordinator::new(1, 1, "job", "tok", false);
         assert_eq!(
             c.on(0, hello(0, Some(6))),
-            vec![(
-                To::All,
-                ToNode::Go {
-                    round: 0,
-                    size: Some(6),
-                    failed: None
-                }
-            )]
+            vec![
+                welcome(0),
+                (
+                    To::All,
+                    ToNode::Go {
+                        round: 0,
+                        size: Some(6),
+                        failed: None
+                    }
+                )
+            ]
         );
         c.on(
             0,

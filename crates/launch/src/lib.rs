@@ -85,9 +85,15 @@ pub struct LaunchSpec {
     pub worker_memory: Option<HostMemory>,
     /// The micro-batch the first attempt runs with, when known.
     pub micro_batch_size: Option<usize>,
-    /// What ranks check in the store so that two runs on one port cannot join each other:
-    /// this launch's own on one node, the `--rdzv-id` shared by every node's launcher.
-    pub token: String,
+    /// The run's secret, the workers' OOMGUARD_RUN_TOKEN: what ranks check in the store and
+    /// present to each other's exchange, so that nobody outside the run can join it. 256 random
+    /// bits from the OS, made by this launcher on one node and by node 0's launcher on several
+    /// (the others get it from node 0's coordinator when it admits them), unless the user gave
+    /// it (`token_given`). Never printed: its Debug form hides it.
+    pub token: Token,
+    /// Whether the token is the user's, OOMGUARD_RUN_TOKEN in the launcher's environment: then
+    /// every node uses it, and node 0's coordinator admits only a node that presents it.
+    pub token_given: bool,
 }
 
 fn bad(flag: &str, message: String) -> Error {
@@ -152,6 +158,7 @@ impl LaunchSpec {
                 format!("{} must be 0 or more seconds", a.shutdown_timeout),
             ));
         }
+        let (token, token_given) = run_token(std::env::var_os(TOKEN_VAR))?;
         let from_env = allocator::effective(&default_allocator(), |v| std::env::var(v).ok())?;
         Ok(LaunchSpec {
             nnodes,
@@ -180,11 +187,8 @@ impl LaunchSpec {
             }),
             worker_memory: (nproc_per_node > 1).then(HostMemory::of_self).flatten(),
             micro_batch_size: std::env::var(MICRO_BATCH_VAR).ok().and_then(|v| v.parse().ok()),
-            token: if nnodes == 1 {
-                format!("{}.{}.{}", a.rdzv_id, std::process::id(), now_nanos())
-            } else {
-                a.rdzv_id.clone()
-            },
+            token: Token(token),
+            token_given,
         })
     }
 }
@@ -194,10 +198,69 @@ pub const MICRO_BATCH_VAR: &str = "OOMGUARD_MICRO_BATCH_SIZE";
 /// The size the worker died at, so the relaunched run lets it cool down before growing back.
 pub const FAILED_MICRO_BATCH_VAR: &str = "OOMGUARD_FAILED_MICRO_BATCH_SIZE";
 
-fn now_nanos() -> u128 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos())
+/// A run's token. `{:?}` shows its length, never its value, so no debug print of a spec or of
+/// the coordinator can leak it; `reveal` is for the workers' environment and the rendezvous.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Token(String);
+
+impl Token {
+    pub fn new(token: String) -> Token {
+        Token(token)
+    }
+    pub fn reveal(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Token(hidden, {} bytes)", self.0.len())
+    }
+}
+
+/// The run's token, as the workers read it; in the launcher's own environment, the user's.
+pub const TOKEN_VAR: &str = "OOMGUARD_RUN_TOKEN";
+/// Bounds on a token the user gives: long enough to be a secret, short enough for a hello.
+const TOKEN_LEN: std::ops::RangeInclusive<usize> = 16..=1024;
+
+/// The run's token and whether it is the user's: `given` (OOMGUARD_RUN_TOKEN in the
+/// launcher's environment) when set, checked; else 32 random bytes from the OS, in hex.
+/// No message names the token's value.
+pub fn run_token(given: Option<std::ffi::OsString>) -> Result<(String, bool), Error> {
+    let Some(given) = given else {
+        return random_hex(32).map(|t| (t, false));
+    };
+    let refuse = |why: String| Err(bad(TOKEN_VAR, why));
+    let Some(t) = given.to_str() else {
+        return refuse("is not UTF-8 text".into());
+    };
+    if t.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return refuse(
+            "holds whitespace or a control character (a NUL, a newline); give a token of printable characters".into(),
+        );
+    }
+    if !TOKEN_LEN.contains(&t.len()) {
+        return refuse(format!(
+            "is {} bytes long: a run's token takes {} to {} (unset it and the launcher makes a random one)",
+            t.len(),
+            TOKEN_LEN.start(),
+            TOKEN_LEN.end()
+        ));
+    }
+    Ok((t.to_string(), true))
+}
+
+/// `bytes` bytes from the kernel's random source (/dev/urandom), in lower-case hex.
+fn random_hex(bytes: usize) -> Result<String, Error> {
+    use std::io::Read;
+    let mut buf = vec![0u8; bytes];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut buf))
+        .map_err(|source| Error::Io {
+            context: "reading /dev/urandom for the run's token".into(),
+            source,
+        })?;
+    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 fn default_allocator() -> AllocatorSettings {
@@ -334,7 +397,7 @@ pub fn worker_env(
         ("TORCHELASTIC_RUN_ID", spec.run_id.clone()),
         ("TORCHELASTIC_ERROR_FILE", error_file.display().to_string()),
         ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1".into()),
-        ("OOMGUARD_RUN_TOKEN", spec.token.clone()),
+        (TOKEN_VAR, spec.token.reveal().to_string()),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
@@ -447,6 +510,37 @@ mod tests {
             ("OOMGUARD_FAILED_MICRO_BATCH_SIZE", "8"),
         ] {
             assert_eq!(env.get(k).map(String::as_str), Some(v), "{k}");
+        }
+    }
+
+    /// No token given: 64 hex digits from the OS, another each time. A given one is taken as
+    /// it is, or refused naming the variable and never the value.
+    #[test]
+    fn run_tokens_are_random_or_the_users_checked() {
+        let (a, b) = (run_token(None).unwrap(), run_token(None).unwrap());
+        assert!(
+            !a.1 && a.0.len() == 64 && a.0.chars().all(|c| c.is_ascii_hexdigit()),
+            "{a:?}"
+        );
+        assert_ne!(a.0, b.0);
+        let given = "my-own-secret-0123456789";
+        assert_eq!(run_token(Some(given.into())).unwrap(), (given.to_string(), true));
+        let s = spec(&["x.py"]).unwrap();
+        let shown = format!("{s:?}");
+        assert!(
+            shown.contains("Token(hidden, ") && !shown.contains(s.token.reveal()),
+            "{shown}"
+        );
+        for bad in [
+            "",
+            "short-one",
+            "has a space in it!!",
+            "nul\0inside-0123456789",
+            &"x".repeat(1025),
+        ] {
+            let e = run_token(Some(bad.into())).unwrap_err().to_string();
+            assert!(e.contains("OOMGUARD_RUN_TOKEN"), "{e}");
+            assert!(bad.is_empty() || !e.contains(bad), "the message names the token: {e}");
         }
     }
 

@@ -145,7 +145,12 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
         .or(temp.clone())
         .unwrap_or_default()
         .join(&spec.run_id);
-    let (mut group, mut micro) = Group::join(spec)?;
+    let (mut group, mut micro, token) = Group::join(spec)?;
+    // On several nodes the token is node 0's, handed over when it admitted this node.
+    let spec = &LaunchSpec {
+        token: super::Token::new(token),
+        ..spec.clone()
+    };
     let mut attempt = 0;
     loop {
         let port = if spec.master_port == 0 {
