@@ -11,16 +11,7 @@ use std::time::{Duration, Instant};
 /// A free port per launch whose next port is free too (several nodes' launchers meet at
 /// --master-port + 1).
 fn port() -> String {
-    loop {
-        let p = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
-            return p.to_string();
-        }
-    }
+    port_pair().to_string()
 }
 
 fn bin() -> &'static str {

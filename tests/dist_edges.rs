@@ -209,27 +209,6 @@ fn a_collective_mismatch_fails_fast_naming_both_views() {
     );
 }
 
-/// Sockets listening on `port` (IPv4 and IPv6), as /proc/net shows them: the local address
-/// in the kernel's hex.
-fn listeners(port: u16) -> Vec<String> {
-    let want = format!(":{port:04X}");
-    ["/proc/net/tcp", "/proc/net/tcp6"]
-        .iter()
-        .flat_map(|f| {
-            std::fs::read_to_string(f)
-                .unwrap_or_default()
-                .lines()
-                .skip(1)
-                .map(str::to_string)
-                .collect::<Vec<_>>()
-        })
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            (f.len() > 3 && f[3] == "0A" && f[1].ends_with(&want)).then(|| f[1].to_string())
-        })
-        .collect()
-}
-
 #[test]
 fn the_store_listens_on_loopback_only_and_a_second_run_on_its_port_cannot_join() {
     let dir = tempfile::tempdir().unwrap();

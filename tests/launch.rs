@@ -1,7 +1,7 @@
 //! `oomguard launch` with real processes: a real torch.distributed job exactly as under
 //! torchrun, crashes and restarts, signals, and relaunch after an out-of-memory death.
 mod common;
-use common::{dies_with_test, path_with_venv};
+use common::{dies_with_test, listeners, path_with_venv, port_pair};
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
@@ -488,40 +488,6 @@ fn each_launch_gets_a_random_token_that_is_never_printed() {
         seen.push(t["token.0.0"].clone());
     }
     assert_ne!(seen[0], seen[1], "two launches, one token");
-}
-
-/// A free port whose next port is free too (node 0's coordinator listens on port + 1).
-fn port_pair() -> u16 {
-    loop {
-        let p = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
-            return p;
-        }
-    }
-}
-
-/// Sockets listening on `port`, as /proc/net shows them: the local address in the kernel's hex.
-fn listeners(port: u16) -> Vec<String> {
-    let want = format!(":{port:04X}");
-    ["/proc/net/tcp", "/proc/net/tcp6"]
-        .iter()
-        .flat_map(|f| {
-            std::fs::read_to_string(f)
-                .unwrap_or_default()
-                .lines()
-                .skip(1)
-                .map(str::to_string)
-                .collect::<Vec<_>>()
-        })
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            (f.len() > 3 && f[3] == "0A" && f[1].ends_with(&want)).then(|| f[1].to_string())
-        })
-        .collect()
 }
 
 /// One node's launcher of a 2-node run on loopback at `port`, its workers running TOKEN_WORKER

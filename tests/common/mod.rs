@@ -329,3 +329,39 @@ pub fn wait_for_steps(run: &Path, n: usize) {
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
 }
+
+/// A free port on loopback whose next port is free too (node 0's launcher coordinates the
+/// nodes at --master-port + 1).
+pub fn port_pair() -> u16 {
+    loop {
+        let p = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            return p;
+        }
+    }
+}
+
+/// Sockets listening on `port` (IPv4 and IPv6), as /proc/net shows them: the local address
+/// in the kernel's hex.
+pub fn listeners(port: u16) -> Vec<String> {
+    let want = format!(":{port:04X}");
+    ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .flat_map(|f| {
+            std::fs::read_to_string(f)
+                .unwrap_or_default()
+                .lines()
+                .skip(1)
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() > 3 && f[3] == "0A" && f[1].ends_with(&want)).then(|| f[1].to_string())
+        })
+        .collect()
+}
