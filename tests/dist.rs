@@ -77,12 +77,12 @@ fn two_ranks_end_where_one_process_does() {
     assert!(d < 1e-5, "2 ranks differ from 1 process by {d}");
     // The control plane as the cost model (docs/scaling.md) counts it: rank 0 of 2 sends
     // and receives one fixed message per exchange, a clean step's exchanges.
-    use oomguard::dist::{cost::EXCHANGES_PER_STEP, exchange::MESSAGE_BYTES};
+    use oomguard::dist::{cost::EXCHANGES_IN_STEP, exchange::MESSAGE_BYTES};
     let exchanged: Vec<_> = steps.iter().map(|s| s["exchange_bytes"].as_u64()).collect();
     assert!(
         exchanged
             .iter()
-            .all(|&b| b == Some(EXCHANGES_PER_STEP * 2 * MESSAGE_BYTES)),
+            .all(|&b| b == Some(EXCHANGES_IN_STEP * 2 * MESSAGE_BYTES)),
         "{exchanged:?}"
     );
     let (a, b) = (losses(&dir.path().join("single")), losses(&run));

@@ -6,9 +6,12 @@ use super::exchange::{children, parent, MESSAGE_BYTES};
 use crate::optim::zero::{Layout, BUCKET_BYTES};
 use crate::optim::Shard;
 
-/// Exchanges in a clean step of `oomguard train`: the attempt's agreement, the update's, the
-/// losses' sum, the guard's inputs (checked against a real run's `exchange_bytes`).
-pub const EXCHANGES_PER_STEP: u64 = 4;
+/// Exchanges inside a clean step of `oomguard train` (what a step record's `exchange_bytes`
+/// counts; a real run checks it): the attempt's agreement, the update's, the losses' sum,
+/// the guard's inputs.
+pub const EXCHANGES_IN_STEP: u64 = 4;
+/// And the boundary's before each step (a stop signal, the checkpoint clock).
+pub const EXCHANGES_PER_STEP: u64 = EXCHANGES_IN_STEP + 1;
 
 /// One rank's costs in one step, in bytes or counts.
 #[derive(Debug, Clone, PartialEq)]
