@@ -286,19 +286,8 @@ fn a_run_resumes_at_another_world_size() {
     .output()
     .unwrap();
     assert!(o.status.success(), "{}", text(&o));
-    let mut three = Command::new(bin());
-    isolated(dies_with_test(&mut three), dir.path())
-        .args([
-            "train",
-            cfg.to_str().unwrap(),
-            "--nproc-per-node",
-            "3",
-            "--run-dir",
-            run.to_str().unwrap(),
-            "--resume",
-        ])
-        .current_dir(dir.path())
-        .env_remove("OMP_NUM_THREADS");
+    let mut three = train_command(dir.path(), &cfg, &run, 3);
+    three.arg("--resume").env_remove("OMP_NUM_THREADS");
     let o = three.output().unwrap();
     assert!(o.status.success(), "{}", text(&o));
     let worlds: Vec<_> = records(&run, "step")

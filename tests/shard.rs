@@ -386,17 +386,8 @@ fn an_oom_writing_one_ranks_shard_is_retried_and_the_checkpoint_completes() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), "c.yaml", "checkpoint: {every_steps: 3}\n");
     let run = dir.path().join("sharded");
-    let mut c = Command::new(bin());
-    isolated(dies_with_test(&mut c), dir.path())
-        .args([
-            "train",
-            cfg.to_str().unwrap(),
-            "--nproc-per-node",
-            "2",
-            "--run-dir",
-            run.to_str().unwrap(),
-        ])
-        .args(["--max-steps", "3", "--set", "train.shard=optimizer"])
+    let mut c = train_command(dir.path(), &cfg, &run, 2);
+    c.args(["--max-steps", "3", "--set", "train.shard=optimizer"])
         .env("OOMGUARD_TEST_OOM_IN", "checkpoint:1:2");
     let o = c.output().unwrap();
     let err = stderr(&o);
@@ -559,18 +550,8 @@ fn an_oom_in_the_sharded_update_on_any_rank_is_agreed_and_redone() {
         ),
     ] {
         let run = dir.path().join(stage);
-        let mut c = Command::new(bin());
-        isolated(dies_with_test(&mut c), dir.path())
-            .args([
-                "train",
-                cfg.to_str().unwrap(),
-                "--nproc-per-node",
-                "2",
-                "--run-dir",
-                run.to_str().unwrap(),
-                "--set",
-                &format!("train.shard={stage}"),
-            ])
+        let mut c = train_command(dir.path(), &cfg, &run, 2);
+        c.args(["--set", &format!("train.shard={stage}")])
             .env("OOMGUARD_TEST_OOM_IN", targets);
         let o = c.output().unwrap();
         assert!(o.status.success(), "{}", stderr(&o));

@@ -122,6 +122,22 @@ pub fn train_at(dir: &Path, config: &Path, run: &Path, extra: &[&str]) -> Output
     oomguard(&args, dir)
 }
 
+/// `oomguard train CONFIG --nproc-per-node N --run-dir RUN`, dying with the test, its cache
+/// isolated in `dir` (where it runs), for a caller to add flags and environment to.
+pub fn train_command(dir: &Path, config: &Path, run: &Path, nproc: usize) -> Command {
+    let mut c = Command::new(bin());
+    isolated(dies_with_test(&mut c), dir)
+        .args([
+            "train",
+            config.to_str().unwrap(),
+            "--nproc-per-node",
+            &nproc.to_string(),
+        ])
+        .args(["--run-dir", run.to_str().unwrap()])
+        .current_dir(dir);
+    c
+}
+
 /// `train_at` with `--resume` first.
 pub fn resume(dir: &Path, config: &Path, run: &Path, extra: &[&str]) -> Output {
     train_at(dir, config, run, &[&["--resume"], extra].concat())
