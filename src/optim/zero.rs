@@ -84,6 +84,8 @@ pub struct Block {
 /// buffer.
 #[derive(Debug, Clone, PartialEq)]
 struct ChunkPlan {
+    /// The chunk: (start inside the shard, length).
+    chunk: (i64, i64),
     blocks: Vec<Block>,
     zeros_from: i64,
 }
@@ -181,7 +183,11 @@ impl Layout {
             .map_or(self.world as i64 * len, |r| {
                 r * len + (self.total - (r * shard + start)).max(0)
             });
-        ChunkPlan { blocks, zeros_from }
+        ChunkPlan {
+            chunk: (start, len),
+            blocks,
+            zeros_from,
+        }
     }
 
     /// The parts of parameters in flat `[lo, lo + len)`: (parameter, start inside it,
@@ -271,7 +277,7 @@ impl Layout {
     fn plan_of(&self, (start, len): (i64, i64)) -> std::result::Result<&ChunkPlan, TchError> {
         let i = (start / self.chunk.max(1)) as usize;
         match self.plan.get(i) {
-            Some(p) if self.chunks().get(i) == Some(&(start, len)) => Ok(p),
+            Some(p) if p.chunk == (start, len) => Ok(p),
             _ => Err(TchError::Shape(format!(
                 "({start}, {len}) is not a chunk of this layout"
             ))),
