@@ -112,6 +112,23 @@ pub struct RungRecord {
     pub reason: String,
 }
 
+/// `{"event":"membership", ...}`: an elastic job's world changed before this attempt (a
+/// node lost or joined; `cause` says which). `seconds`: from the change's detection to the
+/// end of the first step at the new world; `steps_recomputed`: steps done before the change
+/// and done again; `source`: where the state came from, `survivors` (saved from a survivor's
+/// memory as it saw the change, or at the step boundary a joining node waited for) or
+/// `checkpoint` (the newest regular one: sharded state whose owner died).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MembershipRecord {
+    pub step: u64,
+    pub old_world: usize,
+    pub new_world: usize,
+    pub cause: String,
+    pub seconds: f64,
+    pub steps_recomputed: u64,
+    pub source: String,
+}
+
 /// `{"event":"eval", ...}`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct EvalRecord {
@@ -153,6 +170,7 @@ pub enum Record {
     Rung(RungRecord),
     /// A sharding rung left when memory allowed (`rung`: the one left).
     RungDown(RungRecord),
+    Membership(MembershipRecord),
     /// A checkpoint written: after `step`, resuming at `next_step`, for `reason`; what it
     /// cost (`seconds`, `bytes` on disk) and the clock's interval in force (`interval_s`,
     /// absent with the clock off).

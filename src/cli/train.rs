@@ -81,6 +81,12 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
     let resume = match (&args.resume_from, args.resume) {
         (Some(p), _) => train::Resume::From(p.clone()),
         (None, true) => train::Resume::Newest,
+        // A later round of an elastic job continues the run, as --resume would: a fresh
+        // start would drop what the survivors saved.
+        (None, false) if crate::dist::elastic::restarted() => {
+            tracing::info!("a later round of an elastic job: continuing from the newest checkpoint (as --resume)");
+            train::Resume::Newest
+        }
         (None, false) => train::Resume::Fresh,
     };
     let run_dir = match (&args.run_dir, &args.resume_from) {

@@ -11,6 +11,7 @@ use crate::memory::check;
 
 pub mod bind;
 pub mod cost;
+pub mod elastic;
 pub mod exchange;
 
 pub use exchange::Topic;

@@ -26,7 +26,7 @@ use crate::error::{ConfigError, Error, Phase, Result};
 use crate::guard::ladder::{self, Rung};
 use crate::guard::{Agree, Guard, GuardEvent, Policy, SharedDumper};
 use crate::memory::{self, allocator, human_bytes, MemoryStats, PressureSchedule};
-use crate::metrics::{device_label, EvalRecord, MetricsWriter, Record, RungRecord, StepRecord};
+use crate::metrics::{device_label, EvalRecord, MembershipRecord, MetricsWriter, Record, RungRecord, StepRecord};
 use crate::model::{ActivationCheckpointing, LossKind, ModelKind};
 use crate::optim::{AdamW, Comm, Shard};
 use crate::plan::{self, AutoResult, AutoSearch};
@@ -38,6 +38,9 @@ use oomguard_launch::{FAILED_MICRO_BATCH_VAR, MICRO_BATCH_VAR};
 
 /// Builds the model a run trains (a config's kind, or a Rust program's own model).
 pub type Builder<'b> = &'b dyn Fn(&BuildContext) -> Result<Built>;
+
+/// A checkpoint's `extra` key: a survivor of an elastic job saved it (`save_as_survivor`).
+const SAVED_BY_SURVIVOR: &str = "saved_by_survivor";
 
 pub(super) struct Run<'a> {
     pub cfg: &'a Config,
@@ -78,6 +81,12 @@ pub(super) struct Run<'a> {
     shard_back: ShardBack,
     /// `checkpoint.every_minutes` (rank 0 decides; the ranks learn it at the step boundary).
     clock: checkpoint::Clock,
+    /// Elastic (rank 0): the change that began this round, and when it was seen (ms since
+    /// the epoch), recorded once its first step is done.
+    membership: Option<(MembershipRecord, u64)>,
+    /// Elastic: the checkpoint being written hands the run to the next round (a survivor's
+    /// save, or the stop a membership change asked for): marked SAVED_BY_SURVIVOR.
+    handover: bool,
 }
 
 /// What the ranks agreed at a step's boundary, before it runs.
@@ -172,6 +181,9 @@ impl<'a> Run<'a> {
             }
         };
         let stats = self.after_guarded(result, step)?;
+        // The update is applied: the state is step + 1's now (a survivor's save, should a
+        // collective below fail, is of that step).
+        self.next_step = step + 1;
         self.maybe_unshard(step, self.guard.policy.num_ooms != ooms_before)?;
         // The step's time is the time to run it, not to queue it: its one read (after the
         // update) waited for everything queued before it. No separate synchronize: that
@@ -240,8 +252,21 @@ impl<'a> Run<'a> {
                 .show(step, eta, rec.loss, rec.micro_batch_size, rec.grad_accum_steps);
         }
         self.write(&Record::Step(rec))?;
+        if let Some((mut m, seen)) = self.membership.take() {
+            m.seconds = crate::dist::elastic::seconds_since(seen);
+            tracing::info!(
+                "membership: world {} -> {} ({}); the first step at the new world came {:.1} s after it was seen; \
+                 {} step(s) recomputed; state from the {}",
+                m.old_world,
+                m.new_world,
+                m.cause,
+                m.seconds,
+                m.steps_recomputed,
+                m.source
+            );
+            self.write(&Record::Membership(m))?;
+        }
         self.summary.peak_bytes = self.summary.peak_bytes.max(mem.peak_bytes);
-        self.next_step = step + 1;
         Ok(stats)
     }
 

@@ -79,10 +79,37 @@ pub fn train_with(
     let mut run = Run::start(cfg, run_dir, settings, &options, build)?;
     // Each rank draws its own failures from (SEED, rank): they land on any subset of ranks.
     let mut inject = options.inject_oom.map(|i| Injection::new(i.for_rank(run.rank())));
-    let schedule = run.progress.schedule;
     let mut eval_s = 0.0;
     crate::signals::training_started();
+    let trained = steps(&mut run, &mut inject, &mut eval_s);
+    // Elastic: a peer is gone. What this rank holds is the run as of its last step done.
+    if let (Err(e @ Error::Dist(_)), true) = (&trained, crate::dist::elastic::enabled()) {
+        run.save_as_survivor(e);
+    }
+    trained?;
+    run.save_weights()?;
+    run.snapshot_at_end();
+    run.progress.finish();
+    let s = &mut run.summary;
+    s.wall_s = run.progress.elapsed();
+    s.tokens_per_s =
+        (c.train.max_steps.saturating_sub(run.first_step) as usize * run.units_per_step) as f64 / (s.wall_s - eval_s);
+    s.num_ooms = run.guard.policy.num_ooms + run.eval_guard.policy.num_ooms;
+    s.final_micro_batch_size = run.guard.micro_batch_size();
+    s.injected = inject.map(|i| i.report());
+    Ok(run.summary)
+}
+
+/// The loop, from the run's next step to its end checkpoint.
+fn steps(run: &mut Run<'_>, inject: &mut Option<Injection>, eval_s: &mut f64) -> Result<()> {
+    let cfg: &Config = run.cfg;
+    let c = &cfg.raw;
+    let schedule = run.progress.schedule;
+    let pause = test_hook!("OOMGUARD_TEST_STEP_PAUSE_MS").and_then(|ms| ms.parse().ok());
     for step in run.next_step..c.train.max_steps {
+        if let Some(ms) = pause {
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+        }
         let at = run.boundary()?;
         if let Some(signal) = at.signal {
             run.checkpoint(step, Reason::Signal)?;
@@ -113,22 +140,11 @@ pub fn train_with(
             }
             let t = Instant::now();
             run.evaluate(step)?;
-            eval_s += t.elapsed().as_secs_f64();
+            *eval_s += t.elapsed().as_secs_f64();
         }
         if schedule.checkpoints(step) {
             run.checkpoint(step + 1, Reason::EverySteps)?;
         }
     }
-    run.checkpoint(c.train.max_steps, Reason::End)?;
-    run.save_weights()?;
-    run.snapshot_at_end();
-    run.progress.finish();
-    let s = &mut run.summary;
-    s.wall_s = run.progress.elapsed();
-    s.tokens_per_s =
-        (c.train.max_steps.saturating_sub(run.first_step) as usize * run.units_per_step) as f64 / (s.wall_s - eval_s);
-    s.num_ooms = run.guard.policy.num_ooms + run.eval_guard.policy.num_ooms;
-    s.final_micro_batch_size = run.guard.micro_batch_size();
-    s.injected = inject.map(|i| i.report());
-    Ok(run.summary)
+    run.checkpoint(c.train.max_steps, Reason::End)
 }

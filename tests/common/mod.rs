@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests: they drive the real binary in temp dirs.
 #![allow(dead_code)] // each test file uses a different subset
 
+pub mod elastic;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 

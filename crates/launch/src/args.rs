@@ -6,7 +6,7 @@ use clap::{ArgAction, Args};
 /// their PET_* environment variables.
 #[derive(Debug, Args)]
 pub struct LaunchArgs {
-    /// Nodes: N (or N:N; elastic MIN:MAX is refused).
+    /// Nodes: N, or MIN:MAX for an elastic job (with --rdzv-backend c10d and --rdzv-endpoint).
     #[arg(long, env = "PET_NNODES", default_value = "1")]
     pub nnodes: String,
     /// Workers per node: N, auto, cpu or gpu.
@@ -17,7 +17,7 @@ pub struct LaunchArgs {
         default_value = "1"
     )]
     pub nproc_per_node: String,
-    /// This node's rank among the nodes [default: 0].
+    /// This node's rank among the nodes [default: 0]; elastic: a preference for its place.
     #[arg(long = "node-rank", alias = "node_rank", env = "PET_NODE_RANK")]
     pub node_rank: Option<usize>,
     /// Address of the rank-0 node (static rendezvous).
@@ -56,7 +56,8 @@ pub struct LaunchArgs {
     /// The job's id, shared by its nodes: an identifier, not a secret.
     #[arg(long = "rdzv-id", alias = "rdzv_id", env = "PET_RDZV_ID", default_value = "none")]
     pub rdzv_id: String,
-    /// Extra rendezvous settings (accepted for compatibility).
+    /// Extra rendezvous settings: last_call_timeout and join_timeout (seconds, elastic); others
+    /// are accepted and ignored.
     #[arg(long = "rdzv-conf", alias = "rdzv_conf", env = "PET_RDZV_CONF", default_value = "")]
     pub rdzv_conf: String,
     /// Single node on a free local port (c10d on localhost:0).

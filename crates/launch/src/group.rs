@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use super::elastic::{self, Change, Elastic, Layout, Member};
 use super::outcome::{after_failure, Next, Report};
 use super::{LaunchError as Error, LaunchSpec, Micro};
 
@@ -41,6 +42,10 @@ pub enum ToCoordinator {
         micro: Option<usize>,
         #[serde(default)]
         token: Option<String>,
+        /// A port free on this node's host, for its workers' store should it be node 0 of an
+        /// elastic round.
+        #[serde(default)]
+        port: u16,
     },
     Failed {
         round: u32,
@@ -48,6 +53,9 @@ pub enum ToCoordinator {
     },
     Stopped {
         round: u32,
+        /// As in the hello: a port free now, for an elastic round's store.
+        #[serde(default)]
+        port: u16,
     },
     Done,
     Abort {
@@ -67,6 +75,9 @@ pub enum ToNode {
         round: u32,
         size: Option<usize>,
         failed: Option<usize>,
+        /// Elastic: this node's place in the round (static: the flags').
+        #[serde(default)]
+        layout: Option<Layout>,
     },
     /// Round `round` has begun: stop the workers, then say `Stopped`.
     Restart {
@@ -91,13 +102,18 @@ enum Phase {
     Stopping {
         round: u32,
         stopped: BTreeSet<usize>,
-        report: Report,
+        /// The failure that began it, if one did (a node lost or joined begins one too).
+        report: Option<Report>,
         node: usize,
+        /// Elastic: the membership changed during it (the cause and when it was seen).
+        change: Option<(String, u64)>,
     },
     Ended,
 }
 
-/// Node 0's record of the group: who joined, the round, and what failed.
+/// Node 0's record of the group: who joined, the round, and what failed. Elastic
+/// (`--nnodes MIN:MAX`), a node is a slot given at its hello, and node ranks are assigned
+/// afresh at each round among the members (`elastic::ranks`).
 #[derive(Debug)]
 pub struct Coordinator {
     nnodes: usize,
@@ -108,10 +124,22 @@ pub struct Coordinator {
     token: super::Token,
     given: bool,
     round: u32,
+    /// Rounds begun by a failure (not by a membership change): what --max-restarts counts.
+    restarts: u32,
     micro: Micro,
     joined: BTreeSet<usize>,
     done: BTreeSet<usize>,
     phase: Phase,
+    elastic: Option<Elastic>,
+    /// Elastic: each member's rank hint, address and offered port, by slot.
+    members: BTreeMap<usize, Member>,
+    /// Elastic: the addresses connections came from, by slot, until their hello.
+    addrs: BTreeMap<usize, String>,
+    next_slot: usize,
+    /// Elastic: when the first rendezvous stops waiting for more than MIN nodes.
+    last_call_at: Option<Instant>,
+    /// Nodes in the round now running (elastic: for the next change's record).
+    nodes_in_round: usize,
 }
 
 /// Who a reply goes to.
@@ -131,23 +159,56 @@ impl Coordinator {
             token: super::Token::new(token.into()),
             given,
             round: 0,
+            restarts: 0,
             micro: Micro::default(),
             joined: BTreeSet::new(),
             done: BTreeSet::new(),
             phase: Phase::Joining,
+            elastic: None,
+            members: BTreeMap::new(),
+            addrs: BTreeMap::new(),
+            next_slot: 0,
+            last_call_at: None,
+            nodes_in_round: nnodes,
+        }
+    }
+
+    /// An elastic job's coordinator: between `e.min` and `e.max` nodes.
+    pub fn elastic(e: Elastic, max_restarts: u32, id: &str, token: &str, given: bool) -> Coordinator {
+        Coordinator {
+            elastic: Some(e),
+            ..Coordinator::new(e.max, max_restarts, id, token, given)
         }
     }
 
     /// Whether node 0's launcher may exit: the job ended, or every node finished or left.
     pub fn settled(&self) -> bool {
-        matches!(self.phase, Phase::Ended) || self.done.len() == self.nnodes
+        matches!(self.phase, Phase::Ended)
+            || (!matches!(self.phase, Phase::Joining) && !self.joined.is_empty() && self.joined.is_subset(&self.done))
+    }
+
+    /// The slot a new connection's hello speaks for: static, the node rank it names; elastic,
+    /// a new one (its node rank comes at each round). `addr`: where it connected from.
+    pub fn slot(&mut self, named: usize, addr: &str) -> usize {
+        if self.elastic.is_none() {
+            return named;
+        }
+        self.next_slot += 1;
+        self.addrs.insert(self.next_slot - 1, addr.to_string());
+        self.next_slot - 1
     }
 
     pub fn on(&mut self, node: usize, msg: ToCoordinator) -> Vec<(To, ToNode)> {
         match msg {
-            ToCoordinator::Hello { id, node, micro, token } => self.hello(&id, token.as_deref(), node, micro),
+            ToCoordinator::Hello {
+                id,
+                node: named,
+                micro,
+                token,
+                port,
+            } => self.hello(&id, token.as_deref(), node, named, micro, port),
             ToCoordinator::Failed { round, report } => self.failed(node, round, report),
-            ToCoordinator::Stopped { round } => self.stopped(node, round),
+            ToCoordinator::Stopped { round, port } => self.stopped(node, round, port),
             ToCoordinator::Done => {
                 self.done.insert(node);
                 vec![]
@@ -156,12 +217,65 @@ impl Coordinator {
         }
     }
 
-    /// A node's connection closed: unless it had finished, the group cannot go on.
+    /// Elastic: the first rendezvous starts once MIN nodes joined and the last call for more
+    /// is over (`now` past it).
+    pub fn tick(&mut self, now: Instant) -> Vec<(To, ToNode)> {
+        match (&self.phase, self.last_call_at) {
+            (Phase::Joining, Some(at)) if now >= at => self.start(),
+            _ => vec![],
+        }
+    }
+
+    /// A node's connection closed: unless it had finished, the group cannot go on; elastic,
+    /// it goes on without it while MIN nodes remain.
     pub fn gone(&mut self, node: usize) -> Vec<(To, ToNode)> {
         if self.done.contains(&node) || matches!(self.phase, Phase::Ended) {
             return vec![];
         }
-        self.end(1, format!("node {node}'s launcher is gone"))
+        let Some(e) = self.elastic else {
+            return self.end(1, format!("node {node}'s launcher is gone"));
+        };
+        if !self.joined.contains(&node) {
+            return vec![];
+        }
+        let cause = format!("node {}'s launcher is gone", self.rank_of(node));
+        self.joined.remove(&node);
+        self.members.remove(&node);
+        let now = elastic::unix_ms();
+        match &mut self.phase {
+            Phase::Joining => {
+                if self.joined.len() < e.min {
+                    self.last_call_at = None;
+                }
+                vec![]
+            }
+            _ if self.joined.len() < e.min => self.end(
+                1,
+                format!(
+                    "{cause}: {} node{} left, below --nnodes MIN {}",
+                    self.joined.len(),
+                    if self.joined.len() == 1 { "" } else { "s" },
+                    e.min
+                ),
+            ),
+            Phase::Running => {
+                let round = self.round + 1;
+                self.phase = Phase::Stopping {
+                    round,
+                    stopped: BTreeSet::new(),
+                    report: None,
+                    node,
+                    change: Some((cause.clone(), now)),
+                };
+                vec![(To::All, ToNode::Restart { round, why: cause })]
+            }
+            Phase::Stopping { stopped, change, .. } => {
+                stopped.remove(&node);
+                change.get_or_insert((cause, now));
+                self.next_round()
+            }
+            Phase::Ended => vec![],
+        }
     }
 
     fn end(&mut self, code: i32, why: String) -> Vec<(To, ToNode)> {
@@ -173,8 +287,17 @@ impl Coordinator {
     }
 
     /// Admits a node's launcher: the run's id, the user's token when there is one (never named
-    /// in a refusal), a node rank not yet taken. The admitted node gets the run's token.
-    fn hello(&mut self, id: &str, token: Option<&str>, node: usize, micro: Option<usize>) -> Vec<(To, ToNode)> {
+    /// in a refusal), a node rank not yet taken (elastic: room below MAX). The admitted node
+    /// gets the run's token.
+    fn hello(
+        &mut self,
+        id: &str,
+        token: Option<&str>,
+        node: usize,
+        named: usize,
+        micro: Option<usize>,
+        port: u16,
+    ) -> Vec<(To, ToNode)> {
         let refuse = |why: String| vec![(To::Node(node), ToNode::Refused { why })];
         if id != self.id {
             return refuse(format!(
@@ -195,35 +318,111 @@ impl Coordinator {
                 super::TOKEN_VAR
             ));
         }
-        if node >= self.nnodes || self.joined.contains(&node) || !matches!(self.phase, Phase::Joining) {
+        if let Some(e) = self.elastic {
+            if self.joined.len() >= e.max || matches!(self.phase, Phase::Ended) || self.joined.contains(&node) {
+                return refuse(format!("the job has its --nnodes MAX of {} nodes", e.max));
+            }
+        } else if node >= self.nnodes || self.joined.contains(&node) || !matches!(self.phase, Phase::Joining) {
             return refuse(format!(
                 "node rank {node} has already joined, or is not below --nnodes {}",
                 self.nnodes
             ));
         }
         self.joined.insert(node);
-        self.micro.size = match (self.micro.size, micro) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        if matches!(self.phase, Phase::Joining) {
+            self.micro.size = match (self.micro.size, micro) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+        }
         let welcome = (
             To::Node(node),
             ToNode::Welcome {
                 token: self.token.reveal().to_string(),
             },
         );
-        if self.joined.len() < self.nnodes {
-            return vec![welcome];
+        let Some(e) = self.elastic else {
+            if self.joined.len() < self.nnodes {
+                return vec![welcome];
+            }
+            self.phase = Phase::Running;
+            return vec![welcome, (To::All, self.go(None))];
+        };
+        let addr = self.addrs.remove(&node).unwrap_or_else(|| "127.0.0.1".into());
+        self.members.insert(node, Member { named, addr, port });
+        let mut out = vec![welcome];
+        let (why, at) = (
+            format!("a node joined ({} of at most {})", self.joined.len(), e.max),
+            elastic::unix_ms(),
+        );
+        if matches!(self.phase, Phase::Joining) {
+            if self.joined.len() == e.max {
+                out.extend(self.start());
+            } else if self.joined.len() >= e.min && self.last_call_at.is_none() {
+                self.last_call_at = Some(Instant::now() + e.last_call);
+            }
+        } else if matches!(self.phase, Phase::Running) {
+            // A node joins a running job at the next step boundary: the others stop (their
+            // workers checkpoint on SIGTERM) and every node starts the next round.
+            let round = self.round + 1;
+            let others: Vec<usize> = self.joined.iter().copied().filter(|&n| n != node).collect();
+            self.phase = Phase::Stopping {
+                round,
+                stopped: BTreeSet::from([node]),
+                report: None,
+                node,
+                change: Some((why.clone(), at)),
+            };
+            out.extend(others.into_iter().map(|n| {
+                (
+                    To::Node(n),
+                    ToNode::Restart {
+                        round,
+                        why: why.clone(),
+                    },
+                )
+            }));
+        } else if let Phase::Stopping { stopped, change, .. } = &mut self.phase {
+            stopped.insert(node);
+            change.get_or_insert((why, at));
+            out.extend(self.next_round());
         }
-        self.phase = Phase::Running;
-        vec![welcome, (To::All, self.go())]
+        out
     }
 
-    fn go(&self) -> ToNode {
+    /// Elastic: the first round starts with the nodes that joined.
+    fn start(&mut self) -> Vec<(To, ToNode)> {
+        self.phase = Phase::Running;
+        self.last_call_at = None;
+        self.nodes_in_round = self.joined.len();
+        self.go_all(None)
+    }
+
+    /// The go of this round: one to all (static), or one to each node with its place.
+    fn go_all(&self, change: Option<Change>) -> Vec<(To, ToNode)> {
+        if self.elastic.is_none() {
+            return vec![(To::All, self.go(None))];
+        }
+        elastic::layouts(&self.members, change)
+            .into_iter()
+            .map(|(n, l)| (To::Node(n), self.go(Some(l))))
+            .collect()
+    }
+
+    fn go(&self, layout: Option<Layout>) -> ToNode {
         ToNode::Go {
             round: self.round,
             size: self.micro.size,
             failed: self.micro.failed,
+            layout,
+        }
+    }
+
+    /// A slot's node rank in the round now running (elastic), else the slot itself.
+    fn rank_of(&self, node: usize) -> usize {
+        match self.elastic {
+            Some(_) => elastic::ranks(&self.members).get(&node).copied().unwrap_or(node),
+            None => node,
         }
     }
 
@@ -231,10 +430,11 @@ impl Coordinator {
         if round != self.round {
             return vec![]; // a failure of an attempt already replaced
         }
+        let shown = self.rank_of(node);
         match &mut self.phase {
             Phase::Running => {
                 let why = format!(
-                    "worker rank {} on node {node} failed (exit code {}){}",
+                    "worker rank {} on node {shown} failed (exit code {}){}",
                     report.rank,
                     report.code,
                     if report.oom { " out of memory" } else { "" }
@@ -242,13 +442,18 @@ impl Coordinator {
                 self.phase = Phase::Stopping {
                     round: round + 1,
                     stopped: BTreeSet::new(),
-                    report,
-                    node,
+                    report: Some(report),
+                    node: shown,
+                    change: None,
                 };
                 vec![(To::All, ToNode::Restart { round: round + 1, why })]
             }
             // Other nodes' workers fail in turn when their peers go: an OOM anywhere counts.
             Phase::Stopping { report: first, .. } => {
+                let Some(first) = first else {
+                    *first = Some(report);
+                    return vec![];
+                };
                 first.oom |= report.oom;
                 first.micro = match (first.micro, report.micro) {
                     (Some(a), Some(b)) => Some(a.min(b)),
@@ -260,40 +465,89 @@ impl Coordinator {
         }
     }
 
-    fn stopped(&mut self, node: usize, round: u32) -> Vec<(To, ToNode)> {
+    fn stopped(&mut self, node: usize, round: u32, port: u16) -> Vec<(To, ToNode)> {
+        if let Some(m) = self.members.get_mut(&node) {
+            if port != 0 {
+                m.port = port;
+            }
+        }
+        match &mut self.phase {
+            Phase::Stopping {
+                round: next, stopped, ..
+            } if round == *next => {
+                stopped.insert(node);
+                self.next_round()
+            }
+            _ => vec![],
+        }
+    }
+
+    /// Once every member has stopped: the next round, or the end. A round that saw the
+    /// membership change is not a restart (--max-restarts does not count it), and its
+    /// micro-batch is halved only after an OOM.
+    fn next_round(&mut self) -> Vec<(To, ToNode)> {
         let Phase::Stopping {
-            round: next,
             stopped,
             report,
             node: failed_node,
-        } = &mut self.phase
+            change,
+            ..
+        } = &self.phase
         else {
             return vec![];
         };
-        if round != *next {
+        if !self.joined.is_subset(stopped) {
             return vec![];
         }
-        stopped.insert(node);
-        if stopped.len() < self.nnodes {
-            return vec![];
-        }
-        let (report, failed_node) = (report.clone(), *failed_node);
-        match after_failure(self.round, self.max_restarts, report.ended(), report.micro) {
+        let (report, failed_node, change) = (report.clone(), *failed_node, change.clone());
+        let ended = report.as_ref().map_or(super::outcome::Ended::Other, Report::ended);
+        let micro = report.as_ref().and_then(|r| r.micro);
+        let done = if change.is_some() { 0 } else { self.restarts };
+        let max = if change.is_some() { u32::MAX } else { self.max_restarts };
+        match after_failure(done, max, ended, micro) {
             Next::Restart { micro_batch_size } => {
-                self.micro = Micro { size: micro_batch_size, failed: if report.oom { report.micro } else { self.micro.failed } };
+                let oom = report.as_ref().is_some_and(|r| r.oom);
+                if report.is_some() || micro_batch_size.is_some() {
+                    self.micro = Micro {
+                        size: micro_batch_size.or(self.micro.size),
+                        failed: if oom { micro } else { self.micro.failed },
+                    };
+                }
                 self.round += 1;
+                self.restarts += u32::from(change.is_none());
                 self.phase = Phase::Running;
-                vec![(To::All, self.go())]
+                let change = change.map(|(cause, detected_unix_ms)| Change {
+                    old_nodes: self.nodes_in_round,
+                    new_nodes: self.joined.len(),
+                    cause,
+                    detected_unix_ms,
+                });
+                self.nodes_in_round = self.joined.len();
+                self.go_all(change)
             }
-            Next::GiveUp if report.code == 3 => self.end(
-                3,
-                format!("worker rank {} on node {failed_node} exited 3: it does not fit in memory even at micro-batch 1, so no restart can help", report.rank),
-            ),
-            Next::GiveUp => self.end(
-                report.code,
-                format!("worker rank {} on node {failed_node} failed (exit code {}); no restarts left (--max-restarts \
-                    {})", report.rank, report.code, self.max_restarts),
-            ),
+            Next::GiveUp => {
+                let report = report.unwrap_or(Report {
+                    rank: 0,
+                    oom: false,
+                    micro: None,
+                    code: 1,
+                });
+                if report.code == 3 {
+                    return self.end(
+                        3,
+                        format!("worker rank {} on node {failed_node} exited 3: it does not fit in memory even at micro-batch 1, so no \
+                            restart can help", report.rank),
+                    );
+                }
+                self.end(
+                    report.code,
+                    format!(
+                        "worker rank {} on node {failed_node} failed (exit code {}); no restarts left (--max-restarts \
+                    {})",
+                        report.rank, report.code, self.max_restarts
+                    ),
+                )
+            }
         }
     }
 }
@@ -308,6 +562,16 @@ fn same_secret(a: &str, b: &str) -> bool {
 pub struct Group {
     node: usize,
     link: Link,
+    /// How long to wait to be admitted and for a round to start.
+    join_timeout: Duration,
+}
+
+/// What an attempt starts with: its round, micro-batch and (elastic) this node's place.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Start {
+    pub round: u32,
+    pub micro: Micro,
+    pub layout: Option<Layout>,
 }
 
 enum Link {
@@ -326,14 +590,19 @@ enum Link {
 impl Group {
     /// Joins the group and waits for the first attempt's go; returns the run's token too (node
     /// 0's, handed over when it admitted this node).
-    pub fn join(spec: &LaunchSpec) -> Result<(Group, Micro, String), Error> {
+    pub fn join(spec: &LaunchSpec) -> Result<(Group, Start, String), Error> {
         let hello = ToCoordinator::Hello {
             id: spec.run_id.clone(),
-            node: spec.node_rank,
+            node: match spec.elastic {
+                Some(_) => spec.named_rank.unwrap_or(usize::MAX),
+                None => spec.node_rank,
+            },
             micro: spec.micro_batch_size,
             token: spec.token_given.then(|| spec.token.reveal().to_string()),
+            port: offer_port(spec),
         };
-        let mut group = if spec.nnodes == 1 {
+        let join_timeout = spec.elastic.map_or(JOIN_TIMEOUT, |e| e.join_timeout);
+        let mut group = if spec.nnodes == 1 && spec.elastic.is_none() {
             let link = Link::Local {
                 coordinator: Box::new(Coordinator::new(
                     1,
@@ -344,14 +613,18 @@ impl Group {
                 )),
                 inbox: VecDeque::new(),
             };
-            Group { node: 0, link }
+            Group {
+                node: 0,
+                link,
+                join_timeout,
+            }
         } else {
             connect(spec)?
         };
         group.send(hello);
         let mut token = None;
         loop {
-            match group.recv(Some(JOIN_TIMEOUT)) {
+            match group.recv(Some(join_timeout)) {
                 Some(ToNode::Welcome { token: t }) => {
                     if spec.token_given && !same_secret(&t, spec.token.reveal()) {
                         return Err(Error::Start(format!(
@@ -362,14 +635,25 @@ impl Group {
                     }
                     token = Some(t);
                 }
-                Some(ToNode::Go { round: 0, size, failed }) => {
+                Some(ToNode::Go {
+                    round,
+                    size,
+                    failed,
+                    layout,
+                }) => {
                     let Some(token) = token else {
                         return Err(Error::Start(
                             "node 0's launcher started the group without admitting this node".into(),
                         ));
                     };
-                    return Ok((group, Micro { size, failed }, token));
+                    if let Some(l) = &layout {
+                        group.node = l.node_rank;
+                    }
+                    let micro = Micro { size, failed };
+                    return Ok((group, Start { round, micro, layout }, token));
                 }
+                // An elastic job changing while this node joins: it waits for the next go.
+                Some(ToNode::Restart { .. }) => continue,
                 Some(ToNode::Refused { why }) => {
                     return Err(Error::Start(format!("node 0's launcher refused this node: {why}")))
                 }
@@ -384,8 +668,9 @@ impl Group {
                 _ => {
                     return Err(Error::Start(format!(
                         "not every node's launcher joined within {} s (--nnodes {})",
-                        JOIN_TIMEOUT.as_secs(),
-                        spec.nnodes
+                        join_timeout.as_secs(),
+                        spec.elastic
+                            .map_or(spec.nnodes.to_string(), |e| format!("{}:{}", e.min, e.max))
                     )))
                 }
             }
@@ -437,11 +722,11 @@ impl Group {
 
     /// After this node's workers failed and were stopped: the next attempt's micro-batch, or
     /// the code to exit with and why.
-    pub fn failed(&mut self, round: u32, report: Report) -> Result<Micro, (i32, String)> {
+    pub fn failed(&mut self, round: u32, report: Report) -> Result<Start, (i32, String)> {
         let code = report.code;
         self.send(ToCoordinator::Failed { round, report });
         loop {
-            match self.recv(Some(JOIN_TIMEOUT)) {
+            match self.recv(Some(self.join_timeout)) {
                 Some(ToNode::Restart { round: next, .. }) if next > round => return self.stopped(next),
                 Some(ToNode::Stop { code, why }) => return Err((code, why)),
                 Some(_) => continue,
@@ -451,11 +736,23 @@ impl Group {
     }
 
     /// This node's workers are stopped for round `round`: wait until every node's are.
-    pub fn stopped(&mut self, round: u32) -> Result<Micro, (i32, String)> {
-        self.send(ToCoordinator::Stopped { round });
+    pub fn stopped(&mut self, round: u32) -> Result<Start, (i32, String)> {
+        let port = free_port().unwrap_or(0);
+        self.send(ToCoordinator::Stopped { round, port });
         loop {
-            match self.recv(Some(JOIN_TIMEOUT)) {
-                Some(ToNode::Go { round: r, size, failed }) if r == round => return Ok(Micro { size, failed }),
+            match self.recv(Some(self.join_timeout)) {
+                Some(ToNode::Go {
+                    round: r,
+                    size,
+                    failed,
+                    layout,
+                }) if r == round => {
+                    if let Some(l) = &layout {
+                        self.node = l.node_rank;
+                    }
+                    let micro = Micro { size, failed };
+                    return Ok(Start { round, micro, layout });
+                }
                 Some(ToNode::Stop { code, why }) => return Err((code, why)),
                 Some(_) => continue,
                 None => return Err((1, format!("the group did not start round {round}"))),
@@ -488,19 +785,41 @@ fn io(context: String) -> impl FnOnce(std::io::Error) -> Error {
     move |source| Error::Io { context, source }
 }
 
-/// Node 0 starts the coordinator; every node (node 0 too) connects to it.
+/// A port free on this host now, offered for its workers' store (elastic), else 0.
+fn offer_port(spec: &LaunchSpec) -> u16 {
+    spec.elastic.and_then(|_| free_port().ok()).unwrap_or(0)
+}
+
+/// A port free on this host's every interface now (the workers' store binds it).
+fn free_port() -> std::io::Result<u16> {
+    TcpListener::bind("0.0.0.0:0")?.local_addr().map(|a| a.port())
+}
+
+/// Node 0 starts the coordinator; every node (node 0 too) connects to it. Elastic, the
+/// coordinator is at the rendezvous endpoint (--rdzv-endpoint), hosted by the launcher that
+/// can listen there first, as torchrun's c10d rendezvous hosts its store.
 fn connect(spec: &LaunchSpec) -> Result<Group, Error> {
-    let port = spec.master_port.checked_add(1).ok_or_else(|| {
-        Error::Start(
-            "--master-port 65535 leaves no port for the launchers' coordinator (it uses --master-port + 1)".into(),
-        )
-    })?;
-    let addr = (spec.master_addr.as_str(), port);
-    let server = if spec.node_rank == 0 {
-        Some(serve(spec, port)?)
-    } else {
-        None
+    let (port, server) = match spec.elastic {
+        Some(e) => (spec.master_port, host_elastic(spec, e)),
+        None => {
+            let port = spec.master_port.checked_add(1).ok_or_else(|| {
+                Error::Start(
+                    "--master-port 65535 leaves no port for the launchers' coordinator (it uses --master-port + 1)"
+                        .into(),
+                )
+            })?;
+            (
+                port,
+                if spec.node_rank == 0 {
+                    Some(serve(spec, port)?)
+                } else {
+                    None
+                },
+            )
+        }
     };
+    let addr = (spec.master_addr.as_str(), port);
+    let join_timeout = spec.elastic.map_or(JOIN_TIMEOUT, |e| e.join_timeout);
     let t = Instant::now();
     let stream = loop {
         match addr
@@ -509,11 +828,11 @@ fn connect(spec: &LaunchSpec) -> Result<Group, Error> {
             .and_then(|mut a| a.find_map(|a| TcpStream::connect_timeout(&a, Duration::from_secs(2)).ok()))
         {
             Some(s) => break s,
-            None if t.elapsed() > JOIN_TIMEOUT => {
+            None if t.elapsed() > join_timeout => {
                 return Err(Error::Start(format!(
                     "cannot reach node 0's launcher at {}:{port} within {} s",
                     spec.master_addr,
-                    JOIN_TIMEOUT.as_secs()
+                    join_timeout.as_secs()
                 )))
             }
             None => std::thread::sleep(Duration::from_millis(200)),
@@ -536,12 +855,25 @@ fn connect(spec: &LaunchSpec) -> Result<Group, Error> {
         }
         let _ = tx.send(None);
     });
-    tracing::info!(
-        "node {} of {}: joined the launchers' coordinator at {}:{port}",
-        spec.node_rank,
-        spec.nnodes,
-        spec.master_addr
-    );
+    match spec.elastic {
+        Some(e) => tracing::info!(
+            "joined the elastic rendezvous ({}:{} nodes) at {}:{port}{}",
+            e.min,
+            e.max,
+            spec.master_addr,
+            if server.is_some() {
+                ", which this launcher hosts"
+            } else {
+                ""
+            }
+        ),
+        None => tracing::info!(
+            "node {} of {}: joined the launchers' coordinator at {}:{port}",
+            spec.node_rank,
+            spec.nnodes,
+            spec.master_addr
+        ),
+    }
     Ok(Group {
         node: spec.node_rank,
         link: Link::Remote {
@@ -550,7 +882,26 @@ fn connect(spec: &LaunchSpec) -> Result<Group, Error> {
             server,
             gone: false,
         },
+        join_timeout,
     })
+}
+
+/// Elastic: hosts the coordinator at the rendezvous endpoint if this launcher can listen
+/// there (its address is this host's and no launcher listens yet); else another hosts it.
+fn host_elastic(spec: &LaunchSpec, e: Elastic) -> Option<Arc<Mutex<Coordinator>>> {
+    let addrs: Vec<SocketAddr> = (spec.master_addr.as_str(), spec.master_port)
+        .to_socket_addrs()
+        .ok()?
+        .collect();
+    let listener = addrs.iter().find_map(|a| TcpListener::bind(a).ok())?;
+    let c = Coordinator::elastic(
+        e,
+        spec.max_restarts,
+        &spec.run_id,
+        spec.token.reveal(),
+        spec.token_given,
+    );
+    Some(coordinate(listener, c))
 }
 
 /// The coordinator's listener: on --master-addr's own address (so on that interface only, a
@@ -595,11 +946,24 @@ fn coordinate(listener: TcpListener, coordinator: Coordinator) -> Arc<Mutex<Coor
     let coordinator = Arc::new(Mutex::new(coordinator));
     let writers: Arc<Mutex<BTreeMap<usize, Outbox>>> = Arc::default();
     let c = Arc::clone(&coordinator);
+    let w = Arc::clone(&writers);
     std::thread::spawn(move || {
         for stream in listener.incoming().flatten() {
-            let (c, writers) = (Arc::clone(&c), Arc::clone(&writers));
+            let (c, writers) = (Arc::clone(&c), Arc::clone(&w));
             std::thread::spawn(move || serve_node(stream, &c, &writers));
         }
+    });
+    // The clock's decisions (an elastic rendezvous's last call), a tick at a time.
+    let c = Arc::clone(&coordinator);
+    std::thread::spawn(move || loop {
+        std::thread::sleep(Duration::from_millis(100));
+        let mut c = c.lock().unwrap_or_else(|p| p.into_inner());
+        if c.settled() {
+            return;
+        }
+        let out = c.tick(Instant::now());
+        let mut w = writers.lock().unwrap_or_else(|p| p.into_inner());
+        deliver(&mut c, &mut w, out);
     });
     coordinator
 }
@@ -688,7 +1052,12 @@ fn serve_node(stream: TcpStream, coordinator: &Mutex<Coordinator>, writers: &Mut
         };
         let from = match (&msg, node) {
             (Some(_), Some(n)) => n,
-            (Some(ToCoordinator::Hello { node: n, .. }), None) => *n,
+            (Some(ToCoordinator::Hello { node: n, .. }), None) => {
+                let ip = reads
+                    .peer_addr()
+                    .map_or_else(|_| "127.0.0.1".into(), |a| a.ip().to_string());
+                coordinator.lock().unwrap_or_else(|p| p.into_inner()).slot(*n, &ip)
+            }
             (_, None) => {
                 tracing::warn!(
                     "dropped a connection from {peer} to the launchers' coordinator: it did not open with a launcher's hello"
@@ -765,6 +1134,7 @@ mod tests {
             node,
             micro,
             token: None,
+            port: 0,
         }
     }
     fn welcome(node: usize) -> (To, ToNode) {
@@ -788,6 +1158,7 @@ mod tests {
             node: 1,
             micro: None,
             token: None,
+            port: 0,
         };
         assert!(
             matches!(&c.on(1, other)[..], [(To::Node(1), ToNode::Refused { why })] if why.contains("\"job\", not \"other\"")),
@@ -806,7 +1177,8 @@ mod tests {
                     ToNode::Go {
                         round: 0,
                         size: Some(4),
-                        failed: None
+                        failed: None,
+                        layout: None
                     }
                 )
             ]
@@ -839,20 +1211,21 @@ mod tests {
             ),
             vec![]
         );
-        assert_eq!(c.on(0, ToCoordinator::Stopped { round: 1 }), vec![]);
+        assert_eq!(c.on(0, ToCoordinator::Stopped { round: 1, port: 0 }), vec![]);
         assert_eq!(
-            c.on(0, ToCoordinator::Stopped { round: 1 }),
+            c.on(0, ToCoordinator::Stopped { round: 1, port: 0 }),
             vec![],
             "a node counts once"
         );
         assert_eq!(
-            c.on(1, ToCoordinator::Stopped { round: 1 }),
+            c.on(1, ToCoordinator::Stopped { round: 1, port: 0 }),
             vec![(
                 To::All,
                 ToNode::Go {
                     round: 1,
                     size: Some(4),
-                    failed: Some(8)
+                    failed: Some(8),
+                    layout: None
                 }
             )]
         );
@@ -888,15 +1261,16 @@ mod tests {
                 report: report(1, true, Some(8)),
             },
         );
-        c.on(0, ToCoordinator::Stopped { round: 1 });
+        c.on(0, ToCoordinator::Stopped { round: 1, port: 0 });
         assert_eq!(
-            c.on(1, ToCoordinator::Stopped { round: 1 }),
+            c.on(1, ToCoordinator::Stopped { round: 1, port: 0 }),
             vec![(
                 To::All,
                 ToNode::Go {
                     round: 1,
                     size: Some(4),
-                    failed: Some(8)
+                    failed: Some(8),
+                    layout: None
                 }
             )]
         );
@@ -919,8 +1293,8 @@ mod tests {
                 },
             },
         );
-        c.on(0, ToCoordinator::Stopped { round: 1 });
-        let out = c.on(1, ToCoordinator::Stopped { round: 1 });
+        c.on(0, ToCoordinator::Stopped { round: 1, port: 0 });
+        let out = c.on(1, ToCoordinator::Stopped { round: 1, port: 0 });
         assert!(matches!(&out[..], [(To::All, ToNode::Stop { code: 7, why })] if why.contains("no restarts left")));
         assert!(c.settled());
 
@@ -1028,6 +1402,7 @@ mod tests {
             node,
             micro: None,
             token: token.map(str::to_string),
+            port: 0,
         };
         for (token, says) in [(None, "has none"), (Some("wrong-token-0123456789"), "has another")] {
             match &c.on(1, hello(1, token))[..] {
@@ -1089,6 +1464,7 @@ mod tests {
             node: 1,
             micro: None,
             token: None,
+            port: 0,
         };
         other.write_all(line(&stranger).as_bytes()).unwrap();
         let mut heard = String::new();
@@ -1138,7 +1514,8 @@ mod tests {
                     ToNode::Go {
                         round: 0,
                         size: Some(6),
-                        failed: None
+                        failed: None,
+                        layout: None
                     }
                 )
             ]
@@ -1151,13 +1528,14 @@ mod tests {
             },
         );
         assert_eq!(
-            c.on(0, ToCoordinator::Stopped { round: 1 }),
+            c.on(0, ToCoordinator::Stopped { round: 1, port: 0 }),
             vec![(
                 To::All,
                 ToNode::Go {
                     round: 1,
                     size: Some(3),
-                    failed: Some(6)
+                    failed: Some(6),
+                    layout: None
                 }
             )]
         );
@@ -1169,7 +1547,7 @@ mod tests {
             },
         );
         assert!(matches!(
-            &c.on(0, ToCoordinator::Stopped { round: 2 })[..],
+            &c.on(0, ToCoordinator::Stopped { round: 2, port: 0 })[..],
             [(To::All, ToNode::Stop { code: 1, .. })]
         ));
     }

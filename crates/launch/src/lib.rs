@@ -18,12 +18,14 @@
 //! # Ok::<(), oomguard_launch::LaunchError>(())
 //! ```
 mod args;
+mod elastic;
 mod group;
 mod outcome;
 mod output;
 mod supervise;
 
 pub use args::LaunchArgs;
+pub use elastic::{Elastic, ELASTIC_VAR, MEMBERSHIP_VAR};
 pub use supervise::run;
 
 use std::collections::BTreeMap;
@@ -94,6 +96,13 @@ pub struct LaunchSpec {
     /// Whether the token is the user's, OOMGUARD_RUN_TOKEN in the launcher's environment: then
     /// every node uses it, and node 0's coordinator admits only a node that presents it.
     pub token_given: bool,
+    /// `--nnodes MIN:MAX`: node ranks, the node count and rank 0's address come from each
+    /// round's rendezvous (elastic.rs) and replace `node_rank`, `nnodes` and `master_*` there.
+    pub elastic: Option<Elastic>,
+    /// Elastic: the `--node-rank` given, a preference for this node's place.
+    pub named_rank: Option<usize>,
+    /// Elastic: the membership change that began this round, for the workers (JSON).
+    pub membership: Option<String>,
 }
 
 fn bad(flag: &str, message: String) -> Error {
@@ -107,10 +116,23 @@ fn bad(flag: &str, message: String) -> Error {
 
 impl LaunchSpec {
     pub fn from_args(a: &LaunchArgs) -> Result<LaunchSpec, Error> {
-        let nnodes = parse_nnodes(if a.standalone { "1" } else { &a.nnodes })?;
+        let (min, nnodes) = parse_nnodes(if a.standalone { "1" } else { &a.nnodes })?;
+        let elastic = (min < nnodes)
+            .then(|| Elastic::new(min, nnodes, &a.rdzv_conf).map_err(|e| bad("--rdzv-conf", e)))
+            .transpose()?;
+        if elastic.is_some() && (a.rdzv_backend != "c10d" || a.rdzv_endpoint.is_empty()) {
+            return Err(bad(
+                "--nnodes",
+                format!(
+                    "elastic {} (MIN:MAX) needs --rdzv-backend c10d and --rdzv-endpoint HOST:PORT, the same on every node \
+                    (its host's launcher hosts the rendezvous)",
+                    a.nnodes
+                ),
+            ));
+        }
         let nproc_per_node = parse_nproc(&a.nproc_per_node)?;
         let node_rank = a.node_rank.unwrap_or(0);
-        if node_rank >= nnodes {
+        if node_rank >= nnodes && elastic.is_none() {
             return Err(bad(
                 "--node-rank",
                 format!("{node_rank} is not below --nnodes {nnodes}"),
@@ -132,7 +154,7 @@ impl LaunchSpec {
         }
         match a.rdzv_backend.as_str() {
             "static" => {}
-            "c10d" if nnodes == 1 || a.node_rank.is_some() => {}
+            "c10d" if nnodes == 1 || a.node_rank.is_some() || elastic.is_some() => {}
             "c10d" => {
                 return Err(bad(
                     "--rdzv-backend",
@@ -189,7 +211,22 @@ impl LaunchSpec {
             micro_batch_size: std::env::var(MICRO_BATCH_VAR).ok().and_then(|v| v.parse().ok()),
             token: Token(token),
             token_given,
+            elastic,
+            named_rank: a.node_rank,
+            membership: None,
         })
+    }
+
+    /// This launch as one elastic round places it (`layout`).
+    pub(crate) fn in_round(&self, layout: &elastic::Layout) -> LaunchSpec {
+        LaunchSpec {
+            nnodes: layout.nnodes,
+            node_rank: layout.node_rank,
+            master_addr: layout.master_addr.clone(),
+            master_port: layout.master_port,
+            membership: layout.change.as_ref().map(|c| c.for_workers(self.nproc_per_node)),
+            ..self.clone()
+        }
     }
 }
 
@@ -267,15 +304,16 @@ fn default_allocator() -> AllocatorSettings {
     AllocatorSettings::parse("expandable_segments:True", "").unwrap_or_default()
 }
 
-fn parse_nnodes(s: &str) -> Result<usize, Error> {
+/// `N` or `N:N`: (N, N); elastic `MIN:MAX`: (MIN, MAX).
+fn parse_nnodes(s: &str) -> Result<(usize, usize), Error> {
     let (min, max) = s.split_once(':').unwrap_or((s, s));
     match (min.parse::<usize>(), max.parse::<usize>()) {
-        (Ok(a), Ok(b)) if a == b && a >= 1 => Ok(a),
-        (Ok(a), Ok(b)) if a >= 1 && b > a => Err(bad(
+        (Ok(a), Ok(b)) if a >= 1 && b >= a => Ok((a, b)),
+        (Ok(a), Ok(b)) if a >= 1 && b >= 1 => Err(bad(
             "--nnodes",
-            format!("elastic {s} (MIN:MAX) is not supported; give a fixed number of nodes"),
+            format!("`{s}`: MIN is above MAX; give MIN:MAX with MIN <= MAX"),
         )),
-        _ => Err(bad("--nnodes", format!("`{s}` is not a number of nodes"))),
+        _ => Err(bad("--nnodes", format!("`{s}` is not a number of nodes, nor MIN:MAX"))),
     }
 }
 
@@ -422,6 +460,12 @@ pub fn worker_env(
     if let Some(f) = micro.failed {
         env.push((FAILED_MICRO_BATCH_VAR.into(), f.to_string()));
     }
+    if let Some(e) = &spec.elastic {
+        env.push((ELASTIC_VAR.into(), format!("{}:{}", e.min, e.max)));
+    }
+    if let Some(m) = &spec.membership {
+        env.push((MEMBERSHIP_VAR.into(), m.clone()));
+    }
     env
 }
 
@@ -557,7 +601,27 @@ mod tests {
         assert!(spec(&["--nnodes", "1:4", "x.py"])
             .unwrap_err()
             .to_string()
-            .contains("elastic 1:4 (MIN:MAX) is not supported"));
+            .contains("elastic 1:4 (MIN:MAX) needs --rdzv-backend c10d and --rdzv-endpoint"));
+        let e = spec(&[
+            "--nnodes",
+            "1:4",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "h:5",
+            "--rdzv-conf",
+            "last_call_timeout=1",
+            "x.py",
+        ])
+        .unwrap();
+        assert_eq!(
+            e.elastic.map(|e| (e.min, e.max, e.last_call.as_secs())),
+            Some((1, 4, 1))
+        );
+        assert!(spec(&["--nnodes", "3:2", "x.py"])
+            .unwrap_err()
+            .to_string()
+            .contains("MIN is above MAX"));
         assert_eq!(
             spec(&["--nnodes", "2:2", "--node_rank", "1", "x.py"]).unwrap().nnodes,
             2

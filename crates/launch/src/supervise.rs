@@ -145,14 +145,31 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
         .or(temp.clone())
         .unwrap_or_default()
         .join(&spec.run_id);
-    let (mut group, mut micro, token) = Group::join(spec)?;
+    let (mut group, start, token) = Group::join(spec)?;
     // On several nodes the token is node 0's, handed over when it admitted this node.
-    let spec = &LaunchSpec {
+    let whole = &LaunchSpec {
         token: super::Token::new(token),
         ..spec.clone()
     };
-    let mut attempt = 0;
+    let (mut attempt, mut micro, mut layout) = (start.round, start.micro, start.layout);
     loop {
+        // Elastic: this round's place (node rank, nodes, rank 0's store) replaces the flags'.
+        let placed = layout.as_ref().map(|l| whole.in_round(l));
+        let spec = placed.as_ref().unwrap_or(whole);
+        if let Some(l) = &layout {
+            let change = l.change.as_ref().map(|c| {
+                format!(
+                    " after a membership change: {} ({} nodes -> {})",
+                    c.cause, c.old_nodes, c.new_nodes
+                )
+            });
+            tracing::info!(
+                "round {attempt}: node {} of {}{}",
+                l.node_rank,
+                l.nnodes,
+                change.unwrap_or_default()
+            );
+        }
         let port = if spec.master_port == 0 {
             free_port()?
         } else {
@@ -200,7 +217,7 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
                     "{why}: node {} stopped its workers to restart with the group (round {round})",
                     group.node()
                 );
-                group.stopped(round).map(|m| (round, m))
+                group.stopped(round)
             }
             Outcome::Group(ToNode::Stop { code, why }) => Err((code, why)),
             Outcome::Group(_) => Err((1, "unexpected message from node 0's launcher".into())),
@@ -216,16 +233,15 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
                         code: f.exit_code(),
                     },
                 ) {
-                    Ok(m) => {
+                    Ok(s) => {
                         tracing::warn!(
-                            "worker rank {} failed (exit code {}){}; restarting the group ({}/{})",
+                            "worker rank {} failed (exit code {}){}; restarting the group (round {})",
                             f.rank,
                             f.exitcode,
                             if oom { " out of memory" } else { "" },
-                            attempt + 1,
-                            spec.max_restarts
+                            s.round,
                         );
-                        Ok((attempt + 1, m))
+                        Ok(s)
                     }
                     Err((code, why)) => {
                         eprint!("{}", summary(&f, spec));
@@ -243,9 +259,9 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
             }
         };
         match next {
-            Ok((round, m)) => {
-                if m.size != micro.size {
-                    match m.size {
+            Ok(s) => {
+                if s.micro.size != micro.size {
+                    match s.micro.size {
                         Some(s) => tracing::warn!("relaunching with {}={s}", super::MICRO_BATCH_VAR),
                         None => tracing::warn!(
                             "cannot halve the micro-batch: its size is unknown (set {} or have the worker print \
@@ -254,7 +270,7 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
                         ),
                     }
                 }
-                (attempt, micro) = (round, m);
+                (attempt, micro, layout) = (s.round, s.micro, s.layout);
             }
             Err((code, why)) => {
                 tracing::error!("{why}");

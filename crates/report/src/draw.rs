@@ -89,6 +89,7 @@ pub fn marker_stroke(kind: MarkerKind) -> Stroke {
         MarkerKind::Rung => Stroke::dashed(RGBColor(140, 86, 75), 2),
         MarkerKind::Stopped => Stroke::solid(RGBColor(60, 60, 60), 2),
         MarkerKind::Leak => Stroke::dashed(RGBColor(227, 119, 194), 2),
+        MarkerKind::Membership => Stroke::solid(RGBColor(23, 190, 207), 3),
     }
 }
 

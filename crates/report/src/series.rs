@@ -19,10 +19,12 @@ pub enum MarkerKind {
     Rung,
     Stopped,
     Leak,
+    /// An elastic job's world changed (a node lost or joined).
+    Membership,
 }
 
 impl MarkerKind {
-    pub const ALL: [MarkerKind; 7] = [
+    pub const ALL: [MarkerKind; 8] = [
         MarkerKind::Oom,
         MarkerKind::Shrink,
         MarkerKind::Grow,
@@ -30,6 +32,7 @@ impl MarkerKind {
         MarkerKind::Rung,
         MarkerKind::Stopped,
         MarkerKind::Leak,
+        MarkerKind::Membership,
     ];
 
     fn from_event(event: &str) -> Option<MarkerKind> {
@@ -41,6 +44,7 @@ impl MarkerKind {
             "rung" => MarkerKind::Rung,
             "stopped" => MarkerKind::Stopped,
             "leak_warning" => MarkerKind::Leak,
+            "membership" => MarkerKind::Membership,
             _ => return None,
         })
     }
@@ -55,6 +59,7 @@ impl MarkerKind {
             MarkerKind::Rung => "rung",
             MarkerKind::Stopped => "signal stop",
             MarkerKind::Leak => "leak warning",
+            MarkerKind::Membership => "world changed (elastic)",
         }
     }
 }
@@ -273,6 +278,7 @@ mod tests {
             r#"{"event":"eval","step":1,"val_loss":4.0}"#,
             r#"{"event":"grow","step":1}"#,
             r#"{"event":"resumed","step":2,"checkpoint":"x"}"#,
+            r#"{"event":"membership","step":2,"old_world":3,"new_world":2}"#,
             r#"{"event":"something_new","step":3,"x":1}"#,
         ];
         std::fs::write(&p, lines.join("\n")).unwrap();
@@ -285,7 +291,12 @@ mod tests {
         assert_eq!(s.eval_loss, [(1, 4.0)]);
         assert_eq!(
             s.markers.iter().map(|m| (m.step, m.kind)).collect::<Vec<_>>(),
-            [(0, MarkerKind::Oom), (1, MarkerKind::Grow), (2, MarkerKind::Resumed)]
+            [
+                (0, MarkerKind::Oom),
+                (1, MarkerKind::Grow),
+                (2, MarkerKind::Resumed),
+                (2, MarkerKind::Membership)
+            ]
         );
         assert_eq!(s.step_range(), Some((0, 2)));
         let sum = s.summary();

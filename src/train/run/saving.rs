@@ -25,6 +25,9 @@ impl Run<'_> {
         // Freed heap pages go back first, so that what the save touches shows as a rise.
         oomguard_host::memory::return_freed_memory();
         let resident = oomguard_host::memory::reset_peak_resident();
+        // Elastic: a stop on a signal is the launcher's, for a membership change; the next
+        // round's state comes from this checkpoint, at the step boundary.
+        self.handover = reason == checkpoint::Reason::Signal && crate::dist::elastic::enabled();
         let written = if self.opt.shard() != Shard::None && self.pg.is_some() {
             self.write_sharded(next_step)
         } else if self.lead {
@@ -78,6 +81,44 @@ impl Run<'_> {
             interval_s,
             host_peak_rise_bytes: rise,
         })
+    }
+
+    /// Elastic: a peer is gone (`cause`). A rank that holds the whole state (parameters and
+    /// optimizer state replicated: no sharding) saves it alone, as of the last step it
+    /// finished, with no collective (its peers may be gone), so that the next round loses at
+    /// most the step in flight; one rank a node writes (LOCAL_RANK 0), and the newest save
+    /// wins at resume. Sharded state is not whole on any rank: the next round resumes from
+    /// the newest checkpoint. Failing here changes nothing: it is logged.
+    pub fn save_as_survivor(&mut self, cause: &Error) {
+        let next_step = self.next_step;
+        if self.opt.shard() != Shard::None {
+            tracing::warn!(
+                "{cause}: the optimizer state is sharded, so no rank holds it whole; the next round resumes \
+                 from the newest checkpoint"
+            );
+            return;
+        }
+        if crate::dist::local_rank().ok().flatten().unwrap_or(0) != 0 || self.checkpointed == Some(next_step) {
+            return;
+        }
+        self.handover = true;
+        let state = self.train_state(next_step);
+        let saved = self.retrying_oom(next_step, |run| {
+            let opt: Vec<(String, Tensor)> = (run.opt.state().into_iter())
+                .map(|(n, t)| (n, t.shallow_clone()))
+                .collect();
+            checkpoint::save(&run.run_dir, &state, run.task.as_ref(), &opt, run.device)
+        });
+        let dir = checkpoint::checkpoints_dir(&self.run_dir).join(format!("step-{next_step:08}"));
+        match saved {
+            Ok(d) => tracing::warn!(
+                "{cause}: saved this rank's state at step {next_step} for the next round: {}",
+                d.display()
+            ),
+            // Another survivor's save of the same step got there first.
+            Err(_) if checkpoint::verify(&dir).is_ok() => {}
+            Err(e) => tracing::error!("{cause}: could not save this rank's state for the next round: {e}"),
+        }
     }
 
     /// Rank 0's write of a whole checkpoint; returns its folder.
@@ -183,6 +224,10 @@ impl Run<'_> {
     /// What a checkpoint at `next_step` records besides its files.
     fn train_state(&self, next_step: u64) -> TrainState {
         let c = &self.cfg.raw;
+        let mut extra = self.extra_state();
+        if self.handover {
+            extra.insert(SAVED_BY_SURVIVOR.into(), serde_json::json!(true));
+        }
         TrainState {
             format: checkpoint::FORMAT,
             next_step,
@@ -192,7 +237,7 @@ impl Run<'_> {
             val_loss: self.summary.val_loss,
             eval_history: self.eval_history.clone(),
             model: self.task.fingerprint(),
-            extra: self.extra_state(),
+            extra,
             files: Default::default(),
             shards: None,
         }

@@ -100,6 +100,28 @@ impl<'a> Run<'a> {
             None => resolve(run_dir, options.resume.clone())?,
             Some(pg) => shared_start(pg, run_dir, &options.resume)?,
         };
+        // Elastic: the change that began this round, recorded after its first step (the steps
+        // done again are counted before the resume moves their records aside).
+        let membership = crate::dist::elastic::change().filter(|_| lead).map(|change| {
+            let seen = change.detected_unix_ms;
+            let next = from.as_ref().map_or(0, |(_, s)| s.next_step);
+            let survivor = from
+                .as_ref()
+                .is_some_and(|(_, s)| s.extra.contains_key(SAVED_BY_SURVIVOR));
+            let record = MembershipRecord {
+                step: next,
+                old_world: change.old_world,
+                new_world: change.new_world,
+                cause: change.cause,
+                seconds: 0.0, // from `seen`, once the first step is done
+                steps_recomputed: crate::dist::elastic::steps_recomputed(
+                    crate::dist::elastic::last_step_recorded(run_dir),
+                    next,
+                ),
+                source: crate::dist::elastic::source(survivor).into(),
+            };
+            (record, seen)
+        });
         let metrics = lead
             .then(|| MetricsWriter::resume(run_dir, from.as_ref().map_or(0, |(_, s)| s.next_step)))
             .transpose()?;
@@ -351,6 +373,8 @@ impl<'a> Run<'a> {
             snapshot,
             shard_back: ShardBack::default(),
             clock: checkpoint::Clock::new(c.checkpoint.every_minutes),
+            membership,
+            handover: false,
         })
     }
 }

@@ -1,0 +1,102 @@
+//! Elastic jobs' nodes for the tests and the bench: each a real `oomguard launch --nnodes
+//! MIN:MAX` on loopback, one rendezvous endpoint, killed as a node dies (kill -9 of its
+//! launcher: its workers die with it).
+use super::*;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The bound on the survivors' next step after a node's death.
+pub const WITHIN: Duration = Duration::from_secs(30);
+
+/// A global batch of 15 (uneven shards at 2 and 3 ranks), micro-batches of 4, `steps` steps.
+pub fn config(dir: &Path, steps: u64) -> PathBuf {
+    let yaml = TINY
+        .replace(
+            "micro_batch_size: 8, grad_accum_steps: 2",
+            "micro_batch_size: 4, global_batch_size: 15",
+        )
+        .replace("max_steps: 6", &format!("max_steps: {steps}"))
+        .replace("warmup_steps: 2}", "warmup_steps: 2, decay_steps: 40}");
+    write_config(dir, "elastic.yaml", &(yaml + "memory: {budget: 64MiB}\n"))
+}
+
+/// One node's launcher: `nnodes` MIN:MAX, at the rendezvous `port`, naming `rank` (its
+/// preferred place) when given; its workers train `cfg` into `run`. No --resume: a later
+/// round continues the run by itself.
+pub fn node(
+    dir: &Path,
+    cfg: &Path,
+    run: &Path,
+    nnodes: &str,
+    port: u16,
+    rank: Option<&str>,
+    env: &[(&str, &str)],
+) -> Child {
+    let endpoint = format!("127.0.0.1:{port}");
+    let mut c = Command::new(bin());
+    isolated(dies_with_test(&mut c), dir)
+        .arg("launch")
+        .args(["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d"])
+        .args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "elastic-test"])
+        .args(["--rdzv-conf", "last_call_timeout=1", "--monitor-interval", "0.05"])
+        .args(rank.map(|r| vec!["--node-rank", r]).unwrap_or_default())
+        .args(["--no-python", bin().to_str().unwrap(), "train", cfg.to_str().unwrap()])
+        .args(["--run-dir", run.to_str().unwrap()])
+        .envs(env.iter().copied())
+        .env("OMP_NUM_THREADS", "1")
+        .current_dir(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    c.spawn().unwrap()
+}
+
+/// A free loopback port for the rendezvous.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+pub fn steps_of(run: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["event"] == "step")
+        .collect()
+}
+
+/// Waits until a step record at `world` ranks appears after step `after` (a minute at most).
+pub fn wait_for_world(run: &Path, world: u64, after: u64) -> Instant {
+    let t = Instant::now();
+    loop {
+        if steps_of(run)
+            .iter()
+            .any(|s| s["world_size"] == world && s["step"].as_u64().unwrap_or(0) > after)
+        {
+            return Instant::now();
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "no step at world {world}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The last step recorded so far.
+pub fn last_step(run: &Path) -> u64 {
+    steps_of(run)
+        .iter()
+        .filter_map(|s| s["step"].as_u64())
+        .max()
+        .unwrap_or(0)
+}
+
+pub fn kill(node: &mut Child) {
+    assert!(Command::new("kill")
+        .args(["-KILL", &node.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let _ = node.wait();
+}

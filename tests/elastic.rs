@@ -1,0 +1,196 @@
+//! Elastic jobs (`oomguard launch --nnodes MIN:MAX`), as a user runs them: separate launchers
+//! on loopback, one per "node", one rendezvous endpoint. A node is killed (kill -9 of its
+//! launcher, whose workers die with it) mid-run; the others go on at the smaller world within
+//! 30 s and end where one process does; a node that comes back grows the world again; a loss
+//! below MIN stops with a checkpoint.
+mod common;
+
+use common::elastic::*;
+use common::*;
+use std::path::Path;
+use std::process::{Child, Output};
+use std::time::Instant;
+
+/// A pause before each step (test-only, no change to what is computed): runs of 20 steps,
+/// short enough to stay within float rounding (1e-5) of one process, last long enough for a
+/// kill and a rejoin to land mid-run.
+const PAUSE: (&str, &str) = ("OOMGUARD_TEST_STEP_PAUSE_MS", "150");
+
+fn finished(node: Child) -> (Output, String) {
+    let o = node.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    (o, err)
+}
+
+fn ok(node: Child) -> String {
+    let (o, err) = finished(node);
+    assert!(o.status.success(), "{err}");
+    err
+}
+
+/// The run's steps, each once, in order (the records of steps done again moved aside).
+fn assert_every_step_once(run: &Path, steps: u64) {
+    let seen: Vec<u64> = steps_of(run).iter().map(|s| s["step"].as_u64().unwrap()).collect();
+    assert_eq!(seen, (0..steps).collect::<Vec<_>>());
+}
+
+/// Two nodes, MIN 1: the node that is not the rendezvous's host is killed mid-run. The
+/// survivor saves what it holds, its next step at world 1 comes within 30 s, an OOM in the
+/// re-formed run (injected on its first steps) is recovered as usual, and the run ends
+/// where one process ends, within 1e-5; the change is recorded.
+#[test]
+fn a_node_lost_out_of_two_and_the_survivor_goes_on_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 20;
+    let cfg = config(dir.path(), steps);
+    let single = train_into(dir.path(), &cfg, "single", &[]);
+    let run = dir.path().join("elastic");
+    let port = free_port();
+    // An OOM in the forward of rank 0 at each of these steps, once per process: the re-formed
+    // run meets them too.
+    let ooms = (6..20).map(|s| format!("forward:0:{s}")).collect::<Vec<_>>().join(",");
+    let env = [("OOMGUARD_TEST_OOM_IN", ooms.as_str()), PAUSE];
+    let host = node(dir.path(), &cfg, &run, "1:2", port, None, &env);
+    let mut other = node(dir.path(), &cfg, &run, "1:2", port, None, &env);
+    wait_for_steps(&run, 4);
+    let at = last_step(&run);
+    let t = Instant::now();
+    kill(&mut other);
+    let next = wait_for_world(&run, 1, at);
+    assert!(
+        next - t < WITHIN,
+        "the survivor's next step came {:?} after the kill",
+        next - t
+    );
+    let log = ok(host);
+    assert!(log.contains("node 1's launcher is gone"), "{log}");
+    assert_every_step_once(&run, steps);
+    let m = records(&run, "membership");
+    assert_eq!(m.len(), 1, "{m:?}");
+    assert_eq!(
+        (m[0]["old_world"].as_u64(), m[0]["new_world"].as_u64()),
+        (Some(2), Some(1))
+    );
+    assert_eq!(m[0]["source"], "survivors", "{m:?}");
+    assert!(m[0]["steps_recomputed"].as_u64().unwrap() <= 1, "{m:?}");
+    assert!(m[0]["seconds"].as_f64().unwrap() < WITHIN.as_secs_f64(), "{m:?}");
+    let from = m[0]["step"].as_u64().unwrap();
+    assert!(
+        records(&run, "oom").iter().any(|o| o["step"].as_u64().unwrap() >= from),
+        "no OOM recovered after the change"
+    );
+    let diff = max_abs_diff(&weights(&single), &weights(&run));
+    assert!(diff < 1e-5, "the elastic run is {diff} from one process");
+}
+
+/// Three nodes, MIN 2: the node holding rank 0 (not the rendezvous's host) is killed. The
+/// first survivor becomes rank 0 and writes the metrics and checkpoints from then on; the
+/// run ends where one process ends.
+#[test]
+fn the_node_holding_rank_0_lost_out_of_three() {
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 20;
+    let cfg = config(dir.path(), steps);
+    let single = train_into(dir.path(), &cfg, "single", &[]);
+    let run = dir.path().join("elastic");
+    let port = free_port();
+    let host = node(dir.path(), &cfg, &run, "2:3", port, Some("2"), &[PAUSE]);
+    let mut first = node(dir.path(), &cfg, &run, "2:3", port, Some("0"), &[PAUSE]);
+    let second = node(dir.path(), &cfg, &run, "2:3", port, Some("1"), &[PAUSE]);
+    wait_for_steps(&run, 4);
+    assert!(steps_of(&run).iter().all(|s| s["world_size"] == 3));
+    let at = last_step(&run);
+    let t = Instant::now();
+    kill(&mut first);
+    let next = wait_for_world(&run, 2, at);
+    assert!(
+        next - t < WITHIN,
+        "the survivors' next step came {:?} after the kill",
+        next - t
+    );
+    for (name, n) in [("host", host), ("second", second)] {
+        let log = ok(n);
+        assert!(log.contains("node 0's launcher is gone"), "{name}: {log}");
+    }
+    assert_every_step_once(&run, steps);
+    let m = records(&run, "membership");
+    assert_eq!(
+        (m.len(), m[0]["old_world"].as_u64(), m[0]["new_world"].as_u64()),
+        (1, Some(3), Some(2)),
+        "{m:?}"
+    );
+    assert_eq!(m[0]["source"], "survivors", "{m:?}");
+    let diff = max_abs_diff(&weights(&single), &weights(&run));
+    assert!(diff < 1e-5, "the elastic run is {diff} from one process");
+}
+
+/// MIN 1, MAX 2: a node is lost and the survivor goes on alone; a node comes back, joins at
+/// a step boundary, and the world grows to 2 again; the run still ends where one process does.
+#[test]
+fn a_node_that_comes_back_grows_the_world_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 20;
+    let cfg = config(dir.path(), steps);
+    let single = train_into(dir.path(), &cfg, "single", &[]);
+    let run = dir.path().join("elastic");
+    let port = free_port();
+    let host = node(dir.path(), &cfg, &run, "1:2", port, None, &[PAUSE]);
+    let mut other = node(dir.path(), &cfg, &run, "1:2", port, None, &[PAUSE]);
+    wait_for_steps(&run, 4);
+    let at = last_step(&run);
+    kill(&mut other);
+    wait_for_world(&run, 1, at);
+    let at = last_step(&run);
+    let back = node(dir.path(), &cfg, &run, "1:2", port, None, &[PAUSE]);
+    wait_for_world(&run, 2, at);
+    ok(host);
+    ok(back);
+    assert_every_step_once(&run, steps);
+    let m: Vec<(u64, u64)> = records(&run, "membership")
+        .iter()
+        .map(|r| (r["old_world"].as_u64().unwrap(), r["new_world"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(m, [(2, 1), (1, 2)]);
+    let grown = &records(&run, "membership")[1];
+    assert_eq!(grown["steps_recomputed"], 0, "{grown}");
+    assert!(grown["cause"].as_str().unwrap().contains("joined"), "{grown}");
+    let diff = max_abs_diff(&weights(&single), &weights(&run));
+    assert!(diff < 1e-5, "the elastic run is {diff} from one process");
+}
+
+/// MIN 2 of 3, two nodes: losing one is below MIN. The survivor stops with exit 1 naming the
+/// cause, and leaves a checkpoint of the last step it finished, from which a resume goes on.
+#[test]
+fn a_loss_below_min_stops_with_a_checkpoint_and_exit_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 100;
+    let cfg = config(dir.path(), steps);
+    let run = dir.path().join("elastic");
+    let port = free_port();
+    let host = node(dir.path(), &cfg, &run, "2:3", port, None, &[PAUSE]);
+    let mut other = node(dir.path(), &cfg, &run, "2:3", port, None, &[PAUSE]);
+    wait_for_steps(&run, 4);
+    kill(&mut other);
+    let (o, log) = finished(host);
+    assert_eq!(o.status.code(), Some(1), "{log}");
+    assert!(log.contains("below --nnodes MIN 2"), "{log}");
+    let recorded = last_step(&run);
+    assert!(recorded + 1 < steps, "the run finished before the kill");
+    let newest = std::fs::read_dir(run.join("checkpoints"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .max()
+        .expect("a checkpoint");
+    let next: u64 = newest["step-".len()..].parse().unwrap();
+    assert!(
+        next > recorded,
+        "the newest checkpoint ({newest}) is older than step {recorded}"
+    );
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(run.join("checkpoints").join(&newest).join("state.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(state["extra"]["saved_by_survivor"], true, "{state}");
+}
