@@ -194,3 +194,47 @@ fn a_loss_below_min_stops_with_a_checkpoint_and_exit_1() {
     .unwrap();
     assert_eq!(state["extra"]["saved_by_survivor"], true, "{state}");
 }
+
+/// A node that hangs (SIGSTOP of its launcher and its workers: its connections stay open, so
+/// nothing closes): its launcher's missing beats have the rendezvous drop it; the survivor's
+/// worker, stuck in a collective with it, is stopped after --shutdown-timeout, and the next
+/// round resumes from the newest checkpoint (`source: checkpoint`), its steps done again; the
+/// run still ends where one process ends.
+#[test]
+fn a_node_that_hangs_is_dropped_by_its_missing_beats() {
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 20;
+    let yaml = std::fs::read_to_string(config(dir.path(), steps)).unwrap() + "checkpoint: {every_steps: 2}\n";
+    let cfg = write_config(dir.path(), "hang.yaml", &yaml);
+    let single = train_into(dir.path(), &cfg, "single", &[]);
+    let run = dir.path().join("elastic");
+    let port = free_port();
+    let quick = [
+        PAUSE,
+        ("PET_RDZV_CONF", "last_call_timeout=1,heartbeat_timeout=3"),
+        ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "3"),
+    ];
+    let host = node(dir.path(), &cfg, &run, "1:2", port, None, &quick);
+    let mut other = node(dir.path(), &cfg, &run, "1:2", port, None, &quick);
+    wait_for_steps(&run, 4);
+    let workers = children(&other);
+    assert!(!workers.is_empty(), "the node's workers");
+    let at = last_step(&run);
+    let t = Instant::now();
+    signal_node(other.id(), &workers, libc::SIGSTOP);
+    let next = wait_for_world(&run, 1, at);
+    signal_node(other.id(), &workers, libc::SIGKILL);
+    let _ = other.wait();
+    assert!(
+        next - t < WITHIN,
+        "the survivor's next step came {:?} after the hang",
+        next - t
+    );
+    let log = ok(host);
+    assert!(log.contains("sent nothing for 3 s"), "{log}");
+    assert_every_step_once(&run, steps);
+    let m = records(&run, "membership");
+    assert_eq!((m.len(), m[0]["new_world"].as_u64()), (1, Some(1)), "{m:?}");
+    let diff = max_abs_diff(&weights(&single), &weights(&run));
+    assert!(diff < 1e-5, "the elastic run is {diff} from one process");
+}

@@ -38,10 +38,11 @@ pub fn node(
         .arg("launch")
         .args(["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d"])
         .args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "elastic-test"])
-        .args(["--rdzv-conf", "last_call_timeout=1", "--monitor-interval", "0.05"])
+        .args(["--monitor-interval", "0.05"])
         .args(rank.map(|r| vec!["--node-rank", r]).unwrap_or_default())
         .args(["--no-python", bin().to_str().unwrap(), "train", cfg.to_str().unwrap()])
         .args(["--run-dir", run.to_str().unwrap()])
+        .env("PET_RDZV_CONF", "last_call_timeout=1")
         .envs(env.iter().copied())
         .env("OMP_NUM_THREADS", "1")
         .current_dir(dir)
@@ -99,4 +100,31 @@ pub fn kill(node: &mut Child) {
         .unwrap()
         .success());
     let _ = node.wait();
+}
+
+/// The processes a launcher started (its workers, each the leader of its process group).
+pub fn children(node: &Child) -> Vec<i32> {
+    let tasks = std::fs::read_dir(format!("/proc/{}/task", node.id()))
+        .into_iter()
+        .flatten()
+        .flatten();
+    tasks
+        .flat_map(|t| {
+            std::fs::read_to_string(t.path().join("children"))
+                .unwrap_or_default()
+                .split_whitespace()
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+/// Sends `sig` to a node: its launcher and every worker's process group.
+pub fn signal_node(launcher: u32, workers: &[i32], sig: i32) {
+    for w in workers {
+        // SAFETY: plain syscalls.
+        unsafe { libc::killpg(*w, sig) };
+    }
+    unsafe { libc::kill(launcher as i32, sig) };
 }

@@ -18,11 +18,18 @@ pub struct Elastic {
     pub last_call: Duration,
     /// How long a launcher waits to be admitted and started (torchrun's `join_timeout`).
     pub join_timeout: Duration,
+    /// How long a member's launcher may send nothing, not even a beat, before it counts as
+    /// gone (`heartbeat_timeout`): a host that hangs with its connections open.
+    pub silence: Duration,
 }
+
+/// How often a member's launcher beats.
+pub const BEAT: Duration = Duration::from_secs(1);
 
 /// torchrun's defaults.
 const LAST_CALL: Duration = Duration::from_secs(30);
 const JOIN_TIMEOUT: Duration = Duration::from_secs(600);
+const SILENCE: Duration = Duration::from_secs(10);
 
 impl Elastic {
     /// MIN and MAX with the waits `conf` (`--rdzv-conf KEY=VALUE,...`) gives; a key this
@@ -33,6 +40,7 @@ impl Elastic {
             max,
             last_call: LAST_CALL,
             join_timeout: JOIN_TIMEOUT,
+            silence: SILENCE,
         };
         for item in conf.split(',').map(str::trim).filter(|i| !i.is_empty()) {
             let (k, v) = item
@@ -49,6 +57,7 @@ impl Elastic {
             match k.trim() {
                 "last_call_timeout" => e.last_call = secs()?,
                 "join_timeout" => e.join_timeout = secs()?,
+                "heartbeat_timeout" => e.silence = secs()?.max(BEAT * 2),
                 _ => {}
             }
         }
@@ -312,6 +321,24 @@ mod tests {
         assert!(!c.settled());
         c.on(b, ToCoordinator::Done);
         assert!(c.settled());
+    }
+
+    /// A member whose launcher goes silent past the heartbeat's bound is listed (its socket is
+    /// then shut, and it is gone as if it had closed); one that beats is not; one that
+    /// finished may be quiet.
+    #[test]
+    fn a_silent_member_is_found_by_its_missing_beats() {
+        let mut c = elastic(1, 2);
+        let (a, _) = join(&mut c, usize::MAX);
+        let (b, _) = join(&mut c, usize::MAX);
+        let later = Instant::now() + SILENCE + Duration::from_secs(1);
+        assert_eq!(c.silent(Instant::now()), Vec::<usize>::new());
+        assert_eq!(c.silent(later), vec![a, b]);
+        std::thread::sleep(Duration::from_millis(5));
+        c.on(b, ToCoordinator::Beat);
+        c.on(a, ToCoordinator::Done);
+        let soon = Instant::now() + SILENCE - Duration::from_secs(1);
+        assert_eq!(c.silent(soon), Vec::<usize>::new(), "b beat; a finished");
     }
 
     /// A failure that is not a membership change still counts against --max-restarts.

@@ -61,6 +61,8 @@ pub enum ToCoordinator {
     Abort {
         code: i32,
     },
+    /// Elastic: this node's launcher is alive (every BEAT, from a thread of its own).
+    Beat,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -136,6 +138,8 @@ pub struct Coordinator {
     /// Elastic: the addresses connections came from, by slot, until their hello.
     addrs: BTreeMap<usize, String>,
     next_slot: usize,
+    /// When each node's launcher was last heard from (elastic: its beats).
+    last_seen: BTreeMap<usize, Instant>,
     /// Elastic: when the first rendezvous stops waiting for more than MIN nodes.
     last_call_at: Option<Instant>,
     /// Nodes in the round now running (elastic: for the next change's record).
@@ -168,6 +172,7 @@ impl Coordinator {
             members: BTreeMap::new(),
             addrs: BTreeMap::new(),
             next_slot: 0,
+            last_seen: BTreeMap::new(),
             last_call_at: None,
             nodes_in_round: nnodes,
         }
@@ -199,7 +204,9 @@ impl Coordinator {
     }
 
     pub fn on(&mut self, node: usize, msg: ToCoordinator) -> Vec<(To, ToNode)> {
+        self.last_seen.insert(node, Instant::now());
         match msg {
+            ToCoordinator::Beat => vec![],
             ToCoordinator::Hello {
                 id,
                 node: named,
@@ -215,6 +222,26 @@ impl Coordinator {
             }
             ToCoordinator::Abort { code } => self.end(code, format!("node {node}'s launcher was stopped by a signal")),
         }
+    }
+
+    /// Elastic: the members whose launchers sent nothing (not even a beat) for longer than
+    /// the heartbeat's bound at `now`.
+    pub fn silent(&self, now: Instant) -> Vec<usize> {
+        let Some(e) = self.elastic else { return vec![] };
+        (self.joined.iter())
+            .filter(|n| !self.done.contains(n))
+            .filter(|n| {
+                self.last_seen
+                    .get(n)
+                    .is_some_and(|t| now.saturating_duration_since(*t) > e.silence)
+            })
+            .copied()
+            .collect()
+    }
+
+    /// How long a member may be silent (elastic).
+    pub fn silence(&self) -> Duration {
+        self.elastic.map_or(Duration::MAX, |e| e.silence)
     }
 
     /// Elastic: the first rendezvous starts once MIN nodes joined and the last call for more
@@ -580,7 +607,8 @@ enum Link {
         inbox: VecDeque<ToNode>,
     },
     Remote {
-        stream: TcpStream,
+        /// Shared with the heartbeat's thread: one line at a time.
+        stream: Arc<Mutex<TcpStream>>,
         inbox: Receiver<Option<ToNode>>,
         server: Option<Arc<Mutex<Coordinator>>>,
         gone: bool,
@@ -622,6 +650,9 @@ impl Group {
             connect(spec)?
         };
         group.send(hello);
+        if let (Some(_), Link::Remote { stream, .. }) = (spec.elastic, &group.link) {
+            beat(Arc::clone(stream));
+        }
         let mut token = None;
         loop {
             match group.recv(Some(join_timeout)) {
@@ -682,7 +713,8 @@ impl Group {
             Link::Local { coordinator, inbox } => inbox.extend(coordinator.on(0, msg).into_iter().map(|(_, m)| m)),
             Link::Remote { stream, .. } => {
                 // A coordinator that is gone shows up on the next receive.
-                let _ = writeln!(stream, "{}", serde_json::to_string(&msg).unwrap_or_default());
+                let line = format!("{}\n", serde_json::to_string(&msg).unwrap_or_default());
+                let _ = stream.lock().map(|mut s| s.write_all(line.as_bytes()));
             }
         }
     }
@@ -877,13 +909,26 @@ fn connect(spec: &LaunchSpec) -> Result<Group, Error> {
     Ok(Group {
         node: spec.node_rank,
         link: Link::Remote {
-            stream,
+            stream: Arc::new(Mutex::new(stream)),
             inbox: rx,
             server,
             gone: false,
         },
         join_timeout,
     })
+}
+
+/// Elastic: a beat every BEAT until the coordinator's connection fails, so that a node whose
+/// host hangs (its connections open, nothing moving) is seen as gone (`Elastic::silence`).
+fn beat(stream: Arc<Mutex<TcpStream>>) {
+    let line = format!("{}\n", serde_json::to_string(&ToCoordinator::Beat).unwrap_or_default());
+    std::thread::spawn(move || loop {
+        std::thread::sleep(elastic::BEAT);
+        let sent = stream.lock().map(|mut s| s.write_all(line.as_bytes()));
+        if !matches!(sent, Ok(Ok(()))) {
+            return;
+        }
+    });
 }
 
 /// Elastic: hosts the coordinator at the rendezvous endpoint if this launcher can listen
@@ -961,8 +1006,20 @@ fn coordinate(listener: TcpListener, coordinator: Coordinator) -> Arc<Mutex<Coor
         if c.settled() {
             return;
         }
-        let out = c.tick(Instant::now());
+        let now = Instant::now();
+        let out = c.tick(now);
         let mut w = writers.lock().unwrap_or_else(|p| p.into_inner());
+        // A node silent past its heartbeat's bound: its connection is shut, and its reader
+        // reports it gone as if it had closed.
+        for n in c.silent(now) {
+            if let Some(o) = w.remove(&n) {
+                tracing::warn!(
+                    "node {n}'s launcher sent nothing for {} s: it counts as gone",
+                    c.silence().as_secs()
+                );
+                let _ = o.socket.shutdown(Shutdown::Both);
+            }
+        }
         deliver(&mut c, &mut w, out);
     });
     coordinator

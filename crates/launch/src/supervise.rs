@@ -235,11 +235,12 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
                 ) {
                     Ok(s) => {
                         tracing::warn!(
-                            "worker rank {} failed (exit code {}){}; restarting the group (round {})",
+                            "worker rank {} failed (exit code {}){}; restarting the group ({}/{})",
                             f.rank,
                             f.exitcode,
                             if oom { " out of memory" } else { "" },
                             s.round,
+                            spec.max_restarts
                         );
                         Ok(s)
                     }
