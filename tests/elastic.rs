@@ -235,6 +235,8 @@ fn a_node_that_hangs_is_dropped_by_its_missing_beats() {
     assert_every_step_once(&run, steps);
     let m = records(&run, "membership");
     assert_eq!((m.len(), m[0]["new_world"].as_u64()), (1, Some(1)), "{m:?}");
+    // Its survivor's worker was stuck with it, so saved nothing: the newest checkpoint served.
+    assert_eq!(m[0]["source"], "checkpoint", "{m:?}");
     let diff = max_abs_diff(&weights(&single), &weights(&run));
     assert!(diff < 1e-5, "the elastic run is {diff} from one process");
 }

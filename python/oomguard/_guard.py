@@ -352,8 +352,13 @@ class Guard:
         for p in self._params:
             p.grad = None
         failures = 0
+        # Rows whose gradients are in `.grad` already, and their weighted loss: one process
+        # keeps the micro-batches an attempt finished when a later one runs out in its
+        # forward (`.grad` untouched by it), and redoes only the rest.
+        self._done = (0, None)
         while True:
-            mb = min(self.policy.current, n)
+            start, carried = self._done
+            mb = min(self.policy.current, n - start)
             base = self._memory_now()
             if self._cuda:
                 torch.cuda.reset_peak_memory_stats(self._device)
@@ -361,7 +366,7 @@ class Guard:
             self._where = ("forward", 0)
             loss_sum = flats = oom = None
             try:
-                loss_sum = self._attempt(batch, tensors, rebuild, loss_fn, mb, n)
+                loss_sum = self._attempt(batch, tensors, rebuild, loss_fn, mb, n, start, carried)
                 if self._ddp:
                     flats = self._prepare_sync()
             except BaseException as exc:  # noqa: BLE001 - OOMs are handled, the rest re-raised
@@ -379,7 +384,10 @@ class Guard:
                 phase, index = self._where
                 snap = self._snapshot(phase) if self._snapshots else None
                 t_drop = time.perf_counter()
-                self._drop(full_gc=mb == 1)
+                keep = phase == "forward" and self._dist is None
+                if not keep:
+                    self._done = (0, None)
+                self._drop(full_gc=mb == 1, keep_grads=keep)
                 self.last_cleanup_s = time.perf_counter() - t_drop
                 after = self._memory_now()
                 severe = self._cuda and after is not None and base is not None and after > base
@@ -395,6 +403,7 @@ class Guard:
             if a[FAILED] > 0:
                 if oom is None:  # another rank ran out: drop this rank's attempt too
                     loss_sum = flats = None
+                    self._done = (0, None)
                     self._drop(full_gc=mb == 1)
                     after, snap = self._memory_now(), None
                 phase = PHASES[int(a[PHASE]) - 1]
@@ -466,13 +475,23 @@ class Guard:
     # --- one attempt -------------------------------------------------------------------
 
     def _attempt(
-        self, batch: Batch, tensors: List[torch.Tensor], rebuild: Callable, loss_fn: Callable, mb: int, n: int
+        self,
+        batch: Batch,
+        tensors: List[torch.Tensor],
+        rebuild: Callable,
+        loss_fn: Callable,
+        mb: int,
+        n: int,
+        first: int = 0,
+        total=None,
     ):
-        total = None
+        """Rows `first..n` in micro-batches of `mb`, accumulating into `.grad` (which holds
+        rows `..first` already, whose weighted loss is `total`); `self._done` follows each
+        micro-batch finished."""
         inject = self._inject
         ctx = self._model.no_sync() if self._ddp else contextlib.nullcontext()
         with ctx:
-            for index, start in enumerate(range(0, n, mb)):
+            for index, start in enumerate(range(first, n, mb)):
                 self._where = ("forward", index)
                 size = min(mb, n - start)
                 part = batch if size == n else rebuild([t[start : start + size] for t in tensors])
@@ -496,6 +515,7 @@ class Guard:
                 if inject is not None:
                     inject.check(self.step, "backward", self._cuda)
                 del loss
+                self._done = (start + size, total)
         return total
 
     def _prepare_sync(self):
@@ -540,14 +560,15 @@ class Guard:
         for p, s in zip(self._params, stashed):
             p.grad = s
 
-    def _drop(self, full_gc: bool) -> None:
+    def _drop(self, full_gc: bool, keep_grads: bool = False) -> None:
         """The failed attempt's gradients and references, and the memory they held, freed:
         the allocator's cache (CUDA) or glibc's arenas (the CPU) handed back. The exception's
         frames are cleared already, so the young generations hold what cycles the attempt
         made; a full collection (70 to 150 ms with torch imported) runs only at micro-batch 1,
-        before the policy would give up."""
-        for p in self._params:
-            p.grad = None
+        before the policy would give up. `keep_grads`: `.grad` holds finished micro-batches."""
+        if not keep_grads:
+            for p in self._params:
+                p.grad = None
         gc.collect() if full_gc else gc.collect(1)
         if self._cuda:
             torch.cuda.empty_cache()

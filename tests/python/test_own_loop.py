@@ -110,6 +110,31 @@ def test_gradients_equal_one_backward_of_the_whole_batch_added_to_those_before()
     assert max_diff([p.grad for p in m.parameters()], want) < 1e-12
 
 
+def test_an_oom_in_a_later_micro_batchs_forward_keeps_the_micro_batches_done():
+    """One process: micro-batch 0 fits, and its gradients, once allocated, leave too little
+    room for micro-batch 1's forward (a real failure of the CPU allocator, as the gradients'
+    first allocation causes in the own-loop bench). The rows already done stay in `.grad`;
+    only the rest is redone, at half the size, then a quarter; the gradients are exact."""
+    m = _model()
+    x, y = _data()
+    full = torch.nn.functional.mse_loss(m(x), y)
+    want = torch.autograd.grad(full, list(m.parameters()))
+    calls = []
+
+    def loss_fn(b):
+        calls.append(len(b[0]))
+        if len(b[0]) > 4 and m[0].weight.grad is not None:
+            torch.empty(1 << 50, dtype=torch.uint8)  # 1 PiB: the allocator refuses
+        return torch.nn.functional.mse_loss(m(b[0]), b[1])
+
+    guard = oomguard.Guard(m, global_batch_size=32, micro_batch_size=16, verbose=False)
+    loss = guard.backward((x, y), loss_fn)
+    assert calls == [16, 16, 8, 4, 4, 4, 4], calls
+    assert guard.micro_batch_size == 4 and guard.policy.num_ooms == 2
+    assert abs(loss - full.item()) < 1e-12
+    assert max_diff([p.grad for p in m.parameters()], list(want)) < 1e-12
+
+
 def test_bad_input_names_both_numbers_and_leaves_grads_alone():
     m = _model()
     x, y = _data()
