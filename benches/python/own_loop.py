@@ -148,7 +148,7 @@ print(json.dumps(rows))
 """
 
 
-def recovery(cap_mb: float = 90, batch: int = 4096, width: int = 1024, steps: int = 12) -> None:
+def recovery(cap_mb: float = 90, batch: int = 4096, width: int = 1024, steps: int = 16) -> None:
     here = os.path.abspath(__file__)
     out = subprocess.run(
         [sys.executable, "-c", CHILD, here, str(cap_mb), str(batch), str(width), str(steps)],
@@ -166,7 +166,11 @@ def recovery(cap_mb: float = 90, batch: int = 4096, width: int = 1024, steps: in
     for i, (t, size, ooms, cleanup) in enumerate(rows):
         if not ooms:
             continue
-        normal = statistics.median([r[0] for r in rows if r[1] == size and not r[2]])
+        clean = [r[0] for r in rows if r[1] == size and not r[2]]
+        if not clean:
+            print(f"  step {i}: {ooms} OOM(s), ran at {size}: no step ran at {size} without one, to compare with")
+            continue
+        normal = statistics.median(clean)
         costs.append((t - normal) / normal / ooms)
         print(
             f"  step {i}: {ooms} OOM(s), ran at {size}: {t * 1e3:.1f} ms against {normal * 1e3:.1f} ms "

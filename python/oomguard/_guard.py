@@ -18,6 +18,7 @@ import os
 import sys
 import time
 import traceback
+import weakref
 import zlib
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -271,6 +272,21 @@ class Guard:
         else:
             self._pg, self.rank, self.world_size = None, 0, 1
             agree_device = torch.device("cpu")
+        # One process: which parameters a micro-batch's backward completed, so that one which
+        # ran out part-way keeps what it finished (`_touched`, filled by each parameter's
+        # post-accumulate hook: AccumulateGrad adds a parameter's whole gradient at once).
+        self._touched: Optional[set] = None
+        self._span: Tuple[int, int, Optional[frozenset]] = (0, 0, None)
+        self._hooks = []
+        if self._dist is None and hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+            me = weakref.ref(self)
+
+            def accumulated(p: torch.Tensor) -> None:
+                g = me()
+                if g is not None and g._touched is not None:
+                    g._touched.add(id(p))
+
+            self._hooks = [p.register_post_accumulate_grad_hook(accumulated) for p in self._params]
         # Allocated once, up front: the agreement never needs memory an OOM took.
         self._agree = torch.zeros(10, dtype=torch.float64, device=agree_device)
         # Gradient groups for DDP's all-reduce: one flat buffer per (dtype, device).
@@ -352,10 +368,13 @@ class Guard:
         for p in self._params:
             p.grad = None
         failures = 0
-        # Rows whose gradients are in `.grad` already, and their weighted loss: one process
-        # keeps the micro-batches an attempt finished when a later one runs out in its
-        # forward (`.grad` untouched by it), and redoes only the rest.
-        self._done = (0, None)
+        # What `.grad` holds already, kept from failed attempts (one process): every
+        # parameter's gradient over rows `..done` (their weighted loss `total`) and, in
+        # `_pending`, segments [(end, ids), ...] following `done`: the parameters that a
+        # backward which ran out part-way completed over those rows. The next attempt redoes
+        # each segment's rows for the other parameters only, then the rest: every row reaches
+        # every parameter once, so the gradients stay exact.
+        self._done, self._pending = (0, None), []
         while True:
             start, carried = self._done
             mb = min(self.policy.current, n - start)
@@ -384,9 +403,9 @@ class Guard:
                 phase, index = self._where
                 snap = self._snapshot(phase) if self._snapshots else None
                 t_drop = time.perf_counter()
-                keep = phase == "forward" and self._dist is None
+                keep = self._keep(phase)
                 if not keep:
-                    self._done = (0, None)
+                    self._done, self._pending = (0, None), []
                 self._drop(full_gc=mb == 1, keep_grads=keep)
                 self.last_cleanup_s = time.perf_counter() - t_drop
                 after = self._memory_now()
@@ -403,7 +422,7 @@ class Guard:
             if a[FAILED] > 0:
                 if oom is None:  # another rank ran out: drop this rank's attempt too
                     loss_sum = flats = None
-                    self._done = (0, None)
+                    self._done, self._pending = (0, None), []
                     self._drop(full_gc=mb == 1)
                     after, snap = self._memory_now(), None
                 phase = PHASES[int(a[PHASE]) - 1]
@@ -486,14 +505,22 @@ class Guard:
         total=None,
     ):
         """Rows `first..n` in micro-batches of `mb`, accumulating into `.grad` (which holds
-        rows `..first` already, whose weighted loss is `total`); `self._done` follows each
-        micro-batch finished."""
+        rows `..first` already, whose weighted loss is `total`, and `_pending`'s rows for its
+        parameters); `self._done` follows each micro-batch finished."""
         inject = self._inject
         ctx = self._model.no_sync() if self._ddp else contextlib.nullcontext()
+        spans, at = [], first
+        for end, ids in self._pending:
+            spans += [(s, min(s + mb, end), ids) for s in range(at, end, mb)]
+            at = end
+        spans += [(s, min(s + mb, n), None) for s in range(at, n, mb)]
         with ctx:
-            for index, start in enumerate(range(first, n, mb)):
+            for index, (start, stop, ids) in enumerate(spans):
                 self._where = ("forward", index)
-                size = min(mb, n - start)
+                size = stop - start
+                # Rows a backward ran out part-way through: the parameters it did not reach.
+                inputs = None if ids is None else [p for p in self._params if id(p) not in ids]
+                self._span = (start, stop, ids)
                 part = batch if size == n else rebuild([t[start : start + size] for t in tensors])
                 loss = loss_fn(part)
                 del part
@@ -503,20 +530,45 @@ class Guard:
                 if inject is not None:
                     inject.check(self.step, "forward", self._cuda)
                 self._where = ("backward", index)
-                if size == n:  # one micro-batch: the loss as it is
+                self._touched = set() if self._hooks else None
+                weight = size / n
+                if size == n and inputs is None:  # one micro-batch: the loss as it is
                     loss.backward()
-                    total = loss.detach()
-                else:
-                    weight = size / n
+                elif inputs is None:
                     (loss * weight).backward()
-                    part = loss.detach() * weight
-                    total = part if total is None else total + part
-                    del part
+                elif inputs:
+                    (loss * weight).backward(inputs=inputs)
+                self._touched = None
+                part = loss.detach() if size == n else loss.detach() * weight
+                total = part if total is None else total + part
+                del part
                 if inject is not None:
                     inject.check(self.step, "backward", self._cuda)
                 del loss
-                self._done = (start + size, total)
+                self._done = (stop, total)
+                self._pending = [(e, i) for e, i in self._pending if e > stop]
         return total
+
+    def _keep(self, phase: str) -> bool:
+        """After an OOM in `phase` (one process): whether `.grad` keeps what the attempt
+        finished, `_pending` updated. A forward leaves `.grad` as it was; a backward that ran
+        out part-way completed some parameters' gradients over its rows (`_touched`), which
+        `_pending` records, splitting the segment those rows were in."""
+        touched, self._touched = self._touched, None
+        if self._dist is not None:
+            return False
+        if phase == "forward":
+            return True
+        if phase != "backward" or touched is None:
+            return False
+        _, stop, ids = self._span
+        rest = self._pending  # starts at this span's rows, when they were a segment's
+        if ids is None:
+            self._pending = [(stop, frozenset(touched))]
+        else:
+            end = rest[0][0]
+            self._pending = [(stop, ids | touched)] + ([(end, ids)] if stop < end else []) + rest[1:]
+        return True
 
     def _prepare_sync(self):
         """Phase sync, before the ranks agree: the flat buffers of DDP's all-reduce (each

@@ -127,10 +127,91 @@ def test_an_oom_in_a_later_micro_batchs_forward_keeps_the_micro_batches_done():
             torch.empty(1 << 50, dtype=torch.uint8)  # 1 PiB: the allocator refuses
         return torch.nn.functional.mse_loss(m(b[0]), b[1])
 
-    guard = oomguard.Guard(m, global_batch_size=32, micro_batch_size=16, verbose=False)
+    # cache=False: the size it settles at is this test's alone (the same model's tests share a cache).
+    guard = oomguard.Guard(m, global_batch_size=32, micro_batch_size=16, verbose=False, cache=False)
     loss = guard.backward((x, y), loss_fn)
     assert calls == [16, 16, 8, 4, 4, 4, 4], calls
     assert guard.micro_batch_size == 4 and guard.policy.num_ooms == 2
+    assert abs(loss - full.item()) < 1e-12
+    assert max_diff([p.grad for p in m.parameters()], list(want)) < 1e-12
+
+
+class _HungryBackward(torch.autograd.Function):
+    """Identity forward; its backward allocates 1 PiB (the allocator refuses) for a micro-batch
+    above `above` rows once `first`'s gradient exists, as the gradients' first allocation
+    leaves too little room for a large micro-batch's backward in the own-loop bench."""
+
+    @staticmethod
+    def forward(ctx, x, first, above):
+        ctx.rows, ctx.first, ctx.above = x.shape[0], first, above
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.rows > ctx.above and ctx.first.grad is not None:
+            torch.empty(1 << 50, dtype=torch.uint8)
+        return g, None, None
+
+
+def test_an_oom_part_way_through_a_backward_keeps_what_it_finished():
+    """Micro-batch 1's backward completes the last layer's gradients, then runs out before
+    the first layer's. The rows of micro-batch 0 stay, the last layer keeps micro-batch 1's
+    rows, and only the first layer's share of them is redone (two halves); exact."""
+    m = _model()
+    x, y = _data()
+
+    def forward(rows):
+        h = _HungryBackward.apply(m[0](rows), m[0].weight, 8)
+        return m[2](m[1](h))
+
+    full = torch.nn.functional.mse_loss(forward(x), y)
+    want = torch.autograd.grad(full, list(m.parameters()))
+    calls, last_layer = [], []
+    m[2].weight.register_post_accumulate_grad_hook(lambda p: last_layer.append(1))
+
+    def loss_fn(b):
+        calls.append(len(b[0]))
+        return torch.nn.functional.mse_loss(forward(b[0]), b[1])
+
+    guard = oomguard.Guard(m, global_batch_size=32, micro_batch_size=16, verbose=False, cache=False)
+    loss = guard.backward((x, y), loss_fn)
+    assert calls == [16, 16, 8, 8], calls
+    assert len(last_layer) == 2, "the last layer's gradient was computed again"
+    assert guard.policy.num_ooms == 1
+    assert abs(loss - full.item()) < 1e-12
+    assert max_diff([p.grad for p in m.parameters()], list(want)) < 1e-12
+
+
+def test_an_oom_part_way_through_redoing_such_rows_keeps_what_each_backward_finished():
+    """Three layers. Micro-batch 1's backward (16 rows) completes the last layer, then runs
+    out; redoing its rows at 8, the backward completes the middle layer over the first 8 and
+    runs out before the first layer; at 4 the first layer gets them, and the middle and first
+    layers get the last 8. Each layer's gradient is computed over each row once; exact."""
+    torch.manual_seed(0)
+    lin = [torch.nn.Linear(a, b, dtype=torch.float64) for a, b in ((8, 16), (16, 16), (16, 1))]
+    m = torch.nn.Sequential(*lin)
+    x, y = _data()
+
+    def forward(rows):
+        h = torch.tanh(_HungryBackward.apply(lin[0](rows), lin[0].weight, 4))
+        h = torch.tanh(_HungryBackward.apply(lin[1](h), lin[0].weight, 8))
+        return lin[2](h)
+
+    full = torch.nn.functional.mse_loss(forward(x), y)
+    want = torch.autograd.grad(full, list(m.parameters()))
+    calls, counts = [], {1: [], 2: []}
+    for i in counts:
+        lin[i].weight.register_post_accumulate_grad_hook(lambda p, i=i: counts[i].append(1))
+
+    def loss_fn(b):
+        calls.append(len(b[0]))
+        return torch.nn.functional.mse_loss(forward(b[0]), b[1])
+
+    guard = oomguard.Guard(m, global_batch_size=32, micro_batch_size=16, verbose=False, cache=False)
+    loss = guard.backward((x, y), loss_fn)
+    assert calls == [16, 16, 8, 4, 4, 4, 4], calls
+    assert (len(counts[2]), len(counts[1])) == (2, 4), counts
+    assert guard.policy.num_ooms == 2
     assert abs(loss - full.item()) < 1e-12
     assert max_diff([p.grad for p in m.parameters()], list(want)) < 1e-12
 
