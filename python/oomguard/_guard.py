@@ -320,6 +320,13 @@ class Guard:
         self._t0 = time.perf_counter()
         self._say(f"oomguard: micro_batch_size={self.policy.current}")
 
+    def __del__(self) -> None:
+        for h in getattr(self, "_hooks", ()):
+            try:
+                h.remove()
+            except Exception:  # noqa: BLE001 - at interpreter exit torch may be gone
+                pass
+
     @property
     def micro_batch_size(self) -> int:
         """The micro-batch size the next attempt runs with."""
