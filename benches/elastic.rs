@@ -16,28 +16,16 @@ const KILLS: usize = 10;
 /// One kill among `nodes` nodes: (seconds to the next step, steps recomputed, source).
 fn trial(nodes: usize, kill_rank0: bool) -> (f64, u64, String) {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = config(dir.path(), 400);
+    let cfg = config(dir.path(), 2000);
     let run = dir.path().join("run");
-    let port = free_port();
-    let nnodes = format!("{}:{nodes}", nodes - 1);
     // Node ranks by --node-rank: the victim holds rank 0, or the last one.
-    let (victim_rank, host_rank) = if kill_rank0 { (0, nodes - 1) } else { (nodes - 1, 0) };
-    let host_rank = host_rank.to_string();
-    let mut host = node(dir.path(), &cfg, &run, &nnodes, port, Some(&host_rank), &[]);
-    let mut others: Vec<(usize, std::process::Child)> = (0..nodes)
-        .filter(|&r| r.to_string() != host_rank)
-        .map(|r| {
-            (
-                r,
-                node(dir.path(), &cfg, &run, &nnodes, port, Some(&r.to_string()), &[]),
-            )
-        })
-        .collect();
+    let victim = if kill_rank0 { 0 } else { nodes - 1 };
+    let mut all = start_nodes(dir.path(), &cfg, &run, nodes, victim, &[]);
     wait_for_steps(&run, 8);
     let at = last_step(&run);
+    let i = all.iter().position(|(r, _)| *r == victim).unwrap();
     let t = Instant::now();
-    let i = others.iter().position(|(r, _)| *r == victim_rank).unwrap();
-    kill(&mut others[i].1);
+    kill(&mut all[i].1);
     let next = wait_for_world(&run, nodes as u64 - 1, at);
     let seconds = (next - t).as_secs_f64();
     let m = loop {
@@ -46,8 +34,7 @@ fn trial(nodes: usize, kill_rank0: bool) -> (f64, u64, String) {
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
     };
-    kill(&mut host);
-    for (_, n) in others.iter_mut() {
+    for (_, n) in all.iter_mut() {
         let _ = n.kill();
         let _ = n.wait();
     }

@@ -37,14 +37,7 @@ fn ok(o: Output) -> String {
 
 /// A global batch of 15: shards of 8 and 7, micro-batches of 4 (uneven everywhere).
 fn config(dir: &Path, steps: u64, extra: &str) -> PathBuf {
-    let yaml = TINY
-        .replace(
-            "micro_batch_size: 8, grad_accum_steps: 2",
-            "micro_batch_size: 4, global_batch_size: 15",
-        )
-        .replace("max_steps: 6", &format!("max_steps: {steps}"))
-        .replace("warmup_steps: 2}", "warmup_steps: 2, decay_steps: 40}");
-    write_config(dir, &format!("c{steps}.yaml"), &(yaml + extra))
+    uneven_config(dir, steps, extra)
 }
 
 fn train_args<'a>(cfg: &'a Path, run: &'a Path) -> Vec<&'a str> {

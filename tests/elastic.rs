@@ -34,94 +34,83 @@ fn assert_every_step_once(run: &Path, steps: u64) {
     assert_eq!(seen, (0..steps).collect::<Vec<_>>());
 }
 
-/// Two nodes, MIN 1: the node that is not the rendezvous's host is killed mid-run. The
-/// survivor saves what it holds, its next step at world 1 comes within 30 s, an OOM in the
-/// re-formed run (injected on its first steps) is recovered as usual, and the run ends
-/// where one process ends, within 1e-5; the change is recorded.
-#[test]
-fn a_node_lost_out_of_two_and_the_survivor_goes_on_exactly() {
-    let dir = tempfile::tempdir().unwrap();
+/// `nodes` nodes, MIN one fewer, one rank each: the node holding rank `victim` (never the
+/// rendezvous's host) is killed -9 mid-run. The survivors' next step at the smaller world
+/// comes within 30 s, every survivor names the lost node, each step is recorded once, the
+/// change is recorded with the state from the survivors and at most the step in flight done
+/// again, and the run ends where one process ends, within 1e-5. Returns the run directory
+/// (in `dir`).
+fn lose_one(dir: &Path, nodes: usize, victim: usize, env: &[(&str, &str)]) -> std::path::PathBuf {
     let steps = 20;
-    let cfg = config(dir.path(), steps);
-    let single = train_into(dir.path(), &cfg, "single", &[]);
-    let run = dir.path().join("elastic");
-    let port = free_port();
-    // An OOM in the forward of rank 0 at each of these steps, once per process: the re-formed
-    // run meets them too.
-    let ooms = (6..20).map(|s| format!("forward:0:{s}")).collect::<Vec<_>>().join(",");
-    let env = [("OOMGUARD_TEST_OOM_IN", ooms.as_str()), PAUSE];
-    let host = node(dir.path(), &cfg, &run, "1:2", port, None, &env);
-    let mut other = node(dir.path(), &cfg, &run, "1:2", port, None, &env);
+    let cfg = config(dir, steps);
+    let single = train_into(dir, &cfg, "single", &[]);
+    let run = dir.join("elastic");
+    let mut all = start_nodes(dir, &cfg, &run, nodes, victim, env);
     wait_for_steps(&run, 4);
+    assert!(steps_of(&run).iter().all(|s| s["world_size"] == nodes as u64));
     let at = last_step(&run);
+    let i = all.iter().position(|(r, _)| *r == victim).unwrap();
+    let (_, mut lost) = all.remove(i);
     let t = Instant::now();
-    kill(&mut other);
-    let next = wait_for_world(&run, 1, at);
-    assert!(
-        next - t < WITHIN,
-        "the survivor's next step came {:?} after the kill",
-        next - t
-    );
-    let log = ok(host);
-    assert!(log.contains("node 1's launcher is gone"), "{log}");
-    assert_every_step_once(&run, steps);
-    let m = records(&run, "membership");
-    assert_eq!(m.len(), 1, "{m:?}");
-    assert_eq!(
-        (m[0]["old_world"].as_u64(), m[0]["new_world"].as_u64()),
-        (Some(2), Some(1))
-    );
-    assert_eq!(m[0]["source"], "survivors", "{m:?}");
-    assert!(m[0]["steps_recomputed"].as_u64().unwrap() <= 1, "{m:?}");
-    assert!(m[0]["seconds"].as_f64().unwrap() < WITHIN.as_secs_f64(), "{m:?}");
-    let from = m[0]["step"].as_u64().unwrap();
-    assert!(
-        records(&run, "oom").iter().any(|o| o["step"].as_u64().unwrap() >= from),
-        "no OOM recovered after the change"
-    );
-    let diff = max_abs_diff(&weights(&single), &weights(&run));
-    assert!(diff < 1e-5, "the elastic run is {diff} from one process");
-}
-
-/// Three nodes, MIN 2: the node holding rank 0 (not the rendezvous's host) is killed. The
-/// first survivor becomes rank 0 and writes the metrics and checkpoints from then on; the
-/// run ends where one process ends.
-#[test]
-fn the_node_holding_rank_0_lost_out_of_three() {
-    let dir = tempfile::tempdir().unwrap();
-    let steps = 20;
-    let cfg = config(dir.path(), steps);
-    let single = train_into(dir.path(), &cfg, "single", &[]);
-    let run = dir.path().join("elastic");
-    let port = free_port();
-    let host = node(dir.path(), &cfg, &run, "2:3", port, Some("2"), &[PAUSE]);
-    let mut first = node(dir.path(), &cfg, &run, "2:3", port, Some("0"), &[PAUSE]);
-    let second = node(dir.path(), &cfg, &run, "2:3", port, Some("1"), &[PAUSE]);
-    wait_for_steps(&run, 4);
-    assert!(steps_of(&run).iter().all(|s| s["world_size"] == 3));
-    let at = last_step(&run);
-    let t = Instant::now();
-    kill(&mut first);
-    let next = wait_for_world(&run, 2, at);
+    kill(&mut lost);
+    let next = wait_for_world(&run, nodes as u64 - 1, at);
     assert!(
         next - t < WITHIN,
         "the survivors' next step came {:?} after the kill",
         next - t
     );
-    for (name, n) in [("host", host), ("second", second)] {
+    for (rank, n) in all {
         let log = ok(n);
-        assert!(log.contains("node 0's launcher is gone"), "{name}: {log}");
+        assert!(
+            log.contains(&format!("node {victim}'s launcher is gone")),
+            "node {rank}: {log}"
+        );
     }
     assert_every_step_once(&run, steps);
     let m = records(&run, "membership");
-    assert_eq!(
-        (m.len(), m[0]["old_world"].as_u64(), m[0]["new_world"].as_u64()),
-        (1, Some(3), Some(2)),
-        "{m:?}"
-    );
+    assert_eq!(m.len(), 1, "{m:?}");
+    let worlds = (m[0]["old_world"].as_u64(), m[0]["new_world"].as_u64());
+    assert_eq!(worlds, (Some(nodes as u64), Some(nodes as u64 - 1)), "{m:?}");
     assert_eq!(m[0]["source"], "survivors", "{m:?}");
+    assert!(m[0]["steps_recomputed"].as_u64().unwrap() <= 1, "{m:?}");
+    assert!(m[0]["seconds"].as_f64().unwrap() < WITHIN.as_secs_f64(), "{m:?}");
     let diff = max_abs_diff(&weights(&single), &weights(&run));
     assert!(diff < 1e-5, "the elastic run is {diff} from one process");
+    run
+}
+
+/// Out of two, the node not holding rank 0; an OOM in the re-formed run (injected on rank
+/// 0's first steps there, once per process) is recovered as usual.
+#[test]
+fn a_node_lost_out_of_two_and_an_oom_as_the_world_reforms() {
+    let dir = tempfile::tempdir().unwrap();
+    let ooms = (6..20).map(|s| format!("forward:0:{s}")).collect::<Vec<_>>().join(",");
+    let run = lose_one(dir.path(), 2, 1, &[("OOMGUARD_TEST_OOM_IN", ooms.as_str()), PAUSE]);
+    let from = records(&run, "membership")[0]["step"].as_u64().unwrap();
+    assert!(
+        records(&run, "oom").iter().any(|o| o["step"].as_u64().unwrap() >= from),
+        "no OOM recovered after the change"
+    );
+}
+
+/// Out of two, the node holding rank 0: the survivor becomes rank 0 and writes the metrics
+/// and checkpoints from then on.
+#[test]
+fn the_node_holding_rank_0_lost_out_of_two() {
+    let dir = tempfile::tempdir().unwrap();
+    lose_one(dir.path(), 2, 0, &[PAUSE]);
+}
+
+#[test]
+fn a_node_lost_out_of_three() {
+    let dir = tempfile::tempdir().unwrap();
+    lose_one(dir.path(), 3, 1, &[PAUSE]);
+}
+
+#[test]
+fn the_node_holding_rank_0_lost_out_of_three() {
+    let dir = tempfile::tempdir().unwrap();
+    lose_one(dir.path(), 3, 0, &[PAUSE]);
 }
 
 /// MIN 1, MAX 2: a node is lost and the survivor goes on alone; a node comes back, joins at

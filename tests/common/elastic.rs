@@ -1,6 +1,6 @@
 //! Elastic jobs' nodes for the tests and the bench: each a real `oomguard launch --nnodes
 //! MIN:MAX` on loopback, one rendezvous endpoint, killed as a node dies (kill -9 of its
-//! launcher: its workers die with it).
+//! launcher and its workers at once).
 use super::*;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -8,16 +8,9 @@ use std::time::{Duration, Instant};
 /// The bound on the survivors' next step after a node's death.
 pub const WITHIN: Duration = Duration::from_secs(30);
 
-/// A global batch of 15 (uneven shards at 2 and 3 ranks), micro-batches of 4, `steps` steps.
+/// The tiny GPT over `steps` steps at global batch 15 (uneven shards at 2 and 3 ranks).
 pub fn config(dir: &Path, steps: u64) -> PathBuf {
-    let yaml = TINY
-        .replace(
-            "micro_batch_size: 8, grad_accum_steps: 2",
-            "micro_batch_size: 4, global_batch_size: 15",
-        )
-        .replace("max_steps: 6", &format!("max_steps: {steps}"))
-        .replace("warmup_steps: 2}", "warmup_steps: 2, decay_steps: 40}");
-    write_config(dir, "elastic.yaml", &(yaml + "memory: {budget: 64MiB}\n"))
+    uneven_config(dir, steps, "memory: {budget: 64MiB}\n")
 }
 
 /// One node's launcher: `nnodes` MIN:MAX, at the rendezvous `port`, naming `rank` (its
@@ -93,12 +86,10 @@ pub fn last_step(run: &Path) -> u64 {
         .unwrap_or(0)
 }
 
+/// A node's death: SIGKILL to its launcher and every worker's process group at once.
 pub fn kill(node: &mut Child) {
-    assert!(Command::new("kill")
-        .args(["-KILL", &node.id().to_string()])
-        .status()
-        .unwrap()
-        .success());
+    let workers = children(node);
+    signal_node(node.id(), &workers, libc::SIGKILL);
     let _ = node.wait();
 }
 
@@ -127,4 +118,24 @@ pub fn signal_node(launcher: u32, workers: &[i32], sig: i32) {
         unsafe { libc::killpg(*w, sig) };
     }
     unsafe { libc::kill(launcher as i32, sig) };
+}
+
+/// `nodes` nodes of an elastic job (`--nnodes nodes-1:nodes`), one rank each, started by
+/// their --node-rank; the rendezvous's host is never `victim` (the job's fixed point). Host
+/// first, then the others, each with its node rank.
+pub fn start_nodes(
+    dir: &Path,
+    cfg: &Path,
+    run: &Path,
+    nodes: usize,
+    victim: usize,
+    env: &[(&str, &str)],
+) -> Vec<(usize, Child)> {
+    let port = free_port();
+    let nnodes = format!("{}:{nodes}", nodes - 1);
+    let host = if victim == nodes - 1 { 0 } else { nodes - 1 };
+    let order = std::iter::once(host).chain((0..nodes).filter(|&r| r != host));
+    order
+        .map(|r| (r, node(dir, cfg, run, &nnodes, port, Some(&r.to_string()), env)))
+        .collect()
 }

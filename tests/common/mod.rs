@@ -335,6 +335,19 @@ pub fn inject_config(dir: &Path) -> PathBuf {
     write_config(dir, "inject.yaml", &yaml)
 }
 
+/// The tiny GPT (`TINY`) at a global batch of 15 in micro-batches of 4 (shards of 8 and 7 at
+/// 2 ranks, 5 each at 3: uneven everywhere), over `steps` steps, with `extra` YAML.
+pub fn uneven_config(dir: &Path, steps: u64, extra: &str) -> PathBuf {
+    let yaml = TINY
+        .replace(
+            "micro_batch_size: 8, grad_accum_steps: 2",
+            "micro_batch_size: 4, global_batch_size: 15",
+        )
+        .replace("max_steps: 6", &format!("max_steps: {steps}"))
+        .replace("warmup_steps: 2}", "warmup_steps: 2, decay_steps: 40}");
+    write_config(dir, &format!("c{steps}.yaml"), &(yaml + extra))
+}
+
 /// Waits until `run`'s metrics.jsonl holds `n` step records (a minute at most).
 pub fn wait_for_steps(run: &Path, n: usize) {
     let t = std::time::Instant::now();
