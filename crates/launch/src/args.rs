@@ -56,8 +56,8 @@ pub struct LaunchArgs {
     /// The job's id, shared by its nodes: an identifier, not a secret.
     #[arg(long = "rdzv-id", alias = "rdzv_id", env = "PET_RDZV_ID", default_value = "none")]
     pub rdzv_id: String,
-    /// Extra rendezvous settings: last_call_timeout and join_timeout (seconds, elastic); others
-    /// are accepted and ignored.
+    /// Extra rendezvous settings: last_call_timeout, join_timeout and heartbeat_timeout
+    /// (seconds, elastic); others are accepted and ignored.
     #[arg(long = "rdzv-conf", alias = "rdzv_conf", env = "PET_RDZV_CONF", default_value = "")]
     pub rdzv_conf: String,
     /// Single node on a free local port (c10d on localhost:0).
