@@ -37,12 +37,19 @@ fn assert_every_step_once(run: &Path, steps: u64) {
 /// `nodes` nodes, MIN one fewer, one rank each: the node holding rank `victim` (never the
 /// rendezvous's host) is killed -9 mid-run. The survivors' next step at the smaller world
 /// comes within 30 s, every survivor names the lost node, each step is recorded once, the
-/// change is recorded with the state from the survivors and at most the step in flight done
-/// again, and the run ends where one process ends, within 1e-5. Returns the run directory
-/// (in `dir`).
-fn lose_one(dir: &Path, nodes: usize, victim: usize, env: &[(&str, &str)]) -> std::path::PathBuf {
+/// change is recorded with the state from the survivors (`sharded`: from the newest
+/// checkpoint, written every 2 steps, as no rank holds the optimizer state whole) and at most
+/// the step in flight done again (sharded: the steps since that checkpoint), and the run ends
+/// where one process ends, within 1e-5. Returns the run directory (in `dir`).
+fn lose_one(dir: &Path, nodes: usize, victim: usize, sharded: bool, env: &[(&str, &str)]) -> std::path::PathBuf {
     let steps = 20;
     let cfg = config(dir, steps);
+    if sharded {
+        let yaml = std::fs::read_to_string(&cfg)
+            .unwrap()
+            .replace("num_threads: 1}", "num_threads: 1, shard: optimizer}");
+        std::fs::write(&cfg, yaml + "checkpoint: {every_steps: 2}\n").unwrap();
+    }
     let single = train_into(dir, &cfg, "single", &[]);
     let run = dir.join("elastic");
     let mut all = start_nodes(dir, &cfg, &run, nodes, victim, env);
@@ -71,8 +78,12 @@ fn lose_one(dir: &Path, nodes: usize, victim: usize, env: &[(&str, &str)]) -> st
     assert_eq!(m.len(), 1, "{m:?}");
     let worlds = (m[0]["old_world"].as_u64(), m[0]["new_world"].as_u64());
     assert_eq!(worlds, (Some(nodes as u64), Some(nodes as u64 - 1)), "{m:?}");
-    assert_eq!(m[0]["source"], "survivors", "{m:?}");
-    assert!(m[0]["steps_recomputed"].as_u64().unwrap() <= 1, "{m:?}");
+    let (source, most) = if sharded { ("checkpoint", 2) } else { ("survivors", 1) };
+    assert_eq!(m[0]["source"], source, "{m:?}");
+    assert!(m[0]["steps_recomputed"].as_u64().unwrap() <= most, "{m:?}");
+    if sharded {
+        assert!(records(&run, "step").iter().all(|s| s["shard"] == "optimizer"));
+    }
     assert!(m[0]["seconds"].as_f64().unwrap() < WITHIN.as_secs_f64(), "{m:?}");
     let diff = max_abs_diff(&weights(&single), &weights(&run));
     assert!(diff < 1e-5, "the elastic run is {diff} from one process");
@@ -85,7 +96,13 @@ fn lose_one(dir: &Path, nodes: usize, victim: usize, env: &[(&str, &str)]) -> st
 fn a_node_lost_out_of_two_and_an_oom_as_the_world_reforms() {
     let dir = tempfile::tempdir().unwrap();
     let ooms = (6..20).map(|s| format!("forward:0:{s}")).collect::<Vec<_>>().join(",");
-    let run = lose_one(dir.path(), 2, 1, &[("OOMGUARD_TEST_OOM_IN", ooms.as_str()), PAUSE]);
+    let run = lose_one(
+        dir.path(),
+        2,
+        1,
+        false,
+        &[("OOMGUARD_TEST_OOM_IN", ooms.as_str()), PAUSE],
+    );
     let from = records(&run, "membership")[0]["step"].as_u64().unwrap();
     assert!(
         records(&run, "oom").iter().any(|o| o["step"].as_u64().unwrap() >= from),
@@ -98,19 +115,27 @@ fn a_node_lost_out_of_two_and_an_oom_as_the_world_reforms() {
 #[test]
 fn the_node_holding_rank_0_lost_out_of_two() {
     let dir = tempfile::tempdir().unwrap();
-    lose_one(dir.path(), 2, 0, &[PAUSE]);
+    lose_one(dir.path(), 2, 0, false, &[PAUSE]);
 }
 
 #[test]
 fn a_node_lost_out_of_three() {
     let dir = tempfile::tempdir().unwrap();
-    lose_one(dir.path(), 3, 1, &[PAUSE]);
+    lose_one(dir.path(), 3, 1, false, &[PAUSE]);
 }
 
 #[test]
 fn the_node_holding_rank_0_lost_out_of_three() {
     let dir = tempfile::tempdir().unwrap();
-    lose_one(dir.path(), 3, 0, &[PAUSE]);
+    lose_one(dir.path(), 3, 0, false, &[PAUSE]);
+}
+
+/// ZeRO-1 over three nodes: the lost node's shard of the optimizer state is gone with it, so
+/// the survivors resume from the newest sharded checkpoint at two ranks, exactly.
+#[test]
+fn sharded_state_lost_with_a_node_resumes_from_the_newest_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    lose_one(dir.path(), 3, 1, true, &[PAUSE]);
 }
 
 /// MIN 1, MAX 2: a node is lost and the survivor goes on alone; a node comes back, joins at
