@@ -32,6 +32,7 @@ MICRO_BATCH_VAR = "OOMGUARD_MICRO_BATCH_SIZE"
 FAILED_MICRO_BATCH_VAR = "OOMGUARD_FAILED_MICRO_BATCH_SIZE"
 RUN_DIR_VAR = "OOMGUARD_RUN_DIR"
 TEST_OOM_VAR = "OOMGUARD_TEST_OOM_AT"
+MEMBERSHIP_VAR = "OOMGUARD_MEMBERSHIP"
 
 PHASES = ("forward", "backward", "sync")
 # The agreement vector's slots (one float64 tensor, all-reduced MAX once per attempt).
@@ -307,10 +308,15 @@ class Guard:
         run_dir = run_dir or os.environ.get(RUN_DIR_VAR)
         self.run_dir = run_dir
         self._metrics = None
+        # An elastic job's round that a membership change began (the launcher says which):
+        # recorded after its first step, with the steps the metrics show done before it.
+        self._membership = None
         if run_dir:
             os.makedirs(run_dir, exist_ok=True)
             if self.rank == 0:
-                self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+                path = os.path.join(run_dir, "metrics.jsonl")
+                self._membership = _membership(os.environ.get(MEMBERSHIP_VAR), path)
+                self._metrics = open(path, "a", buffering=1)
         self._oom_count = 0
         self.last_cleanup_s = 0.0  # the last failed attempt's cleanup (gc, cache, trim), seconds
         self._snapshots = bool(snapshot and run_dir and self._cuda)
@@ -701,6 +707,21 @@ class Guard:
         if self._tokens_per_sample:
             record["tokens_per_s"] = self._tokens_per_sample * n * self.world_size / step_time
         self._write(record)
+        if self._membership is not None:
+            change, last = self._membership
+            self._membership = None
+            self._write(
+                {
+                    "event": "membership",
+                    "step": self.step,
+                    "old_world": change["old_world"],
+                    "new_world": change["new_world"],
+                    "cause": change["cause"],
+                    "seconds": max(0.0, time.time() - change["detected_unix_ms"] / 1000),
+                    "steps_recomputed": 0 if last is None else max(0, last + 1 - self.step),
+                    "source": "checkpoint",  # the script's own: it resumed itself
+                }
+            )
 
     def _on_oom_event(self, phase, index, oom, line, base, after, mb, new, lost, rank, snap) -> None:
         self._oom_count += 1
@@ -751,6 +772,32 @@ class Guard:
             f"shorter sequences, a lower-precision model or optimizer state) or use a device with more "
             f"memory. PyTorch said: {line}"
         )
+
+
+def _membership(raw: Optional[str], metrics: str) -> Optional[Tuple[dict, Optional[int]]]:
+    """OOMGUARD_MEMBERSHIP (the launcher's description of the change), and the last step the
+    run's metrics recorded before this round; None outside such a round, or when unreadable."""
+    if not raw:
+        return None
+    try:
+        change = json.loads(raw)
+        for key in ("old_world", "new_world", "cause", "detected_unix_ms"):
+            change[key]
+    except (ValueError, KeyError, TypeError):
+        return None
+    last = None
+    try:
+        with open(metrics) as f:
+            for line in f:
+                try:
+                    r = json.loads(line)
+                except ValueError:
+                    continue
+                if r.get("event") == "step" and isinstance(r.get("step"), int):
+                    last = r["step"] if last is None else max(last, r["step"])
+    except OSError:
+        pass
+    return change, last
 
 
 def _env_int(name: str) -> Optional[int]:

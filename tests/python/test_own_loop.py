@@ -10,6 +10,7 @@ import re
 import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -214,6 +215,30 @@ def test_an_oom_part_way_through_redoing_such_rows_keeps_what_each_backward_fini
     assert guard.policy.num_ooms == 2
     assert abs(loss - full.item()) < 1e-12
     assert max_diff([p.grad for p in m.parameters()], list(want)) < 1e-12
+
+
+def test_a_round_after_a_membership_change_records_it(tmp_path, monkeypatch):
+    """Under an elastic `oomguard launch`, a script restarted at a smaller world (its own
+    checkpoint restored, the guard's state with it) records the launcher's change after its
+    first step: the worlds, the cause, the seconds since it was seen, the steps done again."""
+    m = _model()
+    x, y = _data()
+    loss_fn = lambda b: torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"event":"step","step":{s}}}\n' for s in range(10)))
+    seen = int(time.time() * 1000) - 1500  # the launcher saw the change 1.5 s ago
+    change = {"old_world": 3, "new_world": 2, "cause": "node 1's launcher is gone", "detected_unix_ms": seen}
+    monkeypatch.setenv("OOMGUARD_MEMBERSHIP", json.dumps(change))
+    guard = oomguard.Guard(m, global_batch_size=32, run_dir=str(tmp_path), verbose=False, cache=False)
+    guard.load_state_dict({"step": 8, "policy": guard.state_dict()["policy"]})  # its checkpoint's
+    guard.backward((x, y), loss_fn)
+    guard.backward((x, y), loss_fn)
+    records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    found = [r for r in records if r["event"] == "membership"]
+    assert len(found) == 1, records
+    r = found[0]
+    assert (r["step"], r["old_world"], r["new_world"], r["steps_recomputed"]) == (8, 3, 2, 2), r
+    assert r["cause"] == change["cause"] and r["source"] == "checkpoint"
+    assert 1.0 < r["seconds"] < 60.0, r
 
 
 def test_bad_input_names_both_numbers_and_leaves_grads_alone():
