@@ -254,3 +254,33 @@ fn a_node_that_hangs_is_dropped_by_its_missing_beats() {
     let diff = max_abs_diff(&weights(&single), &weights(&run));
     assert!(diff < 1e-5, "the elastic run is {diff} from one process");
 }
+
+/// A node whose launcher gets SIGTERM (a preempted pod, a scaled-down job) leaves: its
+/// workers stop at a step boundary with a checkpoint, it exits 143, and the rest go on at the
+/// smaller world from that checkpoint, ending where one process ends.
+#[test]
+fn a_node_stopped_by_sigterm_leaves_and_the_rest_go_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 20;
+    let cfg = config(dir.path(), steps);
+    let single = train_into(dir.path(), &cfg, "single", &[]);
+    let run = dir.path().join("elastic");
+    let mut all = start_nodes(dir.path(), &cfg, &run, 2, 1, &[PAUSE]);
+    wait_for_steps(&run, 4);
+    let at = last_step(&run);
+    let (_, leaving) = all.pop().unwrap();
+    // SAFETY: a plain syscall.
+    unsafe { libc::kill(leaving.id() as i32, libc::SIGTERM) };
+    let (o, log) = finished(leaving);
+    assert_eq!(o.status.code(), Some(143), "{log}");
+    wait_for_world(&run, 1, at);
+    let (_, host) = all.pop().unwrap();
+    let log = ok(host);
+    assert!(log.contains("stopped by a signal (143)"), "{log}");
+    assert_every_step_once(&run, steps);
+    let m = records(&run, "membership");
+    assert_eq!((m.len(), m[0]["new_world"].as_u64()), (1, Some(1)), "{m:?}");
+    assert_eq!(m[0]["steps_recomputed"], 0, "{m:?}");
+    let diff = max_abs_diff(&weights(&single), &weights(&run));
+    assert!(diff < 1e-5, "the elastic run is {diff} from one process");
+}

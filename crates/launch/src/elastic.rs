@@ -341,6 +341,30 @@ mod tests {
         assert_eq!(c.silent(soon), Vec::<usize>::new(), "b beat; a finished");
     }
 
+    /// A node stopped by a signal (a preempted pod) leaves: the others go on in a new round;
+    /// its connection closing afterwards changes nothing more.
+    #[test]
+    fn a_node_stopped_by_a_signal_leaves_and_the_rest_go_on() {
+        let mut c = elastic(1, 2);
+        let (a, _) = join(&mut c, usize::MAX);
+        let (b, _) = join(&mut c, usize::MAX);
+        let out = c.on(b, ToCoordinator::Abort { code: 143 });
+        assert!(
+            matches!(&out[..], [(To::All, ToNode::Restart { round: 1, why })] if why.contains("stopped by a signal (143)")),
+            "{out:?}"
+        );
+        assert_eq!(c.gone(b), vec![]);
+        let g = goes(&c.on(a, ToCoordinator::Stopped { round: 1, port: 0 }));
+        assert_eq!((g[&a].node_rank, g[&a].nnodes), (0, 1));
+        assert!(g[&a].change.as_ref().is_some_and(|c| c.cause.contains("signal")));
+        // The last one stopped too: below MIN, the job ends with the signal's code.
+        let out = c.on(a, ToCoordinator::Abort { code: 143 });
+        assert!(
+            matches!(&out[..], [(To::All, ToNode::Stop { code: 143, .. })]),
+            "{out:?}"
+        );
+    }
+
     /// A failure that is not a membership change still counts against --max-restarts.
     #[test]
     fn other_failures_count_as_restarts() {

@@ -220,6 +220,17 @@ impl Coordinator {
                 self.done.insert(node);
                 vec![]
             }
+            // Elastic, a node stopped by a signal (a preempted pod, a Ctrl-C there) leaves the
+            // job, and the others go on as after any loss (below MIN they stop with its
+            // code: a time limit's SIGTERM on every node ends the job 143); static, it stops
+            // every node.
+            ToCoordinator::Abort { code } if self.elastic.is_some() => {
+                let why = format!(
+                    "node {}'s launcher was stopped by a signal ({code})",
+                    self.rank_of(node)
+                );
+                self.leave(node, why, code)
+            }
             ToCoordinator::Abort { code } => self.end(code, format!("node {node}'s launcher was stopped by a signal")),
         }
     }
@@ -259,13 +270,20 @@ impl Coordinator {
         if self.done.contains(&node) || matches!(self.phase, Phase::Ended) {
             return vec![];
         }
-        let Some(e) = self.elastic else {
+        if self.elastic.is_none() {
             return self.end(1, format!("node {node}'s launcher is gone"));
-        };
-        if !self.joined.contains(&node) {
-            return vec![];
         }
         let cause = format!("node {}'s launcher is gone", self.rank_of(node));
+        self.leave(node, cause, 1)
+    }
+
+    /// Elastic: `node` is no longer a member, for `cause`: the job goes on without it while
+    /// MIN nodes remain (a new round), and ends below, with `code`.
+    fn leave(&mut self, node: usize, cause: String, code: i32) -> Vec<(To, ToNode)> {
+        let Some(e) = self.elastic else { return vec![] };
+        if !self.joined.contains(&node) || matches!(self.phase, Phase::Ended) {
+            return vec![];
+        }
         self.joined.remove(&node);
         self.members.remove(&node);
         let now = elastic::unix_ms();
@@ -277,7 +295,7 @@ impl Coordinator {
                 vec![]
             }
             _ if self.joined.len() < e.min => self.end(
-                1,
+                code,
                 format!(
                     "{cause}: {} node{} left, below --nnodes MIN {}",
                     self.joined.len(),
