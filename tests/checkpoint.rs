@@ -280,10 +280,7 @@ fn corrupt_and_truncated_checkpoints() {
             + "checkpoint: {every_steps: 2, keep: 3}\n"),
     );
     let run = dir.path().join("run");
-    let o = oomguard(
-        &["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()],
-        dir.path(),
-    );
+    let o = train_at(dir.path(), &cfg, &run, &[]);
     let err = stderr(&o);
     assert!(o.status.success(), "{err}");
     let ckpts = checkpoints(&run);

@@ -406,10 +406,7 @@ train: {{micro_batch_size: 4, grad_accum_steps: 1, max_steps: 2, eval_every: 0, 
             ),
         );
         let run = dir.path().join("run");
-        let o = oomguard(
-            &["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()],
-            dir.path(),
-        );
+        let o = train_at(dir.path(), &cfg, &run, &[]);
         let err = stderr(&o);
         assert_eq!(o.status.code(), Some(2), "{name}: {err}");
         assert!(err.contains("bad.yaml"), "{name}: the config file is not named: {err}");

@@ -285,10 +285,7 @@ fn a_history_too_large_to_allocate_is_an_error_not_an_abort() {
         + "memory: {snapshot: {mode: on_oom, max_events: 1000000000000000}}\n";
     let cfg = write_config(dir.path(), "huge.yaml", &yaml);
     let run = dir.path().join("run");
-    let o = oomguard(
-        &["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()],
-        dir.path(),
-    );
+    let o = train_at(dir.path(), &cfg, &run, &[]);
     let err = stderr(&o);
     assert!(o.status.success(), "{:?}: {err}", o.status);
     assert!(err.contains("CPU memory history not started"), "{err}");

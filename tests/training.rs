@@ -92,10 +92,7 @@ fn run_dir_with_a_run_is_not_overwritten() {
     let cfg = write_config(dir.path(), "tiny.yaml", TINY);
     let run = train_ok(dir.path(), &cfg, &["--max-steps", "1"]);
     let before = std::fs::read(run.join("metrics.jsonl")).unwrap();
-    let o = oomguard(
-        &["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()],
-        dir.path(),
-    );
+    let o = train_at(dir.path(), &cfg, &run, &[]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("already holds a run"));
     assert_eq!(std::fs::read(run.join("metrics.jsonl")).unwrap(), before);

@@ -787,7 +787,7 @@ impl Group {
 
     /// This node's workers are stopped for round `round`: wait until every node's are.
     pub fn stopped(&mut self, round: u32) -> Result<Start, (i32, String)> {
-        let port = free_port().unwrap_or(0);
+        let port = free_port("0.0.0.0").unwrap_or(0);
         self.send(ToCoordinator::Stopped { round, port });
         loop {
             match self.recv(Some(self.join_timeout)) {
@@ -837,12 +837,12 @@ fn io(context: String) -> impl FnOnce(std::io::Error) -> Error {
 
 /// A port free on this host now, offered for its workers' store (elastic), else 0.
 fn offer_port(spec: &LaunchSpec) -> u16 {
-    spec.elastic.and_then(|_| free_port().ok()).unwrap_or(0)
+    spec.elastic.and_then(|_| free_port("0.0.0.0").ok()).unwrap_or(0)
 }
 
-/// A port free on this host's every interface now (the workers' store binds it).
-fn free_port() -> std::io::Result<u16> {
-    TcpListener::bind("0.0.0.0:0")?.local_addr().map(|a| a.port())
+/// A port free on `host` now (0.0.0.0: on every interface, for a store another node reaches).
+pub(crate) fn free_port(host: &str) -> std::io::Result<u16> {
+    TcpListener::bind((host, 0))?.local_addr().map(|a| a.port())
 }
 
 /// Node 0 starts the coordinator; every node (node 0 too) connects to it. Elastic, the
@@ -1212,6 +1212,19 @@ mod tests {
             port: 0,
         }
     }
+    /// A static round's go, to every node.
+    fn go(round: u32, size: Option<usize>, failed: Option<usize>) -> (To, ToNode) {
+        let layout = None;
+        (
+            To::All,
+            ToNode::Go {
+                round,
+                size,
+                failed,
+                layout,
+            },
+        )
+    }
     fn welcome(node: usize) -> (To, ToNode) {
         (To::Node(node), ToNode::Welcome { token: "tok".into() })
     }
@@ -1243,21 +1256,7 @@ mod tests {
             matches!(c.on(0, hello(0, None))[0].1, ToNode::Refused { .. }),
             "a node rank joins once"
         );
-        assert_eq!(
-            c.on(1, hello(1, Some(4))),
-            vec![
-                welcome(1),
-                (
-                    To::All,
-                    ToNode::Go {
-                        round: 0,
-                        size: Some(4),
-                        failed: None,
-                        layout: None
-                    }
-                )
-            ]
-        );
+        assert_eq!(c.on(1, hello(1, Some(4))), vec![welcome(1), go(0, Some(4), None)]);
     }
 
     #[test]
@@ -1294,15 +1293,7 @@ mod tests {
         );
         assert_eq!(
             c.on(1, ToCoordinator::Stopped { round: 1, port: 0 }),
-            vec![(
-                To::All,
-                ToNode::Go {
-                    round: 1,
-                    size: Some(4),
-                    failed: Some(8),
-                    layout: None
-                }
-            )]
+            vec![go(1, Some(4), Some(8))]
         );
         // A late report of the replaced attempt changes nothing.
         assert_eq!(
@@ -1339,15 +1330,7 @@ mod tests {
         c.on(0, ToCoordinator::Stopped { round: 1, port: 0 });
         assert_eq!(
             c.on(1, ToCoordinator::Stopped { round: 1, port: 0 }),
-            vec![(
-                To::All,
-                ToNode::Go {
-                    round: 1,
-                    size: Some(4),
-                    failed: Some(8),
-                    layout: None
-                }
-            )]
+            vec![go(1, Some(4), Some(8))]
         );
     }
 
@@ -1580,21 +1563,7 @@ mod tests {
     #[test]
     fn one_node_restarts_alone_in_process() {
         let mut c = Coordinator::new(1, 1, "job", "tok", false);
-        assert_eq!(
-            c.on(0, hello(0, Some(6))),
-            vec![
-                welcome(0),
-                (
-                    To::All,
-                    ToNode::Go {
-                        round: 0,
-                        size: Some(6),
-                        failed: None,
-                        layout: None
-                    }
-                )
-            ]
-        );
+        assert_eq!(c.on(0, hello(0, Some(6))), vec![welcome(0), go(0, Some(6), None)]);
         c.on(
             0,
             ToCoordinator::Failed {
@@ -1604,15 +1573,7 @@ mod tests {
         );
         assert_eq!(
             c.on(0, ToCoordinator::Stopped { round: 1, port: 0 }),
-            vec![(
-                To::All,
-                ToNode::Go {
-                    round: 1,
-                    size: Some(3),
-                    failed: Some(6),
-                    layout: None
-                }
-            )]
+            vec![go(1, Some(3), Some(6))]
         );
         c.on(
             0,

@@ -171,7 +171,10 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
             );
         }
         let port = if spec.master_port == 0 {
-            free_port()?
+            super::group::free_port("127.0.0.1").map_err(|source| Error::Io {
+                context: "finding a free port".into(),
+                source,
+            })?
         } else {
             spec.master_port
         };
@@ -279,15 +282,6 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
             }
         }
     }
-}
-
-fn free_port() -> Result<u16, Error> {
-    let io = |e| Error::Io {
-        context: "finding a free port".into(),
-        source: e,
-    };
-    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(io)?;
-    l.local_addr().map(|a| a.port()).map_err(io)
 }
 
 fn streams_of(map: &std::collections::BTreeMap<usize, Streams>, rank: usize) -> Streams {

@@ -196,7 +196,6 @@ pub fn after_segment(previous: &[Rung], step: u64, value: Option<f64>, decision:
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::record::Summary;
 
     fn es() -> EarlyStop {
         EarlyStop {
@@ -218,20 +217,8 @@ mod tests {
 
     fn record(i: usize, status: Status, rungs: Vec<Rung>) -> Record {
         Record {
-            trial: format!("{i:03}-x"),
-            index: i,
-            params: BTreeMap::new(),
-            status,
-            told_by: None,
-            exit_code: Some(0),
-            summary: Summary::default(),
-            duration_s: 0.0,
-            run_dir: String::new(),
-            message: None,
-            shard: "0/1".into(),
-            finished_at: String::new(),
-            rung: None,
             rungs,
+            ..Record::of(&format!("{i:03}-x"), i, status)
         }
     }
 

@@ -72,6 +72,30 @@ pub struct Record {
     pub rungs: Vec<Rung>,
 }
 
+#[cfg(test)]
+impl Record {
+    /// A record for the tests: `trial` at `index` with `status`, exit 0, shard `0/1`, the
+    /// rest empty; a test sets what it needs with `Record { field, ..Record::of(...) }`.
+    pub(crate) fn of(trial: &str, index: usize, status: Status) -> Record {
+        Record {
+            trial: trial.into(),
+            index,
+            params: BTreeMap::new(),
+            status,
+            told_by: None,
+            exit_code: Some(0),
+            summary: Summary::default(),
+            duration_s: 0.0,
+            run_dir: String::new(),
+            message: None,
+            shard: "0/1".into(),
+            finished_at: String::new(),
+            rung: None,
+            rungs: vec![],
+        }
+    }
+}
+
 /// What a trial's metrics.jsonl says (the record's fields of the same names).
 #[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Summary {

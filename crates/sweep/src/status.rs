@@ -198,23 +198,13 @@ mod tests {
 
     fn record(t: &Trial, status: Status, loss: Option<f64>, secs: f64) -> Record {
         Record {
-            trial: t.id.clone(),
-            index: t.index,
-            params: BTreeMap::new(),
-            status,
-            told_by: None,
             exit_code: None,
             summary: Summary {
                 best_eval_loss: loss,
                 ..Default::default()
             },
             duration_s: secs,
-            run_dir: String::new(),
-            message: None,
-            shard: "0/1".into(),
-            finished_at: String::new(),
-            rung: None,
-            rungs: vec![],
+            ..Record::of(&t.id, t.index, status)
         }
     }
 

@@ -192,12 +192,6 @@ mod tests {
 
     fn record(trial: &str, index: usize, status: Status) -> Record {
         Record {
-            trial: trial.into(),
-            index,
-            params: BTreeMap::new(),
-            status,
-            told_by: None,
-            exit_code: Some(0),
             summary: Summary {
                 final_eval_loss: Some(1.0),
                 best_eval_loss: Some(0.9),
@@ -209,11 +203,7 @@ mod tests {
             },
             duration_s: 1.0,
             run_dir: format!("trials/{trial}"),
-            message: None,
-            shard: "0/1".into(),
-            finished_at: String::new(),
-            rung: None,
-            rungs: vec![],
+            ..Record::of(trial, index, status)
         }
     }
 

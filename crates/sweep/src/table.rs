@@ -151,11 +151,6 @@ mod tests {
     #[test]
     fn best_skips_trials_without_the_metric() {
         let r = |t: &str, l: Option<f64>, s: Status| Record {
-            trial: t.into(),
-            index: 0,
-            params: BTreeMap::new(),
-            status: s,
-            told_by: None,
             exit_code: None,
             summary: crate::record::Summary {
                 final_eval_loss: l,
@@ -163,13 +158,8 @@ mod tests {
                 tokens_per_s: l.map(|l| 100.0 / l),
                 ..Default::default()
             },
-            duration_s: 0.0,
-            run_dir: String::new(),
-            message: None,
             shard: String::new(),
-            finished_at: String::new(),
-            rung: None,
-            rungs: vec![],
+            ..Record::of(t, 0, s)
         };
         let rs = [
             r("a", Some(2.0), Status::Ok),

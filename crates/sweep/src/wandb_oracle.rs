@@ -10,7 +10,7 @@ use std::process::{Command, Stdio};
 
 use crate::asha;
 use crate::domain::SplitMix;
-use crate::record::{Decision, Record, Status, Summary};
+use crate::record::{Decision, Record, Status};
 use crate::spec::{self, EarlyStop, RungMetric, Sweep, Trial};
 use crate::tpe::{self, Observation, Outcome};
 use oomguard_console::ConfigError;
@@ -351,20 +351,8 @@ fn compare(es: &EarlyStop, wandb_et: &Value, seeds: std::ops::Range<u64>, n: usi
             records.insert(
                 t.id.clone(),
                 Record {
-                    trial: t.id.clone(),
-                    index: t.index,
-                    params: BTreeMap::new(),
-                    status,
-                    told_by: None,
-                    exit_code: Some(0),
-                    summary: Summary::default(),
-                    duration_s: 0.0,
-                    run_dir: String::new(),
-                    message: None,
-                    shard: "0/1".into(),
-                    finished_at: String::new(),
-                    rung: None,
                     rungs: asha::after_segment(&previous, job.target, value, decision),
+                    ..Record::of(&t.id, t.index, status)
                 },
             );
         }

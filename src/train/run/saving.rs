@@ -102,13 +102,7 @@ impl Run<'_> {
             return;
         }
         self.handover = true;
-        let state = self.train_state(next_step);
-        let saved = self.retrying_oom(next_step, |run| {
-            let opt: Vec<(String, Tensor)> = (run.opt.state().into_iter())
-                .map(|(n, t)| (n, t.shallow_clone()))
-                .collect();
-            checkpoint::save(&run.run_dir, &state, run.task.as_ref(), &opt, run.device)
-        });
+        let saved = self.save_whole(next_step);
         let dir = checkpoint::checkpoints_dir(&self.run_dir).join(format!("step-{next_step:08}"));
         match saved {
             Ok(d) => tracing::warn!(
@@ -123,17 +117,20 @@ impl Run<'_> {
 
     /// Rank 0's write of a whole checkpoint; returns its folder.
     fn write_checkpoint(&mut self, next_step: u64) -> Result<PathBuf> {
+        let dir = self.save_whole(next_step)?;
+        Ok(self.written(next_step, dir))
+    }
+
+    /// The whole state, this rank's, as a checkpoint resuming at `next_step` (retried after
+    /// an OOM); returns its folder.
+    fn save_whole(&mut self, next_step: u64) -> Result<PathBuf> {
         let state = self.train_state(next_step);
-        let dir = self.retrying_oom(next_step, |run| {
-            let opt: Vec<(String, Tensor)> = run
-                .opt
-                .state()
-                .into_iter()
+        self.retrying_oom(next_step, |run| {
+            let opt: Vec<(String, Tensor)> = (run.opt.state().into_iter())
                 .map(|(n, t)| (n, t.shallow_clone()))
                 .collect();
             checkpoint::save(&run.run_dir, &state, run.task.as_ref(), &opt, run.device)
-        })?;
-        Ok(self.written(next_step, dir))
+        })
     }
 
     /// Sharded: every rank writes its shard of the moments into one temporary folder (named
