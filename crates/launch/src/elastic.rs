@@ -50,9 +50,9 @@ impl Elastic {
                 v.trim()
                     .parse::<f64>()
                     .ok()
-                    .filter(|s| *s >= 0.0 && s.is_finite())
+                    .filter(|s| (0.0..=super::MAX_SECONDS).contains(s))
                     .map(Duration::from_secs_f64)
-                    .ok_or_else(|| format!("{k}={v}: give a number of seconds"))
+                    .ok_or_else(|| format!("{k}={v}: give a number of seconds, at most {}", super::MAX_SECONDS))
             };
             match k.trim() {
                 "last_call_timeout" => e.last_call = secs()?,
@@ -203,6 +203,10 @@ mod tests {
             .unwrap_err()
             .contains("last_call_timeout"));
         assert!(Elastic::new(1, 3, "oops").is_err());
+        assert!(
+            Elastic::new(1, 3, "join_timeout=1e300").is_err(),
+            "no panic past Duration's range"
+        );
         assert_eq!(Elastic::new(1, 3, "").unwrap().last_call, LAST_CALL);
     }
 

@@ -168,16 +168,22 @@ impl LaunchSpec {
                 ))
             }
         }
-        if !(a.monitor_interval > 0.0 && a.monitor_interval.is_finite()) {
+        if !(a.monitor_interval > 0.0 && a.monitor_interval <= MAX_SECONDS) {
             return Err(bad(
                 "--monitor-interval",
-                format!("{} must be a positive number of seconds", a.monitor_interval),
+                format!(
+                    "{} must be a positive number of seconds, at most {MAX_SECONDS}",
+                    a.monitor_interval
+                ),
             ));
         }
-        if !(a.shutdown_timeout >= 0.0 && a.shutdown_timeout.is_finite()) {
+        if !(a.shutdown_timeout >= 0.0 && a.shutdown_timeout <= MAX_SECONDS) {
             return Err(bad(
                 "--shutdown-timeout",
-                format!("{} must be 0 or more seconds", a.shutdown_timeout),
+                format!(
+                    "{} must be 0 or more seconds, at most {MAX_SECONDS}",
+                    a.shutdown_timeout
+                ),
             ));
         }
         let (token, token_given) = run_token(std::env::var_os(TOKEN_VAR))?;
@@ -229,6 +235,10 @@ impl LaunchSpec {
         }
     }
 }
+
+/// The longest wait a flag may give, in seconds (about 31 years): a Duration and an Instant
+/// plus it stay representable.
+pub(crate) const MAX_SECONDS: f64 = 1e9;
 
 /// Read by `oomguard train`; set by the launcher after an out-of-memory death.
 pub const MICRO_BATCH_VAR: &str = "OOMGUARD_MICRO_BATCH_SIZE";
@@ -520,6 +530,11 @@ mod tests {
             std::time::Duration::from_secs(600)
         );
         assert!(spec(&["--shutdown-timeout", "-1", "x.py"]).is_err());
+        assert!(
+            spec(&["--shutdown-timeout", "1e300", "x.py"]).is_err(),
+            "no panic past Duration's range"
+        );
+        assert!(spec(&["--monitor-interval", "1e30", "x.py"]).is_err());
         assert_eq!(s.program, ["python3", "-u", "train.py", "--lr", "3"]);
         let env: BTreeMap<String, String> = worker_env(
             &s,
