@@ -72,14 +72,27 @@ fn both_stages_end_where_one_process_does_with_a_world_share_of_the_state() {
         assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-5), "{a:?} {b:?}");
         // Between steps a rank holds its parameters and AdamW's moments: sharded, half of
         // the moments (2 x 4 bytes per parameter) are gone, as the allocator counts them.
-        let live = |r: &Path| last_step(r)["memory"]["live_bytes"].as_u64().unwrap() as f64;
+        // The least over the steps: a collective's buffer (the plain run's gradient bucket,
+        // as large as the parameters) may still be held by Gloo's worker thread, which drops
+        // it just after the collective completes, when a step is recorded.
+        let all = |r: &Path| -> Vec<u64> {
+            let steps = records(r, "step");
+            steps
+                .iter()
+                .filter_map(|s| s["memory"]["live_bytes"].as_u64())
+                .collect()
+        };
+        let live = |r: &Path| *all(r).iter().min().unwrap() as f64;
         let saved = live(&plain) - live(&run);
-        let expected = params as f64; // (8 bytes per parameter) x (1 - 1/2)
-                                      // Within a tenth: the collectives' chunk-sized buffers (a sixteenth of a shard each)
-                                      // may stay with the process group.
+        // (8 bytes per parameter) x (1 - 1/2), within a tenth: the collectives' chunk-sized
+        // buffers (a sixteenth of a shard each) may stay with the process group.
+        let expected = params as f64;
         assert!(
             (saved / expected - 1.0).abs() < 0.1,
-            "shard: {stage}: {saved} bytes fewer live per rank, expected about {expected}"
+            "shard: {stage}: {saved} bytes fewer live per rank, expected about {expected}; \
+             live bytes at each step, plain: {:?}, {stage}: {:?}",
+            all(&plain),
+            all(&run)
         );
     }
 }

@@ -170,13 +170,19 @@ impl Run<'_> {
                     .map(|()| s)
                     .map_err(|e| Error::io(format!("cannot fsync {}", tmp.display()), e))
             });
-        let sum = pg.agree(Topic::CheckpointWrite, sum)?;
         // 3. Every shard's size and CRC32 to rank 0 through the store, a key per rank and
         // write (O(1) bytes for every other rank, whatever the world), so that no file is
-        // read twice.
+        // read twice. Each rank publishes before the ranks agree: once they have, every key
+        // is there, and rank 0 never waits in the store (which cannot tell it a rank died)
+        // for one that a rank lost after the agreement would never write.
         let write = SHARDED_WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let key = |r: usize| format!("oomguard/checkpoint/{write}/{r}");
-        pg.share(&key(pg.rank), Some(format!("{} {}", sum.bytes, sum.crc32).as_bytes()))?;
+        shard_written_pause(pg.rank, next_step);
+        let sum = sum.and_then(|s| {
+            pg.share(&key(pg.rank), Some(format!("{} {}", s.bytes, s.crc32).as_bytes()))
+                .map(|_| s)
+        });
+        pg.agree(Topic::CheckpointWrite, sum)?;
         let Some(begun) = begun else { return Ok(None) };
         // 4. Rank 0: the manifest, written last, and the rename.
         let files = (0..pg.world)
@@ -318,6 +324,21 @@ impl Run<'_> {
                 }
                 other => return other,
             }
+        }
+    }
+}
+
+/// Test hook `OOMGUARD_TEST_SHARD_PAUSE_MS=RANK:STEP:MS`: rank RANK sleeps MS between writing
+/// its shard of the checkpoint that resumes at STEP and publishing its sum (tests kill it
+/// there).
+fn shard_written_pause(rank: usize, next_step: u64) {
+    let hook = test_hook!("OOMGUARD_TEST_SHARD_PAUSE_MS");
+    let v: Vec<u64> = (hook.iter().flat_map(|v| v.split(':')))
+        .filter_map(|p| p.parse().ok())
+        .collect();
+    if let [r, step, ms] = v[..] {
+        if r == rank as u64 && step == next_step {
+            std::thread::sleep(std::time::Duration::from_millis(ms));
         }
     }
 }
