@@ -39,25 +39,61 @@ fn four_steps_in(run: &Path) {
     wait_for_steps(run, 4);
 }
 
-/// `nodes` nodes, MIN one fewer, one rank each: the node holding rank `victim` (never the
-/// rendezvous's host) is killed -9 mid-run, at the `moment` that returns. The survivors' next step at the smaller world
-/// comes within 30 s, every survivor names the lost node, each step is recorded once, the
-/// change is recorded with the state from the survivors (`sharded`: from the newest
-/// checkpoint, written every 2 steps, as no rank holds the optimizer state whole) and at most
-/// the step in flight done again (sharded: the steps since that checkpoint), and the run ends
-/// where one process ends, within 1e-5. Returns the run directory (in `dir`).
-fn lose_one(
-    dir: &Path,
+/// A node lost from an elastic job of `nodes` nodes (MIN one fewer) of `nproc` ranks each.
+struct Loss<'a> {
     nodes: usize,
+    /// The node killed -9 (never the rendezvous's host), by its node rank.
     victim: usize,
+    nproc: usize,
+    /// ZeRO-1, a checkpoint every 2 steps.
     sharded: bool,
-    lines: &[&str],
-    env: &[(&str, &str)],
+    /// Each replaces the config's line of the same section (`model:`, `optim:`).
+    lines: &'a [&'a str],
+    env: &'a [(&'a str, &'a str)],
+    /// Returns when the victim is to die.
     moment: fn(&Path),
-) -> std::path::PathBuf {
+}
+
+impl Default for Loss<'_> {
+    fn default() -> Self {
+        Loss {
+            nodes: 2,
+            victim: 1,
+            nproc: 1,
+            sharded: false,
+            lines: &[],
+            env: &[PAUSE],
+            moment: four_steps_in,
+        }
+    }
+}
+
+/// Kills `loss.victim` mid-run, at the `moment` that returns. The survivors' next step at the
+/// smaller world comes within 30 s, every survivor names the lost node, each step is recorded
+/// once, the change is recorded with the state from the survivors (`sharded`: from the newest
+/// checkpoint, as no rank holds the optimizer state whole) and at most the step in flight done
+/// again (sharded: the steps since that checkpoint), and the run ends where one process ends,
+/// within 1e-5. Returns the run directory (in `dir`).
+fn lose_one(dir: &Path, loss: Loss) -> std::path::PathBuf {
+    let Loss {
+        nodes,
+        victim,
+        nproc,
+        sharded,
+        lines,
+        moment,
+        ..
+    } = loss;
+    let nproc_env = nproc.to_string();
+    let env: Vec<(&str, &str)> = loss
+        .env
+        .iter()
+        .copied()
+        .chain([("PET_NPROC_PER_NODE", nproc_env.as_str())])
+        .collect();
+    let env = env.as_slice();
     let steps = 20;
     let cfg = config(dir, steps);
-    // Each of `lines` replaces the config's line of the same section (`model:`, `optim:`).
     for new in lines {
         let yaml = std::fs::read_to_string(&cfg).unwrap();
         let section = &new[..new.find(':').unwrap() + 1];
@@ -74,13 +110,14 @@ fn lose_one(
     let run = dir.join("elastic");
     let mut all = start_nodes(dir, &cfg, &run, nodes, victim, env);
     moment(&run);
-    assert!(steps_of(&run).iter().all(|s| s["world_size"] == nodes as u64));
+    let (world, smaller) = ((nodes * nproc) as u64, ((nodes - 1) * nproc) as u64);
+    assert!(steps_of(&run).iter().all(|s| s["world_size"] == world));
     let at = last_step(&run);
     let i = all.iter().position(|(r, _)| *r == victim).unwrap();
     let (_, mut lost) = all.remove(i);
     let t = Instant::now();
     kill(&mut lost);
-    let next = wait_for_world(&run, nodes as u64 - 1, at);
+    let next = wait_for_world(&run, smaller, at);
     if next - t >= WITHIN {
         let logs: Vec<String> = all.into_iter().map(|(_, n)| finished(n).1).collect();
         panic!(
@@ -100,7 +137,7 @@ fn lose_one(
     let m = records(&run, "membership");
     assert_eq!(m.len(), 1, "{m:?}");
     let worlds = (m[0]["old_world"].as_u64(), m[0]["new_world"].as_u64());
-    assert_eq!(worlds, (Some(nodes as u64), Some(nodes as u64 - 1)), "{m:?}");
+    assert_eq!(worlds, (Some(world), Some(smaller)), "{m:?}");
     let (source, most) = if sharded { ("checkpoint", 2) } else { ("survivors", 1) };
     assert_eq!(m[0]["source"], source, "{m:?}");
     assert!(m[0]["steps_recomputed"].as_u64().unwrap() <= most, "{m:?}");
@@ -119,14 +156,13 @@ fn lose_one(
 fn a_node_lost_out_of_two_and_an_oom_as_the_world_reforms() {
     let dir = tempfile::tempdir().unwrap();
     let ooms = (6..20).map(|s| format!("forward:0:{s}")).collect::<Vec<_>>().join(",");
+    let env = [("OOMGUARD_TEST_OOM_IN", ooms.as_str()), PAUSE];
     let run = lose_one(
         dir.path(),
-        2,
-        1,
-        false,
-        &[],
-        &[("OOMGUARD_TEST_OOM_IN", ooms.as_str()), PAUSE],
-        four_steps_in,
+        Loss {
+            env: &env,
+            ..Loss::default()
+        },
     );
     let from = records(&run, "membership")[0]["step"].as_u64().unwrap();
     assert!(
@@ -140,19 +176,36 @@ fn a_node_lost_out_of_two_and_an_oom_as_the_world_reforms() {
 #[test]
 fn the_node_holding_rank_0_lost_out_of_two() {
     let dir = tempfile::tempdir().unwrap();
-    lose_one(dir.path(), 2, 0, false, &[], &[PAUSE], four_steps_in);
+    lose_one(
+        dir.path(),
+        Loss {
+            victim: 0,
+            ..Loss::default()
+        },
+    );
 }
 
 #[test]
 fn a_node_lost_out_of_three() {
     let dir = tempfile::tempdir().unwrap();
-    lose_one(dir.path(), 3, 1, false, &[], &[PAUSE], four_steps_in);
+    lose_one(
+        dir.path(),
+        Loss {
+            nodes: 3,
+            ..Loss::default()
+        },
+    );
 }
 
 #[test]
 fn the_node_holding_rank_0_lost_out_of_three() {
     let dir = tempfile::tempdir().unwrap();
-    lose_one(dir.path(), 3, 0, false, &[], &[PAUSE], four_steps_in);
+    let loss = Loss {
+        nodes: 3,
+        victim: 0,
+        ..Loss::default()
+    };
+    lose_one(dir.path(), loss);
 }
 
 /// Another model shape (three layers, four heads, width 48, a context of 64), with the
@@ -166,7 +219,13 @@ fn another_model_shape_loses_a_node_exactly() {
         "model: {n_layer: 3, n_head: 4, n_embd: 48, block_size: 64, vocab_size: 256}",
         "optim: {lr: 1.0e-3, min_lr: 1.0e-4, warmup_steps: 2, decay_steps: 40}",
     ];
-    lose_one(dir.path(), 2, 1, false, &lines, &[PAUSE], four_steps_in);
+    lose_one(
+        dir.path(),
+        Loss {
+            lines: &lines,
+            ..Loss::default()
+        },
+    );
 }
 
 /// ZeRO-1 over three nodes: the lost node's shard of the optimizer state is gone with it, so
@@ -174,7 +233,12 @@ fn another_model_shape_loses_a_node_exactly() {
 #[test]
 fn sharded_state_lost_with_a_node_resumes_from_the_newest_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
-    lose_one(dir.path(), 3, 1, true, &[], &[PAUSE], four_steps_in);
+    let loss = Loss {
+        nodes: 3,
+        sharded: true,
+        ..Loss::default()
+    };
+    lose_one(dir.path(), loss);
 }
 
 /// ZeRO-1 over three nodes, the lost node killed mid-checkpoint: its shard written, its sum
@@ -184,7 +248,7 @@ fn sharded_state_lost_with_a_node_resumes_from_the_newest_checkpoint() {
 fn a_node_lost_mid_sharded_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let pause = ("OOMGUARD_TEST_SHARD_PAUSE_MS", "1:6:5000");
-    lose_one(dir.path(), 3, 1, true, &[], &[PAUSE, pause], |run| {
+    let moment = |run: &Path| {
         let shard = run.join("checkpoints/.tmp-step-00000006-shards/optimizer.shard-1-of-3.safetensors");
         let t = Instant::now();
         while !shard.exists() {
@@ -192,7 +256,29 @@ fn a_node_lost_mid_sharded_checkpoint() {
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
         std::thread::sleep(std::time::Duration::from_millis(500));
-    });
+    };
+    let loss = Loss {
+        nodes: 3,
+        sharded: true,
+        env: &[PAUSE, pause],
+        moment,
+        ..Loss::default()
+    };
+    lose_one(dir.path(), loss);
+}
+
+/// Two ranks a node (world 4 -> 2): the lost node takes both its ranks; on the surviving
+/// node one worker (local rank 0) saves for both, and the run ends where one process does.
+#[test]
+fn two_ranks_a_node_lose_a_node() {
+    let dir = tempfile::tempdir().unwrap();
+    lose_one(
+        dir.path(),
+        Loss {
+            nproc: 2,
+            ..Loss::default()
+        },
+    );
 }
 
 /// MIN 1, MAX 2: a node is lost and the survivor goes on alone; a node comes back, joins at

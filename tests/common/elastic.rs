@@ -14,8 +14,8 @@ pub fn config(dir: &Path, steps: u64) -> PathBuf {
 }
 
 /// One node's launcher: `nnodes` MIN:MAX, at the rendezvous `port`, naming `rank` (its
-/// preferred place) when given; its workers train `cfg` into `run`. No --resume: a later
-/// round continues the run by itself.
+/// preferred place) when given; its workers (one, or `env`'s PET_NPROC_PER_NODE) train `cfg`
+/// into `run`. No --resume: a later round continues the run by itself.
 pub fn node(
     dir: &Path,
     cfg: &Path,
@@ -29,13 +29,14 @@ pub fn node(
     let mut c = Command::new(bin());
     isolated(dies_with_test(&mut c), dir)
         .arg("launch")
-        .args(["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d"])
+        .args(["--nnodes", nnodes, "--rdzv-backend", "c10d"])
         .args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "elastic-test"])
         .args(["--monitor-interval", "0.05"])
         .args(rank.map(|r| vec!["--node-rank", r]).unwrap_or_default())
         .args(["--no-python", bin().to_str().unwrap(), "train", cfg.to_str().unwrap()])
         .args(["--run-dir", run.to_str().unwrap()])
         .env("PET_RDZV_CONF", "last_call_timeout=1")
+        .env("PET_NPROC_PER_NODE", "1")
         .envs(env.iter().copied())
         .env("OMP_NUM_THREADS", "1")
         .current_dir(dir)

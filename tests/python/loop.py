@@ -61,6 +61,12 @@ def main() -> None:
         help="the first attempt dies of an OOM at this step, outside the guard",
     )
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--checkpoint",
+        default=None,
+        help="rank 0 saves the state here after each step; a start resumes from it (an elastic round)",
+    )
+    ap.add_argument("--step-pause", type=float, default=0.0, help="seconds of sleep before each step")
     args = ap.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -96,8 +102,20 @@ def main() -> None:
     if capped:
         _, hard = resource.getrlimit(resource.RLIMIT_AS)
         resource.setrlimit(resource.RLIMIT_AS, (vm_size() + int(args.cap_mb * (1 << 20)), hard))
+    first = 0
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        # A later round of an elastic job (any world): the state the last finished step left.
+        state = torch.load(args.checkpoint)
+        net.load_state_dict(state["net"])
+        opt.load_state_dict(state["opt"])
+        gen.set_state(state["gen"])
+        if guard is not None:
+            guard.load_state_dict(state["guard"])
+        first = state["step"]
+        print(f"resumed at step {first} on {world} rank(s)", flush=True)
     t0 = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(first, args.steps):
+        time.sleep(args.step_pause)
         x = torch.randn(args.global_batch, 16, generator=gen, dtype=torch.float64)
         y = x[:, :1].sin() + 0.1 * torch.randn(args.global_batch, 1, generator=gen, dtype=torch.float64)
         mine = (x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows])
@@ -115,6 +133,12 @@ def main() -> None:
             )
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if args.checkpoint and rank == 0:
+            state = {"step": step + 1, "net": net.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state()}
+            if guard is not None:
+                state["guard"] = guard.state_dict()
+            torch.save(state, args.checkpoint + ".tmp")
+            os.replace(args.checkpoint + ".tmp", args.checkpoint)
         print(f"step {step} loss {loss:.6f}" + (f" micro_batch {guard.micro_batch_size}" if guard else ""), flush=True)
     elapsed = time.perf_counter() - t0
     if capped:

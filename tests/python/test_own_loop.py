@@ -497,6 +497,77 @@ def test_under_the_launcher(tmp_path, reference):
     assert re.search(r"OOMs?\D+1\b", rep.stdout), rep.stdout
 
 
+def _children(pid: int) -> list:
+    """The processes a launcher started (its workers, each the leader of its process group)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return found
+
+
+def test_an_elastic_job_loses_a_node_and_the_script_resumes_at_the_smaller_world(tmp_path):
+    """Two nodes of an elastic `oomguard launch --nnodes 1:2` (separate launchers on loopback),
+    each running the user's script with the guard and its own per-step checkpoint. One node is
+    killed -9 mid-run: the other's launcher restarts the script at world 1, which resumes
+    from the checkpoint, the guard records the change, and the run ends where one process
+    ends."""
+    binary = launcher()
+    if binary is None:
+        pytest.skip("no oomguard binary (OOMGUARD_BIN, or target/release/oomguard: `cargo build --release`)")
+    from conftest import LOOP, env, free_port
+
+    steps = 14
+    single = run_loop(tmp_path, "single", "--steps", str(steps))
+    assert single.code == 0, single.out
+    run_dir, out_file = tmp_path / "run", tmp_path / "elastic.pt"
+    port = free_port()
+    node_env = env({"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PET_RDZV_CONF": "last_call_timeout=1"})
+
+    def node() -> subprocess.Popen:
+        return subprocess.Popen(
+            [str(binary), "launch", "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "py-elastic", "--monitor-interval", "0.05",
+             "--run-dir", str(run_dir), str(LOOP), "--guard", "--steps", str(steps), "--step-pause", "0.3",
+             "--checkpoint", str(tmp_path / "state.pt"), "--out", str(out_file)],
+            env=node_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    host = node()
+    time.sleep(0.5)  # the first launcher hosts the rendezvous
+    other = node()
+    try:
+        t0 = time.time()
+        while len([r for r in records(run_dir) if r["event"] == "step"] if (run_dir / "metrics.jsonl").exists() else []) < 3:
+            assert time.time() - t0 < 120, "no progress"
+            time.sleep(0.05)
+        for w in _children(other.pid):
+            os.killpg(w, 9)
+        other.kill()
+        other.wait()
+        out, _ = host.communicate(timeout=180)
+    finally:
+        for p in (host, other):
+            if p.poll() is None:
+                p.kill()
+    assert host.returncode == 0, out
+    assert "node 1's launcher is gone" in out, out
+    assert "resumed at step" in out, out
+    recs = records(run_dir)
+    changes = [r for r in recs if r["event"] == "membership"]
+    assert [(r["old_world"], r["new_world"]) for r in changes] == [(2, 1)], recs
+    assert changes[0]["steps_recomputed"] <= 1 and changes[0]["seconds"] < 30, changes
+    worlds = [r["world_size"] for r in recs if r["event"] == "step"]
+    assert worlds[0] == 2 and worlds[-1] == 1, worlds
+    assert sorted({r["step"] for r in recs if r["event"] == "step"}) == list(range(steps)), recs
+    assert max_diff(single.params, torch.load(out_file)) < 1e-5
+
+
 def test_an_oom_outside_the_guard_is_relaunched_at_half(tmp_path, reference):
     """The launcher's relaunch stays the fallback: an OOM where no guard is (here at step 2,
     after backward) kills the worker; the launcher reads the `micro_batch_size=512` it printed
