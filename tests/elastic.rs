@@ -331,7 +331,33 @@ fn a_loss_below_min_stops_with_a_checkpoint_and_exit_1() {
     let (o, log) = finished(host);
     assert_eq!(o.status.code(), Some(1), "{log}");
     assert!(log.contains("below --nnodes MIN 2"), "{log}");
-    let recorded = last_step(&run);
+    assert_saved_by_survivor(&run, steps);
+}
+
+/// The rendezvous's host lost (the job's fixed point, never a survivor's to replace): the
+/// other node cannot change the membership without it, so it stops with exit 1 saying so
+/// and what to do, its worker's checkpoint holding the last step it finished.
+#[test]
+fn the_rendezvous_host_lost_stops_the_rest_with_a_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 100;
+    let cfg = config(dir.path(), steps);
+    let run = dir.path().join("elastic");
+    let port = free_port();
+    let mut host = node(dir.path(), &cfg, &run, "1:2", port, None, &[PAUSE]);
+    let other = node(dir.path(), &cfg, &run, "1:2", port, None, &[PAUSE]);
+    wait_for_steps(&run, 4);
+    kill(&mut host);
+    let (o, log) = finished(other);
+    assert_eq!(o.status.code(), Some(1), "{log}");
+    assert!(log.contains("coordinator") && log.contains("--resume"), "{log}");
+    assert_saved_by_survivor(&run, steps);
+}
+
+/// The run stopped before `steps`, and its newest checkpoint is a survivor's, newer than
+/// the last step recorded.
+fn assert_saved_by_survivor(run: &Path, steps: u64) {
+    let recorded = last_step(run);
     assert!(recorded + 1 < steps, "the run finished before the kill");
     let newest = std::fs::read_dir(run.join("checkpoints"))
         .unwrap()

@@ -780,7 +780,7 @@ impl Group {
                 Some(ToNode::Restart { round: next, .. }) if next > round => return self.stopped(next),
                 Some(ToNode::Stop { code, why }) => return Err((code, why)),
                 Some(_) => continue,
-                None => return Err((code, "node 0's launcher did not answer".into())),
+                None => return Err((code, self.silent("did not answer"))),
             }
         }
     }
@@ -805,8 +805,21 @@ impl Group {
                 }
                 Some(ToNode::Stop { code, why }) => return Err((code, why)),
                 Some(_) => continue,
-                None => return Err((1, format!("the group did not start round {round}"))),
+                None => return Err((1, self.silent(&format!("did not start round {round}")))),
             }
+        }
+    }
+
+    /// Why no answer came from the coordinator: it `did` nothing in time, or it is gone (its
+    /// launcher died), which no node can recover from: the run directory keeps the state.
+    fn silent(&self, did: &str) -> String {
+        if matches!(self.link, Link::Remote { gone: true, .. }) {
+            "the group's coordinator (node 0's launcher; in an elastic job, the one at --rdzv-endpoint) is gone, \
+             and without it no node can restart: start the job again, with --resume, from the run directory's \
+             newest checkpoint"
+                .into()
+        } else {
+            format!("the group's coordinator {did} within {} s", self.join_timeout.as_secs())
         }
     }
 
