@@ -15,7 +15,9 @@ pub fn config(dir: &Path, steps: u64) -> PathBuf {
 
 /// One node's launcher: `nnodes` MIN:MAX, at the rendezvous `port`, naming `rank` (its
 /// preferred place) when given; its workers (one, or `env`'s PET_NPROC_PER_NODE) train `cfg`
-/// into `run`. No --resume: a later round continues the run by itself.
+/// into `run`. No --resume: a later round continues the run by itself. Returns once the
+/// rendezvous listens at `port` (this node's, or an earlier one's), so that the node started
+/// first is always the one that hosts it.
 pub fn node(
     dir: &Path,
     cfg: &Path,
@@ -42,7 +44,29 @@ pub fn node(
         .current_dir(dir)
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
-    c.spawn().unwrap()
+    let child = c.spawn().unwrap();
+    let t = Instant::now();
+    while !listening(port) {
+        assert!(t.elapsed() < Duration::from_secs(30), "no rendezvous listens at {port}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child
+}
+
+/// Whether a socket listens at this loopback port: read from /proc/net/tcp, without a
+/// connection (which the rendezvous would log as a stranger's).
+fn listening(port: u16) -> bool {
+    let local = format!(":{port:04X}");
+    ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|table| {
+        std::fs::read_to_string(table)
+            .unwrap_or_default()
+            .lines()
+            .skip(1)
+            .any(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                f.len() > 3 && f[1].ends_with(&local) && f[3] == "0A"
+            })
+    })
 }
 
 /// A free loopback port for the rendezvous.

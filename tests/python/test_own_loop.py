@@ -508,6 +508,17 @@ def _children(pid: int) -> list:
     return found
 
 
+def _listening(port: int) -> bool:
+    """Whether a socket listens at this port (from /proc/net/tcp: no stranger's connection)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[1].endswith(f":{port:04X}") and fields[3] == "0A":
+                    return True
+    return False
+
+
 def test_an_elastic_job_loses_a_node_and_the_script_resumes_at_the_smaller_world(tmp_path):
     """Two nodes of an elastic `oomguard launch --nnodes 1:2` (separate launchers on loopback),
     each running the user's script with the guard and its own per-step checkpoint. One node is
@@ -539,7 +550,10 @@ def test_an_elastic_job_loses_a_node_and_the_script_resumes_at_the_smaller_world
         )
 
     host = node()
-    time.sleep(0.5)  # the first launcher hosts the rendezvous
+    t0 = time.time()
+    while not _listening(port):  # the first launcher hosts the rendezvous
+        assert time.time() - t0 < 30, "no rendezvous"
+        time.sleep(0.01)
     other = node()
     try:
         t0 = time.time()
