@@ -689,3 +689,65 @@ fn the_coordinator_does_not_listen_beyond_master_addr() {
         "{err}"
     );
 }
+
+/// A launcher waiting for the group (node 0 for its other node, node 1 for node 0, an elastic
+/// node in its last call for more) ends at once on SIGTERM (143) or SIGINT (130), not after
+/// the join timeout, and starts no worker.
+#[test]
+fn a_signal_ends_a_wait_for_the_group_at_once() {
+    let port = port_pair().to_string();
+    let endpoint = format!("127.0.0.1:{port}");
+    let cases: [(&[&str], i32, i32); 3] = [
+        (&["--nnodes", "2", "--master-port", &port], libc::SIGTERM, 143),
+        (
+            &["--nnodes", "2", "--node-rank", "1", "--master-port", &port],
+            libc::SIGINT,
+            130,
+        ),
+        (
+            &[
+                "--nnodes",
+                "1:2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                &endpoint,
+            ],
+            libc::SIGTERM,
+            143,
+        ),
+    ];
+    for (flags, sig, code) in cases {
+        let mut args = flags.to_vec();
+        args.extend(["--nproc-per-node", "1", "--no-python", "sh", "-c", "echo started"]);
+        let child = launcher(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_until("the launcher's signal handlers", || catches(child.id(), sig));
+        // SAFETY: a plain syscall.
+        unsafe { libc::kill(child.id() as i32, sig) };
+        let t = Instant::now();
+        let o = child.wait_with_output().unwrap();
+        let (out, err) = text(&o);
+        assert_eq!(o.status.code(), Some(code), "{flags:?}: {err}");
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "{flags:?}: took {:?}",
+            t.elapsed()
+        );
+        assert!(
+            err.contains("while waiting for the group") && !out.contains("started"),
+            "{err}"
+        );
+    }
+}
+
+/// Whether process `pid` has a handler for `sig` (its SigCgt mask in /proc).
+fn catches(pid: u32, sig: i32) -> bool {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let mask = status.lines().find_map(|l| l.strip_prefix("SigCgt:")).map(str::trim);
+    mask.and_then(|m| u64::from_str_radix(m, 16).ok())
+        .is_some_and(|m| m & (1 << (sig - 1)) != 0)
+}

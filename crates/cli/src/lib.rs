@@ -180,6 +180,7 @@ pub fn exit_code(err: &anyhow::Error) -> Option<i32> {
     match err.downcast_ref::<launch::LaunchError>() {
         Some(launch::LaunchError::Config(_) | launch::LaunchError::Start(_)) => Some(2),
         Some(launch::LaunchError::Io { .. }) => Some(1),
+        Some(launch::LaunchError::Signaled(sig)) => Some(128 + sig),
         None => err.downcast_ref::<ConfigError>().map(|_| 2),
     }
 }

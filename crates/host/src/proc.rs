@@ -25,7 +25,8 @@ pub fn signal_group(child: &Child, sig: i32) {
 }
 
 /// Signals to this process (the launcher, the sweep): the last one's number, and how many
-/// arrived.
+/// arrived. A clone shares them.
+#[derive(Clone)]
 pub struct Signals {
     pub last: Arc<AtomicUsize>,
     pub count: Arc<AtomicUsize>,

@@ -16,10 +16,13 @@ use serde::{Deserialize, Serialize};
 use super::elastic::{self, Change, Elastic, Layout, Member};
 use super::outcome::{after_failure, Next, Report};
 use super::{LaunchError as Error, LaunchSpec, Micro};
+use oomguard_host::proc::Signals;
 
 /// How long a launcher waits for every node's launcher to join, and node 0's launcher, its
 /// own workers done, for the other nodes' to finish (torchrun's join timeout and exit barrier).
 const JOIN_TIMEOUT: Duration = Duration::from_secs(600);
+/// How often a wait for the group looks for a signal to the launcher.
+const SIGNAL_CHECK: Duration = Duration::from_millis(100);
 const EXIT_BARRIER: Duration = Duration::from_secs(300);
 /// How long node 0's launcher waits for a node's launcher to take a message: one that stops
 /// reading (its socket's buffers full) counts as lost, and cannot freeze the coordinator.
@@ -609,6 +612,8 @@ pub struct Group {
     link: Link,
     /// How long to wait to be admitted and for a round to start.
     join_timeout: Duration,
+    /// This launcher's signals: every wait for the group ends when one arrives.
+    signals: Signals,
 }
 
 /// What an attempt starts with: its round, micro-batch and (elastic) this node's place.
@@ -636,7 +641,7 @@ enum Link {
 impl Group {
     /// Joins the group and waits for the first attempt's go; returns the run's token too (node
     /// 0's, handed over when it admitted this node).
-    pub fn join(spec: &LaunchSpec) -> Result<(Group, Start, String), Error> {
+    pub fn join(spec: &LaunchSpec, signals: &Signals) -> Result<(Group, Start, String), Error> {
         let hello = ToCoordinator::Hello {
             id: spec.run_id.clone(),
             node: match spec.elastic {
@@ -663,9 +668,10 @@ impl Group {
                 node: 0,
                 link,
                 join_timeout,
+                signals: signals.clone(),
             }
         } else {
-            connect(spec)?
+            connect(spec, signals)?
         };
         group.send(hello);
         if let (Some(_), Link::Remote { stream, .. }) = (spec.elastic, &group.link) {
@@ -709,6 +715,9 @@ impl Group {
                 Some(ToNode::Stop { why, .. }) => {
                     return Err(Error::Start(format!("the group stopped before it started: {why}")))
                 }
+                _ if signals.received().is_some() => {
+                    return Err(Error::Signaled(signals.received().unwrap_or(libc::SIGTERM)))
+                }
                 _ if matches!(group.link, Link::Remote { gone: true, .. }) => {
                     return Err(Error::Start(
                         "node 0's launcher closed the connection before the group started".into(),
@@ -746,11 +755,22 @@ impl Group {
             Link::Remote { inbox, gone, .. } => {
                 let got = match wait {
                     None => inbox.try_recv().ok(),
-                    Some(w) => match inbox.recv_timeout(w) {
-                        Ok(m) => Some(m),
-                        Err(RecvTimeoutError::Timeout) => return None,
-                        Err(RecvTimeoutError::Disconnected) => Some(None),
-                    },
+                    // In slices, so that a signal to the launcher ends the wait at once.
+                    Some(w) => {
+                        let until = Instant::now() + w;
+                        loop {
+                            let left = until.saturating_duration_since(Instant::now());
+                            match inbox.recv_timeout(left.min(SIGNAL_CHECK)) {
+                                Ok(m) => break Some(m),
+                                Err(RecvTimeoutError::Disconnected) => break Some(None),
+                                Err(RecvTimeoutError::Timeout) => {
+                                    if left <= SIGNAL_CHECK || self.signals.received().is_some() {
+                                        return None;
+                                    }
+                                }
+                            }
+                        }
+                    }
                 };
                 match got {
                     Some(Some(m)) => Some(m),
@@ -780,7 +800,7 @@ impl Group {
                 Some(ToNode::Restart { round: next, .. }) if next > round => return self.stopped(next),
                 Some(ToNode::Stop { code, why }) => return Err((code, why)),
                 Some(_) => continue,
-                None => return Err((code, self.silent("did not answer"))),
+                None => return Err((self.signaled().unwrap_or(code), self.silent("did not answer"))),
             }
         }
     }
@@ -805,15 +825,30 @@ impl Group {
                 }
                 Some(ToNode::Stop { code, why }) => return Err((code, why)),
                 Some(_) => continue,
-                None => return Err((1, self.silent(&format!("did not start round {round}")))),
+                None => {
+                    return Err((
+                        self.signaled().unwrap_or(1),
+                        self.silent(&format!("did not start round {round}")),
+                    ))
+                }
             }
         }
+    }
+
+    /// The exit code of a signal that ended a wait for the group (128 + its number), having
+    /// told the group, as a signal while the workers run does.
+    fn signaled(&mut self) -> Option<i32> {
+        let code = 128 + self.signals.received()?;
+        self.abort(code);
+        Some(code)
     }
 
     /// Why no answer came from the coordinator: it `did` nothing in time, or it is gone (its
     /// launcher died), which no node can recover from: the run directory keeps the state.
     fn silent(&self, did: &str) -> String {
-        if matches!(self.link, Link::Remote { gone: true, .. }) {
+        if let Some(sig) = self.signals.received() {
+            format!("received signal {sig} while waiting for the group")
+        } else if matches!(self.link, Link::Remote { gone: true, .. }) {
             "the group's coordinator (node 0's launcher; in an elastic job, the one at --rdzv-endpoint) is gone, \
              and without it no node can restart: start the job again, with --resume, from the run directory's \
              newest checkpoint"
@@ -861,7 +896,7 @@ pub(crate) fn free_port(host: &str) -> std::io::Result<u16> {
 /// Node 0 starts the coordinator; every node (node 0 too) connects to it. Elastic, the
 /// coordinator is at the rendezvous endpoint (--rdzv-endpoint), hosted by the launcher that
 /// can listen there first, as torchrun's c10d rendezvous hosts its store.
-fn connect(spec: &LaunchSpec) -> Result<Group, Error> {
+fn connect(spec: &LaunchSpec, signals: &Signals) -> Result<Group, Error> {
     let (port, server) = match spec.elastic {
         Some(e) => (spec.master_port, host_elastic(spec, e)),
         None => {
@@ -891,6 +926,9 @@ fn connect(spec: &LaunchSpec) -> Result<Group, Error> {
             .and_then(|mut a| a.find_map(|a| TcpStream::connect_timeout(&a, Duration::from_secs(2)).ok()))
         {
             Some(s) => break s,
+            None if signals.received().is_some() => {
+                return Err(Error::Signaled(signals.received().unwrap_or(libc::SIGTERM)))
+            }
             None if t.elapsed() > join_timeout => {
                 return Err(Error::Start(format!(
                     "cannot reach node 0's launcher at {}:{port} within {} s",
@@ -946,6 +984,7 @@ fn connect(spec: &LaunchSpec) -> Result<Group, Error> {
             gone: false,
         },
         join_timeout,
+        signals: signals.clone(),
     })
 }
 

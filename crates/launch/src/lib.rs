@@ -45,6 +45,9 @@ pub enum LaunchError {
     Start(String),
     #[error("{context}: {source}")]
     Io { context: String, source: std::io::Error },
+    /// A signal (its number) while this node waited for the group: the launcher exits 128+it.
+    #[error("received signal {0} while waiting for the group")]
+    Signaled(i32),
 }
 
 type Error = LaunchError;

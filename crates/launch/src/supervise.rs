@@ -145,7 +145,13 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
         .or(temp.clone())
         .unwrap_or_default()
         .join(&spec.run_id);
-    let (mut group, start, token) = Group::join(spec)?;
+    let (mut group, start, token) = match Group::join(spec, &signals) {
+        Err(Error::Signaled(sig)) => {
+            tracing::warn!("received signal {sig} while waiting for the group: no worker was started");
+            return Ok(128 + sig);
+        }
+        joined => joined?,
+    };
     // On several nodes the token is node 0's, handed over when it admitted this node.
     let whole = &LaunchSpec {
         token: super::Token::new(token),
