@@ -863,12 +863,14 @@ impl Group {
     }
 
     /// This node's workers all succeeded. Node 0's launcher hosts the coordinator, so it stays
-    /// until every node has finished (or the job ended), at most EXIT_BARRIER.
+    /// until every node has finished (or the job ended), at most EXIT_BARRIER, or until a
+    /// signal.
     pub fn done(&mut self) {
         self.send(ToCoordinator::Done);
         if let Link::Remote { server: Some(c), .. } = &self.link {
             let t = Instant::now();
-            while t.elapsed() < EXIT_BARRIER && !c.lock().is_ok_and(|c| c.settled()) {
+            let waiting = || !c.lock().is_ok_and(|c| c.settled()) && self.signals.received().is_none();
+            while t.elapsed() < EXIT_BARRIER && waiting() {
                 std::thread::sleep(Duration::from_millis(20));
             }
         }
