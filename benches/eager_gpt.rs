@@ -7,7 +7,7 @@
 //! fastest tokens/s of its steps 3..; prints each round's ratios and their medians
 //! (oomguard / eager; aim >= 1.0).
 mod common;
-use common::{events, median};
+use common::median;
 use std::path::Path;
 use std::process::Command;
 
@@ -26,18 +26,7 @@ fn oomguard(dir: &Path, round: usize, threads: usize) -> (f64, f64) {
          memory: {{budget: none}}\nlog: {{every: 1000}}\n"
     )).unwrap();
     let run = dir.join(format!("run{threads}-{round}"));
-    let o = Command::new(env!("CARGO_BIN_EXE_oomguard"))
-        .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()])
-        .env("OOMGUARD_CACHE", dir.join("cache"))
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let tps: Vec<f64> = events(&run, "step")
-        .iter()
-        .skip(3)
-        .map(|v| v["tokens_per_s"].as_f64().unwrap())
-        .collect();
-    (median(tps.clone()), tps.iter().copied().fold(0.0, f64::max))
+    common::train_tokens_per_s(&cfg, &run, &dir.join("cache"))
 }
 
 fn eager(root: &Path, threads: usize) -> (f64, f64) {

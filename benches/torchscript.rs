@@ -6,7 +6,7 @@
 //! tokens/s of its steps 3.., each round a ratio of each; prints the medians over rounds
 //! (oomguard / eager).
 mod common;
-use common::{events, median};
+use common::median;
 use std::path::Path;
 use std::process::Command;
 
@@ -36,18 +36,7 @@ fn main() {
     let (mut median_ratios, mut fastest_ratios) = (vec![], vec![]);
     for round in 0..3 {
         let run = dir.path().join(format!("run{round}"));
-        let o = Command::new(env!("CARGO_BIN_EXE_oomguard"))
-            .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()])
-            .env("OOMGUARD_CACHE", dir.path().join("cache"))
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let tps: Vec<f64> = events(&run, "step")
-            .iter()
-            .skip(3)
-            .map(|v| v["tokens_per_s"].as_f64().unwrap())
-            .collect();
-        let (ours, ours_fastest) = (median(tps.clone()), tps.iter().copied().fold(0.0, f64::max));
+        let (ours, ours_fastest) = common::train_tokens_per_s(&cfg, &run, &dir.path().join("cache"));
         let o = Command::new(&python)
             .arg(root.join("benches/scripts/ts_eager.py"))
             .args([LAYERS, BLOCK, &BATCH.to_string(), &STEPS.to_string(), "2"])

@@ -7,9 +7,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn spawn(args: &[&str], cwd: &Path) -> Child {
+/// `oomguard train CFG --run-dir RUN [extra]` in the background, its stderr piped.
+fn spawn(cwd: &Path, cfg: &Path, run: &Path, extra: &[&str]) -> Child {
     isolated(dies_with_test(&mut Command::new(common::bin())), cwd)
-        .args(args)
+        .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()])
+        .args(extra)
         .current_dir(cwd)
         .env("OMP_NUM_THREADS", "1")
         .stdout(Stdio::null())
@@ -106,10 +108,7 @@ fn sigterm_then_resume() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = write_config(dir.path(), "tiny.yaml", &TINY.replace("max_steps: 6", "max_steps: 300"));
     let run = dir.path().join("run");
-    let mut child = spawn(
-        &["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()],
-        dir.path(),
-    );
+    let mut child = spawn(dir.path(), &cfg, &run, &[]);
     wait_for_steps(&run, 20, &mut child);
     signal(&child, "-TERM");
     let out = child.wait_with_output().unwrap();
@@ -149,10 +148,7 @@ fn second_signal_exits_at_once() {
         + "checkpoint: {every_steps: 1}\n";
     let cfg = write_config(dir.path(), "slow.yaml", &yaml);
     let run = dir.path().join("run");
-    let mut child = spawn(
-        &["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()],
-        dir.path(),
-    );
+    let mut child = spawn(dir.path(), &cfg, &run, &[]);
     wait_for_steps(&run, 2, &mut child);
     // Past step 2's checkpoint (a slow disk or a busy machine can take longer than a step to
     // write it: a signal inside the write would stop the run before the second arrives),
@@ -208,10 +204,7 @@ fn kill_9_during_checkpoint_writes() {
         &(TINY.replace("max_steps: 6", "max_steps: 100000") + "checkpoint: {every_steps: 1, keep: 2}\n"),
     );
     let run = dir.path().join("run");
-    let mut child = spawn(
-        &["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()],
-        dir.path(),
-    );
+    let mut child = spawn(dir.path(), &cfg, &run, &[]);
     wait_for_steps(&run, 3, &mut child);
     let mut rng = 0x5EEDu64;
     for i in 0..20 {
@@ -228,16 +221,7 @@ fn kill_9_during_checkpoint_writes() {
         child.wait().unwrap();
         // It must get through start-up (checkpoint verified and loaded) to training again.
         let before = resumes(&run);
-        child = spawn(
-            &[
-                "train",
-                cfg.to_str().unwrap(),
-                "--run-dir",
-                run.to_str().unwrap(),
-                "--resume",
-            ],
-            dir.path(),
-        );
+        child = spawn(dir.path(), &cfg, &run, &["--resume"]);
         let t = Instant::now();
         while resumes(&run) == before {
             if let Some(status) = child.try_wait().unwrap() {

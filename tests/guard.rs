@@ -240,48 +240,43 @@ fn time_lost_is_the_failed_attempts() {
     );
 }
 
-#[test]
-fn allocator_settings_are_validated() {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = write_config(
-        dir.path(),
-        "a.yaml",
-        &(TINY.to_string() + "memory: {allocator: {expandable_segments: yes}}\n"),
-    );
-    let o = oomguard(&["train", cfg.to_str().unwrap()], dir.path());
-    assert_eq!(o.status.code(), Some(2));
-    assert!(
-        stderr(&o)
-            .contains("memory.allocator.expandable_segments: `yes` is not a bool libtorch reads; write True or False"),
-        "{}",
-        stderr(&o)
-    );
-
-    let cfg = write_config(
-        dir.path(),
-        "b.yaml",
-        &(TINY.to_string() + "memory: {allocator: {max_split_size: 128}}\n"),
-    );
-    let o = oomguard(&["train", cfg.to_str().unwrap()], dir.path());
-    assert_eq!(o.status.code(), Some(2));
-    assert!(
-        stderr(&o).contains("unknown allocator setting `max_split_size`"),
-        "{}",
-        stderr(&o)
-    );
-
-    let cfg = write_config(dir.path(), "c.yaml", TINY);
-    let o = isolated(&mut std::process::Command::new(common::bin()), dir.path())
+/// `oomguard train` of TINY plus `extra`, with `env`: exit 2, saying `says`.
+fn refused(dir: &std::path::Path, name: &str, extra: &str, env: &[(&str, &str)], says: &str) {
+    let cfg = write_config(dir, name, &(TINY.to_string() + extra));
+    let o = isolated(&mut std::process::Command::new(common::bin()), dir)
         .args(["train", cfg.to_str().unwrap()])
-        .current_dir(dir.path())
-        .env("PYTORCH_ALLOC_CONF", "expandable_segments:true")
+        .current_dir(dir)
+        .env("OMP_NUM_THREADS", "1")
+        .envs(env.iter().copied())
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(2));
-    assert!(
-        stderr(&o).contains("PYTORCH_ALLOC_CONF: expandable_segments: `true` is not a bool"),
-        "{}",
-        stderr(&o)
+    assert!(stderr(&o).contains(says), "{}", stderr(&o));
+}
+
+#[test]
+fn allocator_settings_are_validated() {
+    let dir = tempfile::tempdir().unwrap();
+    refused(
+        dir.path(),
+        "a.yaml",
+        "memory: {allocator: {expandable_segments: yes}}\n",
+        &[],
+        "memory.allocator.expandable_segments: `yes` is not a bool libtorch reads; write True or False",
+    );
+    refused(
+        dir.path(),
+        "b.yaml",
+        "memory: {allocator: {max_split_size: 128}}\n",
+        &[],
+        "unknown allocator setting `max_split_size`",
+    );
+    refused(
+        dir.path(),
+        "c.yaml",
+        "",
+        &[("PYTORCH_ALLOC_CONF", "expandable_segments:true")],
+        "PYTORCH_ALLOC_CONF: expandable_segments: `true` is not a bool",
     );
 }
 

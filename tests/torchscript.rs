@@ -43,6 +43,19 @@ fn reference(dir: &Path, mode: &str, model: &str, weights: &Path, config: Value)
     serde_json::from_str(out.lines().last().unwrap()).unwrap()
 }
 
+/// The run's last evaluation loss equals the Python reference's with the run's final
+/// model.safetensors, within 1e-5; returns the reference's answer.
+fn same_eval_as_python(dir: &Path, model: &str, run: &Path, config: Value) -> Value {
+    let ours = records(run, "eval").last().unwrap()["val_loss"].as_f64().unwrap();
+    let py = reference(dir, "eval", model, &run.join("model.safetensors"), config);
+    let theirs = py["val_loss"].as_f64().unwrap();
+    assert!(
+        (ours - theirs).abs() < 1e-5,
+        "eval loss: oomguard {ours}, Python with model.safetensors {theirs}"
+    );
+    py
+}
+
 fn mu_sota_reference_config(dir: &Path, steps: u64) -> Value {
     json!({"data": dir.join("corpus.txt"), "block": 32, "val_fraction": 0.1, "seed": 5, "global_batch": 8, "steps": steps,
            "lr": 3e-3, "min_lr": 3e-4, "warmup": 3, "decay_steps": 30, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95,
@@ -81,20 +94,8 @@ fn trains_like_eager_pytorch_and_its_weights_load_in_python() {
     );
     assert!(tail < 0.8 * head, "loss did not fall: {head} -> {tail}");
 
-    let ours_val = records(&r, "eval").last().unwrap()["val_loss"].as_f64().unwrap();
-    let py = reference(
-        dir.path(),
-        "eval",
-        "mu_sota",
-        &r.join("model.safetensors"),
-        mu_sota_reference_config(dir.path(), 0),
-    );
+    let py = same_eval_as_python(dir.path(), "mu_sota", &r, mu_sota_reference_config(dir.path(), 0));
     assert!(py["load"].as_str().unwrap().contains("All keys matched"), "{py}");
-    let py_val = py["val_loss"].as_f64().unwrap();
-    assert!(
-        (ours_val - py_val).abs() < 1e-5,
-        "eval loss: oomguard {ours_val}, Python with model.safetensors {py_val}"
-    );
 }
 
 /// Under a budget the scripted forward runs out of memory, the guard halves the micro-batch,
@@ -172,14 +173,7 @@ fn an_oom_inside_the_scripted_model_is_recovered_with_the_same_result() {
 /// tests/scripts/ts_bn.py's model (with BatchNorm) and data, and a config training it at
 /// micro-batch 32, the whole global batch: (config, data file).
 fn bn_model(dir: &Path) -> (PathBuf, PathBuf) {
-    let (model, data) = (dir.join("bn.pt"), dir.join("bn.safetensors"));
-    python(&[
-        &script("tests/scripts/ts_bn.py"),
-        "--out",
-        model.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-    ]);
+    let data = bn_files(dir, &[]);
     let cfg = write_config(dir, "bn.yaml", "
 model: {kind: torchscript, path: bn.pt}
 data: {source: tensors, path: bn.safetensors, val_fraction: 0.2}
@@ -187,6 +181,23 @@ optim: {lr: 1.0e-2, warmup_steps: 2, decay_steps: 10}
 train: {micro_batch_size: 32, grad_accum_steps: 1, max_steps: 10, eval_every: 0, eval_batch_size: 32, eval_batches: 2, seed: 3, device: cpu, num_threads: 1}
 ");
     (cfg, data)
+}
+
+/// tests/scripts/ts_bn.py's module and data, written to `dir`/bn.pt and bn.safetensors (with
+/// the script's `extra` flags); returns the data's path.
+fn bn_files(dir: &Path, extra: &[&str]) -> PathBuf {
+    let (model, data) = (dir.join("bn.pt"), dir.join("bn.safetensors"));
+    let script = script("tests/scripts/ts_bn.py");
+    let mut args = vec![
+        script.as_str(),
+        "--out",
+        model.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+    ];
+    args.extend(extra);
+    python(&args);
+    data
 }
 
 fn tensor<'t>(w: &'t [(String, tch::Tensor)], name: &str) -> &'t tch::Tensor {
@@ -218,14 +229,8 @@ fn resume_is_exact_and_buffers_are_kept() {
         "one BatchNorm update per step (failed attempts are undone)"
     );
 
-    let ours_val = records(&full, "eval").last().unwrap()["val_loss"].as_f64().unwrap();
     let cfg = json!({"data": data, "val_fraction": 0.2, "seed": 3, "eval_batch": 32, "eval_batches": 2});
-    let py = reference(dir.path(), "eval", "bn", &full.join("model.safetensors"), cfg);
-    let py_val = py["val_loss"].as_f64().unwrap();
-    assert!(
-        (ours_val - py_val).abs() < 1e-5,
-        "eval loss: oomguard {ours_val}, Python {py_val}"
-    );
+    same_eval_as_python(dir.path(), "bn", &full, cfg);
 }
 
 /// BatchNorm normalises each forward's batch, so split into micro-batches its statistics are
@@ -354,15 +359,7 @@ fn bad_models_exit_2_saying_what_was_expected() {
     };
     std::fs::write(dir.path().join("junk.pt"), b"not a module at all").unwrap();
     let base = "data: {source: tensors, path: bn.safetensors}\ntrain: {device: cpu, max_steps: 1}\n";
-    let (model, data) = (dir.path().join("bn.pt"), dir.path().join("bn.safetensors"));
-    python(&[
-        &script("tests/scripts/ts_bn.py"),
-        "--out",
-        model.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--float-targets",
-    ]);
+    bn_files(dir.path(), &["--float-targets"]);
     let junk = write_config(
         dir.path(),
         "junk.yaml",
@@ -456,14 +453,7 @@ fn measured_planner_and_auto_micro_batch() {
 fn too_small_budgets_exit_3_at_every_stage() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = mu_sota(dir.path(), "");
-    let (model, data) = (dir.path().join("bn.pt"), dir.path().join("bn.safetensors"));
-    python(&[
-        &script("tests/scripts/ts_bn.py"),
-        "--out",
-        model.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-    ]);
+    bn_files(dir.path(), &[]);
     let bn = write_config(
         dir.path(),
         "bn.yaml",

@@ -16,6 +16,23 @@ pub fn events(run: &Path, event: &str) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// `oomguard train CFG --run-dir RUN` (the micro-batch cache under `cache`): the median and
+/// the fastest of its steps' tokens_per_s, past the first three.
+pub fn train_tokens_per_s(cfg: &Path, run: &Path, cache: &Path) -> (f64, f64) {
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_oomguard"))
+        .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()])
+        .env("OOMGUARD_CACHE", cache)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let tps: Vec<f64> = events(run, "step")
+        .iter()
+        .skip(3)
+        .map(|v| v["tokens_per_s"].as_f64().unwrap())
+        .collect();
+    (median(tps.clone()), tps.iter().copied().fold(0.0, f64::max))
+}
+
 /// The GPT the guard and snapshot benches step (n_layer 4, n_head 4, n_embd 256, block 128,
 /// vocab 256, on the CPU under the counting allocator), its AdamW and its data.
 pub fn bench_gpt() -> (

@@ -391,24 +391,12 @@ impl ProcessGroup {
             requested_bytes: n(d[2]),
             capacity_bytes: capacity,
             free_bytes: n(d[3]),
-            phase: n(d[0]).and_then(|p| PHASES.get(p as usize).copied()),
+            phase: n(d[0]).and_then(|p| Phase::ALL.get(p as usize).copied()),
             micro_batch: n(d[1]).map(|m| m as usize),
             message: own_message.unwrap_or_else(|| format!("rank {r} ran out of memory")),
         }))
     }
 }
-
-/// `Phase as u8` back to the phase.
-const PHASES: [Phase; 8] = [
-    Phase::Data,
-    Phase::Forward,
-    Phase::Backward,
-    Phase::Clip,
-    Phase::Optimizer,
-    Phase::Eval,
-    Phase::Checkpoint,
-    Phase::Init,
-];
 
 /// LOCAL_WORLD_SIZE (else WORLD_SIZE) in a data-parallel run: the ranks on this node.
 pub fn local_world() -> Option<usize> {
@@ -593,7 +581,7 @@ mod tests {
 
     #[test]
     fn phases_round_trip_through_an_agreement() {
-        for (i, p) in super::PHASES.iter().enumerate() {
+        for (i, p) in crate::error::Phase::ALL.iter().enumerate() {
             assert_eq!(*p as u8 as usize, i);
         }
     }

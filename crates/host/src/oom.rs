@@ -19,6 +19,21 @@ pub enum Phase {
     Init,
 }
 
+impl Phase {
+    /// Every phase, in declaration order: `ALL[p as usize] == p` (the number the ranks
+    /// exchange and the snapshot hook's code stand for a phase by its place here).
+    pub const ALL: [Phase; 8] = [
+        Phase::Data,
+        Phase::Forward,
+        Phase::Backward,
+        Phase::Clip,
+        Phase::Optimizer,
+        Phase::Eval,
+        Phase::Checkpoint,
+        Phase::Init,
+    ];
+}
+
 /// Where an out-of-memory error came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -715,21 +715,20 @@ impl Group {
                 Some(ToNode::Stop { why, .. }) => {
                     return Err(Error::Start(format!("the group stopped before it started: {why}")))
                 }
-                _ if signals.received().is_some() => {
-                    return Err(Error::Signaled(signals.received().unwrap_or(libc::SIGTERM)))
-                }
                 _ if matches!(group.link, Link::Remote { gone: true, .. }) => {
+                    interrupted(signals)?;
                     return Err(Error::Start(
                         "node 0's launcher closed the connection before the group started".into(),
-                    ))
+                    ));
                 }
                 _ => {
+                    interrupted(signals)?;
                     return Err(Error::Start(format!(
                         "not every node's launcher joined within {} s (--nnodes {})",
                         join_timeout.as_secs(),
                         spec.elastic
                             .map_or(spec.nnodes.to_string(), |e| format!("{}:{}", e.min, e.max))
-                    )))
+                    )));
                 }
             }
         }
@@ -922,24 +921,20 @@ fn connect(spec: &LaunchSpec, signals: &Signals) -> Result<Group, Error> {
     let join_timeout = spec.elastic.map_or(JOIN_TIMEOUT, |e| e.join_timeout);
     let t = Instant::now();
     let stream = loop {
-        match addr
-            .to_socket_addrs()
-            .ok()
-            .and_then(|mut a| a.find_map(|a| TcpStream::connect_timeout(&a, Duration::from_secs(2)).ok()))
-        {
-            Some(s) => break s,
-            None if signals.received().is_some() => {
-                return Err(Error::Signaled(signals.received().unwrap_or(libc::SIGTERM)))
-            }
-            None if t.elapsed() > join_timeout => {
-                return Err(Error::Start(format!(
-                    "cannot reach node 0's launcher at {}:{port} within {} s",
-                    spec.master_addr,
-                    join_timeout.as_secs()
-                )))
-            }
-            None => std::thread::sleep(Duration::from_millis(200)),
+        let reached = (addr.to_socket_addrs().ok())
+            .and_then(|mut a| a.find_map(|a| TcpStream::connect_timeout(&a, Duration::from_secs(2)).ok()));
+        if let Some(s) = reached {
+            break s;
         }
+        interrupted(signals)?;
+        if t.elapsed() > join_timeout {
+            return Err(Error::Start(format!(
+                "cannot reach node 0's launcher at {}:{port} within {} s",
+                spec.master_addr,
+                join_timeout.as_secs()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(200));
     };
     stream.set_nodelay(true).ok();
     let (tx, rx) = mpsc::channel();
@@ -988,6 +983,11 @@ fn connect(spec: &LaunchSpec, signals: &Signals) -> Result<Group, Error> {
         join_timeout,
         signals: signals.clone(),
     })
+}
+
+/// A signal to the launcher ends its wait for the group.
+fn interrupted(signals: &Signals) -> Result<(), Error> {
+    signals.received().map_or(Ok(()), |sig| Err(Error::Signaled(sig)))
 }
 
 /// Elastic: a beat every BEAT until the coordinator's connection fails, so that a node whose

@@ -90,25 +90,14 @@ pub struct Capture {
     pub python: Vec<String>,
 }
 
-const PHASES: [Phase; 8] = [
-    Phase::Data,
-    Phase::Forward,
-    Phase::Backward,
-    Phase::Clip,
-    Phase::Optimizer,
-    Phase::Eval,
-    Phase::Checkpoint,
-    Phase::Init,
-];
-
 fn phase_code(p: Option<Phase>) -> i32 {
-    p.and_then(|p| PHASES.iter().position(|&q| q == p))
+    p.and_then(|p| Phase::ALL.iter().position(|&q| q == p))
         .map_or(0, |i| i as i32 + 1)
 }
 
 /// The phase a record was made in (code 0: outside any).
 pub fn phase_of(code: i32) -> Option<Phase> {
-    usize::try_from(code - 1).ok().and_then(|i| PHASES.get(i).copied())
+    usize::try_from(code - 1).ok().and_then(|i| Phase::ALL.get(i).copied())
 }
 
 /// Starts recording (the CPU's history) with a ring of `max_events`; an error (a ring too
