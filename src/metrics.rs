@@ -263,35 +263,8 @@ impl MetricsWriter {
     /// redoes) and any torn last line move to metrics.replaced.jsonl, so metrics.jsonl
     /// reads as one uninterrupted run and nothing written is lost.
     pub fn resume(dir: &Path, next_step: u64) -> Result<MetricsWriter> {
-        let path = dir.join("metrics.jsonl");
-        let text = std::fs::read_to_string(&path).unwrap_or_default();
-        let (mut keep, mut replaced) = (String::new(), String::new());
-        for line in text.lines() {
-            let v = serde_json::from_str::<serde_json::Value>(line).ok();
-            let step = v.as_ref().and_then(|v| v.get("step").and_then(|s| s.as_u64()));
-            // The micro-batch search ran before its step; the resumed run does not redo it.
-            let before = v.as_ref().is_some_and(|v| v["event"] == "auto_micro_batch");
-            let out = if step.is_some_and(|s| s < next_step || (before && s <= next_step)) {
-                &mut keep
-            } else {
-                &mut replaced
-            };
-            out.push_str(line);
-            out.push('\n');
-        }
-        if !replaced.is_empty() {
-            let r = dir.join("metrics.replaced.jsonl");
-            let mut f = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(&r)
-                .map_err(|e| Error::io(format!("cannot open {}", r.display()), e))?;
-            f.write_all(replaced.as_bytes())
-                .and_then(|_| f.sync_all())
-                .map_err(|e| Error::io(format!("cannot write {}", r.display()), e))?;
-            oomguard_report::atomic::write(&path, keep.as_bytes())
-                .map_err(|e| Error::io(format!("cannot rewrite {}", path.display()), e))?;
-        }
+        oomguard_runfiles::metrics::resume(dir, next_step)
+            .map_err(|e| Error::io(format!("cannot set aside {}'s later records", dir.join("metrics.jsonl").display()), e))?;
         Self::open(dir)
     }
 

@@ -2,7 +2,7 @@
 
     guard = oomguard.Guard(model, global_batch_size=G, micro_batch_size=M)
     loss = guard.backward(batch, loss_fn)  # every .grad as one backward of the whole batch
-    optimizer.step()                       # yours
+    optimizer.step()                       # yours (or guard.step(optimizer): its OOMs too)
 
 The decisions (halve, grow back, cool down, give up) are the runtime's own policy, the
 `oomguard-policy` crate compiled into `oomguard._native`; this package does the torch work

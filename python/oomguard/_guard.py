@@ -1,32 +1,35 @@
-"""The guard around a user's own backward pass.
+"""The guard around a user's own step: backward in micro-batches that fit, the optimizer's
+step, evaluation.
 
-This module owns the torch work of one optimizer step's gradients: splitting the batch into
-micro-batches, the scaled backward passes, dropping a failed attempt, the ranks' agreement
-and DDP's gradient all-reduce. Every decision (the size after an OOM, growing back, giving
-up) is `oomguard._native.Policy`'s, the runtime's own policy. Invariant: when `backward`
-returns, every `.grad` is what it was before the call plus one backward of the whole batch's
-mean (averaged over ranks under DDP); when it raises, every `.grad` is what it was before.
+This module owns one step's attempts: splitting the batch (oomguard._batch), the scaled
+backward passes, dropping a failed attempt (oomguard._memory, oomguard._buffers, FSDP2's
+state), the ranks' votes (oomguard._ranks) and DDP's gradient average. Every decision (the
+size after an OOM, growing back, giving up) is `oomguard._native.Policy`'s, the runtime's
+own policy, and the agreement vector's meaning is `oomguard._native`'s too. Invariant: when
+`backward` returns, every `.grad` is what it was before the call plus one backward of the
+whole batch's mean (averaged over ranks under DDP and FSDP2); when it raises, every `.grad`
+and every watched buffer is what it was before, on every rank, and no rank is left in a
+collective.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
-import json
 import math
 import os
-import sys
 import time
-import traceback
 import weakref
 import zlib
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from ._native import Policy, classify_oom, malloc_trim, memory_step
-
-Batch = Union[torch.Tensor, Sequence[torch.Tensor]]
+from . import _memory, _ranks
+from ._batch import Rows
+from ._buffers import Buffers
+from ._memory import Heap, Peak, forget, human, oom_of, warn
+from ._native import PHASES, Policy, agreed, cached_micro_batch, memory_step, remember_micro_batch, vote
+from ._records import Records, finite, membership, membership_record
 
 MICRO_BATCH_VAR = "OOMGUARD_MICRO_BATCH_SIZE"
 FAILED_MICRO_BATCH_VAR = "OOMGUARD_FAILED_MICRO_BATCH_SIZE"
@@ -34,13 +37,25 @@ RUN_DIR_VAR = "OOMGUARD_RUN_DIR"
 TEST_OOM_VAR = "OOMGUARD_TEST_OOM_AT"
 MEMBERSHIP_VAR = "OOMGUARD_MEMBERSHIP"
 
-PHASES = ("forward", "backward", "sync")
-# The agreement vector's slots (one float64 tensor, all-reduced MAX once per attempt).
-FAILED, SEVERE, SIGNATURE, PHASE, RANK, INDEX, PEAK, BASELINE, NEG_LIMIT, RETRIES = range(10)
+# Where the test hook can raise: the guard's own phases, and the collectives FSDP2 (or any
+# code) issues inside an attempt: `gather` (all-gathers), `reduce` (reduce-scatters),
+# `collective` (any other).
+HOOK_SITES = ("forward", "backward", "sync", "optimizer", "eval", "gather", "reduce", "collective")
+# Gradient buckets of DDP's average: at most this share of the gradients, and never more
+# than DDP's own bucket cap (25 MiB by default), at least 1 MiB.
+BUCKET_SHARE = 1 / 32
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether `exc` is an out-of-memory error: torch.OutOfMemoryError, or an error the
+    runtime's classifier calls one (the CPU allocator's "can't allocate memory", oneDNN's
+    "could not create a primitive", Python's MemoryError)."""
+    return oom_of(exc) is not None
 
 
 class Infeasible(RuntimeError):
-    """Even micro-batch 1 does not fit: the step cannot run in this memory.
+    """The step cannot run in this memory: even micro-batch 1 does not fit, or the part that
+    ran out (the optimizer's update) does not get smaller with the micro-batch.
 
     `step`, `phase`, `requested_bytes` (the failed allocation, when known) and `oom_message`
     (what PyTorch said) tell what would have to change.
@@ -58,169 +73,66 @@ class Infeasible(RuntimeError):
         self.oom_message = oom_message
 
 
-def is_oom(exc: BaseException) -> bool:
-    """Whether `exc` is an out-of-memory error: torch.OutOfMemoryError, or a RuntimeError
-    the runtime's classifier calls one (the CPU allocator's "can't allocate memory", oneDNN's
-    "could not create a primitive"), or Python's MemoryError."""
-    return _oom_of(exc) is not None
-
-
-def _oom_of(exc: BaseException) -> Optional[Tuple[str, str, Optional[int]]]:
-    """(source, line, requested_bytes) of an OOM, None for any other error."""
-    if isinstance(exc, MemoryError):
-        return ("cpu", f"MemoryError: {exc}", None)
-    oom_type = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
-    if not isinstance(exc, (RuntimeError, oom_type)):
-        return None
-    c = classify_oom(str(exc))
-    if c is None:
-        if isinstance(exc, oom_type):
-            return ("cuda", str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory", None)
-        return None
-    source, line, requested, _capacity, _free = c
-    return (source, line, requested)
-
-
-def _forget(exc: Optional[BaseException]) -> None:
-    """Drops what an exception keeps alive: its traceback's frames hold the failed forward's
-    tensors (pytorch #18853), and so do the exceptions it chains."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if exc.__traceback__ is not None:
-            traceback.clear_frames(exc.__traceback__)
-        exc.__traceback__ = None
-        exc = exc.__cause__ or exc.__context__
-
-
-_STATM = None
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _rss_anon() -> Optional[int]:
-    """The process's anonymous resident memory (statm's resident less shared: RssAnon), read
-    through a descriptor kept open (a few microseconds)."""
-    global _STATM
-    try:
-        if _STATM is None:
-            _STATM = os.open("/proc/self/statm", os.O_RDONLY)
-        fields = os.pread(_STATM, 256, 0).split()
-        return (int(fields[1]) - int(fields[2])) * _PAGE
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _human(n: Optional[float]) -> str:
-    if n is None:
-        return "?"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
-
-
 class _InjectedOom:
-    """OOMGUARD_TEST_OOM_AT=rank:step:phase[,rank:step:phase...]: raises a real
-    torch.OutOfMemoryError (CUDA) or the CPU allocator's RuntimeError once, on the first
-    attempt of that step, at that phase (forward: after loss_fn returned; backward: after the
-    first micro-batch's backward; sync: after the gradient buffers were allocated). A test
-    hook: an OOM on one rank only, at a chosen place."""
+    """OOMGUARD_TEST_OOM_AT=rank:step:site[:k][,...]: raises a real torch.OutOfMemoryError
+    (CUDA) or the CPU allocator's RuntimeError once, on the first attempt of that step, at
+    that site's k-th occurrence (default 1st): forward (after loss_fn returned), backward
+    (after a micro-batch's backward), sync (after DDP's buffers were allocated), optimizer
+    (in `guard.step`, before the update), eval (after an evaluation micro-batch), gather /
+    reduce / collective (just before such a collective inside an attempt, as when its
+    buffer's allocation fails). A test hook: an OOM on one rank only, at a chosen place."""
 
     def __init__(self, spec: str, rank: int):
-        self.points = set()
+        self.points: Dict[Tuple[int, str], int] = {}
         for part in filter(None, (p.strip() for p in spec.split(","))):
-            r, s, ph = part.split(":")
-            if ph not in PHASES:
-                raise ValueError(f"{TEST_OOM_VAR}: phase {ph!r} is not one of {PHASES}")
-            if int(r) == rank:
-                self.points.add((int(s), ph))
+            fields = part.split(":")
+            if len(fields) not in (3, 4) or fields[2] not in HOOK_SITES:
+                raise ValueError(f"{TEST_OOM_VAR}: {part!r} is not rank:step:site[:k] with site one of {HOOK_SITES}")
+            if int(fields[0]) == rank:
+                self.points[(int(fields[1]), fields[2])] = int(fields[3]) if len(fields) == 4 else 1
+        self.seen: Dict[str, int] = {}
+        self.step = -1
+        self.fired = False
 
-    def check(self, step: int, phase: str, cuda: bool) -> None:
-        if (step, phase) in self.points:
-            self.points.discard((step, phase))
-            if cuda:
-                raise (getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError)(
-                    f"CUDA out of memory. Tried to allocate 2.00 MiB ({TEST_OOM_VAR}: {phase} at step {step})"
-                )
-            raise RuntimeError(
-                "[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: "
-                f"you tried to allocate 2097152 bytes. Error code 12 (Cannot allocate memory) "
-                f"({TEST_OOM_VAR}: {phase} at step {step})"
+    def at_step(self, step: int) -> None:
+        if step != self.step:
+            self.step, self.seen, self.fired = step, {}, False
+
+    def check(self, site: str, cuda: bool) -> None:
+        self.seen[site] = self.seen.get(site, 0) + 1
+        if self.points.get((self.step, site)) != self.seen[site]:
+            return
+        del self.points[(self.step, site)]
+        self.fired = True
+        where = f"({TEST_OOM_VAR}: {site} at step {self.step})"
+        if cuda:
+            raise (getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError)(
+                f"CUDA out of memory. Tried to allocate 2.00 MiB {where}"
             )
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: "
+            f"you tried to allocate 2097152 bytes. Error code 12 (Cannot allocate memory) {where}"
+        )
 
-
-def _cache_path() -> Optional[str]:
-    """The runtime's micro-batch cache (src/plan/search.rs): OOMGUARD_CACHE, else
-    XDG_CACHE_HOME/oomguard, else ~/.cache/oomguard; micro_batch.json, a map key -> size."""
-    base = os.environ.get("OOMGUARD_CACHE")
-    if not base and os.environ.get("XDG_CACHE_HOME"):
-        base = os.path.join(os.environ["XDG_CACHE_HOME"], "oomguard")
-    if not base and os.environ.get("HOME"):
-        base = os.path.join(os.environ["HOME"], ".cache", "oomguard")
-    return os.path.join(base, "micro_batch.json") if base else None
-
-
-def _read_cache(path: str) -> dict:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def cached_micro_batch(key: str) -> Optional[int]:
-    """The largest micro-batch known to fit for `key`, from the shared cache."""
-    path = _cache_path()
-    value = _read_cache(path).get(key) if path else None
-    return value if isinstance(value, int) and value > 0 else None
-
-
-def remember_micro_batch(key: str, size: int) -> None:
-    """Records that `size` fits for `key`, as the runtime does: under the file's lock
-    (micro_batch.lock), the file replaced whole (a temporary .micro_batch.json.PID.tmp beside
-    it, fsynced, renamed, the folder fsynced). A failure is only a warning."""
-    path = _cache_path()
-    if not path:
-        return
-    folder = os.path.dirname(path)
-    try:
-        import fcntl
-
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "micro_batch.lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            data = _read_cache(path)
-            data[key] = size
-            tmp = os.path.join(folder, f".micro_batch.json.{os.getpid()}.tmp")
-            with open(tmp, "w") as f:
-                f.write(json.dumps(data, indent=2, sort_keys=True))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            dir_fd = os.open(folder, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-    except OSError as e:
-        print(f"oomguard WARNING: cannot write the micro-batch cache {path}: {e}", file=sys.stderr, flush=True)
+    def collective(self, name: str, cuda: bool) -> None:
+        site = "gather" if "gather" in name else "reduce" if "reduce_scatter" in name else "collective"
+        self.check(site, cuda)
 
 
 class Guard:
     """The allocation guard for your own loop.
 
-    `model`: an nn.Module (DistributedDataParallel-wrapped or not) or its parameters.
-    `global_batch_size`: the rows `backward` gets (this rank's). `micro_batch_size`: the
-    largest micro-batch to try (default: the whole batch); under `oomguard launch` the run
-    starts at OOMGUARD_MICRO_BATCH_SIZE when that is set. `run_dir` (or OOMGUARD_RUN_DIR):
-    where rank 0 writes metrics.jsonl in the runtime's schema, and CUDA OOM snapshots.
-    The policy's knobs (`grow_after_steps`, `grow_headroom`, `cooldown_steps`,
-    `thrash_steps`, `retries_at_one`) default to `oomguard train`'s memory.* defaults.
-    `tokens_per_sample`: when given, step records carry `tokens_per_s` (the report's panel).
-    `cache`: start at the size the runtime's micro-batch cache knows for this model, samples
-    and device, and record the size a step settled at after an OOM.
+    `model`: an nn.Module (plain, DistributedDataParallel-wrapped, or sharded with FSDP2's
+    `fully_shard`) or its parameters. `global_batch_size`: the most rows `backward` gets
+    (this rank's). `micro_batch_size`: the largest micro-batch to try (default: the whole
+    batch); under `oomguard launch` the run starts at OOMGUARD_MICRO_BATCH_SIZE when that is
+    set. `run_dir` (or OOMGUARD_RUN_DIR): where rank 0 writes metrics.jsonl in the runtime's
+    schema, and CUDA OOM snapshots. `scaler`: a `torch.amp.GradScaler` every `backward`
+    scales with (fp16). The policy's knobs (`grow_after_steps`, `grow_headroom`,
+    `cooldown_steps`, `thrash_steps`, `retries_at_one`) default to `oomguard train`'s memory.*
+    defaults. `tokens_per_sample`: when given, step records carry `tokens_per_s`. `cache`:
+    start at the size the runtime's micro-batch cache knows for this model, samples and
+    device, and record the size a step settled at after an OOM.
     """
 
     def __init__(
@@ -235,6 +147,7 @@ class Guard:
         snapshot: bool = True,
         cache: bool = True,
         tokens_per_sample: Optional[int] = None,
+        scaler: Any = None,
         **policy: Any,
     ):
         if global_batch_size < 1:
@@ -250,36 +163,39 @@ class Guard:
         self._params: List[torch.nn.Parameter] = [p for p in params if p.requires_grad]
         if not self._params:
             raise ValueError("the model has no parameters that require grad")
+        _ranks.refuse_unsafe(self._model, self._params)
+        self._fsdp = _ranks.fsdp_modules(self._model)
         ddp = torch.nn.parallel.DistributedDataParallel
         self._ddp = isinstance(self._model, ddp)
-        self._cuda = self._params[0].is_cuda
         self._device = self._params[0].device
+        self._cuda = self._device.type == "cuda"
         self.policy = Policy(configured, **policy)
         self.step = 0
         self._verbose = verbose
         self._tokens_per_sample = tokens_per_sample
+        self._scaler = self._checked_scaler(scaler)
 
         import torch.distributed as dist
 
-        self._dist = dist if dist.is_available() and dist.is_initialized() else None
-        if self._dist is not None:
+        self._ranks: Optional[_ranks.Ranks] = None
+        if dist.is_available() and dist.is_initialized():
             if process_group is None and self._ddp:
                 process_group = self._model.process_group
-            self._pg = process_group
-            self.rank = dist.get_rank(process_group)
-            self.world_size = dist.get_world_size(process_group)
-            on_cuda = "nccl" in str(dist.get_backend(process_group)).lower()
-            agree_device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+            self._ranks = _ranks.Ranks(process_group, self._device)
+            self.rank, self.world_size = self._ranks.rank, self._ranks.world
         else:
-            self._pg, self.rank, self.world_size = None, 0, 1
-            agree_device = torch.device("cpu")
+            self.rank, self.world_size = 0, 1
+        if self._ddp and getattr(self._model, "broadcast_buffers", False):
+            # DDP broadcasts rank 0's buffers at each forward: a collective inside the
+            # attempt, checkpointed like the others (torch.distributed._broadcast_coalesced).
+            pass
         # One process: which parameters a micro-batch's backward completed, so that one which
         # ran out part-way keeps what it finished (`_touched`, filled by each parameter's
         # post-accumulate hook: AccumulateGrad adds a parameter's whole gradient at once).
         self._touched: Optional[set] = None
         self._span: Tuple[int, int, Optional[frozenset]] = (0, 0, None)
         self._hooks = []
-        if self._dist is None and hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+        if self._ranks is None and hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
             me = weakref.ref(self)
 
             def accumulated(p: torch.Tensor) -> None:
@@ -288,41 +204,42 @@ class Guard:
                     g._touched.add(id(p))
 
             self._hooks = [p.register_post_accumulate_grad_hook(accumulated) for p in self._params]
-        # Allocated once, up front: the agreement never needs memory an OOM took.
-        self._agree = torch.zeros(10, dtype=torch.float64, device=agree_device)
-        # Gradient groups for DDP's all-reduce: one flat buffer per (dtype, device).
         groups: dict = {}
         for p in self._params:
             groups.setdefault((p.dtype, p.device), []).append(p)
         self._groups = list(groups.items())
+        self._bucket_cap = int(getattr(self._model, "bucket_bytes_cap", 25 << 20)) if self._ddp else 0
+        self._has = (
+            torch.zeros(len(self._params), dtype=torch.float64, device=self._ranks.device)
+            if self._ranks is not None
+            else None
+        )
+        self._buffers = Buffers(self._model)
+        self._heap = Heap(verbose) if self._device.type == "cpu" else None
 
         start = _env_int(MICRO_BATCH_VAR)
-        # The micro-batch cache is read at the first step (its key needs the samples' shape),
-        # unless the launcher named the size.
         self.cache_key: Optional[str] = None
         self._use_cache = cache and start is None
         if start is not None and start < configured:
             self.policy.relaunched(_env_int(FAILED_MICRO_BATCH_VAR), max(start, 1), 0)
-        self._inject = _InjectedOom(os.environ[TEST_OOM_VAR], self.rank) if os.environ.get(TEST_OOM_VAR) else None
+        spec = os.environ.get(TEST_OOM_VAR)
+        self._inject = _InjectedOom(spec, self.rank) if spec else None
 
         run_dir = run_dir or os.environ.get(RUN_DIR_VAR)
         self.run_dir = run_dir
-        self._metrics = None
-        # An elastic job's round that a membership change began (the launcher says which):
-        # recorded after its first step, with the steps the metrics show done before it.
-        self._membership = None
-        if run_dir:
-            os.makedirs(run_dir, exist_ok=True)
-            if self.rank == 0:
-                path = os.path.join(run_dir, "metrics.jsonl")
-                self._membership = _membership(os.environ.get(MEMBERSHIP_VAR), path)
-                self._metrics = open(path, "a", buffering=1)
+        self._records = Records(run_dir, self.rank)
+        self._membership = (
+            membership(os.environ.get(MEMBERSHIP_VAR), self._records.path) if self.rank == 0 else None
+        )
         self._oom_count = 0
         self.last_cleanup_s = 0.0  # the last failed attempt's cleanup (gc, cache, trim), seconds
         self._snapshots = bool(snapshot and run_dir and self._cuda)
         if self._snapshots:
             torch.cuda.memory._record_memory_history(max_entries=100_000)
         self._limit = torch.cuda.mem_get_info(self._device)[1] if self._cuda else None
+        self._peak = Peak(self._device) if self._cuda else None
+        self._pending_record: Optional[Tuple[dict, torch.Tensor, Any]] = None
+        self._eval_policy: Optional[Policy] = None
         self._t0 = time.perf_counter()
         self._say(f"oomguard: micro_batch_size={self.policy.current}")
 
@@ -332,6 +249,8 @@ class Guard:
                 h.remove()
             except Exception:  # noqa: BLE001 - at interpreter exit torch may be gone
                 pass
+
+    # --- the API ---------------------------------------------------------------------------
 
     @property
     def micro_batch_size(self) -> int:
@@ -343,184 +262,412 @@ class Guard:
         return {"step": self.step, "policy": self.policy.to_json()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continues from `state_dict()`: the step and the policy. The restored size is
+        announced (`micro_batch_size=N`, what the launcher halves on a relaunch), and rank 0's
+        metrics.jsonl sets aside the records of the steps this run redoes."""
         self.step = int(state["step"])
+        before = self.policy.current
         self.policy.load_json(state["policy"])
+        self._records.resumed(self.step)
+        if self.policy.current != before:
+            self._say(f"oomguard: restored at step {self.step}; micro_batch_size={self.policy.current}")
 
     def log_eval(self, val_loss: float, eval_batch_size: Optional[int] = None) -> None:
         """Records an evaluation (`{"event": "eval", "step", "val_loss"}` in metrics.jsonl, as
         `oomguard train` writes it): what `oomguard report` draws and `oomguard sweep`'s
         val_loss metric reads. Rank 0's call is the one written."""
-        loss = float(val_loss)
-        # The step it follows, numbered as step records are (the runtime's order).
-        record = {"event": "eval", "step": max(self.step - 1, 0), "val_loss": loss if math.isfinite(loss) else None}
+        record = {"event": "eval", "step": max(self.step - 1, 0), "val_loss": finite(float(val_loss))}
         if eval_batch_size is not None:
             record["eval_batch_size"] = int(eval_batch_size)
-        self._write(record)
+        self._records.write(record)
 
-    def backward(self, batch: Batch, loss_fn: Callable[[Batch], torch.Tensor]) -> float:
+    def backward(
+        self,
+        batch: Any,
+        loss_fn: Callable[[Any], Any],
+        scaler: Any = None,
+        *,
+        as_tensor: bool = False,
+    ) -> Union[float, torch.Tensor]:
         """Gradients of `loss_fn`'s mean over the whole `batch`, in micro-batches that fit.
 
-        `batch`: a tensor or a tuple/list of tensors whose leading dimension is
-        `global_batch_size`. `loss_fn(micro_batch)` returns the mean loss over its micro-batch
-        (a scalar tensor). Returns the whole batch's mean loss. On an OOM the attempt is
+        `batch`: a tensor, or a tuple/list/dict (nested in any way) of tensors whose leading
+        dimension is its rows, at most `global_batch_size`. `loss_fn(micro_batch)` returns the
+        mean loss over its micro-batch (a scalar tensor), or `(mean_loss, units)`: the loss
+        units it averaged over (tokens not padded), so that each micro-batch weighs by its
+        units and a padded or masked mean stays exact when split. `scaler`: a GradScaler
+        (default: the guard's). Returns the whole batch's mean loss, a float (with
+        `as_tensor=True`, a 0-dim tensor: no host synchronisation). On an OOM the attempt is
         dropped, the micro-batch halved and the same samples redone; `Infeasible` when even
         micro-batch 1 does not fit. `.grad` is as before the call when anything raises.
         """
-        tensors, rebuild = _parts(batch)
-        n = _rows(tensors)
-        if n != self.global_batch_size:
-            raise ValueError(
-                f"the batch has {n} rows but global_batch_size is {self.global_batch_size} "
-                "(this rank's rows: the leading dimension of every tensor)"
-            )
-        if self._use_cache:
-            self._use_cache = False
-            self._start_from_cache(tensors)
+        self._flush_pending()
+        try:
+            scaler = self._checked_scaler(scaler) if scaler is not None else self._scaler
+            rows = Rows(batch)
+            n = rows.rows
+            if not 1 <= n <= self.global_batch_size:
+                raise ValueError(
+                    f"the batch has {n} rows but global_batch_size is {self.global_batch_size} "
+                    "(this rank's most rows: the leading dimension of every tensor)"
+                )
+            if self._use_cache:
+                self._use_cache = False
+                self._start_from_cache(rows)
+            if self._heap is not None:
+                self._heap.check()
+        except BaseException as exc:
+            self._stop_everywhere(exc, undo=False)
+            raise
+        if self._inject is not None:
+            self._inject.at_step(self.step)
         t_call = time.perf_counter()
         stashed = [p.grad for p in self._params]
         for p in self._params:
             p.grad = None
+        self._buffers.begin()
+        committed = False
+        try:
+            loss_t, mb, failures, outcome = self._backward(rows, n, loss_fn, scaler, stashed)
+            committed = True
+        finally:
+            if not committed:
+                self._restore(stashed)
+        loss = self._finish_step(loss_t, mb, n, t_call, failures, outcome, as_tensor)
+        return loss_t if as_tensor else loss
+
+    def step(self, optimizer: Any, scaler: Any = None) -> bool:
+        """`optimizer.step()` (with a scaler: `scaler.step(optimizer)` then `scaler.update()`)
+        under the guard. An OOM in it is retried after the memory is handed back when the
+        update had changed nothing (the optimizer's state allocated on its first step, say);
+        otherwise, or when it runs out again, `Infeasible` (phase `optimizer`) says what could
+        help: a smaller micro-batch cannot. Under several ranks every rank retries or stops
+        together. Returns whether the update was applied (False: the scaler skipped it)."""
+        scaler = self._checked_scaler(scaler) if scaler is not None else None
+        if self._inject is not None:
+            self._inject.at_step(max(self.step - 1, 0))
+        tensors = self._optimizer_tensors(optimizer)
+        versions = [t._version for t in tensors]
+        had_state = {id(p) for p in optimizer.state}
+        retries = 0
+        while True:
+            oom, unchanged = None, True
+            try:
+                with self._attempt_context():
+                    if self._inject is not None:
+                        self._inject.check("optimizer", self._cuda)
+                    if scaler is not None:
+                        scale_before = scaler.get_scale() if scaler.is_enabled() else None
+                        scaler.step(optimizer)
+                    else:
+                        optimizer.step()
+            except _ranks.PeerFailed as pf:
+                outcome = pf.outcome
+                oom = None
+            except BaseException as exc:  # noqa: BLE001 - OOMs are handled, the rest re-raised
+                oom = oom_of(exc)
+                if oom is None:
+                    self._stop_everywhere(exc)
+                    raise
+                forget(exc)
+                del exc
+                unchanged = all(t._version == v for t, v in zip(tensors, versions))
+                if unchanged:
+                    for p in [p for p in optimizer.state if id(p) not in had_state]:
+                        del optimizer.state[p]
+                _memory.drop(self._cuda, full_gc=True)
+            else:
+                outcome = None
+            if oom is not None:
+                give_up = not unchanged or retries >= 1
+                sig = zlib.crc32(f"optimizer|{oom[1]}".encode())
+                mine = vote(self.rank, oom=(False, sig, "optimizer", 0), error=give_up)
+                outcome = self._vote(mine)
+            elif outcome is None:
+                outcome = self._vote(vote(self.rank))
+            if outcome["oom"] is None and outcome["error_rank"] is None:
+                break
+            if outcome["error_rank"] is not None:
+                r = outcome["error_rank"]
+                line = oom[1] if oom is not None else f"rank {r} ran out of memory in the optimizer's update"
+                raise self._optimizer_infeasible(r, line, oom, unchanged, outcome["oom"] is not None)
+            retries += 1
+            if oom is not None:
+                self._say(
+                    f"oomguard WARNING: OOM in the optimizer's step (rank {self.rank}): {oom[1]}; "
+                    "retrying once with the memory handed back"
+                )
+        applied = True
+        if scaler is not None:
+            scaler.update()
+            if scale_before is not None:
+                applied = scaler.get_scale() >= scale_before
+        return applied
+
+    def evaluate(
+        self,
+        batch: Any,
+        fn: Callable[[Any], Any],
+        micro_batch_size: Optional[int] = None,
+        *,
+        as_tensor: bool = False,
+    ) -> Union[float, torch.Tensor]:
+        """`fn(micro_batch)`'s mean over `batch` under `torch.no_grad()`, in micro-batches
+        that fit: `fn` returns a micro-batch's mean (or `(mean, units)`, weighed as in
+        `backward`). Evaluation has its own size (default: the training micro-batch's), halved
+        on an OOM and never grown back; `Infeasible` (phase `eval`) when even 1 does not fit.
+        Training's state, `.grad` and the policy are untouched. Every rank of a distributed
+        job calls it (FSDP2's all-gathers run in it)."""
+        rows = Rows(batch)
+        n = rows.rows
+        if self._eval_policy is None or (micro_batch_size and micro_batch_size != self._eval_policy.configured):
+            self._eval_policy = Policy(max(1, micro_batch_size or self.policy.current))
+        policy = self._eval_policy
+        if self._inject is not None:
+            self._inject.at_step(max(self.step - 1, 0))
+        while True:
+            mb = min(policy.current, n)
+            oom = outcome = None
+            total = units_total = None
+            try:
+                with self._attempt_context(), torch.no_grad():
+                    for index, start in enumerate(range(0, n, mb)):
+                        stop = min(start + mb, n)
+                        self._where = ("eval", index)
+                        loss, units = _loss_and_units(fn(rows.take(start, stop, mark_dynamic=True)))
+                        if self._inject is not None:
+                            self._inject.check("eval", self._cuda)
+                        w = units if units is not None else (stop - start)
+                        part = loss.detach().double() * w
+                        total = part if total is None else total + part
+                        units_total = w if units_total is None else units_total + w
+                        del loss, part
+            except _ranks.PeerFailed as pf:
+                outcome = pf.outcome
+            except BaseException as exc:  # noqa: BLE001
+                oom = oom_of(exc)
+                if oom is None:
+                    self._stop_everywhere(exc)
+                    raise
+                forget(exc)
+                del exc
+                total = None
+                self._reset_sharding()
+                _memory.drop(self._cuda, full_gc=mb == 1)
+            if outcome is None:
+                phase, index = getattr(self, "_where", ("eval", 0))
+                sig = zlib.crc32(f"eval|{index}|{oom[1]}".encode()) if oom else 0
+                outcome = self._vote(vote(self.rank, oom=(False, sig, "eval", index) if oom else None))
+            if outcome["error_rank"] is not None:
+                raise RuntimeError(f"oomguard: rank {outcome['error_rank']} failed in evaluation (see its output)")
+            if outcome["oom"] is None:
+                mean = total / units_total
+                return mean if as_tensor else float(mean)
+            if oom is None:
+                total = None
+                self._reset_sharding()
+                _memory.drop(self._cuda, full_gc=mb == 1)
+            new = policy.on_oom(self.step, False, outcome["oom"][1])
+            line = oom[1] if oom else f"rank {outcome['oom_rank']} ran out of memory"
+            self._say(f"oomguard WARNING: OOM in evaluation (micro-batch {mb}): {line}; eval micro-batch {mb} -> {new or 'none left'}")
+            if new == 0:
+                raise Infeasible(
+                    f"step {self.step}: evaluation does not fit in memory even at micro-batch 1 (rank "
+                    f"{outcome['oom_rank']}). To fit: evaluate shorter sequences, a smaller model or on a device with "
+                    f"more memory. PyTorch said: {line}",
+                    step=self.step,
+                    phase="eval",
+                    requested_bytes=oom[2] if oom else None,
+                    oom_message=line,
+                )
+
+    # --- one step ----------------------------------------------------------------------------
+
+    def _backward(self, rows: Rows, n: int, loss_fn, scaler, stashed):
         failures = 0
         # What `.grad` holds already, kept from failed attempts (one process): every
-        # parameter's gradient over rows `..done` (their weighted loss `total`) and, in
+        # parameter's gradient over rows `..done` (their weighted loss and units) and, in
         # `_pending`, segments [(end, ids), ...] following `done`: the parameters that a
         # backward which ran out part-way completed over those rows. The next attempt redoes
         # each segment's rows for the other parameters only, then the rest: every row reaches
         # every parameter once, so the gradients stay exact.
-        self._done, self._pending = (0, None), []
+        self._done: Tuple[int, Any, Any] = (0, None, None)
+        self._pending: List[Tuple[int, frozenset]] = []
+        self._units_mode: Optional[bool] = None
         while True:
-            start, carried = self._done
-            mb = min(self.policy.current, n - start)
-            base = self._memory_now()
-            if self._cuda:
-                torch.cuda.reset_peak_memory_stats(self._device)
+            start, carried, carried_units = self._done
+            mb = min(self.policy.current, n)
+            base = self._peak.start() if self._peak is not None else None
             t0 = time.perf_counter()
             self._where = ("forward", 0)
-            loss_sum = flats = oom = None
+            loss_sum = units = prepared = oom = outcome = None
+            after = snap = None
             try:
-                loss_sum = self._attempt(batch, tensors, rebuild, loss_fn, mb, n, start, carried)
-                if self._ddp:
-                    flats = self._prepare_sync()
+                with self._attempt_context():
+                    loss_sum, units = self._attempt(rows, loss_fn, scaler, mb, n, start, carried, carried_units)
+                    if self._ddp and self._ranks is not None:
+                        prepared = self._prepare_sync()
+            except _ranks.PeerFailed as pf:
+                outcome = pf.outcome
             except BaseException as exc:  # noqa: BLE001 - OOMs are handled, the rest re-raised
-                oom = _oom_of(exc)
+                oom = oom_of(exc)
                 if oom is None:
-                    self._restore(stashed)
+                    self._touched = None
+                    self._stop_everywhere(exc)
                     raise
-                _forget(exc)
+                forget(exc)
                 del exc
-            a = [0.0] * 10
-            a[NEG_LIMIT] = -math.inf if self._limit is None else -float(self._limit)
-            a[RETRIES] = -1.0
             if oom is not None:
-                loss_sum = flats = None
+                loss_sum = units = prepared = None
                 phase, index = self._where
-                snap = self._snapshot(phase) if self._snapshots else None
+                snap = self._snapshot() if self._snapshots else None
                 t_drop = time.perf_counter()
                 keep = self._keep(phase)
                 if not keep:
-                    self._done, self._pending = (0, None), []
-                self._drop(full_gc=mb == 1, keep_grads=keep)
+                    self._done, self._pending = (0, None, None), []
+                self._drop_attempt(mb, keep_grads=keep)
+                if self._heap is not None and oom[0] == "cpu" and not (self._inject and self._inject.fired):
+                    self._heap.bound("the process ran out of host memory")
                 self.last_cleanup_s = time.perf_counter() - t_drop
-                after = self._memory_now()
+                after = self._kept_aside(base)
                 severe = self._cuda and after is not None and base is not None and after > base
                 sig = zlib.crc32(f"{phase}|{index}|{oom[1]}".encode())
-                a[FAILED], a[SEVERE], a[SIGNATURE] = 1.0, float(severe), float(sig)
-                a[PHASE], a[RANK], a[INDEX] = float(PHASES.index(phase) + 1), float(self.rank + 1), float(index)
-            else:
-                peak, retries = self._peak_and_retries()
-                a[PEAK], a[BASELINE] = float(peak or 0), float(base or 0)
-                a[RETRIES] = -1.0 if retries is None else float(retries)
-            if self._dist is not None:
-                a = self._agreed(a)
-            if a[FAILED] > 0:
-                if oom is None:  # another rank ran out: drop this rank's attempt too
-                    loss_sum = flats = None
-                    self._done, self._pending = (0, None), []
-                    self._drop(full_gc=mb == 1)
-                    after, snap = self._memory_now(), None
-                phase = PHASES[int(a[PHASE]) - 1]
-                new = self.policy.on_oom(self.step, a[SEVERE] > 0, int(a[SIGNATURE]))
-                rank = int(a[RANK]) - 1
-                line = oom[1] if oom is not None else f"rank {rank} ran out of memory"
-                requested = oom[2] if oom is not None else None
-                self._on_oom_event(
-                    phase, int(a[INDEX]), oom, line, base, after, mb, new, time.perf_counter() - t0, rank, snap
+                outcome = self._vote(vote(self.rank, oom=(severe, sig, phase, index), limit_bytes=self._limit))
+            elif outcome is None:
+                peak, retries = self._peak.end() if self._peak is not None else (None, None)
+                missing = self._ranks is not None and any(p.grad is None for p in self._params)
+                outcome = self._vote(
+                    vote(
+                        self.rank,
+                        peak_bytes=peak or 0,
+                        baseline_bytes=base or 0,
+                        limit_bytes=self._limit,
+                        alloc_retries=retries,
+                        missing_grads=missing,
+                    )
                 )
+            failed_elsewhere = outcome["oom"] is not None or outcome["error_rank"] is not None
+            if failed_elsewhere and oom is None:
+                # Another rank failed (read at a checkpoint, or in the attempt's last vote
+                # after this rank had finished): this rank's attempt is dropped too.
+                loss_sum = units = prepared = None
+                self._touched = None
+                self._done, self._pending = (0, None, None), []
+                self._drop_attempt(mb, keep_grads=False)
+                after = self._kept_aside(base)
+            if outcome["error_rank"] is not None:
+                raise RuntimeError(
+                    f"oomguard: rank {outcome['error_rank']} stopped with an error that is not an OOM (see its "
+                    "output); this rank stops with it"
+                )
+            if outcome["oom"] is not None:
+                severe, sig, phase, index = outcome["oom"]
+                new = self.policy.on_oom(self.step, severe, sig)
+                rank = outcome["oom_rank"]
+                line = oom[1] if oom is not None else f"rank {rank} ran out of memory"
+                self._on_oom_event(phase, index, oom, line, base, after, mb, new, time.perf_counter() - t0, rank, snap)
                 if new == 0:
-                    self._restore(stashed)
                     raise Infeasible(
-                        self._infeasible_message(phase, rank, requested, base, line),
+                        self._infeasible_message(phase, rank, oom[2] if oom else None, base, line),
                         step=self.step,
                         phase=phase,
-                        requested_bytes=requested,
+                        requested_bytes=oom[2] if oom else None,
                         oom_message=line,
                     )
                 failures += 1
                 continue
-            if flats is not None:
-                self._sync(flats)
-                flats = None
+            if prepared is not None:
+                self._sync(prepared, outcome["missing_grads"])
+            if units is not None and self._units_mode:
+                divisor = units
+                if isinstance(divisor, torch.Tensor) and _any_dtensor(self._params):
+                    divisor = float(divisor)
+                for p in self._params:
+                    if p.grad is not None:
+                        p.grad.div_(divisor)
+                loss_sum = loss_sum / units
             for p, s in zip(self._params, stashed):
                 if s is not None:
                     if p.grad is None:
                         p.grad = s
                     else:
                         p.grad.add_(s)
-            loss = float(loss_sum)
-            limit = None if math.isinf(a[NEG_LIMIT]) else int(-a[NEG_LIMIT])
-            kind, size = self.policy.after_step(
-                self.step, int(a[BASELINE]), int(a[PEAK]), limit, None if a[RETRIES] < 0 else int(a[RETRIES])
-            )
-            if failures and self.cache_key is not None and os.environ.get("LOCAL_RANK", "0") == "0":
-                remember_micro_batch(self.cache_key, mb)
-            self._record_step(loss, mb, n, time.perf_counter() - t_call, a)
-            if kind != "keep":
-                self._on_resize(kind, mb, size)
-            self.step += 1
-            return loss
+            self._buffers.end()
+            return loss_sum, mb, failures, outcome
 
-    def _start_from_cache(self, tensors: List[torch.Tensor]) -> None:
-        """The cache's size for this model (parameter shapes and dtypes), these samples (shape
-        and dtype beyond the batch dimension), the batch, the device and its memory, when it is
-        below the current size; ranks take the smallest any of them read."""
-        what = ";".join(f"{tuple(p.shape)}{p.dtype}" for p in self._params)
-        what += "|" + ";".join(f"{tuple(t.shape[1:])}{t.dtype}" for t in tensors) + f"|G{self.global_batch_size}"
-        self.cache_key = f"python:{zlib.crc32(what.encode()):08x}|{self._device}|{memory_step(self._limit) if self._limit else 0}"
-        known = cached_micro_batch(self.cache_key) or self.policy.current
-        if self._dist is not None:
-            known = int(-self._agreed([-float(known)] + [0.0] * 9)[0])
-        if known < self.policy.current:
-            self.policy.current = known
-            self._say(
-                f"oomguard: starting at micro_batch_size={known}: an earlier run of this model on this "
-                "memory ran out above it (the micro-batch cache)"
-            )
+    def _finish_step(self, loss_t, mb, n, t_call, failures, outcome, as_tensor) -> Optional[float]:
+        """After the ranks agreed on a clean attempt: the policy's look at memory, the cache,
+        the step's record and a resize, if any. Returns the loss as a float, unless it stays
+        on the device (`as_tensor` on CUDA)."""
+        kind, size = self.policy.after_step(
+            self.step, outcome["baseline_bytes"], outcome["peak_bytes"], outcome["limit_bytes"], outcome["alloc_retries"]
+        )
+        # A test hook's OOM is not this model's memory: it never writes the shared cache.
+        if failures and self.cache_key is not None and self._inject is None:
+            if os.environ.get("LOCAL_RANK", "0") == "0":
+                problem = remember_micro_batch(self.cache_key, mb)
+                if problem:
+                    warn(problem)
+        record = self._step_record(mb, n, time.perf_counter() - t_call)
+        loss = None
+        if as_tensor and self._cuda:
+            host = loss_t.detach().to("cpu", non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending_record = (record, host, event)
+        else:
+            loss = float(loss_t)
+            record["loss"] = finite(loss)
+            self._write_step(record)
+        if kind != "keep":
+            self._on_resize(kind, mb, size)
+        self.step += 1
+        return loss
 
-    def _agreed(self, values: List[float]) -> List[float]:
-        """Every rank's `values`, maximised element-wise, in the tensor allocated up front."""
-        v = self._agree
-        for i, x in enumerate(values):
-            v[i] = x
-        self._dist.all_reduce(v, op=self._dist.ReduceOp.MAX, group=self._pg)
-        return v.tolist()
+    def _flush_pending(self) -> None:
+        """A step record whose loss stayed on the device (`as_tensor=True`) is written once
+        the copy has landed, at the next call: no synchronisation the loop did not have."""
+        if self._pending_record is not None:
+            record, host, event = self._pending_record
+            self._pending_record = None
+            event.synchronize()
+            record["loss"] = finite(float(host))
+            self._write_step(record)
 
-    # --- one attempt -------------------------------------------------------------------
+    def close(self) -> None:
+        """Writes what is still pending (a step record held for `as_tensor=True`)."""
+        self._flush_pending()
 
-    def _attempt(
-        self,
-        batch: Batch,
-        tensors: List[torch.Tensor],
-        rebuild: Callable,
-        loss_fn: Callable,
-        mb: int,
-        n: int,
-        first: int = 0,
-        total=None,
-    ):
+    def _attempt_context(self):
+        if self._ranks is None:
+            return contextlib.nullcontext()
+        inject = self._inject
+        cuda = self._cuda
+        return self._ranks.attempt((lambda name: inject.collective(name, cuda)) if inject is not None else None)
+
+    def _vote(self, values: List[float]) -> dict:
+        return self._ranks.vote(values) if self._ranks is not None else agreed(values)
+
+    def _stop_everywhere(self, exc: BaseException, undo: bool = True) -> None:
+        """An error that is not an OOM (or bad input) on this rank: the others are told in
+        the vote they are waiting in, so they stop too instead of waiting. Raising is the
+        caller's."""
+        self._touched = None
+        if self._ranks is not None and not isinstance(exc, _ranks.PeerFailed):
+            try:
+                self._vote(vote(self.rank, error=True))
+            except Exception:  # noqa: BLE001 - the group itself failed: the original error matters
+                pass
+        self._reset_sharding()
+        if undo:
+            self._buffers.undo()
+
+    def _attempt(self, rows: Rows, loss_fn, scaler, mb: int, n: int, first: int = 0, total=None, units_total=None):
         """Rows `first..n` in micro-batches of `mb`, accumulating into `.grad` (which holds
         rows `..first` already, whose weighted loss is `total`, and `_pending`'s rows for its
         parameters); `self._done` follows each micro-batch finished."""
         inject = self._inject
+        peak = self._peak
         ctx = self._model.no_sync() if self._ddp else contextlib.nullcontext()
         spans, at = [], first
         for end, ids in self._pending:
@@ -534,33 +681,42 @@ class Guard:
                 # Rows a backward ran out part-way through: the parameters it did not reach.
                 inputs = None if ids is None else [p for p in self._params if id(p) not in ids]
                 self._span = (start, stop, ids)
-                part = batch if size == n else rebuild([t[start : start + size] for t in tensors])
-                loss = loss_fn(part)
-                del part
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"shape {tuple(loss.shape)}"
-                    raise TypeError(f"loss_fn must return a scalar tensor (the micro-batch's mean loss), not {what}")
+                loss, units = _loss_and_units(loss_fn(rows.take(start, stop, mark_dynamic=True)))
+                if self._units_mode is None:
+                    self._units_mode = units is not None
+                elif self._units_mode != (units is not None):
+                    raise TypeError("loss_fn returned (loss, units) for some micro-batches and a bare loss for others")
                 if inject is not None:
-                    inject.check(self.step, "forward", self._cuda)
+                    inject.check("forward", self._cuda)
+                if peak is not None:
+                    peak.sample()
                 self._where = ("backward", index)
                 self._touched = set() if self._hooks else None
-                weight = size / n
-                if size == n and inputs is None:  # one micro-batch: the loss as it is
-                    loss.backward()
-                elif inputs is None:
-                    (loss * weight).backward()
+                if units is not None:
+                    part = loss * units  # divided by all the units at the end
+                elif size == n:
+                    part = loss
+                else:
+                    part = loss * (size / n)
+                scaled = scaler.scale(part) if scaler is not None else part
+                if inputs is None:
+                    scaled.backward()
                 elif inputs:
-                    (loss * weight).backward(inputs=inputs)
+                    scaled.backward(inputs=inputs)
+                del scaled
                 self._touched = None
-                part = loss.detach() if size == n else loss.detach() * weight
+                part = part.detach()
                 total = part if total is None else total + part
-                del part
+                if units is not None:
+                    units_total = units if units_total is None else units_total + units
+                del part, loss
+                if peak is not None:
+                    peak.sample()
                 if inject is not None:
-                    inject.check(self.step, "backward", self._cuda)
-                del loss
-                self._done = (stop, total)
+                    inject.check("backward", self._cuda)
+                self._done = (stop, total, units_total)
                 self._pending = [(e, i) for e, i in self._pending if e > stop]
-        return total
+        return total, units_total
 
     def _keep(self, phase: str) -> bool:
         """After an OOM in `phase` (one process): whether `.grad` keeps what the attempt
@@ -568,7 +724,7 @@ class Guard:
         out part-way completed some parameters' gradients over its rows (`_touched`), which
         `_pending` records, splitting the segment those rows were in."""
         touched, self._touched = self._touched, None
-        if self._dist is not None:
+        if self._ranks is not None:
             return False
         if phase == "forward":
             return True
@@ -583,100 +739,172 @@ class Guard:
             self._pending = [(stop, ids | touched)] + ([(end, ids)] if stop < end else []) + rest[1:]
         return True
 
-    def _prepare_sync(self):
-        """Phase sync, before the ranks agree: the flat buffers of DDP's all-reduce (each
-        group's gradients, then one slot per parameter counting the ranks that have its
-        gradient), so an OOM allocating them happens before any rank enters the collective."""
-        self._where = ("sync", 0)
-        flats = []
-        for (dtype, device), ps in self._groups:
-            flat = torch.empty(sum(p.numel() for p in ps) + len(ps), dtype=dtype, device=device)
-            flat[-len(ps) :].copy_(torch.tensor([0.0 if p.grad is None else 1.0 for p in ps], dtype=dtype))
-            flats.append((ps, flat))
-        if self._inject is not None:
-            self._inject.check(self.step, "sync", self._cuda)
-        return flats
+    def _drop_attempt(self, mb: int, keep_grads: bool) -> None:
+        """The failed attempt's gradients, FSDP2 state and buffer updates undone, and the
+        memory handed back (the exception's frames are cleared already)."""
+        if not keep_grads:
+            for p in self._params:
+                p.grad = None
+        self._reset_sharding()
+        self._buffers.undo()
+        _memory.drop(self._cuda, full_gc=mb == 1)
 
-    def _sync(self, flats) -> None:
-        """DDP's gradient average, in place in the buffers allocated before the agreement. A
-        parameter no rank computed a gradient for keeps `.grad` None, as under DDP."""
-        for ps, flat in flats:
-            views = []
-            off = 0
-            for p in ps:
-                view = flat[off : off + p.numel()].view_as(p)
-                off += p.numel()
-                if p.grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(p.grad)
-                views.append(view)
-            has = flat[off:]  # filled by _prepare_sync
-            self._dist.all_reduce(flat, group=self._pg)
-            flat.div_(self.world_size)
-            present = has.tolist()
-            for p, view, h in zip(ps, views, present):
-                if p.grad is not None:
-                    p.grad.copy_(view)
-                elif h > 0:
-                    p.grad = view
+    def _reset_sharding(self) -> None:
+        if self._fsdp:
+            _ranks.reset_fsdp(self._fsdp)
+
+    def _kept_aside(self, base: Optional[int]) -> Optional[int]:
+        """Live bytes after the cleanup, less the gradients kept from the attempt (expected
+        memory, not a leak, when severity is judged)."""
+        if not self._cuda:
+            return None
+        live = torch.cuda.memory_allocated(self._device)
+        kept = sum(p.grad.numel() * p.grad.element_size() for p in self._params if p.grad is not None)
+        return max(0, live - kept)
 
     def _restore(self, stashed) -> None:
         for p, s in zip(self._params, stashed):
             p.grad = s
 
-    def _drop(self, full_gc: bool, keep_grads: bool = False) -> None:
-        """The failed attempt's gradients and references, and the memory they held, freed:
-        the allocator's cache (CUDA) or glibc's arenas (the CPU) handed back. The exception's
-        frames are cleared already, so the young generations hold what cycles the attempt
-        made; a full collection (70 to 150 ms with torch imported) runs only at micro-batch 1,
-        before the policy would give up. `keep_grads`: `.grad` holds finished micro-batches."""
-        if not keep_grads:
-            for p in self._params:
-                p.grad = None
-        gc.collect() if full_gc else gc.collect(1)
-        if self._cuda:
-            torch.cuda.empty_cache()
-        else:
-            malloc_trim()
+    # --- DDP's gradient average -----------------------------------------------------------
 
-    # --- memory -------------------------------------------------------------------------
+    def _prepare_sync(self):
+        """Phase sync, before the ranks agree: one bucket per (dtype, device) for DDP's
+        all-reduce (a share of the gradients, not a second copy of them), so that an OOM
+        allocating it happens before any rank enters the collective."""
+        self._where = ("sync", 0)
+        buckets = []
+        for (dtype, device), ps in self._groups:
+            total = sum(p.numel() for p in ps)
+            elem = torch.empty((), dtype=dtype).element_size()
+            cap = max(1 << 20, int(total * elem * BUCKET_SHARE))
+            if self._bucket_cap:
+                cap = min(cap, self._bucket_cap)
+            numel = max(1, min(total, cap // elem))
+            buckets.append((ps, torch.empty(numel, dtype=dtype, device=device)))
+        if self._inject is not None:
+            self._inject.check("sync", self._cuda)
+        return buckets
 
-    def _memory_now(self) -> Optional[int]:
-        return torch.cuda.memory_allocated(self._device) if self._cuda else None
+    def _sync(self, buckets, missing: bool) -> None:
+        """DDP's gradient average after the ranks agreed, bucket by bucket through the buffers
+        allocated before the agreement (a gradient larger than its bucket is averaged in
+        place). A parameter no rank computed a gradient for keeps `.grad` None, as under DDP;
+        which those are is exchanged only when some rank lacks one."""
+        dist = self._ranks.dist
+        all_reduce = _ranks._ORIGINAL.get("all_reduce", dist.all_reduce)
+        pg, world = self._ranks.pg, self.world_size
+        if missing:
+            has = self._has
+            for i, p in enumerate(self._params):
+                has[i] = 0.0 if p.grad is None else 1.0
+            all_reduce(has, group=self._ranks.group)
+            for p, h in zip(self._params, has.tolist()):
+                if p.grad is None and h > 0:
+                    p.grad = torch.zeros_like(p)
+        for ps, buf in buckets:
+            grads = [p.grad for p in ps if p.grad is not None]
+            chunk: List[torch.Tensor] = []
+            used = 0
+            for g in grads + [None]:
+                if g is not None and g.numel() > buf.numel():
+                    all_reduce(g, group=pg)
+                    g.div_(world)
+                    continue
+                if g is None or used + g.numel() > buf.numel():
+                    if chunk:
+                        flat = buf[:used]
+                        off = 0
+                        for c in chunk:
+                            flat[off : off + c.numel()].copy_(c.reshape(-1))
+                            off += c.numel()
+                        all_reduce(flat, group=pg)
+                        flat.div_(world)
+                        off = 0
+                        for c in chunk:
+                            c.copy_(flat[off : off + c.numel()].view_as(c))
+                            off += c.numel()
+                    chunk, used = [], 0
+                if g is not None:
+                    chunk.append(g)
+                    used += g.numel()
 
-    def _peak_and_retries(self) -> Tuple[Optional[int], Optional[int]]:
-        if not self._cuda:
-            return None, None
-        stats = torch.cuda.memory_stats(self._device)
-        return stats.get("allocated_bytes.all.peak"), stats.get("num_alloc_retries")
+    # --- the optimizer's step -------------------------------------------------------------
 
-    def _memory_record(self) -> dict:
-        if self._cuda:
-            stats = torch.cuda.memory_stats(self._device)
-            return {
-                "live_bytes": stats.get("allocated_bytes.all.current", 0),
-                "peak_bytes": stats.get("allocated_bytes.all.peak", 0),
-                "reserved_bytes": stats.get("reserved_bytes.all.current", 0),
-                "limit_bytes": self._limit,
-                "alloc_retries": stats.get("num_alloc_retries", 0),
-            }
-        rss = _rss_anon()
-        return {} if rss is None else {"host_rss_anon_bytes": rss}
+    def _optimizer_tensors(self, optimizer) -> List[torch.Tensor]:
+        out = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                out.append(p)
+                if p.grad is not None:
+                    out.append(p.grad)
+                for v in optimizer.state.get(p, {}).values():
+                    if isinstance(v, torch.Tensor):
+                        out.append(v)
+        return out
 
-    def _snapshot(self, phase: str) -> Optional[str]:
-        """CUDA: PyTorch's memory snapshot at the OOM, before the failed attempt is freed,
-        as RUN_DIR/oom/NNN/snapshot.pickle (snapshot.rankR.pickle on other ranks)."""
-        folder = f"oom/{self._oom_count + 1:03d}"
-        try:
-            path = os.path.join(self.run_dir, folder)
-            os.makedirs(path, exist_ok=True)
-            name = "snapshot.pickle" if self.rank == 0 else f"snapshot.rank{self.rank}.pickle"
-            torch.cuda.memory._dump_snapshot(os.path.join(path, name))
-            return folder
-        except Exception as e:  # noqa: BLE001 - a snapshot that fails is only a warning
-            self._say(f"oomguard WARNING: cannot write the memory snapshot: {e}")
+    def _optimizer_infeasible(self, rank, line, oom, unchanged, was_oom) -> BaseException:
+        if not was_oom:
+            return RuntimeError(f"oomguard: rank {rank} stopped in the optimizer's step (see its output)")
+        why = (
+            "it ran out again with the memory handed back"
+            if unchanged
+            else "it ran out part-way through the update (the parameters were partly updated), so it "
+            "cannot be redone exactly"
+        )
+        return Infeasible(
+            f"step {max(self.step - 1, 0)}: the optimizer's step does not fit in memory on rank {rank}: {why}. A "
+            "smaller micro-batch cannot help (its memory is the parameters', the gradients' and the optimizer "
+            "state's). To fit: shard the optimizer state (FSDP2's fully_shard, ZeroRedundancyOptimizer), use "
+            "an optimizer with smaller state or temporaries (foreach=False, an 8-bit optimizer), or a smaller "
+            f"model. PyTorch said: {line}",
+            step=max(self.step - 1, 0),
+            phase="optimizer",
+            requested_bytes=oom[2] if oom else None,
+            oom_message=line,
+        )
+
+    # --- checks at construction -------------------------------------------------------------
+
+    def _checked_scaler(self, scaler: Any) -> Any:
+        """A GradScaler (torch.amp's, or one with its `scale`/`step`/`update`/`unscale_`) on
+        the parameters' device type; anything else raises TypeError or ValueError."""
+        if scaler is None:
             return None
+        for name in ("scale", "step", "update", "unscale_"):
+            if not callable(getattr(scaler, name, None)):
+                raise TypeError(
+                    f"scaler must be a torch.amp.GradScaler (it has no {name}()), not {type(scaler).__name__}"
+                )
+        device = getattr(scaler, "_device", None)
+        if device is not None and torch.device(device).type != self._device.type:
+            raise ValueError(
+                f"the scaler is for {device} but the parameters are on {self._device}: make it with "
+                f"torch.amp.GradScaler({self._device.type!r})"
+            )
+        return scaler
+
+    def _start_from_cache(self, rows: Rows) -> None:
+        """The cache's size for this model (parameter shapes and dtypes), these samples (shape
+        and dtype beyond the batch dimension), the batch, the device and its memory, when it is
+        below the current size; ranks take the smallest any of them read."""
+        what = ";".join(f"{tuple(p.shape)}{p.dtype}" for p in self._params)
+        what += "|" + ";".join(f"{tuple(t.shape[1:])}{t.dtype}" for t in rows.leaves) + f"|G{self.global_batch_size}"
+        self.cache_key = f"python:{zlib.crc32(what.encode()):08x}|{self._device}|{memory_step(self._limit) if self._limit else 0}"
+        known = cached_micro_batch(self.cache_key) or self.policy.current
+        if self._ranks is not None:
+            # The smallest any rank read, in a vote (its "peak" slot carries BIG - size under
+            # MAX), so that a rank stopped by bad input meanwhile is seen here too.
+            outcome = self._ranks.vote(vote(self.rank, peak_bytes=_BIG - known))
+            if outcome["error_rank"] is not None:
+                raise RuntimeError(f"oomguard: rank {outcome['error_rank']} stopped (see its output); this rank stops with it")
+            known = _BIG - outcome["peak_bytes"]
+        if known < self.policy.current:
+            self.policy.current = known
+            self._say(
+                f"oomguard: starting at micro_batch_size={known}: an earlier run of this model on this "
+                "memory ran out above it (the micro-batch cache)"
+            )
 
     # --- records ------------------------------------------------------------------------
 
@@ -684,17 +912,11 @@ class Guard:
         if self._verbose:
             print(line, flush=True)
 
-    def _write(self, record: dict) -> None:
-        if self._metrics is not None:
-            self._metrics.write(json.dumps(record) + "\n")
-
-    def _record_step(self, loss: float, mb: int, n: int, step_time: float, a: list) -> None:
-        if self._metrics is None:
-            return
+    def _step_record(self, mb: int, n: int, step_time: float) -> dict:
         record = {
             "event": "step",
             "step": self.step,
-            "loss": loss if math.isfinite(loss) else None,  # NaN as null, as the runtime writes it
+            "loss": None,
             "micro_batch_size": mb,
             "grad_accum_steps": -(-n // mb),
             "num_samples": n * self.world_size,
@@ -706,22 +928,45 @@ class Guard:
         }
         if self._tokens_per_sample:
             record["tokens_per_s"] = self._tokens_per_sample * n * self.world_size / step_time
-        self._write(record)
+        if self._ranks is not None and self._ranks.checkpoints:
+            record["checkpoints"] = self._ranks.checkpoints
+            record["agree_s"] = self._ranks.checkpoint_s
+            self._ranks.checkpoints, self._ranks.checkpoint_s = 0, 0.0
+        return record
+
+    def _write_step(self, record: dict) -> None:
+        self._records.write(record, keep_none=True)  # a NaN loss is null, as the runtime writes it
         if self._membership is not None:
             change, last = self._membership
             self._membership = None
-            self._write(
-                {
-                    "event": "membership",
-                    "step": self.step,
-                    "old_world": change["old_world"],
-                    "new_world": change["new_world"],
-                    "cause": change["cause"],
-                    "seconds": max(0.0, time.time() - change["detected_unix_ms"] / 1000),
-                    "steps_recomputed": 0 if last is None else max(0, last + 1 - self.step),
-                    "source": "checkpoint",  # the script's own: it resumed itself
-                }
-            )
+            self._records.write(membership_record(change, last, record["step"]))
+
+    def _memory_record(self) -> dict:
+        if self._cuda:
+            stats = torch.cuda.memory_stats(self._device)
+            return {
+                "live_bytes": stats.get("allocated_bytes.all.current", 0),
+                "peak_bytes": stats.get("allocated_bytes.all.peak", 0),
+                "reserved_bytes": stats.get("reserved_bytes.all.current", 0),
+                "limit_bytes": self._limit,
+                "alloc_retries": stats.get("num_alloc_retries", 0),
+            }
+        rss = _memory.rss_anon()
+        return {} if rss is None else {"host_rss_anon_bytes": rss}
+
+    def _snapshot(self) -> Optional[str]:
+        """CUDA: PyTorch's memory snapshot at the OOM, before the failed attempt is freed,
+        as RUN_DIR/oom/NNN/snapshot.pickle (snapshot.rankR.pickle on other ranks)."""
+        folder = f"oom/{self._oom_count + 1:03d}"
+        try:
+            path = os.path.join(self.run_dir, folder)
+            os.makedirs(path, exist_ok=True)
+            name = "snapshot.pickle" if self.rank == 0 else f"snapshot.rank{self.rank}.pickle"
+            torch.cuda.memory._dump_snapshot(os.path.join(path, name))
+            return folder
+        except Exception as e:  # noqa: BLE001 - a snapshot that fails is only a warning
+            warn(f"cannot write the memory snapshot: {e}")
+            return None
 
     def _on_oom_event(self, phase, index, oom, line, base, after, mb, new, lost, rank, snap) -> None:
         self._oom_count += 1
@@ -730,30 +975,30 @@ class Guard:
             f"oomguard WARNING: OOM at step {self.step} ({phase}, micro-batch {index}, rank {rank}): {line}; "
             f"micro-batch {mb} -> {shown}" + ("" if new == 0 else f"; micro_batch_size={new}")
         )
-        record = {
-            "event": "oom",
-            "step": self.step,
-            "phase": phase,
-            "micro_batch_index": index,
-            "source": oom[0] if oom is not None else None,
-            "requested_bytes": oom[2] if oom is not None else None,
-            "memory_before": base,
-            "memory_after_cleanup": after,
-            "limit_bytes": self._limit,
-            "old_micro_batch_size": mb,
-            "new_micro_batch_size": new,
-            "time_lost_s": lost,
-            "message": line,
-            "rank": rank,
-        }
-        if snap is not None:
-            record["snapshot"] = snap
-        self._write({k: v for k, v in record.items() if v is not None})
+        self._records.write(
+            {
+                "event": "oom",
+                "step": self.step,
+                "phase": phase,
+                "micro_batch_index": index,
+                "source": oom[0] if oom is not None else None,
+                "requested_bytes": oom[2] if oom is not None else None,
+                "memory_before": base,
+                "memory_after_cleanup": after,
+                "limit_bytes": self._limit,
+                "old_micro_batch_size": mb,
+                "new_micro_batch_size": new,
+                "time_lost_s": lost,
+                "message": line,
+                "rank": rank,
+                "snapshot": snap,
+            }
+        )
 
     def _on_resize(self, kind: str, old: int, new: int) -> None:
         reason = "headroom" if kind == "grow" else "alloc_retries"
         self._say(f"oomguard: micro-batch {old} -> {new} ({reason}) from step {self.step + 1}; micro_batch_size={new}")
-        self._write(
+        self._records.write(
             {
                 "event": kind,
                 "step": self.step,
@@ -764,8 +1009,8 @@ class Guard:
         )
 
     def _infeasible_message(self, phase, rank, requested, base, line) -> str:
-        wanted = f", the failed allocation wanted {_human(requested)}" if requested else ""
-        in_use = f" with {_human(base)} in use before the step" if base is not None else ""
+        wanted = f", the failed allocation wanted {human(requested)}" if requested else ""
+        in_use = f" with {human(base)} in use before the step" if base is not None else ""
         return (
             f"step {self.step}: the step does not fit in memory even at micro-batch 1 "
             f"({phase} phase, rank {rank}{wanted}{in_use}). To fit: free memory (a smaller model, "
@@ -774,30 +1019,32 @@ class Guard:
         )
 
 
-def _membership(raw: Optional[str], metrics: str) -> Optional[Tuple[dict, Optional[int]]]:
-    """OOMGUARD_MEMBERSHIP (the launcher's description of the change), and the last step the
-    run's metrics recorded before this round; None outside such a round, or when unreadable."""
-    if not raw:
-        return None
-    try:
-        change = json.loads(raw)
-        for key in ("old_world", "new_world", "cause", "detected_unix_ms"):
-            change[key]
-    except (ValueError, KeyError, TypeError):
-        return None
-    last = None
-    try:
-        with open(metrics) as f:
-            for line in f:
-                try:
-                    r = json.loads(line)
-                except ValueError:
-                    continue
-                if r.get("event") == "step" and isinstance(r.get("step"), int):
-                    last = r["step"] if last is None else max(last, r["step"])
-    except OSError:
-        pass
-    return change, last
+_BIG = 1 << 52
+
+
+def _loss_and_units(out: Any) -> Tuple[torch.Tensor, Any]:
+    """`loss_fn`'s result: a scalar tensor, or `(scalar tensor, units)` with units an int,
+    float or 0-dim tensor."""
+    units = None
+    if isinstance(out, tuple) and len(out) == 2:
+        out, units = out
+        if isinstance(units, torch.Tensor):
+            if units.numel() != 1:
+                raise TypeError(f"loss_fn's units must be a number or a 1-element tensor, not shape {tuple(units.shape)}")
+            units = units.detach().reshape(())
+        elif not isinstance(units, (int, float)) or isinstance(units, bool):
+            raise TypeError(f"loss_fn's units must be a number or a 1-element tensor, not {type(units).__name__}")
+    if not isinstance(out, torch.Tensor) or out.numel() != 1:
+        what = type(out).__name__ if not isinstance(out, torch.Tensor) else f"shape {tuple(out.shape)}"
+        raise TypeError(
+            f"loss_fn must return a scalar tensor (the micro-batch's mean loss) or (loss, units), not {what}"
+        )
+    return out.reshape(()), units
+
+
+def _any_dtensor(params: List[torch.nn.Parameter]) -> bool:
+    dtensor = _ranks._dtensor_type()
+    return dtensor is not None and any(isinstance(p, dtensor) for p in params)
 
 
 def _env_int(name: str) -> Optional[int]:
@@ -805,26 +1052,3 @@ def _env_int(name: str) -> Optional[int]:
         return int(os.environ[name])
     except (KeyError, ValueError):
         return None
-
-
-def _parts(batch: Batch) -> Tuple[List[torch.Tensor], Callable[[List[torch.Tensor]], Batch]]:
-    if isinstance(batch, torch.Tensor):
-        return [batch], lambda ts: ts[0]
-    if isinstance(batch, (tuple, list)) and batch and all(isinstance(t, torch.Tensor) for t in batch):
-        kind = type(batch)
-        return list(batch), (lambda ts: tuple(ts)) if kind is tuple else (lambda ts: list(ts))
-    raise TypeError(f"batch must be a tensor or a non-empty tuple/list of tensors, not {type(batch).__name__}")
-
-
-def _rows(tensors: List[torch.Tensor]) -> int:
-    rows = []
-    for i, t in enumerate(tensors):
-        if t.dim() == 0:
-            raise ValueError(f"batch[{i}] is a 0-dim tensor: every tensor needs a leading batch dimension")
-        rows.append(t.shape[0])
-    for i, r in enumerate(rows[1:], 1):
-        if r != rows[0]:
-            raise ValueError(
-                f"the batch's leading dimensions disagree: batch[0] has {rows[0]} rows, batch[{i}] has {r}"
-            )
-    return rows[0]

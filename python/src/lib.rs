@@ -1,6 +1,8 @@
-//! Owns `oomguard._native`: the runtime's guard policy for the Python guard, and the glibc
-//! calls that hand freed heap back after an OOM.
-//! Keeps: no torch state and no libtorch; the decisions are `oomguard_policy::Policy`'s, unchanged.
+//! Owns `oomguard._native`: what the Python guard shares with `oomguard train`, in Rust:
+//! the policy, the meaning of the ranks' agreement vector, the OOM classifier, the
+//! micro-batch cache, metrics.jsonl's replacement on a resume, and the glibc calls that hand
+//! freed heap back after an OOM.
+//! Keeps: no torch state and no libtorch; every rule is the shared crates', unchanged.
 use oomguard_policy::{Adjust, Observation, OnOom, Policy as Inner, PolicyConfig};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -126,28 +128,125 @@ impl Policy {
 type Classified = (&'static str, String, Option<u64>, Option<u64>, Option<u64>);
 
 /// Whether an error message is an out-of-memory error, as the runtime classifies them
-/// (oomguard_host::oom, one function for every caller), plus oneDNN's "could not create a
-/// primitive", which is how an allocation failure inside oneDNN surfaces on the CPU.
+/// (oomguard_host::oom, one function for every caller: libtorch's allocators, CUDA, oneDNN's
+/// "could not create a primitive", Python's `MemoryError: ...`).
 /// Returns `(source, line, requested_bytes, capacity_bytes, free_bytes)` or None.
 #[pyfunction]
 fn classify_oom(message: &str) -> Option<Classified> {
     use oomguard_host::oom::OomSource;
-    if let Some(o) = oomguard_host::oom::classify_oom(message) {
-        let source = match o.source {
-            OomSource::Cuda => "cuda",
-            OomSource::CudaRuntime => "cuda_runtime",
-            OomSource::Cpu => "cpu",
-            OomSource::Budget => "budget",
-        };
-        return Some((source, o.message, o.requested_bytes, o.capacity_bytes, o.free_bytes));
-    }
-    let line = message
-        .lines()
-        .find(|l| l.to_ascii_lowercase().contains(ONEDNN_MARKER))?;
-    Some(("cpu", line.trim().to_string(), None, None, None))
+    let o = oomguard_host::oom::classify_oom(message)?;
+    let source = match o.source {
+        OomSource::Cuda => "cuda",
+        OomSource::CudaRuntime => "cuda_runtime",
+        OomSource::Cpu => "cpu",
+        OomSource::Budget => "budget",
+    };
+    Some((source, o.message, o.requested_bytes, o.capacity_bytes, o.free_bytes))
 }
 
-const ONEDNN_MARKER: &str = "could not create a primitive";
+/// One rank's vote as the vector the ranks all-reduce with MAX (oomguard_policy::agreement):
+/// `oom` is `(severe, signature, phase, micro_batch_index)` or None; `phase` names one of
+/// `PHASES`.
+#[pyfunction]
+#[pyo3(signature = (rank, oom=None, error=false, peak_bytes=0, baseline_bytes=0, limit_bytes=None, alloc_retries=None, missing_grads=false))]
+fn vote(
+    rank: usize,
+    oom: Option<(bool, u32, String, usize)>,
+    error: bool,
+    peak_bytes: u64,
+    baseline_bytes: u64,
+    limit_bytes: Option<u64>,
+    alloc_retries: Option<u64>,
+    missing_grads: bool,
+) -> PyResult<Vec<f64>> {
+    use oomguard_policy::agreement::{encode, OomVote, Vote, PHASES};
+    let oom = match oom {
+        None => None,
+        Some((severe, signature, phase, index)) => {
+            let phase = PHASES
+                .iter()
+                .position(|p| *p == phase.as_str())
+                .ok_or_else(|| PyValueError::new_err(format!("phase {phase:?} is not one of {PHASES:?}")))?;
+            Some(OomVote {
+                severe,
+                signature,
+                phase,
+                index,
+            })
+        }
+    };
+    let v = Vote {
+        rank,
+        oom,
+        error,
+        peak_bytes,
+        baseline_bytes,
+        limit_bytes,
+        alloc_retries,
+        missing_grads,
+    };
+    Ok(encode(&v).to_vec())
+}
+
+/// What the all-reduced votes say: a dict with `error_rank`, `oom_rank`, `oom` (`(severe,
+/// signature, phase, micro_batch_index)` or None), `peak_bytes`, `baseline_bytes`,
+/// `limit_bytes`, `alloc_retries`.
+#[pyfunction]
+fn agreed<'py>(py: Python<'py>, vector: Vec<f64>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+    use oomguard_policy::agreement::{decode, PHASES};
+    let a = decode(&vector).map_err(PyValueError::new_err)?;
+    let d = pyo3::types::PyDict::new(py);
+    d.set_item("error_rank", a.error_rank)?;
+    d.set_item("oom_rank", a.oom_rank)?;
+    d.set_item(
+        "oom",
+        a.oom.map(|o| (o.severe, o.signature, PHASES[o.phase], o.index)),
+    )?;
+    d.set_item("peak_bytes", a.peak_bytes)?;
+    d.set_item("baseline_bytes", a.baseline_bytes)?;
+    d.set_item("limit_bytes", a.limit_bytes)?;
+    d.set_item("alloc_retries", a.alloc_retries)?;
+    d.set_item("missing_grads", a.missing_grads)?;
+    Ok(d)
+}
+
+/// The micro-batch cache's size for `key` (the file `oomguard train` and sweeps share).
+#[pyfunction]
+fn cached_micro_batch(key: &str) -> Option<usize> {
+    oomguard_runfiles::cache::cached(key)
+}
+
+/// Records that `size` fits for `key`, under the cache's lock, the file replaced whole.
+/// Returns None, or the reason it could not be written (only ever a warning).
+#[pyfunction]
+fn remember_micro_batch(key: &str, size: usize) -> Option<String> {
+    oomguard_runfiles::cache::remember(key, size).err().map(|e| {
+        let at = oomguard_runfiles::cache::path().map(|p| p.display().to_string()).unwrap_or_default();
+        format!("cannot write the micro-batch cache {at}: {e}")
+    })
+}
+
+/// A run resuming at `next_step`: later records of `run_dir`/metrics.jsonl move to
+/// metrics.replaced.jsonl, as `oomguard train` does. Returns how many lines moved.
+#[pyfunction]
+fn metrics_resume(run_dir: &str, next_step: u64) -> PyResult<usize> {
+    oomguard_runfiles::metrics::resume(std::path::Path::new(run_dir), next_step)
+        .map_err(|e| pyo3::exceptions::PyOSError::new_err(format!("{run_dir}/metrics.jsonl: {e}")))
+}
+
+/// Fixes glibc's mmap threshold (buffers of `threshold` bytes and more, default the
+/// runtime's 4 MiB, are mapped on their own and unmapped when freed), as the runtime does
+/// under a memory cap, so that a capped process gets a failed attempt's memory back.
+/// Returns the threshold, or None when left alone (MALLOC_MMAP_THRESHOLD_ set by the user,
+/// or not glibc).
+#[pyfunction]
+#[pyo3(signature = (threshold=None))]
+fn bound_heap(threshold: Option<usize>) -> Option<usize> {
+    match threshold {
+        Some(t) => oomguard_host::memory::bound_heap_at(t),
+        None => oomguard_host::memory::bound_heap(),
+    }
+}
 
 /// Hands the heap's free pages back to the system (glibc's `malloc_trim(0)`, the runtime's
 /// own `return_freed_memory`); True when memory was released, False off glibc.
@@ -168,5 +267,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(malloc_trim, m)?)?;
     m.add_function(wrap_pyfunction!(classify_oom, m)?)?;
     m.add_function(wrap_pyfunction!(memory_step, m)?)?;
+    m.add_function(wrap_pyfunction!(vote, m)?)?;
+    m.add_function(wrap_pyfunction!(agreed, m)?)?;
+    m.add_function(wrap_pyfunction!(cached_micro_batch, m)?)?;
+    m.add_function(wrap_pyfunction!(remember_micro_batch, m)?)?;
+    m.add_function(wrap_pyfunction!(metrics_resume, m)?)?;
+    m.add_function(wrap_pyfunction!(bound_heap, m)?)?;
+    m.add("PHASES", oomguard_policy::agreement::PHASES.to_vec())?;
     Ok(())
 }

@@ -1,8 +1,6 @@
 //! Owns `train.micro_batch_size: auto`: the largest micro-batch that fits, by real trial steps.
 //! Keeps: the search starts from the planner's estimate and its result is remembered.
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::time::Instant;
 
 use crate::data::StepBatches;
@@ -68,46 +66,17 @@ pub struct AutoResult {
     pub cache_key: String,
 }
 
-fn cache_path() -> Option<PathBuf> {
-    let base = std::env::var_os("OOMGUARD_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|c| PathBuf::from(c).join("oomguard")))
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/oomguard")))?;
-    Some(base.join("micro_batch.json"))
-}
-
-fn read_cache() -> BTreeMap<String, usize> {
-    cache_path()
-        .and_then(|p| std::fs::read_to_string(p).ok())
-        .and_then(|t| serde_json::from_str(&t).ok())
-        .unwrap_or_default()
-}
-
 /// The largest micro-batch known to fit for `key` (a model, memory and device).
 pub fn cached(key: &str) -> Option<usize> {
-    read_cache().get(key).copied()
+    oomguard_runfiles::cache::cached(key)
 }
 
-/// Records that `size` fits for `key`. Runs and sweep trials share the file: a lock makes
-/// the read-modify-write whole, and the file is replaced whole (atomic::write).
+/// Records that `size` fits for `key` (the file shared with sweeps and Python guards:
+/// oomguard_runfiles::cache).
 pub fn remember(key: &str, size: usize) {
-    let Some(path) = cache_path() else { return };
-    let written = (|| -> std::io::Result<()> {
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)?;
-        }
-        let lock = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(path.with_extension("lock"))?;
-        lock.lock()?;
-        let mut all = read_cache();
-        all.insert(key.to_string(), size);
-        oomguard_report::atomic::write(&path, serde_json::to_string_pretty(&all).unwrap_or_default().as_bytes())
-    })();
-    if let Err(e) = written {
-        tracing::warn!("cannot write the micro-batch cache {}: {e}", path.display());
+    if let Err(e) = oomguard_runfiles::cache::remember(key, size) {
+        let at = oomguard_runfiles::cache::path().map(|p| p.display().to_string()).unwrap_or_default();
+        tracing::warn!("cannot write the micro-batch cache {at}: {e}");
     }
 }
 

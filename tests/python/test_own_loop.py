@@ -250,8 +250,10 @@ def test_bad_input_names_both_numbers_and_leaves_grads_alone():
     guard = oomguard.Guard(m, global_batch_size=32, micro_batch_size=8, verbose=False)
     with pytest.raises(ValueError, match=r"batch\[0\] has 32 rows, batch\[1\] has 31"):
         guard.backward((x, y[:31]), loss_fn)
-    with pytest.raises(ValueError, match=r"the batch has 16 rows but global_batch_size is 32"):
-        guard.backward((x[:16], y[:16]), loss_fn)
+    with pytest.raises(ValueError, match=r"the batch has 33 rows but global_batch_size is 32"):
+        guard.backward((torch.cat([x, x[:1]]), torch.cat([y, y[:1]])), loss_fn)
+    with pytest.raises(TypeError, match=r"batch must hold tensors.*str"):
+        guard.backward("rows", loss_fn)
     calls = []
 
     def vector_on_second_call(b):

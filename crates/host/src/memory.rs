@@ -172,17 +172,30 @@ pub const CGROUP_MMAP_THRESHOLD: usize = 4 << 20;
 /// far more than the live tensors and kills a run that fits its budget. Left alone when the
 /// user set `MALLOC_MMAP_THRESHOLD_` (glibc reads it itself). Returns the threshold set.
 pub fn bound_heap() -> Option<usize> {
+    bound_heap_at(CGROUP_MMAP_THRESHOLD)
+}
+
+/// Fixes glibc's mmap threshold at `threshold` bytes (clamped to glibc's range), unless
+/// the user set `MALLOC_MMAP_THRESHOLD_`. Returns the threshold set. The Python guard uses a
+/// lower one than `bound_heap` under an address-space limit, where a buffer left in an
+/// arena keeps its addresses however much is trimmed.
+pub fn bound_heap_at(threshold: usize) -> Option<usize> {
     if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_some() {
         return None;
     }
+    // glibc refuses a threshold above HEAP_MAX/2 (32 MiB on 64-bit).
+    let threshold = threshold.clamp(4096, 32 << 20);
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
         // SAFETY: mallopt only sets glibc's allocator parameters; safe at any time.
-        let ok = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, CGROUP_MMAP_THRESHOLD as libc::c_int) } == 1;
-        ok.then_some(CGROUP_MMAP_THRESHOLD)
+        let ok = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, threshold as libc::c_int) } == 1;
+        ok.then_some(threshold)
     }
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-    None
+    {
+        let _ = threshold;
+        None
+    }
 }
 
 /// This process's anonymous resident memory (RssAnon: its heap, stacks and CPU tensors, not

@@ -85,7 +85,18 @@ const MARKERS: [(OomSource, &[&str]); 4] = [
             "cudaerrormemoryallocation",
         ],
     ),
-    (OomSource::Cpu, &["can't allocate memory", "cannot allocate memory"]),
+    // The CPU: libtorch's allocator; oneDNN, which reports its own allocation failure as
+    // "could not create a primitive"; Python's MemoryError (a host allocation in Python
+    // code: numpy, a collator), which both fronts name by its type.
+    (
+        OomSource::Cpu,
+        &[
+            "can't allocate memory",
+            "cannot allocate memory",
+            "could not create a primitive",
+            "memoryerror",
+        ],
+    ),
 ];
 
 pub fn classify_oom(msg: &str) -> Option<OomError> {
@@ -175,6 +186,17 @@ mod tests {
 
     const MIB: u64 = 1 << 20;
     const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn onednn_and_python_memory_errors_are_the_cpu_running_out() {
+        let o = classify_oom("RuntimeError: could not create a primitive").unwrap();
+        assert_eq!((o.source, o.message.as_str()), (OomSource::Cpu, "RuntimeError: could not create a primitive"));
+        let o = classify_oom("MemoryError: ").unwrap();
+        assert_eq!(o.source, OomSource::Cpu);
+        // CUDA's error type names itself first.
+        assert_eq!(classify_oom("OutOfMemoryError: x").unwrap().source, OomSource::Cuda);
+        assert!(classify_oom("ValueError: memory layout").is_none());
+    }
 
     // Messages as quoted in ../shared/seeds/ and as libtorch 2.13 prints them.
     #[test]

@@ -3,6 +3,8 @@
 //! `Policy`'s serde form is what checkpoints hold.
 use serde::{Deserialize, Serialize};
 
+pub mod agreement;
+
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PolicyConfig {
     pub grow_after_steps: u64,

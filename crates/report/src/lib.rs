@@ -20,7 +20,7 @@
 //! ```
 use std::path::{Path, PathBuf};
 
-pub mod atomic;
+pub use oomguard_runfiles::atomic;
 pub mod draw;
 pub mod html;
 pub mod jsonl;

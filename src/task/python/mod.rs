@@ -119,7 +119,10 @@ fn to_tch(py: Python<'_>, e: PyErr) -> TchError {
         .and_then(|t| t.getattr("OutOfMemoryError"))
         .is_ok_and(|ty| value.is_instance(&ty).unwrap_or(false));
     let runtime = value.is_instance_of::<pyo3::exceptions::PyRuntimeError>();
-    let oom = oom_type || (runtime && crate::error::classify_oom(&text).is_some());
+    // Python's MemoryError is an OOM on both fronts (the classifier reads it by its name).
+    let memory = value.is_instance_of::<pyo3::exceptions::PyMemoryError>();
+    let text = if memory { format!("MemoryError: {text}") } else { text };
+    let oom = oom_type || memory || (runtime && crate::error::classify_oom(&text).is_some());
     let message = if oom {
         text
     } else {

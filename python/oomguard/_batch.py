@@ -1,0 +1,99 @@
+"""Batches as users have them, split into micro-batches along the leading dimension.
+
+This module owns the batch's structure: a tensor, a tuple/list/namedtuple, a dict (a Hugging
+Face collator's dict, `BatchEncoding`, a `ModelOutput`), nested in any way, with non-tensor
+leaves (strings, numbers, None) passed to every micro-batch unchanged. Invariant: rows
+`a..b` of every tensor leaf, put back into the same structure, are the micro-batch; every
+tensor leaf has the same number of rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Callable, List
+
+import torch
+
+Rebuild = Callable[[List[torch.Tensor]], Any]
+
+
+class Rows:
+    """`batch`'s tensor leaves and how to put slices of them back together."""
+
+    def __init__(self, batch: Any):
+        self.leaves: List[torch.Tensor] = []
+        self.paths: List[str] = []
+        self._rebuild = _walk(batch, self.leaves, self.paths, "batch")
+        if not self.leaves:
+            raise TypeError(
+                f"batch must hold tensors (a tensor, or a tuple, list or dict of them), not {type(batch).__name__} without any"
+            )
+        self.rows = _rows(self.leaves, self.paths)
+
+    def take(self, start: int, stop: int, mark_dynamic: bool = False) -> Any:
+        """Rows `start..stop` of every leaf (views, no copy), in the batch's structure. With
+        `mark_dynamic`, the leading dimension is marked dynamic for torch.compile, so that
+        a new micro-batch size does not compile again."""
+        parts = [t[start:stop] for t in self.leaves]
+        if mark_dynamic:
+            for p in parts:
+                _maybe_mark_dynamic(p)
+        return self._rebuild(parts)
+
+
+def _maybe_mark_dynamic(t: torch.Tensor) -> None:
+    dynamo = getattr(torch, "_dynamo", None)
+    mark = getattr(dynamo, "maybe_mark_dynamic", None) if dynamo is not None else None
+    if mark is not None and t.dim() > 0:
+        mark(t, 0)
+
+
+def _walk(obj: Any, leaves: List[torch.Tensor], paths: List[str], path: str) -> Rebuild:
+    if isinstance(obj, torch.Tensor):
+        i = len(leaves)
+        leaves.append(obj)
+        paths.append(path)
+        return lambda ts: ts[i]
+    if isinstance(obj, Mapping):
+        items = [(k, _walk(v, leaves, paths, f"{path}[{k!r}]")) for k, v in obj.items()]
+        make = _mapping_maker(obj)
+        return lambda ts: make({k: f(ts) for k, f in items})
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        fs = [_walk(v, leaves, paths, f"{path}.{name}") for name, v in zip(obj._fields, obj)]
+        kind = type(obj)
+        return lambda ts: kind(*[f(ts) for f in fs])
+    if isinstance(obj, (tuple, list)):
+        fs = [_walk(v, leaves, paths, f"{path}[{i}]") for i, v in enumerate(obj)]
+        kind = tuple if isinstance(obj, tuple) else list
+        return lambda ts: kind(f(ts) for f in fs)
+    return lambda ts: obj  # a string, a number, None: the same in every micro-batch
+
+
+def _mapping_maker(obj: Mapping) -> Callable[[dict], Any]:
+    """How to make a mapping of `obj`'s kind from a dict: a dataclass mapping such as
+    `transformers.ModelOutput` by its fields, one whose constructor takes a dict (dict,
+    OrderedDict, `BatchEncoding`) by that, anything else as a plain dict."""
+    kind = type(obj)
+    if kind is dict:
+        return lambda d: d
+    if dataclasses.is_dataclass(obj):
+        return lambda d: kind(**d)
+    try:
+        kind(dict(obj))
+    except Exception:  # noqa: BLE001 - a mapping we cannot rebuild: a plain dict
+        return lambda d: d
+    return lambda d: kind(d)
+
+
+def _rows(leaves: List[torch.Tensor], paths: List[str]) -> int:
+    for t, p in zip(leaves, paths):
+        if t.dim() == 0:
+            raise ValueError(f"{p} is a 0-dim tensor: every tensor needs a leading batch dimension")
+    first = leaves[0].shape[0]
+    for t, p in zip(leaves[1:], paths[1:]):
+        if t.shape[0] != first:
+            raise ValueError(
+                f"the batch's leading dimensions disagree: {paths[0]} has {first} rows, {p} has {t.shape[0]}"
+            )
+    return first

@@ -1,0 +1,368 @@
+"""The ranks of a `torch.distributed` job agreeing on every attempt, and the collectives that
+run inside one.
+
+This module owns the agreement and the wrappers around collectives. An attempt that fails on
+one rank must never leave another rank waiting in a collective the first has left. So, while
+an attempt runs, every collective it issues through `torch.distributed` (FSDP2's all-gathers
+and reduce-scatters, DDP's buffer broadcast, one in your `loss_fn`) is preceded by a
+*checkpoint*: the ranks' agreement vector all-reduced with MAX, in which every rank says
+"still going". A rank that failed votes the same vector once, saying what failed; a rank at
+a checkpoint that reads a failure leaves its attempt (`PeerFailed`) without entering the
+collective. Invariant: every vote has the same shape and each rank votes exactly once per
+checkpoint and once at the attempt's end (or once when it fails), so the votes always match
+as collectives and every rank decodes the same outcome.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from ._native import agreed, vote
+
+# Collectives every rank of the group calls: each gets a checkpoint first inside an attempt.
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "_all_gather_base",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "_reduce_scatter_base",
+    "broadcast",
+    "_broadcast_coalesced",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_reduce_coalesced",
+    "all_gather_coalesced",
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+)
+# Point-to-point messages (pipeline stages): not every rank takes part, so no checkpoint
+# can match them. Inside an attempt they are refused.
+POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+
+
+class PeerFailed(Exception):
+    """Another rank's attempt failed: this rank leaves its own at a checkpoint. Carries the
+    agreed outcome (the vote this rank took part in)."""
+
+    def __init__(self, outcome: dict):
+        super().__init__("another rank's attempt failed")
+        self.outcome = outcome
+
+
+class Unsupported(RuntimeError):
+    """A collective the guard cannot make safe ran inside an attempt."""
+
+
+# The guard whose attempt is running in this process (one at a time: its thread is inside
+# `backward`, `step` or `evaluate`; autograd's threads run its hooks meanwhile).
+_ACTIVE: Optional["Ranks"] = None
+_ORIGINAL: Dict[str, Callable] = {}
+
+
+def _installed() -> bool:
+    return bool(_ORIGINAL)
+
+
+def install() -> None:
+    """Wraps torch.distributed's collectives once per process (a call outside an attempt
+    costs one global read)."""
+    if _installed():
+        return
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    for name in COLLECTIVES + POINT_TO_POINT:
+        fn = getattr(dist, name, None) or getattr(c10d, name, None)
+        if fn is None:
+            continue
+        _ORIGINAL[name] = fn
+        wrapped = _checkpointed(name, fn) if name in COLLECTIVES else _refused(name, fn)
+        for module in (dist, c10d):
+            if getattr(module, name, None) is fn:
+                setattr(module, name, wrapped)
+
+
+def _checkpointed(name: str, fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        ranks = _ACTIVE
+        if ranks is None or ranks.voting or ranks.inside:
+            return fn(*args, **kwargs)
+        _probe(args, kwargs)
+        ranks.checkpoint(name, kwargs.get("group", args[0] if name == "_broadcast_coalesced" and args else None))
+        ranks.inside = True  # a collective calling another (all_gather_single) is one
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            ranks.inside = False
+
+    collective.__oomguard_original__ = fn  # type: ignore[attr-defined]
+    return collective
+
+
+def _probe(args: tuple, kwargs: dict) -> None:
+    """Before a CPU collective's checkpoint: the memory Gloo will allocate inside it (a copy
+    of its input or output, measured), taken and given back, so that a rank short of it
+    fails here, before the ranks agree, rather than inside the collective after they did
+    (where its peer would wait in a collective it left). CUDA's collectives (NCCL) allocate
+    nothing through PyTorch's allocator: no probe there."""
+    size = 0
+    for t in list(args) + list(kwargs.values()):
+        for x in t if isinstance(t, (list, tuple)) else (t,):
+            if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+                size += x.numel() * x.element_size()
+    if size:
+        torch.empty(size, dtype=torch.uint8)
+
+
+def _refused(name: str, fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def p2p(*args: Any, **kwargs: Any) -> Any:
+        if _ACTIVE is not None:
+            raise Unsupported(
+                f"torch.distributed.{name} ran inside the guarded step: point-to-point messages (pipeline "
+                "stages) are not supported, since a rank that ran out of memory could leave its peer waiting. "
+                "Keep them outside guard.backward, or train pipeline stages without the guard"
+            )
+        return fn(*args, **kwargs)
+
+    p2p.__oomguard_original__ = fn  # type: ignore[attr-defined]
+    return p2p
+
+
+class Ranks:
+    """This rank among the guard's: its agreement vector (allocated once, up front, so that
+    voting never needs memory an OOM took) and the group it is all-reduced over."""
+
+    def __init__(self, process_group: Any, param_device: torch.device):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.pg = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world = dist.get_world_size(process_group)
+        self.group, device = self._agreement_group(process_group, param_device)
+        self.device = device
+        self._vector = torch.zeros(len(vote(0)), dtype=torch.float64, device=device)
+        self.voting = False
+        self.inside = False
+        self.checkpoints = 0
+        self.checkpoint_s = 0.0
+        self._inject: Optional[Callable[[str], None]] = None
+        install()
+
+    def _agreement_group(self, pg: Any, device: torch.device):
+        """Where votes go: a Gloo group and a CPU tensor when the job has one (no device
+        synchronisation: a checkpoint never waits for the GPU's queue), else the group's
+        own backend on the parameters' device."""
+        dist = self.dist
+        backend = str(dist.get_backend(pg)).lower()
+        if "gloo" in backend:
+            return pg, torch.device("cpu")
+        whole = pg is None or self.world == dist.get_world_size()
+        if whole:
+            try:
+                return dist.new_group(backend="gloo"), torch.device("cpu")
+            except Exception:  # noqa: BLE001 - no Gloo in this build: the parameters' device
+                pass
+        return pg, device
+
+    def vote(self, values: List[float]) -> dict:
+        """Every rank's vote, maximised element-wise (one all-reduce), decoded."""
+        v = self._vector
+        v.copy_(torch.tensor(values, dtype=torch.float64), non_blocking=False)
+        self.voting = True
+        try:
+            _ORIGINAL.get("all_reduce", self.dist.all_reduce)(v, op=self.dist.ReduceOp.MAX, group=self.group)
+        finally:
+            self.voting = False
+        return agreed(v.tolist())
+
+    def checkpoint(self, name: str, group: Any = None) -> None:
+        """Before a collective inside an attempt: every rank still going? Raises PeerFailed
+        when another rank's attempt failed (this rank has voted with it)."""
+        if group is not None and group is not self.pg and group is not self.group:
+            size = self.dist.get_world_size(group)
+            if size != self.world:
+                raise Unsupported(
+                    f"torch.distributed.{name} over a group of {size} of the {self.world} ranks ran inside "
+                    "the guarded step: a collective that not every rank takes part in cannot be agreed on "
+                    "(HSDP's replica groups, tensor or pipeline parallel groups). Use a 1-D FSDP2 mesh or DDP"
+                )
+        if self._inject is not None:
+            self._inject(name)
+        t0 = time.perf_counter()
+        outcome = self.vote(vote(self.rank))
+        self.checkpoints += 1
+        self.checkpoint_s += time.perf_counter() - t0
+        if outcome["error_rank"] is not None or outcome["oom_rank"] is not None:
+            raise PeerFailed(outcome)
+
+    def attempt(self, injector: Optional[Callable[[str], None]]):
+        """A context: collectives inside it get checkpoints (and the test hook's injections)."""
+        return _Attempt(self, injector)
+
+
+class _Attempt:
+    def __init__(self, ranks: Ranks, injector: Optional[Callable[[str], None]]):
+        self.ranks, self.injector = ranks, injector
+
+    def __enter__(self) -> None:
+        global _ACTIVE
+        self.previous = _ACTIVE
+        _ACTIVE = self.ranks
+        self.ranks._inject = self.injector
+
+    def __exit__(self, *exc: Any) -> None:
+        global _ACTIVE
+        _ACTIVE = self.previous
+        self.ranks._inject = None
+
+
+# --- what the guard can see through ----------------------------------------------------------
+
+
+def fsdp_modules(model: Optional[torch.nn.Module]) -> List[torch.nn.Module]:
+    """The FSDP2 (`fully_shard`) modules in `model`, outermost first."""
+    if model is None:
+        return []
+    kind = _fsdp2_type()
+    return [] if kind is None else [m for m in model.modules() if isinstance(m, kind)]
+
+
+def _fsdp2_type():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        return FSDPModule
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule  # torch < 2.6
+
+            return FSDPModule
+        except ImportError:
+            return None
+
+
+def refuse_unsafe(model: Optional[torch.nn.Module], params: List[torch.nn.Parameter]) -> None:
+    """Raises at construction for a model whose steps the guard cannot make safe."""
+    if model is None:
+        return
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    except ImportError:
+        FSDP1 = None
+    if FSDP1 is not None and any(isinstance(m, FSDP1) for m in model.modules()):
+        raise TypeError(
+            "the model is wrapped in FullyShardedDataParallel (FSDP1), whose state cannot be reset after a "
+            "failed attempt: shard it with torch.distributed.fsdp.fully_shard (FSDP2), which the guard supports"
+        )
+    for m in fsdp_modules(model):
+        state = m._get_fsdp_state()
+        for group in getattr(state, "_fsdp_param_groups", []) or []:
+            mesh_info = group.mesh_info
+            if type(mesh_info).__name__ == "HSDPMeshInfo":
+                raise TypeError(
+                    "the model is sharded with HSDP (a 2-D mesh: replicas of shards), whose replica all-reduce "
+                    "runs over a subgroup the guard cannot agree on: shard it over a 1-D mesh"
+                )
+            for fp in group.fsdp_params:
+                if getattr(fp, "is_dtensor", False) or getattr(fp, "_tp_spec", None) is not None:
+                    raise TypeError(
+                        f"parameter {fp._module_info.param_name} is sharded by tensor parallelism as well as "
+                        "FSDP2: its collectives run inside the model's operators, where no rank can be stopped "
+                        "before them. The guard supports FSDP2 over a 1-D mesh and DDP"
+                    )
+    if not fsdp_modules(model):
+        dtensor = _dtensor_type()
+        if dtensor is not None and any(isinstance(p, dtensor) for p in params):
+            raise TypeError(
+                "the model's parameters are DTensors (tensor parallelism): their collectives run inside the "
+                "model's operators, where no rank can be stopped before them. The guard supports FSDP2 "
+                "(fully_shard over a 1-D mesh) and DDP"
+            )
+    try:
+        from torch.distributed.pipelining import PipelineStage
+    except ImportError:
+        PipelineStage = None
+    if PipelineStage is not None and isinstance(model, PipelineStage):
+        raise TypeError(
+            "the model is a pipeline stage: its point-to-point messages cannot be agreed on. Train pipeline "
+            "stages without the guard"
+        )
+
+
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+
+        return DTensor
+    except ImportError:
+        return None
+
+
+def reset_fsdp(modules: List[torch.nn.Module]) -> None:
+    """FSDP2's per-iteration state after a failed attempt: in-flight collectives waited on,
+    every group resharded, the trackers cleared (`reset_iter_state`, torch >= 2.13; the same
+    steps by hand before it), and the unsharded gradients a backward left dropped, so that
+    the next attempt accumulates from nothing."""
+    for m in modules:
+        state = m._get_fsdp_state()
+        if getattr(state, "_is_root", None):
+            if hasattr(m, "reset_iter_state"):
+                m.reset_iter_state()
+            else:
+                _reset_by_hand(state)
+    for m in modules:
+        for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", []) or []:
+            for fp in group.fsdp_params:
+                unsharded = getattr(fp, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+                if hasattr(fp, "unsharded_accumulated_grad"):
+                    fp.unsharded_accumulated_grad = None
+
+
+def _reset_by_hand(state: Any) -> None:
+    """What torch 2.13's FSDPState._reset_iter_state does, for older versions."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    ctx = state._comm_ctx
+    for attr in ("all_gather_state", "reduce_scatter_state"):
+        if hasattr(ctx, attr):
+            setattr(ctx, attr, None)
+    if hasattr(ctx, "reduce_scatter_states"):
+        ctx.reduce_scatter_states.clear()
+    if hasattr(ctx, "post_forward_order"):
+        ctx.post_forward_order.clear()
+    for s in state._state_ctx.all_states:
+        if hasattr(s, "_modules_to_run_forward"):
+            s._modules_to_run_forward.clear()
+        s._training_state = TrainingState.IDLE
+        for g in s._fsdp_param_groups:
+            result = getattr(g, "_all_gather_result", None)
+            work = getattr(result, "all_gather_work", None)
+            if work is not None and hasattr(work, "wait"):
+                work.wait()
+            for attr in ("_all_gather_result", "_post_reduce_event", "_reshard_after_forward_event", "_partial_reduce_output"):
+                if hasattr(g, attr):
+                    setattr(g, attr, None)
+            g._post_forward_indices.clear()
+            g._training_state = TrainingState.IDLE
+            g._to_sharded()
+    state._state_ctx.iter_forward_root = None
+    state._state_ctx.post_backward_final_callback_queued = False

@@ -1,0 +1,114 @@
+"""What the Python guard writes: metrics.jsonl in the runtime's schema (docs/reports-and-
+metrics.md) and the lines it prints.
+
+This module owns the records' fields. Invariant: each record is one JSON line, flushed as
+written; a run resumed at step k first moves the records of steps >= k aside
+(`oomguard._native.metrics_resume`, the runtime's own rule), so metrics.jsonl reads as one
+uninterrupted run; a write that fails warns once and never stops training.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Optional, Tuple
+
+from ._memory import warn
+from ._native import metrics_resume
+
+
+def finite(x: float) -> Optional[float]:
+    """NaN and infinities as null, as the runtime writes them."""
+    return x if math.isfinite(x) else None
+
+
+class Records:
+    """metrics.jsonl in `run_dir` (rank 0 writes; other ranks hold None)."""
+
+    def __init__(self, run_dir: Optional[str], rank: int):
+        self.run_dir = run_dir
+        self.path = os.path.join(run_dir, "metrics.jsonl") if run_dir else None
+        self._file = None
+        self._failed = False
+        if run_dir:
+            os.makedirs(run_dir, exist_ok=True)
+            if rank == 0:
+                self._open()
+
+    def _open(self) -> None:
+        try:
+            self._file = open(self.path, "a", buffering=1)
+        except OSError as e:
+            self._fail(e)
+
+    def _fail(self, e: OSError) -> None:
+        if not self._failed:
+            self._failed = True
+            warn(f"cannot write {self.path}: {e}; training goes on without its records")
+        self._file = None
+
+    def write(self, record: dict, keep_none: bool = False) -> None:
+        """One record; its None fields are left out unless `keep_none`."""
+        if self._file is None:
+            return
+        if not keep_none:
+            record = {k: v for k, v in record.items() if v is not None}
+        try:
+            self._file.write(json.dumps(record) + "\n")
+        except OSError as e:
+            self._fail(e)
+
+    def resumed(self, next_step: int) -> int:
+        """The run goes on at `next_step`: later records move to metrics.replaced.jsonl."""
+        if self._file is None:
+            return 0
+        try:
+            self._file.close()
+            moved = metrics_resume(self.run_dir, next_step)
+        except OSError as e:
+            self._fail(e)
+            return 0
+        self._open()
+        return moved
+
+
+def membership(raw: Optional[str], metrics: Optional[str]) -> Optional[Tuple[dict, Optional[int]]]:
+    """OOMGUARD_MEMBERSHIP (the launcher's description of an elastic job's change), and the
+    last step the run's metrics recorded before this round; None outside such a round, or
+    when unreadable."""
+    if not raw or not metrics:
+        return None
+    try:
+        change = json.loads(raw)
+        for key in ("old_world", "new_world", "cause", "detected_unix_ms"):
+            change[key]
+    except (ValueError, KeyError, TypeError):
+        return None
+    last = None
+    try:
+        with open(metrics) as f:
+            for line in f:
+                try:
+                    r = json.loads(line)
+                except ValueError:
+                    continue
+                if r.get("event") == "step" and isinstance(r.get("step"), int):
+                    last = r["step"] if last is None else max(last, r["step"])
+    except OSError:
+        pass
+    return change, last
+
+
+def membership_record(change: dict, last: Optional[int], step: int) -> dict:
+    return {
+        "event": "membership",
+        "step": step,
+        "old_world": change["old_world"],
+        "new_world": change["new_world"],
+        "cause": change["cause"],
+        "seconds": max(0.0, time.time() - change["detected_unix_ms"] / 1000),
+        "steps_recomputed": 0 if last is None else max(0, last + 1 - step),
+        "source": "checkpoint",  # the script's own: it resumed itself
+    }
