@@ -4,6 +4,8 @@
   gpu_check.py eager SHAPE_JSON            -> JSON: tokens/s and memory of the same GPT in eager PyTorch
   gpu_check.py peak NAME TOTAL_BYTES       -> JSON: the MFU peak the table gives that GPU (or null)
   gpu_check.py own-loop measure|run OUT ...  -> `import oomguard` in a plain loop on CUDA (a check's child)
+  gpu_check.py own-fsdp2 OUT MB            -> the guard on FSDP2 over a 1-rank NCCL group (a child)
+  gpu_check.py own-fp16 guard|plain OUT MB -> fp16 autocast and GradScaler, guarded or plain (a child)
   gpu_check.py check KIT OUT_DIR           -> runs every check, writes OUT_DIR/gpu-check.json
 
 The GPT is oomguard's (src/model/gpt.rs), written the PyTorch way (nanoGPT): tied embedding and
@@ -153,15 +155,16 @@ def flops_per_token(s, n_params):
     return 6 * n_params + 12 * s["n_layer"] * s["block_size"] * s["n_embd"]
 
 
-def step_records(run):
-    """The step records of a run directory's metrics.jsonl (a torn last line skipped)."""
+def step_records(run, event="step"):
+    """The step (or `event`) records of a run directory's metrics.jsonl (a torn last line
+    skipped)."""
     out = []
     for line in (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []:
         try:
             v = json.loads(line)
         except ValueError:
             continue
-        if v.get("event") == "step":
+        if v.get("event") == event:
             out.append(v)
     return out
 
@@ -228,6 +231,256 @@ def own_loop(mode, out, micro_batch=None, fraction=None):
         sizes.append(guard.micro_batch_size)
     torch.save([p.detach().cpu() for p in model.parameters()], out)
     json.dump({"sizes": sizes, "ooms": guard.policy.num_ooms, "run_dir": run_dir}, open(out + ".json", "w"))
+
+
+# The rows "own loop: FSDP2" and "own loop: fp16 GradScaler" (row, child kind): G rows a
+# step, OWN_STEPS steps, an OOM from the guard's test hook at step 1.
+OWN_ROWS = (("own loop: FSDP2", "fsdp2"), ("own loop: fp16 GradScaler", "fp16"))
+OWN_G, OWN_STEPS = 64, 6
+
+
+class Stack(nn.Module):
+    """The own-loop rows' model: the GPT's blocks on float inputs (a batch is a dict of
+    float tensors, and a row can overflow fp16 on purpose). No biases in the blocks: the
+    key's gets a zero gradient but for rounding, which AdamW would blow up to full steps."""
+
+    def __init__(self, c=128, n_layer=3, width=16):
+        super().__init__()
+        self.inp, self.out = nn.Linear(width, c), nn.Linear(c, width)
+        self.blocks = nn.ModuleList(Block(c, 4, False) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(c, bias=False)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(self.ln_f(x))
+
+
+def stack_batches(dev):
+    gen = torch.Generator().manual_seed(1)
+    make = lambda: torch.randn(OWN_G, 32, 16, generator=gen).to(dev)
+    return [{"x": make(), "y": make()} for _ in range(OWN_STEPS)]
+
+
+def fully_shard_fn():
+    """FSDP2's fully_shard (torch >= 2.6's place, then the older one), or None."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import fully_shard
+        except ImportError:
+            return None
+    return fully_shard
+
+
+def own_skip(kind, cuda):
+    """Why this host cannot run the child `kind` (its row is recorded as skipped), or None."""
+    if not cuda:
+        return "CUDA is not available"
+    if kind == "fp16":
+        return None if hasattr(torch.amp, "GradScaler") else "this torch has no torch.amp.GradScaler"
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_nccl_available()):
+        return "torch.distributed or NCCL is not available in this torch"
+    return None if fully_shard_fn() else "this torch has no FSDP2 (fully_shard)"
+
+
+def own_rows(cuda, run):
+    """(name, row) for OWN_ROWS: skipped with the reason where this host cannot run one,
+    else run(kind)'s row."""
+    for name, kind in OWN_ROWS:
+        why = own_skip(kind, cuda)
+        yield name, {"ok": None, "skipped": why} if why else run(kind)
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def own_steps(batches, step):
+    """step(i, batch) for each batch, each timed to a device synchronise: the seconds."""
+    ends = []
+    for i, b in enumerate(batches):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(i, b)
+        torch.cuda.synchronize()
+        ends.append(time.perf_counter() - t0)
+    return ends
+
+
+def own_result(out, run_dir, step_s, **extra):
+    """A child's results, to OUT.json: from metrics.jsonl the sizes its steps ran at, its
+    OOM records and the collectives its attempts ran (their checkpoints); the step times
+    and `extra`."""
+    import pathlib
+    steps = step_records(pathlib.Path(run_dir))
+    extra.update(sizes=[s.get("micro_batch_size") for s in steps], step_s=step_s,
+                 oom_records=step_records(pathlib.Path(run_dir), "oom"),
+                 collectives=sum(s.get("checkpoints", 0) for s in steps))
+    json.dump(extra, open(out + ".json", "w"))
+
+
+def own_fsdp2(out, micro_batch):
+    """Row "own loop: FSDP2"'s child: a 1-rank NCCL group (the parent sets MASTER_ADDR,
+    MASTER_PORT, RANK, WORLD_SIZE, and the hook for the guarded run), Stack with fully_shard
+    on each block and on the root, AdamW, guard.backward on a dict batch. Writes the full
+    parameters to `out`, what happened to out.json."""
+    import oomguard
+    import torch.distributed as dist
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl")
+    torch.manual_seed(0)
+    model = Stack().cuda()
+    shard = fully_shard_fn()
+    for b in model.blocks:
+        shard(b)
+    shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    run_dir = out + ".run"
+    guard = oomguard.Guard(model, global_batch_size=OWN_G, micro_batch_size=int(micro_batch),
+                           run_dir=run_dir, snapshot=False, cache=False)
+    loss_fn = lambda b: F.mse_loss(model(b["x"]), b["y"])
+
+    def step(_, b):
+        guard.backward(b, loss_fn)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step_s = own_steps(stack_batches("cuda"), step)
+    torch.save([p.full_tensor().detach().cpu() for p in model.parameters()], out)
+    own_result(out, run_dir, step_s, backend=dist.get_backend())
+    dist.destroy_process_group()
+
+
+def own_fp16(mode, out, micro_batch):
+    """Row "own loop: fp16 GradScaler"'s child: Stack under autocast fp16 with a GradScaler.
+    mode "guard": guard.backward(batch, loss_fn, scaler=) and guard.step(opt, scaler=) (the
+    parent sets the hook); "plain": the usual loop at micro_batch (scaler.scale(loss *
+    share).backward() per micro-batch, scaler.step, scaler.update). Step 2's batch holds a
+    value beyond fp16's range, so both skip that update. SGD, not AdamW: Adam divides each
+    gradient by its own size, which hides a wrong gradient and turns fp16 rounding of one
+    near 0 into a full step. Writes as own_fsdp2 does, and the steps skipped."""
+    import functools
+    import oomguard
+    torch.manual_seed(0)
+    model = Stack().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cuda")
+    mb = int(micro_batch)
+    batches = stack_batches("cuda")
+    batches[2]["x"][0, 0, 0] = 1e5  # fp16 tops out at 65504
+
+    def loss_fn(b):
+        with torch.autocast("cuda", dtype=torch.float16):
+            return F.mse_loss(model(b["x"]), b["y"])
+
+    run_dir = out + ".run"
+    guard = oomguard.Guard(model, global_batch_size=OWN_G, micro_batch_size=mb, run_dir=run_dir,
+                           snapshot=False, cache=False) if mode == "guard" else None
+    # guard.step as a user calls it; where an attribute hides the method (recorded: not
+    # ok), the method itself, so that the rest is still checked.
+    callable_step = guard is None or callable(guard.step)
+    guard_step = None if guard is None else guard.step if callable_step else functools.partial(type(guard).step, guard)
+    skipped = []
+
+    def step(i, b):
+        if guard is not None:
+            guard.backward(b, loss_fn, scaler=scaler)
+            applied = guard_step(opt, scaler=scaler)
+        else:
+            for s in range(0, OWN_G, mb):
+                part = {k: v[s:s + mb] for k, v in b.items()}
+                scaler.scale(loss_fn(part) * (len(part["x"]) / OWN_G)).backward()
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            applied = scaler.get_scale() >= before
+        opt.zero_grad(set_to_none=True)
+        if not applied:
+            skipped.append(i)
+
+    step_s = own_steps(batches, step)
+    torch.save([p.detach().cpu() for p in model.parameters()], out)
+    own_result(out, run_dir, step_s, skipped=skipped, scale=scaler.get_scale(),
+               guard_step_callable=callable_step)
+
+
+def own_row(kind, work, sh, py_env):
+    """Row "own loop: FSDP2" (kind fsdp2) or "own loop: fp16 GradScaler" (fp16), a check's
+    part on CUDA with the kit's wheel (py_env: PYTHONPATH): the child guarded, an OOM from
+    the guard's test hook at step 1, then the clean child at the size it settled at. FSDP2:
+    an all-gather's OOM (in forward where FSDP2 runs none at world size 1: torch >= 2.9
+    copies the shards); the reference the same loop with no hook (1e-5). fp16: an OOM in
+    backward; the reference the usual GradScaler loop (the difference within 1e-3 of what
+    training moved the parameters, the same steps skipped). step_time_ratio: guarded over
+    clean, steps 1 on (step 0 warms up, and the guarded one runs at the larger size), the
+    recovery included."""
+    if py_env is None:
+        return {"ok": False, "error": "the kit's wheel did not install (see the row above)"}
+    fsdp = kind == "fsdp2"
+    cmd, ref = (["own-fsdp2"], ["own-fsdp2"]) if fsdp else (["own-fp16", "guard"], ["own-fp16", "plain"])
+
+    def child(args, hook):
+        """(exit, what it wrote to OUT.json); args end OUT, MICRO_BATCH."""
+        out = str(args[-2])
+        extra = dict(py_env, OOMGUARD_TEST_OOM_AT=hook)
+        if fsdp:  # a group of one rank, on a port of its own
+            extra.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+        try:
+            r = sh([sys.executable, __file__, *args], timeout=600, extra_env=extra)
+        except subprocess.TimeoutExpired:
+            return "timeout", {}
+        done = r.returncode == 0 and os.path.exists(out + ".json")
+        return r.returncode, json.loads(open(out + ".json").read()) if done else {}
+
+    def guarded(hook):
+        out = work / f"{kind}-{hook.split(':')[2]}.pt"
+        return (out, *child([*cmd, out, OWN_G], hook))
+
+    hook = "0:1:gather:2" if fsdp else "0:1:backward"
+    out, code, res = guarded(hook)
+    row = {}
+    if fsdp and code == 0 and not res.get("oom_records") and not res.get("collectives"):
+        # FSDP2 (torch >= 2.9) copies the shards at world size 1: no all-gather to fail.
+        row["gather_hook"] = f"{hook} cannot fire: FSDP2 ran no collective at world size 1; 0:1:forward instead"
+        hook = "0:1:forward"
+        out, code, res = guarded(hook)
+    sizes, ooms = res.get("sizes") or [], res.get("oom_records") or []
+    row.update({"exit": code, "hook": hook, "sizes": sizes, "step_s": res.get("step_s"),
+                "collectives": res.get("collectives"),
+                "ooms": [{k: o.get(k) for k in ("step", "phase", "message")} for o in ooms]})
+    clean = {}
+    if code == 0 and sizes:
+        c, clean = child([*ref, work / f"{kind}-clean.pt", sizes[-1]], "")
+        row.update(clean_exit=c, clean_step_s=clean.get("step_s"))
+        if c == 0:
+            a, b = torch.load(out), torch.load(work / f"{kind}-clean.pt")
+            torch.manual_seed(0)  # the children's initial parameters
+            norm = lambda ts: sum((t.double() ** 2).sum() for t in ts).sqrt().item()
+            moved = norm(y - x.detach() for y, x in zip(b, Stack().parameters()))
+            row["max_param_diff_vs_clean"] = max((x - y).abs().max().item() for x, y in zip(a, b))
+            row["diff_vs_update"] = norm(x - y for x, y in zip(a, b)) / moved
+            row["step_time_ratio"] = sum(res["step_s"][1:]) / sum(clean["step_s"][1:])
+    halved_once = sizes == [OWN_G] + [OWN_G // 2] * (OWN_STEPS - 1) and [o.get("step") for o in ooms] == [1]
+    if fsdp:
+        row.update(backend=res.get("backend"), tolerance=1e-5, reference="the same guarded loop, no hook")
+        close = res.get("backend") == "nccl" and row.get("max_param_diff_vs_clean", 1) <= 1e-5
+    else:
+        skipped = res.get("skipped")
+        row.update(skipped_steps=skipped, clean_skipped_steps=clean.get("skipped"),
+                   scales=[res.get("scale"), clean.get("scale")], guard_step_callable=res.get("guard_step_callable"),
+                   tolerance=1e-3, reference="the usual GradScaler loop; diff_vs_update: |guarded - clean| / "
+                   "|clean - initial| (L2)")
+        close = row.get("diff_vs_update", 1) <= 1e-3 and bool(skipped) and skipped == clean.get("skipped") \
+            and res.get("guard_step_callable") is True
+    row["ok"] = code == 0 and halved_once and close
+    return row
 
 
 def read_safetensors(path):
@@ -346,6 +599,7 @@ def check(kit, out):
     checks["python model: an OOM inside a Python forward recovered"] = python_model(kit, work, sh, cuda)
     save()
     if not cuda:
+        checks.update(own_rows(cuda, None))
         report["note"] = "CUDA is not available: the CUDA checks were skipped"
         save()
         return
@@ -432,6 +686,7 @@ def check(kit, out):
     pylib = work / "pylib"
     pip = sh([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", pylib, *wheels[-1:]]) if wheels else None
     own["wheel"] = wheels[-1] if wheels else None
+    py_env = None
     if pip is not None and pip.returncode == 0:
         py_env = {"PYTHONPATH": f"{pylib}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         m = sh([sys.executable, __file__, "own-loop", "measure", work / "own-measure.json"], extra_env=py_env)
@@ -458,6 +713,12 @@ def check(kit, out):
         and own.get("max_param_diff_vs_clean_at_settled") is not None and own["max_param_diff_vs_clean_at_settled"] < 1e-5
     checks["python guard: a real CUDA OOM in a plain loop"] = own
     save()
+
+    # 3e. `import oomguard` in two more loops of one's own, each with an OOM from the guard's
+    # test hook (own_row): FSDP2 over a 1-rank NCCL group, and fp16 with a GradScaler.
+    for name, row in own_rows(cuda, lambda kind: own_row(kind, work, sh, py_env)):
+        checks[name] = row
+        save()
 
     def og_run(d, yaml):
         """oomguard trains `yaml` in d/run: (exit, step records, the allocator settings it logged)."""
@@ -616,6 +877,10 @@ if __name__ == "__main__":
         print(json.dumps(peak_for(sys.argv[2], int(sys.argv[3]))))
     elif cmd == "own-loop":
         own_loop(sys.argv[2], sys.argv[3], *sys.argv[4:])
+    elif cmd == "own-fsdp2":
+        own_fsdp2(*sys.argv[2:4])
+    elif cmd == "own-fp16":
+        own_fp16(*sys.argv[2:5])
     elif cmd == "check":
         check(sys.argv[2], sys.argv[3])
     else:

@@ -2,7 +2,7 @@
 
     guard = oomguard.Guard(model, global_batch_size=G, micro_batch_size=M)
     loss = guard.backward(batch, loss_fn)  # every .grad as one backward of the whole batch
-    optimizer.step()                       # yours (or guard.step(optimizer): its OOMs too)
+    optimizer.step()                       # yours (or guard.optimizer_step(optimizer): its OOMs too)
 
 The decisions (halve, grow back, cool down, give up) are the runtime's own policy, the
 `oomguard-policy` crate compiled into `oomguard._native`; this package does the torch work
@@ -13,10 +13,10 @@ from typing import Any
 
 from ._native import Policy, classify_oom, malloc_trim
 
-__all__ = ["Guard", "Infeasible", "Policy", "classify_oom", "is_oom", "malloc_trim"]
+__all__ = ["Guard", "Infeasible", "Policy", "Unsupported", "classify_oom", "is_oom", "malloc_trim"]
 __version__ = "0.1.0"
 
-_TORCH_PART = ("Guard", "Infeasible", "is_oom")
+_TORCH_PART = ("Guard", "Infeasible", "Unsupported", "is_oom")
 
 
 def __getattr__(name: str) -> Any:

@@ -40,6 +40,11 @@ class Buffers:
     def __bool__(self) -> bool:
         return bool(self._named)
 
+    @property
+    def watched(self) -> bool:
+        """Whether some buffer is known to change in a step."""
+        return bool(self._watched)
+
     def begin(self) -> None:
         """At a step's start: the versions of every buffer, copies of the watched ones."""
         if not self._named:

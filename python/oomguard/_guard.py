@@ -29,6 +29,7 @@ from ._batch import Rows
 from ._buffers import Buffers
 from ._memory import Heap, Peak, forget, human, oom_of, warn
 from ._native import PHASES, Policy, agreed, cached_micro_batch, memory_step, remember_micro_batch, vote
+from ._ranks import Unsupported  # noqa: F401 - oomguard.Unsupported
 from ._records import Records, finite, membership, membership_record
 
 MICRO_BATCH_VAR = "OOMGUARD_MICRO_BATCH_SIZE"
@@ -78,7 +79,7 @@ class _InjectedOom:
     (CUDA) or the CPU allocator's RuntimeError once, on the first attempt of that step, at
     that site's k-th occurrence (default 1st): forward (after loss_fn returned), backward
     (after a micro-batch's backward), sync (after DDP's buffers were allocated), optimizer
-    (in `guard.step`, before the update), eval (after an evaluation micro-batch), gather /
+    (in `guard.optimizer_step`, before the update), eval (after an evaluation micro-batch), gather /
     reduce / collective (just before such a collective inside an attempt, as when its
     buffer's allocation fails). A test hook: an OOM on one rank only, at a chosen place."""
 
@@ -92,15 +93,24 @@ class _InjectedOom:
                 self.points[(int(fields[1]), fields[2])] = int(fields[3]) if len(fields) == 4 else 1
         self.seen: Dict[str, int] = {}
         self.step = -1
+        self.attempts: Dict[str, int] = {}
+        self.first = False
         self.fired = False
 
     def at_step(self, step: int) -> None:
         if step != self.step:
-            self.step, self.seen, self.fired = step, {}, False
+            self.step, self.attempts, self.fired = step, {}, False
+
+    def begin_attempt(self, kind: str) -> None:
+        """Occurrences count from each attempt's start; only the step's first attempt of a
+        kind (`backward`, `optimizer`, `eval`) fires."""
+        self.seen = {}
+        self.attempts[kind] = self.attempts.get(kind, 0) + 1
+        self.first = self.attempts[kind] == 1
 
     def check(self, site: str, cuda: bool) -> None:
         self.seen[site] = self.seen.get(site, 0) + 1
-        if self.points.get((self.step, site)) != self.seen[site]:
+        if not self.first or self.points.get((self.step, site)) != self.seen[site]:
             return
         del self.points[(self.step, site)]
         self.fired = True
@@ -336,7 +346,7 @@ class Guard:
         loss = self._finish_step(loss_t, mb, n, t_call, failures, outcome, as_tensor)
         return loss_t if as_tensor else loss
 
-    def step(self, optimizer: Any, scaler: Any = None) -> bool:
+    def optimizer_step(self, optimizer: Any, scaler: Any = None) -> bool:
         """`optimizer.step()` (with a scaler: `scaler.step(optimizer)` then `scaler.update()`)
         under the guard. An OOM in it is retried after the memory is handed back when the
         update had changed nothing (the optimizer's state allocated on its first step, say);
@@ -349,49 +359,53 @@ class Guard:
         tensors = self._optimizer_tensors(optimizer)
         versions = [t._version for t in tensors]
         had_state = {id(p) for p in optimizer.state}
-        retries = 0
+        done = partial = False
+        scale_before = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+        rounds = 0
         while True:
-            oom, unchanged = None, True
-            try:
-                with self._attempt_context():
-                    if self._inject is not None:
-                        self._inject.check("optimizer", self._cuda)
-                    if scaler is not None:
-                        scale_before = scaler.get_scale() if scaler.is_enabled() else None
-                        scaler.step(optimizer)
-                    else:
-                        optimizer.step()
-            except _ranks.PeerFailed as pf:
-                outcome = pf.outcome
-                oom = None
-            except BaseException as exc:  # noqa: BLE001 - OOMs are handled, the rest re-raised
-                oom = oom_of(exc)
-                if oom is None:
-                    self._stop_everywhere(exc)
-                    raise
-                forget(exc)
-                del exc
-                unchanged = all(t._version == v for t, v in zip(tensors, versions))
-                if unchanged:
-                    for p in [p for p in optimizer.state if id(p) not in had_state]:
-                        del optimizer.state[p]
-                _memory.drop(self._cuda, full_gc=True)
-            else:
-                outcome = None
+            oom, outcome = None, None
+            if not done:
+                if self._inject is not None:
+                    self._inject.begin_attempt("optimizer")
+                try:
+                    # A retry runs on the ranks that failed only: a collective in it could not
+                    # be matched, so it is refused there (`solo`).
+                    with self._attempt_context(solo=rounds > 0):
+                        if self._inject is not None:
+                            self._inject.check("optimizer", self._cuda)
+                        if scaler is not None:
+                            scaler.step(optimizer)
+                        else:
+                            optimizer.step()
+                    done = True
+                except _ranks.PeerFailed as pf:
+                    # Stopped at a collective inside the optimizer: its update may be partial.
+                    outcome, partial = pf.outcome, True
+                except BaseException as exc:  # noqa: BLE001 - OOMs are handled, the rest re-raised
+                    oom = oom_of(exc)
+                    if oom is None:
+                        self._stop_everywhere(exc, undo=False)
+                        raise
+                    forget(exc)
+                    del exc
+                    partial = not all(t._version == v for t, v in zip(tensors, versions))
+                    if not partial:
+                        for p in [p for p in optimizer.state if id(p) not in had_state]:
+                            del optimizer.state[p]
+                    _memory.drop(self._cuda, full_gc=mb == 1)
             if oom is not None:
-                give_up = not unchanged or retries >= 1
                 sig = zlib.crc32(f"optimizer|{oom[1]}".encode())
-                mine = vote(self.rank, oom=(False, sig, "optimizer", 0), error=give_up)
-                outcome = self._vote(mine)
+                give_up = partial or rounds >= 1
+                outcome = self._vote(vote(self.rank, oom=(False, sig, "optimizer", 0), error=give_up))
             elif outcome is None:
-                outcome = self._vote(vote(self.rank))
+                outcome = self._vote(vote(self.rank, error=partial))
             if outcome["oom"] is None and outcome["error_rank"] is None:
                 break
             if outcome["error_rank"] is not None:
                 r = outcome["error_rank"]
                 line = oom[1] if oom is not None else f"rank {r} ran out of memory in the optimizer's update"
-                raise self._optimizer_infeasible(r, line, oom, unchanged, outcome["oom"] is not None)
-            retries += 1
+                raise self._optimizer_infeasible(r, line, oom, not partial, outcome["oom"] is not None)
+            rounds += 1
             if oom is not None:
                 self._say(
                     f"oomguard WARNING: OOM in the optimizer's step (rank {self.rank}): {oom[1]}; "
@@ -428,6 +442,8 @@ class Guard:
         while True:
             mb = min(policy.current, n)
             oom = outcome = None
+            if self._inject is not None:
+                self._inject.begin_attempt("eval")
             total = units_total = None
             try:
                 with self._attempt_context(), torch.no_grad():
@@ -447,7 +463,7 @@ class Guard:
             except BaseException as exc:  # noqa: BLE001
                 oom = oom_of(exc)
                 if oom is None:
-                    self._stop_everywhere(exc)
+                    self._stop_everywhere(exc, undo=False)
                     raise
                 forget(exc)
                 del exc
@@ -498,6 +514,8 @@ class Guard:
             start, carried, carried_units = self._done
             mb = min(self.policy.current, n)
             base = self._peak.start() if self._peak is not None else None
+            if self._inject is not None:
+                self._inject.begin_attempt("backward")
             t0 = time.perf_counter()
             self._where = ("forward", 0)
             loss_sum = units = prepared = oom = outcome = None
@@ -638,12 +656,12 @@ class Guard:
         """Writes what is still pending (a step record held for `as_tensor=True`)."""
         self._flush_pending()
 
-    def _attempt_context(self):
+    def _attempt_context(self, solo: bool = False):
         if self._ranks is None:
             return contextlib.nullcontext()
         inject = self._inject
         cuda = self._cuda
-        return self._ranks.attempt((lambda name: inject.collective(name, cuda)) if inject is not None else None)
+        return self._ranks.attempt((lambda name: inject.collective(name, cuda)) if inject is not None else None, solo)
 
     def _vote(self, values: List[float]) -> dict:
         return self._ranks.vote(values) if self._ranks is not None else agreed(values)
@@ -724,7 +742,9 @@ class Guard:
         out part-way completed some parameters' gradients over its rows (`_touched`), which
         `_pending` records, splitting the segment those rows were in."""
         touched, self._touched = self._touched, None
-        if self._ranks is not None:
+        # Several ranks redo the whole attempt together; so does a model whose forward
+        # changes buffers (BatchNorm's statistics), which are put back to the step's start.
+        if self._ranks is not None or self._buffers.watched:
             return False
         if phase == "forward":
             return True

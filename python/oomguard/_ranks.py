@@ -64,7 +64,10 @@ class PeerFailed(Exception):
 
 
 class Unsupported(RuntimeError):
-    """A collective the guard cannot make safe ran inside an attempt."""
+    """A collective the guard cannot make safe ran inside an attempt (a point-to-point
+    message, a collective over some of the ranks only)."""
+
+    __module__ = "oomguard"
 
 
 # The guard whose attempt is running in this process (one at a time: its thread is inside
@@ -160,6 +163,7 @@ class Ranks:
         self._vector = torch.zeros(len(vote(0)), dtype=torch.float64, device=device)
         self.voting = False
         self.inside = False
+        self.solo = False
         self.checkpoints = 0
         self.checkpoint_s = 0.0
         self._inject: Optional[Callable[[str], None]] = None
@@ -203,6 +207,11 @@ class Ranks:
                     "the guarded step: a collective that not every rank takes part in cannot be agreed on "
                     "(HSDP's replica groups, tensor or pipeline parallel groups). Use a 1-D FSDP2 mesh or DDP"
                 )
+        if self.solo:
+            raise Unsupported(
+                f"torch.distributed.{name} ran in a retry of the optimizer's step on some ranks only: an "
+                "optimizer whose step runs collectives cannot be retried alone"
+            )
         if self._inject is not None:
             self._inject(name)
         t0 = time.perf_counter()
@@ -212,25 +221,28 @@ class Ranks:
         if outcome["error_rank"] is not None or outcome["oom_rank"] is not None:
             raise PeerFailed(outcome)
 
-    def attempt(self, injector: Optional[Callable[[str], None]]):
-        """A context: collectives inside it get checkpoints (and the test hook's injections)."""
-        return _Attempt(self, injector)
+    def attempt(self, injector: Optional[Callable[[str], None]], solo: bool = False):
+        """A context: collectives inside it get checkpoints (and the test hook's injections).
+        `solo`: only some ranks run it (a retry), so a collective in it is refused."""
+        return _Attempt(self, injector, solo)
 
 
 class _Attempt:
-    def __init__(self, ranks: Ranks, injector: Optional[Callable[[str], None]]):
-        self.ranks, self.injector = ranks, injector
+    def __init__(self, ranks: Ranks, injector: Optional[Callable[[str], None]], solo: bool):
+        self.ranks, self.injector, self.solo = ranks, injector, solo
 
     def __enter__(self) -> None:
         global _ACTIVE
         self.previous = _ACTIVE
         _ACTIVE = self.ranks
         self.ranks._inject = self.injector
+        self.ranks.solo = self.solo
 
     def __exit__(self, *exc: Any) -> None:
         global _ACTIVE
         _ACTIVE = self.previous
         self.ranks._inject = None
+        self.ranks.solo = False
 
 
 # --- what the guard can see through ----------------------------------------------------------

@@ -69,8 +69,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(tmp: Path, name: str, *args: str, extra_env: Optional[Dict[str, str]] = None, world: int = 2) -> Run:
-    """`world` Gloo ranks of loop.py on this machine, started as torchrun would."""
+def run_ranks(
+    tmp: Path,
+    name: str,
+    *args: str,
+    extra_env: Optional[Dict[str, str]] = None,
+    world: int = 2,
+    script: Path = LOOP,
+    timeout: float = 300,
+    out_flag: bool = True,
+) -> Run:
+    """`world` Gloo ranks of `script` (loop.py) on this machine, started as torchrun would."""
     out_file = tmp / f"{name}.pt"
     port = str(free_port())
     t0 = time.perf_counter()
@@ -88,7 +97,7 @@ def run_ranks(tmp: Path, name: str, *args: str, extra_env: Optional[Dict[str, st
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(LOOP), "--out", str(out_file), *args],
+                [sys.executable, str(script), *(["--out", str(out_file)] if out_flag else []), *args],
                 env=e,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -99,7 +108,7 @@ def run_ranks(tmp: Path, name: str, *args: str, extra_env: Optional[Dict[str, st
     code = 0
     for rank, p in enumerate(procs):
         try:
-            o, _ = p.communicate(timeout=300)
+            o, _ = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()

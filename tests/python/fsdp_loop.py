@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--cap-rank", type=int, default=None)
     ap.add_argument("--cap-at-step", type=int, default=1, help="the cap starts before this step (threads and AdamW's state exist)")
     ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--guard-step", action="store_true", help="the optimizer's step through guard.step")
+    ap.add_argument("--guard-step", action="store_true", help="the optimizer's step through guard.optimizer_step")
     ap.add_argument("--run-dir", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -127,7 +127,7 @@ def main() -> None:
                 t.backward()
                 loss += t.item()
         if guard is not None and args.guard_step:
-            guard.step(opt)
+            guard.optimizer_step(opt)
         else:
             opt.step()
         opt.zero_grad(set_to_none=True)

@@ -25,12 +25,15 @@ class Net(torch.nn.Module):
     """Wide and cheap: activations of WIDTH doubles per sample (several saved for backward),
     few parameters, so the micro-batch decides memory and the step stays fast."""
 
-    def __init__(self) -> None:
+    def __init__(self, batchnorm: bool = False) -> None:
         super().__init__()
         self.up = torch.nn.Linear(16, WIDTH, dtype=torch.float64)
         self.down = torch.nn.Linear(WIDTH, 1, dtype=torch.float64)
+        self.norm = torch.nn.BatchNorm1d(16, dtype=torch.float64) if batchnorm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.norm is not None:
+            x = self.norm(x)
         h = self.up(x)
         h = torch.tanh(h) * torch.sigmoid(h) + h * 0.1
         return self.down(h)
@@ -67,6 +70,8 @@ def main() -> None:
         help="rank 0 saves the state here after each step; a start resumes from it (an elastic round)",
     )
     ap.add_argument("--step-pause", type=float, default=0.0, help="seconds of sleep before each step")
+    ap.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d first (DDP broadcasts its buffers)")
+    ap.add_argument("--error-at", default=None, help="rank:step: loss_fn raises ValueError there (not an OOM)")
     args = ap.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -76,16 +81,22 @@ def main() -> None:
 
         dist.init_process_group("gloo")
     torch.manual_seed(0)
-    net = Net()
+    net = Net(args.batchnorm)
     model = net
     if world > 1:
+        # DDP's default broadcast_buffers=True: rank 0's buffers are broadcast at each forward.
         model = torch.nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01)
     rows = args.global_batch // world
     gen = torch.Generator().manual_seed(1)
 
+    error_rank, error_step = map(int, args.error_at.split(":")) if args.error_at else (-1, -1)
+    current = {"step": 0}
+
     def loss_fn(batch):
         x, y = batch
+        if rank == error_rank and current["step"] == error_step:
+            raise ValueError(f"a bug in rank {rank}'s loss_fn at step {error_step}")
         if args.sample_mb:
             # Memory that scales with the micro-batch and is really touched.
             torch.ones(int(x.shape[0] * args.sample_mb * (1 << 20) / 8), dtype=torch.float64).sum()
@@ -115,6 +126,7 @@ def main() -> None:
         print(f"resumed at step {first} on {world} rank(s)", flush=True)
     t0 = time.perf_counter()
     for step in range(first, args.steps):
+        current["step"] = step
         time.sleep(args.step_pause)
         x = torch.randn(args.global_batch, 16, generator=gen, dtype=torch.float64)
         y = x[:, :1].sin() + 0.1 * torch.randn(args.global_batch, 1, generator=gen, dtype=torch.float64)
@@ -145,7 +157,7 @@ def main() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
     print(f"train_s {elapsed:.3f}", flush=True)
     if args.out and rank == 0:
-        torch.save([p.detach().clone() for p in net.parameters()], args.out)
+        torch.save([t.detach().clone() for t in [*net.parameters(), *net.buffers()]], args.out)
     # Everything is written: leave without the interpreter's teardown. A Gloo rank that ran
     # out of memory inside the guard sometimes aborts there ("terminate called without an
     # active exception", exit -6), destroy_process_group or not; cause not yet found.

@@ -623,3 +623,53 @@ def test_an_oom_outside_the_guard_is_relaunched_at_half(tmp_path, reference):
         mine = [l.split(":", 1)[1] for l in p.stdout.splitlines() if l.startswith(f"[default{rank}]:")]
         assert micro_batches("\n".join(mine)) == [512, 512] + [256] * STEPS, p.stdout
     assert max_diff(reference.params, torch.load(out_file)) < 1e-5
+
+
+# --- what DDP does inside an attempt, and errors that are not OOMs -------------------------------
+
+
+def test_ddp_broadcasting_batchnorm_buffers_recovers_and_restores_them(tmp_path):
+    # DDP's default broadcast_buffers=True broadcasts rank 0's BatchNorm statistics at every
+    # forward: a collective inside the attempt, agreed on first. Rank 1 runs out in micro-batch
+    # 1's forward at step 0, after micro-batch 0's forward updated (and broadcast) statistics.
+    args = ("--guard", "--batchnorm", "--micro-batch", "256")
+    r = run_ranks(tmp_path, "bn", *args, extra_env={"OOMGUARD_TEST_OOM_AT": "1:0:forward:2"})
+    assert r.code == 0, r.out
+    assert micro_batches(r.out) == [128] * STEPS * 2, r.out
+    clean = run_ranks(tmp_path, "bn-clean", "--guard", "--batchnorm", "--micro-batch", "128")
+    assert clean.code == 0, clean.out
+    # Parameters, running statistics and num_batches_tracked all equal the clean run at 128.
+    assert max_diff(clean.params, r.params) < 1e-12
+
+
+def test_an_error_on_one_rank_stops_every_rank_without_a_hang(tmp_path):
+    t0 = time.perf_counter()
+    r = run_ranks(tmp_path, "error", "--guard", "--micro-batch", "256", extra_env={}, timeout=60, *["--error-at", "1:1"])
+    assert time.perf_counter() - t0 < 40
+    rank0, rank1 = r.out.split("--- rank 1")
+    assert "(exit 1)" in rank0 and "exit 1" in rank1.splitlines()[0], r.out
+    assert "ValueError: a bug in rank 1's loss_fn at step 1" in rank1
+    assert "rank 1 stopped with an error that is not an OOM (see its output); this rank stops with it" in rank0
+
+
+def test_what_the_guard_cannot_make_safe_is_refused_by_name(tmp_path):
+    from conftest import env, free_port
+
+    p = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("refusals.py"))],
+        env=env({"MASTER_PORT": str(free_port())}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stdout
+    got = {r["case"]: r for r in map(json.loads, (l for l in p.stdout.splitlines() if l.startswith("{")))}
+    # At construction: a model whose collectives the guard cannot put a checkpoint before.
+    assert got["tensor parallel"]["error"] == "TypeError" and "tensor parallelism" in got["tensor parallel"]["message"]
+    assert got["fsdp1"]["error"] == "TypeError" and "fully_shard (FSDP2)" in got["fsdp1"]["message"]
+    assert got["hsdp"]["error"] == "TypeError" and "1-D mesh" in got["hsdp"]["message"]
+    # In the step: a point-to-point message is refused (.grad untouched), a collective every
+    # rank makes is agreed on and runs.
+    assert got["send in loss_fn"]["error"] == "Unsupported" and "torch.distributed.send" in got["send in loss_fn"]["message"]
+    assert got["all_reduce in loss_fn"]["error"] is None

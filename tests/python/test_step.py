@@ -1,0 +1,357 @@
+"""`import oomguard` with loops as users write them: dict batches from a collator, a short last
+batch, a padded LM loss, GradScaler, BatchNorm, the optimizer's step, evaluation, restored
+state. In this process (a real OOM is the CPU allocator's own error under RLIMIT_AS, or the
+guard's hook), each result compared with the plain loop's."""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import oomguard
+from conftest import max_diff
+
+torch.set_num_threads(1)
+
+
+def vm_size() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:"))
+
+
+@pytest.fixture
+def hook(monkeypatch):
+    """Sets the guard's test hook for guards made afterwards."""
+    return lambda spec: monkeypatch.setenv("OOMGUARD_TEST_OOM_AT", spec)
+
+
+def mlp(seed: int = 0, dtype=torch.float64) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).to(dtype)
+
+
+def grads(m: torch.nn.Module) -> list:
+    return [p.grad.clone() for p in m.parameters()]
+
+
+# --- batches as users have them ----------------------------------------------------------------
+
+
+def test_dicts_and_nested_batches_split_along_rows_and_keep_their_kinds():
+    from transformers import BatchEncoding
+    from transformers.modeling_outputs import ModelOutput
+
+    m = mlp()
+    x, y = torch.randn(12, 8, dtype=torch.float64), torch.randn(12, 1, dtype=torch.float64)
+    torch.nn.functional.mse_loss(m(x), y).backward()
+    want = grads(m)
+    Pair = collections.namedtuple("Pair", "x y")
+    kinds = {
+        "dict": {"inputs": x, "labels": y, "name": "not a tensor"},
+        "batch encoding": BatchEncoding({"inputs": x, "labels": y}),
+        "nested": {"pair": Pair(x, y), "extra": [x[:, :1]]},
+    }
+    for what, batch in kinds.items():
+        m.zero_grad(set_to_none=True)
+        seen = []
+
+        def loss_fn(b):
+            seen.append(type(b).__name__)
+            if what == "nested":
+                assert isinstance(b["pair"], Pair) and len(b["extra"][0]) == len(b["pair"].x)
+                return torch.nn.functional.mse_loss(m(b["pair"].x), b["pair"].y)
+            if what == "dict":
+                assert b["name"] == "not a tensor"
+            return torch.nn.functional.mse_loss(m(b["inputs"]), b["labels"])
+
+        guard = oomguard.Guard(m, global_batch_size=12, micro_batch_size=5, verbose=False)
+        guard.backward(batch, loss_fn)
+        assert max_diff(grads(m), want) < 1e-12, what
+        assert len(seen) == 3 and set(seen) == {type(batch).__name__}, (what, seen)
+    # A ModelOutput (a dataclass mapping) keeps its kind too.
+    out = ModelOutput(logits=x)
+    from oomguard._batch import Rows
+
+    assert type(Rows(out).take(0, 2)) is ModelOutput and Rows(out).take(0, 2)["logits"].shape == (2, 8)
+
+
+def test_a_short_last_batch_is_one_backward_of_its_mean():
+    m = mlp()
+    x, y = torch.randn(7, 8, dtype=torch.float64), torch.randn(7, 1, dtype=torch.float64)
+    torch.nn.functional.mse_loss(m(x), y).backward()
+    want = grads(m)
+    m.zero_grad(set_to_none=True)
+    guard = oomguard.Guard(m, global_batch_size=16, micro_batch_size=4, verbose=False)
+    loss = guard.backward((x, y), lambda b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+    assert max_diff(grads(m), want) < 1e-12
+    assert loss == pytest.approx(torch.nn.functional.mse_loss(m(x), y).item(), rel=1e-12)
+
+
+def test_a_padded_lm_loss_weighs_each_micro_batch_by_its_tokens(hook):
+    # A causal LM loss over tokens that are not padding (-100): each micro-batch's mean is
+    # over its own tokens, so splitting by rows alone would weigh them wrongly.
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(50, 16, dtype=torch.float64)
+    head = torch.nn.Linear(16, 50, dtype=torch.float64)
+    model = torch.nn.Sequential(emb, head)
+    ids = torch.randint(0, 50, (8, 12))
+    labels = ids.clone()
+    for i, n in enumerate([12, 1, 3, 12, 7, 2, 12, 5]):
+        labels[i, n:] = -100
+
+    def mean_loss(b):
+        logits = model(b["input_ids"])
+        return torch.nn.functional.cross_entropy(logits.view(-1, 50), b["labels"].view(-1), ignore_index=-100)
+
+    mean_loss({"input_ids": ids, "labels": labels}).backward()
+    want = grads(model)
+    whole = mean_loss({"input_ids": ids, "labels": labels}).item()
+    model.zero_grad(set_to_none=True)
+    hook("0:0:backward:2")  # an OOM after two micro-batches: one process keeps them
+    guard = oomguard.Guard(model, global_batch_size=8, micro_batch_size=2, verbose=False)
+    loss = guard.backward(
+        {"input_ids": ids, "labels": labels}, lambda b: (mean_loss(b), (b["labels"] != -100).sum())
+    )
+    assert guard.micro_batch_size == 1
+    assert max_diff(grads(model), want) < 1e-12
+    assert loss == pytest.approx(whole, rel=1e-12)
+    # Rows alone would not be exact here.
+    model.zero_grad(set_to_none=True)
+    oomguard.Guard(model, global_batch_size=8, micro_batch_size=2, verbose=False).backward(
+        {"input_ids": ids, "labels": labels}, mean_loss
+    )
+    assert max_diff(grads(model), want) > 1e-3
+
+
+# --- GradScaler ----------------------------------------------------------------------------------
+
+
+def scaled_loop(guarded: bool, steps: int, hook_spec=None, monkeypatch=None):
+    """fp16 autocast on the CPU with torch.amp.GradScaler("cpu"), a start scale so large that
+    step 0 overflows (the scaler skips it and lowers the scale), the plain loop at micro-batch
+    8 or the guard from 16 with an OOM at step 1 (it settles at 8)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30)
+    gen = torch.Generator().manual_seed(1)
+
+    def loss_fn(b):
+        with torch.autocast("cpu", dtype=torch.float16):
+            return torch.nn.functional.mse_loss(m(b[0]).float(), b[1])
+
+    if hook_spec:
+        monkeypatch.setenv("OOMGUARD_TEST_OOM_AT", hook_spec)
+    guard = oomguard.Guard(m, global_batch_size=16, micro_batch_size=16, verbose=False, scaler=scaler)
+    scales, applied = [], []
+    for step in range(steps):
+        x = torch.randn(16, 8, generator=gen)
+        y = x[:, :1].sin()
+        if guarded:
+            guard.backward((x, y), loss_fn)
+            applied.append(guard.optimizer_step(opt, scaler=scaler))
+        else:
+            for s in range(0, 16, 8):
+                scaler.scale(loss_fn((x[s : s + 8], y[s : s + 8])) * 0.5).backward()
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            applied.append(scaler.get_scale() >= before)
+        opt.zero_grad(set_to_none=True)
+        scales.append(scaler.get_scale())
+    return [p.detach().clone() for p in m.parameters()], scales, applied, guard
+
+
+def test_gradscaler_loops_scale_each_share_and_skip_overflowing_steps_as_the_plain_loop(monkeypatch):
+    plain, plain_scales, plain_applied = scaled_loop(False, 6)[:3]
+    got, scales, applied, guard = scaled_loop(True, 6, "0:1:backward", monkeypatch)
+    assert guard.micro_batch_size == 8
+    assert plain_applied[0] is False and applied == plain_applied  # overflow skipped alike
+    assert scales == plain_scales
+    assert max_diff(plain, got) < 1e-6
+
+
+def test_a_scaler_of_the_wrong_kind_is_refused_at_construction():
+    m = mlp()
+    with pytest.raises(TypeError, match=r"scaler must be a torch.amp.GradScaler .*not float"):
+        oomguard.Guard(m, global_batch_size=4, scaler=1.0)
+    cuda_scaler = torch.amp.GradScaler("cuda", enabled=False)
+    with pytest.raises(ValueError, match=r"the scaler is for cuda but the parameters are on cpu"):
+        oomguard.Guard(m, global_batch_size=4, scaler=cuda_scaler)
+
+
+# --- buffers -------------------------------------------------------------------------------------
+
+
+def bn_run(hook_spec, monkeypatch, micro: int):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 1)).double()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    if hook_spec:
+        monkeypatch.setenv("OOMGUARD_TEST_OOM_AT", hook_spec)
+    else:
+        monkeypatch.delenv("OOMGUARD_TEST_OOM_AT", raising=False)
+    guard = oomguard.Guard(m, global_batch_size=32, micro_batch_size=micro, verbose=False)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(32, 8, generator=gen, dtype=torch.float64)
+        guard.backward((x, x[:, :1]), lambda b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return m, guard
+
+
+def test_a_failed_attempts_batchnorm_updates_are_undone(monkeypatch):
+    # The OOM comes in micro-batch 1's forward, after micro-batch 0's forward updated the
+    # running statistics: the retry at 8 starts from the step's own statistics, so the run
+    # equals a clean one at 8 (four updates a step).
+    clean, _ = bn_run(None, monkeypatch, 8)
+    got, guard = bn_run("0:0:forward:2", monkeypatch, 16)
+    assert guard.micro_batch_size == 8
+    bn, bn_clean = got[1], clean[1]
+    assert bn.num_batches_tracked.item() == bn_clean.num_batches_tracked.item() == 4 * 4
+    assert max_diff([bn.running_mean, bn.running_var], [bn_clean.running_mean, bn_clean.running_var]) < 1e-12
+    assert max_diff(list(got.parameters()), list(clean.parameters())) < 1e-12
+
+
+# --- the optimizer's step and evaluation -------------------------------------------------------
+
+
+def test_an_oom_in_adamws_first_step_is_retried_and_changes_nothing(hook):
+    m, ref = mlp(), mlp()
+    x, y = torch.randn(16, 8, dtype=torch.float64), torch.randn(16, 1, dtype=torch.float64)
+    hook("0:0:optimizer")
+    guard = oomguard.Guard(m, global_batch_size=16, verbose=False)
+    opt, ref_opt = torch.optim.AdamW(m.parameters(), lr=0.1), torch.optim.AdamW(ref.parameters(), lr=0.1)
+    for model, o, g in ((m, opt, guard), (ref, ref_opt, None)):
+        for _ in range(2):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            g.optimizer_step(o) if g else o.step()
+            o.zero_grad(set_to_none=True)
+    assert max_diff(list(m.parameters()), list(ref.parameters())) < 1e-14
+    assert [s["step"].item() for s in opt.state.values()] == [2.0] * 4
+
+
+def test_an_oom_part_way_through_an_update_is_infeasible_naming_the_optimizer():
+    m = mlp()
+
+    class HalfDone(torch.optim.SGD):
+        def step(self, closure=None):
+            with torch.no_grad():
+                next(iter(m.parameters())).add_(1.0)  # a part of the update is applied
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4096 bytes.")
+
+    guard = oomguard.Guard(m, global_batch_size=4, verbose=False)
+    with pytest.raises(oomguard.Infeasible) as e:
+        guard.optimizer_step(HalfDone(m.parameters(), lr=0.1))
+    assert e.value.phase == "optimizer" and "part-way through the update" in str(e.value)
+    assert "A smaller micro-batch cannot help" in str(e.value) and "shard the optimizer state" in str(e.value)
+
+
+def test_evaluation_halves_its_own_micro_batch_and_leaves_training_alone(hook):
+    m = mlp()
+    x, y = torch.randn(40, 8, dtype=torch.float64), torch.randn(40, 1, dtype=torch.float64)
+    with torch.no_grad():
+        want = torch.nn.functional.mse_loss(m(x), y).item()
+    hook("0:0:eval:2")
+    guard = oomguard.Guard(m, global_batch_size=8, verbose=False)
+    got = guard.evaluate((x, y), lambda b: torch.nn.functional.mse_loss(m(b[0]), b[1]), micro_batch_size=16)
+    assert got == pytest.approx(want, rel=1e-12)
+    assert guard._eval_policy.current == 8 and guard.micro_batch_size == 8 and guard.step == 0
+    assert all(p.grad is None for p in m.parameters())
+
+
+# --- state, records, the cache ------------------------------------------------------------------
+
+
+def test_a_restored_state_is_announced_and_the_redone_steps_records_set_aside(tmp_path, capsys):
+    m = mlp()
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    loss_fn = lambda b: torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    guard = oomguard.Guard(m, global_batch_size=8, micro_batch_size=8, run_dir=str(tmp_path))
+    saved = None
+    for step in range(3):
+        guard.backward((x, y), loss_fn)
+        if step == 0:
+            guard.policy.on_oom(0, False, 1)  # as if step 0 had settled at 4
+            saved = guard.state_dict()
+    again = oomguard.Guard(m, global_batch_size=8, micro_batch_size=8, run_dir=str(tmp_path))
+    again.load_state_dict(saved)
+    assert "restored at step 1; micro_batch_size=4" in capsys.readouterr().out
+    steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    moved = [json.loads(l)["step"] for l in (tmp_path / "metrics.replaced.jsonl").read_text().splitlines()]
+    assert steps == [0] and moved == [1, 2]
+    again.backward((x, y), loss_fn)
+    steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1]
+
+
+def test_the_test_hook_never_writes_the_shared_cache(tmp_path, hook, monkeypatch):
+    monkeypatch.setenv("OOMGUARD_CACHE", str(tmp_path))
+    hook("0:0:forward")
+    m = mlp()
+    guard = oomguard.Guard(m, global_batch_size=8, verbose=False)
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    guard.backward((x, y), lambda b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+    assert guard.micro_batch_size == 4 and guard.cache_key is not None
+    assert not (tmp_path / "micro_batch.json").exists()
+
+
+# --- a cap: AdamW's state already there ---------------------------------------------------------
+
+
+def test_a_capped_loop_whose_adamw_state_exists_settles_and_equals_the_uncapped_run(tmp_path):
+    # tests/python/capped_loop.py, in a process of its own (a fresh heap): capped 6 MiB above
+    # its address space once AdamW's state exists. Without the heap's threshold fixed at the
+    # cap, the failed attempts' buffers stay in glibc's arenas, which the cap then cannot
+    # grow, and every size fails down to 1 (measured: Infeasible at step 1).
+    from conftest import env
+
+    script = Path(__file__).with_name("capped_loop.py")
+
+    def run(name, *args):
+        out = tmp_path / f"{name}.pt"
+        p = subprocess.run(
+            [sys.executable, str(script), "--out", str(out), *args],
+            env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120,
+        )
+        assert p.returncode == 0, p.stdout
+        return torch.load(out), [int(x) for x in re.findall(r"micro_batch (\d+)", p.stdout)], p.stdout
+
+    free, _, _ = run("free")
+    got, sizes, out = run("capped", "--guard", "--cap-mb", "6")
+    assert "RLIMIT_AS" in out and "can't allocate memory" in out, out
+    assert sizes[0] == 1024 and sizes[-1] < 1024, out
+    assert max_diff(free, got) < 1e-5
+
+
+# --- torch.compile -------------------------------------------------------------------------------
+
+
+def test_halvings_compile_at_most_twice_with_inductor(hook):
+    # Six halvings (64 -> 1): the micro-batch's rows are marked dynamic, so inductor compiles
+    # once for every size above 1 and once more for 1 (which dynamo specialises).
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+    compiled = torch.compile(m)
+    hook(",".join(f"0:{s}:forward" for s in range(1, 7)))
+    guard = oomguard.Guard(m, global_batch_size=64, verbose=False)
+    seen = []
+    for _ in range(8):
+        x = torch.randn(64, 8)
+        guard.backward((x, x[:, :1]), lambda b: torch.nn.functional.mse_loss(compiled(b[0]), b[1]))
+        seen.append(guard.micro_batch_size)
+    assert seen == [64, 32, 16, 8, 4, 2, 1, 1]
+    assert counters["stats"]["unique_graphs"] == 2
