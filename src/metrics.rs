@@ -263,8 +263,15 @@ impl MetricsWriter {
     /// redoes) and any torn last line move to metrics.replaced.jsonl, so metrics.jsonl
     /// reads as one uninterrupted run and nothing written is lost.
     pub fn resume(dir: &Path, next_step: u64) -> Result<MetricsWriter> {
-        oomguard_runfiles::metrics::resume(dir, next_step)
-            .map_err(|e| Error::io(format!("cannot set aside {}'s later records", dir.join("metrics.jsonl").display()), e))?;
+        oomguard_runfiles::metrics::resume(dir, next_step).map_err(|e| {
+            Error::io(
+                format!(
+                    "cannot set aside {}'s later records",
+                    dir.join("metrics.jsonl").display()
+                ),
+                e,
+            )
+        })?;
         Self::open(dir)
     }
 

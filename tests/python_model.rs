@@ -457,6 +457,42 @@ fn an_exception_while_training_exits_1_with_its_traceback() {
     assert_eq!(records(&run, "step").len(), 3, "the steps before the error are logged");
 }
 
+/// Python's MemoryError raised in the module (a host allocation in Python code: numpy, a
+/// collator) is an OOM here as in `import oomguard`: recovered with the same samples, the run
+/// ends at the clean run's parameters.
+#[test]
+fn a_memory_error_in_the_module_is_an_oom_recovered() {
+    let dir = tempfile::tempdir().unwrap();
+    // Without stochastic depth, so that a retried step draws nothing the clean run does not.
+    let steady = std::fs::read_to_string(model_file("branchy.py"))
+        .unwrap()
+        .replace("random.random() < 0.25", "False");
+    let short = steady.replace(
+        "        h = self.emb(x)\n",
+        "        h = self.emb(x)\n        if self.training:\n            self.calls = getattr(self, 'calls', 0) + 1\n            if self.calls == \
+            5:\n                raise MemoryError()\n",
+    );
+    let yaml = std::fs::read_to_string(branchy_config(dir.path(), 4, "")).unwrap();
+    let mut runs = vec![];
+    for (name, source) in [("steady", &steady), ("short", &short)] {
+        std::fs::write(dir.path().join(format!("{name}.py")), source).unwrap();
+        let cfg = write_config(
+            dir.path(),
+            &format!("{name}.yaml"),
+            &yaml.replace(&model_file("branchy.py"), &format!("{name}.py")),
+        );
+        runs.push(train_into(dir.path(), &cfg, name, &[]));
+    }
+    let ooms = records(&runs[1], "oom");
+    assert_eq!(ooms.len(), 1, "{ooms:?}");
+    assert!(
+        ooms[0]["message"].as_str().unwrap().starts_with("MemoryError"),
+        "{ooms:?}"
+    );
+    let d = max_abs_diff(&weights(&runs[0]), &weights(&runs[1]));
+    assert!(d < 1e-5, "the parameters differ from the clean run's by {d}");
+}
+
 /// A sweep varies a Python model's `model.settings.*` and `data.settings.*`: each trial
 /// builds the module and the dataset from its own values.
 #[test]

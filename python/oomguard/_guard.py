@@ -15,8 +15,8 @@ collective.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
+import sys
 import time
 import weakref
 import zlib
@@ -28,7 +28,7 @@ from . import _memory, _ranks
 from ._batch import Rows
 from ._buffers import Buffers
 from ._memory import Heap, Peak, forget, human, oom_of, warn
-from ._native import PHASES, Policy, agreed, cached_micro_batch, memory_step, remember_micro_batch, vote
+from ._native import Policy, agreed, cached_micro_batch, memory_step, remember_micro_batch, vote
 from ._ranks import Unsupported  # noqa: F401 - oomguard.Unsupported
 from ._records import Records, finite, membership, membership_record
 
@@ -72,6 +72,53 @@ class Infeasible(RuntimeError):
         self.phase = phase
         self.requested_bytes = requested_bytes
         self.oom_message = oom_message
+
+
+_EXCEPTHOOK_INSTALLED = False
+
+
+def _install_excepthook() -> None:
+    """An OOM that escapes the guard from the optimizer's own code (your `optimizer.step()`,
+    not `guard.optimizer_step`) ends the process with one more line, `oomguard.Infeasible:
+    ...`, which `oomguard launch` reads as exit 3: relaunching at half the micro-batch cannot
+    help there, so it does not."""
+    global _EXCEPTHOOK_INSTALLED
+    if _EXCEPTHOOK_INSTALLED:
+        return
+    _EXCEPTHOOK_INSTALLED = True
+    previous = sys.excepthook
+
+    def hook(kind, exc, tb):
+        previous(kind, exc, tb)
+        try:
+            where = _optimizer_frame(tb) if oom_of(exc) is not None else None
+        except Exception:  # noqa: BLE001 - the report is a courtesy; the traceback is out
+            where = None
+        if where is not None:
+            print(
+                f"oomguard.Infeasible: out of memory in the optimizer's step ({where}): a smaller micro-batch "
+                "cannot help there (its memory is the parameters', the gradients' and the optimizer state's). "
+                "Call guard.optimizer_step(optimizer) to retry it with the memory handed back, or shard the "
+                "optimizer state (FSDP2, ZeroRedundancyOptimizer), use foreach=False or an 8-bit optimizer",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    sys.excepthook = hook
+
+
+def _optimizer_frame(tb) -> Optional[str]:
+    """`file:line` of the innermost frame in torch.optim when the traceback passes through
+    an optimizer's step (and not through the guard)."""
+    found = None
+    while tb is not None:
+        path = tb.tb_frame.f_code.co_filename.replace(os.sep, "/")
+        if "/oomguard/" in path:
+            return None
+        if "/torch/optim/" in path:
+            found = f"{path.split('/torch/', 1)[1]}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return found
 
 
 class _InjectedOom:
@@ -251,6 +298,7 @@ class Guard:
         self._pending_record: Optional[Tuple[dict, torch.Tensor, Any]] = None
         self._eval_policy: Optional[Policy] = None
         self._t0 = time.perf_counter()
+        _install_excepthook()
         self._say(f"oomguard: micro_batch_size={self.policy.current}")
 
     def __del__(self) -> None:
@@ -278,6 +326,11 @@ class Guard:
         self.step = int(state["step"])
         before = self.policy.current
         self.policy.load_json(state["policy"])
+        start = _env_int(MICRO_BATCH_VAR)
+        if start is not None and start < self.policy.current:
+            # A relaunch after an OOM the guard could not recover: the launcher's halved size
+            # wins over the one saved before that OOM.
+            self.policy.relaunched(_env_int(FAILED_MICRO_BATCH_VAR), max(start, 1), self.step)
         self._records.resumed(self.step)
         if self.policy.current != before:
             self._say(f"oomguard: restored at step {self.step}; micro_batch_size={self.policy.current}")
@@ -392,7 +445,7 @@ class Guard:
                     if not partial:
                         for p in [p for p in optimizer.state if id(p) not in had_state]:
                             del optimizer.state[p]
-                    _memory.drop(self._cuda, full_gc=mb == 1)
+                    _memory.drop(self._cuda, full_gc=True)
             if oom is not None:
                 sig = zlib.crc32(f"optimizer|{oom[1]}".encode())
                 give_up = partial or rounds >= 1

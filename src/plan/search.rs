@@ -75,7 +75,9 @@ pub fn cached(key: &str) -> Option<usize> {
 /// oomguard_runfiles::cache).
 pub fn remember(key: &str, size: usize) {
     if let Err(e) = oomguard_runfiles::cache::remember(key, size) {
-        let at = oomguard_runfiles::cache::path().map(|p| p.display().to_string()).unwrap_or_default();
+        let at = oomguard_runfiles::cache::path()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default();
         tracing::warn!("cannot write the micro-batch cache {at}: {e}");
     }
 }

@@ -190,7 +190,10 @@ mod tests {
     #[test]
     fn onednn_and_python_memory_errors_are_the_cpu_running_out() {
         let o = classify_oom("RuntimeError: could not create a primitive").unwrap();
-        assert_eq!((o.source, o.message.as_str()), (OomSource::Cpu, "RuntimeError: could not create a primitive"));
+        assert_eq!(
+            (o.source, o.message.as_str()),
+            (OomSource::Cpu, "RuntimeError: could not create a primitive")
+        );
         let o = classify_oom("MemoryError: ").unwrap();
         assert_eq!(o.source, OomSource::Cpu);
         // CUDA's error type names itself first.

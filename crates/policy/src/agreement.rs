@@ -164,11 +164,7 @@ mod tests {
 
     #[test]
     fn the_lowest_failing_rank_is_named_and_every_rank_reads_the_same() {
-        let votes = [
-            encode(&Vote::default()),
-            encode(&oom(2, 1, 7)),
-            encode(&oom(1, 0, 9)),
-        ];
+        let votes = [encode(&Vote::default()), encode(&oom(2, 1, 7)), encode(&oom(1, 0, 9))];
         let a = decode(&combine(&votes)).unwrap();
         assert_eq!(a.oom_rank, Some(1));
         let o = a.oom.unwrap();

@@ -60,7 +60,10 @@ mod tests {
         remember("python:a", 8).unwrap();
         remember("gpt:b", 16).unwrap();
         remember("python:a", 4).unwrap();
-        assert_eq!((cached("python:a"), cached("gpt:b"), cached("c")), (Some(4), Some(16), None));
+        assert_eq!(
+            (cached("python:a"), cached("gpt:b"), cached("c")),
+            (Some(4), Some(16), None)
+        );
         let text = std::fs::read_to_string(dir.path().join("micro_batch.json")).unwrap();
         let map: BTreeMap<String, usize> = serde_json::from_str(&text).unwrap();
         assert_eq!(map.len(), 2);
