@@ -379,6 +379,8 @@ class Guard:
                 self._start_from_cache(rows)
             if self._heap is not None:
                 self._heap.check()
+                if self._ranks is not None:
+                    self._ranks.probe = self._heap.rlimit
         except BaseException as exc:
             self._stop_everywhere(exc, undo=False)
             raise

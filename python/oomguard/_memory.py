@@ -110,13 +110,15 @@ class Heap:
     def __init__(self, verbose: bool):
         self.bounded: Optional[int] = None
         self._verbose = verbose
+        self.rlimit = _rlimit() is not None  # an address-space or data limit: allocations fail
         why = _cgroup() or _rlimit()
         if why is not None:
             self.bound(why)
 
     def check(self) -> None:
-        if self.bounded is None:
+        if self.bounded is None or not self.rlimit:
             why = _rlimit()
+            self.rlimit = why is not None
             if why is not None:
                 self.bound(why)
 
