@@ -14,8 +14,8 @@ run: build
 # are built with the `test-hooks` feature here, and in no other build, in a cargo profile of
 # their own (`test-hooks`: release's settings, built into target/test-hooks/), so that
 # target/release/ holds only the plain build. That plain build (`make build`'s) is built here
-# first: the README's commands run it (tests/readme.rs checks that it holds no test hooks),
-# and so do the Python launcher tests. Clippy's warnings are errors, over every target (tests,
+# first: tests/readme.rs runs the README's commands, which run ./target/release/oomguard, and
+# the Python launcher tests run it too. Clippy's warnings are errors, over every target (tests,
 # benches, examples) of every crate but python/ (maturin's).
 test: setup docs
 	cargo fmt --all --check
