@@ -2,7 +2,7 @@
 mod common;
 
 use common::{dies_with_test, isolated, write_config, TINY};
-use serde_json::Value;
+use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
@@ -256,6 +256,74 @@ fn concurrent_shards_are_disjoint_and_together_complete() {
             "{rec}"
         );
     }
+}
+
+/// `base:` is relative to the sweep file, whatever directory the sweep runs in (the README's
+/// `oomguard sweep configs/demo-sweep.yaml`, from the repository root): the `--check` pass,
+/// the planner and the trials all read the base beside the sweep file, not a file of that
+/// name in the working directory (here a decoy of 3 steps against the base's 6), in oomguard's
+/// format and in W&B's (`command`), and as Slurm and Kubernetes shards.
+#[test]
+fn base_is_found_beside_the_sweep_file_from_another_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let sweeps = dir.path().join("sweeps");
+    std::fs::create_dir(&sweeps).unwrap();
+    setup(
+        &sweeps,
+        "base: base.yaml\nparameters:\n  model.vocab_size: {values: [256, 10000000]}\n",
+    );
+    write_config(
+        &sweeps,
+        "wandb.yaml",
+        "base: base.yaml\nmethod: grid\ncommand: ['${env}', oomguard, train, '${args}']\nmetric: {name: loss, goal: minimize}\n\
+         parameters:\n  optim.lr: {values: [1.0e-3, 2.0e-3]}\n",
+    );
+    let decoy = TINY.replace("max_steps: 6", "max_steps: 3");
+    write_config(dir.path(), "base.yaml", &format!("{decoy}memory: {{budget: 256MiB}}\n"));
+
+    // oomguard's format: the ok trial trained the sweep folder's base (6 steps), and the
+    // planner read it too (a 10M vocabulary does not fit its budget: told by the planner).
+    let o = sweep(dir.path(), &["sweeps/sweep.yaml", "--out", "grid"]);
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let r = results(&dir.path().join("grid"));
+    let outcome = |rec: &Value| (rec["status"].clone(), rec["told_by"].clone(), rec["steps"].clone());
+    assert_eq!(
+        r.iter().map(outcome).collect::<Vec<_>>(),
+        [
+            (json!("ok"), Value::Null, json!(6)),
+            (json!("infeasible"), json!("planner"), json!(0))
+        ],
+        "{r:?}"
+    );
+
+    // W&B's format, one trial per shard: shard 0 as a Kubernetes indexed Job's pod, shard 1
+    // as a Slurm array task (examples/sweep/k8s-job.yaml and slurm.sbatch run `oomguard
+    // sweep FILE` so).
+    let k8s = sweep_cmd(dir.path(), &["sweeps/wandb.yaml", "--out", "wandb", "--shards", "2"])
+        .env("JOB_COMPLETION_INDEX", "0")
+        .output()
+        .unwrap();
+    assert!(k8s.status.success(), "{}", common::stderr(&k8s));
+    let slurm = sweep_cmd(dir.path(), &["sweeps/wandb.yaml", "--out", "wandb"])
+        .envs([
+            ("SLURM_ARRAY_TASK_ID", "1"),
+            ("SLURM_ARRAY_TASK_MIN", "0"),
+            ("SLURM_ARRAY_TASK_COUNT", "2"),
+        ])
+        .output()
+        .unwrap();
+    assert!(slurm.status.success(), "{}", common::stderr(&slurm));
+    let r = results(&dir.path().join("wandb"));
+    assert_eq!(
+        r.iter()
+            .map(|rec| (rec["shard"].clone(), rec["status"].clone(), rec["steps"].clone()))
+            .collect::<Vec<_>>(),
+        [
+            (json!("0/2"), json!("ok"), json!(6)),
+            (json!("1/2"), json!("ok"), json!(6))
+        ],
+        "{r:?}"
+    );
 }
 
 #[test]

@@ -21,6 +21,13 @@ pub fn bin() -> PathBuf {
     std::env::var_os("OOMGUARD_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_oomguard")), PathBuf::from)
 }
 
+/// The plain build (`cargo build --release`, `make build`): target/release/oomguard, which the
+/// README runs (tests/readme.rs). The tests' own build, `bin()`, has the test hooks and lives
+/// in target/test-hooks/ (the `test-hooks` cargo profile), so that this one stays plain.
+pub fn plain_bin() -> PathBuf {
+    root().join("target/release/oomguard")
+}
+
 /// The source tree (configs/, tests/golden/): this build's, or $OOMGUARD_ROOT.
 pub fn root() -> PathBuf {
     std::env::var_os("OOMGUARD_ROOT").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)

@@ -228,7 +228,10 @@ pub fn load(path: &Path) -> Result<Sweep, ConfigError> {
                 [oomguard, launch, ${program}, ${args}]",
         ))),
     };
-    let base = match &runner {
+    // `base` is relative to the sweep file. The runner holds it resolved (joined to the sweep
+    // file's folder), so that the `--check` pass, the planner and every trial read the file
+    // this check found, whatever directory `oomguard sweep` runs in.
+    let (runner, base) = match runner {
         Runner::Train { base } => {
             let resolved = path.parent().unwrap_or(Path::new(".")).join(base);
             if !resolved.is_file() {
@@ -240,9 +243,9 @@ pub fn load(path: &Path) -> Result<Sweep, ConfigError> {
                     ),
                 )));
             }
-            Some(resolved)
+            (Runner::Train { base: resolved.clone() }, Some(resolved))
         }
-        Runner::Launch { .. } => None,
+        launch @ Runner::Launch { .. } => (launch, None),
     };
     // A W&B file's `log_uniform` takes exponents (W&B's meaning); ours takes values.
     // Why the file reads as W&B's, for a refusal that depends on the reading.
@@ -352,7 +355,7 @@ pub fn load(path: &Path) -> Result<Sweep, ConfigError> {
         ("entity", &raw.entity.as_ref()),
     ] {
         if v.is_some() {
-            let why = match &raw.base {
+            let why = match &base {
                 Some(b) if key == "program" => {
                     format!("each trial runs `oomguard train {}` with its parameters", b.display())
                 }
@@ -820,7 +823,12 @@ mod tests {
         );
         assert_eq!(w.early_stop.unwrap().rungs(), [10, 30, 90, 150]);
         assert!(!w.decay_steps_set && w.notices.len() == 1);
+        // `base` is resolved against the sweep file's folder: what each trial is given.
+        let demo = root.join("configs/demo.yaml");
+        let wandb_base = root.join("examples/sweep/../../configs/demo.yaml");
+        assert_eq!(w.runner, Runner::Train { base: wandb_base });
         let d = load(&root.join("configs/demo-sweep.yaml")).unwrap();
         assert_eq!(d.trials.len(), 4);
+        assert_eq!(d.runner, Runner::Train { base: demo });
     }
 }
