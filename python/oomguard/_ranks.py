@@ -16,12 +16,18 @@ as collectives and every rank decodes the same outcome.
 from __future__ import annotations
 
 import functools
+import os
+import secrets
 import time
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from ._native import agreed, vote
+from ._native import Exchange, agreed, vote
+
+# How long a rank waits for its neighbours when the exchange connects (at `Guard(...)`).
+EXCHANGE_TIMEOUT_S = 300.0
+_GUARDS = 0  # guards made with an exchange in this process: each rendezvous has its own keys
 
 # Collectives every rank of the group calls: each gets a checkpoint first inside an attempt.
 COLLECTIVES = (
@@ -161,9 +167,15 @@ class Ranks:
         self.pg = process_group
         self.rank = dist.get_rank(process_group)
         self.world = dist.get_world_size(process_group)
-        self.group, device = self._agreement_group(process_group, param_device)
-        self.device = device
-        self._vector = torch.zeros(len(vote(0)), dtype=torch.float64, device=device)
+        self._exchange = self._open_exchange()
+        if self._exchange is not None:
+            # Votes go through the exchange; the group serves the rare exchanges of a vector
+            # per parameter (which ranks have a gradient), on its own backend's device.
+            nccl = "nccl" in str(dist.get_backend(process_group)).lower()
+            self.group, self.device = process_group, param_device if nccl else torch.device("cpu")
+        else:
+            self.group, self.device = self._agreement_group(process_group, param_device)
+        self._vector = torch.zeros(len(vote(0)), dtype=torch.float64, device=self.device)
         self.voting = False
         self.inside = False
         self.solo = False
@@ -172,6 +184,32 @@ class Ranks:
         self.checkpoint_s = 0.0
         self._inject: Optional[Callable[[str], None]] = None
         install()
+
+    def _open_exchange(self):
+        """The ranks' exchange (oomguard._native.Exchange, the runtime's own: a tree of TCP
+        connections), rendezvoused through the job's c10d store; None where there is no store
+        or MASTER_ADDR, or the group is not the whole job: votes then go through c10d."""
+        dist = self.dist
+        addr = os.environ.get("MASTER_ADDR")
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - no default store (another init): c10d votes
+            return None
+        if not addr or self.world < 2 or self.world != dist.get_world_size():
+            return None
+        global _GUARDS
+        _GUARDS += 1
+        prefix = f"oomguard/guard/{_GUARDS}/"
+
+        def share(key: str, value: Optional[bytes]) -> bytes:
+            if value is not None:
+                store.set(prefix + key, bytes(value))
+            return bytes(store.get(prefix + key))
+
+        token = os.environ.get("OOMGUARD_RUN_TOKEN")
+        if not token:
+            token = share("token", secrets.token_hex(16).encode() if self.rank == 0 else None).decode()
+        return Exchange(self.rank, self.world, addr, token, EXCHANGE_TIMEOUT_S, share)
 
     def _agreement_group(self, pg: Any, device: torch.device):
         """Where votes go: a Gloo group and a CPU tensor when the job has one (no device
@@ -190,7 +228,14 @@ class Ranks:
         return pg, device
 
     def vote(self, values: List[float]) -> dict:
-        """Every rank's vote, maximised element-wise (one all-reduce), decoded."""
+        """Every rank's vote, maximised element-wise (one exchange, or one all-reduce),
+        decoded."""
+        if self._exchange is not None:
+            self.voting = True
+            try:
+                return agreed(self._exchange.max(values))
+            finally:
+                self.voting = False
         v = self._vector
         v.copy_(torch.tensor(values, dtype=torch.float64), non_blocking=False)
         self.voting = True

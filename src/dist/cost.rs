@@ -2,7 +2,8 @@
 //! training state, its bytes on the wire and its host work a step (docs/scaling.md's tables).
 //! Keeps: every figure comes from the code's own constants and layout (the exchange's message
 //! and tree, `zero::Layout`'s chunks and plan); tests check it against measured small worlds.
-use super::exchange::{children, parent, MESSAGE_BYTES};
+pub use super::exchange::busiest_neighbours;
+use super::exchange::MESSAGE_BYTES;
 use crate::optim::zero::{Layout, BUCKET_BYTES};
 use crate::optim::Shard;
 
@@ -40,14 +41,6 @@ impl Cost {
     pub fn peak(&self) -> u64 {
         self.params + self.grads + self.moments + self.buffers
     }
-}
-
-/// The neighbours of the exchange tree's busiest rank.
-pub fn busiest_neighbours(world: usize) -> u64 {
-    (0..world.min(4))
-        .map(|r| (children(r, world).len() + usize::from(parent(r).is_some())) as u64)
-        .max()
-        .unwrap_or(0)
 }
 
 /// One rank's step with parameters of sizes `numels` (fp32, AdamW) over `world` ranks.

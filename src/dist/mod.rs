@@ -199,7 +199,8 @@ impl ProcessGroup {
             exchange: Exchange::new(Channel::alone(), PAYLOAD),
             said: Default::default(),
         };
-        let channel = Channel::open(rank, world, addr, token, timeout, |k, b| pg.share(k, b))?;
+        let share = |k: &str, b: Option<&[u8]>| pg.share(k, b).map_err(|e| exchange::ExchangeError(e.to_string()));
+        let channel = Channel::open(rank, world, addr, token, timeout, share)?;
         pg.exchange = Exchange::new(channel, PAYLOAD);
         Ok(pg)
     }
@@ -213,7 +214,7 @@ impl ProcessGroup {
     /// after which every rank knows that all ranks were at the same exchange of the same
     /// step, or fails naming both views (exchange.rs).
     pub fn exchange(&self, topic: Topic, payload: &mut [f64]) -> Result<()> {
-        self.exchange.run(topic, payload)
+        Ok(self.exchange.run(topic, payload)?)
     }
 
     pub fn device(&self) -> Device {

@@ -217,7 +217,7 @@ fn sixty_four_ranks_agree_on_the_maximum_and_the_sum_in_constant_bytes() {
     // three neighbours at most.
     let msg = 8 * (HEADER as u64 + 4);
     let most = got.iter().map(|g| g.2).max().unwrap();
-    assert_eq!(most, 2 * 2 * crate::dist::cost::busiest_neighbours(64) * msg);
+    assert_eq!(most, 2 * 2 * busiest_neighbours(64) * msg);
     assert_eq!(got[63].2, 2 * 2 * msg, "a leaf talks to its parent only");
 }
 
