@@ -93,7 +93,7 @@ install_test_packages() {
 install_python_package() {
   local hash
   hash="$(cd "$ROOT" && find python/Cargo.toml python/Cargo.lock python/pyproject.toml python/src python/oomguard \
-    crates/policy crates/host crates/console crates/runfiles -type f \( -name '*.rs' -o -name '*.py' -o -name '*.toml' -o -name '*.lock' \) \
+    crates/policy crates/host crates/console crates/runfiles crates/exchange -type f \( -name '*.rs' -o -name '*.py' -o -name '*.toml' -o -name '*.lock' \) \
     -not -path '*/target/*' -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)"
   local wheels="$ROOT/python/target/wheels"
   # Built for these sources, installed, and this clone has the wheel (tests install it elsewhere).

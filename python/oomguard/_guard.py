@@ -398,7 +398,21 @@ class Guard:
         finally:
             if not committed:
                 self._restore(stashed)
-        loss = self._finish_step(loss_t, mb, n, t_call, failures, outcome, as_tensor)
+        step = self.step
+        try:
+            loss = self._finish_step(loss_t, mb, n, t_call, failures, outcome, as_tensor)
+        except BaseException as exc:  # noqa: BLE001 - an OOM in the bookkeeping is survived
+            oom = oom_of(exc)
+            if oom is None:
+                raise
+            forget(exc)
+            del exc
+            # The gradients are whole and every rank agreed: the step stands, its record
+            # (or the cache's line) is what is lost.
+            _memory.drop(self._cuda, full_gc=True)
+            warn(f"out of memory in the guard's bookkeeping after step {step} (its record is lost; the step stands): {oom[1]}")
+            self.step = step + 1
+            loss = None if as_tensor else float(loss_t)
         return loss_t if as_tensor else loss
 
     def optimizer_step(self, optimizer: Any, scaler: Any = None) -> bool:

@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--cap-rank", type=int, default=None)
     ap.add_argument("--cap-at-step", type=int, default=1, help="the cap starts before this step (threads and AdamW's state exist)")
     ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--compile", action="store_true", help="each block compiled (inductor) before it is sharded")
     ap.add_argument("--guard-step", action="store_true", help="the optimizer's step through guard.optimizer_step")
     ap.add_argument("--run-dir", default=None)
     ap.add_argument("--out", default=None)
@@ -86,6 +87,8 @@ def main() -> None:
         net = GPT2LMHeadModel(cfg).double()
         blocks = list(net.transformer.h)
     for b in blocks:
+        if args.compile:
+            b.compile()  # torchtitan's order: compile each block, then shard it
         fully_shard(b, reshard_after_forward=bool(args.reshard_after_forward))
     fully_shard(net, reshard_after_forward=bool(args.reshard_after_forward))
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.01)

@@ -355,3 +355,26 @@ def test_halvings_compile_at_most_twice_with_inductor(hook):
         seen.append(guard.micro_batch_size)
     assert seen == [64, 32, 16, 8, 4, 2, 1, 1]
     assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_an_oom_in_the_guards_bookkeeping_leaves_the_step_standing(tmp_path, monkeypatch):
+    # The step's record cannot be written for want of memory (a MemoryError in its encoding):
+    # the gradients are whole and the step counts; the record is what is lost, said so.
+    import oomguard._records as records
+
+    m = mlp()
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    torch.nn.functional.mse_loss(m(x), y).backward()
+    want = grads(m)
+    m.zero_grad(set_to_none=True)
+    guard = oomguard.Guard(m, global_batch_size=8, run_dir=str(tmp_path), verbose=False)
+
+    def no_memory(_record):
+        raise MemoryError()
+
+    monkeypatch.setattr(records.json, "dumps", no_memory)
+    loss = guard.backward((x, y), lambda b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+    monkeypatch.undo()
+    assert guard.step == 1 and loss == pytest.approx(torch.nn.functional.mse_loss(m(x), y).item())
+    assert max_diff(grads(m), want) < 1e-12
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
