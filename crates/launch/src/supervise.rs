@@ -117,7 +117,7 @@ enum Outcome {
 }
 
 /// Runs the job; returns the launcher's exit code. Every attempt is a round of the group
-/// (group.rs): on several nodes, a failure anywhere restarts every node's workers.
+/// (group/): on several nodes, a failure anywhere restarts every node's workers.
 pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
     let signals = Signals::install().map_err(|e| Error::Io {
         context: "installing signal handlers".into(),
