@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use super::super::elastic::{self, Change, Elastic, Layout, Member};
 use super::super::outcome::{after_failure, Ended, Next, Report};
 use super::super::Micro;
-use super::protocol::{same_secret, ToCoordinator, ToNode};
+use super::protocol::{Hello, ToCoordinator, ToNode};
 
 #[derive(Debug)]
 enum Phase {
@@ -34,11 +34,9 @@ enum Phase {
 pub struct Coordinator {
     nnodes: usize,
     max_restarts: u32,
-    /// The run's --rdzv-id: a node's hello must name it.
+    /// The run's --rdzv-id: a node's hello must name it. (The coordinator holds no secret: a
+    /// hello reaches it only once the transport found its proof good.)
     id: String,
-    /// The run's token, handed to each admitted node; also required of each when `given`.
-    token: super::super::Token,
-    given: bool,
     round: u32,
     /// Rounds begun by a failure (not by a membership change): what --max-restarts counts.
     restarts: u32,
@@ -68,14 +66,11 @@ pub enum To {
 }
 
 impl Coordinator {
-    /// `given`: the token is the user's, so a node must present it to be admitted.
-    pub fn new(nnodes: usize, max_restarts: u32, id: &str, token: &str, given: bool) -> Coordinator {
+    pub fn new(nnodes: usize, max_restarts: u32, id: &str) -> Coordinator {
         Coordinator {
             nnodes,
             max_restarts,
             id: id.into(),
-            token: super::super::Token::new(token.into()),
-            given,
             round: 0,
             restarts: 0,
             micro: Micro::default(),
@@ -93,10 +88,10 @@ impl Coordinator {
     }
 
     /// An elastic job's coordinator: between `e.min` and `e.max` nodes.
-    pub fn elastic(e: Elastic, max_restarts: u32, id: &str, token: &str, given: bool) -> Coordinator {
+    pub fn elastic(e: Elastic, max_restarts: u32, id: &str) -> Coordinator {
         Coordinator {
             elastic: Some(e),
-            ..Coordinator::new(e.max, max_restarts, id, token, given)
+            ..Coordinator::new(e.max, max_restarts, id)
         }
     }
 
@@ -121,13 +116,7 @@ impl Coordinator {
         self.last_seen.insert(node, Instant::now());
         match msg {
             ToCoordinator::Beat => vec![],
-            ToCoordinator::Hello {
-                id,
-                node: named,
-                micro,
-                token,
-                port,
-            } => self.hello(&id, token.as_deref(), node, named, micro, port),
+            ToCoordinator::Hello(h) => self.hello(node, &h),
             ToCoordinator::Failed { round, report } => self.failed(node, round, report),
             ToCoordinator::Stopped { round, port } => self.stopped(node, round, port),
             ToCoordinator::Done => {
@@ -245,36 +234,16 @@ impl Coordinator {
         vec![(To::All, ToNode::Stop { code, why })]
     }
 
-    /// Admits a node's launcher: the run's id, the user's token when there is one (never named
-    /// in a refusal), a node rank not yet taken (elastic: room below MAX). The admitted node
-    /// gets the run's token.
-    fn hello(
-        &mut self,
-        id: &str,
-        token: Option<&str>,
-        node: usize,
-        named: usize,
-        micro: Option<usize>,
-        port: u16,
-    ) -> Vec<(To, ToNode)> {
+    /// Admits a node's launcher whose hello proved it knows the run's secret (the transport
+    /// checked it; in-process there is nothing to check): the run's id, and a node rank not yet
+    /// taken (elastic: room below MAX). The welcome's proof is the transport's to add.
+    fn hello(&mut self, node: usize, h: &Hello) -> Vec<(To, ToNode)> {
+        let (id, named, micro, port) = (&h.id, h.node, h.micro, h.port);
         let refuse = |why: String| vec![(To::Node(node), ToNode::Refused { why })];
-        if id != self.id {
+        if *id != self.id {
             return refuse(format!(
                 "this is run {:?}, not {id:?}: give every node's launcher the same --rdzv-id",
                 self.id
-            ));
-        }
-        if self.given && !token.is_some_and(|t| same_secret(t, self.token.reveal())) {
-            return refuse(format!(
-                "{} is set for node 0's launcher, and this node's launcher {}: give every node's launcher the same one",
-                super::super::TOKEN_VAR,
-                if token.is_some() { "has another" } else { "has none" }
-            ));
-        }
-        if !self.given && token.is_some() {
-            return refuse(format!(
-                "{} is set for this node's launcher but not for node 0's: give every node's launcher the same one",
-                super::super::TOKEN_VAR
             ));
         }
         if let Some(e) = self.elastic {
@@ -294,12 +263,7 @@ impl Coordinator {
                 (a, b) => a.or(b),
             };
         }
-        let welcome = (
-            To::Node(node),
-            ToNode::Welcome {
-                token: self.token.reveal().to_string(),
-            },
-        );
+        let welcome = (To::Node(node), ToNode::Welcome { proof: String::new() });
         let Some(e) = self.elastic else {
             if self.joined.len() < self.nnodes {
                 return vec![welcome];
@@ -515,14 +479,18 @@ impl Coordinator {
 mod tests {
     use super::*;
 
-    fn hello(node: usize, micro: Option<usize>) -> ToCoordinator {
-        ToCoordinator::Hello {
+    fn hello_of(node: usize, micro: Option<usize>) -> Hello {
+        Hello {
             id: "job".into(),
             node,
             micro,
-            token: None,
             port: 0,
+            nonce: String::new(),
+            proof: String::new(),
         }
+    }
+    fn hello(node: usize, micro: Option<usize>) -> ToCoordinator {
+        ToCoordinator::Hello(hello_of(node, micro))
     }
     /// A static round's go, to every node.
     fn go(round: u32, size: Option<usize>, failed: Option<usize>) -> (To, ToNode) {
@@ -538,7 +506,7 @@ mod tests {
         )
     }
     fn welcome(node: usize) -> (To, ToNode) {
-        (To::Node(node), ToNode::Welcome { token: "tok".into() })
+        (To::Node(node), ToNode::Welcome { proof: String::new() })
     }
     fn report(rank: usize, oom: bool, micro: Option<usize>) -> Report {
         Report {
@@ -551,15 +519,12 @@ mod tests {
 
     #[test]
     fn every_node_joins_before_the_first_go_at_the_smallest_micro_batch() {
-        let mut c = Coordinator::new(2, 3, "job", "tok", false);
+        let mut c = Coordinator::new(2, 3, "job");
         assert_eq!(c.on(0, hello(0, Some(8))), vec![welcome(0)]);
-        let other = ToCoordinator::Hello {
+        let other = ToCoordinator::Hello(Hello {
             id: "other".into(),
-            node: 1,
-            micro: None,
-            token: None,
-            port: 0,
-        };
+            ..hello_of(1, None)
+        });
         assert!(
             matches!(&c.on(1, other)[..], [(To::Node(1), ToNode::Refused { why })] if why.contains("\"job\", not \"other\"")),
             "another run"
@@ -573,7 +538,7 @@ mod tests {
 
     #[test]
     fn a_failure_on_one_node_restarts_every_node_once_they_all_stopped() {
-        let mut c = Coordinator::new(2, 3, "job", "tok", false);
+        let mut c = Coordinator::new(2, 3, "job");
         c.on(0, hello(0, Some(8)));
         c.on(1, hello(1, Some(8)));
         let out = c.on(
@@ -622,7 +587,7 @@ mod tests {
 
     #[test]
     fn an_oom_reported_second_still_halves_the_micro_batch() {
-        let mut c = Coordinator::new(2, 3, "job", "tok", false);
+        let mut c = Coordinator::new(2, 3, "job");
         c.on(0, hello(0, Some(8)));
         c.on(1, hello(1, None));
         c.on(
@@ -648,7 +613,7 @@ mod tests {
 
     #[test]
     fn no_restarts_left_a_signal_or_a_lost_node_stops_every_node() {
-        let mut c = Coordinator::new(2, 0, "job", "tok", false);
+        let mut c = Coordinator::new(2, 0, "job");
         c.on(0, hello(0, None));
         c.on(1, hello(1, None));
         c.on(
@@ -668,7 +633,7 @@ mod tests {
         assert!(matches!(&out[..], [(To::All, ToNode::Stop { code: 7, why })] if why.contains("no restarts left")));
         assert!(c.settled());
 
-        let mut c = Coordinator::new(2, 5, "job", "tok", false);
+        let mut c = Coordinator::new(2, 5, "job");
         c.on(0, hello(0, None));
         c.on(1, hello(1, None));
         assert!(matches!(
@@ -677,7 +642,7 @@ mod tests {
         ));
         assert_eq!(c.gone(1), vec![], "already ended");
 
-        let mut c = Coordinator::new(2, 5, "job", "tok", false);
+        let mut c = Coordinator::new(2, 5, "job");
         c.on(0, hello(0, None));
         c.on(1, hello(1, None));
         c.on(1, ToCoordinator::Done);
@@ -686,56 +651,9 @@ mod tests {
         assert!(matches!(&c.gone(0)[..], [(To::All, ToNode::Stop { code: 1, why })] if why.contains("node 0")));
     }
 
-    /// The user's token (OOMGUARD_RUN_TOKEN): a node without it, or with another, is refused
-    /// by a message that names the variable and neither token; one with it is admitted.
-    #[test]
-    fn a_user_given_token_is_required_and_never_named() {
-        let secret = "s3cret-Token-0123456789";
-        let mut c = Coordinator::new(2, 3, "job", secret, true);
-        let hello = |node: usize, token: Option<&str>| ToCoordinator::Hello {
-            id: "job".into(),
-            node,
-            micro: None,
-            token: token.map(str::to_string),
-            port: 0,
-        };
-        for (token, says) in [(None, "has none"), (Some("wrong-token-0123456789"), "has another")] {
-            match &c.on(1, hello(1, token))[..] {
-                [(To::Node(1), ToNode::Refused { why })] => {
-                    assert!(why.contains("OOMGUARD_RUN_TOKEN") && why.contains(says), "{why}");
-                    assert!(
-                        !why.contains(secret) && !token.is_some_and(|t| why.contains(t)),
-                        "{why}"
-                    );
-                }
-                other => panic!("admitted without the token: {other:?}"),
-            }
-        }
-        assert_eq!(
-            c.on(0, hello(0, Some(secret))),
-            vec![(To::Node(0), ToNode::Welcome { token: secret.into() })]
-        );
-        let both = c.on(1, hello(1, Some(secret)));
-        assert!(
-            matches!(&both[..], [(To::Node(1), ToNode::Welcome { token }), (To::All, ToNode::Go { round: 0, .. })] if token == secret),
-            "{both:?}"
-        );
-        // Without a token of the user's, the id admits, and the run's token is handed out; a
-        // node that brings a token of its own is refused (its workers would not match).
-        let mut c = Coordinator::new(1, 0, "job", "random", false);
-        assert!(
-            matches!(&c.on(0, hello(0, Some(secret)))[..], [(To::Node(0), ToNode::Refused { why })]
-                if why.contains("not for node 0's") && !why.contains(secret))
-        );
-        assert!(
-            matches!(&c.on(0, hello(0, None))[..], [(To::Node(0), ToNode::Welcome { token }), _] if token == "random")
-        );
-        assert!(same_secret("abc", "abc") && !same_secret("abc", "abd") && !same_secret("abc", "abcd"));
-    }
-
     #[test]
     fn one_node_restarts_alone_in_process() {
-        let mut c = Coordinator::new(1, 1, "job", "tok", false);
+        let mut c = Coordinator::new(1, 1, "job");
         assert_eq!(c.on(0, hello(0, Some(6))), vec![welcome(0), go(0, Some(6), None)]);
         c.on(
             0,

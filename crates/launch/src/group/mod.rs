@@ -1,9 +1,10 @@
 //! Owns restarts that are group-wide across nodes: node 0's launcher keeps the group's round.
 //! Keeps: a failure on any node ends the round on every node, and every node starts the next
-//! attempt with the same micro-batch; `Coordinator::on` decides, purely. A connection that is
-//! not an admitted node's launcher (garbage, another run's id, a missing or wrong user-given
-//! token) is refused, logged with its address, and changes nothing; the run's token reaches
-//! an admitted node only, and no message names it.
+//! attempt with the same micro-batch; `Coordinator::on` decides, purely. On several nodes a
+//! node is admitted only once it has proven that it knows the run's secret (protocol.rs), and
+//! the coordinator has proven it back; a connection that has not (garbage, silence, no proof
+//! or a wrong one) or that names another run is refused, logged with its address, and changes
+//! nothing. No message carries the secret.
 //!
 //! protocol.rs: the messages and their encoding; coordinator.rs: the decisions (pure);
 //! transport.rs: the sockets and threads; this file: one launcher's end of the group.
@@ -14,21 +15,20 @@ mod transport;
 use std::collections::VecDeque;
 use std::io::Write;
 use std::net::TcpStream;
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub use coordinator::Coordinator;
 #[cfg(test)]
 pub(crate) use coordinator::To;
-pub use protocol::{ToCoordinator, ToNode};
+pub use protocol::{Hello, ToCoordinator, ToNode};
 pub(crate) use transport::free_port;
 
 use super::elastic::Layout;
 use super::outcome::Report;
 use super::{LaunchError as Error, LaunchSpec, Micro};
 use oomguard_host::proc::Signals;
-use protocol::same_secret;
 use transport::{beat, connect, interrupted, offer_port};
 
 /// How long a launcher waits for every node's launcher to join, and node 0's launcher, its
@@ -71,77 +71,94 @@ enum Link {
     },
 }
 
+/// What a wait on the coordinator's connection brought.
+enum Heard {
+    Msg(ToNode),
+    /// The connection closed (or carried garbage).
+    Closed,
+    /// Nothing in time, or a signal to the launcher ended the wait.
+    Nothing,
+}
+
+/// The next message from the coordinator's connection (its reader thread's `inbox`), waiting
+/// at most `wait` (None: not at all), in slices, so that a signal to the launcher ends the
+/// wait at once.
+fn next(inbox: &Receiver<Option<ToNode>>, wait: Option<Duration>, signals: &Signals) -> Heard {
+    let Some(w) = wait else {
+        return match inbox.try_recv() {
+            Ok(Some(m)) => Heard::Msg(m),
+            Ok(None) | Err(TryRecvError::Disconnected) => Heard::Closed,
+            Err(TryRecvError::Empty) => Heard::Nothing,
+        };
+    };
+    let until = Instant::now() + w;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        match inbox.recv_timeout(left.min(SIGNAL_CHECK)) {
+            Ok(Some(m)) => return Heard::Msg(m),
+            Ok(None) | Err(RecvTimeoutError::Disconnected) => return Heard::Closed,
+            Err(RecvTimeoutError::Timeout) => {
+                if left <= SIGNAL_CHECK || signals.received().is_some() {
+                    return Heard::Nothing;
+                }
+            }
+        }
+    }
+}
+
 impl Group {
-    /// Joins the group and waits for the first attempt's go; returns the run's token too (node
-    /// 0's, handed over when it admitted this node).
-    pub fn join(spec: &LaunchSpec, signals: &Signals) -> Result<(Group, Start, String), Error> {
-        let hello = ToCoordinator::Hello {
+    /// Joins the group and waits for the first attempt's go. On several nodes, this launcher
+    /// and the coordinator first prove to each other that they know the run's secret
+    /// (`transport::connect`); the secret itself is never sent.
+    pub fn join(spec: &LaunchSpec, signals: &Signals) -> Result<(Group, Start), Error> {
+        let hello = Hello {
             id: spec.run_id.clone(),
             node: match spec.elastic {
                 Some(_) => spec.named_rank.unwrap_or(usize::MAX),
                 None => spec.node_rank,
             },
             micro: spec.micro_batch_size,
-            token: spec.token_given.then(|| spec.token.reveal().to_string()),
             port: offer_port(spec),
+            nonce: String::new(),
+            proof: String::new(),
         };
         let join_timeout = spec.elastic.map_or(JOIN_TIMEOUT, |e| e.join_timeout);
         let mut group = if spec.nnodes == 1 && spec.elastic.is_none() {
             let link = Link::Local {
-                coordinator: Box::new(Coordinator::new(
-                    1,
-                    spec.max_restarts,
-                    &spec.run_id,
-                    spec.token.reveal(),
-                    spec.token_given,
-                )),
+                coordinator: Box::new(Coordinator::new(1, spec.max_restarts, &spec.run_id)),
                 inbox: VecDeque::new(),
             };
-            Group {
+            let mut group = Group {
                 node: 0,
                 link,
                 join_timeout,
                 signals: signals.clone(),
-            }
+            };
+            group.send(ToCoordinator::Hello(hello));
+            group
         } else {
-            connect(spec, signals)?
+            connect(spec, hello, signals)?
         };
-        group.send(hello);
         if let (Some(_), Link::Remote { stream, .. }) = (spec.elastic, &group.link) {
             beat(Arc::clone(stream));
         }
-        let mut token = None;
         loop {
             match group.recv(Some(join_timeout)) {
-                Some(ToNode::Welcome { token: t }) => {
-                    if spec.token_given && !same_secret(&t, spec.token.reveal()) {
-                        return Err(Error::Start(format!(
-                            "{} is set for this node's launcher, but node 0's launcher runs with another token: give every \
-                            node's launcher the same one",
-                            super::TOKEN_VAR
-                        )));
-                    }
-                    token = Some(t);
-                }
                 Some(ToNode::Go {
                     round,
                     size,
                     failed,
                     layout,
                 }) => {
-                    let Some(token) = token else {
-                        return Err(Error::Start(
-                            "node 0's launcher started the group without admitting this node".into(),
-                        ));
-                    };
                     if let Some(l) = &layout {
                         group.node = l.node_rank;
                     }
                     let micro = Micro { size, failed };
-                    return Ok((group, Start { round, micro, layout }, token));
+                    return Ok((group, Start { round, micro, layout }));
                 }
-                // An elastic job changing while this node joins: it waits for the next go.
-                Some(ToNode::Restart { .. }) => continue,
+                // The welcome (in-process: over the wire, `connect` took it), or an elastic job
+                // changing while this node joins: it waits for the next go.
+                Some(ToNode::Welcome { .. } | ToNode::Challenge { .. } | ToNode::Restart { .. }) => continue,
                 Some(ToNode::Refused { why }) => {
                     return Err(Error::Start(format!("node 0's launcher refused this node: {why}")))
                 }
@@ -184,36 +201,15 @@ impl Group {
         match &mut self.link {
             Link::Local { inbox, .. } => inbox.pop_front(),
             Link::Remote { gone: true, .. } => None,
-            Link::Remote { inbox, gone, .. } => {
-                let got = match wait {
-                    None => inbox.try_recv().ok(),
-                    // In slices, so that a signal to the launcher ends the wait at once.
-                    Some(w) => {
-                        let until = Instant::now() + w;
-                        loop {
-                            let left = until.saturating_duration_since(Instant::now());
-                            match inbox.recv_timeout(left.min(SIGNAL_CHECK)) {
-                                Ok(m) => break Some(m),
-                                Err(RecvTimeoutError::Disconnected) => break Some(None),
-                                Err(RecvTimeoutError::Timeout) => {
-                                    if left <= SIGNAL_CHECK || self.signals.received().is_some() {
-                                        return None;
-                                    }
-                                }
-                            }
-                        }
-                    }
-                };
-                match got {
-                    Some(Some(m)) => Some(m),
-                    Some(None) => {
-                        *gone = true;
-                        tracing::warn!("node 0's launcher is gone: this node can no longer restart with the group");
-                        None
-                    }
-                    None => None,
+            Link::Remote { inbox, gone, .. } => match next(inbox, wait, &self.signals) {
+                Heard::Msg(m) => Some(m),
+                Heard::Closed => {
+                    *gone = true;
+                    tracing::warn!("node 0's launcher is gone: this node can no longer restart with the group");
+                    None
                 }
-            }
+                Heard::Nothing => None,
+            },
         }
     }
 

@@ -1,21 +1,23 @@
 //! Owns the group's sockets and threads: node 0's listener and one thread per connection,
 //! each admitted node's outbox (a writer thread), the clock's thread, and a node's connection
 //! to the coordinator (its reader and, elastic, its heartbeat).
-//! Keeps: a connection that is not an admitted node's launcher (garbage, another run's id, a
-//! missing or wrong user-given token) is refused, logged with its address, and changes
-//! nothing; no node's socket ever holds the coordinator's locks.
+//! Keeps: a connection whose hello does not prove that it knows the run's secret, or that is
+//! not admitted (garbage, silence, another run's id), is refused, logged with its address,
+//! and changes nothing: it never takes the coordinator's lock before its proof holds; a node
+//! starts nothing for a coordinator that does not prove it back; no node's socket ever holds
+//! the coordinator's locks.
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{BufRead, BufReader, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::mpsc::{self, SyncSender};
+use std::sync::mpsc::{self, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::super::elastic::{self, Elastic};
-use super::super::{LaunchError as Error, LaunchSpec};
+use super::super::{random_hex, LaunchError as Error, LaunchSpec, Token, TOKEN_VAR};
 use super::coordinator::{Coordinator, To};
-use super::protocol::{line, read_line, ToCoordinator, ToNode};
-use super::{Group, Link, JOIN_TIMEOUT};
+use super::protocol::{line, prove, proves, read_line, Hello, Side, ToCoordinator, ToNode, NONCE_BYTES};
+use super::{next, Group, Heard, Link, JOIN_TIMEOUT};
 use oomguard_host::proc::Signals;
 
 /// How long node 0's launcher waits for a node's launcher to take a message: one that stops
@@ -40,10 +42,12 @@ pub(crate) fn free_port(host: &str) -> std::io::Result<u16> {
     TcpListener::bind((host, 0))?.local_addr().map(|a| a.port())
 }
 
-/// Node 0 starts the coordinator; every node (node 0 too) connects to it. Elastic, the
-/// coordinator is at the rendezvous endpoint (--rdzv-endpoint), hosted by the launcher that
-/// can listen there first, as torchrun's c10d rendezvous hosts its store.
-pub(super) fn connect(spec: &LaunchSpec, signals: &Signals) -> Result<Group, Error> {
+/// Node 0 starts the coordinator; every node (node 0 too) connects to it and is admitted
+/// (`introduce`). Elastic, the coordinator is at the rendezvous endpoint (--rdzv-endpoint),
+/// hosted by the launcher that can listen there first, as torchrun's c10d rendezvous hosts
+/// its store. A connection closed or silent before the welcome (crowded out by strangers, say)
+/// is made again, until the join timeout.
+pub(super) fn connect(spec: &LaunchSpec, hello: Hello, signals: &Signals) -> Result<Group, Error> {
     let (port, server) = match spec.elastic {
         Some(e) => (spec.master_port, host_elastic(spec, e)),
         None => {
@@ -64,24 +68,77 @@ pub(super) fn connect(spec: &LaunchSpec, signals: &Signals) -> Result<Group, Err
         }
     };
     let addr = (spec.master_addr.as_str(), port);
+    let at = format!("{}:{port}", spec.master_addr);
     let join_timeout = spec.elastic.map_or(JOIN_TIMEOUT, |e| e.join_timeout);
     let t = Instant::now();
-    let stream = loop {
+    let (stream, inbox) = loop {
         let reached = (addr.to_socket_addrs().ok())
             .and_then(|mut a| a.find_map(|a| TcpStream::connect_timeout(&a, Duration::from_secs(2)).ok()));
-        if let Some(s) = reached {
-            break s;
-        }
+        let again = match reached {
+            Some(stream) => {
+                let inbox = listen(&stream)?;
+                match introduce(&stream, &inbox, spec.token.reveal(), hello.clone(), signals, &at) {
+                    Ok(()) => break (stream, inbox),
+                    Err(Intro::Fail(e)) => return Err(e),
+                    Err(Intro::Again(why)) => {
+                        let _ = stream.shutdown(Shutdown::Both);
+                        Some(why)
+                    }
+                }
+            }
+            None => None,
+        };
         interrupted(signals)?;
         if t.elapsed() > join_timeout {
-            return Err(Error::Start(format!(
-                "cannot reach node 0's launcher at {}:{port} within {} s",
-                spec.master_addr,
-                join_timeout.as_secs()
-            )));
+            return Err(Error::Start(match again {
+                Some(why) => format!(
+                    "the launchers' coordinator at {at} did not admit this node within {} s: {why}",
+                    join_timeout.as_secs()
+                ),
+                None => format!(
+                    "cannot reach node 0's launcher at {at} within {} s",
+                    join_timeout.as_secs()
+                ),
+            }));
+        }
+        if let Some(why) = again {
+            tracing::info!("the launchers' coordinator at {at} {why}: trying again");
         }
         std::thread::sleep(Duration::from_millis(200));
     };
+    match spec.elastic {
+        Some(e) => tracing::info!(
+            "joined the elastic rendezvous ({}:{} nodes) at {at}{}",
+            e.min,
+            e.max,
+            if server.is_some() {
+                ", which this launcher hosts"
+            } else {
+                ""
+            }
+        ),
+        None => tracing::info!(
+            "node {} of {}: joined the launchers' coordinator at {at}",
+            spec.node_rank,
+            spec.nnodes,
+        ),
+    }
+    Ok(Group {
+        node: spec.node_rank,
+        link: Link::Remote {
+            stream: Arc::new(Mutex::new(stream)),
+            inbox,
+            server,
+            gone: false,
+        },
+        join_timeout,
+        signals: signals.clone(),
+    })
+}
+
+/// A thread that reads the coordinator's messages from `stream` into the returned channel, then
+/// None once the connection closes (or carries garbage).
+fn listen(stream: &TcpStream) -> Result<Receiver<Option<ToNode>>, Error> {
     stream.set_nodelay(true).ok();
     let (tx, rx) = mpsc::channel();
     let reader = stream
@@ -99,36 +156,65 @@ pub(super) fn connect(spec: &LaunchSpec, signals: &Signals) -> Result<Group, Err
         }
         let _ = tx.send(None);
     });
-    match spec.elastic {
-        Some(e) => tracing::info!(
-            "joined the elastic rendezvous ({}:{} nodes) at {}:{port}{}",
-            e.min,
-            e.max,
-            spec.master_addr,
-            if server.is_some() {
-                ", which this launcher hosts"
-            } else {
-                ""
-            }
-        ),
-        None => tracing::info!(
-            "node {} of {}: joined the launchers' coordinator at {}:{port}",
-            spec.node_rank,
-            spec.nnodes,
-            spec.master_addr
-        ),
+    Ok(rx)
+}
+
+/// Why a node was not admitted: for good (refused; a coordinator that does not prove it knows
+/// the secret, or does not speak this protocol; a signal), or for now (`Again`: the connection
+/// closed, or went quiet, before the welcome).
+enum Intro {
+    Fail(Error),
+    Again(String),
+}
+
+/// This node's admission on a new connection to the coordinator: its challenge, this node's
+/// hello with the proof that it knows the run's `secret`, and its welcome with the proof that
+/// the coordinator does. Neither side sends the secret; a coordinator that cannot prove it
+/// gets nothing more from this node (no worker starts, so no worker shows it the token).
+fn introduce(
+    stream: &TcpStream,
+    inbox: &Receiver<Option<ToNode>>,
+    secret: &str,
+    mut hello: Hello,
+    signals: &Signals,
+    at: &str,
+) -> Result<(), Intro> {
+    let fail = |why: String| Intro::Fail(Error::Start(why));
+    let refused = |why: String| fail(format!("node 0's launcher refused this node: {why}"));
+    let quiet = |what: &str| match interrupted(signals) {
+        Err(e) => Intro::Fail(e),
+        Ok(()) => Intro::Again(format!("sent no {what} within {} s", HELLO_WAIT.as_secs())),
+    };
+    let challenge = match next(inbox, Some(HELLO_WAIT), signals) {
+        Heard::Msg(ToNode::Challenge { nonce }) => nonce,
+        Heard::Msg(ToNode::Refused { why }) => return Err(refused(why)),
+        Heard::Msg(_) => {
+            return Err(fail(format!(
+                "the launchers' coordinator at {at} did not open with a challenge: it is not an oomguard launcher of \
+                this version"
+            )))
+        }
+        Heard::Closed => return Err(Intro::Again("closed the connection before its challenge".into())),
+        Heard::Nothing => return Err(quiet("challenge")),
+    };
+    hello.nonce = random_hex(NONCE_BYTES).map_err(Intro::Fail)?;
+    hello.proof = prove(secret, Side::Node, &challenge, &hello);
+    if let Err(e) = (&*stream).write_all(line(&ToCoordinator::Hello(hello.clone())).as_bytes()) {
+        return Err(Intro::Again(format!("took no hello ({e})")));
     }
-    Ok(Group {
-        node: spec.node_rank,
-        link: Link::Remote {
-            stream: Arc::new(Mutex::new(stream)),
-            inbox: rx,
-            server,
-            gone: false,
-        },
-        join_timeout,
-        signals: signals.clone(),
-    })
+    match next(inbox, Some(HELLO_WAIT), signals) {
+        Heard::Msg(ToNode::Welcome { proof }) if proves(secret, Side::Coordinator, &challenge, &hello, &proof) => {
+            Ok(())
+        }
+        Heard::Msg(ToNode::Refused { why }) => Err(refused(why)),
+        Heard::Msg(_) => Err(fail(format!(
+            "the launchers' coordinator at {at} did not prove that it knows the run's secret ({TOKEN_VAR}): it runs \
+            with another one, or it is not this job's; give every node's launcher the same {TOKEN_VAR} (no worker \
+            started)"
+        ))),
+        Heard::Closed => Err(Intro::Again("closed the connection before admitting this node".into())),
+        Heard::Nothing => Err(quiet("welcome")),
+    }
 }
 
 /// A signal to the launcher ends its wait for the group.
@@ -157,14 +243,8 @@ fn host_elastic(spec: &LaunchSpec, e: Elastic) -> Option<Arc<Mutex<Coordinator>>
         .ok()?
         .collect();
     let listener = addrs.iter().find_map(|a| TcpListener::bind(a).ok())?;
-    let c = Coordinator::elastic(
-        e,
-        spec.max_restarts,
-        &spec.run_id,
-        spec.token.reveal(),
-        spec.token_given,
-    );
-    Some(coordinate(listener, c))
+    let c = Coordinator::elastic(e, spec.max_restarts, &spec.run_id);
+    Some(coordinate(listener, c, spec.token.clone()))
 }
 
 /// The coordinator's listener: on --master-addr's own address (so on that interface only, a
@@ -180,14 +260,8 @@ fn serve(spec: &LaunchSpec, port: u16) -> Result<Arc<Mutex<Coordinator>>, Error>
     for a in &addrs {
         match TcpListener::bind(a) {
             Ok(l) => {
-                let c = Coordinator::new(
-                    spec.nnodes,
-                    spec.max_restarts,
-                    &spec.run_id,
-                    spec.token.reveal(),
-                    spec.token_given,
-                );
-                return Ok(coordinate(l, c));
+                let c = Coordinator::new(spec.nnodes, spec.max_restarts, &spec.run_id);
+                return Ok(coordinate(l, c, spec.token.clone()));
             }
             Err(e) => failed = Some(e),
         }
@@ -204,16 +278,18 @@ fn serve(spec: &LaunchSpec, port: u16) -> Result<Arc<Mutex<Coordinator>>, Error>
     })
 }
 
-/// Runs `coordinator` for the connections `listener` accepts, each on its own thread.
-fn coordinate(listener: TcpListener, coordinator: Coordinator) -> Arc<Mutex<Coordinator>> {
+/// Runs `coordinator` for the connections `listener` accepts, each on its own thread; a
+/// connection's hello must prove that it knows `secret` (the run's token).
+fn coordinate(listener: TcpListener, coordinator: Coordinator, secret: Token) -> Arc<Mutex<Coordinator>> {
     let coordinator = Arc::new(Mutex::new(coordinator));
     let writers: Arc<Mutex<BTreeMap<usize, Outbox>>> = Arc::default();
     let c = Arc::clone(&coordinator);
     let w = Arc::clone(&writers);
+    let secret = Arc::new(secret);
     std::thread::spawn(move || {
         for stream in listener.incoming().flatten() {
-            let (c, writers) = (Arc::clone(&c), Arc::clone(&w));
-            std::thread::spawn(move || serve_node(stream, &c, &writers));
+            let (c, writers, secret) = (Arc::clone(&c), Arc::clone(&w), Arc::clone(&secret));
+            std::thread::spawn(move || serve_node(stream, &c, &writers, &secret));
         }
     });
     // The clock's decisions (an elastic rendezvous's last call), a tick at a time.
@@ -273,89 +349,114 @@ impl Outbox {
     }
 }
 
-/// Serves one connection. Until it is an admitted node's launcher it changes nothing: a
-/// stranger (silent for HELLO_WAIT, garbage, refused) is dropped with a warning naming its
-/// address, and the run goes on.
-fn serve_node(stream: TcpStream, coordinator: &Mutex<Coordinator>, writers: &Mutex<BTreeMap<usize, Outbox>>) {
+/// Serves one connection. It opens with a challenge; until its hello proves that it knows
+/// the run's secret, and the coordinator admits it, it changes nothing and is given nothing: a
+/// stranger (silent for HELLO_WAIT, garbage, no proof or a wrong one, refused) is dropped
+/// with a warning naming its address, and the run goes on.
+fn serve_node(
+    stream: TcpStream,
+    coordinator: &Mutex<Coordinator>,
+    writers: &Mutex<BTreeMap<usize, Outbox>>,
+    secret: &Token,
+) {
     let peer = stream
         .peer_addr()
         .map_or_else(|_| "an unknown address".to_string(), |a| a.to_string());
     stream.set_nodelay(true).ok();
-    // A refusal is written here, once, into an empty socket: it cannot block for longer.
+    // The challenge and a refusal are written here, once, into an empty socket: they cannot
+    // block for longer.
     if stream.set_write_timeout(Some(WRITE_WAIT)).is_err() || stream.set_read_timeout(Some(HELLO_WAIT)).is_err() {
         return;
     }
     let Ok(mut reply) = stream.try_clone() else { return };
     let Ok(reads) = stream.try_clone() else { return };
-    let mut node = None;
+    let drop_it = |why: String| tracing::warn!("dropped a connection from {peer} to the launchers' coordinator: {why}");
+    let challenge = match random_hex(NONCE_BYTES) {
+        Ok(c) => c,
+        Err(e) => return drop_it(format!("no challenge for it ({e})")),
+    };
+    if let Err(e) = reply.write_all(
+        line(&ToNode::Challenge {
+            nonce: challenge.clone(),
+        })
+        .as_bytes(),
+    ) {
+        return drop_it(format!("it took no challenge ({e})"));
+    }
     let mut lines = BufReader::new(stream);
-    loop {
-        let msg = match read_line(&mut lines) {
-            Ok(Some(l)) => serde_json::from_str::<ToCoordinator>(&l).ok(),
-            Ok(None) => {
-                if node.is_none() {
-                    tracing::warn!(
-                        "a connection from {peer} to the launchers' coordinator closed without a launcher's hello"
-                    );
+    let hello = match read_line(&mut lines) {
+        Ok(Some(l)) => match serde_json::from_str::<ToCoordinator>(&l) {
+            Ok(ToCoordinator::Hello(h)) => h,
+            _ => return drop_it("it did not open with a launcher's hello".into()),
+        },
+        Ok(None) => {
+            return tracing::warn!(
+                "a connection from {peer} to the launchers' coordinator closed without a launcher's hello"
+            )
+        }
+        Err(e) => return drop_it(format!("no launcher's hello ({e})")),
+    };
+    let refuse = |mut reply: TcpStream, why: String| {
+        tracing::warn!("refused a connection from {peer} to the launchers' coordinator: {why}");
+        let _ = reply.write_all(line(&ToNode::Refused { why }).as_bytes());
+    };
+    if !proves(secret.reveal(), Side::Node, &challenge, &hello, &hello.proof) {
+        return refuse(
+            reply,
+            format!(
+                "its hello does not prove that it knows the run's secret ({TOKEN_VAR}, node 0's launcher's): give every \
+                node's launcher the same one"
+            ),
+        );
+    }
+    // A launcher of this job: the coordinator decides.
+    let welcome = prove(secret.reveal(), Side::Coordinator, &challenge, &hello);
+    let ip = reads
+        .peer_addr()
+        .map_or_else(|_| "127.0.0.1".into(), |a| a.ip().to_string());
+    let from = {
+        let mut c = coordinator.lock().unwrap_or_else(|p| p.into_inner());
+        let from = c.slot(hello.node, &ip);
+        let mut w = writers.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out = c.on(from, ToCoordinator::Hello(hello));
+        if let Some(why) = out.iter().find_map(|(_, m)| match m {
+            ToNode::Refused { why } => Some(why.clone()),
+            _ => None,
+        }) {
+            return refuse(reply, why);
+        }
+        for (to, m) in &mut out {
+            if let (To::Node(n), ToNode::Welcome { proof }) = (*to, m) {
+                if n == from {
+                    proof.clone_from(&welcome);
                 }
-                break;
             }
-            Err(e) => {
-                if node.is_none() {
-                    tracing::warn!(
-                        "dropped a connection from {peer} to the launchers' coordinator: no launcher's hello ({e})"
-                    );
-                }
-                break;
-            }
+        }
+        // Admitted: from now on it may be quiet for as long as the run lasts.
+        if reads.set_read_timeout(None).is_err() {
+            tracing::warn!("node {from}'s launcher at {peer}: cannot wait on its connection");
+        }
+        if let Ok(o) = reply.try_clone().and_then(Outbox::new) {
+            w.insert(from, o);
+        }
+        deliver(&mut c, &mut w, out);
+        from
+    };
+    // An admitted node's messages, until its connection closes (or carries garbage: it is gone).
+    while let Ok(Some(l)) = read_line(&mut lines) {
+        let Ok(msg) = serde_json::from_str::<ToCoordinator>(&l) else {
+            break;
         };
-        let from = match (&msg, node) {
-            (Some(_), Some(n)) => n,
-            (Some(ToCoordinator::Hello { node: n, .. }), None) => {
-                let ip = reads
-                    .peer_addr()
-                    .map_or_else(|_| "127.0.0.1".into(), |a| a.ip().to_string());
-                coordinator.lock().unwrap_or_else(|p| p.into_inner()).slot(*n, &ip)
-            }
-            (_, None) => {
-                tracing::warn!(
-                    "dropped a connection from {peer} to the launchers' coordinator: it did not open with a launcher's hello"
-                );
-                return;
-            }
-            (None, Some(_)) => break, // garbage from an admitted node: it is gone
-        };
-        let Some(msg) = msg else { break };
         let mut c = coordinator.lock().unwrap_or_else(|p| p.into_inner());
         let mut w = writers.lock().unwrap_or_else(|p| p.into_inner());
         let out = c.on(from, msg);
-        if node.is_none() {
-            if let Some(why) = out.iter().find_map(|(_, m)| match m {
-                ToNode::Refused { why } => Some(why),
-                _ => None,
-            }) {
-                tracing::warn!("refused a connection from {peer} to the launchers' coordinator: {why}");
-                let _ = out.iter().try_for_each(|(_, m)| reply.write_all(line(m).as_bytes()));
-                return;
-            }
-            // Admitted: from now on it may be quiet for as long as the run lasts.
-            if reads.set_read_timeout(None).is_err() {
-                tracing::warn!("node {from}'s launcher at {peer}: cannot wait on its connection");
-            }
-            node = Some(from);
-            if let Ok(o) = reply.try_clone().and_then(Outbox::new) {
-                w.insert(from, o);
-            }
-        }
         deliver(&mut c, &mut w, out);
     }
-    if let Some(n) = node {
-        let mut c = coordinator.lock().unwrap_or_else(|p| p.into_inner());
-        let mut w = writers.lock().unwrap_or_else(|p| p.into_inner());
-        w.remove(&n);
-        let out = c.gone(n);
-        deliver(&mut c, &mut w, out);
-    }
+    let mut c = coordinator.lock().unwrap_or_else(|p| p.into_inner());
+    let mut w = writers.lock().unwrap_or_else(|p| p.into_inner());
+    w.remove(&from);
+    let out = c.gone(from);
+    deliver(&mut c, &mut w, out);
 }
 
 /// Queues each message for the nodes it is for. A node whose queue is full (OUTBOX messages
@@ -388,13 +489,19 @@ mod tests {
     use super::*;
     use std::io::Read;
 
+    const SECRET: &str = "the-secret-0123456789";
+
     fn hello(node: usize, micro: Option<usize>) -> ToCoordinator {
-        ToCoordinator::Hello {
+        ToCoordinator::Hello(hello_of(node, micro))
+    }
+    fn hello_of(node: usize, micro: Option<usize>) -> Hello {
+        Hello {
             id: "job".into(),
             node,
             micro,
-            token: None,
             port: 0,
+            nonce: String::new(),
+            proof: String::new(),
         }
     }
     fn report(rank: usize, oom: bool, micro: Option<usize>) -> Report {
@@ -406,6 +513,31 @@ mod tests {
         }
     }
 
+    /// A node's side of an admission, as `introduce` does it: reads the challenge on `s`, and
+    /// sends `h` with a nonce and its proof under `secret`. Returns the reader (past the
+    /// challenge), the challenge and the hello as sent.
+    fn say_hello(s: &TcpStream, secret: &str, mut h: Hello) -> (BufReader<TcpStream>, String, Hello) {
+        let mut r = BufReader::new(s.try_clone().unwrap());
+        let mut first = String::new();
+        r.read_line(&mut first).unwrap();
+        let ToNode::Challenge { nonce: challenge } = serde_json::from_str(first.trim_end()).unwrap() else {
+            panic!("no challenge first: {first}")
+        };
+        assert_eq!(challenge.len(), 2 * NONCE_BYTES, "{challenge}");
+        h.nonce = random_hex(NONCE_BYTES).unwrap();
+        h.proof = prove(secret, Side::Node, &challenge, &h);
+        (&*s)
+            .write_all(line(&ToCoordinator::Hello(h.clone())).as_bytes())
+            .unwrap();
+        (r, challenge, h)
+    }
+
+    fn next_msg(r: &mut BufReader<TcpStream>) -> ToNode {
+        let mut l = String::new();
+        r.read_line(&mut l).unwrap();
+        serde_json::from_str(l.trim_end()).unwrap_or_else(|e| panic!("{e}: {l:?}"))
+    }
+
     /// A node that says hello and then stops reading, while it makes the coordinator answer it
     /// again and again: the answers back up (the old coordinator blocked writing them, holding
     /// its locks, and froze). It counts as lost, and the other node hears that the group
@@ -414,27 +546,25 @@ mod tests {
     fn a_node_that_stops_reading_is_lost_and_the_others_hear_it() {
         let listener = TcpListener::bind(("127.0.0.1", 0)).unwrap();
         let port = listener.local_addr().unwrap().port();
-        let c = coordinate(listener, Coordinator::new(2, 3, "job", "tok", false));
-        let mut good = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let c = coordinate(listener, Coordinator::new(2, 3, "job"), Token::new(SECRET.into()));
+        let good = TcpStream::connect(("127.0.0.1", port)).unwrap();
         good.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
-        good.write_all(line(&hello(0, None)).as_bytes()).unwrap();
-        let mut stuck = TcpStream::connect(("127.0.0.1", port)).unwrap();
-        stuck.write_all(line(&hello(1, None)).as_bytes()).unwrap();
-        let mut replies = BufReader::new(good.try_clone().unwrap()).lines();
-        let welcome = replies.next().unwrap().unwrap();
+        let (mut replies, challenge, sent) = say_hello(&good, SECRET, hello_of(0, None));
+        let stuck = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        say_hello(&stuck, SECRET, hello_of(1, None));
+        let welcome = next_msg(&mut replies);
         assert!(
-            matches!(serde_json::from_str(&welcome).unwrap(), ToNode::Welcome { ref token } if token == "tok"),
-            "{welcome}"
+            matches!(&welcome, ToNode::Welcome { proof } if proves(SECRET, Side::Coordinator, &challenge, &sent, proof)),
+            "{welcome:?}"
         );
-        let first = replies.next().unwrap().unwrap();
-        assert!(
-            matches!(serde_json::from_str(&first).unwrap(), ToNode::Go { round: 0, .. }),
-            "{first}"
-        );
+        let first = next_msg(&mut replies);
+        assert!(matches!(first, ToNode::Go { round: 0, .. }), "{first:?}");
+        let mut replies = replies.lines();
         // Node 1 says hello again and again (each answered with a refusal) and reads nothing,
         // until its own writes block: the coordinator has stopped reading it, stuck writing.
         let (wedged, wedge) = mpsc::channel();
         let again = line(&hello(1, None)).repeat(100);
+        let mut stuck = stuck;
         std::thread::spawn(move || {
             stuck.set_write_timeout(Some(Duration::from_millis(300))).unwrap();
             let mut sent = 0usize;
@@ -447,14 +577,15 @@ mod tests {
         let sent = wedge.recv_timeout(Duration::from_secs(60)).unwrap();
         assert!(sent < 1 << 30, "node 1's hellos never backed up ({sent} bytes)");
         let t = Instant::now();
-        good.write_all(
-            line(&ToCoordinator::Failed {
-                round: 0,
-                report: report(0, false, None),
-            })
-            .as_bytes(),
-        )
-        .unwrap();
+        (&good)
+            .write_all(
+                line(&ToCoordinator::Failed {
+                    round: 0,
+                    report: report(0, false, None),
+                })
+                .as_bytes(),
+            )
+            .unwrap();
         let bound = WRITE_WAIT + Duration::from_secs(5);
         let stop = loop {
             assert!(t.elapsed() < bound, "node 0 heard nothing within {bound:?}");
@@ -481,65 +612,104 @@ mod tests {
     }
 
     /// Strangers at the coordinator's port while a run joins: one sends garbage, one stays
-    /// silent, one says hello with another run's id, one with a line longer than MAX_LINE.
-    /// Each is dropped or refused (the refused one hears why, and not the token); the two real
-    /// nodes still join, get the token and the go, and finish.
+    /// silent, one sends a line longer than MAX_LINE, one says hello without a proof (as the
+    /// launchers' hello was before there was one), one with the run's id and a made-up proof,
+    /// one replays a real node's hello (its proof was for another challenge), and one knows
+    /// the secret but names another run. Each hears the challenge and at most a refusal (why,
+    /// never the run's id unless it proved the secret), and the coordinator records none of
+    /// them; the two real nodes still join, each checks the welcome's proof, gets the go, and
+    /// finishes.
     #[test]
     fn strangers_are_refused_and_the_run_goes_on() {
         let listener = TcpListener::bind(("127.0.0.1", 0)).unwrap();
         let port = listener.local_addr().unwrap().port();
-        let c = coordinate(listener, Coordinator::new(2, 0, "job", "the-token-0123456789", false));
+        let c = coordinate(listener, Coordinator::new(2, 0, "job"), Token::new(SECRET.into()));
         let connect = || {
             let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
             s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
             s
         };
-        let mut garbage = connect();
-        garbage.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
-        let _silent = connect();
-        let mut long = connect();
-        long.write_all(&vec![b'x'; MAX_LINE as usize + 10]).unwrap();
-        let mut other = connect();
-        let stranger = ToCoordinator::Hello {
-            id: "other".into(),
-            node: 1,
-            micro: None,
-            token: None,
-            port: 0,
+        let all = |mut s: &TcpStream| {
+            let mut heard = String::new();
+            s.read_to_string(&mut heard).unwrap();
+            heard
         };
-        other.write_all(line(&stranger).as_bytes()).unwrap();
-        let mut heard = String::new();
-        other.read_to_string(&mut heard).unwrap();
-        assert!(heard.contains("refused") && heard.contains("--rdzv-id"), "{heard}");
-        assert!(!heard.contains("the-token"), "a stranger heard the token: {heard}");
-        let mut rest = String::new();
-        assert_eq!(
-            garbage.read_to_string(&mut rest).unwrap(),
-            0,
-            "garbage got an answer: {rest}"
+        let garbage = connect();
+        (&garbage).write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+        let _silent = connect();
+        let long = connect();
+        (&long).write_all(&vec![b'x'; MAX_LINE as usize + 10]).unwrap();
+        let unproven = connect();
+        (&unproven)
+            .write_all(b"{\"msg\":\"hello\",\"id\":\"job\",\"node\":1,\"micro\":null}\n")
+            .unwrap();
+        let made_up = connect();
+        let (mut r, _, _) = say_hello(&made_up, "not-the-secret-at-all", hello_of(1, None));
+        let refused = next_msg(&mut r);
+        let other_run = connect();
+        say_hello(
+            &other_run,
+            SECRET,
+            Hello {
+                id: "other".into(),
+                ..hello_of(1, None)
+            },
         );
-        let nodes = [0, 1].map(|n| {
-            let mut s = connect();
-            s.write_all(line(&hello(n, None)).as_bytes()).unwrap();
-            s
-        });
-        for s in &nodes {
-            let mut replies = BufReader::new(s.try_clone().unwrap()).lines();
-            let got: Vec<ToNode> = (0..2)
-                .map(|_| serde_json::from_str(&replies.next().unwrap().unwrap()).unwrap())
-                .collect();
+        let heard = all(&other_run);
+        assert!(heard.contains("refused") && heard.contains("--rdzv-id"), "{heard}");
+        // The garbage heard the challenge and nothing else.
+        let g = all(&garbage);
+        assert!(
+            g.lines().count() == 1 && matches!(serde_json::from_str(g.trim_end()), Ok(ToNode::Challenge { .. })),
+            "garbage got an answer: {g}"
+        );
+        for (what, heard) in [("unproven", all(&unproven)), ("made-up", format!("{refused:?}"))] {
             assert!(
-                matches!(&got[..], [ToNode::Welcome { token }, ToNode::Go { round: 0, .. }] if token == "the-token-0123456789"),
+                heard.contains(TOKEN_VAR) && heard.contains("does not prove"),
+                "{what}: {heard}"
+            );
+            assert!(
+                !heard.contains("job") && !heard.contains(SECRET),
+                "{what} heard: {heard}"
+            );
+            assert!(
+                !heard.contains("welcome") && !heard.contains("Welcome"),
+                "{what} heard: {heard}"
+            );
+        }
+        let nodes = [0, 1].map(|n| {
+            let s = connect();
+            let (r, challenge, sent) = say_hello(&s, SECRET, hello_of(n, None));
+            (s, r, challenge, sent)
+        });
+        // A replay of node 1's hello, proof and all, on a new connection: another challenge.
+        let replay = connect();
+        let mut first = String::new();
+        BufReader::new(replay.try_clone().unwrap())
+            .read_line(&mut first)
+            .unwrap();
+        (&replay)
+            .write_all(line(&ToCoordinator::Hello(nodes[1].3.clone())).as_bytes())
+            .unwrap();
+        let heard = all(&replay);
+        assert!(heard.contains("refused") && heard.contains("does not prove"), "{heard}");
+        let mut nodes = nodes;
+        for (_, r, challenge, sent) in &mut nodes {
+            let got = [next_msg(r), next_msg(r)];
+            assert!(
+                matches!(&got[..], [ToNode::Welcome { proof }, ToNode::Go { round: 0, .. }]
+                    if proves(SECRET, Side::Coordinator, challenge, sent, proof)),
                 "{got:?}"
             );
         }
-        for mut s in nodes {
-            s.write_all(line(&ToCoordinator::Done).as_bytes()).unwrap();
+        for (s, ..) in &nodes {
+            (&*s).write_all(line(&ToCoordinator::Done).as_bytes()).unwrap();
         }
         let t = Instant::now();
         while !c.lock().is_ok_and(|c| c.settled()) {
             assert!(t.elapsed() < Duration::from_secs(20), "the run did not finish");
             std::thread::sleep(Duration::from_millis(10));
         }
+        drop(made_up);
     }
 }
