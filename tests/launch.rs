@@ -855,6 +855,93 @@ fn a_stranger_at_an_elastic_rendezvous_gets_nothing_and_restarts_nothing() {
     assert!(!err.contains(SECRET), "{err}");
 }
 
+/// The threads of process `pid` now (/proc/PID/task).
+fn threads(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |d| d.count())
+}
+
+/// The most connections node 0's coordinator holds at once that have not proven that they
+/// know the run's secret, each with its thread while it waits (crates/launch's MAX_PENDING,
+/// docs/launcher.md).
+const MAX_PENDING: usize = 16;
+
+/// A flood of 300 idle connections (opened and held, never a byte) at node 0's coordinator
+/// while it waits for node 1: node 0's threads grow by at most MAX_PENDING (a thread a
+/// connection, before, so 300), plus 4 for threads that have given their share back and that
+/// the OS is still tearing down (here, at most one was seen); node 1, started into the flood, joins (every worker of both nodes started)
+/// within a few seconds, and the run ends 0. Node 0's log warns about the flood in a bounded
+/// number of lines, not one a connection.
+#[test]
+fn a_flood_of_idle_connections_neither_grows_threads_nor_delays_a_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = port_pair();
+    let node0 = node("0", port, dir.path(), Some(SECRET)).spawn().unwrap();
+    let pid = node0.id();
+    wait_until("node 0's coordinator", || !listeners(port + 1).is_empty());
+    // Node 0's own launcher joins its coordinator: its threads settle.
+    let t = Instant::now();
+    let base = loop {
+        let a = threads(pid);
+        std::thread::sleep(Duration::from_millis(300));
+        if a == threads(pid) {
+            break a;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "node 0's threads never settle");
+    };
+    let mut most = base;
+    let flood: Vec<std::net::TcpStream> = (0..300)
+        .map(|i| {
+            if i % 10 == 0 {
+                most = most.max(threads(pid));
+            }
+            std::net::TcpStream::connect(("127.0.0.1", port + 1)).unwrap()
+        })
+        .collect();
+    for _ in 0..20 {
+        most = most.max(threads(pid));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        most <= base + MAX_PENDING + 4,
+        "node 0 went from {base} threads to {most} under a flood of {} connections",
+        flood.len()
+    );
+    let t = Instant::now();
+    let node1 = node("1", port, dir.path(), Some(SECRET)).spawn().unwrap();
+    while tokens(dir.path()).len() < 4 {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "node 1 did not join within 5 s of a flood: {:?}",
+            tokens(dir.path())
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let joined = t.elapsed();
+    let outs = [node0, node1].map(|n| n.wait_with_output().unwrap());
+    for (i, o) in outs.iter().enumerate() {
+        assert!(o.status.success(), "node {i}: {:?}", text(o));
+    }
+    let (_, log0) = text(&outs[0]);
+    let warned: Vec<&str> = log0
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("launchers' coordinator"))
+        .collect();
+    assert!(
+        warned
+            .iter()
+            .any(|l| l.contains("dropped a connection from 127.0.0.1:") && l.contains("the most it holds")),
+        "{log0}"
+    );
+    // At most 10 lines every 10 s and a count of the others, over the flood's few seconds.
+    assert!(
+        warned.len() <= 2 * 11,
+        "{} warnings about the flood: {log0}",
+        warned.len()
+    );
+    eprintln!("base {base} threads, at most {most} under the flood; node 1 joined in {joined:?}");
+    drop(flood);
+}
+
 /// A node's launcher checks the coordinator too: one at node 0's address that does not know
 /// the secret (it answers the hello with a made-up welcome and a go) gets the hello's proof
 /// and nothing else: not the secret, not a worker (exit 2, naming OOMGUARD_RUN_TOKEN).

@@ -2,7 +2,8 @@
 //! failed; `Coordinator::on` turns one node's message into the messages to send. No sockets.
 //! Keeps: a failure on any node ends the round on every node, and every node starts the next
 //! attempt with the same micro-batch; a hello that is refused changes nothing.
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use super::super::elastic::{self, Change, Elastic, Layout, Member};
@@ -475,6 +476,113 @@ impl Coordinator {
     }
 }
 
+/// The connections that have not yet proven that they know the run's secret, at most `cap` at
+/// once (the transport gives each a thread while it waits). When one more comes and every
+/// place is taken, the oldest connection of the address that holds the most places makes
+/// room: a flood from one address crowds out its own connections first, and a node's launcher
+/// that connects (from that address too) gets a place at once, long enough to prove itself.
+#[derive(Debug)]
+pub struct Lobby {
+    cap: usize,
+    next: u64,
+    /// By arrival: each place's ticket and address.
+    waiting: VecDeque<(u64, IpAddr)>,
+}
+
+impl Lobby {
+    pub fn new(cap: usize) -> Lobby {
+        Lobby {
+            cap: cap.max(1),
+            next: 0,
+            waiting: VecDeque::new(),
+        }
+    }
+
+    /// A connection from `ip` comes in: its ticket, and the ticket and address of the one it
+    /// crowds out when every place was taken.
+    pub fn enter(&mut self, ip: IpAddr) -> (u64, Option<(u64, IpAddr)>) {
+        let crowded = if self.waiting.len() >= self.cap {
+            let mut held: BTreeMap<IpAddr, usize> = BTreeMap::new();
+            for (_, a) in &self.waiting {
+                *held.entry(*a).or_default() += 1;
+            }
+            let most = held.values().copied().max().unwrap_or(0);
+            let out = self.waiting.iter().copied().find(|(_, a)| held.get(a) == Some(&most));
+            if let Some((t, _)) = out {
+                self.leave(t);
+            }
+            out
+        } else {
+            None
+        };
+        let ticket = self.next;
+        self.next += 1;
+        self.waiting.push_back((ticket, ip));
+        (ticket, crowded)
+    }
+
+    /// `ticket` leaves (proven, refused, gone): whether it still held its place (it was not
+    /// crowded out).
+    pub fn leave(&mut self, ticket: u64) -> bool {
+        let before = self.waiting.len();
+        self.waiting.retain(|(t, _)| *t != ticket);
+        self.waiting.len() < before
+    }
+}
+
+/// How many warnings about strangers are written: at most `most` every `per`; the others are
+/// counted, and the count is written before the next one shown, or once their window is over
+/// (`overdue`), so that a flood of connections cannot flood the log.
+#[derive(Debug)]
+pub struct Throttle {
+    most: usize,
+    per: Duration,
+    since: Option<Instant>,
+    shown: usize,
+    hidden: usize,
+}
+
+impl Throttle {
+    pub fn new(most: usize, per: Duration) -> Throttle {
+        Throttle {
+            most,
+            per,
+            since: None,
+            shown: 0,
+            hidden: 0,
+        }
+    }
+
+    /// A warning at `now`: Some(n) when it is to be written, after a line that counts the `n`
+    /// held back before it; None when it is held back.
+    pub fn note(&mut self, now: Instant) -> Option<usize> {
+        let fresh = match self.since {
+            Some(s) => now.saturating_duration_since(s) >= self.per,
+            None => true,
+        };
+        if fresh {
+            self.since = Some(now);
+            self.shown = 0;
+        }
+        if self.shown < self.most {
+            self.shown += 1;
+            Some(std::mem::take(&mut self.hidden))
+        } else {
+            self.hidden += 1;
+            None
+        }
+    }
+
+    /// The warnings held back in a window that is over at `now`, to be counted in a line of
+    /// their own (then none are); with `now` None, whatever the window (the job is over).
+    pub fn overdue(&mut self, now: Option<Instant>) -> usize {
+        match (self.since, now) {
+            (Some(s), Some(now)) if now.saturating_duration_since(s) < self.per => 0,
+            _ => std::mem::take(&mut self.hidden),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -649,6 +757,82 @@ mod tests {
         assert_eq!(c.gone(1), vec![], "a node that finished may leave");
         assert!(!c.settled());
         assert!(matches!(&c.gone(0)[..], [(To::All, ToNode::Stop { code: 1, why })] if why.contains("node 0")));
+    }
+
+    /// At most `cap` places; one more crowds out the oldest of the address holding the most, so
+    /// a node arriving from elsewhere keeps its place while a flood from one address goes on,
+    /// and a node arriving from the flood's own address still gets one (the flood's oldest
+    /// leaves). A ticket leaves once; a crowded-out one has already left.
+    #[test]
+    fn the_lobby_holds_cap_places_and_a_flood_crowds_out_its_own() {
+        let (flood, node, other) = (
+            IpAddr::from([10, 0, 0, 9]),
+            IpAddr::from([10, 0, 0, 1]),
+            IpAddr::from([10, 0, 0, 2]),
+        );
+        let mut l = Lobby::new(3);
+        let (a, none) = l.enter(flood);
+        assert_eq!(none, None);
+        let (n, _) = l.enter(node);
+        let (b, _) = l.enter(flood);
+        assert_eq!(l.waiting.len(), 3);
+        // Full: the flood's next crowds out the flood's oldest (a), not the node's older place.
+        let (c, out) = l.enter(flood);
+        assert_eq!(out, Some((a, flood)));
+        let (d, out) = l.enter(flood);
+        assert_eq!(out, Some((b, flood)), "the node keeps its place");
+        // One from elsewhere also takes the busiest address's oldest.
+        let (o, out) = l.enter(other);
+        assert_eq!(out, Some((c, flood)));
+        assert_eq!(l.waiting.len(), 3);
+        assert!(l.leave(n) && !l.leave(n), "a ticket leaves once");
+        assert!(!l.leave(a), "a crowded-out ticket has left");
+        // Ties (one place each: the flood's d, the other's o, the node's x): the oldest goes.
+        let (x, none) = l.enter(node);
+        assert_eq!(none, None, "a place was free");
+        let (_, out) = l.enter(node);
+        assert_eq!(out, Some((d, flood)), "{l:?}");
+        let (_, out) = l.enter(flood);
+        assert_eq!(out, Some((x, node)), "now the node's address holds two: {l:?}");
+        assert!(l.leave(o));
+        // A flood of one address alone: each arrival crowds out the oldest, the size holds.
+        let mut l = Lobby::new(16);
+        let tickets: Vec<u64> = (0..100).map(|_| l.enter(flood).0).collect();
+        assert_eq!(l.waiting.len(), 16);
+        assert_eq!(
+            l.waiting.iter().map(|(t, _)| *t).collect::<Vec<_>>(),
+            tickets[84..].to_vec()
+        );
+    }
+
+    /// At most `most` warnings a window; the rest are counted, and the count comes with the
+    /// first warning of a later window, or on its own once the window is over.
+    #[test]
+    fn warnings_about_strangers_are_throttled_and_counted() {
+        let t0 = Instant::now();
+        let s = |secs: f64| t0 + Duration::from_secs_f64(secs);
+        let mut w = Throttle::new(3, Duration::from_secs(10));
+        let shown: Vec<Option<usize>> = (0..5).map(|i| w.note(s(f64::from(i)))).collect();
+        assert_eq!(shown, [Some(0), Some(0), Some(0), None, None]);
+        assert_eq!(w.overdue(Some(s(9.9))), 0, "the window is not over");
+        assert_eq!(
+            w.note(s(10.0)),
+            Some(2),
+            "the next window's first counts those held back"
+        );
+        assert_eq!(
+            (w.note(s(11.0)), w.note(s(12.0)), w.note(s(13.0))),
+            (Some(0), Some(0), None)
+        );
+        assert_eq!(w.overdue(Some(s(19.0))), 0);
+        assert_eq!(w.overdue(Some(s(20.0))), 1);
+        assert_eq!(w.overdue(Some(s(21.0))), 0, "counted once");
+        // The job over: what is held back is counted whatever the window.
+        assert_eq!(
+            (w.note(s(30.0)), w.note(s(30.0)), w.note(s(30.0)), w.note(s(30.0))),
+            (Some(0), Some(0), Some(0), None)
+        );
+        assert_eq!((w.overdue(Some(s(31.0))), w.overdue(None), w.overdue(None)), (0, 1, 0));
     }
 
     #[test]

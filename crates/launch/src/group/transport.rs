@@ -1,21 +1,22 @@
-//! Owns the group's sockets and threads: node 0's listener and one thread per connection,
-//! each admitted node's outbox (a writer thread), the clock's thread, and a node's connection
-//! to the coordinator (its reader and, elastic, its heartbeat).
+//! Owns the group's sockets and threads: node 0's listener, a thread per connection (at most
+//! MAX_PENDING at once for connections that have not proven themselves, each for HELLO_WAIT
+//! at most), each admitted node's outbox (a writer thread), the clock's thread, and a node's
+//! connection to the coordinator (its reader and, elastic, its heartbeat).
 //! Keeps: a connection whose hello does not prove that it knows the run's secret, or that is
 //! not admitted (garbage, silence, another run's id), is refused, logged with its address,
 //! and changes nothing: it never takes the coordinator's lock before its proof holds; a node
 //! starts nothing for a coordinator that does not prove it back; no node's socket ever holds
 //! the coordinator's locks.
 use std::collections::{BTreeMap, VecDeque};
-use std::io::{BufRead, BufReader, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::mpsc::{self, Receiver, SyncSender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use super::super::elastic::{self, Elastic};
 use super::super::{random_hex, LaunchError as Error, LaunchSpec, Token, TOKEN_VAR};
-use super::coordinator::{Coordinator, To};
+use super::coordinator::{Coordinator, Lobby, Throttle, To};
 use super::protocol::{line, prove, proves, read_line, Hello, Side, ToCoordinator, ToNode, NONCE_BYTES};
 use super::{next, Group, Heard, Link, JOIN_TIMEOUT};
 use oomguard_host::proc::Signals;
@@ -25,8 +26,15 @@ use oomguard_host::proc::Signals;
 const WRITE_WAIT: Duration = Duration::from_secs(5);
 /// Messages a node's launcher may be behind before it counts as lost (a few a round are sent).
 const OUTBOX: usize = 256;
-/// How long a new connection has to say hello: a launcher says it at once.
-const HELLO_WAIT: Duration = Duration::from_secs(30);
+/// How long a new connection has, in all, to prove that it knows the run's secret: a
+/// launcher does at once (its hello answers the challenge).
+const HELLO_WAIT: Duration = Duration::from_secs(10);
+/// The most connections at once that have not proven themselves (each with a thread while it
+/// waits): one more crowds out the oldest of the address holding the most (`Lobby`).
+pub(super) const MAX_PENDING: usize = 16;
+/// Warnings about strangers: at most STRANGER_LOGS every STRANGER_LOG_WINDOW, then a count.
+const STRANGER_LOGS: usize = 10;
+const STRANGER_LOG_WINDOW: Duration = Duration::from_secs(10);
 
 fn io(context: String) -> impl FnOnce(std::io::Error) -> Error {
     move |source| Error::Io { context, source }
@@ -248,7 +256,7 @@ fn host_elastic(spec: &LaunchSpec, e: Elastic) -> Option<Arc<Mutex<Coordinator>>
 }
 
 /// The coordinator's listener: on --master-addr's own address (so on that interface only, a
-/// loopback address staying on this host), one thread per connection. An address that is not
+/// loopback address staying on this host), served by `coordinate`. An address that is not
 /// this host's is refused: node 0 is the host --master-addr names.
 fn serve(spec: &LaunchSpec, port: u16) -> Result<Arc<Mutex<Coordinator>>, Error> {
     let addr = &spec.master_addr;
@@ -278,31 +286,241 @@ fn serve(spec: &LaunchSpec, port: u16) -> Result<Arc<Mutex<Coordinator>>, Error>
     })
 }
 
-/// Runs `coordinator` for the connections `listener` accepts, each on its own thread; a
-/// connection's hello must prove that it knows `secret` (the run's token).
+/// Node 0's coordinator and what serves it, shared by the listener's thread, each
+/// connection's and the clock's.
+struct Served {
+    coordinator: Arc<Mutex<Coordinator>>,
+    writers: Mutex<BTreeMap<usize, Outbox>>,
+    /// The run's token: what a hello must prove it knows.
+    secret: Token,
+    door: Door,
+    warnings: Mutex<Throttle>,
+}
+
+impl Served {
+    /// A warning about a stranger, unless too many came lately (then it is counted, and the
+    /// count written later: `Throttle`).
+    fn stranger(&self, what: &str) {
+        let shown = lock(&self.warnings).note(Instant::now());
+        if let Some(held) = shown {
+            held_back(held);
+            tracing::warn!("{what}");
+        }
+    }
+}
+
+/// The line that counts `held` warnings about strangers not written one by one.
+fn held_back(held: usize) {
+    if held > 0 {
+        tracing::warn!(
+            "{held} more connections to the launchers' coordinator were dropped or refused (not named one by one: at \
+            most {STRANGER_LOGS} every {} s)",
+            STRANGER_LOG_WINDOW.as_secs()
+        );
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The places of the connections that have not proven themselves yet (`Lobby`), the sockets
+/// that crowd one out by being shut, and how many threads still serve such connections (a
+/// crowded-out one's ends as soon as its socket is shut).
+struct Door {
+    state: Mutex<Waiting>,
+    freed: Condvar,
+}
+
+struct Waiting {
+    lobby: Lobby,
+    /// Each place's socket and address.
+    sockets: BTreeMap<u64, (TcpStream, String)>,
+    threads: usize,
+}
+
+impl Door {
+    fn new() -> Door {
+        Door {
+            state: Mutex::new(Waiting {
+                lobby: Lobby::new(MAX_PENDING),
+                sockets: BTreeMap::new(),
+                threads: 0,
+            }),
+            freed: Condvar::new(),
+        }
+    }
+
+    /// A place for `stream` (from `peer`), crowding out another if every place is taken, and
+    /// a thread's share: its ticket, or None when there is no room (the threads of
+    /// crowded-out connections not yet ended, for a second).
+    fn enter(&self, stream: &TcpStream, peer: &str, served: &Served) -> Option<u64> {
+        let ip = stream.peer_addr().map_or(IpAddr::from([0, 0, 0, 0]), |a| a.ip());
+        let socket = stream.try_clone().ok()?;
+        let mut w = lock(&self.state);
+        let (ticket, out) = w.lobby.enter(ip);
+        if let Some((t, _)) = out {
+            if let Some((s, at)) = w.sockets.remove(&t) {
+                let _ = s.shutdown(Shutdown::Both);
+                served.stranger(&format!(
+                    "dropped a connection from {at} to the launchers' coordinator: it had not proven that it knows the \
+                    run's secret, and {MAX_PENDING} such connections are the most it holds (the oldest of the address \
+                    holding the most makes room)"
+                ));
+            }
+        }
+        let until = Instant::now() + Duration::from_secs(1);
+        while w.threads >= MAX_PENDING {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                w.lobby.leave(ticket);
+                drop(w);
+                served.stranger(&format!(
+                    "refused a connection from {peer} to the launchers' coordinator: {MAX_PENDING} connections that \
+                    have not proven themselves are being served"
+                ));
+                return None;
+            }
+            w = self
+                .freed
+                .wait_timeout(w, left)
+                .map_or_else(|p| p.into_inner().0, |(g, _)| g);
+        }
+        w.threads += 1;
+        w.sockets.insert(ticket, (socket, peer.to_string()));
+        Some(ticket)
+    }
+
+    /// `ticket`'s connection leaves its place (proven, or dropped): whether it still held it
+    /// (it was not crowded out).
+    fn leave(&self, ticket: u64) -> bool {
+        let mut w = lock(&self.state);
+        w.sockets.remove(&ticket);
+        w.lobby.leave(ticket)
+    }
+
+    /// A thread's share back: its connection has proven itself, or the thread is ending.
+    fn release(&self) {
+        let mut w = lock(&self.state);
+        w.threads = w.threads.saturating_sub(1);
+        self.freed.notify_all();
+    }
+}
+
+/// A connection's place in the door and its thread's share, each given back once: the place
+/// when it proves itself or is dropped, the share when it proves itself or its thread ends
+/// (the place dropped last, so that the share outlives the socket and the reads).
+struct Place<'a> {
+    door: &'a Door,
+    ticket: Option<u64>,
+    share: bool,
+}
+
+impl Place<'_> {
+    /// Leaves the place: whether it was still held (not crowded out); false the second time.
+    fn leave(&mut self) -> bool {
+        self.ticket.take().is_some_and(|t| self.door.leave(t))
+    }
+
+    /// Proven: the place and the share are free for others; the thread serves a node now.
+    fn proven(&mut self) {
+        self.leave();
+        if std::mem::take(&mut self.share) {
+            self.door.release();
+        }
+    }
+}
+
+impl Drop for Place<'_> {
+    fn drop(&mut self) {
+        self.proven();
+    }
+}
+
+/// Reads `stream` with every read bounded by what is left until `until` (None: unbounded),
+/// so that a stranger who trickles a byte at a time cannot hold its place past its deadline.
+struct Deadline {
+    stream: TcpStream,
+    until: Option<Instant>,
+}
+
+impl Read for Deadline {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if let Some(until) = self.until {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("nothing proven within {} s", HELLO_WAIT.as_secs()),
+                ));
+            }
+            self.stream.set_read_timeout(Some(left))?;
+        }
+        self.stream.read(buf)
+    }
+}
+
+/// Runs `coordinator` for the connections `listener` accepts; a connection's hello must prove
+/// that it knows `secret` (the run's token). At most MAX_PENDING connections (each with its
+/// thread) wait to prove it, each for HELLO_WAIT at most in all; an admitted node's
+/// connection has a reader thread and a writer's (its outbox). The listener's and the clock's
+/// threads complete the count.
 fn coordinate(listener: TcpListener, coordinator: Coordinator, secret: Token) -> Arc<Mutex<Coordinator>> {
     let coordinator = Arc::new(Mutex::new(coordinator));
-    let writers: Arc<Mutex<BTreeMap<usize, Outbox>>> = Arc::default();
-    let c = Arc::clone(&coordinator);
-    let w = Arc::clone(&writers);
-    let secret = Arc::new(secret);
-    std::thread::spawn(move || {
-        for stream in listener.incoming().flatten() {
-            let (c, writers, secret) = (Arc::clone(&c), Arc::clone(&w), Arc::clone(&secret));
-            std::thread::spawn(move || serve_node(stream, &c, &writers, &secret));
+    let served = Arc::new(Served {
+        coordinator: Arc::clone(&coordinator),
+        writers: Mutex::default(),
+        secret,
+        door: Door::new(),
+        warnings: Mutex::new(Throttle::new(STRANGER_LOGS, STRANGER_LOG_WINDOW)),
+    });
+    let s = Arc::clone(&served);
+    std::thread::spawn(move || loop {
+        let stream = match listener.accept() {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of file descriptors, say: not a reason to spin.
+                s.stranger(&format!(
+                    "the launchers' coordinator could not accept a connection ({e})"
+                ));
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+        };
+        let peer = stream
+            .peer_addr()
+            .map_or_else(|_| "an unknown address".to_string(), |a| a.to_string());
+        let Some(ticket) = s.door.enter(&stream, &peer, &s) else {
+            continue;
+        };
+        let served = Arc::clone(&s);
+        let spawned = std::thread::Builder::new().spawn(move || {
+            let place = Place {
+                door: &served.door,
+                ticket: Some(ticket),
+                share: true,
+            };
+            serve_node(stream, peer, place, &served);
+        });
+        if let Err(e) = spawned {
+            s.door.leave(ticket);
+            s.door.release();
+            s.stranger(&format!(
+                "the launchers' coordinator could not serve a connection ({e})"
+            ));
         }
     });
     // The clock's decisions (an elastic rendezvous's last call), a tick at a time.
-    let c = Arc::clone(&coordinator);
     std::thread::spawn(move || loop {
         std::thread::sleep(Duration::from_millis(100));
-        let mut c = c.lock().unwrap_or_else(|p| p.into_inner());
-        if c.settled() {
-            return;
-        }
         let now = Instant::now();
+        held_back(lock(&served.warnings).overdue(Some(now)));
+        let mut c = lock(&served.coordinator);
+        if c.settled() {
+            return held_back(lock(&served.warnings).overdue(None));
+        }
         let out = c.tick(now);
-        let mut w = writers.lock().unwrap_or_else(|p| p.into_inner());
+        let mut w = lock(&served.writers);
         // A node silent past its heartbeat's bound: its connection is shut, and its reader
         // reports it gone as if it had closed.
         for n in c.silent(now) {
@@ -349,31 +567,33 @@ impl Outbox {
     }
 }
 
-/// Serves one connection. It opens with a challenge; until its hello proves that it knows
-/// the run's secret, and the coordinator admits it, it changes nothing and is given nothing: a
-/// stranger (silent for HELLO_WAIT, garbage, no proof or a wrong one, refused) is dropped
-/// with a warning naming its address, and the run goes on.
-fn serve_node(
-    stream: TcpStream,
-    coordinator: &Mutex<Coordinator>,
-    writers: &Mutex<BTreeMap<usize, Outbox>>,
-    secret: &Token,
-) {
-    let peer = stream
-        .peer_addr()
-        .map_or_else(|_| "an unknown address".to_string(), |a| a.to_string());
+/// Serves one connection from `peer`, which holds `place` until it proves itself. It opens
+/// with a challenge; until its hello proves that it knows the run's secret (within HELLO_WAIT
+/// of its arrival, in all), it is given nothing and takes no lock of the coordinator's; a
+/// stranger (silent, garbage, no proof or a wrong one, crowded out) is dropped with a warning
+/// naming its address (a few a window: `Served::stranger`), and the run goes on. Proven, the
+/// coordinator decides (another run's id is refused).
+fn serve_node(stream: TcpStream, peer: String, mut place: Place<'_>, served: &Served) {
     stream.set_nodelay(true).ok();
     // The challenge and a refusal are written here, once, into an empty socket: they cannot
     // block for longer.
-    if stream.set_write_timeout(Some(WRITE_WAIT)).is_err() || stream.set_read_timeout(Some(HELLO_WAIT)).is_err() {
+    if stream.set_write_timeout(Some(WRITE_WAIT)).is_err() {
         return;
     }
     let Ok(mut reply) = stream.try_clone() else { return };
-    let Ok(reads) = stream.try_clone() else { return };
-    let drop_it = |why: String| tracing::warn!("dropped a connection from {peer} to the launchers' coordinator: {why}");
+    // A connection crowded out had its socket shut by the listener, which said so.
+    let mut stranger = |why: String| {
+        if place.leave() {
+            served.stranger(&why);
+        }
+    };
     let challenge = match random_hex(NONCE_BYTES) {
         Ok(c) => c,
-        Err(e) => return drop_it(format!("no challenge for it ({e})")),
+        Err(e) => {
+            return stranger(format!(
+                "dropped a connection from {peer} to the launchers' coordinator: no challenge for it ({e})"
+            ))
+        }
     };
     if let Err(e) = reply.write_all(
         line(&ToNode::Challenge {
@@ -381,49 +601,60 @@ fn serve_node(
         })
         .as_bytes(),
     ) {
-        return drop_it(format!("it took no challenge ({e})"));
+        return stranger(format!(
+            "dropped a connection from {peer} to the launchers' coordinator: it took no challenge ({e})"
+        ));
     }
-    let mut lines = BufReader::new(stream);
+    let mut lines = BufReader::new(Deadline {
+        stream,
+        until: Some(Instant::now() + HELLO_WAIT),
+    });
+    let dropped = |why: String| format!("dropped a connection from {peer} to the launchers' coordinator: {why}");
     let hello = match read_line(&mut lines) {
         Ok(Some(l)) => match serde_json::from_str::<ToCoordinator>(&l) {
             Ok(ToCoordinator::Hello(h)) => h,
-            _ => return drop_it("it did not open with a launcher's hello".into()),
+            _ => return stranger(dropped("it did not open with a launcher's hello".into())),
         },
         Ok(None) => {
-            return tracing::warn!(
+            return stranger(format!(
                 "a connection from {peer} to the launchers' coordinator closed without a launcher's hello"
-            )
+            ))
         }
-        Err(e) => return drop_it(format!("no launcher's hello ({e})")),
+        Err(e) => return stranger(dropped(format!("no launcher's hello ({e})"))),
     };
-    let refuse = |mut reply: TcpStream, why: String| {
-        tracing::warn!("refused a connection from {peer} to the launchers' coordinator: {why}");
+    let refusal = |mut reply: TcpStream, why: String| {
         let _ = reply.write_all(line(&ToNode::Refused { why }).as_bytes());
     };
-    if !proves(secret.reveal(), Side::Node, &challenge, &hello, &hello.proof) {
-        return refuse(
-            reply,
-            format!(
-                "its hello does not prove that it knows the run's secret ({TOKEN_VAR}, node 0's launcher's): give every \
-                node's launcher the same one"
-            ),
+    if !proves(served.secret.reveal(), Side::Node, &challenge, &hello, &hello.proof) {
+        let why = format!(
+            "its hello does not prove that it knows the run's secret ({TOKEN_VAR}, node 0's launcher's): give every node's \
+            launcher the same one"
         );
+        stranger(format!(
+            "refused a connection from {peer} to the launchers' coordinator: {why}"
+        ));
+        return refusal(reply, why);
     }
-    // A launcher of this job: the coordinator decides.
-    let welcome = prove(secret.reveal(), Side::Coordinator, &challenge, &hello);
-    let ip = reads
+    // A launcher of this job: its place and share are free for another, and the coordinator
+    // decides.
+    place.proven();
+    let welcome = prove(served.secret.reveal(), Side::Coordinator, &challenge, &hello);
+    let ip = lines
+        .get_ref()
+        .stream
         .peer_addr()
         .map_or_else(|_| "127.0.0.1".into(), |a| a.ip().to_string());
     let from = {
-        let mut c = coordinator.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = lock(&served.coordinator);
         let from = c.slot(hello.node, &ip);
-        let mut w = writers.lock().unwrap_or_else(|p| p.into_inner());
+        let mut w = lock(&served.writers);
         let mut out = c.on(from, ToCoordinator::Hello(hello));
         if let Some(why) = out.iter().find_map(|(_, m)| match m {
             ToNode::Refused { why } => Some(why.clone()),
             _ => None,
         }) {
-            return refuse(reply, why);
+            tracing::warn!("refused a connection from {peer} to the launchers' coordinator: {why}");
+            return refusal(reply, why);
         }
         for (to, m) in &mut out {
             if let (To::Node(n), ToNode::Welcome { proof }) = (*to, m) {
@@ -433,7 +664,8 @@ fn serve_node(
             }
         }
         // Admitted: from now on it may be quiet for as long as the run lasts.
-        if reads.set_read_timeout(None).is_err() {
+        lines.get_mut().until = None;
+        if lines.get_ref().stream.set_read_timeout(None).is_err() {
             tracing::warn!("node {from}'s launcher at {peer}: cannot wait on its connection");
         }
         if let Ok(o) = reply.try_clone().and_then(Outbox::new) {
@@ -447,13 +679,13 @@ fn serve_node(
         let Ok(msg) = serde_json::from_str::<ToCoordinator>(&l) else {
             break;
         };
-        let mut c = coordinator.lock().unwrap_or_else(|p| p.into_inner());
-        let mut w = writers.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = lock(&served.coordinator);
+        let mut w = lock(&served.writers);
         let out = c.on(from, msg);
         deliver(&mut c, &mut w, out);
     }
-    let mut c = coordinator.lock().unwrap_or_else(|p| p.into_inner());
-    let mut w = writers.lock().unwrap_or_else(|p| p.into_inner());
+    let mut c = lock(&served.coordinator);
+    let mut w = lock(&served.writers);
     w.remove(&from);
     let out = c.gone(from);
     deliver(&mut c, &mut w, out);
@@ -711,5 +943,111 @@ mod tests {
             std::thread::sleep(Duration::from_millis(10));
         }
         drop(made_up);
+    }
+
+    /// A flood of idle connections (no hello, held open) while a node joins: the coordinator
+    /// keeps at most MAX_PENDING of them, crowding out the oldest (their sockets shut at once,
+    /// not after HELLO_WAIT), so the node's connection gets a place, proves itself and is
+    /// admitted at once; the ones left are shut at their deadline.
+    #[test]
+    fn a_flood_of_idle_connections_is_held_to_the_bound_and_a_node_still_joins() {
+        let listener = TcpListener::bind(("127.0.0.1", 0)).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let _c = coordinate(listener, Coordinator::new(1, 0, "job"), Token::new(SECRET.into()));
+        let flood: Vec<TcpStream> = (0..100)
+            .map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap())
+            .collect();
+        let t = Instant::now();
+        let node = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        node.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let (mut r, challenge, sent) = say_hello(&node, SECRET, hello_of(0, None));
+        let got = [next_msg(&mut r), next_msg(&mut r)];
+        let joined = t.elapsed();
+        assert!(
+            matches!(&got[..], [ToNode::Welcome { proof }, ToNode::Go { round: 0, .. }]
+                if proves(SECRET, Side::Coordinator, &challenge, &sent, proof)),
+            "{got:?}"
+        );
+        assert!(joined < Duration::from_secs(2), "the node joined in {joined:?}");
+        // Which of the flood the coordinator shut: all but the newest MAX_PENDING - 1 (the
+        // node took a place too), each at most after its challenge.
+        let shut: Vec<bool> = flood
+            .iter()
+            .map(|s| {
+                s.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+                let mut heard = String::new();
+                match BufReader::new(s).read_to_string(&mut heard) {
+                    Ok(_) => {
+                        assert!(
+                            heard.is_empty() || heard.starts_with("{\"msg\":\"challenge\""),
+                            "{heard}"
+                        );
+                        true
+                    }
+                    Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                        false
+                    }
+                    Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+                }
+            })
+            .collect();
+        let kept = MAX_PENDING - 1;
+        assert_eq!(
+            shut,
+            [vec![true; flood.len() - kept], vec![false; kept]].concat(),
+            "after {:?}",
+            t.elapsed()
+        );
+        // The rest are shut at their deadline, HELLO_WAIT after they came.
+        for s in &flood[flood.len() - kept..] {
+            s.set_read_timeout(Some(HELLO_WAIT + Duration::from_secs(5))).unwrap();
+            let mut rest = Vec::new();
+            let r = (&*s).read_to_end(&mut rest);
+            assert!(
+                r.is_ok()
+                    || r.as_ref()
+                        .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+                "not shut at its deadline: {r:?}"
+            );
+        }
+        let waited = t.elapsed();
+        assert!(
+            waited >= HELLO_WAIT - Duration::from_secs(1) && waited < HELLO_WAIT + Duration::from_secs(5),
+            "the flood's last were shut after {waited:?}"
+        );
+    }
+
+    /// A stranger that sends a byte of a hello every 200 ms, never a whole line, is shut at
+    /// HELLO_WAIT after it came, in all (a read's timeout alone would let it stay as long as
+    /// it trickles).
+    #[test]
+    fn a_stranger_that_trickles_is_shut_at_its_deadline() {
+        let listener = TcpListener::bind(("127.0.0.1", 0)).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let _c = coordinate(listener, Coordinator::new(1, 0, "job"), Token::new(SECRET.into()));
+        let t = Instant::now();
+        let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let reader = s.try_clone().unwrap();
+        let closed = std::thread::spawn(move || {
+            let mut all = Vec::new();
+            let _ = (&reader).read_to_end(&mut all);
+            (t.elapsed(), String::from_utf8_lossy(&all).into_owned())
+        });
+        let hello = br#"{"msg":"hello","id":"job","node":0"#;
+        for b in hello.iter().cycle() {
+            if closed.is_finished() || (&s).write_all(&[*b]).is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let (after, heard) = closed.join().unwrap();
+        assert!(
+            after >= HELLO_WAIT - Duration::from_millis(500) && after < HELLO_WAIT + Duration::from_secs(3),
+            "shut after {after:?}"
+        );
+        assert!(
+            heard.starts_with("{\"msg\":\"challenge\"") && heard.lines().count() == 1,
+            "{heard}"
+        );
     }
 }
