@@ -117,7 +117,13 @@ impl Coordinator {
         self.last_seen.insert(node, Instant::now());
         match msg {
             ToCoordinator::Beat => vec![],
-            ToCoordinator::Hello(h) => self.hello(node, &h),
+            ToCoordinator::Hello(h) => {
+                let out = self.hello(node, &h);
+                if matches!(out.first(), Some((_, ToNode::Refused { .. }))) {
+                    self.addrs.remove(&node); // a refused slot's address is never needed
+                }
+                out
+            }
             ToCoordinator::Failed { round, report } => self.failed(node, round, report),
             ToCoordinator::Stopped { round, port } => self.stopped(node, round, port),
             ToCoordinator::Done => {
@@ -833,6 +839,34 @@ mod tests {
             (Some(0), Some(0), Some(0), None)
         );
         assert_eq!((w.overdue(Some(s(31.0))), w.overdue(None), w.overdue(None)), (0, 1, 0));
+    }
+
+    /// Elastic, a hello refused (another run's id, the job full) leaves nothing behind: the
+    /// address its slot was given is dropped, so refused connections cannot pile up.
+    #[test]
+    fn a_refused_elastic_hello_keeps_no_address() {
+        let mut c = Coordinator::elastic(Elastic::new(1, 1, "last_call_timeout=0").unwrap(), 0, "job");
+        let a = c.slot(usize::MAX, "10.0.0.1");
+        assert!(matches!(
+            &c.on(a, hello(usize::MAX, None))[..],
+            [(_, ToNode::Welcome { .. }), ..]
+        ));
+        for id in ["job", "other"] {
+            let b = c.slot(usize::MAX, "10.0.0.2");
+            let out = c.on(
+                b,
+                ToCoordinator::Hello(Hello {
+                    id: id.into(),
+                    ..hello_of(usize::MAX, None)
+                }),
+            );
+            assert!(
+                matches!(&out[..], [(To::Node(n), ToNode::Refused { .. })] if *n == b),
+                "{out:?}"
+            );
+        }
+        assert!(c.addrs.is_empty(), "{:?}", c.addrs);
+        assert_eq!(c.joined, BTreeSet::from([a]));
     }
 
     #[test]
