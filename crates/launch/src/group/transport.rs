@@ -30,8 +30,10 @@ const OUTBOX: usize = 256;
 /// launcher does at once (its hello answers the challenge).
 const HELLO_WAIT: Duration = Duration::from_secs(10);
 /// The most connections at once that have not proven themselves (each with a thread while it
-/// waits): one more crowds out the oldest of the address holding the most (`Lobby`).
-pub(super) const MAX_PENDING: usize = 16;
+/// waits): one more crowds out the oldest of the address holding the most (`Lobby`). A place
+/// is held for a round trip by a node's launcher, so 64 lets that many nodes start at the same
+/// instant with none crowded out, and costs a flood 64 small threads.
+pub(super) const MAX_PENDING: usize = 64;
 /// Warnings about strangers: at most STRANGER_LOGS every STRANGER_LOG_WINDOW, then a count.
 const STRANGER_LOGS: usize = 10;
 const STRANGER_LOG_WINDOW: Duration = Duration::from_secs(10);
@@ -112,7 +114,7 @@ pub(super) fn connect(spec: &LaunchSpec, hello: Hello, signals: &Signals) -> Res
         if let Some(why) = again {
             tracing::info!("the launchers' coordinator at {at} {why}: trying again");
         }
-        std::thread::sleep(Duration::from_millis(200));
+        std::thread::sleep(retry_pause());
     };
     match spec.elastic {
         Some(e) => tracing::info!(
@@ -142,6 +144,13 @@ pub(super) fn connect(spec: &LaunchSpec, hello: Hello, signals: &Signals) -> Res
         join_timeout,
         signals: signals.clone(),
     })
+}
+
+/// 100 to 300 ms, at random: nodes crowded out together do not come back together.
+fn retry_pause() -> Duration {
+    use std::hash::{BuildHasher, Hasher};
+    let r = std::collections::hash_map::RandomState::new().build_hasher().finish();
+    Duration::from_millis(100 + r % 200)
 }
 
 /// A thread that reads the coordinator's messages from `stream` into the returned channel, then
@@ -954,7 +963,7 @@ mod tests {
         let listener = TcpListener::bind(("127.0.0.1", 0)).unwrap();
         let port = listener.local_addr().unwrap().port();
         let _c = coordinate(listener, Coordinator::new(1, 0, "job"), Token::new(SECRET.into()));
-        let flood: Vec<TcpStream> = (0..100)
+        let flood: Vec<TcpStream> = (0..200)
             .map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap())
             .collect();
         let t = Instant::now();
@@ -969,24 +978,23 @@ mod tests {
             "{got:?}"
         );
         assert!(joined < Duration::from_secs(2), "the node joined in {joined:?}");
-        // Which of the flood the coordinator shut: all but the newest MAX_PENDING - 1 (the
-        // node took a place too), each at most after its challenge.
+        // Which of the flood the coordinator shut (its end seen without waiting): all but the
+        // newest MAX_PENDING - 1 (the node took a place too), each at most after its challenge.
+        std::thread::sleep(Duration::from_millis(500));
         let shut: Vec<bool> = flood
             .iter()
             .map(|s| {
-                s.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
-                let mut heard = String::new();
-                match BufReader::new(s).read_to_string(&mut heard) {
-                    Ok(_) => {
-                        assert!(
-                            heard.is_empty() || heard.starts_with("{\"msg\":\"challenge\""),
-                            "{heard}"
-                        );
-                        true
-                    }
-                    Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
-                        false
-                    }
+                s.set_nonblocking(true).unwrap();
+                let mut heard = Vec::new();
+                let r = (&*s).read_to_end(&mut heard);
+                let heard = String::from_utf8_lossy(&heard);
+                assert!(
+                    heard.is_empty() || heard.starts_with("{\"msg\":\"challenge\""),
+                    "{heard}"
+                );
+                s.set_nonblocking(false).unwrap();
+                match r {
+                    Ok(_) => true,
                     Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
                 }
             })
