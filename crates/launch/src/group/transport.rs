@@ -261,7 +261,7 @@ fn host_elastic(spec: &LaunchSpec, e: Elastic) -> Option<Arc<Mutex<Coordinator>>
         .collect();
     let listener = addrs.iter().find_map(|a| TcpListener::bind(a).ok())?;
     let c = Coordinator::elastic(e, spec.max_restarts, &spec.run_id);
-    Some(coordinate(listener, c, spec.token.clone()))
+    Some(coordinate(listener, c, spec.token.clone(), HELLO_WAIT))
 }
 
 /// The coordinator's listener: on --master-addr's own address (so on that interface only, a
@@ -278,7 +278,7 @@ fn serve(spec: &LaunchSpec, port: u16) -> Result<Arc<Mutex<Coordinator>>, Error>
         match TcpListener::bind(a) {
             Ok(l) => {
                 let c = Coordinator::new(spec.nnodes, spec.max_restarts, &spec.run_id);
-                return Ok(coordinate(l, c, spec.token.clone()));
+                return Ok(coordinate(l, c, spec.token.clone(), HELLO_WAIT));
             }
             Err(e) => failed = Some(e),
         }
@@ -302,6 +302,8 @@ struct Served {
     writers: Mutex<BTreeMap<usize, Outbox>>,
     /// The run's token: what a hello must prove it knows.
     secret: Token,
+    /// How long a connection has to prove it, in all (HELLO_WAIT).
+    hello_wait: Duration,
     door: Door,
     warnings: Mutex<Throttle>,
 }
@@ -447,10 +449,12 @@ impl Drop for Place<'_> {
 }
 
 /// Reads `stream` with every read bounded by what is left until `until` (None: unbounded),
-/// so that a stranger who trickles a byte at a time cannot hold its place past its deadline.
+/// so that a stranger who trickles a byte at a time cannot hold its place past its deadline
+/// (`wait` after it came).
 struct Deadline {
     stream: TcpStream,
     until: Option<Instant>,
+    wait: Duration,
 }
 
 impl Read for Deadline {
@@ -460,7 +464,7 @@ impl Read for Deadline {
             if left.is_zero() {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
-                    format!("nothing proven within {} s", HELLO_WAIT.as_secs()),
+                    format!("nothing proven within {} s", self.wait.as_secs_f64()),
                 ));
             }
             self.stream.set_read_timeout(Some(left))?;
@@ -471,15 +475,21 @@ impl Read for Deadline {
 
 /// Runs `coordinator` for the connections `listener` accepts; a connection's hello must prove
 /// that it knows `secret` (the run's token). At most MAX_PENDING connections (each with its
-/// thread) wait to prove it, each for HELLO_WAIT at most in all; an admitted node's
+/// thread) wait to prove it, each for `hello_wait` (HELLO_WAIT) at most in all; an admitted node's
 /// connection has a reader thread and a writer's (its outbox). The listener's and the clock's
 /// threads complete the count.
-fn coordinate(listener: TcpListener, coordinator: Coordinator, secret: Token) -> Arc<Mutex<Coordinator>> {
+fn coordinate(
+    listener: TcpListener,
+    coordinator: Coordinator,
+    secret: Token,
+    hello_wait: Duration,
+) -> Arc<Mutex<Coordinator>> {
     let coordinator = Arc::new(Mutex::new(coordinator));
     let served = Arc::new(Served {
         coordinator: Arc::clone(&coordinator),
         writers: Mutex::default(),
         secret,
+        hello_wait,
         door: Door::new(),
         warnings: Mutex::new(Throttle::new(STRANGER_LOGS, STRANGER_LOG_WINDOW)),
     });
@@ -577,7 +587,7 @@ impl Outbox {
 }
 
 /// Serves one connection from `peer`, which holds `place` until it proves itself. It opens
-/// with a challenge; until its hello proves that it knows the run's secret (within HELLO_WAIT
+/// with a challenge; until its hello proves that it knows the run's secret (within hello_wait
 /// of its arrival, in all), it is given nothing and takes no lock of the coordinator's; a
 /// stranger (silent, garbage, no proof or a wrong one, crowded out) is dropped with a warning
 /// naming its address (a few a window: `Served::stranger`), and the run goes on. Proven, the
@@ -616,7 +626,8 @@ fn serve_node(stream: TcpStream, peer: String, mut place: Place<'_>, served: &Se
     }
     let mut lines = BufReader::new(Deadline {
         stream,
-        until: Some(Instant::now() + HELLO_WAIT),
+        until: Some(Instant::now() + served.hello_wait),
+        wait: served.hello_wait,
     });
     let dropped = |why: String| format!("dropped a connection from {peer} to the launchers' coordinator: {why}");
     let hello = match read_line(&mut lines) {
@@ -731,6 +742,8 @@ mod tests {
     use std::io::Read;
 
     const SECRET: &str = "the-secret-0123456789";
+    /// A connection's deadline in the tests that wait for it (HELLO_WAIT's part, shorter).
+    const WAIT: Duration = Duration::from_secs(4);
 
     fn hello(node: usize, micro: Option<usize>) -> ToCoordinator {
         ToCoordinator::Hello(hello_of(node, micro))
@@ -787,7 +800,12 @@ mod tests {
     fn a_node_that_stops_reading_is_lost_and_the_others_hear_it() {
         let listener = TcpListener::bind(("127.0.0.1", 0)).unwrap();
         let port = listener.local_addr().unwrap().port();
-        let c = coordinate(listener, Coordinator::new(2, 3, "job"), Token::new(SECRET.into()));
+        let c = coordinate(
+            listener,
+            Coordinator::new(2, 3, "job"),
+            Token::new(SECRET.into()),
+            HELLO_WAIT,
+        );
         let good = TcpStream::connect(("127.0.0.1", port)).unwrap();
         good.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
         let (mut replies, challenge, sent) = say_hello(&good, SECRET, hello_of(0, None));
@@ -864,7 +882,12 @@ mod tests {
     fn strangers_are_refused_and_the_run_goes_on() {
         let listener = TcpListener::bind(("127.0.0.1", 0)).unwrap();
         let port = listener.local_addr().unwrap().port();
-        let c = coordinate(listener, Coordinator::new(2, 0, "job"), Token::new(SECRET.into()));
+        let c = coordinate(
+            listener,
+            Coordinator::new(2, 0, "job"),
+            Token::new(SECRET.into()),
+            HELLO_WAIT,
+        );
         let connect = || {
             let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
             s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
@@ -956,13 +979,13 @@ mod tests {
 
     /// A flood of idle connections (no hello, held open) while a node joins: the coordinator
     /// keeps at most MAX_PENDING of them, crowding out the oldest (their sockets shut at once,
-    /// not after HELLO_WAIT), so the node's connection gets a place, proves itself and is
+    /// not after their deadline, WAIT here), so the node's connection gets a place, proves itself and is
     /// admitted at once; the ones left are shut at their deadline.
     #[test]
     fn a_flood_of_idle_connections_is_held_to_the_bound_and_a_node_still_joins() {
         let listener = TcpListener::bind(("127.0.0.1", 0)).unwrap();
         let port = listener.local_addr().unwrap().port();
-        let _c = coordinate(listener, Coordinator::new(1, 0, "job"), Token::new(SECRET.into()));
+        let _c = coordinate(listener, Coordinator::new(1, 0, "job"), Token::new(SECRET.into()), WAIT);
         let flood: Vec<TcpStream> = (0..200)
             .map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap())
             .collect();
@@ -1006,9 +1029,9 @@ mod tests {
             "after {:?}",
             t.elapsed()
         );
-        // The rest are shut at their deadline, HELLO_WAIT after they came.
+        // The rest are shut at their deadline, WAIT after they came.
         for s in &flood[flood.len() - kept..] {
-            s.set_read_timeout(Some(HELLO_WAIT + Duration::from_secs(5))).unwrap();
+            s.set_read_timeout(Some(WAIT + Duration::from_secs(5))).unwrap();
             let mut rest = Vec::new();
             let r = (&*s).read_to_end(&mut rest);
             assert!(
@@ -1020,19 +1043,19 @@ mod tests {
         }
         let waited = t.elapsed();
         assert!(
-            waited >= HELLO_WAIT - Duration::from_secs(1) && waited < HELLO_WAIT + Duration::from_secs(5),
+            waited >= WAIT - Duration::from_millis(500) && waited < WAIT + Duration::from_secs(3),
             "the flood's last were shut after {waited:?}"
         );
     }
 
     /// A stranger that sends a byte of a hello every 200 ms, never a whole line, is shut at
-    /// HELLO_WAIT after it came, in all (a read's timeout alone would let it stay as long as
+    /// its deadline (WAIT here) after it came, in all (a read's timeout alone would let it stay as long as
     /// it trickles).
     #[test]
     fn a_stranger_that_trickles_is_shut_at_its_deadline() {
         let listener = TcpListener::bind(("127.0.0.1", 0)).unwrap();
         let port = listener.local_addr().unwrap().port();
-        let _c = coordinate(listener, Coordinator::new(1, 0, "job"), Token::new(SECRET.into()));
+        let _c = coordinate(listener, Coordinator::new(1, 0, "job"), Token::new(SECRET.into()), WAIT);
         let t = Instant::now();
         let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
         let reader = s.try_clone().unwrap();
@@ -1050,7 +1073,7 @@ mod tests {
         }
         let (after, heard) = closed.join().unwrap();
         assert!(
-            after >= HELLO_WAIT - Duration::from_millis(500) && after < HELLO_WAIT + Duration::from_secs(3),
+            after >= WAIT - Duration::from_millis(500) && after < WAIT + Duration::from_secs(3),
             "shut after {after:?}"
         );
         assert!(
