@@ -298,6 +298,8 @@ fn two_node_commands(
             .args(&args)
             .current_dir(dir)
             .env("OOMGUARD_TEST_MARKER", marker)
+            // Several nodes need a secret of the user's, the same on each (docs/launcher.md).
+            .env("OOMGUARD_RUN_TOKEN", "two-nodes-secret-5b2e8f14c9")
             .env("OMP_NUM_THREADS", "1");
         c.stdout(Stdio::null()).stderr(Stdio::piped());
         c

@@ -527,55 +527,65 @@ fn node(rank: &str, port: u16, out: &std::path::Path, token: Option<&str>) -> Co
     c
 }
 
-/// Two nodes on loopback: node 0's launcher makes the token and hands it to node 1's, so all
-/// four workers share it; it is no --rdzv-id and shows in no output or log file. The
-/// coordinator listens on --master-addr only. Strangers at its port (garbage, one that leaves
-/// without a word, another run's hello) are refused and logged with their address, and the run
-/// goes on.
+/// The secret two nodes' launchers share in the tests (OOMGUARD_RUN_TOKEN), as a user's would
+/// be: several nodes need one.
+const SECRET: &str = "Our-Own-Secret-4f9c2a71d0";
+
+/// Two nodes on loopback with the same OOMGUARD_RUN_TOKEN: all four workers get it, and it
+/// shows in no output or log file. The coordinator listens on --master-addr only. Strangers
+/// at its port (garbage, one that leaves without a word, a hello without the proof that it
+/// knows the secret, with this run's id or another's) are refused and logged with their
+/// address; what they hear names the variable but neither the run's id nor the secret; the
+/// run goes on.
 #[test]
-fn two_nodes_share_node_0s_token_and_strangers_are_refused() {
+fn two_nodes_share_the_token_and_strangers_are_refused() {
     use std::io::{Read, Write};
     let dir = tempfile::tempdir().unwrap();
     let port = port_pair();
-    let node0 = node("0", port, dir.path(), None).spawn().unwrap();
+    let node0 = node("0", port, dir.path(), Some(SECRET)).spawn().unwrap();
     let connect = || std::net::TcpStream::connect(("127.0.0.1", port + 1));
-    wait_until("node 0's coordinator", || connect().is_ok());
+    wait_until("node 0's coordinator", || !listeners(port + 1).is_empty());
     let l = listeners(port + 1);
     assert!(
-        !l.is_empty() && l.iter().all(|a| a == &format!("0100007F:{:04X}", port + 1)),
+        l.iter().all(|a| a == &format!("0100007F:{:04X}", port + 1)),
         "the coordinator listens beyond --master-addr: {l:?}"
     );
     let mut garbage = connect().unwrap();
     garbage.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
     let silent = connect().unwrap();
-    let mut other = connect().unwrap();
-    other
-        .write_all(b"{\"msg\":\"hello\",\"id\":\"another-job\",\"node\":1,\"micro\":null}\n")
-        .unwrap();
-    other.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    let mut heard = String::new();
-    other.read_to_string(&mut heard).unwrap();
-    assert!(heard.contains("refused") && heard.contains("another-job"), "{heard}");
+    let mut heard = vec![];
+    let mut strangers = vec![];
+    for id in ["another-job", "job-9"] {
+        let mut s = connect().unwrap();
+        s.write_all(format!("{{\"msg\":\"hello\",\"id\":\"{id}\",\"node\":1,\"micro\":null}}\n").as_bytes())
+            .unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut h = String::new();
+        s.read_to_string(&mut h).unwrap();
+        assert!(h.contains("refused") && h.contains("OOMGUARD_RUN_TOKEN"), "{id}: {h}");
+        assert!(!h.contains("job-9") && !h.contains("welcome"), "{id}: {h}");
+        heard.push(h);
+        strangers.push(s);
+    }
     // The silent one leaves; the others stay connected while the run goes on.
     let quiet = silent.local_addr().unwrap().to_string();
     drop(silent);
-    let node1 = node("1", port, dir.path(), None).spawn().unwrap();
+    let node1 = node("1", port, dir.path(), Some(SECRET)).spawn().unwrap();
     let outs = [node0, node1].map(|n| n.wait_with_output().unwrap());
     for (i, o) in outs.iter().enumerate() {
         assert!(o.status.success(), "node {i}: {:?}", text(o));
     }
     let t = tokens(dir.path());
     assert_eq!(t.len(), 4, "{t:?}");
-    let token = &t["token.0.0"];
-    assert!(t.values().all(|v| v == token), "the nodes' workers disagree: {t:?}");
-    assert_random(token, "job-9");
-    assert!(!heard.contains(token.as_str()), "a stranger heard the token");
+    assert!(t.values().all(|v| v == SECRET), "the nodes' workers disagree: {t:?}");
+    assert!(heard.iter().all(|h| !h.contains(SECRET)), "a stranger heard the token");
     let (_, log0) = text(&outs[0]);
     let addr = |s: &std::net::TcpStream| s.local_addr().unwrap().to_string();
     for (what, at) in [
         ("garbage", addr(&garbage)),
         ("silent", quiet),
-        ("another run", addr(&other)),
+        ("another run", addr(&strangers[0])),
+        ("this run's id", addr(&strangers[1])),
     ] {
         assert!(
             log0.lines().any(|l| l.contains("WARN") && l.contains(&at)),
@@ -592,7 +602,7 @@ fn two_nodes_share_node_0s_token_and_strangers_are_refused() {
         let (stdout, stderr) = text(o);
         assert!(stdout.contains("up"), "node {i}: {stdout}");
         assert!(
-            !stdout.contains(token.as_str()) && !stderr.contains(token.as_str()),
+            !stdout.contains(SECRET) && !stderr.contains(SECRET),
             "node {i} printed the token"
         );
     }
@@ -600,57 +610,62 @@ fn two_nodes_share_node_0s_token_and_strangers_are_refused() {
         .iter()
         .filter(|(p, _)| !p.file_name().unwrap().to_string_lossy().starts_with("token."))
     {
-        assert!(!f.contains(token.as_str()), "{} holds the token", p.display());
+        assert!(!f.contains(SECRET), "{} holds the token", p.display());
     }
 }
 
 /// OOMGUARD_RUN_TOKEN in the launchers' environment is the token on every node, and node 0's
-/// coordinator requires it: a node without it is refused (naming the variable, not the value)
-/// and the run goes on with the node that has it; a node with a token when node 0 has none is
-/// refused too, before any worker starts. A token that cannot be one exits 2.
+/// coordinator requires proof of it: a node without one is refused at its start (exit 2,
+/// naming the fix), a node with another is refused by node 0 (exit 2, naming the variable,
+/// neither value), before any worker starts, and the run goes on with the node that has it.
+/// A token that cannot be one exits 2.
 #[test]
 fn a_token_given_in_the_environment_is_every_nodes_and_required() {
     let dir = tempfile::tempdir().unwrap();
-    let secret = "Our-Own-Secret-4f9c2a71d0";
     let port = port_pair();
-    let node0 = node("0", port, dir.path(), Some(secret)).spawn().unwrap();
+    let node0 = node("0", port, dir.path(), Some(SECRET)).spawn().unwrap();
     let bare = node("1", port, dir.path(), None).output().unwrap();
     let (_, err) = text(&bare);
     assert_eq!(bare.status.code(), Some(2), "{err}");
-    assert!(err.contains("OOMGUARD_RUN_TOKEN") && err.contains("refused"), "{err}");
-    let node1 = node("1", port, dir.path(), Some(secret)).spawn().unwrap();
+    assert!(
+        err.contains("OOMGUARD_RUN_TOKEN: is unset, and a job over several nodes (--nnodes 2) needs it")
+            && err.contains("export OOMGUARD_RUN_TOKEN=$(openssl rand -hex 32)"),
+        "{err}"
+    );
+    let other = "Another-Secret-77d3e1c0b2";
+    let wrong = node("1", port, dir.path(), Some(other)).output().unwrap();
+    let (_, err) = text(&wrong);
+    assert_eq!(wrong.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("node 0's launcher refused this node")
+            && err.contains("does not prove that it knows")
+            && err.contains("OOMGUARD_RUN_TOKEN"),
+        "{err}"
+    );
+    assert!(
+        !err.contains(SECRET) && !err.contains(other),
+        "the refusal names a token: {err}"
+    );
+    assert!(
+        tokens(dir.path()).is_empty(),
+        "workers started: {:?}",
+        tokens(dir.path())
+    );
+    let node1 = node("1", port, dir.path(), Some(SECRET)).spawn().unwrap();
     let outs = [node0, node1].map(|n| n.wait_with_output().unwrap());
     for (i, o) in outs.iter().enumerate() {
         let (stdout, stderr) = text(o);
         assert!(o.status.success(), "node {i}: {stderr}");
         assert!(
-            !stdout.contains(secret) && !stderr.contains(secret),
+            !stdout.contains(SECRET) && !stderr.contains(SECRET),
             "node {i} printed the token"
         );
     }
-    assert!(!err.contains(secret), "the refused node was told the token: {err}");
+    let (_, log0) = text(&outs[0]);
+    assert!(!log0.contains(other), "node 0 logged the other token: {log0}");
     let t = tokens(dir.path());
     assert_eq!(t.len(), 4, "{t:?}");
-    assert!(t.values().all(|v| v == secret), "{t:?}");
-    // The other way round: node 0 has no token of the user's, node 1 has one; node 1 is
-    // refused before any worker starts, and a node 1 without it joins.
-    let out = dir.path().join("second");
-    std::fs::create_dir(&out).unwrap();
-    let port = port_pair();
-    let node0 = node("0", port, &out, None).spawn().unwrap();
-    let own = node("1", port, &out, Some(secret)).output().unwrap();
-    let (_, err) = text(&own);
-    assert_eq!(own.status.code(), Some(2), "{err}");
-    assert!(
-        err.contains("OOMGUARD_RUN_TOKEN is set for this node's launcher but not for node 0's"),
-        "{err}"
-    );
-    assert!(tokens(&out).is_empty(), "workers started: {:?}", tokens(&out));
-    let node1 = node("1", port, &out, None).spawn().unwrap();
-    for (i, o) in [node0, node1].map(|n| n.wait_with_output().unwrap()).iter().enumerate() {
-        assert!(o.status.success(), "node {i}: {:?}", text(o));
-    }
-    assert_eq!(tokens(&out).len(), 4);
+    assert!(t.values().all(|v| v == SECRET), "{t:?}");
     for bad in ["", "short", "two words and more text"] {
         let o = launcher(&["--no-python", "true"])
             .env("OOMGUARD_RUN_TOKEN", bad)
@@ -661,6 +676,327 @@ fn a_token_given_in_the_environment_is_every_nodes_and_required() {
         assert!(err.contains("OOMGUARD_RUN_TOKEN"), "{err}");
         assert!(bad.is_empty() || !err.contains(bad), "{err}");
     }
+}
+
+/// A job over several nodes without OOMGUARD_RUN_TOKEN is refused at its start, on every node
+/// and elastic too: exit 2, naming the variable and how to make one, no worker started and
+/// nothing listening. One node (`--nnodes 1`, `--standalone`) needs none, as before.
+#[test]
+fn several_nodes_without_the_secret_are_refused_at_start() {
+    let port = port_pair();
+    let (p, endpoint) = (port.to_string(), format!("127.0.0.1:{port}"));
+    let elastic = [
+        "--nnodes",
+        "1:2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        &endpoint,
+    ];
+    let cases: [&[&str]; 3] = [
+        &["--nnodes", "2", "--node-rank", "0", "--master-port", &p],
+        &["--nnodes", "2", "--node-rank", "1", "--master-port", &p],
+        &elastic,
+    ];
+    for flags in cases {
+        let mut args = flags.to_vec();
+        args.extend(["--nproc-per-node", "1", "--no-python", "sh", "-c", "echo started"]);
+        let o = launcher(&args).env_remove("OOMGUARD_RUN_TOKEN").output().unwrap();
+        let (out, err) = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{flags:?}: {err}");
+        assert!(
+            err.contains(&format!(
+                "OOMGUARD_RUN_TOKEN: is unset, and a job over several nodes (--nnodes {}) needs it",
+                flags[1]
+            )) && err.contains("export OOMGUARD_RUN_TOKEN=$(openssl rand -hex 32)"),
+            "{flags:?}: {err}"
+        );
+        assert!(!out.contains("started"), "{flags:?}: a worker started: {out}");
+        assert_eq!(
+            (listeners(port), listeners(port + 1)),
+            (vec![], vec![]),
+            "{flags:?}: something listens"
+        );
+    }
+    for flags in [&["--nnodes", "1"][..], &["--standalone"]] {
+        let mut args = flags.to_vec();
+        args.extend(["--no-python", "sh", "-c", "echo started"]);
+        let o = launcher(&args).env_remove("OOMGUARD_RUN_TOKEN").output().unwrap();
+        let (out, err) = text(&o);
+        assert!(o.status.success() && out.contains("started"), "{flags:?}: {err}");
+    }
+}
+
+/// Everything `from` sends until it closes the connection (30 s at most), as lines.
+fn heard_all(mut from: &std::net::TcpStream) -> Vec<String> {
+    use std::io::Read;
+    from.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut heard = String::new();
+    from.read_to_string(&mut heard).unwrap();
+    heard.lines().map(str::to_string).collect()
+}
+
+/// An elastic job (`--nnodes 1:2`, the default --rdzv-id `none`) running at world 1, and
+/// strangers at its rendezvous as a short client would be: one sends a launcher's hello at
+/// once (the run's id, a port of its own: before this, that was enough to be handed the
+/// run's token, a node rank and the workers' store address, and to restart the job at world
+/// 2), one answers the challenge with a made-up proof, one opens with another message. Each
+/// hears the challenge and at most a refusal naming OOMGUARD_RUN_TOKEN: no welcome, no go,
+/// no rank, no store address, not the secret. The job is not restarted (its one worker
+/// started once, at world 1) and ends 0; node 0's log names each stranger's address.
+#[test]
+fn a_stranger_at_an_elastic_rendezvous_gets_nothing_and_restarts_nothing() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let port = port_pair();
+    let worker = r#"echo "$TORCHELASTIC_RESTART_COUNT $WORLD_SIZE $GROUP_RANK" >> "$OUT/starts"; while [ ! -e "$OUT/go-on" ]; do sleep 0.05; done"#;
+    let endpoint = format!("127.0.0.1:{port}");
+    let host = launcher(&[
+        "--nnodes",
+        "1:2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        &endpoint,
+        "--nproc-per-node",
+        "1",
+        "--monitor-interval",
+        "0.05",
+        "--no-python",
+        "sh",
+        "-c",
+        worker,
+    ])
+    .env("OUT", dir.path())
+    .env("OOMGUARD_RUN_TOKEN", SECRET)
+    .env("PET_RDZV_CONF", "last_call_timeout=1")
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let starts = dir.path().join("starts");
+    wait_until("the first round's worker", || starts.exists());
+    let connect = || std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let eager = connect();
+    (&eager)
+        .write_all(b"{\"msg\":\"hello\",\"id\":\"none\",\"node\":0,\"micro\":null,\"port\":40000}\n")
+        .unwrap();
+    let polite = connect();
+    let mut challenge = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(&polite), &mut challenge).unwrap();
+    assert!(
+        challenge.starts_with("{\"msg\":\"challenge\",\"nonce\":\""),
+        "{challenge}"
+    );
+    let made_up = format!(
+        "{{\"msg\":\"hello\",\"id\":\"none\",\"node\":0,\"micro\":null,\"port\":40001,\"nonce\":\"{}\",\"proof\":\"{}\"}}\n",
+        "ab".repeat(32),
+        "cd".repeat(32)
+    );
+    (&polite).write_all(made_up.as_bytes()).unwrap();
+    let other = connect();
+    (&other)
+        .write_all(b"{\"msg\":\"stopped\",\"round\":1,\"port\":40002}\n")
+        .unwrap();
+    let mut heard = vec![];
+    for (what, s) in [
+        ("eager", &eager),
+        ("made-up proof", &polite),
+        ("another message", &other),
+    ] {
+        let mut lines = heard_all(s);
+        if what == "made-up proof" {
+            lines.insert(0, challenge.trim_end().to_string()); // read above
+        }
+        let kinds: Vec<String> = lines
+            .iter()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["msg"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect();
+        let want: &[&str] = match what {
+            "another message" => &["challenge"],
+            _ => &["challenge", "refused"],
+        };
+        assert_eq!(kinds, want, "{what}: {lines:?}");
+        let all = lines.concat();
+        for never in [SECRET, "token", "welcome", "layout", "master_addr", "node_rank"] {
+            assert!(!all.contains(never), "{what} heard {never:?}: {all}");
+        }
+        if want.len() == 2 {
+            assert!(
+                all.contains("does not prove that it knows") && all.contains("OOMGUARD_RUN_TOKEN"),
+                "{all}"
+            );
+        }
+        heard.push((what, s.local_addr().unwrap().to_string()));
+    }
+    // Room for a restart to show, had one begun; then the worker ends.
+    std::thread::sleep(Duration::from_millis(1500));
+    std::fs::write(dir.path().join("go-on"), "").unwrap();
+    let o = host.wait_with_output().unwrap();
+    let (_, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert_eq!(
+        std::fs::read_to_string(&starts).unwrap(),
+        "0 1 0\n",
+        "the job restarted: {err}"
+    );
+    assert!(!err.contains("a node joined") && !err.contains("round 1"), "{err}");
+    for (what, at) in heard {
+        assert!(
+            err.lines().any(|l| l.contains("WARN") && l.contains(&at)),
+            "no warning names the {what} stranger at {at}: {err}"
+        );
+    }
+    assert!(!err.contains(SECRET), "{err}");
+}
+
+/// The threads of process `pid` now (/proc/PID/task).
+fn threads(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |d| d.count())
+}
+
+/// The most connections node 0's coordinator holds at once that have not proven that they
+/// know the run's secret, each with its thread while it waits (crates/launch's MAX_PENDING,
+/// docs/launcher.md).
+const MAX_PENDING: usize = 64;
+
+/// A flood of 300 idle connections (opened and held, never a byte) at node 0's coordinator
+/// while it waits for node 1: once it is in, node 0 has exactly MAX_PENDING threads more (a
+/// thread a connection, before: 300), and while it came in at most 8 more than that (threads
+/// that gave their share back and that the OS was still tearing down: 2 at most seen); node 1, started into the flood, joins (every worker of both nodes started)
+/// within a few seconds, and the run ends 0. Node 0's log warns about the flood in a bounded
+/// number of lines, not one a connection.
+#[test]
+fn a_flood_of_idle_connections_neither_grows_threads_nor_delays_a_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = port_pair();
+    let node0 = node("0", port, dir.path(), Some(SECRET)).spawn().unwrap();
+    let pid = node0.id();
+    wait_until("node 0's coordinator", || !listeners(port + 1).is_empty());
+    // Node 0's own launcher joins its coordinator: its threads settle.
+    let t = Instant::now();
+    let base = loop {
+        let a = threads(pid);
+        std::thread::sleep(Duration::from_millis(300));
+        if a == threads(pid) {
+            break a;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "node 0's threads never settle");
+    };
+    let mut most = base;
+    let flood: Vec<std::net::TcpStream> = (0..300)
+        .map(|i| {
+            if i % 10 == 0 {
+                most = most.max(threads(pid));
+            }
+            std::net::TcpStream::connect(("127.0.0.1", port + 1)).unwrap()
+        })
+        .collect();
+    // Once the flood is in, idle: node 0 holds exactly MAX_PENDING of it, a thread each.
+    let t = Instant::now();
+    let held = loop {
+        let a = threads(pid);
+        most = most.max(a);
+        std::thread::sleep(Duration::from_millis(300));
+        if a == threads(pid) {
+            break a;
+        }
+        assert!(t.elapsed() < Duration::from_secs(5), "node 0's threads never settle");
+    };
+    assert_eq!(
+        held,
+        base + MAX_PENDING,
+        "node 0 went from {base} threads to {held} under a flood of {} idle connections",
+        flood.len()
+    );
+    assert!(
+        most <= base + MAX_PENDING + 8,
+        "node 0 peaked at {most} threads (from {base}) while the flood came in"
+    );
+    let t = Instant::now();
+    let node1 = node("1", port, dir.path(), Some(SECRET)).spawn().unwrap();
+    while tokens(dir.path()).len() < 4 {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "node 1 did not join within 5 s of a flood: {:?}",
+            tokens(dir.path())
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let joined = t.elapsed();
+    let outs = [node0, node1].map(|n| n.wait_with_output().unwrap());
+    for (i, o) in outs.iter().enumerate() {
+        assert!(o.status.success(), "node {i}: {:?}", text(o));
+    }
+    let (_, log0) = text(&outs[0]);
+    let warned: Vec<&str> = log0
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("launchers' coordinator"))
+        .collect();
+    assert!(
+        warned
+            .iter()
+            .any(|l| l.contains("dropped a connection from 127.0.0.1:") && l.contains("the most it holds")),
+        "{log0}"
+    );
+    // At most 10 lines every 10 s and a count of the others, over the flood's few seconds.
+    assert!(
+        warned.len() <= 2 * 11,
+        "{} warnings about the flood: {log0}",
+        warned.len()
+    );
+    eprintln!("base {base} threads, {held} under the idle flood, at most {most} while it came in; node 1 joined in {joined:?}");
+    drop(flood);
+}
+
+/// A node's launcher checks the coordinator too: one at node 0's address that does not know
+/// the secret (it answers the hello with a made-up welcome and a go) gets the hello's proof
+/// and nothing else: not the secret, not a worker (exit 2, naming OOMGUARD_RUN_TOKEN).
+#[test]
+fn a_node_starts_nothing_for_a_coordinator_without_the_secret() {
+    use std::io::{BufRead, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let port = port_pair();
+    let fake = std::net::TcpListener::bind(("127.0.0.1", port + 1)).unwrap();
+    let node1 = node("1", port, dir.path(), Some(SECRET)).spawn().unwrap();
+    let (s, _) = fake.accept().unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    (&s).write_all(format!("{{\"msg\":\"challenge\",\"nonce\":\"{}\"}}\n", "ef".repeat(32)).as_bytes())
+        .unwrap();
+    let mut hello = String::new();
+    std::io::BufReader::new(&s).read_line(&mut hello).unwrap();
+    let h: serde_json::Value = serde_json::from_str(&hello).unwrap();
+    assert_eq!(
+        (h["msg"].as_str(), h["id"].as_str(), h["node"].as_u64()),
+        (Some("hello"), Some("job-9"), Some(1))
+    );
+    assert_eq!(h["proof"].as_str().map(str::len), Some(64), "{hello}");
+    assert!(!hello.contains(SECRET) && !hello.contains("token"), "{hello}");
+    (&s).write_all(
+        format!(
+            "{{\"msg\":\"welcome\",\"proof\":\"{}\"}}\n{{\"msg\":\"go\",\"round\":0,\"size\":null,\"failed\":null}}\n",
+            "00".repeat(32)
+        )
+        .as_bytes(),
+    )
+    .unwrap();
+    let o = node1.wait_with_output().unwrap();
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("did not prove that it knows the run's secret (OOMGUARD_RUN_TOKEN)"),
+        "{err}"
+    );
+    assert!(
+        tokens(dir.path()).is_empty(),
+        "workers started: {:?}",
+        tokens(dir.path())
+    );
 }
 
 /// Node 0's coordinator listens on --master-addr's address or not at all: an address that is
@@ -680,6 +1016,7 @@ fn the_coordinator_does_not_listen_beyond_master_addr() {
         "--no-python",
         "true",
     ])
+    .env("OOMGUARD_RUN_TOKEN", SECRET)
     .output()
     .unwrap();
     let (_, err) = text(&o);
@@ -721,6 +1058,7 @@ fn a_signal_ends_a_wait_for_the_group_at_once() {
         let mut args = flags.to_vec();
         args.extend(["--nproc-per-node", "1", "--no-python", "sh", "-c", "echo started"]);
         let child = launcher(&args)
+            .env("OOMGUARD_RUN_TOKEN", SECRET)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()

@@ -39,6 +39,8 @@ pub fn node(
         .args(["--run-dir", run.to_str().unwrap()])
         .env("PET_RDZV_CONF", "last_call_timeout=1")
         .env("PET_NPROC_PER_NODE", "1")
+        // Several nodes need a secret of the user's, the same on each (docs/launcher.md).
+        .env("OOMGUARD_RUN_TOKEN", "elastic-test-secret-3d9a61f0")
         .envs(env.iter().copied())
         .env("OMP_NUM_THREADS", "1")
         .current_dir(dir)

@@ -537,7 +537,9 @@ def test_an_elastic_job_loses_a_node_and_the_script_resumes_at_the_smaller_world
     assert single.code == 0, single.out
     run_dir, out_file = tmp_path / "run", tmp_path / "elastic.pt"
     port = free_port()
-    node_env = env({"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PET_RDZV_CONF": "last_call_timeout=1"})
+    # Several nodes need a secret of the user's, the same on each (docs/launcher.md).
+    node_env = env({"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PET_RDZV_CONF": "last_call_timeout=1",
+                    "OOMGUARD_RUN_TOKEN": "py-elastic-secret-8c41d2e7"})
 
     def node() -> subprocess.Popen:
         return subprocess.Popen(

@@ -7,6 +7,7 @@ use clap::{ArgAction, Args};
 #[derive(Debug, Args)]
 pub struct LaunchArgs {
     /// Nodes: N, or MIN:MAX for an elastic job (with --rdzv-backend c10d and --rdzv-endpoint).
+    /// More than one needs OOMGUARD_RUN_TOKEN, the same secret on every node.
     #[arg(long, env = "PET_NNODES", default_value = "1")]
     pub nnodes: String,
     /// Workers per node: N, auto, cpu or gpu.
@@ -53,7 +54,7 @@ pub struct LaunchArgs {
         default_value = ""
     )]
     pub rdzv_endpoint: String,
-    /// The job's id, shared by its nodes: an identifier, not a secret.
+    /// The job's id, shared by its nodes: an identifier, not a secret (OOMGUARD_RUN_TOKEN is).
     #[arg(long = "rdzv-id", alias = "rdzv_id", env = "PET_RDZV_ID", default_value = "none")]
     pub rdzv_id: String,
     /// Extra rendezvous settings: last_call_timeout, join_timeout and heartbeat_timeout

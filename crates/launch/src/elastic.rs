@@ -160,7 +160,7 @@ pub fn unix_ms() -> u64 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::group::{Coordinator, To, ToCoordinator, ToNode};
+    use super::super::group::{Coordinator, Hello, To, ToCoordinator, ToNode};
     use super::super::outcome::Report;
     use super::*;
     use std::time::Instant;
@@ -211,13 +211,14 @@ mod tests {
     }
 
     fn hello(named: usize) -> ToCoordinator {
-        ToCoordinator::Hello {
+        ToCoordinator::Hello(Hello {
             id: "job".into(),
             node: named,
             micro: Some(8),
-            token: None,
             port: 4000 + named as u16,
-        }
+            nonce: String::new(),
+            proof: String::new(),
+        })
     }
 
     fn goes(out: &[(To, ToNode)]) -> BTreeMap<usize, Layout> {
@@ -230,13 +231,7 @@ mod tests {
     }
 
     fn elastic(min: usize, max: usize) -> Coordinator {
-        Coordinator::elastic(
-            Elastic::new(min, max, "last_call_timeout=0").unwrap(),
-            0,
-            "job",
-            "tok",
-            false,
-        )
+        Coordinator::elastic(Elastic::new(min, max, "last_call_timeout=0").unwrap(), 0, "job")
     }
 
     fn join(c: &mut Coordinator, named: usize) -> (usize, Vec<(To, ToNode)>) {

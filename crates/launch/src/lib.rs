@@ -91,13 +91,14 @@ pub struct LaunchSpec {
     /// The micro-batch the first attempt runs with, when known.
     pub micro_batch_size: Option<usize>,
     /// The run's secret, the workers' OOMGUARD_RUN_TOKEN: what ranks check in the store and
-    /// present to each other's exchange, so that nobody outside the run can join it. 256 random
-    /// bits from the OS, made by this launcher on one node and by node 0's launcher on several
-    /// (the others get it from node 0's coordinator when it admits them), unless the user gave
-    /// it (`token_given`). Never printed: its Debug form hides it.
+    /// present to each other's exchange, so that nobody outside the run can join it. On one
+    /// node, 256 random bits from the OS unless the user gave it (`token_given`); on several,
+    /// always the user's, the same on every node: node 0's coordinator admits a node's launcher
+    /// only once it proves that it knows it (group/protocol.rs), and the launchers never send
+    /// it. Never printed: its Debug form hides it.
     pub token: Token,
-    /// Whether the token is the user's, OOMGUARD_RUN_TOKEN in the launcher's environment: then
-    /// every node uses it, and node 0's coordinator admits only a node that presents it.
+    /// Whether the token is the user's, OOMGUARD_RUN_TOKEN in the launcher's environment
+    /// (required with more than one node).
     pub token_given: bool,
     /// `--nnodes MIN:MAX`: node ranks, the node count and rank 0's address come from each
     /// round's rendezvous (elastic.rs) and replace `node_rank`, `nnodes` and `master_*` there.
@@ -118,7 +119,13 @@ fn bad(flag: &str, message: String) -> Error {
 }
 
 impl LaunchSpec {
+    /// The launch `a` asks for, OOMGUARD_RUN_TOKEN read from this process's environment.
     pub fn from_args(a: &LaunchArgs) -> Result<LaunchSpec, Error> {
+        LaunchSpec::with_token(a, std::env::var_os(TOKEN_VAR))
+    }
+
+    /// `from_args` with `token`, the user's OOMGUARD_RUN_TOKEN if any.
+    fn with_token(a: &LaunchArgs, token: Option<std::ffi::OsString>) -> Result<LaunchSpec, Error> {
         let (min, nnodes) = parse_nnodes(if a.standalone { "1" } else { &a.nnodes })?;
         let elastic = (min < nnodes)
             .then(|| Elastic::new(min, nnodes, &a.rdzv_conf).map_err(|e| bad("--rdzv-conf", e)))
@@ -189,7 +196,10 @@ impl LaunchSpec {
                 ),
             ));
         }
-        let (token, token_given) = run_token(std::env::var_os(TOKEN_VAR))?;
+        let (token, token_given) = run_token(token)?;
+        if nnodes > 1 && !token_given {
+            return Err(bad(TOKEN_VAR, several_nodes_need_a_secret(&a.nnodes)));
+        }
         let from_env = allocator::effective(&default_allocator(), |v| std::env::var(v).ok())?;
         Ok(LaunchSpec {
             nnodes,
@@ -273,6 +283,17 @@ pub const TOKEN_VAR: &str = "OOMGUARD_RUN_TOKEN";
 /// Bounds on a token the user gives: long enough to be a secret, short enough for a hello.
 const TOKEN_LEN: std::ops::RangeInclusive<usize> = 16..=1024;
 
+/// Why a job over several nodes (`--nnodes` N > 1, or MIN:MAX with MAX > 1) cannot start
+/// without OOMGUARD_RUN_TOKEN, and the fix.
+fn several_nodes_need_a_secret(nnodes: &str) -> String {
+    format!(
+        "is unset, and a job over several nodes (--nnodes {nnodes}) needs it: node 0's launcher admits a node's launcher \
+        only once it has proven that it knows this secret, which the launchers never send. Set the same value in every \
+        node's launcher's environment, for example `export {TOKEN_VAR}=$(openssl rand -hex 32)` where the job is submitted \
+        (docs/data-parallel.md#security-of-a-multi-node-run)"
+    )
+}
+
 /// The run's token and whether it is the user's: `given` (OOMGUARD_RUN_TOKEN in the
 /// launcher's environment) when set, checked; else 32 random bytes from the OS, in hex.
 /// No message names the token's value.
@@ -301,13 +322,13 @@ pub fn run_token(given: Option<std::ffi::OsString>) -> Result<(String, bool), Er
 }
 
 /// `bytes` bytes from the kernel's random source (/dev/urandom), in lower-case hex.
-fn random_hex(bytes: usize) -> Result<String, Error> {
+pub(crate) fn random_hex(bytes: usize) -> Result<String, Error> {
     use std::io::Read;
     let mut buf = vec![0u8; bytes];
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| f.read_exact(&mut buf))
         .map_err(|source| Error::Io {
-            context: "reading /dev/urandom for the run's token".into(),
+            context: "reading /dev/urandom for a random token or nonce".into(),
             source,
         })?;
     Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
@@ -494,7 +515,12 @@ mod tests {
     use super::*;
     use clap::Parser;
 
+    /// The spec of `oomguard launch ARGS`, with a token of the user's (several nodes need one).
     fn spec(args: &[&str]) -> Result<LaunchSpec, Error> {
+        spec_with(args, Some("Our-Own-Secret-4f9c2a71d0"))
+    }
+
+    fn spec_with(args: &[&str], token: Option<&str>) -> Result<LaunchSpec, Error> {
         #[derive(Parser)]
         struct Launch {
             #[command(flatten)]
@@ -502,7 +528,42 @@ mod tests {
         }
         let cli =
             Launch::try_parse_from([&["oomguard launch"], args].concat()).map_err(|e| bad("cli", e.to_string()))?;
-        LaunchSpec::from_args(&cli.args)
+        LaunchSpec::with_token(&cli.args, token.map(Into::into))
+    }
+
+    /// More than one node, static or elastic (its MAX), needs OOMGUARD_RUN_TOKEN: without it the
+    /// launch is refused, naming the variable and how to make one; one node (`--nnodes 1`,
+    /// `1:1`, `--standalone`) makes its own random token as before.
+    #[test]
+    fn several_nodes_need_a_token_of_the_users_and_one_node_does_not() {
+        let elastic = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:5"];
+        for args in [
+            &["--nnodes", "2", "--node-rank", "0"][..],
+            &["--nnodes", "2", "--node-rank", "1"],
+            &[&["--nnodes", "1:2"][..], &elastic].concat(),
+            &[&["--nnodes", "2:4"][..], &elastic].concat(),
+        ] {
+            let e = spec_with(&[args, &["x.py"]].concat(), None).unwrap_err().to_string();
+            assert!(
+                e.starts_with("OOMGUARD_RUN_TOKEN: is unset, and a job over several nodes")
+                    && e.contains("export OOMGUARD_RUN_TOKEN=$(openssl rand -hex 32)"),
+                "{args:?}: {e}"
+            );
+            let s = spec_with(&[args, &["x.py"]].concat(), Some("Our-Own-Secret-4f9c2a71d0")).unwrap();
+            assert_eq!((s.token.reveal(), s.token_given), ("Our-Own-Secret-4f9c2a71d0", true));
+        }
+        for args in [
+            &["--nnodes", "1"][..],
+            &["--nnodes", "1:1"],
+            &["--standalone", "--nnodes", "4"],
+        ] {
+            let s = spec_with(&[args, &["x.py"]].concat(), None).unwrap();
+            assert_eq!(
+                (s.nnodes, s.token_given, s.token.reveal().len()),
+                (1, false, 64),
+                "{args:?}"
+            );
+        }
     }
 
     #[test]

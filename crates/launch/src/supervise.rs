@@ -117,7 +117,7 @@ enum Outcome {
 }
 
 /// Runs the job; returns the launcher's exit code. Every attempt is a round of the group
-/// (group.rs): on several nodes, a failure anywhere restarts every node's workers.
+/// (group/): on several nodes, a failure anywhere restarts every node's workers.
 pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
     let signals = Signals::install().map_err(|e| Error::Io {
         context: "installing signal handlers".into(),
@@ -145,18 +145,15 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
         .or(temp.clone())
         .unwrap_or_default()
         .join(&spec.run_id);
-    let (mut group, start, token) = match Group::join(spec, &signals) {
+    let (mut group, start) = match Group::join(spec, &signals) {
         Err(Error::Signaled(sig)) => {
             tracing::warn!("received signal {sig} while waiting for the group: no worker was started");
             return Ok(128 + sig);
         }
         joined => joined?,
     };
-    // On several nodes the token is node 0's, handed over when it admitted this node.
-    let whole = &LaunchSpec {
-        token: super::Token::new(token),
-        ..spec.clone()
-    };
+    // Every node's token is its own: on several nodes, the same secret on each.
+    let whole = spec;
     let (mut attempt, mut micro, mut layout) = (start.round, start.micro, start.layout);
     loop {
         // Elastic: this round's place (node rank, nodes, rank 0's store) replaces the flags'.
