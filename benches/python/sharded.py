@@ -5,7 +5,9 @@ peak memory against the plain loop's.
 1. Overhead: in the same two processes, the plain loop (FSDP2: each micro-batch's backward
    reduce-scattered as FSDP2 does; DDP: `no_sync()` but for the last micro-batch) and the
    guarded one, alternated in rounds; the ratio of the medians of the rounds' step times
-   (goal <= 1.01), and the guard's checkpoints a step with their time.
+   (goal <= 1.01), the guard's checkpoints a step with their time, and one vote's own cost
+   (votes back to back) times the votes a step, over the plain step: the part of the ratio
+   the rounds' spread on 2 shared cores cannot resolve.
 2. One recovery, in steps: an OOM on rank 1 (the guard's hook) in step 8, after its first
    micro-batch's backward (where an OOM at the larger size comes) and after its last (the
    worst place: the whole attempt is lost); that step's time less a normal step at the size
@@ -104,6 +106,16 @@ def worker(wrap: str, task: str, arm: str, steps: int, rounds: int) -> None:
                 for i in range(steps):
                     step(i)
                 times.append((time.perf_counter() - t0) / steps)
+        # What one vote costs apart from waiting for the slower rank: votes back to back.
+        from oomguard._native import vote
+
+        ranks_ = guard._ranks
+        for _ in range(50):
+            ranks_.vote(vote(rank))
+        t0 = time.perf_counter()
+        for _ in range(500):
+            ranks_.vote(vote(rank))
+        vote_s = (time.perf_counter() - t0) / 500
         recs = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))] if rank == 0 else []
         steps_recs = [r for r in recs if r.get("event") == "step"]
         out = {
@@ -111,6 +123,7 @@ def worker(wrap: str, task: str, arm: str, steps: int, rounds: int) -> None:
             "guard": guarded,
             "checkpoints": statistics.median([r.get("checkpoints", 0) for r in steps_recs]) if steps_recs else 0,
             "agree_s": statistics.median([r.get("agree_s", 0.0) for r in steps_recs]) if steps_recs else 0,
+            "vote_s": vote_s,
         }
     elif task == "recovery":
         times = []
@@ -189,7 +202,12 @@ def main(quick: bool) -> None:
         print(f"  plain loop  median step {p * 1e3:.1f} ms (rounds {min(r['plain']) * 1e3:.1f}..{max(r['plain']) * 1e3:.1f})")
         print(f"  with guard  median step {q * 1e3:.1f} ms (rounds {min(r['guard']) * 1e3:.1f}..{max(r['guard']) * 1e3:.1f})")
         print(f"  ratio guard/plain {q / p:.4f} by the medians, {min(r['guard']) / min(r['plain']):.4f} by the best rounds (goal <= 1.01)")
-        print(f"  checkpoints a step {r['checkpoints']:.0f}, their time {r['agree_s'] * 1e3:.2f} ms a step ({r['agree_s'] / q:.2%})")
+        print(f"  checkpoints a step {r['checkpoints']:.0f}, their time {r['agree_s'] * 1e3:.2f} ms a step ({r['agree_s'] / q:.2%}),")
+        print("  waiting for the slower rank included (the plain loop waits as long in the collective itself)")
+        votes = r["checkpoints"] + 1  # and the attempt's own vote
+        own = votes * r["vote_s"]
+        print(f"  one vote back to back: {r['vote_s'] * 1e6:.0f} us; {votes:.0f} a step are {own * 1e3:.2f} ms, {own / p:.2%} of")
+        print(f"  the plain step: ratio {1 + own / p:.4f} (the A/B's rounds spread {max(r['plain']) / min(r['plain']) - 1:.0%} here)")
         # Where an OOM at the larger size comes (its first micro-batch's backward, at the
         # peak), and the worst place (after the last backward: the whole attempt is lost).
         for where, spec in (("step 8's first backward", "1:8:backward"), ("after step 8's last backward", "1:8:backward:2")):

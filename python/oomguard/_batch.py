@@ -10,6 +10,7 @@ tensor leaf has the same number of rows.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Mapping
 from typing import Any, Callable, List
 
@@ -43,7 +44,9 @@ class Rows:
 
 
 def _maybe_mark_dynamic(t: torch.Tensor) -> None:
-    dynamo = getattr(torch, "_dynamo", None)
+    """Marks the rows dynamic when torch.compile is in use (dynamo imported: a loop that
+    never compiles does not pay for importing it)."""
+    dynamo = sys.modules.get("torch._dynamo")
     mark = getattr(dynamo, "maybe_mark_dynamic", None) if dynamo is not None else None
     if mark is not None and t.dim() > 0:
         mark(t, 0)

@@ -1128,7 +1128,7 @@ def _loss_and_units(out: Any) -> Tuple[torch.Tensor, Any]:
         raise TypeError(
             f"loss_fn must return a scalar tensor (the micro-batch's mean loss) or (loss, units), not {what}"
         )
-    return out.reshape(()), units
+    return (out if out.dim() == 0 else out.reshape(())), units
 
 
 def _any_dtensor(params: List[torch.nn.Parameter]) -> bool:
