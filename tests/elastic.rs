@@ -267,6 +267,37 @@ fn a_node_lost_mid_sharded_checkpoint() {
     lose_one(dir.path(), loss);
 }
 
+/// A node lost right after the survivor committed step 6 (its peer paused there, then
+/// killed): the survivor fails in the loss sum that follows the commit and saves what it
+/// holds, step 6's update, as step 7's state (its optimizer's count says so), with step 6's
+/// record; the next round starts at 7, so no step is applied twice and the run ends where
+/// one process does. Before, it saved that state as step 6's and the next round applied
+/// step 6 again (1e-3 off).
+#[test]
+fn a_node_lost_after_the_commit_has_each_step_applied_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let pause = ("OOMGUARD_TEST_COMMIT_PAUSE_MS", "1:6:5000");
+    let moment = |run: &Path| {
+        wait_for_steps(run, 6);
+        // Step 6 starts a pause (150 ms) after step 5's record; both ranks commit it within
+        // a second; rank 1 then sleeps 5 s while rank 0 waits for it in the loss sum.
+        std::thread::sleep(std::time::Duration::from_millis(1500));
+    };
+    let loss = Loss {
+        env: &[PAUSE, pause],
+        moment,
+        ..Loss::default()
+    };
+    let run = lose_one(dir.path(), loss);
+    let change = &records(&run, "membership")[0];
+    assert_eq!(change["steps_recomputed"], 0, "{change}");
+    // Step 6's record, from the survivor: its global loss needed the lost peer.
+    let steps = records(&run, "step");
+    let six: Vec<_> = steps.iter().filter(|r| r["step"] == 6).collect();
+    assert_eq!(six.len(), 1);
+    assert!(six[0]["loss"].is_null(), "{}", six[0]);
+}
+
 /// Two ranks a node (world 4 -> 2): the lost node takes both its ranks; on the surviving
 /// node one worker (local rank 0) saves for both, and the run ends where one process does.
 #[test]

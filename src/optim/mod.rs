@@ -113,6 +113,12 @@ impl AdamW {
             .collect()
     }
 
+    /// The last step whose update this optimizer applied (or skipped on an fp16 overflow):
+    /// the moment of the commit, before any collective that follows it.
+    pub fn last_step(&self) -> Option<u64> {
+        self.last_step
+    }
+
     /// What the ranks split (`Shard::None` unless sharded).
     pub fn shard(&self) -> Shard {
         self.zero.as_ref().map_or(Shard::None, |z| z.stage)

@@ -344,6 +344,42 @@ impl<'a> Run<'a> {
         Ok(())
     }
 
+    /// Step `step`, committed on this rank, whose peers were lost before its record was
+    /// written: recorded with what this rank knows (the global loss and gradient norm, which
+    /// needed the lost peers, are null), so that every step done has its one record.
+    pub(crate) fn record_committed(&mut self, step: u64) {
+        let c = &self.cfg.raw;
+        let rec = StepRecord {
+            step,
+            loss: f64::NAN,
+            lr: c.optim.lr_at(step, c.train.max_steps),
+            grad_norm: f64::NAN,
+            tokens_per_s: 0.0,
+            micro_batch_size: self.guard.micro_batch_size(),
+            grad_accum_steps: 0,
+            num_samples: c.train.global_batch_size(),
+            world_size: self.world_size(),
+            step_time_s: 0.0,
+            elapsed_s: self.progress.elapsed(),
+            eta_s: None,
+            memory: MemoryStats::default(),
+            device: device_label(self.device),
+            precision: self.precision,
+            activation_checkpointing: self.task.activation_checkpointing() == Some(true),
+            loss_scale: None,
+            skipped: false,
+            comm_s: None,
+            agree_s: None,
+            d2h_reads: None,
+            cuda_syncs: None,
+            shard: self.opt.shard(),
+            exchange_bytes: None,
+        };
+        if let Err(e) = self.write(&Record::Step(rec)) {
+            tracing::warn!("step {step}'s record (committed before the peers were lost): {e}");
+        }
+    }
+
     /// A metrics.jsonl record (rank 0 writes them).
     pub fn write(&mut self, record: &Record) -> Result<()> {
         match self.metrics.as_mut() {

@@ -278,6 +278,7 @@ pub fn dist_step(
     let ready = prepare_update(opt, step, u, &loss);
     let ready = timed(&mut agree_s, || pg.agree(Topic::UpdateReady, ready))?;
     let out = commit_update(opt, ready, u)?;
+    committed_pause(pg.rank, step);
     // This rank's loss came back with the read-out; the global batch's is their sum.
     let loss = timed(&mut agree_s, || pg.sum_f64(Topic::Losses, out.loss))?;
     let (comm_s, agree_s) = (Some(agree_s + reduce_s), Some(agree_s));
@@ -292,6 +293,20 @@ pub fn dist_step(
         agree_s,
         loss_scale: out.loss_scale,
     })
+}
+
+/// Test hook `OOMGUARD_TEST_COMMIT_PAUSE_MS=RANK:STEP:MS`: rank RANK sleeps MS right after
+/// committing step STEP, before the collectives that follow (tests kill it there).
+fn committed_pause(rank: usize, step: u64) {
+    let hook = test_hook!("OOMGUARD_TEST_COMMIT_PAUSE_MS");
+    let v: Vec<u64> = (hook.iter().flat_map(|v| v.split(':')))
+        .filter_map(|p| p.parse().ok())
+        .collect();
+    if let [r, s, ms] = v[..] {
+        if r == rank as u64 && s == step {
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+        }
+    }
 }
 
 /// How a data-parallel step sums its gradients.

@@ -90,6 +90,15 @@ impl Run<'_> {
     /// wins at resume. Sharded state is not whole on any rank: the next round resumes from
     /// the newest checkpoint. Failing here changes nothing: it is logged.
     pub fn save_as_survivor(&mut self, cause: &Error) {
+        // The step this rank committed is recorded the moment it committed (the optimizer's
+        // own count): a peer lost in a collective after the commit (the loss sum, the guard's
+        // inputs) leaves this rank holding step k's update, which it saves as k + 1's state,
+        // never as k's (the next round would apply k twice).
+        let committed = self.opt.last_step().map_or(0, |s| s + 1);
+        if committed > self.next_step {
+            self.record_committed(self.next_step);
+            self.next_step = committed;
+        }
         let next_step = self.next_step;
         if self.opt.shard() != Shard::None {
             tracing::warn!(
