@@ -11,21 +11,23 @@ run: build
 	./target/release/oomguard train configs/demo.yaml
 
 # The tests drive the binaries' test-only hooks (OOMGUARD_TEST_*, docs/environment.md): they
-# are built with the `test-hooks` feature here, and in no other build, in a cargo profile of
-# their own (`test-hooks`: release's settings, built into target/test-hooks/), so that
-# target/release/ holds only the plain build. That plain build (`make build`'s) is built here
-# first: tests/readme.rs runs the README's commands, which run ./target/release/oomguard, and
-# the Python launcher tests run it too. Clippy's warnings are errors, over every target (tests,
-# benches, examples) of every crate but python/ (maturin's).
+# are built with the `test-hooks` feature here, and in no other build. One release build serves
+# both: the feature changes only this workspace's crates, so the dependencies (libtorch's
+# bindings) are built once. `cargo build --release` then puts the plain binary back in
+# target/release/, and the README's commands (tests/readme.rs, compiled only without the
+# hooks) and the Python tests run that one. Clippy's warnings are errors, over every target
+# (tests, benches, examples) of every crate but python/ (maturin's), in both builds.
 test: setup docs
 	cargo fmt --all --check
 	cargo clippy --release --workspace --all-targets --features oomguard/test-hooks -- -D warnings
+	cargo clippy --release --test readme -- -D warnings
+	cargo test --release --workspace --features oomguard/test-hooks
 	cargo build --release
-	cargo test --profile test-hooks --workspace --features oomguard/test-hooks
+	cargo test --release --test readme
 	$(MAKE) test-python
 
 # `import oomguard` (python/, built and installed into the venv by setup): tests/python/ in
-# real subprocesses, about 2 minutes; the launcher tests run the plain release build
+# real subprocesses, about 3 minutes; the launcher tests run the plain release build
 # (`cargo build --release`, which `make build` and `make test` run; `make test-python
 # OOMGUARD_BIN=PATH` for another; they need none of the binary's test hooks:
 # OOMGUARD_TEST_OOM_AT is the Python guard's own).

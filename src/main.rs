@@ -24,7 +24,11 @@ fn main() {
             cli::init_tracing(args.log_format);
             cli::report(a)
         }
-        _ => Err(cli::exec_torch_binary()),
+        _ => {
+            // exec returns only on failure: say it in one line (tracing is not set up here).
+            eprintln!("oomguard: {:#}", cli::exec_torch_binary());
+            std::process::exit(2);
+        }
     };
     std::process::exit(cli::finish(result, |e| cli::exit_code(e).unwrap_or(1)));
 }

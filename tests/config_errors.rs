@@ -116,3 +116,28 @@ fn bad_model_loss() {
         &["model.loss", "is a key of the built-in GPT"],
     );
 }
+
+/// `oomguard` alone (as a wheel installs it, with no libtorch build beside it): `train` and
+/// `plan` say in one line what is missing and how to get it (exit 2); `report` needs none.
+#[test]
+fn train_without_oomguard_torch_beside_it_says_how_to_get_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let alone = dir.path().join("oomguard");
+    std::fs::copy(bin(), &alone).unwrap();
+    for args in [&["train", "configs/demo.yaml"][..], &["plan", "configs/demo.yaml"]] {
+        let o = std::process::Command::new(&alone).args(args).output().unwrap();
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        let want = format!(
+            "oomguard: cannot run {}-torch (install it beside oomguard): ",
+            alone.display()
+        );
+        assert!(err.starts_with(&want) && err.contains("make build"), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+    }
+    let o = std::process::Command::new(&alone)
+        .args(["report", "--help"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+}

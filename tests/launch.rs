@@ -94,6 +94,78 @@ fn ddp_script_runs_exactly_as_under_torchrun() {
     assert_eq!(a, b, "oomguard launch and torchrun gave the workers different results");
 }
 
+/// One node and no --master-port (torchrun 2.13's free port): a job starts while another
+/// process holds 29500, as a second job on the host would, where a fixed port failed with
+/// EADDRINUSE.
+#[test]
+fn a_job_while_29500_is_taken_rendezvous_at_a_free_port() {
+    // Held here for the whole run (if another process holds it already, so much the better).
+    let _held = std::net::TcpListener::bind("127.0.0.1:29500");
+    let o = launcher(&["--nproc-per-node", "2", &script("ddp.py")])
+        .output()
+        .unwrap();
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert_eq!(results(&out).len(), 2, "{out}");
+    assert!(!err.contains("master 127.0.0.1:29500"), "{err}");
+}
+
+/// $OOMGUARD_PYTHON is the workers' interpreter (the wheel's `oomguard` sets it to its own);
+/// one without torch is named in the failure summary, with the fix.
+#[test]
+fn the_workers_python_is_oomguard_python_and_named_when_it_lacks_torch() {
+    let dir = tempfile::tempdir().unwrap();
+    let show = dir.path().join("show.py");
+    std::fs::write(&show, "import sys, torch; print('python', sys.executable)").unwrap();
+    let venv_python = root().join(".venv/bin/python3");
+    let o = launcher(&[show.to_str().unwrap()])
+        .env("OOMGUARD_PYTHON", &venv_python)
+        .env("PATH", "/usr/bin:/bin")
+        .output()
+        .unwrap();
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(out.contains(&format!("python {}", venv_python.display())), "{out}");
+
+    let bare = dir.path().join("bare");
+    let made = Command::new(&venv_python)
+        .args(["-m", "venv", "--without-pip", bare.to_str().unwrap()])
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let bare_python = bare.join("bin/python3");
+    let o = launcher(&[show.to_str().unwrap()])
+        .env("OOMGUARD_PYTHON", &bare_python)
+        .output()
+        .unwrap();
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{out}\n{err}");
+    let hint = format!(
+        "hint      : the workers ran {}, which has no torch: set OOMGUARD_PYTHON=",
+        bare_python.display()
+    );
+    assert!(err.contains(&hint), "{err}");
+}
+
+/// The default --max-restarts 0 and a worker dead of an OOM: the launcher says that a relaunch
+/// at half was possible, and how to allow one.
+#[test]
+fn an_oom_death_with_no_restarts_says_a_relaunch_at_half_was_possible() {
+    let o = launcher(&["--monitor-interval", "0.05", &script("oom.py")])
+        .env("OOMGUARD_MICRO_BATCH_SIZE", "16")
+        .output()
+        .unwrap();
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{out}\n{err}");
+    assert!(
+        err.contains(
+            "no restarts left (--max-restarts 0). It ran out of memory: a relaunch at micro-batch 8 (half of 16) \
+             was possible; allow one with --max-restarts 1 (or more)"
+        ),
+        "{err}"
+    );
+}
+
 #[test]
 fn crash_restarts_then_summary_with_first_failure() {
     let logs = tempfile::tempdir().unwrap();

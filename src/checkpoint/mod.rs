@@ -2,7 +2,7 @@
 //! state.json (the size and CRC32 of every file, a sharded optimizer's files and layout,
 //! written last).
 //! Keeps: built in a temporary folder and renamed into place, so the previous one stays valid.
-mod clock;
+pub mod clock;
 mod retention;
 pub mod shards;
 
@@ -34,7 +34,8 @@ pub struct CheckpointConfig {
     /// by a signal, when a step cannot fit, and at the end).
     pub every_steps: u64,
     /// Also write one when this many minutes of wall time have passed since the last (0: off).
-    /// Stretched, and said in the log, if checkpoints would take more than 1% of wall time.
+    /// Stretched, and said in the log, if checkpoints would take more than 1% of wall time: at
+    /// most to 6 x this and to 60 minutes (a longer setting is kept as it is).
     pub every_minutes: f64,
     /// Keep the newest this many checkpoints...
     pub keep: usize,

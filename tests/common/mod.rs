@@ -22,8 +22,8 @@ pub fn bin() -> PathBuf {
 }
 
 /// The plain build (`cargo build --release`, `make build`): target/release/oomguard, which the
-/// README runs (tests/readme.rs). The tests' own build, `bin()`, has the test hooks and lives
-/// in target/test-hooks/ (the `test-hooks` cargo profile), so that this one stays plain.
+/// README runs (tests/readme.rs, built without the test hooks, after `make test` has put the
+/// plain build back in place of the tests' own).
 pub fn plain_bin() -> PathBuf {
     root().join("target/release/oomguard")
 }

@@ -47,7 +47,7 @@ pub enum LogFormat {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Train a model (the built-in GPT or a TorchScript module) from a YAML config.
+    /// Train a model (the built-in GPT, your PyTorch module, or a TorchScript one) from a YAML config.
     Train(TrainArgs),
     /// Launch a distributed job: a drop-in for torchrun.
     Launch(LaunchArgs),
@@ -227,7 +227,12 @@ pub fn exec_torch_binary() -> anyhow::Error {
     let err = std::process::Command::new(&exe)
         .args(std::env::args_os().skip(1))
         .exec();
-    anyhow::Error::new(err).context(format!("cannot run {} (install it beside oomguard)", exe.display()))
+    let why = format!(
+        "cannot run {} (install it beside oomguard): `train` and `plan` need oomguard-torch, the build that links \
+         libtorch; `make build` in a clone of the repository puts both in target/release/ (docs/getting-started.md)",
+        exe.display()
+    );
+    anyhow::Error::new(err).context(why)
 }
 
 /// Logs to stderr (human or JSON; colour and live bars where `Console` allows them) and,

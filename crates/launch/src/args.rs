@@ -29,14 +29,10 @@ pub struct LaunchArgs {
         default_value = "127.0.0.1"
     )]
     pub master_addr: String,
-    /// Port on the rank-0 node (static rendezvous).
-    #[arg(
-        long = "master-port",
-        alias = "master_port",
-        env = "PET_MASTER_PORT",
-        default_value_t = 29500
-    )]
-    pub master_port: u16,
+    /// Port on the rank-0 node (static rendezvous). Default, as torchrun's: a free port when
+    /// the job is one node (so that two jobs on a host do not collide), 29500 across nodes.
+    #[arg(long = "master-port", alias = "master_port", env = "PET_MASTER_PORT")]
+    pub master_port: Option<u16>,
     /// Rendezvous backend: static or c10d.
     #[arg(
         long = "rdzv-backend",

@@ -82,6 +82,8 @@ pub struct LaunchSpec {
     pub console_ranks: Option<Vec<usize>>,
     /// The worker's program and arguments (python3 added unless --no-python).
     pub program: Vec<String>,
+    /// Whether `program[0]` is the Python interpreter (not --no-python).
+    pub python: bool,
     pub allocator: AllocatorSettings,
     /// OMP_NUM_THREADS for each worker: this host's threads divided among the local workers
     /// (when it is unset and there is more than one), and the host's figure for the log.
@@ -148,7 +150,10 @@ impl LaunchSpec {
                 format!("{node_rank} is not below --nnodes {nnodes}"),
             ));
         }
-        let (mut master_addr, mut master_port) = (a.master_addr.clone(), a.master_port);
+        // torchrun 2.13 (`run.py`): one node and no port asked for rendezvous at a free port.
+        let one_node = nnodes == 1 && elastic.is_none();
+        let default_port = if one_node { 0 } else { DEFAULT_MASTER_PORT };
+        let (mut master_addr, mut master_port) = (a.master_addr.clone(), a.master_port.unwrap_or(default_port));
         if a.standalone {
             (master_addr, master_port) = ("127.0.0.1".into(), 0);
         } else if !a.rdzv_endpoint.is_empty() {
@@ -220,7 +225,14 @@ impl LaunchSpec {
             redirects: parse_streams("--redirects", &a.redirects, nproc_per_node)?,
             tee: parse_streams("--tee", &a.tee, nproc_per_node)?,
             console_ranks: parse_filter(&a.local_ranks_filter)?,
-            program: worker_program(a),
+            program: worker_program(
+                a,
+                &std::env::var(PYTHON_VAR)
+                    .ok()
+                    .filter(|p| !p.is_empty())
+                    .unwrap_or("python3".into()),
+            ),
+            python: !a.no_python,
             allocator: from_env,
             worker_threads: (nproc_per_node > 1 && std::env::var_os("OMP_NUM_THREADS").is_none()).then(|| {
                 let t = Threads::of_self();
@@ -253,6 +265,8 @@ impl LaunchSpec {
 /// plus it stay representable.
 pub(crate) const MAX_SECONDS: f64 = 1e9;
 
+/// The rank-0 node's port across nodes when none is given (torchrun's).
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
 /// Read by `oomguard train`; set by the launcher after an out-of-memory death.
 pub const MICRO_BATCH_VAR: &str = "OOMGUARD_MICRO_BATCH_SIZE";
 /// The size the worker died at, so the relaunched run lets it cool down before growing back.
@@ -424,18 +438,30 @@ fn parse_filter(s: &str) -> Result<Option<Vec<usize>>, Error> {
         .map(Some)
 }
 
-/// The command each worker runs: under python3 (as torchrun does) unless --no-python.
-fn worker_program(a: &LaunchArgs) -> Vec<String> {
+/// The interpreter a Python worker runs under: $OOMGUARD_PYTHON (which the wheel's `oomguard`
+/// sets to the Python it was installed with), else `python3` from PATH, as torchrun's workers.
+pub const PYTHON_VAR: &str = "OOMGUARD_PYTHON";
+
+/// The command each worker runs: under `python` (as torchrun does) unless --no-python.
+fn worker_program(a: &LaunchArgs, python: &str) -> Vec<String> {
     let (script, rest) = (&a.command[0], &a.command[1..]);
+    let py = |more: &[&str]| {
+        let mut v = vec![python.to_string(), "-u".into()];
+        v.extend(more.iter().map(|m| m.to_string()));
+        v.push(script.clone());
+        v
+    };
     let mut p: Vec<String> = if a.no_python {
         vec![script.clone()]
     } else if a.module {
-        vec!["python3".into(), "-u".into(), "-m".into(), script.clone()]
+        py(&["-m"])
     } else if a.run_path {
-        let code = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')";
-        vec!["python3".into(), "-u".into(), "-c".into(), code.into(), script.clone()]
+        py(&[
+            "-c",
+            "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')",
+        ])
     } else {
-        vec!["python3".into(), "-u".into(), script.clone()]
+        py(&[])
     };
     p.extend(rest.iter().cloned());
     p
@@ -564,6 +590,21 @@ mod tests {
                 "{args:?}"
             );
         }
+    }
+
+    /// torchrun 2.13: one node without a port rendezvous at a free one (a second job on the
+    /// host does not fail with EADDRINUSE); across nodes 29500; a port asked for is kept.
+    #[test]
+    fn the_master_port_defaults_as_torchruns() {
+        assert_eq!(spec(&["x.py"]).unwrap().master_port, 0, "a free port, per attempt");
+        assert_eq!(
+            spec(&["--nnodes", "2", "--node-rank", "0", "x.py"])
+                .unwrap()
+                .master_port,
+            29500
+        );
+        assert_eq!(spec(&["--master-port", "29500", "x.py"]).unwrap().master_port, 29500);
+        assert_eq!(spec(&["--master_port=1234", "x.py"]).unwrap().master_port, 1234);
     }
 
     #[test]

@@ -461,9 +461,45 @@ fn summary(f: &Failure, spec: &LaunchSpec) -> String {
             s.push_str(&format!("    {l}\n"));
         }
     }
+    if let Some(hint) = missing_torch(f, spec) {
+        s.push_str(&format!("  hint      : {hint}\n"));
+    }
     s.push_str(&line);
     s.push('\n');
     s
+}
+
+/// A worker whose Python has no torch: which interpreter that was (from PATH, as the worker
+/// found it), and how to name another.
+fn missing_torch(f: &Failure, spec: &LaunchSpec) -> Option<String> {
+    let text = format!(
+        "{}\n{}",
+        f.error_message.as_deref().unwrap_or_default(),
+        f.stderr.join("\n")
+    );
+    if !spec.python || !text.contains("No module named 'torch'") {
+        return None;
+    }
+    let python = &spec.program[0];
+    let found = on_path(python, std::env::var_os("PATH").as_deref());
+    let shown = found.map_or_else(|| python.clone(), |p| p.display().to_string());
+    Some(format!(
+        "the workers ran {shown}, which has no torch: set {}=/path/to/python (one with torch), or put it first on PATH",
+        super::PYTHON_VAR
+    ))
+}
+
+/// Where `program` is, as a worker's exec finds it: itself when it names a path, else the
+/// first executable of that name on `path`.
+fn on_path(program: &str, path: Option<&std::ffi::OsStr>) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    if program.contains('/') {
+        return Some(PathBuf::from(program));
+    }
+    std::env::split_paths(path?).map(|d| d.join(program)).find(|p| {
+        p.metadata()
+            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    })
 }
 
 #[cfg(test)]

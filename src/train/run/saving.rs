@@ -65,11 +65,8 @@ impl Run<'_> {
         );
         if let (true, Some(i)) = (stretched, interval_s) {
             tracing::warn!(
-                "checkpoint.every_minutes: a checkpoint takes {:.1} s, so the clock waits {:.1} min \
-                 instead of {}, keeping checkpoints under 1% of wall time",
-                cost.as_secs_f64(),
-                i / 60.0,
-                self.cfg.raw.checkpoint.every_minutes
+                "{}",
+                checkpoint::clock::stretch_note(self.cfg.raw.checkpoint.every_minutes, i, cost.as_secs_f64())
             );
         }
         self.write(&Record::Checkpoint {

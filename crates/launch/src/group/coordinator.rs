@@ -469,17 +469,33 @@ impl Coordinator {
                             restart can help", report.rank),
                     );
                 }
-                self.end(
-                    report.code,
-                    format!(
-                        "worker rank {} on node {failed_node} failed (exit code {}); no restarts left (--max-restarts \
-                    {})",
-                        report.rank, report.code, self.max_restarts
-                    ),
-                )
+                let why = gave_up(&report, failed_node, self.max_restarts);
+                self.end(report.code, why)
             }
         }
     }
+}
+
+/// Why the group gave up after `report`'s failure with no restarts left; after an OOM, that a
+/// relaunch at half the micro-batch was possible and how to allow one.
+fn gave_up(report: &Report, node: usize, max_restarts: u32) -> String {
+    let head = format!(
+        "worker rank {} on node {node} failed (exit code {}); no restarts left (--max-restarts {max_restarts})",
+        report.rank, report.code
+    );
+    if !report.oom {
+        return head;
+    }
+    let half = match report.micro {
+        Some(m) if m > 1 => format!(" at micro-batch {} (half of {m})", m / 2),
+        _ => String::new(),
+    };
+    format!(
+        "{head}. It ran out of memory: a relaunch{half} was possible; allow one with --max-restarts {} (or more), \
+         and the launcher halves {} at each",
+        max_restarts + 1,
+        crate::MICRO_BATCH_VAR
+    )
 }
 
 /// The connections that have not yet proven that they know the run's secret, at most `cap` at
@@ -592,6 +608,29 @@ impl Throttle {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The default --max-restarts 0 and a worker dead of an OOM: the message says that a
+    /// relaunch at half was possible and how to allow one; any other failure says no more.
+    #[test]
+    fn giving_up_after_an_oom_says_a_relaunch_at_half_was_possible() {
+        let r = |oom, micro| Report {
+            rank: 1,
+            oom,
+            micro,
+            code: 1,
+        };
+        assert_eq!(
+            gave_up(&r(true, Some(16)), 0, 0),
+            "worker rank 1 on node 0 failed (exit code 1); no restarts left (--max-restarts 0). It ran out of memory: \
+             a relaunch at micro-batch 8 (half of 16) was possible; allow one with --max-restarts 1 (or more), and the \
+             launcher halves OOMGUARD_MICRO_BATCH_SIZE at each"
+        );
+        assert!(gave_up(&r(true, None), 0, 2).contains("a relaunch was possible; allow one with --max-restarts 3"));
+        assert_eq!(
+            gave_up(&r(false, Some(16)), 1, 0),
+            "worker rank 1 on node 1 failed (exit code 1); no restarts left (--max-restarts 0)"
+        );
+    }
 
     fn hello_of(node: usize, micro: Option<usize>) -> Hello {
         Hello {
