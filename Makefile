@@ -1,5 +1,5 @@
 # The README's commands. `setup` installs what is missing (once per machine, cached).
-.PHONY: setup build run test test-python fmt docs docs-picture bench gpu-kit gpu-kit-test docker-test clean
+.PHONY: setup build run wheel test test-python fmt docs docs-picture bench gpu-kit gpu-kit-test docker-test clean
 
 setup:
 	@scripts/setup.sh
@@ -9,6 +9,11 @@ build: setup
 
 run: build
 	./target/release/oomguard train configs/demo.yaml
+
+# dist/oomguard-*.whl: `pip install` gives `import oomguard` and the `oomguard` command (launch,
+# sweep, report), with the user's own torch: see scripts/wheel.sh.
+wheel: build
+	@scripts/wheel.sh
 
 # The tests drive the binaries' test-only hooks (OOMGUARD_TEST_*, docs/environment.md): they
 # are built with the `test-hooks` feature here, and in no other build. One release build serves

@@ -356,17 +356,23 @@ def test_it_grows_back_after_clean_steps_and_the_cooldown(monkeypatch):
     assert guard.policy.num_ooms == 1
 
 
-def test_the_wheel_installs_in_a_bare_venv(tmp_path):
-    """The built wheel in a venv with nothing else: the policy works; the guard asks for torch."""
-    from conftest import ROOT
+def test_pip_install_gives_import_oomguard_and_the_command(tmp_path):
+    """`make wheel`'s wheel, pip-installed in a venv with nothing else: the policy works and the
+    guard asks for torch; `oomguard train` says it needs oomguard-torch (exit 2). With torch
+    added, `oomguard launch` runs a guarded script on 2 ranks under the venv's own Python (the
+    system's python3 first on PATH has no torch), and `oomguard report` draws the run."""
+    from conftest import LOOP, ROOT, env
 
-    wheels = sorted((ROOT / "python" / "target" / "wheels").glob("oomguard-*.whl"))
-    assert wheels, "no wheel: scripts/setup.sh builds python/target/wheels/"
+    built = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "wheel.sh"), str(tmp_path / "dist")], capture_output=True, text=True, timeout=600
+    )
+    assert built.returncode == 0, built.stderr
+    wheel = built.stdout.split()[-1]
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    site = next((venv / "lib").glob("python3*/site-packages"))
-    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--disable-pip-version-check"]
-    subprocess.run([*pip, "--target", str(site), str(wheels[-1])], check=True)
+    python = venv / "bin" / "python"
+    pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index"]
+    subprocess.run([*pip, "--disable-pip-version-check", wheel], check=True)
     code = (
         "import oomguard\n"
         "p = oomguard.Policy(24)\n"
@@ -374,7 +380,7 @@ def test_the_wheel_installs_in_a_bare_venv(tmp_path):
         "print(oomguard.classify_oom('CUDA out of memory. Tried to allocate 2.00 GiB')[:3])\n"
         "try:\n    oomguard.Guard\nexcept ImportError as e:\n    print('needs', e.name)\n"
     )
-    out = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True)
+    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     # The runtime's halving (crates/policy's own test: 24 -> 12, 6, 3, 2, 1, then up to 8
     # retries at 1 for different failures, and give up).
@@ -383,6 +389,28 @@ def test_the_wheel_installs_in_a_bare_venv(tmp_path):
         "('cuda', 'CUDA out of memory. Tried to allocate 2.00 GiB', 2147483648)",
         "needs torch",
     ]
+    command = venv / "bin" / "oomguard"
+    bare_path = {"PATH": "/usr/bin:/bin"}
+    t = subprocess.run([str(command), "train", "configs/demo.yaml"], capture_output=True, text=True, env=env(bare_path))
+    assert t.returncode == 2 and "_bin/oomguard-torch (install it beside oomguard)" in t.stderr, t.stderr
+
+    # The user's torch: the set-up's, seen from the venv (its own site-packages come first).
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    (site / "users_torch.pth").write_text(str(Path(torch.__file__).parents[1]) + "\n")
+    run_dir = tmp_path / "run"
+    p = subprocess.run(
+        [str(command), "launch", "--nproc-per-node", "2", "--run-dir", str(run_dir), str(LOOP), "--guard",
+         "--out", str(tmp_path / "out.pt")],
+        env=env({**bare_path, "OOMGUARD_TEST_OOM_AT": "1:1:forward", "OOMGUARD_MICRO_BATCH_SIZE": "256"}),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+    )
+    assert p.returncode == 0, p.stdout
+    steps = [x for x in records(run_dir) if x["event"] == "step"]
+    assert [s["micro_batch_size"] for s in steps] == [256, 128, 128, 128, 128, 128], p.stdout
+    png = tmp_path / "report.png"
+    rep = subprocess.run([str(command), "report", str(run_dir), "--out", str(png)], capture_output=True, text=True)
+    assert rep.returncode == 0, rep.stderr
+    assert png.stat().st_size > 10_000
 
 
 def test_ddp_averages_in_place_and_leaves_unused_parameters_without_grad(tmp_path):
