@@ -1,0 +1,161 @@
+"""`oomguard.hf.Trainer`: Hugging Face's `transformers.Trainer`, its steps under the guard.
+
+Keeps: an optimizer step trains on exactly `per_device_train_batch_size x
+gradient_accumulation_steps` rows per rank, the same rows and the same loss normalisation as
+the plain Trainer, whatever micro-batch the guard settles at. The Trainer loads the step's rows
+as one batch (its own accumulation set to 1) and the guard splits it into micro-batches that
+fit; everything else (the optimizer, the scheduler, clipping, logging, checkpoints, evaluation,
+callbacks) is the Trainer's own. Nothing is decided here: the guard (its Rust policy) decides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Optional
+
+try:
+    import transformers
+except ImportError as e:  # pragma: no cover - the message is the point
+    raise ImportError(
+        "oomguard.hf needs Hugging Face transformers (and accelerate, which its Trainer uses): "
+        "pip install transformers accelerate",
+        name=e.name,
+    ) from e
+
+from ._guard import Guard
+
+__all__ = ["Trainer", "STATE_FILE"]
+
+# The guard's state in each of the Trainer's checkpoint-N/ folders.
+STATE_FILE = "oomguard.json"
+
+
+def _refusal(args: Any, micro_batch_size: Optional[int]) -> Optional[str]:
+    """Why the guard cannot serve these TrainingArguments, or None."""
+    if getattr(args, "auto_find_batch_size", False):
+        return (
+            "auto_find_batch_size=True re-runs training at 0.9x the batch after an OOM and changes the "
+            "effective batch; the guard recovers in the step and keeps it: set auto_find_batch_size=False"
+        )
+    if getattr(args, "deepspeed", None):
+        return "DeepSpeed runs its own step (engine.backward, its own accumulation); the guard cannot split it: drop deepspeed="
+    if getattr(args, "fsdp", None):
+        return (
+            "the Trainer's FSDP (fsdp=...) is not served: its own step cannot be split; shard with FSDP2 "
+            "(fully_shard) in your own loop, which the guard serves (docs/own-loop.md), or train without fsdp="
+        )
+    if micro_batch_size is not None and args.gradient_accumulation_steps > 1:
+        return (
+            f"gradient accumulation set on both sides: gradient_accumulation_steps={args.gradient_accumulation_steps} "
+            f"and micro_batch_size={micro_batch_size}; give the step's rows as per_device_train_batch_size x "
+            "gradient_accumulation_steps and leave micro_batch_size out, or set gradient_accumulation_steps=1"
+        )
+    return None
+
+
+class Trainer(transformers.Trainer):
+    """`transformers.Trainer` with every training step under the guard: a drop-in, the same
+    constructor. `per_device_train_batch_size x gradient_accumulation_steps` is a step's rows
+    on each rank; it stays exact through halvings and grow-backs. The guard starts at
+    `per_device_train_batch_size` (or `micro_batch_size=`, with accumulation 1), and writes
+    `metrics.jsonl` into `output_dir`. Keyword `oomguard=dict(...)` passes options to
+    `oomguard.Guard` (e.g. `snapshot=False`)."""
+
+    def __init__(self, *a: Any, micro_batch_size: Optional[int] = None, oomguard: Optional[dict] = None, **kw: Any):
+        args = kw.get("args") if "args" in kw else (a[1] if len(a) > 1 else None)
+        if args is None:
+            raise ValueError("oomguard.hf.Trainer needs TrainingArguments (args=...): output_dir is its run directory")
+        why = _refusal(args, micro_batch_size)
+        if why:
+            raise ValueError(f"oomguard.hf.Trainer: {why}")
+        rows = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        start = micro_batch_size or args.per_device_train_batch_size
+        if not 1 <= start <= rows:
+            raise ValueError(f"oomguard.hf.Trainer: micro_batch_size={start} must be in [1, {rows}] (the step's rows)")
+        # The Trainer loads a step's rows as one batch; the guard accumulates instead of it.
+        args = dataclasses.replace(args, per_device_train_batch_size=rows, gradient_accumulation_steps=1)
+        if "args" in kw:
+            kw["args"] = args
+        else:
+            a = (a[0], args, *a[2:])
+        super().__init__(*a, **kw)
+        self.oomguard_rows = rows
+        self._oomguard_start = start
+        self._oomguard_options = dict(oomguard or {})
+        self._oomguard_resume: Optional[str] = None
+        self.guard: Optional[Guard] = None
+
+    # --- the step --------------------------------------------------------------------------
+
+    def _guard_for(self, model: Any) -> Guard:
+        if self.guard is None:
+            options = {"run_dir": self.args.output_dir, "verbose": self.args.should_log, **self._oomguard_options}
+            self.guard = Guard(model, global_batch_size=self.oomguard_rows, micro_batch_size=self._oomguard_start, **options)
+            state = self._oomguard_resume and os.path.join(self._oomguard_resume, STATE_FILE)
+            if state and os.path.exists(state):
+                with open(state) as f:
+                    self.guard.load_state_dict(json.load(f))
+        return self.guard
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        """The step's rows, through the guard: each micro-batch's loss is the Trainer's own
+        `compute_loss` with the step's `num_items_in_batch`, so that their sum is the plain
+        Trainer's loss of the step; without that count, micro-batch means weigh by rows."""
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        inputs = self._prepare_inputs(inputs)
+        guard = self._guard_for(model)
+
+        def loss_fn(mb: Any) -> Any:
+            with self.compute_loss_context_manager():
+                loss = self.compute_loss(model, mb, num_items_in_batch=num_items_in_batch)
+            if self.args.n_gpu > 1:
+                loss = loss.mean()
+            if num_items_in_batch is None:
+                return loss
+            # Normalised by the step's count already: the guard's weighted mean of
+            # (loss x n / r) over micro-batches of r rows (n in all) is the sum of the losses.
+            r = _rows(mb)
+            return loss * (guard_rows / r), r
+
+        guard_rows = _rows(inputs)
+        loss = guard.backward(inputs, loss_fn, as_tensor=True)
+        return loss.detach().to(self.args.device)
+
+    # --- checkpoints: the guard's state beside the Trainer's ---------------------------------
+
+    def train(self, resume_from_checkpoint: Any = None, *a: Any, **kw: Any) -> Any:
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = transformers.trainer_utils.get_last_checkpoint(self.args.output_dir)
+        if isinstance(resume_from_checkpoint, str):
+            self._oomguard_resume = resume_from_checkpoint
+        return super().train(resume_from_checkpoint, *a, **kw)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        if self.guard is None or not self.args.should_save:
+            return
+        folder = os.path.join(
+            self._get_output_dir(trial=trial), f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        )
+        if os.path.isdir(folder):
+            tmp = os.path.join(folder, STATE_FILE + ".tmp")
+            with open(tmp, "w") as f:
+                json.dump(self.guard.state_dict(), f)
+            os.replace(tmp, os.path.join(folder, STATE_FILE))
+
+
+def _rows(batch: Any) -> int:
+    """The rows of a batch: the leading dimension of its first tensor."""
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0])
+    values = batch.values() if isinstance(batch, dict) else batch
+    for v in values:
+        if isinstance(v, (torch.Tensor, dict, list, tuple)):
+            return _rows(v)
+    raise TypeError("a batch without tensors")
