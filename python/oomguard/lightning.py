@@ -1,0 +1,78 @@
+"""`oomguard.lightning.GuardedModule`: the guard in a LightningModule's `training_step`.
+
+Keeps: the guard runs inside Lightning's own step, on manual optimization (Lightning's
+automatic optimization runs the backward in its closure, where a failed attempt cannot be
+redone on the same rows); a step trains on exactly the rows of its batch, whatever micro-batch
+the guard settles at. Its state rides in Lightning's checkpoints; `metrics.jsonl` goes into the
+Trainer's `log_dir`. Nothing is decided here: the guard (its Rust policy) decides.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+try:
+    import lightning.pytorch as pl
+except ImportError:  # pragma: no cover - the message is the point
+    try:
+        import pytorch_lightning as pl  # type: ignore[no-redef]
+    except ImportError as e:
+        raise ImportError("oomguard.lightning needs Lightning: pip install lightning", name=e.name) from e
+
+from ._guard import Guard
+
+__all__ = ["GuardedModule"]
+
+CHECKPOINT_KEY = "oomguard"
+
+
+class GuardedModule(pl.LightningModule):
+    """A LightningModule whose `training_step` calls `self.guarded_backward(batch, loss_fn)`
+    where it would call `self.manual_backward(loss)`. Set `automatic_optimization = False`
+    (this class does) and step the optimizer yourself:
+
+        def training_step(self, batch, idx):
+            opt = self.optimizers()
+            loss = self.guarded_backward(batch, lambda mb: F.mse_loss(self(mb[0]), mb[1]))
+            opt.step(); opt.zero_grad()
+
+    The batch is a step's rows on this rank (the loader's `batch_size`: Lightning's
+    `accumulate_grad_batches` stays 1), split into micro-batches that fit, starting at
+    `oomguard_micro_batch_size` (default: the whole batch)."""
+
+    oomguard_micro_batch_size: Optional[int] = None
+    oomguard_options: dict = {}
+
+    def __init__(self, *a: Any, **kw: Any):
+        super().__init__(*a, **kw)
+        self.automatic_optimization = False
+        self.guard: Optional[Guard] = None
+        self._oomguard_state: Optional[dict] = None
+
+    def guarded_backward(self, batch: Any, loss_fn: Callable[[Any], Any], **kw: Any) -> Any:
+        """`Guard.backward(batch, loss_fn)`: the gradients of the batch's mean loss, in
+        micro-batches that fit. Returns the mean loss as a 0-dim tensor (for `self.log`)."""
+        from ._batch import Rows
+
+        if self.automatic_optimization:
+            raise RuntimeError(
+                "oomguard.lightning: guarded_backward needs automatic_optimization = False (manual optimization: "
+                "Lightning's automatic step runs the backward in a closure that cannot be redone on the same rows)"
+            )
+        if self.guard is None:
+            rows = Rows(batch).rows
+            trainer = self.trainer
+            # Under DDP the strategy's wrapper: the guard drives it (agreement, its own sync).
+            model = trainer.strategy.model if trainer.world_size > 1 else self
+            options = {"run_dir": trainer.log_dir, "verbose": trainer.is_global_zero, **self.oomguard_options}
+            self.guard = Guard(model, global_batch_size=rows, micro_batch_size=self.oomguard_micro_batch_size, **options)
+            if self._oomguard_state is not None:
+                self.guard.load_state_dict(self._oomguard_state)
+        return self.guard.backward(batch, loss_fn, as_tensor=True, **kw)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if self.guard is not None:
+            checkpoint[CHECKPOINT_KEY] = self.guard.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._oomguard_state = checkpoint.get(CHECKPOINT_KEY)
