@@ -63,6 +63,7 @@ bench: setup
 	cargo bench --bench throughput --bench guard --bench launch --bench auto --bench dist --bench precision --bench torchscript --bench report --bench sweep --bench eager_gpt --bench fused_fit --bench snapshot --bench shard --bench checkpoint --bench python_model --bench scale --bench elastic
 	OMP_NUM_THREADS=1 .venv/bin/python benches/python/own_loop.py
 	OMP_NUM_THREADS=1 .venv/bin/python benches/python/sharded.py
+	OMP_NUM_THREADS=1 .venv/bin/python benches/python/hf_trainer.py
 
 # Binaries for a GPU host's own PyTorch (default 2.11): see scripts/gpu-kit.sh.
 gpu-kit:

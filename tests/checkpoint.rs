@@ -359,6 +359,41 @@ fn corrupt_and_truncated_checkpoints() {
     }
 }
 
+/// state.json carries a CRC32 of its own: a manifest changed on disk and still valid JSON (its
+/// `next_step` edited, as a flipped digit would) is refused by name (exit 2), and `--resume`
+/// falls back to the newest checkpoint that verifies.
+#[test]
+fn a_changed_state_json_is_refused_by_its_own_crc() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(
+        dir.path(),
+        "tiny.yaml",
+        &(TINY.replace("warmup_steps: 2}", "warmup_steps: 2, decay_steps: 6}") + "checkpoint: {every_steps: 2, keep: 3}\n"),
+    );
+    let run = dir.path().join("run");
+    let o = train_at(dir.path(), &cfg, &run, &["--max-steps", "4"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ckpts = checkpoints(&run);
+    let manifest = ckpts[1].join("state.json");
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    assert!(text.contains("\"manifest_crc32\""), "{text}");
+    std::fs::write(&manifest, text.replace("\"next_step\": 4", "\"next_step\": 5")).unwrap();
+    let o = oomguard(
+        &["train", cfg.to_str().unwrap(), "--resume-from", ckpts[1].to_str().unwrap(), "--max-steps", "6"],
+        dir.path(),
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("step-00000004/state.json: corrupt: its own CRC32 (manifest_crc32) does not match"),
+        "{}",
+        stderr(&o)
+    );
+    let o = resume(dir.path(), &cfg, &run, &["--max-steps", "6"]);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("skipping checkpoint") && err.contains("step-00000002 at step 2"), "{err}");
+}
+
 /// The best checkpoint by evaluation loss survives a resume: its loss is in the
 /// checkpoint's state, not only in the memory of the run that measured it.
 #[test]

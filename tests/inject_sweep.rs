@@ -149,6 +149,7 @@ fn an_oom_at_every_allocation_changes_nothing() {
         extra: Default::default(),
         files: Default::default(),
         shards: None,
+        manifest_crc32: None,
     };
     let full: Vec<(String, Tensor)> = opt.state().into_iter().map(|(n, t)| (n, t.shallow_clone())).collect();
     let save = || checkpoint::save(dir.path(), &state, &task, &full, Device::Cpu);

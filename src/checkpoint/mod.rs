@@ -109,6 +109,23 @@ pub struct TrainState {
     /// `files`), and `optimizer.safetensors` holds only the step counts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shards: Option<ShardLayout>,
+    /// The manifest's own CRC32: of this state serialised (pretty) without this field, which
+    /// `finish` writes last and `verify` checks (a manifest without one, from an older build,
+    /// is read as it is).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub manifest_crc32: Option<u32>,
+}
+
+impl TrainState {
+    /// The CRC32 of this state's manifest text without `manifest_crc32`.
+    fn own_crc32(&self) -> Result<u32> {
+        let bare = TrainState {
+            manifest_crc32: None,
+            ..self.clone()
+        };
+        let text = serde_json::to_string_pretty(&bare).map_err(|e| Error::Data(format!("encoding state.json: {e}")))?;
+        Ok(crc32fast::hash(text.as_bytes()))
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -215,6 +232,7 @@ pub fn finish(begun: &Begun, state: &TrainState, shard_sums: &[(String, FileSum)
     for (f, sum) in shard_sums {
         state.files.insert(f.clone(), sum.clone());
     }
+    state.manifest_crc32 = Some(state.own_crc32()?);
     let manifest = tmp.join("state.json");
     let text = serde_json::to_string_pretty(&state).map_err(|e| Error::Data(format!("encoding state.json: {e}")))?;
     std::fs::write(&manifest, text)
@@ -271,6 +289,16 @@ pub fn verify(dir: &Path) -> Result<TrainState> {
         )
     })?;
     let state: TrainState = serde_json::from_str(&text).map_err(|e| bad(&manifest, format!("corrupt ({e})")))?;
+    if let Some(want) = state.manifest_crc32 {
+        if state.own_crc32()? != want {
+            return Err(bad(
+                &manifest,
+                "corrupt: its own CRC32 (manifest_crc32) does not match its contents; resume from another \
+                 checkpoint (--resume-from) or delete this one"
+                    .into(),
+            ));
+        }
+    }
     let want_format = if state.shards.is_some() { FORMAT_SHARDED } else { FORMAT };
     if state.format != want_format {
         return Err(bad(&manifest, format!("format {} is not {want_format}", state.format)));

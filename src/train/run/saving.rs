@@ -249,6 +249,7 @@ impl Run<'_> {
             extra,
             files: Default::default(),
             shards: None,
+            manifest_crc32: None,
         }
     }
 
