@@ -22,11 +22,13 @@ pub enum Runner {
 }
 
 /// W&B's command macros, and what each means here.
-const MACROS: [(&str, &str); 7] = [
+/// (`${envvar:NAME}` is the eighth: the variable's value, within any word, before the rest.)
+const MACROS: [(&str, &str); 8] = [
     ("${env}", "dropped (oomguard is not run by /usr/bin/env)"),
     ("${interpreter}", "dropped (oomguard launch runs a script with python3)"),
     ("${program}", "`program`"),
     ("${args}", "--KEY=VALUE per parameter"),
+    ("${args_no_boolean_flags}", "--KEY=VALUE per parameter, --KEY for a true one, nothing for a false one"),
     ("${args_no_hyphens}", "KEY=VALUE per parameter"),
     ("${args_json}", "the parameters as one JSON object"),
     ("${args_json_file}", "a file holding that JSON object"),
@@ -34,6 +36,32 @@ const MACROS: [(&str, &str); 7] = [
 
 fn is_args(w: &str) -> bool {
     w.starts_with("${args")
+}
+
+/// `${envvar:NAME}` in `word`, as W&B's agent expands it before the other macros: NAME's value
+/// in `env`, or NAME itself when it is unset (W&B's `create_sweep_command`). NAME is W&B's
+/// `[A-Z0-9_]*`; anything else is left as it is (and refused as an unknown macro).
+pub fn expand_envvars(word: &str, env: &dyn Fn(&str) -> Option<String>) -> String {
+    const OPEN: &str = "${envvar:";
+    let mut out = String::new();
+    let mut rest = word;
+    while let Some(i) = rest.find(OPEN) {
+        let after = &rest[i + OPEN.len()..];
+        let name_len = after
+            .find(|c: char| !(c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_'))
+            .unwrap_or(after.len());
+        if !after[name_len..].starts_with('}') {
+            out.push_str(&rest[..i + OPEN.len()]);
+            rest = after;
+            continue;
+        }
+        let name = &after[..name_len];
+        out.push_str(&rest[..i]);
+        out.push_str(&env(name).unwrap_or_else(|| name.to_string()));
+        rest = &after[name_len + 1..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// Reads W&B's `command` (`program` fills `${program}`): the runner, and the notice saying how
@@ -56,12 +84,12 @@ pub fn read(
     let mut script = None;
     for item in items {
         let w = match item {
-            serde_yaml::Value::String(s) => s.clone(),
+            serde_yaml::Value::String(s) => expand_envvars(s, &|v| std::env::var(v).ok()),
             serde_yaml::Value::Number(n) => n.to_string(),
             other => return Err(refuse(format!("holds {other:?}, not a word"))),
         };
         if w.contains("${") && !MACROS.iter().any(|(m, _)| *m == w) {
-            let known = MACROS.map(|m| m.0).join(", ");
+            let known = MACROS.map(|m| m.0).join(", ") + ", ${envvar:NAME}";
             return Err(refuse(format!("`{w}` is not one of W&B's macros ({known})")));
         }
         match w.as_str() {
@@ -80,7 +108,8 @@ pub fn read(
         }
     }
     let is_oomguard = |w: &str| Path::new(w).file_name().is_some_and(|n| n == "oomguard");
-    let passes_none = "passes no parameters (none of ${args}, ${args_no_hyphens}, ${args_json}, ${args_json_file}): every trial would be the same";
+    let passes_none = "passes no parameters (none of ${args}, ${args_no_boolean_flags}, ${args_no_hyphens}, ${args_json}, \
+        ${args_json_file}): every trial would be the same";
     match words.as_slice() {
         [exe, sub, rest @ ..] if is_oomguard(exe) && sub == "train" => {
             let Some(base) = base else {
@@ -155,6 +184,11 @@ impl Runner {
         for w in words {
             match w.as_str() {
                 "${args}" => out.extend(t.params.iter().map(|(k, v)| format!("--{k}={}", python_str(v)))),
+                "${args_no_boolean_flags}" => out.extend(t.params.iter().filter_map(|(k, v)| match v {
+                    Value::Bool(true) => Some(format!("--{k}")),
+                    Value::Bool(false) => None,
+                    v => Some(format!("--{k}={}", python_str(v))),
+                })),
                 "${args_no_hyphens}" => out.extend(t.params.iter().map(|(k, v)| format!("{k}={}", python_str(v)))),
                 "${args_json}" => out.push(json()),
                 "${args_json_file}" => {
@@ -294,6 +328,42 @@ mod tests {
         );
         let written: Value = serde_json::from_str(&std::fs::read_to_string(file).unwrap()).unwrap();
         assert_eq!(written, serde_json::json!({"lr": 1e-5, "wide": true}));
+    }
+
+    /// Every macro of W&B's documented list: `${args_no_boolean_flags}` (a true boolean as a bare
+    /// flag, a false one left out) and `${envvar:NAME}` (within a word, NAME when unset), as
+    /// W&B's agent expands them.
+    #[test]
+    fn boolean_flags_and_environment_variables_as_wandbs_agent_expands_them() {
+        let env = |v: &str| (v == "DATA_DIR").then(|| "/data".to_string());
+        assert_eq!(expand_envvars("--data=${envvar:DATA_DIR}/x", &env), "--data=/data/x");
+        assert_eq!(expand_envvars("${envvar:UNSET_ONE}", &env), "UNSET_ONE");
+        assert_eq!(expand_envvars("${envvar:DATA_DIR}${envvar:DATA_DIR}", &env), "/data/data");
+        assert_eq!(expand_envvars("${envvar:lower}", &env), "${envvar:lower}");
+        let (r, _) = read(
+            &yaml("[oomguard, launch, '${program}', '${args_no_boolean_flags}', '--out=${envvar:OOMGUARD_NO_SUCH_VAR_42}']"),
+            Some(&yaml("train.py")),
+            None,
+        )
+        .unwrap();
+        let Runner::Launch { words, .. } = r else { panic!("{r:?}") };
+        assert_eq!(words, ["train.py", "${args_no_boolean_flags}", "--out=OOMGUARD_NO_SUCH_VAR_42"]);
+        let t = Trial {
+            index: 0,
+            id: "000-x".into(),
+            params: [
+                ("lr".to_string(), serde_json::json!(0.5)),
+                ("wide".into(), serde_json::json!(true)),
+                ("deep".into(), serde_json::json!(false)),
+            ]
+            .into_iter()
+            .collect(),
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let args = Runner::launch_args(&words, &t, dir.path()).unwrap();
+        assert_eq!(args[2..], ["train.py", "--lr=0.5", "--wide", "--out=OOMGUARD_NO_SUCH_VAR_42"]);
+        let e = read(&yaml("[oomguard, train, '${args_nope}']"), None, Some(Path::new("b.yaml"))).unwrap_err();
+        assert!(e.to_string().contains("${args_no_boolean_flags}") && e.to_string().contains("${envvar:NAME}"), "{e}");
     }
 
     #[test]
