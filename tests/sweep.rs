@@ -700,4 +700,20 @@ fn a_script_of_ones_own_is_swept_through_oomguard_launch() {
         "{bad}"
     );
     assert!(bad["message"].as_str().unwrap().contains("micro-batch 1"), "{bad}");
+    // A script that fails: the trial records the worker's own last error line, not the
+    // launcher's "failed (exit code 1)".
+    let failing = dir.path().join("fails.py");
+    std::fs::write(&failing, "import sys\nraise ValueError(f'{sys.argv[1]} is too big')\n").unwrap();
+    let file = dir.path().join("failing.yaml");
+    std::fs::write(&file, format!("program: {}\ncommand: [oomguard, launch, '${{program}}', '${{args}}']\nmetric: {{name: loss, goal: minimize}}\n\
+        parameters:\n  lr: {{value: 7}}\n", failing.display())).unwrap();
+    let out = dir.path().join("failing");
+    let o = run(&file, &out);
+    let rs = results(&out);
+    assert_eq!(
+        (rs[0]["status"].as_str(), rs[0]["message"].as_str()),
+        (Some("failed"), Some("ValueError: --lr=7 is too big")),
+        "{rs:?}\n{}",
+        common::stderr(&o)
+    );
 }

@@ -16,3 +16,7 @@ pub mod progress;
 pub mod units;
 
 pub use error::{ConfigError, ExitCode};
+
+/// In the launcher's last ERROR line, between its reason for giving up and the failed
+/// worker's own last error line (which `oomguard sweep` records for a failed script trial).
+pub const WORKER_SAID: &str = "; the worker's last error: ";

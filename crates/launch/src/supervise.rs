@@ -252,13 +252,15 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
                     }
                     Err((code, why)) => {
                         eprint!("{}", summary(&f, spec));
-                        let why = if code == 3 {
-                            // The error's last line: a Python traceback's is the exception.
-                            let e = f.final_error();
-                            let last = e.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or_default();
-                            format!("{why}: {}", last.trim())
-                        } else {
-                            why
+                        // The error's last line (a Python traceback's is the exception): after
+                        // exit 3 what would fit; otherwise the worker's own error, which a sweep
+                        // records for the trial.
+                        let e = f.final_error();
+                        let last = e.lines().rev().map(str::trim).find(|l| !l.is_empty());
+                        let why = match last {
+                            Some(last) if code == 3 => format!("{why}: {last}"),
+                            Some(last) => format!("{why}{}{last}", oomguard_console::WORKER_SAID),
+                            None => why,
                         };
                         Err((code, why))
                     }

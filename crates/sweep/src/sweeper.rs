@@ -408,7 +408,7 @@ impl<'a> Sweeper<'a> {
                     .map(|d| humantime::format_duration(d).to_string())
                     .unwrap_or_default()
             )),
-            _ => Some(trial::last_error_line(
+            _ => Some(trial::failure_line(
                 &std::fs::read_to_string(self.launch(&r.trial, None).log_path()).unwrap_or_default(),
             )),
         };

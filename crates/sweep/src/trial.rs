@@ -167,6 +167,16 @@ impl Launch<'_> {
     }
 }
 
+/// Why a trial failed, from its log: the last error line; a script's under `oomguard launch`
+/// is the worker's own, which the launcher's last line carries after `WORKER_SAID`.
+pub fn failure_line(log: &str) -> String {
+    let line = last_error_line(log);
+    match line.split_once(oomguard_console::WORKER_SAID) {
+        Some((_, worker)) => worker.trim().to_string(),
+        None => line,
+    }
+}
+
 /// The last line that reports an error, else the last line (log prefixes dropped).
 pub fn last_error_line(text: &str) -> String {
     let lines: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
@@ -234,5 +244,11 @@ mod tests {
             "x.yaml: model.n_embd: bad"
         );
         assert_eq!(last_error_line("only\n"), "only");
+        // A script trial: the launcher's give-up line carries the worker's own last error.
+        let log = "[default0]:Traceback (most recent call last):\n[default0]:ValueError: lr 7 is too big\n\
+                   2026 ERROR worker rank 0 on node 0 failed (exit code 1); no restarts left (--max-restarts 0); \
+                   the worker's last error: ValueError: lr 7 is too big\n";
+        assert_eq!(failure_line(log), "ValueError: lr 7 is too big");
+        assert_eq!(failure_line("a\n2026 ERROR x.yaml: bad\n"), "x.yaml: bad");
     }
 }
