@@ -19,14 +19,14 @@ wheel: build
 # are built with the `test-hooks` feature here, and in no other build. One release build serves
 # both: the feature changes only this workspace's crates, so the dependencies (libtorch's
 # bindings) are built once. `cargo build --release` then puts the plain binary back in
-# target/release/, and the README's commands (tests/readme.rs, compiled only without the
-# hooks) and the Python tests run that one. Clippy's warnings are errors, over every target
+# target/release/ (also when a test fails), and the README's commands (tests/readme.rs,
+# compiled only without the hooks) and the Python tests run that one. Clippy's warnings are errors, over every target
 # (tests, benches, examples) of every crate but python/ (maturin's), in both builds.
 test: setup docs
 	cargo fmt --all --check
 	cargo clippy --release --workspace --all-targets --features oomguard/test-hooks -- -D warnings
 	cargo clippy --release --test readme -- -D warnings
-	cargo test --release --workspace --features oomguard/test-hooks
+	cargo test --release --workspace --features oomguard/test-hooks || { cargo build --release; exit 1; }
 	cargo build --release
 	cargo test --release --test readme
 	$(MAKE) test-python
