@@ -410,7 +410,7 @@ train: {{micro_batch_size: 4, grad_accum_steps: 1, max_steps: 2, eval_every: 0, 
         let err = stderr(&o);
         assert_eq!(o.status.code(), Some(2), "{name}: {err}");
         assert!(err.contains("bad.yaml"), "{name}: the config file is not named: {err}");
-        for n in needles {
+        for n in &needles {
             assert!(err.contains(n), "{name}: `{n}` not in: {err}");
         }
         assert!(!err.contains("panicked"), "{name}: {err}");
@@ -418,6 +418,17 @@ train: {{micro_batch_size: 4, grad_accum_steps: 1, max_steps: 2, eval_every: 0, 
             !run.join("checkpoints").exists() && !run.join("model.safetensors").exists(),
             "{name}"
         );
+        // `--check` (what a sweep runs on every trial first) builds the model for real: what
+        // building finds, it finds, the same way.
+        let at_build = ["missing file", "no function", "syntax error", "missing package", "build raises", "not a module"];
+        if at_build.contains(&name) {
+            let o = oomguard(&["train", cfg.to_str().unwrap(), "--check"], dir.path());
+            let err = stderr(&o);
+            assert_eq!(o.status.code(), Some(2), "--check, {name}: {err}");
+            for n in &needles {
+                assert!(err.contains(n), "--check, {name}: `{n}` not in: {err}");
+            }
+        }
     }
 }
 

@@ -135,6 +135,7 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
         if let Some(w) = world.filter(|&w: &usize| w > 1) {
             train::check_world(cfg.raw.train.global_batch_size(), w, &config_path.display().to_string())?;
         }
+        check_builds(&cfg, build)?;
         println!("{}: valid", config_path.display());
         return Ok(());
     }
@@ -286,6 +287,28 @@ fn config_arg(args: &TrainArgs) -> anyhow::Result<&Path> {
 
 /// Resuming: the config against the one the run directory stores (`config::resume`). A
 /// change that alters the run exits 2, before anything in the run directory is touched,
+/// `--check` of a Python model (or Python data): the model and data built for real, on the
+/// CPU, as the run would build them, so that `build(settings)` raising (a typo in
+/// `model.settings`, which a sweep over `model.settings.*` would hit in every trial) is found
+/// here, naming the file. The built-in GPT and TorchScript need no build to be checked.
+fn check_builds(cfg: &config::Config, build: Builder) -> anyhow::Result<()> {
+    let c = &cfg.raw;
+    let python = c.model.kind == crate::model::ModelKind::Python || c.data.source == crate::data::DataSource::Python;
+    if !python {
+        return Ok(());
+    }
+    let base = cfg.base_dir();
+    let built = build(&crate::task::BuildContext {
+        device: tch::Device::Cpu,
+        model: &c.model,
+        data: &c.data,
+        base_dir: &base,
+        config_path: &cfg.path,
+    })?;
+    crate::task::data_for(&c.model, &c.data, &base, built.data)?;
+    Ok(())
+}
+
 /// unless `allow`; an accepted change keeps the earlier config as `config.NNN.yaml`. A run
 /// with no checkpoint yet has nothing to keep: any config goes.
 fn identity(cfg: &config::Config, run_dir: &Path, allow: bool, lead: bool) -> anyhow::Result<Option<Changed>> {
