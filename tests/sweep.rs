@@ -716,4 +716,22 @@ fn a_script_of_ones_own_is_swept_through_oomguard_launch() {
         "{rs:?}\n{}",
         common::stderr(&o)
     );
+    // Two trials that write the same relative file in the working directory they share: the
+    // second is named, with the fix (each trial's own OOMGUARD_RUN_DIR).
+    let work = dir.path().join("work");
+    std::fs::create_dir(&work).unwrap();
+    let writes = work.join("writes.py");
+    std::fs::write(&writes, "open('ckpt.pt', 'w').write('mine')\n").unwrap();
+    std::fs::write(work.join("writes.yaml"), "program: writes.py\ncommand: [oomguard, launch, '${program}', '${args}']\n\
+        metric: {name: loss, goal: minimize}\nparameters:\n  lr: {values: [1, 2]}\n").unwrap();
+    let mut cmd = Command::new(common::bin());
+    isolated(&mut cmd, dir.path())
+        .args(["sweep", "writes.yaml", "--out", "out"])
+        .current_dir(&work)
+        .env("PATH", common::path_with_venv())
+        .env("OMP_NUM_THREADS", "1");
+    let o = dies_with_test(&mut cmd).output().unwrap();
+    let err = common::stderr(&o);
+    assert_eq!(err.matches("ckpt.pt, as trial 000-").count(), 1, "{err}");
+    assert!(err.contains("write under $OOMGUARD_RUN_DIR"), "{err}");
 }

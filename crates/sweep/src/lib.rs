@@ -20,6 +20,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 mod asha;
+mod shared_files;
 mod command;
 mod domain;
 mod record;
@@ -229,6 +230,7 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
             .unwrap_or_default(),
         gpus,
         before,
+        shared: shared_files::SharedFiles::new(std::env::current_dir().unwrap_or_default(), out.clone()),
     };
     let mine = sweeper::known(&sweep, &records, (index, count));
     let todo: Vec<&Trial> = mine

@@ -49,6 +49,8 @@ pub struct Running {
     slot: usize,
     child: Child,
     started: Instant,
+    /// When it started, by the wall clock (the files it wrote are those modified since).
+    started_at: std::time::SystemTime,
     stopping: Option<(Stop, Instant)>,
     /// Early stopping: the rung this segment ends at.
     target: Option<u64>,
@@ -98,6 +100,8 @@ pub struct Sweeper<'a> {
     pub gpus: Vec<String>,
     /// Seconds trials already ran before this start (an unfinished record's).
     pub before: BTreeMap<String, f64>,
+    /// What script trials wrote in the working directory they share.
+    pub shared: crate::shared_files::SharedFiles,
 }
 
 impl<'a> Sweeper<'a> {
@@ -316,6 +320,7 @@ impl<'a> Sweeper<'a> {
                 slot,
                 child,
                 started: Instant::now(),
+                started_at: std::time::SystemTime::now(),
                 stopping: None,
                 target,
                 _lock: lock,
@@ -446,6 +451,11 @@ impl<'a> Sweeper<'a> {
                     _ => "done",
                 }
             );
+        }
+        if matches!(self.sweep.runner, crate::command::Runner::Launch { .. }) {
+            for warning in self.shared.after(&r.trial.id, r.started_at) {
+                tracing::warn!("{warning}");
+            }
         }
         let record = self.put(&r.trial, ending, r.started.elapsed().as_secs_f64())?;
         tracing::info!(
