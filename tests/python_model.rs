@@ -623,3 +623,57 @@ train: {{micro_batch_size: 16, grad_accum_steps: 1, max_steps: 3, eval_every: 3,
         }
     }
 }
+
+/// A frozen backbone (a 16 MiB linear layer, `requires_grad=False`, the LoRA and linear-probe
+/// case) under a 24 MiB budget: its frozen weights are not buffers, so no step copies them
+/// (before, each attempt's snapshot of "buffers" copied the 16 MiB and nothing fit: exit 3).
+/// They are saved with the weights, unchanged; the real buffer (BatchNorm's statistics) is
+/// still restored and saved.
+#[test]
+fn a_frozen_backbone_is_not_copied_each_step_and_fits_its_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("probe.py"),
+        "import torch\nfrom torch import nn\nclass Probe(nn.Module):\n    def __init__(self):\n        super().__init__()\n        \
+         self.backbone = nn.Linear(2048, 2048, bias=False)\n        self.backbone.weight.requires_grad_(False)\n        \
+         self.norm = nn.BatchNorm1d(2048)\n        self.head = nn.Linear(2048, 1)\n    def forward(self, x, y):\n        \
+         h = self.norm(self.backbone(x.float()))\n        return ((self.head(h) - y.float()) ** 2).mean()\ndef build(s):\n    \
+         torch.manual_seed(0)\n    return Probe()\n",
+    )
+    .unwrap();
+    let here = dir.path().to_str().unwrap().to_string();
+    python(&[
+        "-c",
+        &format!(
+            "import os, torch; os.chdir({here:?})\nfrom safetensors.torch import save_file\n\
+             g = torch.Generator().manual_seed(1)\n\
+             save_file({{'inputs': torch.randn(64, 2048, generator=g), 'targets': torch.randn(64, 1, generator=g)}}, 'rows.safetensors')\n"
+        ),
+    ]);
+    let cfg = write_config(
+        dir.path(),
+        "probe.yaml",
+        "
+model: {kind: python, path: probe.py}
+data: {source: tensors, path: rows.safetensors}
+train: {micro_batch_size: 8, grad_accum_steps: 2, max_steps: 3, eval_every: 0, device: cpu, num_threads: 1}
+memory: {budget: 24MiB}
+",
+    );
+    let run = train_ok(dir.path(), &cfg, &[]);
+    assert_eq!(records(&run, "step").len(), 3);
+    let w: std::collections::BTreeMap<String, tch::Tensor> = weights(&run).into_iter().collect();
+    // The frozen weight is saved, as built (seed 0), and the BatchNorm statistics moved.
+    let built = python(&[
+        "-c",
+        &format!(
+            "import sys, torch; sys.path.insert(0, {here:?}); import probe\n\
+             m = probe.build({{}}); print(float(m.backbone.weight.double().sum()))"
+        ),
+    ]);
+    let want: f64 = built.trim().parse().unwrap();
+    let got = w["backbone.weight"].to_kind(tch::Kind::Double).sum(tch::Kind::Double).double_value(&[]);
+    assert!((got - want).abs() < 1e-6, "the frozen weight changed: {got} vs {want}");
+    assert!(w["norm.running_mean"].abs().sum(tch::Kind::Double).double_value(&[]) > 0.0);
+    assert_eq!(w["norm.num_batches_tracked"].int64_value(&[]), 6, "2 micro-batches a step, 3 steps");
+}

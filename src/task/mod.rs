@@ -59,8 +59,10 @@ pub trait Task {
     /// The trainable parameters by name (PyTorch's names where the model has them), each
     /// tensor once, in a stable order.
     fn parameters(&self) -> Vec<(String, Tensor)>;
-    /// State saved and restored with the weights that is not trained (BatchNorm's running
-    /// statistics).
+    /// The state a step may change besides the parameters, saved and restored with the weights
+    /// (BatchNorm's running statistics): snapshotted before an attempt, put back after a failed
+    /// one, and rank 0's broadcast after each step. Not frozen parameters: those go in
+    /// `state()` only.
     fn buffers(&self) -> Vec<(String, Tensor)> {
         Vec::new()
     }

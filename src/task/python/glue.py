@@ -136,6 +136,12 @@ class Model:
         # keep_vars: the parameters themselves; tied weights appear under each name.
         return [(n, t) for n, t in self.module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)]
 
+    def buffers(self):
+        # The persistent buffers (BatchNorm's statistics): what a step changes besides the
+        # trained parameters. Frozen parameters are not among them (they are in `state`).
+        saved = set(self.module.state_dict(keep_vars=True))
+        return [(n, b) for n, b in self.module.named_buffers() if n in saved]
+
     def loss(self, batch, train):
         if self.training is not train:
             self.module.train(train)

@@ -242,6 +242,9 @@ pub struct PythonTask {
     blocks: Option<String>,
     params: Vec<(String, Tensor)>,
     state: Vec<(String, Tensor)>,
+    /// The persistent buffers only: a step may change them (snapshot, undo, broadcast); frozen
+    /// parameters, which it never changes, are in `state` alone (saved, broadcast once).
+    buffers: Vec<(String, Tensor)>,
     checkpointing: Option<bool>,
 }
 
@@ -309,6 +312,7 @@ pub fn build(ctx: &BuildContext) -> Result<Built> {
             }));
         }
         let state = tensors("state")?;
+        let buffers = tensors("buffers")?;
         let data = match &data_path {
             None => None,
             Some(p) => Some(
@@ -350,6 +354,7 @@ pub fn build(ctx: &BuildContext) -> Result<Built> {
             blocks: m.blocks.clone(),
             params,
             state,
+            buffers,
             checkpointing: (blocks > 0).then_some(false),
         };
         let built = Built::new(task);
@@ -445,17 +450,10 @@ impl Task for PythonTask {
     fn parameters(&self) -> Vec<(String, Tensor)> {
         super::shallow(&self.params)
     }
+    /// The module's persistent buffers (`named_buffers` that its `state_dict` saves), never a
+    /// frozen parameter: those no step changes.
     fn buffers(&self) -> Vec<(String, Tensor)> {
-        let trained = |t: &Tensor| {
-            self.params
-                .iter()
-                .any(|(_, p)| p.data_ptr() == t.data_ptr() && p.size() == t.size())
-        };
-        self.state
-            .iter()
-            .filter(|(_, t)| !trained(t))
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect()
+        super::shallow(&self.buffers)
     }
     /// The module's `state_dict`: tied weights under each name, buffers, frozen parameters.
     fn state(&self) -> Vec<(String, Tensor)> {
