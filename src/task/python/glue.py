@@ -174,7 +174,11 @@ class Model:
         if not self.blocks:
             self.blocks = self.find_blocks(class_name)
         for block in self.blocks:
-            if on and "forward" not in vars(block):
+            # What the block's instance had as `forward` before (a PEFT or accelerate hook is
+            # one), kept under a private attribute: turning it off restores exactly that.
+            wrapped = _CKPT_ATTR in vars(block)
+            if on and not wrapped:
+                before = vars(block).get("forward", _NONE)
                 inner = block.forward
 
                 def forward(*args, _inner=inner, **kwargs):
@@ -182,10 +186,21 @@ class Model:
                         return _inner(*args, **kwargs)
                     return ckpt.checkpoint(_inner, *args, use_reentrant=False, **kwargs)
 
+                object.__setattr__(block, _CKPT_ATTR, before)
                 block.forward = forward
-            elif not on and "forward" in vars(block):
-                del block.forward
+            elif not on and wrapped:
+                before = vars(block)[_CKPT_ATTR]
+                object.__delattr__(block, _CKPT_ATTR)
+                if before is _NONE:
+                    del block.forward
+                else:
+                    block.forward = before
         return len(self.blocks)
+
+
+# Activation checkpointing's mark on a block: what its instance's `forward` was before.
+_CKPT_ATTR = "_oomguard_checkpointed_forward"
+_NONE = object()
 
 
 def _stack(field):
