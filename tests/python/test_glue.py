@@ -81,3 +81,18 @@ def test_the_buffers_are_the_persistent_buffers_not_frozen_parameters():
     assert [n for n, _ in m.buffers()] == ["norm.running_mean", "norm.running_var", "norm.num_batches_tracked"]
     assert "frozen.weight" in [n for n, _ in m.state()]
     assert "frozen.weight" not in [n for n, _ in m.parameters()]
+
+
+def test_one_file_as_model_and_data_is_one_module(tmp_path):
+    f = tmp_path / "both.py"
+    f.write_text("RUNS = globals().get('RUNS', 0) + 1\nimport builtins\nbuiltins.oomguard_test_runs = getattr(builtins, 'oomguard_test_runs', 0) + 1\n")
+    import builtins
+
+    model = glue.load(str(f), "model.path", "model")
+    data = glue.load(str(tmp_path / "." / "both.py"), "data.path", "data")
+    assert model is data and builtins.oomguard_test_runs == 1
+    other = tmp_path / "sub"
+    other.mkdir()
+    (other / "both.py").write_text("X = 2\n")
+    third = glue.load(str(other / "both.py"), "data.path", "data")
+    assert third is not model and third.X == 2 and third.__name__ != model.__name__

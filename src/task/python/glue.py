@@ -41,14 +41,26 @@ def _short_traceback(exc, tb=None):
     return "".join(lines).rstrip()
 
 
+# The user's files already executed, by real path: one file named as both `model.path` and
+# `data.path` is one module, executed once (its globals shared, as a Python import would).
+_LOADED = {}
+
+
 def load(path, key, what):
-    """Executes the user's file as a module of its own; its folder goes on sys.path, so that
-    its own imports of files beside it work."""
+    """Executes the user's file as a module of its own (once per file); its folder goes on
+    sys.path, so that its own imports of files beside it work."""
+    real = os.path.realpath(path)
+    if real in _LOADED:
+        return _LOADED[real]
     folder = os.path.dirname(os.path.abspath(path))
     if folder not in sys.path:
         sys.path.insert(0, folder)
-    name = "oomguard_user_" + what + "_" + os.path.splitext(os.path.basename(path))[0]
-    spec = importlib.util.spec_from_file_location(name, path)
+    stem = "oomguard_user_" + os.path.splitext(os.path.basename(path))[0]
+    name, n = stem, 1
+    while name in sys.modules and getattr(sys.modules[name], "__file__", None) != real:
+        n += 1
+        name = f"{stem}_{n}"
+    spec = importlib.util.spec_from_file_location(name, real)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
@@ -64,6 +76,7 @@ def load(path, key, what):
         ) from None
     except Exception as e:  # noqa: BLE001 (any failure while loading is the file's)
         raise UserError(key, f"{path} raised {type(e).__name__} while loading:\n{_short_traceback(e)}") from None
+    _LOADED[real] = module
     return module
 
 
