@@ -368,7 +368,8 @@ fn a_changed_state_json_is_refused_by_its_own_crc() {
     let cfg = write_config(
         dir.path(),
         "tiny.yaml",
-        &(TINY.replace("warmup_steps: 2}", "warmup_steps: 2, decay_steps: 6}") + "checkpoint: {every_steps: 2, keep: 3}\n"),
+        &(TINY.replace("warmup_steps: 2}", "warmup_steps: 2, decay_steps: 6}")
+            + "checkpoint: {every_steps: 2, keep: 3}\n"),
     );
     let run = dir.path().join("run");
     let o = train_at(dir.path(), &cfg, &run, &["--max-steps", "4"]);
@@ -379,7 +380,14 @@ fn a_changed_state_json_is_refused_by_its_own_crc() {
     assert!(text.contains("\"manifest_crc32\""), "{text}");
     std::fs::write(&manifest, text.replace("\"next_step\": 4", "\"next_step\": 5")).unwrap();
     let o = oomguard(
-        &["train", cfg.to_str().unwrap(), "--resume-from", ckpts[1].to_str().unwrap(), "--max-steps", "6"],
+        &[
+            "train",
+            cfg.to_str().unwrap(),
+            "--resume-from",
+            ckpts[1].to_str().unwrap(),
+            "--max-steps",
+            "6",
+        ],
         dir.path(),
     );
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
@@ -391,7 +399,10 @@ fn a_changed_state_json_is_refused_by_its_own_crc() {
     let o = resume(dir.path(), &cfg, &run, &["--max-steps", "6"]);
     let err = stderr(&o);
     assert!(o.status.success(), "{err}");
-    assert!(err.contains("skipping checkpoint") && err.contains("step-00000002 at step 2"), "{err}");
+    assert!(
+        err.contains("skipping checkpoint") && err.contains("step-00000002 at step 2"),
+        "{err}"
+    );
 }
 
 /// The best checkpoint by evaluation loss survives a resume: its loss is in the

@@ -420,7 +420,14 @@ train: {{micro_batch_size: 4, grad_accum_steps: 1, max_steps: 2, eval_every: 0, 
         );
         // `--check` (what a sweep runs on every trial first) builds the model for real: what
         // building finds, it finds, the same way.
-        let at_build = ["missing file", "no function", "syntax error", "missing package", "build raises", "not a module"];
+        let at_build = [
+            "missing file",
+            "no function",
+            "syntax error",
+            "missing package",
+            "build raises",
+            "not a module",
+        ];
         if at_build.contains(&name) {
             let o = oomguard(&["train", cfg.to_str().unwrap(), "--check"], dir.path());
             let err = stderr(&o);
@@ -672,8 +679,14 @@ memory: {budget: 24MiB}
         ),
     ]);
     let want: f64 = built.trim().parse().unwrap();
-    let got = w["backbone.weight"].to_kind(tch::Kind::Double).sum(tch::Kind::Double).double_value(&[]);
+    let got = w["backbone.weight"]
+        .to_kind(tch::Kind::Double)
+        .sum(tch::Kind::Double)
+        .double_value(&[]);
     assert!((got - want).abs() < 1e-6, "the frozen weight changed: {got} vs {want}");
     assert!(w["norm.running_mean"].abs().sum(tch::Kind::Double).double_value(&[]) > 0.0);
-    assert!(w["norm.num_batches_tracked"].int64_value(&[]) >= 6, "2 micro-batches a step, 3 steps");
+    assert!(
+        w["norm.num_batches_tracked"].int64_value(&[]) >= 6,
+        "2 micro-batches a step, 3 steps"
+    );
 }

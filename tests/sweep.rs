@@ -722,8 +722,12 @@ fn a_script_of_ones_own_is_swept_through_oomguard_launch() {
     std::fs::create_dir(&work).unwrap();
     let writes = work.join("writes.py");
     std::fs::write(&writes, "open('ckpt.pt', 'w').write('mine')\n").unwrap();
-    std::fs::write(work.join("writes.yaml"), "program: writes.py\ncommand: [oomguard, launch, '${program}', '${args}']\n\
-        metric: {name: loss, goal: minimize}\nparameters:\n  lr: {values: [1, 2]}\n").unwrap();
+    std::fs::write(
+        work.join("writes.yaml"),
+        "program: writes.py\ncommand: [oomguard, launch, '${program}', '${args}']\n\
+        metric: {name: loss, goal: minimize}\nparameters:\n  lr: {values: [1, 2]}\n",
+    )
+    .unwrap();
     let mut cmd = Command::new(common::bin());
     isolated(&mut cmd, dir.path())
         .args(["sweep", "writes.yaml", "--out", "out"])

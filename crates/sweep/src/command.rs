@@ -28,7 +28,10 @@ const MACROS: [(&str, &str); 8] = [
     ("${interpreter}", "dropped (oomguard launch runs a script with python3)"),
     ("${program}", "`program`"),
     ("${args}", "--KEY=VALUE per parameter"),
-    ("${args_no_boolean_flags}", "--KEY=VALUE per parameter, --KEY for a true one, nothing for a false one"),
+    (
+        "${args_no_boolean_flags}",
+        "--KEY=VALUE per parameter, --KEY for a true one, nothing for a false one",
+    ),
     ("${args_no_hyphens}", "KEY=VALUE per parameter"),
     ("${args_json}", "the parameters as one JSON object"),
     ("${args_json_file}", "a file holding that JSON object"),
@@ -108,7 +111,8 @@ pub fn read(
         }
     }
     let is_oomguard = |w: &str| Path::new(w).file_name().is_some_and(|n| n == "oomguard");
-    let passes_none = "passes no parameters (none of ${args}, ${args_no_boolean_flags}, ${args_no_hyphens}, ${args_json}, \
+    let passes_none =
+        "passes no parameters (none of ${args}, ${args_no_boolean_flags}, ${args_no_hyphens}, ${args_json}, \
         ${args_json_file}): every trial would be the same";
     match words.as_slice() {
         [exe, sub, rest @ ..] if is_oomguard(exe) && sub == "train" => {
@@ -338,7 +342,10 @@ mod tests {
         let env = |v: &str| (v == "DATA_DIR").then(|| "/data".to_string());
         assert_eq!(expand_envvars("--data=${envvar:DATA_DIR}/x", &env), "--data=/data/x");
         assert_eq!(expand_envvars("${envvar:UNSET_ONE}", &env), "UNSET_ONE");
-        assert_eq!(expand_envvars("${envvar:DATA_DIR}${envvar:DATA_DIR}", &env), "/data/data");
+        assert_eq!(
+            expand_envvars("${envvar:DATA_DIR}${envvar:DATA_DIR}", &env),
+            "/data/data"
+        );
         assert_eq!(expand_envvars("${envvar:lower}", &env), "${envvar:lower}");
         let (r, _) = read(
             &yaml("[oomguard, launch, '${program}', '${args_no_boolean_flags}', '--out=${envvar:OOMGUARD_NO_SUCH_VAR_42}']"),
@@ -346,8 +353,13 @@ mod tests {
             None,
         )
         .unwrap();
-        let Runner::Launch { words, .. } = r else { panic!("{r:?}") };
-        assert_eq!(words, ["train.py", "${args_no_boolean_flags}", "--out=OOMGUARD_NO_SUCH_VAR_42"]);
+        let Runner::Launch { words, .. } = r else {
+            panic!("{r:?}")
+        };
+        assert_eq!(
+            words,
+            ["train.py", "${args_no_boolean_flags}", "--out=OOMGUARD_NO_SUCH_VAR_42"]
+        );
         let t = Trial {
             index: 0,
             id: "000-x".into(),
@@ -361,9 +373,20 @@ mod tests {
         };
         let dir = tempfile::tempdir().unwrap();
         let args = Runner::launch_args(&words, &t, dir.path()).unwrap();
-        assert_eq!(args[2..], ["train.py", "--lr=0.5", "--wide", "--out=OOMGUARD_NO_SUCH_VAR_42"]);
-        let e = read(&yaml("[oomguard, train, '${args_nope}']"), None, Some(Path::new("b.yaml"))).unwrap_err();
-        assert!(e.to_string().contains("${args_no_boolean_flags}") && e.to_string().contains("${envvar:NAME}"), "{e}");
+        assert_eq!(
+            args[2..],
+            ["train.py", "--lr=0.5", "--wide", "--out=OOMGUARD_NO_SUCH_VAR_42"]
+        );
+        let e = read(
+            &yaml("[oomguard, train, '${args_nope}']"),
+            None,
+            Some(Path::new("b.yaml")),
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("${args_no_boolean_flags}") && e.to_string().contains("${envvar:NAME}"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -20,10 +20,10 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 mod asha;
-mod shared_files;
 mod command;
 mod domain;
 mod record;
+mod shared_files;
 mod spec;
 mod status;
 mod store;

@@ -17,7 +17,11 @@ pub struct Writers {
 /// Trial `id` wrote `file`: the trial that wrote it before, when another one did and this file
 /// was not named yet.
 pub fn second_writer(w: &mut Writers, file: &Path, id: &str) -> Option<String> {
-    let first = w.first.entry(file.to_path_buf()).or_insert_with(|| id.to_string()).clone();
+    let first = w
+        .first
+        .entry(file.to_path_buf())
+        .or_insert_with(|| id.to_string())
+        .clone();
     if first == id || w.told.contains_key(file) {
         return None;
     }
