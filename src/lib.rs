@@ -21,6 +21,19 @@ macro_rules! test_hook {
     }};
 }
 
+/// A `RANK:STEP:MS` test hook's value (`test_hook!`): sleeps MS when this is rank RANK at step
+/// STEP, so that a test can kill a process at exactly that point.
+pub(crate) fn pause_at(hook: Option<String>, rank: usize, step: u64) {
+    let v: Vec<u64> = (hook.iter().flat_map(|v| v.split(':')))
+        .filter_map(|p| p.parse().ok())
+        .collect();
+    if let [r, s, ms] = v[..] {
+        if r == rank as u64 && s == step {
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+        }
+    }
+}
+
 pub mod checkpoint;
 pub mod cli;
 pub mod config;

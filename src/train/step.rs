@@ -298,15 +298,7 @@ pub fn dist_step(
 /// Test hook `OOMGUARD_TEST_COMMIT_PAUSE_MS=RANK:STEP:MS`: rank RANK sleeps MS right after
 /// committing step STEP, before the collectives that follow (tests kill it there).
 fn committed_pause(rank: usize, step: u64) {
-    let hook = test_hook!("OOMGUARD_TEST_COMMIT_PAUSE_MS");
-    let v: Vec<u64> = (hook.iter().flat_map(|v| v.split(':')))
-        .filter_map(|p| p.parse().ok())
-        .collect();
-    if let [r, s, ms] = v[..] {
-        if r == rank as u64 && s == step {
-            std::thread::sleep(std::time::Duration::from_millis(ms));
-        }
-    }
+    crate::pause_at(test_hook!("OOMGUARD_TEST_COMMIT_PAUSE_MS"), rank, step);
 }
 
 /// How a data-parallel step sums its gradients.

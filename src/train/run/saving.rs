@@ -339,13 +339,5 @@ impl Run<'_> {
 /// its shard of the checkpoint that resumes at STEP and publishing its sum (tests kill it
 /// there).
 fn shard_written_pause(rank: usize, next_step: u64) {
-    let hook = test_hook!("OOMGUARD_TEST_SHARD_PAUSE_MS");
-    let v: Vec<u64> = (hook.iter().flat_map(|v| v.split(':')))
-        .filter_map(|p| p.parse().ok())
-        .collect();
-    if let [r, step, ms] = v[..] {
-        if r == rank as u64 && step == next_step {
-            std::thread::sleep(std::time::Duration::from_millis(ms));
-        }
-    }
+    crate::pause_at(test_hook!("OOMGUARD_TEST_SHARD_PAUSE_MS"), rank, next_step);
 }
