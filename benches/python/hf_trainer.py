@@ -69,7 +69,7 @@ def run(guarded: bool, steps: int, env: dict = None) -> list:
     with tempfile.TemporaryDirectory() as out:
         args = transformers.TrainingArguments(
             output_dir=out, per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=steps,
-            learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+            learning_rate=1e-3, logging_strategy="no", save_strategy="no", report_to=[], use_cpu=True, seed=0,
             disable_tqdm=True, dataloader_num_workers=0,
         )
         kind = oomguard.hf.Trainer if guarded else transformers.Trainer
