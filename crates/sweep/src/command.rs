@@ -348,7 +348,7 @@ mod tests {
         );
         assert_eq!(expand_envvars("${envvar:lower}", &env), "${envvar:lower}");
         let (r, _) = read(
-            &yaml("[oomguard, launch, '${program}', '${args_no_boolean_flags}', '--out=${envvar:OOMGUARD_NO_SUCH_VAR_42}']"),
+            &yaml("[oomguard, launch, '${program}', '${args_no_boolean_flags}', '--out=${envvar:NO_SUCH_VAR_42}']"),
             Some(&yaml("train.py")),
             None,
         )
@@ -356,10 +356,7 @@ mod tests {
         let Runner::Launch { words, .. } = r else {
             panic!("{r:?}")
         };
-        assert_eq!(
-            words,
-            ["train.py", "${args_no_boolean_flags}", "--out=OOMGUARD_NO_SUCH_VAR_42"]
-        );
+        assert_eq!(words, ["train.py", "${args_no_boolean_flags}", "--out=NO_SUCH_VAR_42"]);
         let t = Trial {
             index: 0,
             id: "000-x".into(),
@@ -373,10 +370,7 @@ mod tests {
         };
         let dir = tempfile::tempdir().unwrap();
         let args = Runner::launch_args(&words, &t, dir.path()).unwrap();
-        assert_eq!(
-            args[2..],
-            ["train.py", "--lr=0.5", "--wide", "--out=OOMGUARD_NO_SUCH_VAR_42"]
-        );
+        assert_eq!(args[2..], ["train.py", "--lr=0.5", "--wide", "--out=NO_SUCH_VAR_42"]);
         let e = read(
             &yaml("[oomguard, train, '${args_nope}']"),
             None,
