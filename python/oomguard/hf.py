@@ -64,9 +64,11 @@ class Trainer(transformers.Trainer):
     `oomguard.Guard` (e.g. `snapshot=False`)."""
 
     def __init__(self, *a: Any, micro_batch_size: Optional[int] = None, oomguard: Optional[dict] = None, **kw: Any):
-        args = kw.get("args") if "args" in kw else (a[1] if len(a) > 1 else None)
+        positional = "args" not in kw and len(a) > 1
+        args = a[1] if positional else kw.get("args")
         if args is None:
-            raise ValueError("oomguard.hf.Trainer needs TrainingArguments (args=...): output_dir is its run directory")
+            # As transformers.Trainer does without args.
+            args = transformers.TrainingArguments(output_dir="trainer_output")
         why = _refusal(args, micro_batch_size)
         if why:
             raise ValueError(f"oomguard.hf.Trainer: {why}")
@@ -76,10 +78,10 @@ class Trainer(transformers.Trainer):
             raise ValueError(f"oomguard.hf.Trainer: micro_batch_size={start} must be in [1, {rows}] (the step's rows)")
         # The Trainer loads a step's rows as one batch; the guard accumulates instead of it.
         args = dataclasses.replace(args, per_device_train_batch_size=rows, gradient_accumulation_steps=1)
-        if "args" in kw:
-            kw["args"] = args
-        else:
+        if positional:
             a = (a[0], args, *a[2:])
+        else:
+            kw["args"] = args
         super().__init__(*a, **kw)
         self.oomguard_rows = rows
         self._oomguard_start = start
@@ -129,7 +131,10 @@ class Trainer(transformers.Trainer):
 
     def train(self, resume_from_checkpoint: Any = None, *a: Any, **kw: Any) -> Any:
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = transformers.trainer_utils.get_last_checkpoint(self.args.output_dir)
+            # None found: the Trainer's own error says so.
+            resume_from_checkpoint = (
+                transformers.trainer_utils.get_last_checkpoint(self.args.output_dir) or resume_from_checkpoint
+            )
         if isinstance(resume_from_checkpoint, str):
             self._oomguard_resume = resume_from_checkpoint
         return super().train(resume_from_checkpoint, *a, **kw)
