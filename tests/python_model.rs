@@ -690,3 +690,63 @@ memory: {budget: 24MiB}
         "2 micro-batches a step, 3 steps"
     );
 }
+
+/// A model that draws from Python's `random`, numpy's global generator and torch's, in
+/// training and in evaluation: evaluation runs on the side (the generators put back after it),
+/// so evaluating every 2 steps or never ends at the same weights, bitwise; numpy is seeded
+/// from `train.seed`, so two runs agree; and a resume restores numpy's state too.
+#[test]
+fn evaluation_never_moves_trainings_generators_and_numpy_is_seeded_and_saved() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("noisy.py"),
+        "import random\nimport numpy as np\nimport torch\nfrom torch import nn\nclass Noisy(nn.Module):\n    def __init__(self):\n        \
+         super().__init__()\n        self.w = nn.Linear(4, 1)\n    def forward(self, x, y):\n        \
+         noise = random.random() + float(np.random.rand()) + float(torch.rand(()))\n        \
+         return ((self.w(x.float()) * (1 + 0.1 * noise) - y.float()) ** 2).mean()\ndef build(s):\n    return Noisy()\n",
+    )
+    .unwrap();
+    let here = dir.path().to_str().unwrap().to_string();
+    python(&[
+        "-c",
+        &format!(
+            "import os, torch; os.chdir({here:?})\nfrom safetensors.torch import save_file\n\
+             save_file({{'inputs': torch.randn(80, 4), 'targets': torch.randn(80, 1)}}, 'rows.safetensors')\n"
+        ),
+    ]);
+    let cfg = |name: &str, eval_every: u32, extra: &str| {
+        write_config(
+            dir.path(),
+            name,
+            &format!(
+                "
+model: {{kind: python, path: noisy.py}}
+data: {{source: tensors, path: rows.safetensors}}
+optim: {{decay_steps: 6}}
+train: {{micro_batch_size: 8, grad_accum_steps: 1, max_steps: 6, eval_every: {eval_every}, eval_batch_size: 8, eval_batches: 2, seed: 3, \
+device: cpu, num_threads: 1}}
+{extra}"
+            ),
+        )
+    };
+    let never = train_into(dir.path(), &cfg("never.yaml", 0, ""), "never", &[]);
+    let often = train_into(dir.path(), &cfg("often.yaml", 2, ""), "often", &[]);
+    assert_eq!(records(&often, "eval").len(), 3);
+    let again = train_into(dir.path(), &cfg("never.yaml", 0, ""), "again", &[]);
+    let same = |a: &Path, b: &Path| {
+        weights(a)
+            .iter()
+            .zip(weights(b))
+            .all(|((n, x), (m, y))| *n == m && x.equal(&y))
+    };
+    assert!(same(&never, &often), "evaluating moved training's generators");
+    assert!(same(&never, &again), "two runs of one seed differ (numpy unseeded?)");
+    // Stopped at step 3 (its checkpoint), resumed to 6: the same weights, bitwise.
+    let part = cfg("part.yaml", 2, "checkpoint: {every_steps: 3}\n");
+    let run = dir.path().join("part");
+    let o = train_at(dir.path(), &part, &run, &["--max-steps", "3"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = resume(dir.path(), &part, &run, &["--max-steps", "6"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(same(&never, &run), "the resumed run differs from the one run");
+}

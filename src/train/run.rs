@@ -320,6 +320,11 @@ impl<'a> Run<'a> {
             device: self.device,
             loss_scale: None,
         };
+        // Evaluation never moves training's generators (torch's, Python's, numpy's): whatever
+        // it draws, training draws next what it would have without it, so the `train.eval_*`
+        // keys change nothing but the evaluations.
+        let torch_rng = crate::rng::capture(self.device).map_err(|e| Error::from(e).in_phase(Phase::Eval))?;
+        let host_rng = self.task.host_rng_state();
         let v = evaluate(
             self.task.as_ref(),
             &spec,
@@ -328,6 +333,10 @@ impl<'a> Run<'a> {
             &amp,
             self.pg.as_deref(),
         );
+        crate::rng::restore(&torch_rng, self.device).map_err(|e| Error::from(e).in_phase(Phase::Eval))?;
+        if let Some(h) = &host_rng {
+            self.task.set_host_rng_state(h)?;
+        }
         let v = self.after_guarded(v, step)?;
         if self.lead {
             tracing::info!("eval  {:>5} | val loss {v:.4}", step + 1);

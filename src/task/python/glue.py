@@ -276,11 +276,43 @@ class Data:
         return n
 
 
+def _numpy_random():
+    """numpy's global generator (`np.random`), when numpy is installed."""
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy.random
+
+
+def seed_host(seed):
+    """numpy's global generator seeded from the run's seed, as Python's `random` is: a model or
+    dataset that draws from it is the same run to run."""
+    np_random = _numpy_random()
+    if np_random is not None:
+        np_random.seed(seed % (1 << 32))
+
+
 def python_rng_state():
+    """The host generators a model may draw from: Python's `random` and numpy's global one."""
     version, internal, gauss = random.getstate()
-    return [version, list(internal), gauss]
+    state = {"random": [version, list(internal), gauss]}
+    np_random = _numpy_random()
+    if np_random is not None:
+        kind, keys, pos, has_gauss, cached = np_random.get_state()
+        state["numpy"] = [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+    return state
 
 
 def set_python_rng_state(state):
-    version, internal, gauss = state
+    if isinstance(state, list):  # a checkpoint from before numpy's state was kept
+        state = {"random": state}
+    version, internal, gauss = state["random"]
     random.setstate((version, tuple(internal), gauss))
+    np_state = state.get("numpy")
+    np_random = _numpy_random()
+    if np_state is not None and np_random is not None:
+        import numpy
+
+        kind, keys, pos, has_gauss, cached = np_state
+        np_random.set_state((kind, numpy.array(keys, dtype=numpy.uint32), pos, has_gauss, cached))

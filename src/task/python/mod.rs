@@ -99,6 +99,10 @@ fn start(py: Python<'_>) -> std::result::Result<Py<PyModule>, String> {
     let code = CString::new(GLUE).expect("glue.py has no NUL");
     let m = PyModule::from_code(py, &code, c"oomguard_glue.py", c"oomguard_glue")
         .map_err(|e| format!("oomguard's Python glue failed to load: {e}"))?;
+    torch
+        .call_method0("initial_seed")
+        .and_then(|seed| m.call_method1("seed_host", (seed,)))
+        .map_err(|e| format!("cannot seed numpy's global generator: {e}"))?;
     Ok(m.unbind())
 }
 
