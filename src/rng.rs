@@ -64,8 +64,13 @@ pub fn set_states(saved: &[(String, Tensor)], device: Device) -> Result<()> {
 /// function of (seed, step, rank). Dropout masks differ by rank, a retried attempt draws
 /// what the first drew, and a resume at any world size needs no saved state.
 pub fn seed_rank_step(seed: u64, step: u64, rank: usize) {
-    let s = splitmix64(seed ^ splitmix64(step ^ splitmix64(rank as u64 ^ 0xD15C0)));
-    tch::manual_seed((s >> 1) as i64);
+    tch::manual_seed(rank_step_seed(seed, step, rank) as i64);
+}
+
+/// The seed of (seed, step, rank): torch's generators' and, for a model with host
+/// generators (Python's `random`, numpy's), theirs (`Task::seed_host_rng`).
+pub fn rank_step_seed(seed: u64, step: u64, rank: usize) -> u64 {
+    splitmix64(seed ^ splitmix64(step ^ splitmix64(rank as u64 ^ 0xD15C0))) >> 1
 }
 
 /// SplitMix64: a counter-based generator, so any sample is computed without a sequence.

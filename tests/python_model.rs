@@ -750,3 +750,104 @@ device: cpu, num_threads: 1}}
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(same(&never, &run), "the resumed run differs from the one run");
 }
+
+/// One process, a model with dropout and draws from Python's `random` and numpy's: a retried
+/// attempt draws what the first drew (torch's generators and the host's put back), so a run
+/// with injected OOMs ends at the clean run's parameters, as `--inject-oom` promises.
+#[test]
+fn a_retried_attempt_draws_what_the_first_drew() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("drop.py"),
+        "import random\nimport numpy as np\nimport torch\nfrom torch import nn\nclass Drop(nn.Module):\n    def __init__(self):\n        \
+         super().__init__()\n        self.net = nn.Sequential(nn.Linear(4, 32), nn.Dropout(0.3), nn.Linear(32, 1))\n    \
+         def forward(self, x, y):\n        n = x.shape[0]\n        \
+         host = [random.random() for _ in range(n)] if self.training else [0.0] * n\n        \
+         more = np.random.rand(n) if self.training else np.zeros(n)\n        \
+         scale = 1.0 + 0.1 * (torch.tensor(host) + torch.from_numpy(more)).float().unsqueeze(1)\n        \
+         return ((self.net(x.float()) * scale - y.float()) ** 2).mean()\ndef build(s):\n    return Drop()\n",
+    )
+    .unwrap();
+    let here = dir.path().to_str().unwrap().to_string();
+    python(&[
+        "-c",
+        &format!(
+            "import os, torch; os.chdir({here:?})\nfrom safetensors.torch import save_file\n\
+             save_file({{'inputs': torch.randn(80, 4), 'targets': torch.randn(80, 1)}}, 'rows.safetensors')\n"
+        ),
+    ]);
+    // Every draw is per row (dropout's mask, a number per row from `random` and numpy), so a
+    // split into smaller micro-batches draws the same sequence: only a retry that did not
+    // rewind would draw other numbers.
+    let cfg = |mb: u32, ga: u32| {
+        write_config(
+            dir.path(),
+            &format!("drop-{mb}.yaml"),
+            &format!(
+                "
+model: {{kind: python, path: drop.py}}
+data: {{source: tensors, path: rows.safetensors}}
+train: {{micro_batch_size: {mb}, grad_accum_steps: {ga}, max_steps: 6, eval_every: 0, seed: 3, device: cpu, num_threads: 1}}
+"
+            ),
+        )
+    };
+    let clean = train_into(dir.path(), &cfg(8, 2), "clean", &[]);
+    let injected = train_into(dir.path(), &cfg(8, 2), "injected", &["--inject-oom", "3:7"]);
+    assert_eq!(records(&injected, "oom").len(), 3);
+    let d = max_abs_diff(&weights(&clean), &weights(&injected));
+    assert!(
+        d < 1e-6,
+        "a retried attempt drew other dropout masks or host draws: {d}"
+    );
+}
+
+/// Data parallel: Python's `random` and numpy's global generator are seeded per (seed, step,
+/// rank), as torch's are: each rank draws its own numbers (no identical augmentations on every
+/// rank), and two runs of one seed draw the same ones.
+#[test]
+fn each_rank_draws_its_own_host_numbers_and_runs_repeat() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("draws.py"),
+        "import os, random\nimport numpy as np\nimport torch\nfrom torch import nn\nclass Draws(nn.Module):\n    def __init__(self):\n        \
+         super().__init__()\n        self.w = nn.Linear(4, 1)\n    def forward(self, x, y):\n        \
+         if self.training:\n            with open(os.environ['DRAWS'] + '-' + os.environ['RANK'], 'a') as f:\n                \
+         f.write(f'{random.random()} {np.random.rand()}\\n')\n        return ((self.w(x.float()) - y.float()) ** 2).mean()\n\
+         def build(s):\n    return Draws()\n",
+    )
+    .unwrap();
+    let here = dir.path().to_str().unwrap().to_string();
+    python(&[
+        "-c",
+        &format!(
+            "import os, torch; os.chdir({here:?})\nfrom safetensors.torch import save_file\n\
+             save_file({{'inputs': torch.randn(80, 4), 'targets': torch.randn(80, 1)}}, 'rows.safetensors')\n"
+        ),
+    ]);
+    let cfg = write_config(
+        dir.path(),
+        "draws.yaml",
+        "
+model: {kind: python, path: draws.py}
+data: {source: tensors, path: rows.safetensors}
+train: {micro_batch_size: 8, grad_accum_steps: 1, max_steps: 3, eval_every: 0, seed: 3, device: cpu, num_threads: 1}
+",
+    );
+    let draws = |name: &str| {
+        let prefix = dir.path().join(name);
+        let mut c = train_command(dir.path(), &cfg, &dir.path().join(format!("run-{name}")), 2);
+        let o = c.env("DRAWS", &prefix).output().unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        (0..2)
+            .map(|r| std::fs::read_to_string(format!("{}-{r}", prefix.display())).unwrap())
+            .collect::<Vec<_>>()
+    };
+    let first = draws("a");
+    assert_eq!(first[0].lines().count(), 3, "{first:?}");
+    for (a, b) in first[0].lines().zip(first[1].lines()) {
+        let (a, b): (Vec<&str>, Vec<&str>) = (a.split(' ').collect(), b.split(' ').collect());
+        assert!(a[0] != b[0] && a[1] != b[1], "ranks drew the same numbers: {first:?}");
+    }
+    assert_eq!(draws("b"), first, "two runs of one seed drew different numbers");
+}

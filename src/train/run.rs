@@ -153,6 +153,7 @@ impl<'a> Run<'a> {
             let mut ctx = StepCtx {
                 opt: &mut self.opt,
                 buffers: None,
+                rng: None,
             };
             let result = self.guard.run(
                 step,
@@ -165,10 +166,12 @@ impl<'a> Run<'a> {
                                 pg.agree(Topic::BufferSnapshot, ctx.snapshot_buffers(task))?;
                             }
                             crate::rng::seed_rank_step(c.train.seed, step, pg.rank);
+                            task.seed_host_rng(crate::rng::rank_step_seed(c.train.seed, step, pg.rank))?;
                             dist_step(pg, task, ctx.opt, &batches, step, mb, &u)
                         }
                         None => {
                             ctx.snapshot_buffers(task)?;
+                            ctx.same_draws(task, self.device)?;
                             step_with(task, ctx.opt, &batches, step, mb, &u)
                         }
                     }
@@ -431,9 +434,28 @@ impl<'a> Run<'a> {
 struct StepCtx<'o> {
     opt: &'o mut AdamW,
     buffers: Option<Vec<Tensor>>,
+    /// One process: torch's generators at the step's first attempt (the host's are kept by
+    /// the task), put back for each retry.
+    rng: Option<Vec<Tensor>>,
 }
 
 impl StepCtx<'_> {
+    /// One process: a retried attempt draws what the first drew (torch's generators and the
+    /// model's host generators as they were at the step's start), so that an OOM's retry
+    /// ends where a clean run does, dropout and all.
+    fn same_draws(&mut self, task: &dyn Task, device: Device) -> Result<()> {
+        let at = |e: tch::TchError| Error::from(e).in_phase(Phase::Forward);
+        match &self.rng {
+            None => {
+                self.rng = Some(crate::rng::capture(device).map_err(at)?);
+                task.mark_host_rng()
+            }
+            Some(states) => {
+                crate::rng::restore(states, device).map_err(at)?;
+                task.rewind_host_rng()
+            }
+        }
+    }
     fn snapshot_buffers(&mut self, task: &dyn Task) -> Result<()> {
         if self.buffers.is_none() {
             let copies = task

@@ -450,6 +450,23 @@ impl PythonTask {
     }
 }
 
+impl PythonTask {
+    /// The glue's `name(seed)` (or `name()`) on the host generators; a failure is the step's
+    /// (forward).
+    fn call_glue(&self, name: &str, seed: Option<u64>) -> Result<()> {
+        Python::with_gil(|py| {
+            let g = glue(py)?;
+            let called = match seed {
+                Some(s) => g.call_method1(name, (s,)),
+                None => g.call_method0(name),
+            };
+            called
+                .map(drop)
+                .map_err(|e| Error::from(to_tch(py, e)).in_phase(crate::error::Phase::Forward))
+        })
+    }
+}
+
 impl Task for PythonTask {
     fn parameters(&self) -> Vec<(String, Tensor)> {
         super::shallow(&self.params)
@@ -517,6 +534,15 @@ impl Task for PythonTask {
                 .ok()?;
             serde_json::from_str(&text).ok()
         })
+    }
+    fn mark_host_rng(&self) -> Result<()> {
+        self.call_glue("mark_host", None)
+    }
+    fn rewind_host_rng(&self) -> Result<()> {
+        self.call_glue("rewind_host", None)
+    }
+    fn seed_host_rng(&self, seed: u64) -> Result<()> {
+        self.call_glue("seed_host_all", Some(seed))
     }
     fn set_host_rng_state(&self, state: &serde_json::Value) -> Result<()> {
         Python::with_gil(|py| {
