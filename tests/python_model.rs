@@ -205,7 +205,11 @@ fn sigint_then_resume_is_bitwise_with_pythons_random_state() {
     )
     .unwrap();
     let host = &state["extra"]["host_rng"];
-    assert!(host["random"].is_array() && host["numpy"].is_array(), "{}", state["extra"]);
+    assert!(
+        host["random"].is_array() && host["numpy"].is_array(),
+        "{}",
+        state["extra"]
+    );
 }
 
 /// Two ranks over Gloo under the real launcher end where one process does.

@@ -123,6 +123,16 @@ impl<'a> Run<'a> {
         let exchanged_before = self.pg.as_ref().map(|pg| pg.exchange_bytes());
         memory::inject::targeted::at(self.rank(), step);
         let ooms_before = self.guard.policy.num_ooms;
+        // One process: the generators at the step's start, taken before the guard's baseline
+        // (kept across attempts and the ladder's rungs, they are no failed attempt's leftovers).
+        let rng_at_start = match self.pg {
+            Some(_) => None,
+            None => {
+                self.task.mark_host_rng()?;
+                Some(crate::rng::capture(self.device).map_err(|e| Error::from(e).in_phase(Phase::Forward))?)
+            }
+        };
+        let mut attempts = 0usize;
         let result = loop {
             let mut batches = StepSamples::new(
                 self.data.train.as_ref(),
@@ -153,7 +163,8 @@ impl<'a> Run<'a> {
             let mut ctx = StepCtx {
                 opt: &mut self.opt,
                 buffers: None,
-                rng: None,
+                rng: rng_at_start.as_deref(),
+                attempts: &mut attempts,
             };
             let result = self.guard.run(
                 step,
@@ -434,9 +445,11 @@ impl<'a> Run<'a> {
 struct StepCtx<'o> {
     opt: &'o mut AdamW,
     buffers: Option<Vec<Tensor>>,
-    /// One process: torch's generators at the step's first attempt (the host's are kept by
-    /// the task), put back for each retry.
-    rng: Option<Vec<Tensor>>,
+    /// One process: torch's generators at the step's start (the host's are kept by the
+    /// task), put back for each retry.
+    rng: Option<&'o [Tensor]>,
+    /// The step's attempts so far, over the ladder's rungs too.
+    attempts: &'o mut usize,
 }
 
 impl StepCtx<'_> {
@@ -444,16 +457,13 @@ impl StepCtx<'_> {
     /// model's host generators as they were at the step's start), so that an OOM's retry
     /// ends where a clean run does, dropout and all.
     fn same_draws(&mut self, task: &dyn Task, device: Device) -> Result<()> {
-        let at = |e: tch::TchError| Error::from(e).in_phase(Phase::Forward);
-        match &self.rng {
-            None => {
-                self.rng = Some(crate::rng::capture(device).map_err(at)?);
-                task.mark_host_rng()
-            }
-            Some(states) => {
-                crate::rng::restore(states, device).map_err(at)?;
+        *self.attempts += 1;
+        match self.rng {
+            Some(states) if *self.attempts > 1 => {
+                crate::rng::restore(states, device).map_err(|e| Error::from(e).in_phase(Phase::Forward))?;
                 task.rewind_host_rng()
             }
+            _ => Ok(()),
         }
     }
     fn snapshot_buffers(&mut self, task: &dyn Task) -> Result<()> {
