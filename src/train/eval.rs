@@ -58,7 +58,11 @@ pub fn evaluate(
     };
     // The batches' weighted losses add up on the device; one read at the end.
     let mut total: Option<Tensor> = None;
-    let mut valid_in_all: Option<Option<usize>> = None;
+    // The valid units of all batches (counted once), and torch's generators as training left
+    // them (host bytes, taken in the first attempt and put back at the end of every attempt
+    // that succeeds: evaluation never moves training's draws; inside the guard, an OOM in
+    // either is retried like any other).
+    let mut ctx: (Option<Option<usize>>, Option<Vec<Vec<u8>>>) = (None, None);
     for k in 0..spec.num_batches as u64 {
         let positions = positions_of(k);
         // Each attempt adds its batch to the total so far (a new tensor, inside the guard: an
@@ -66,9 +70,12 @@ pub fn evaluate(
         let so_far = total.as_ref();
         total = Some(guard.run(
             step,
-            &mut valid_in_all,
-            |valid_in_all, mb| {
+            &mut ctx,
+            |(valid_in_all, training_rng), mb| {
                 let local = (|| {
+                    if training_rng.is_none() {
+                        *training_rng = Some(crate::rng::capture_bytes(spec.device).map_err(|e| in_eval(e.into()))?);
+                    }
                     let valid = match *valid_in_all {
                         Some(v) => v,
                         None => *valid_in_all.insert(count_valid()?),
@@ -96,9 +103,13 @@ pub fn evaluate(
                         Some(s) => s,
                         None => Tensor::f_zeros([], (Kind::Double, spec.device)).map_err(|e| in_eval(e.into()))?,
                     };
-                    so_far
+                    let total = so_far
                         .map_or(Ok(sum.shallow_clone()), |t| t.f_add(&sum))
-                        .map_err(|e| in_eval(e.into()))
+                        .map_err(|e| in_eval(e.into()))?;
+                    if let Some(states) = training_rng.as_ref() {
+                        crate::rng::restore_bytes(states, spec.device).map_err(|e| in_eval(e.into()))?;
+                    }
+                    Ok(total)
                 })();
                 match pg {
                     Some(pg) => pg.agree(Topic::EvalAttempt, local),

@@ -123,16 +123,9 @@ impl<'a> Run<'a> {
         let exchanged_before = self.pg.as_ref().map(|pg| pg.exchange_bytes());
         memory::inject::targeted::at(self.rank(), step);
         let ooms_before = self.guard.policy.num_ooms;
-        // One process: the generators at the step's start, taken before the guard's baseline
-        // (kept across attempts and the ladder's rungs, they are no failed attempt's leftovers).
-        let rng_at_start = match self.pg {
-            Some(_) => None,
-            None => {
-                self.task.mark_host_rng()?;
-                Some(crate::rng::capture(self.device).map_err(|e| Error::from(e).in_phase(Phase::Forward))?)
-            }
-        };
-        let mut attempts = 0usize;
+        // One process: the generators at the step's first attempt, as host bytes (kept across
+        // attempts and the ladder's rungs, they hold no memory the guard counts).
+        let mut rng_at_start: Option<Vec<Vec<u8>>> = None;
         let result = loop {
             let mut batches = StepSamples::new(
                 self.data.train.as_ref(),
@@ -163,8 +156,7 @@ impl<'a> Run<'a> {
             let mut ctx = StepCtx {
                 opt: &mut self.opt,
                 buffers: None,
-                rng: rng_at_start.as_deref(),
-                attempts: &mut attempts,
+                rng: &mut rng_at_start,
             };
             let result = self.guard.run(
                 step,
@@ -334,10 +326,9 @@ impl<'a> Run<'a> {
             device: self.device,
             loss_scale: None,
         };
-        // Evaluation never moves training's generators (torch's, Python's, numpy's): whatever
-        // it draws, training draws next what it would have without it, so the `train.eval_*`
-        // keys change nothing but the evaluations.
-        let torch_rng = crate::rng::capture(self.device).map_err(|e| Error::from(e).in_phase(Phase::Eval))?;
+        // Evaluation never moves training's generators (torch's, put back by `evaluate`;
+        // Python's and numpy's, here): whatever it draws, training draws next what it would
+        // have without it, so the `train.eval_*` keys change nothing but the evaluations.
         let host_rng = self.task.host_rng_state();
         let v = evaluate(
             self.task.as_ref(),
@@ -347,7 +338,6 @@ impl<'a> Run<'a> {
             &amp,
             self.pg.as_deref(),
         );
-        crate::rng::restore(&torch_rng, self.device).map_err(|e| Error::from(e).in_phase(Phase::Eval))?;
         if let Some(h) = &host_rng {
             self.task.set_host_rng_state(h)?;
         }
@@ -445,11 +435,9 @@ impl<'a> Run<'a> {
 struct StepCtx<'o> {
     opt: &'o mut AdamW,
     buffers: Option<Vec<Tensor>>,
-    /// One process: torch's generators at the step's start (the host's are kept by the
-    /// task), put back for each retry.
-    rng: Option<&'o [Tensor]>,
-    /// The step's attempts so far, over the ladder's rungs too.
-    attempts: &'o mut usize,
+    /// One process: torch's generators at the step's first attempt (the host's are kept by
+    /// the task), put back for each retry.
+    rng: &'o mut Option<Vec<Vec<u8>>>,
 }
 
 impl StepCtx<'_> {
@@ -457,13 +445,16 @@ impl StepCtx<'_> {
     /// model's host generators as they were at the step's start), so that an OOM's retry
     /// ends where a clean run does, dropout and all.
     fn same_draws(&mut self, task: &dyn Task, device: Device) -> Result<()> {
-        *self.attempts += 1;
-        match self.rng {
-            Some(states) if *self.attempts > 1 => {
-                crate::rng::restore(states, device).map_err(|e| Error::from(e).in_phase(Phase::Forward))?;
+        let at = |e: tch::TchError| Error::from(e).in_phase(Phase::Forward);
+        match self.rng.as_ref() {
+            None => {
+                *self.rng = Some(crate::rng::capture_bytes(device).map_err(at)?);
+                task.mark_host_rng()
+            }
+            Some(states) => {
+                crate::rng::restore_bytes(states, device).map_err(at)?;
                 task.rewind_host_rng()
             }
-            _ => Ok(()),
         }
     }
     fn snapshot_buffers(&mut self, task: &dyn Task) -> Result<()> {
