@@ -116,16 +116,19 @@ pub struct TrainState {
     pub manifest_crc32: Option<u32>,
 }
 
-impl TrainState {
-    /// The CRC32 of this state's manifest text without `manifest_crc32`.
-    fn own_crc32(&self) -> Result<u32> {
-        let bare = TrainState {
-            manifest_crc32: None,
-            ..self.clone()
-        };
-        let text = serde_json::to_string_pretty(&bare).map_err(|e| Error::Data(format!("encoding state.json: {e}")))?;
-        Ok(crc32fast::hash(text.as_bytes()))
-    }
+/// The manifest's text with its own CRC32: `body` (the state serialised without
+/// `manifest_crc32`, as written) with `"manifest_crc32": CRC` appended as its last field.
+fn with_own_crc(body: &str) -> String {
+    let crc = crc32fast::hash(body.as_bytes());
+    let open = body.trim_end().strip_suffix('}').unwrap_or(body).trim_end();
+    format!("{open},\n  \"manifest_crc32\": {crc}\n}}")
+}
+
+/// `with_own_crc` undone: the body whose CRC32 the manifest claims, or None when its last
+/// field is not that claim exactly (the text was changed there).
+fn body_of(text: &str, crc: u32) -> Option<String> {
+    let open = text.strip_suffix(&format!(",\n  \"manifest_crc32\": {crc}\n}}"))?;
+    Some(format!("{open}\n}}"))
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -232,9 +235,10 @@ pub fn finish(begun: &Begun, state: &TrainState, shard_sums: &[(String, FileSum)
     for (f, sum) in shard_sums {
         state.files.insert(f.clone(), sum.clone());
     }
-    state.manifest_crc32 = Some(state.own_crc32()?);
+    state.manifest_crc32 = None;
     let manifest = tmp.join("state.json");
-    let text = serde_json::to_string_pretty(&state).map_err(|e| Error::Data(format!("encoding state.json: {e}")))?;
+    let body = serde_json::to_string_pretty(&state).map_err(|e| Error::Data(format!("encoding state.json: {e}")))?;
+    let text = with_own_crc(&body);
     std::fs::write(&manifest, text)
         .and_then(|()| atomic::sync(&manifest))
         .map_err(io_err("cannot write", &manifest))?;
@@ -290,7 +294,7 @@ pub fn verify(dir: &Path) -> Result<TrainState> {
     })?;
     let state: TrainState = serde_json::from_str(&text).map_err(|e| bad(&manifest, format!("corrupt ({e})")))?;
     if let Some(want) = state.manifest_crc32 {
-        if state.own_crc32()? != want {
+        if body_of(&text, want).is_none_or(|body| crc32fast::hash(body.as_bytes()) != want) {
             return Err(bad(
                 &manifest,
                 "corrupt: its own CRC32 (manifest_crc32) does not match its contents; resume from another \
@@ -484,5 +488,23 @@ pub fn clean_partial(run_dir: &Path) {
         if e.file_name().to_string_lossy().starts_with(".tmp-") {
             let _ = std::fs::remove_dir_all(e.path());
         }
+    }
+}
+
+#[cfg(test)]
+mod own_crc_tests {
+    use super::*;
+
+    #[test]
+    fn the_manifests_own_crc_is_of_its_text_and_any_change_breaks_it() {
+        let body = "{\n  \"format\": 2,\n  \"extra\": {\n    \"loss_scale\": 2048.0\n  }\n}";
+        let text = with_own_crc(body);
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let crc = v["manifest_crc32"].as_u64().unwrap() as u32;
+        assert_eq!(crc, crc32fast::hash(body.as_bytes()));
+        assert_eq!(body_of(&text, crc).as_deref(), Some(body));
+        let changed = text.replace("2048.0", "2049.0");
+        assert_ne!(crc32fast::hash(body_of(&changed, crc).unwrap().as_bytes()), crc);
+        assert_eq!(body_of(&text, crc + 1), None, "a claim edited is not the claim");
     }
 }
