@@ -413,31 +413,50 @@ def test_pip_install_gives_import_oomguard_and_the_command(tmp_path):
     assert png.stat().st_size > 10_000
 
 
+_DDP_ONE_RANK = """
+import sys, torch, torch.distributed as dist, oomguard
+
+class TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Linear(8, 4, dtype=torch.float64)
+        self.unused = torch.nn.Linear(8, 4, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.used(x)
+
+torch.manual_seed(0)
+m = TwoHeads()
+x = torch.randn(12, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+want = torch.autograd.grad(m(x).pow(2).mean(), list(m.used.parameters()))
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+try:
+    ddp = torch.nn.parallel.DistributedDataParallel(m)
+    guard = oomguard.Guard(ddp, global_batch_size=12, micro_batch_size=5, verbose=False, cache=False)
+    guard.backward(x, lambda b: ddp(b).pow(2).mean())
+finally:
+    dist.destroy_process_group()
+diff = max((p.grad - w).abs().max().item() for p, w in zip(m.used.parameters(), want))
+print("diff", diff, "unused", [p.grad for p in m.unused.parameters()])
+"""
+
+
 def test_ddp_averages_in_place_and_leaves_unused_parameters_without_grad(tmp_path):
-    import torch.distributed as dist
+    # In a process of its own (a process group in pytest's own process would outlive an
+    # interrupted test and meet the state earlier tests left there), under a timeout.
+    from conftest import env
 
-    class TwoHeads(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.used = torch.nn.Linear(8, 4, dtype=torch.float64)
-            self.unused = torch.nn.Linear(8, 4, dtype=torch.float64)
-
-        def forward(self, x):
-            return self.used(x)
-
-    torch.manual_seed(0)
-    m = TwoHeads()
-    x, _ = _data(12)
-    want = torch.autograd.grad(m(x).pow(2).mean(), list(m.used.parameters()))
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        ddp = torch.nn.parallel.DistributedDataParallel(m)
-        guard = oomguard.Guard(ddp, global_batch_size=12, micro_batch_size=5, verbose=False, cache=False)
-        guard.backward(x, lambda b: ddp(b).pow(2).mean())
-    finally:
-        dist.destroy_process_group()
-    assert max_diff([p.grad for p in m.used.parameters()], list(want)) < 1e-12
-    assert [p.grad for p in m.unused.parameters()] == [None, None]
+    p = subprocess.run(
+        [sys.executable, "-c", _DDP_ONE_RANK, str(tmp_path / "store")],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    diff, unused = p.stdout.split("diff ")[1].split(" unused ")
+    assert float(diff) < 1e-12, p.stdout
+    assert unused.strip() == "[None, None]", p.stdout
 
 
 # --- two Gloo ranks with DDP: an OOM on one rank shrinks both -------------------------------
