@@ -653,15 +653,8 @@ fn a_frozen_backbone_is_not_copied_each_step_and_fits_its_budget() {
          torch.manual_seed(0)\n    return Probe()\n",
     )
     .unwrap();
+    rows_file(dir.path(), 64, 2048);
     let here = dir.path().to_str().unwrap().to_string();
-    python(&[
-        "-c",
-        &format!(
-            "import os, torch; os.chdir({here:?})\nfrom safetensors.torch import save_file\n\
-             g = torch.Generator().manual_seed(1)\n\
-             save_file({{'inputs': torch.randn(64, 2048, generator=g), 'targets': torch.randn(64, 1, generator=g)}}, 'rows.safetensors')\n"
-        ),
-    ]);
     let cfg = write_config(
         dir.path(),
         "probe.yaml",
@@ -711,14 +704,7 @@ fn evaluation_never_moves_trainings_generators_and_numpy_is_seeded_and_saved() {
          return ((self.w(x.float()) * (1 + 0.1 * noise) - y.float()) ** 2).mean()\ndef build(s):\n    return Noisy()\n",
     )
     .unwrap();
-    let here = dir.path().to_str().unwrap().to_string();
-    python(&[
-        "-c",
-        &format!(
-            "import os, torch; os.chdir({here:?})\nfrom safetensors.torch import save_file\n\
-             save_file({{'inputs': torch.randn(80, 4), 'targets': torch.randn(80, 1)}}, 'rows.safetensors')\n"
-        ),
-    ]);
+    rows_file(dir.path(), 80, 4);
     let cfg = |name: &str, eval_every: u32, extra: &str| {
         write_config(
             dir.path(),
@@ -773,14 +759,7 @@ fn a_retried_attempt_draws_what_the_first_drew() {
          return ((self.net(x.float()) * scale - y.float()) ** 2).mean()\ndef build(s):\n    return Drop()\n",
     )
     .unwrap();
-    let here = dir.path().to_str().unwrap().to_string();
-    python(&[
-        "-c",
-        &format!(
-            "import os, torch; os.chdir({here:?})\nfrom safetensors.torch import save_file\n\
-             save_file({{'inputs': torch.randn(80, 4), 'targets': torch.randn(80, 1)}}, 'rows.safetensors')\n"
-        ),
-    ]);
+    rows_file(dir.path(), 80, 4);
     // Every draw is per row (dropout's mask, a number per row from `random` and numpy), so a
     // split into smaller micro-batches draws the same sequence: only a retry that did not
     // rewind would draw other numbers.
@@ -822,14 +801,7 @@ fn each_rank_draws_its_own_host_numbers_and_runs_repeat() {
          def build(s):\n    return Draws()\n",
     )
     .unwrap();
-    let here = dir.path().to_str().unwrap().to_string();
-    python(&[
-        "-c",
-        &format!(
-            "import os, torch; os.chdir({here:?})\nfrom safetensors.torch import save_file\n\
-             save_file({{'inputs': torch.randn(80, 4), 'targets': torch.randn(80, 1)}}, 'rows.safetensors')\n"
-        ),
-    ]);
+    rows_file(dir.path(), 80, 4);
     let cfg = write_config(
         dir.path(),
         "draws.yaml",
@@ -855,4 +827,19 @@ train: {micro_batch_size: 8, grad_accum_steps: 1, max_steps: 3, eval_every: 0, s
         assert!(a[0] != b[0] && a[1] != b[1], "ranks drew the same numbers: {first:?}");
     }
     assert_eq!(draws("b"), first, "two runs of one seed drew different numbers");
+}
+
+/// `dir/rows.safetensors`: `rows` random inputs of `dim` features and their targets (seeded),
+/// for a Python model's `data: {source: tensors}`.
+fn rows_file(dir: &Path, rows: usize, dim: usize) {
+    let here = dir.to_str().unwrap();
+    python(&[
+        "-c",
+        &format!(
+            "import os, torch; os.chdir({here:?})\nfrom safetensors.torch import save_file\n\
+             g = torch.Generator().manual_seed(1)\n\
+             save_file({{'inputs': torch.randn({rows}, {dim}, generator=g), 'targets': torch.randn({rows}, 1, generator=g)}}, \
+             'rows.safetensors')\n"
+        ),
+    ]);
 }
