@@ -24,6 +24,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
         name=e.name,
     ) from e
 
+from ._batch import Rows
 from ._guard import Guard
 
 __all__ = ["Trainer", "STATE_FILE"]
@@ -120,10 +121,10 @@ class Trainer(transformers.Trainer):
                 return loss
             # Normalised by the step's count already: the guard's weighted mean of
             # (loss x n / r) over micro-batches of r rows (n in all) is the sum of the losses.
-            r = _rows(mb)
+            r = Rows(mb).rows
             return loss * (guard_rows / r), r
 
-        guard_rows = _rows(inputs)
+        guard_rows = Rows(inputs).rows
         loss = guard.backward(inputs, loss_fn, as_tensor=True)
         return loss.detach().to(self.args.device)
 
@@ -152,15 +153,3 @@ class Trainer(transformers.Trainer):
                 json.dump(self.guard.state_dict(), f)
             os.replace(tmp, os.path.join(folder, STATE_FILE))
 
-
-def _rows(batch: Any) -> int:
-    """The rows of a batch: the leading dimension of its first tensor."""
-    import torch
-
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0])
-    values = batch.values() if isinstance(batch, dict) else batch
-    for v in values:
-        if isinstance(v, (torch.Tensor, dict, list, tuple)):
-            return _rows(v)
-    raise TypeError("a batch without tensors")

@@ -101,3 +101,7 @@ if trainer.args.process_index == 0:
     if a.history:
         with open(a.history, "w") as f:
             json.dump(trainer.state.log_history, f)
+if torch.distributed.is_initialized():
+    # As a torchrun script ends: the group torn down before the interpreter (the Trainer
+    # leaves it up; gloo's threads at interpreter exit can abort the process).
+    torch.distributed.destroy_process_group()
