@@ -72,6 +72,10 @@ class Cap(transformers.TrainerCallback):
             limit = vm + int(a.cap_mb * (1 << 20))
             resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
 
+    def on_train_end(self, args, state, control, **kw):
+        # The cap is the training's: the teardown after it (gloo's threads) runs without it.
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
 
 args = transformers.TrainingArguments(
     output_dir=a.output_dir,
