@@ -51,6 +51,7 @@ pub mod precision;
 pub mod rng;
 pub mod signals;
 pub mod task;
+pub mod trackers;
 pub mod train;
 
 pub use error::{Error, Result};

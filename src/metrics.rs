@@ -21,6 +21,9 @@ pub struct LogConfig {
     pub every: u64,
     /// Also write TensorBoard scalars into RUN_DIR/tensorboard/ (rank 0).
     pub tensorboard: bool,
+    /// Also log rank 0's records to these trackers (`wandb`, `mlflow`), under HF Trainer's
+    /// metric names (crate::trackers).
+    pub trackers: Vec<String>,
 }
 
 impl Default for LogConfig {
@@ -28,6 +31,7 @@ impl Default for LogConfig {
         LogConfig {
             every: 10,
             tensorboard: false,
+            trackers: Vec::new(),
         }
     }
 }
@@ -36,6 +40,9 @@ impl LogConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.every == 0 {
             return Err(ConfigError::invalid("log.every", "is 0; it must be at least 1"));
+        }
+        for name in &self.trackers {
+            crate::trackers::check(name, "log.trackers")?;
         }
         Ok(())
     }
@@ -213,6 +220,8 @@ pub struct MetricsWriter {
     out: BufWriter<File>,
     path: String,
     tensorboard: Option<EventWriter>,
+    /// Last in the struct: dropped after the file is flushed, it reads to the end.
+    trackers: Option<crate::trackers::Follower>,
 }
 
 /// A record's TensorBoard scalars (`log.tensorboard`): its step and (tag, value)s.
@@ -284,7 +293,34 @@ impl MetricsWriter {
             out: BufWriter::new(file),
             path: path.display().to_string(),
             tensorboard: None,
+            trackers: None,
         })
+    }
+
+    /// `log.trackers` (and OOMGUARD_TRACKERS): the records written from now on also go to
+    /// those trackers. One that cannot start is a config error, before the first step.
+    /// `origin`: the config file, which errors name.
+    pub fn with_trackers(
+        mut self,
+        configured: &[String],
+        dir: &Path,
+        config_json: &str,
+        origin: &str,
+    ) -> Result<MetricsWriter> {
+        let named = |e: ConfigError| match e.origin.is_empty() {
+            true => ConfigError {
+                origin: origin.into(),
+                ..e
+            },
+            false => e,
+        };
+        let names = crate::trackers::chosen(configured).map_err(named)?;
+        if !names.is_empty() {
+            let offset = std::fs::metadata(dir.join("metrics.jsonl")).map_or(0, |m| m.len());
+            let follower = crate::trackers::Follower::start(&names, dir, offset, config_json).map_err(named)?;
+            self.trackers = Some(follower);
+        }
+        Ok(self)
     }
 
     /// `log.tensorboard`: every record also goes to `dir/tensorboard/` as scalars. TensorBoard

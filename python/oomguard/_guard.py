@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from . import _memory, _ranks
+from . import _memory, _ranks, _trackers
 from ._batch import Rows
 from ._buffers import Buffers
 from ._memory import Heap, Peak, forget, human, oom_of, warn
@@ -189,7 +189,9 @@ class Guard:
     `cooldown_steps`, `thrash_steps`, `retries_at_one`) default to `oomguard train`'s memory.*
     defaults. `tokens_per_sample`: when given, step records carry `tokens_per_s`. `cache`:
     start at the size the runtime's micro-batch cache knows for this model, samples and
-    device, and record the size a step settled at after an OOM.
+    device, and record the size a step settled at after an OOM. `trackers`: "wandb",
+    "mlflow" or both, which rank 0's records are also logged to, under HF Trainer's metric
+    names (default: OOMGUARD_TRACKERS; none when unset).
     """
 
     def __init__(
@@ -205,6 +207,7 @@ class Guard:
         cache: bool = True,
         tokens_per_sample: Optional[int] = None,
         scaler: Any = None,
+        trackers: Optional[Union[str, Iterable[str]]] = None,
         **policy: Any,
     ):
         if global_batch_size < 1:
@@ -284,7 +287,11 @@ class Guard:
 
         run_dir = run_dir or os.environ.get(RUN_DIR_VAR)
         self.run_dir = run_dir
-        self._records = Records(run_dir, self.rank)
+        if trackers is None:
+            chosen, where = _trackers.names(os.environ.get(_trackers.ENV), _trackers.ENV), _trackers.ENV
+        else:
+            chosen, where = _trackers.names(trackers, "Guard(trackers=...)"), "Guard(trackers=...)"
+        self._records = Records(run_dir, self.rank, chosen, where)
         self._membership = (
             membership(os.environ.get(MEMBERSHIP_VAR), self._records.path) if self.rank == 0 else None
         )
@@ -314,6 +321,11 @@ class Guard:
     def micro_batch_size(self) -> int:
         """The micro-batch size the next attempt runs with."""
         return self.policy.current
+
+    @property
+    def oom_count(self) -> int:
+        """The OOMs this guard has met (and recovered from, or raised) in this process."""
+        return self._oom_count
 
     def state_dict(self) -> dict:
         """The step and the policy's state (its serde form, as `oomguard train` checkpoints it)."""
@@ -722,8 +734,10 @@ class Guard:
             self._write_step(record)
 
     def close(self) -> None:
-        """Writes what is still pending (a step record held for `as_tensor=True`)."""
+        """Writes what is still pending (a step record held for `as_tensor=True`) and ends
+        the trackers' runs."""
         self._flush_pending()
+        self._records.close()
 
     def _attempt_context(self, solo: bool = False):
         if self._ranks is None:

@@ -15,6 +15,7 @@ import os
 import time
 from typing import Optional, Tuple
 
+from . import _trackers
 from ._memory import warn
 from ._native import metrics_resume
 
@@ -27,15 +28,20 @@ def finite(x: float) -> Optional[float]:
 class Records:
     """metrics.jsonl in `run_dir` (rank 0 writes; other ranks hold None)."""
 
-    def __init__(self, run_dir: Optional[str], rank: int):
+    def __init__(self, run_dir: Optional[str], rank: int, trackers: Optional[list] = None, where: str = ""):
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, "metrics.jsonl") if run_dir else None
         self._file = None
         self._failed = False
+        self.trackers = None
+        if trackers and not run_dir:
+            raise ValueError(f"{where} names trackers, which log a run's records: give the guard a run_dir (or set OOMGUARD_RUN_DIR)")
         if run_dir:
             os.makedirs(run_dir, exist_ok=True)
             if rank == 0:
                 self._open()
+                if trackers:
+                    self.trackers = _trackers.Trackers(trackers, run_dir, None, where)
 
     def _open(self) -> None:
         try:
@@ -59,6 +65,14 @@ class Records:
             self._file.write(json.dumps(record) + "\n")
         except OSError as e:
             self._fail(e)
+            return
+        if self.trackers is not None:
+            self.trackers.log(record)
+
+    def close(self) -> None:
+        """Ends the trackers' runs (metrics.jsonl needs nothing: every line is flushed)."""
+        if self.trackers is not None:
+            self.trackers.close()
 
     def resumed(self, next_step: int) -> int:
         """The run goes on at `next_step`: later records move to metrics.replaced.jsonl."""

@@ -62,7 +62,9 @@ class Trainer(transformers.Trainer):
     on each rank; it stays exact through halvings and grow-backs. The guard starts at
     `per_device_train_batch_size` (or `micro_batch_size=`, with accumulation 1), and writes
     `metrics.jsonl` into `output_dir`. Keyword `oomguard=dict(...)` passes options to
-    `oomguard.Guard` (e.g. `snapshot=False`)."""
+    `oomguard.Guard` (e.g. `snapshot=False`). The Trainer's own `report_to` logs to W&B and
+    MLflow, the guard's micro-batch and OOM count among its training logs; the guard opens
+    no tracker runs of its own here unless `oomguard=dict(trackers=...)` asks."""
 
     def __init__(self, *a: Any, micro_batch_size: Optional[int] = None, oomguard: Optional[dict] = None, **kw: Any):
         positional = "args" not in kw and len(a) > 1
@@ -94,7 +96,12 @@ class Trainer(transformers.Trainer):
 
     def _guard_for(self, model: Any) -> Guard:
         if self.guard is None:
-            options = {"run_dir": self.args.output_dir, "verbose": self.args.should_log, **self._oomguard_options}
+            options = {
+                "run_dir": self.args.output_dir,
+                "verbose": self.args.should_log,
+                "trackers": (),  # report_to's integrations log this Trainer's metrics
+                **self._oomguard_options,
+            }
             self.guard = Guard(model, global_batch_size=self.oomguard_rows, micro_batch_size=self._oomguard_start, **options)
             state = self._oomguard_resume and os.path.join(self._oomguard_resume, STATE_FILE)
             if state and os.path.exists(state):
@@ -127,6 +134,13 @@ class Trainer(transformers.Trainer):
         guard_rows = Rows(inputs).rows
         loss = guard.backward(inputs, loss_fn, as_tensor=True)
         return loss.detach().to(self.args.device)
+
+    def log(self, logs: dict, *a: Any, **kw: Any) -> None:
+        """The Trainer's logs, a training log with the guard's micro-batch and OOM count
+        (report_to's W&B shows them as train/micro_batch_size and train/oom_count)."""
+        if self.guard is not None and "loss" in logs:
+            logs = {**logs, "micro_batch_size": self.guard.micro_batch_size, "oom_count": self.guard.oom_count}
+        super().log(logs, *a, **kw)
 
     # --- checkpoints: the guard's state beside the Trainer's ---------------------------------
 

@@ -38,7 +38,8 @@ class GuardedModule(pl.LightningModule):
 
     The batch is a step's rows on this rank (the loader's `batch_size`: Lightning's
     `accumulate_grad_batches` stays 1), split into micro-batches that fit, starting at
-    `oomguard_micro_batch_size` (default: the whole batch)."""
+    `oomguard_micro_batch_size` (default: the whole batch). The Trainer's loggers get
+    `oomguard/micro_batch_size` and `oomguard/oom_count` each step."""
 
     oomguard_micro_batch_size: Optional[int] = None
     oomguard_options: dict = {}
@@ -64,11 +65,20 @@ class GuardedModule(pl.LightningModule):
             trainer = self.trainer
             # Under DDP the strategy's wrapper: the guard drives it (agreement, its own sync).
             model = trainer.strategy.model if trainer.world_size > 1 else self
-            options = {"run_dir": trainer.log_dir, "verbose": trainer.is_global_zero, **self.oomguard_options}
+            options = {
+                "run_dir": trainer.log_dir,
+                "verbose": trainer.is_global_zero,
+                "trackers": (),  # the Trainer's loggers log; the guard's state goes through them below
+                **self.oomguard_options,
+            }
             self.guard = Guard(model, global_batch_size=rows, micro_batch_size=self.oomguard_micro_batch_size, **options)
             if self._oomguard_state is not None:
                 self.guard.load_state_dict(self._oomguard_state)
-        return self.guard.backward(batch, loss_fn, as_tensor=True, **kw)
+        loss = self.guard.backward(batch, loss_fn, as_tensor=True, **kw)
+        # To the Trainer's loggers (W&B, MLflow, TensorBoard), as the step's own metrics.
+        state = {"oomguard/micro_batch_size": float(self.guard.micro_batch_size), "oomguard/oom_count": float(self.guard.oom_count)}
+        self.log_dict(state, on_step=True, on_epoch=False, rank_zero_only=True)
+        return loss
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.guard is not None:

@@ -79,6 +79,7 @@ trainer = L.Trainer(
     accumulate_grad_batches=a.rows // a.micro_batch if a.plain else 1,
     default_root_dir=a.root,
     logger=L.pytorch.loggers.CSVLogger(a.root),
+    log_every_n_steps=1,
     enable_progress_bar=False,
     enable_model_summary=False,
     enable_checkpointing=True,

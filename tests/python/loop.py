@@ -158,6 +158,8 @@ def main() -> None:
     print(f"train_s {elapsed:.3f}", flush=True)
     if args.out and rank == 0:
         torch.save([t.detach().clone() for t in [*net.parameters(), *net.buffers()]], args.out)
+    if guard is not None:
+        guard.close()  # the trackers' runs end (os._exit below skips atexit)
     # Everything is written: leave without the interpreter's teardown. A Gloo rank that ran
     # out of memory inside the guard sometimes aborts there ("terminate called without an
     # active exception", exit -6), destroy_process_group or not; cause not yet found.

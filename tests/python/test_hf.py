@@ -51,6 +51,9 @@ def test_an_oom_on_one_rank_is_recovered_and_equals_the_plain_trainer_at_the_set
     assert {s["num_samples"] for s in steps} == {32}, "the global batch: 16 rows on each of 2 ranks"
     ooms = [x for x in records(r.run_dir) if x["event"] == "oom"]
     assert [(o["step"], o["rank"], o["new_micro_batch_size"]) for o in ooms] == [(1, 1, 4)]
+    # The Trainer's own logs (what report_to sends to W&B or MLflow) carry the guard's state.
+    logged = [h for h in r.history if "loss" in h]
+    assert [h["micro_batch_size"] for h in logged] == [8, 4, 4, 4] and logged[-1]["oom_count"] == 1, logged
     # The plain Trainer at the settled size: 4 rows x 4 accumulation steps, the same 16 rows.
     ref = hf(tmp_path, "plain", "--model", model, "--per-device", "4", "--accumulation", "4")
     assert_same_training(r, ref)

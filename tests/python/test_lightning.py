@@ -28,6 +28,13 @@ def test_an_oom_in_training_step_on_one_rank_equals_lightnings_accumulation(tmp_
     log_dir = root / "lightning_logs" / "version_0"
     ooms = [x for x in records(log_dir) if x["event"] == "oom"]
     assert [(o["step"], o["rank"], o["new_micro_batch_size"]) for o in ooms] == [(1, 1, 8)]
+    # The Trainer's logger (here its CSVLogger) gets the guard's state at each step.
+    import csv
+
+    rows = list(csv.DictReader((log_dir / "metrics.csv").open()))
+    logged = [(float(x["oomguard/micro_batch_size"]), float(x["oomguard/oom_count"])) for x in rows
+              if x.get("oomguard/micro_batch_size")]
+    assert logged == [(16, 0), (8, 1), (8, 1), (8, 1)], rows
     ref = run_ranks(tmp_path, "plain", "--plain", "--micro-batch", "8", "--root", str(tmp_path / "plain"), script=LOOP)
     assert ref.code == 0, ref.out
     assert max_diff(ref.params, r.params) < 1e-12

@@ -224,10 +224,13 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
         store,
         shard: (index, count),
         threads: (args.parallel > 1).then(|| host_threads.share(args.parallel)),
-        memory_share: host_memory
+        env: host_memory
             .as_ref()
             .map(|m| m.share_env(args.parallel).to_vec())
-            .unwrap_or_default(),
+            .unwrap_or_default()
+            .into_iter()
+            .chain(sweep.wandb_env.iter().cloned())
+            .collect(),
         gpus,
         before,
         shared: shared_files::SharedFiles::new(std::env::current_dir().unwrap_or_default(), out.clone()),

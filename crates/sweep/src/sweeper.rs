@@ -95,8 +95,9 @@ pub struct Sweeper<'a> {
     pub store: Store,
     pub shard: (usize, usize),
     pub threads: Option<usize>,
-    /// Each trial's share of the host's memory (several slots).
-    pub memory_share: Vec<(String, String)>,
+    /// Each trial's environment: its share of the host's memory (several slots), W&B's
+    /// project and entity.
+    pub env: Vec<(String, String)>,
     pub gpus: Vec<String>,
     /// Seconds trials already ran before this start (an unfinished record's).
     pub before: BTreeMap<String, f64>,
@@ -112,7 +113,7 @@ impl<'a> Sweeper<'a> {
             trial: t,
             run_dir: self.run_dir(t),
             threads: self.threads,
-            env: &self.memory_share,
+            env: &self.env,
             gpu: slot.and_then(|s| self.gpus.get(s).cloned()),
             extra: vec![],
         }

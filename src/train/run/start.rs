@@ -125,7 +125,11 @@ impl<'a> Run<'a> {
         let metrics = lead
             .then(|| MetricsWriter::resume(run_dir, from.as_ref().map_or(0, |(_, s)| s.next_step)))
             .transpose()?;
-        let mut metrics = metrics.map(|m| m.with_tensorboard(c.log.tensorboard, run_dir));
+        let metrics = metrics.map(|m| m.with_tensorboard(c.log.tensorboard, run_dir));
+        let config_json = serde_json::to_string(c).unwrap_or_default();
+        let mut metrics = metrics
+            .map(|m| m.with_trackers(&c.log.trackers, run_dir, &config_json, &cfg.path.display().to_string()))
+            .transpose()?;
         if let (true, Some((_, s))) = (lead, &from) {
             // Resumed from an older checkpoint, the run forks: the later ones are another
             // future, which the next --resume must not load.

@@ -191,8 +191,11 @@ pub struct Sweep {
     /// optim.decay_steps is set (by the base config or a parameter): early stopping's
     /// segments then keep it; else they set it to max_steps, the whole run's schedule.
     pub decay_steps_set: bool,
-    /// What was read but not acted on (W&B's program, command, project, entity).
+    /// What was read and how (W&B's program, command, project, entity).
     pub notices: Vec<String>,
+    /// W&B's `project` and `entity` as its own variables (WANDB_PROJECT, WANDB_ENTITY) in
+    /// each trial's environment: where a trial that logs to W&B logs.
+    pub wandb_env: Vec<(String, String)>,
 }
 
 impl Sweep {
@@ -349,20 +352,33 @@ pub fn load(path: &Path) -> Result<Sweep, ConfigError> {
     };
     let mut notices: Vec<String> = command_notice.into_iter().collect();
     let program = raw.program.as_ref().filter(|_| raw.command.is_none());
-    for (key, v) in [
-        ("program", &program),
-        ("project", &raw.project.as_ref()),
-        ("entity", &raw.entity.as_ref()),
+    if program.is_some() {
+        let why = match &base {
+            Some(b) => format!("each trial runs `oomguard train {}` with its parameters", b.display()),
+            None => "nothing is sent to W&B".into(),
+        };
+        notices.push(format!("{origin}: `program` (W&B's) is ignored: {why}"));
+    }
+    let mut wandb_env = Vec::new();
+    for (key, var, v) in [
+        ("project", "WANDB_PROJECT", &raw.project),
+        ("entity", "WANDB_ENTITY", &raw.entity),
     ] {
-        if v.is_some() {
-            let why = match &base {
-                Some(b) if key == "program" => {
-                    format!("each trial runs `oomguard train {}` with its parameters", b.display())
-                }
-                _ => "nothing is sent to W&B".into(),
-            };
-            notices.push(format!("{origin}: `{key}` (W&B's) is ignored: {why}"));
-        }
+        let Some(v) = v else { continue };
+        let value = match v {
+            serde_yaml::Value::String(s) => s.clone(),
+            _ => {
+                return Err(at(ConfigError::invalid(
+                    key,
+                    format!("is not a string; W&B's {key} is a name"),
+                )))
+            }
+        };
+        notices.push(format!(
+            "{origin}: `{key}` (W&B's) is each trial's {var}={value}: trials log there when wandb is \
+             a tracker (log.trackers or OOMGUARD_TRACKERS); nothing is sent otherwise"
+        ));
+        wandb_env.push((var.to_string(), value));
     }
     Ok(Sweep {
         path: path.to_path_buf(),
@@ -382,6 +398,7 @@ pub fn load(path: &Path) -> Result<Sweep, ConfigError> {
         early_stop,
         decay_steps_set,
         notices,
+        wandb_env,
     })
 }
 
@@ -563,6 +580,24 @@ mod tests {
         let r = load(&dir.join("sweep.yaml"));
         std::fs::remove_dir_all(&dir).unwrap();
         r
+    }
+
+    /// W&B's `project` and `entity` go to each trial as W&B's own variables, said once.
+    #[test]
+    fn a_wandb_project_and_entity_are_the_trials_wandb_variables() {
+        let s =
+            load_yaml("base: base.yaml\nproject: p1\nentity: team\nparameters:\n  optim.lr: {values: [1]}\n").unwrap();
+        let want = [("WANDB_PROJECT", "p1"), ("WANDB_ENTITY", "team")].map(|(k, v)| (k.to_string(), v.to_string()));
+        assert_eq!(s.wandb_env, want);
+        assert!(
+            s.notices
+                .iter()
+                .any(|n| n.contains("WANDB_PROJECT=p1") && n.contains("tracker")),
+            "{:?}",
+            s.notices
+        );
+        let e = load_yaml("base: base.yaml\nproject: [a]\nparameters:\n  optim.lr: {values: [1]}\n").unwrap_err();
+        assert_eq!(e.key, "project");
     }
 
     /// A W&B sweep file as it is: its grid is W&B's (grid_search.py: parameters sorted by
