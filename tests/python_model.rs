@@ -564,12 +564,17 @@ metric: final_eval_loss
 
 /// A Python data file whose `loss_units(batch)` counts the labels its model's loss averages
 /// over (-100s, an SFT's prompt tokens, left out): each micro-batch weighs by its units over
-/// the step's, so micro-batch 16, 4 and 1 (whole micro-batches masked) end with the same
-/// parameters and evaluation. Without `loss_units` the split changes them: the test sees it.
+/// the step's, so micro-batch 16, 4 and 1 (whole micro-batches masked) and 2 ranks end with
+/// the same parameters and evaluation. Without `loss_units` the split changes them: the test
+/// sees it. Each micro-batch is collated and counted once, by its forward: `loss_units` runs
+/// once per forward (before, the whole global batch was collated on every rank each step, and
+/// each micro-batch twice).
 #[test]
 fn loss_units_make_masked_labels_exact_whatever_the_split() {
     let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("units.log");
     let sft = r#"
+import os
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -592,6 +597,8 @@ def dataset(settings, split):
     return Sft(64 if split == "train" else 32, 1 if split == "train" else 2)
 
 def loss_units(batch):
+    with open(LOG, "a") as f:
+        f.write(f"{os.getpid()}\n")
     return (batch["labels"] != -100).sum()
 
 class Lm(nn.Module):
@@ -606,7 +613,9 @@ class Lm(nn.Module):
 def build(settings):
     return Lm()
 "#;
-    std::fs::write(dir.path().join("sft.py"), sft).unwrap();
+    let sft = sft.replace("LOG", &format!("{:?}", log.display().to_string()));
+    eprintln!("TB {}", log.display());
+    std::fs::write(dir.path().join("sft.py"), &sft).unwrap();
     std::fs::write(dir.path().join("plain.py"), sft.replace("def loss_units", "def unused")).unwrap();
     for file in ["sft.py", "plain.py"] {
         let cfg = write_config(dir.path(), &format!("{file}.yaml"), &format!("
@@ -622,14 +631,33 @@ train: {{micro_batch_size: 16, grad_accum_steps: 1, max_steps: 3, eval_every: 3,
             );
             train_into(dir.path(), &cfg, &format!("{file}-{name}"), &["--set", &m, "--set", &a])
         };
+        // `loss_units` calls per process: one per forward.
+        let calls = || {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let _ = std::fs::remove_file(&log);
+            let mut per: std::collections::BTreeMap<String, usize> = Default::default();
+            text.lines()
+                .for_each(|pid| *per.entry(pid.to_string()).or_default() += 1);
+            per.into_values().collect::<Vec<_>>()
+        };
         let whole = run("whole", "16", "1");
+        let whole_calls = calls();
+        let mb4 = run("mb4", "4", "4");
+        let mb4_calls = calls();
+        let two = dir.path().join(format!("{file}-two"));
+        let o = train_at(dir.path(), &cfg, &two, &["--nproc-per-node", "2"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let two_calls = calls();
         let val = |r: &Path| records(r, "eval")[0]["val_loss"].as_f64().unwrap();
-        let worst = [run("mb4", "4", "4"), run("mb1", "1", "16")]
+        let worst = [mb4, run("mb1", "1", "16"), two]
             .iter()
             .map(|r| max_abs_diff(&weights(&whole), &weights(r)).max((val(&whole) - val(r)).abs()))
             .fold(0.0, f64::max);
         if file == "sft.py" {
             assert!(worst < 1e-5, "loss_units: the split changed the run by {worst}");
+            // 3 steps x 1 micro-batch, 1 evaluation part and the start's check of the loss on
+            // two samples; 3 x 4 + 1 + 1; on each of 2 ranks (8 rows), 3 x 1 + 1 + 1.
+            assert_eq!((whole_calls, mb4_calls, two_calls), (vec![5], vec![14], vec![5, 5]));
         } else {
             assert!(worst > 1e-4, "without loss_units the split should show: {worst}");
         }

@@ -171,6 +171,12 @@ pub trait Samples {
     fn valid_units(&self, _positions: &[usize]) -> Result<Option<usize>> {
         Ok(None)
     }
+    /// The loss is a mean over units that the model's forward counts on the batch it builds
+    /// (a data file's `loss_units`; `Task::last_units`): a step weighs its micro-batches
+    /// after their forward, instead of counting them first (`valid_units`).
+    fn counted_in_forward(&self) -> bool {
+        false
+    }
     /// Where the samples come from, for messages.
     fn name(&self) -> String;
 }
@@ -256,6 +262,10 @@ pub trait StepBatches {
     fn valid_units(&self, _step: u64, _samples: Range<usize>) -> Result<Option<usize>> {
         Ok(None)
     }
+    /// `Samples::counted_in_forward`.
+    fn counted_in_forward(&self) -> bool {
+        false
+    }
 }
 
 /// `sample_positions(seed, step)` into a set of samples, `global_batch` a step.
@@ -297,6 +307,9 @@ impl StepBatches for StepSamples<'_> {
     fn valid_units(&self, step: u64, samples: Range<usize>) -> Result<Option<usize>> {
         let positions = sample_positions(self.seed, step, samples.end, self.samples.num_positions());
         self.samples.valid_units(&positions[samples])
+    }
+    fn counted_in_forward(&self) -> bool {
+        self.samples.counted_in_forward()
     }
 }
 

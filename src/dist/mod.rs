@@ -510,6 +510,14 @@ impl Buckets {
         Ok(())
     }
 
+    /// What holds this rank's gradients until the reduce: the buckets (copies of the small
+    /// ones) and the large ones themselves.
+    pub fn local_parts(&self, grads: &[Tensor]) -> Vec<Tensor> {
+        let flat = self.flat.iter().map(Tensor::shallow_clone);
+        flat.chain(self.solo.iter().map(|&i| grads[i].shallow_clone()))
+            .collect()
+    }
+
     /// Collectives per step.
     pub fn len(&self) -> usize {
         self.flat.len() + self.solo.len()

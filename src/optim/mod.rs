@@ -133,6 +133,11 @@ impl AdamW {
         self.all_params().map(|p| p.grad()).filter(|g| g.defined()).collect()
     }
 
+    /// Every parameter's own gradient (those defined), whatever a stage-2 shard holds.
+    pub fn param_grads(&self) -> Vec<Tensor> {
+        self.all_params().map(|p| p.grad()).filter(|g| g.defined()).collect()
+    }
+
     /// Drops every gradient (grad = None): between steps, and after a failed attempt.
     pub fn clear_grads(&self) {
         self.all_params().for_each(clear_grad);

@@ -79,6 +79,30 @@ pub trait Task {
         let loss = forward(|| self.loss(inputs, targets, true), amp)?;
         backward(&loss, weight, amp)
     }
+    /// The units the loss of this model's last forward averaged over, when its data counts
+    /// them on the batch that forward built (`Samples::counted_in_forward`); else None.
+    fn last_units(&self) -> Option<usize> {
+        None
+    }
+    /// A micro-batch's forward, then its backward weighted by `weight(units)`, where units
+    /// are what the forward counted (`last_units`); no backward when `weight` says None (no
+    /// unit counts: the mean is undefined). Returns the weighted loss, as `forward_backward`.
+    fn forward_backward_counted(
+        &self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        amp: &Amp,
+        weight: &mut dyn FnMut(usize) -> Option<f64>,
+    ) -> Result<Option<Tensor>> {
+        let loss = forward(|| self.loss(inputs, targets, true), amp)?;
+        let units = self.last_units().ok_or_else(|| {
+            Error::Data(format!(
+                "{}: the data counts its loss units, but this model does not report them",
+                self.describe()
+            ))
+        })?;
+        weight(units).map(|w| backward(&loss, w, amp)).transpose()
+    }
     /// Whether activation checkpointing is on; `None` if the model cannot do it.
     fn activation_checkpointing(&self) -> Option<bool> {
         None

@@ -56,6 +56,11 @@ pub fn evaluate(
             },
         })
     };
+    // Units the forward passes count (a data file's `loss_units`): each part's mean loss
+    // weighs its units, counted once on the batch it is computed on; their sum over the
+    // batches and ranks divides at the end.
+    let counted = spec.samples.counted_in_forward();
+    let mut units = 0usize;
     // The batches' weighted losses add up on the device; one read at the end.
     let mut total: Option<Tensor> = None;
     // The valid units of all batches (counted once), and torch's generators as training left
@@ -68,7 +73,7 @@ pub fn evaluate(
         // Each attempt adds its batch to the total so far (a new tensor, inside the guard: an
         // OOM in the addition is retried like any other).
         let so_far = total.as_ref();
-        total = Some(guard.run(
+        let (batch_total, batch_units) = guard.run(
             step,
             &mut ctx,
             |(valid_in_all, training_rng), mb| {
@@ -76,14 +81,20 @@ pub fn evaluate(
                     if training_rng.is_none() {
                         *training_rng = Some(crate::rng::capture_bytes(spec.device).map_err(|e| in_eval(e.into()))?);
                     }
-                    let valid = match *valid_in_all {
-                        Some(v) => v,
-                        None => *valid_in_all.insert(count_valid()?),
+                    let valid = match (*valid_in_all, counted) {
+                        (_, true) => None,
+                        (Some(v), false) => v,
+                        (None, false) => *valid_in_all.insert(count_valid()?),
                     };
                     let mut sum: Option<Tensor> = None;
+                    let mut here = 0usize;
                     crate::memory::snapshot::set_phase(Phase::Eval, None);
                     for part in split_range(shard.clone(), mb) {
-                        let Some(weight) = weight_of(valid, &positions[part.clone()])? else {
+                        let weight = match counted {
+                            true => Some(1.0), // times the units, once the forward has counted them
+                            false => weight_of(valid, &positions[part.clone()])?,
+                        };
+                        let Some(weight) = weight else {
                             continue; // every target ignored: nothing to average
                         };
                         let (x, y) = spec
@@ -92,10 +103,18 @@ pub fn evaluate(
                             .map_err(in_eval)?;
                         let weighted = (|| {
                             let loss = task.eval_loss(&x, &y)?.f_to_kind(Kind::Double)?;
+                            let weight = match (counted, task.last_units()) {
+                                (false, _) => weight,
+                                (true, Some(0)) => return Ok(None), // its mean is undefined
+                                (true, n) => n.unwrap_or(0) as f64,
+                            };
+                            here += task.last_units().filter(|_| counted).unwrap_or(0);
                             let w = crate::ops::mul_scalar(&loss, weight)?;
-                            sum.as_ref().map_or(Ok(w.shallow_clone()), |s| s.f_add(&w))
+                            sum.as_ref().map_or(Ok(w.shallow_clone()), |s| s.f_add(&w)).map(Some)
                         })();
-                        sum = Some(weighted.map_err(|e| in_eval(e.into()))?);
+                        if let Some(s) = weighted.map_err(|e| in_eval(e.into()))? {
+                            sum = Some(s);
+                        }
                     }
                     // An evaluation batch smaller than the ranks leaves some with no sample:
                     // they add nothing (a zero) and still take part in every agreement.
@@ -109,7 +128,7 @@ pub fn evaluate(
                     if let Some(states) = training_rng.as_ref() {
                         crate::rng::restore_bytes(states, spec.device).map_err(|e| in_eval(e.into()))?;
                     }
-                    Ok(total)
+                    Ok((total, here))
                 })();
                 match pg {
                     Some(pg) => pg.agree(Topic::EvalAttempt, local),
@@ -117,7 +136,9 @@ pub fn evaluate(
                 }
             },
             |_| (),
-        )?);
+        )?;
+        total = Some(batch_total);
+        units += batch_units;
     }
     let total = total
         .map_or(Ok(0.0), |t| crate::ops::read_one(&t))
@@ -127,5 +148,13 @@ pub fn evaluate(
         Some(pg) => pg.sum_f64(Topic::EvalLosses, total)?,
         None => total,
     };
+    if counted {
+        let units = match pg {
+            Some(pg) => pg.sum_f64(Topic::EvalUnits, units as f64)?,
+            None => units as f64,
+        };
+        // No unit counted anywhere: nothing to average (0, as training's loss then is).
+        return Ok(if units > 0.0 { total / units } else { 0.0 });
+    }
     Ok(total / spec.num_batches as f64)
 }

@@ -64,25 +64,61 @@ pub fn micro_batches(global: usize, micro: usize) -> Vec<Range<usize>> {
     split_range(0..global, micro)
 }
 
+/// Loss units counted by the forward passes (`StepBatches::counted_in_forward`): this
+/// rank's, and the total its micro-batches were weighted against before the real one was
+/// known (the first counted micro-batch's units per sample, times the global batch).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Counted {
+    pub units: usize,
+    pub assumed: f64,
+}
+
+impl Counted {
+    /// What this rank's gradients and loss are multiplied by once the global batch's units
+    /// (`total`) are known: each micro-batch then weighs its units / `total`.
+    pub fn rescale(&self, total: f64) -> f64 {
+        if total > 0.0 && self.assumed > 0.0 {
+            self.assumed / total
+        } else {
+            0.0 // no unit anywhere (or none here): nothing was learned
+        }
+    }
+}
+
+/// What `accumulate` leaves: the weighted loss sum (an f64 scalar on the device), the
+/// micro-batches run, and the units counted when the forward passes count them.
+pub struct Accumulated {
+    pub loss: Tensor,
+    pub micro_batches: usize,
+    pub counted: Option<Counted>,
+}
+
 /// Forward and backward over this process's samples: gradients accumulate, weighted so that
 /// their sum over all micro-batches (and ranks) is the gradient of the global batch's mean
-/// loss. Returns (the weighted loss sum, an f64 scalar on the device, micro-batches run).
-/// Keeps: the gradient does not depend on the split. With masked targets (IGNORE_INDEX) a
-/// micro-batch's loss is the mean over its valid units, so it weighs valid / the global
-/// batch's valid units (every rank counts the whole batch itself: no exchange); one with
-/// none runs no forward (its mean would be NaN) and adds nothing.
+/// loss. Keeps: the gradient does not depend on the split.
+/// - With masked targets (IGNORE_INDEX) a micro-batch's loss is the mean over its valid
+///   units, so it weighs valid / the global batch's valid units (counted from the targets
+///   alone, by every rank: no exchange); one with none runs no forward and adds nothing.
+/// - With units the forward counts (a data file's `loss_units`) each micro-batch is built
+///   and counted once, by its forward; it weighs units / an assumed total, and the caller
+///   rescales by `Counted::rescale` once the ranks' units are summed. One with none runs
+///   no backward.
 pub fn accumulate(
     task: &dyn Task,
     data: &dyn StepBatches,
     step: u64,
     micro_batch_size: usize,
     amp: &Amp,
-) -> Result<(Tensor, usize)> {
+) -> Result<Accumulated> {
     let global = data.global_batch_size();
     let parts = split_range(data.shard(), micro_batch_size);
     snapshot::set_phase(Phase::Data, None);
     let data_err = |e: Error| e.in_phase(Phase::Data);
-    let valid_in_batch = data.valid_units(step, 0..global).map_err(data_err)?;
+    let mut counted = data.counted_in_forward().then_some(Counted { units: 0, assumed: 0.0 });
+    let valid_in_batch = match counted {
+        Some(_) => None,
+        None => data.valid_units(step, 0..global).map_err(data_err)?,
+    };
     let mut loss_sum: Option<Tensor> = None;
     for (i, part) in parts.iter().enumerate() {
         let weight = match valid_in_batch {
@@ -97,9 +133,28 @@ pub fn accumulate(
         let (x, y) = data.micro_batch(step, part.clone()).map_err(at(Phase::Data))?;
         snapshot::set_phase(Phase::Forward, None);
         // One call (a model may recompute in backward); it tags forward or backward.
-        let loss = task
-            .forward_backward(&x, &y, weight, amp)
-            .map_err(|e| e.at_micro_batch(i))?;
+        let loss = match counted.as_mut() {
+            None => task.forward_backward(&x, &y, weight, amp),
+            Some(c) => {
+                let rows = part.len() as f64;
+                let mut weigh = |units: usize| {
+                    c.units += units;
+                    if units == 0 {
+                        return None;
+                    }
+                    if c.assumed == 0.0 {
+                        c.assumed = units as f64 / rows * global as f64;
+                    }
+                    Some(units as f64 / c.assumed)
+                };
+                match task.forward_backward_counted(&x, &y, amp, &mut weigh) {
+                    Ok(Some(loss)) => Ok(loss),
+                    Ok(None) => continue,
+                    Err(e) => Err(e),
+                }
+            }
+        }
+        .map_err(|e| e.at_micro_batch(i))?;
         let add = || {
             loss_sum.as_ref().map_or_else(
                 || loss.f_to_kind(Kind::Double),
@@ -118,7 +173,24 @@ pub fn accumulate(
         // Every target of this shard is ignored: nothing to learn from it.
         None => Tensor::f_zeros([], (Kind::Double, amp.device)).map_err(|e| data_err(e.into()))?,
     };
-    Ok((loss_sum, parts.len()))
+    Ok(Accumulated {
+        loss: loss_sum,
+        micro_batches: parts.len(),
+        counted,
+    })
+}
+
+/// Multiplies `grads` and `loss` in place by `s` (the counted units' rescale); allocates
+/// nothing.
+fn rescale(grads: &[Tensor], loss: &Tensor, s: f64) -> Result<()> {
+    let _no_grad = tch::no_grad_guard();
+    for g in grads.iter().chain([loss]) {
+        g.shallow_clone()
+            .f_mul_scalar_(s)
+            .map(drop)
+            .map_err(|e| Error::from(e).in_phase(Phase::Backward))?;
+    }
+    Ok(())
 }
 
 /// The optimizer's allocations made, and the step's read-out: `[loss, gradient norm,
@@ -224,7 +296,14 @@ pub fn step_with(
     micro_batch_size: usize,
     u: &Update,
 ) -> Result<StepStats> {
-    let (loss, num_micro_batches) = accumulate(task, data, step, micro_batch_size, &u.amp)?;
+    let Accumulated {
+        loss,
+        micro_batches: num_micro_batches,
+        counted,
+    } = accumulate(task, data, step, micro_batch_size, &u.amp)?;
+    if let Some(c) = counted {
+        rescale(&opt.param_grads(), &loss, c.rescale(c.units as f64))?;
+    }
     let ready = prepare_update(opt, step, u, &loss)?;
     let out = commit_update(opt, ready, u)?;
     Ok(StepStats {
@@ -270,7 +349,18 @@ pub fn dist_step(
         Ok((r, reduce))
     });
     let (mut agree_s, mut reduce_s) = (0.0, 0.0);
-    let ((loss, num_micro_batches), reduce) = timed(&mut agree_s, || pg.agree(Topic::Agreement, local))?;
+    let (acc, reduce) = timed(&mut agree_s, || pg.agree(Topic::Agreement, local))?;
+    let (loss, num_micro_batches) = (acc.loss, acc.micro_batches);
+    if let Some(c) = acc.counted {
+        // The global batch's units, summed over the ranks' forward passes; each rank's
+        // gradients (packed or not yet) take its own rescale before they are summed.
+        let total = timed(&mut agree_s, || pg.sum_f64(Topic::LossUnits, c.units as f64))?;
+        let s = c.rescale(total);
+        match &reduce {
+            Reduce::All(grads, buckets) => rescale(&buckets.local_parts(grads), &loss, s)?,
+            Reduce::Scatter(_) => rescale(&opt.param_grads(), &loss, s)?,
+        }
+    }
     timed(&mut reduce_s, || match reduce {
         Reduce::All(grads, buckets) => buckets.reduce_into(pg, &grads),
         Reduce::Scatter(bufs) => opt.reduce_scatter_grads(bufs),

@@ -56,6 +56,10 @@ pub enum Topic {
     /// `import oomguard`'s votes: after an attempt, and at each checkpoint before a
     /// collective inside one.
     GuardVote = 17,
+    /// The units a step's loss averages over, counted by each rank's forward passes.
+    LossUnits = 18,
+    /// The same for an evaluation.
+    EvalUnits = 19,
 }
 
 fn topic_name(k: f64) -> &'static str {
@@ -76,6 +80,8 @@ fn topic_name(k: f64) -> &'static str {
         15 => "the agreement on climbing to sharding",
         16 => "the agreement on coming back from sharding",
         17 => "the Python guard's vote",
+        18 => "the step's loss units",
+        19 => "the evaluation's loss units",
         _ => "an unknown exchange",
     }
 }

@@ -265,12 +265,10 @@ class Data:
         ds = self.splits[split]
         return self.collate([ds[i] for i in indices])
 
-    def loss_units(self, split, indices):
-        """What the loss averages over in these samples (the data file's `loss_units(batch)`,
-        a number or a 0-dim tensor), or None without one."""
-        if self.units is None:
-            return None
-        n = int(self.units(self.batch(split, indices)))
+    def count_units(self, batch):
+        """The data file's `loss_units(batch)` of a batch already built (the one the loss is
+        computed on), as a count."""
+        n = int(self.units(batch))
         if n < 0:
             raise ValueError(f"loss_units(batch) returned {n}; it must be 0 or more")
         return n

@@ -250,6 +250,10 @@ pub struct PythonTask {
     /// parameters, which it never changes, are in `state` alone (saved, broadcast once).
     buffers: Vec<(String, Tensor)>,
     checkpointing: Option<bool>,
+    /// The data file defines `loss_units`: each forward counts its batch's, kept here
+    /// (-1: none yet) for `last_units`.
+    counts_units: bool,
+    last_units: std::sync::atomic::AtomicI64,
 }
 
 /// Builds the model (and, for `data.source: python`, the data) a config names.
@@ -352,7 +356,7 @@ pub fn build(ctx: &BuildContext) -> Result<Built> {
         }
         let task = PythonTask {
             model: model.unbind(),
-            data: data.map(Bound::unbind),
+            data: data.as_ref().map(|d| d.clone().unbind()),
             path: path.clone(),
             build: build_fn.clone(),
             blocks: m.blocks.clone(),
@@ -360,6 +364,10 @@ pub fn build(ctx: &BuildContext) -> Result<Built> {
             state,
             buffers,
             checkpointing: (blocks > 0).then_some(false),
+            counts_units: data
+                .as_ref()
+                .is_some_and(|d| d.getattr("units").is_ok_and(|u| !u.is_none())),
+            last_units: std::sync::atomic::AtomicI64::new(-1),
         };
         let built = Built::new(task);
         Ok(match dataset {
@@ -378,13 +386,11 @@ fn dataset(py: Python<'_>, data: &Bound<'_, PyAny>, path: &Path) -> Result<Datas
                 to_tch(py, e)
             ))
         })?;
-        // Asked once: a data file without `loss_units` costs the step no Python call.
-        let units = data.getattr("units").is_ok_and(|u| !u.is_none());
         Ok(Box::new(PythonSamples {
             split: s,
             len,
             name: format!("{} ({name})", path.display()),
-            data: units.then(|| data.clone().unbind()),
+            counted: data.getattr("units").is_ok_and(|u| !u.is_none()),
         }))
     };
     Ok(Dataset {
@@ -401,8 +407,8 @@ struct PythonSamples {
     split: i64,
     len: usize,
     name: String,
-    /// glue.py's `Data`, when the data file defines `loss_units`.
-    data: Option<Py<PyAny>>,
+    /// The data file defines `loss_units`: the model's forward counts them on its batch.
+    counted: bool,
 }
 
 impl Samples for PythonSamples {
@@ -415,21 +421,10 @@ impl Samples for PythonSamples {
         let y = Tensor::f_full([idx.len() as i64], self.split, (Kind::Int64, Device::Cpu))?;
         Ok((x, y))
     }
-    /// The data file's `loss_units(batch)` of these samples' batch, when it defines one (its
-    /// loss is then a mean over those units, masked tokens left out).
-    fn valid_units(&self, positions: &[usize]) -> Result<Option<usize>> {
-        let Some(data) = &self.data else {
-            return Ok(None);
-        };
-        Python::with_gil(|py| {
-            let idx = PyList::new(py, positions).map_err(|e| to_tch(py, e))?;
-            let n = data
-                .bind(py)
-                .call_method1("loss_units", (self.split, idx))
-                .and_then(|n| n.extract::<Option<usize>>())
-                .map_err(|e| to_tch(py, e))?;
-            Ok(n)
-        })
+    /// With `loss_units` in the data file, its loss is a mean over those units (masked
+    /// tokens left out), counted by the model's forward on the batch it builds, once.
+    fn counted_in_forward(&self) -> bool {
+        self.counted
     }
     fn name(&self) -> String {
         self.name.clone()
@@ -485,10 +480,19 @@ impl Task for PythonTask {
         Python::with_gil(|py| {
             let run = || -> PyResult<Tensor> {
                 let batch = self.batch(py, inputs, targets)?;
+                if let (true, Some(data)) = (self.counts_units, &self.data) {
+                    // Counted on the batch the loss is computed on, before it: one collation.
+                    let n: usize = data.bind(py).call_method1("count_units", (&batch,))?.extract()?;
+                    self.last_units.store(n as i64, std::sync::atomic::Ordering::Relaxed);
+                }
                 unwrap(&self.model.bind(py).call_method1("loss", (batch, train))?)
             };
             run().map_err(|e| to_tch(py, e))
         })
+    }
+    fn last_units(&self) -> Option<usize> {
+        let n = self.last_units.load(std::sync::atomic::Ordering::Relaxed);
+        (self.counts_units && n >= 0).then_some(n as usize)
     }
     fn activation_checkpointing(&self) -> Option<bool> {
         self.checkpointing
