@@ -7,6 +7,8 @@ Writes the final parameters (--out)."""
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 import transformers
@@ -54,3 +56,13 @@ else:
         accelerator.print(f"step {step} loss {loss:.6f} micro_batch {guard.micro_batch_size}")
 if accelerator.is_main_process and a.out:
     torch.save([p.detach().clone() for p in accelerator.unwrap_model(model).parameters()], a.out)
+
+# Everything is written. Leave as a torchrun script does (the group torn down), then without
+# the interpreter's teardown: gloo's threads there can abort a rank ("terminate called
+# without an active exception", exit -6), with or without oomguard (stop 57's CI: the plain
+# Accelerate run); the result is already on disk.
+if torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
