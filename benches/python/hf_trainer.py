@@ -6,10 +6,12 @@ and what one recovery costs, in steps.
    in rounds of the same steps; per round, the median step time (on_step_end to on_step_end,
    after the first steps); the ratio of the medians over the rounds (goal: guarded/plain <=
    1.01, i.e. steps per second >= 0.99 of the plain Trainer's).
-2. One recovery: the guarded Trainer with the test hook's OOM at step 4 (in the first
-   forward, and in the last backward, the worst place: the step's work is lost); the step that
-   ran out, minus the median step after it (at the size it settled at), over that median
-   (goal <= 0.5).
+2. One recovery: the guarded Trainer with the test hook's OOM at step 4: in the first
+   forward; in the last forward, the worst place the hook reaches (that micro-batch's forward
+   is lost, then its rows run again at half the size); and after the last backward (the
+   step's work is all kept: only the following steps shrink). A real OOM part-way through a
+   backward keeps the parameters that backward completed. The step that ran out, minus the
+   median step after it (at the size it settled at), over that median (goal <= 0.5).
 
 Run by `make bench`: .venv/bin/python benches/python/hf_trainer.py
 """
@@ -113,4 +115,5 @@ if __name__ == "__main__":
           f"load {os.getloadavg()[0]:.2f}, {time.strftime('%Y-%m-%d %H:%M')}")
     overhead()
     recovery("forward")
+    recovery("forward:2")
     recovery("backward:2")

@@ -811,12 +811,14 @@ class Guard:
                 if units is not None:
                     units_total = units if units_total is None else units_total + units
                 del part, loss
+                # The micro-batch is done: an OOM from here on (the hook's `backward` site
+                # included) keeps it, in one process, and redoes only what follows.
+                self._done = (stop, total, units_total)
+                self._pending = [(e, i) for e, i in self._pending if e > stop]
                 if peak is not None:
                     peak.sample()
                 if inject is not None:
                     inject.check("backward", self._cuda)
-                self._done = (stop, total, units_total)
-                self._pending = [(e, i) for e, i in self._pending if e > stop]
         return total, units_total
 
     def _keep(self, phase: str) -> bool:
@@ -831,6 +833,8 @@ class Guard:
             return False
         if phase == "forward":
             return True
+        if phase == "backward" and touched is None and self._done[0] >= self._span[1]:
+            return True  # after its backward: the micro-batch is in `_done`, `.grad` holds it
         if phase != "backward" or touched is None:
             return False
         _, stop, ids = self._span

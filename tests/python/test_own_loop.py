@@ -137,6 +137,29 @@ def test_an_oom_in_a_later_micro_batchs_forward_keeps_the_micro_batches_done():
     assert max_diff([p.grad for p in m.parameters()], list(want)) < 1e-12
 
 
+def test_an_oom_after_a_micro_batchs_backward_keeps_that_micro_batch(monkeypatch):
+    """One process: the hook's OOM comes after micro-batch 1's backward has finished (its
+    gradients complete). That micro-batch stays in `.grad` with micro-batch 0's; only the
+    rows after it run again, at half the size; exact. Before, the whole step was redone."""
+    monkeypatch.setenv("OOMGUARD_TEST_OOM_AT", "0:0:backward:2")
+    m = _model()
+    x, y = _data()
+    full = torch.nn.functional.mse_loss(m(x), y)
+    want = torch.autograd.grad(full, list(m.parameters()))
+    calls = []
+
+    def loss_fn(b):
+        calls.append(len(b[0]))
+        return torch.nn.functional.mse_loss(m(b[0]), b[1])
+
+    guard = oomguard.Guard(m, global_batch_size=32, micro_batch_size=8, verbose=False, cache=False)
+    loss = guard.backward((x, y), loss_fn)
+    assert calls == [8, 8, 4, 4, 4, 4], calls
+    assert guard.micro_batch_size == 4 and guard.policy.num_ooms == 1
+    assert abs(loss - full.item()) < 1e-12
+    assert max_diff([p.grad for p in m.parameters()], list(want)) < 1e-12
+
+
 class _HungryBackward(torch.autograd.Function):
     """Identity forward; its backward allocates 1 PiB (the allocator refuses) for a micro-batch
     above `above` rows once `first`'s gradient exists, as the gradients' first allocation
