@@ -111,15 +111,20 @@ def test_gradients_equal_one_backward_of_the_whole_batch_added_to_those_before()
     assert max_diff([p.grad for p in m.parameters()], want) < 1e-12
 
 
+def _whole_batch():
+    """The model, the batch, its loss and the gradients of one backward of all of it."""
+    m = _model()
+    x, y = _data()
+    full = torch.nn.functional.mse_loss(m(x), y)
+    return m, x, y, full, torch.autograd.grad(full, list(m.parameters()))
+
+
 def test_an_oom_in_a_later_micro_batchs_forward_keeps_the_micro_batches_done():
     """One process: micro-batch 0 fits, and its gradients, once allocated, leave too little
     room for micro-batch 1's forward (a real failure of the CPU allocator, as the gradients'
     first allocation causes in the own-loop bench). The rows already done stay in `.grad`;
     only the rest is redone, at half the size, then a quarter; the gradients are exact."""
-    m = _model()
-    x, y = _data()
-    full = torch.nn.functional.mse_loss(m(x), y)
-    want = torch.autograd.grad(full, list(m.parameters()))
+    m, x, y, full, want = _whole_batch()
     calls = []
 
     def loss_fn(b):
@@ -142,10 +147,7 @@ def test_an_oom_after_a_micro_batchs_backward_keeps_that_micro_batch(monkeypatch
     gradients complete). That micro-batch stays in `.grad` with micro-batch 0's; only the
     rows after it run again, at half the size; exact. Before, the whole step was redone."""
     monkeypatch.setenv("OOMGUARD_TEST_OOM_AT", "0:0:backward:2")
-    m = _model()
-    x, y = _data()
-    full = torch.nn.functional.mse_loss(m(x), y)
-    want = torch.autograd.grad(full, list(m.parameters()))
+    m, x, y, full, want = _whole_batch()
     calls = []
 
     def loss_fn(b):
