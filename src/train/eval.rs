@@ -103,12 +103,14 @@ pub fn evaluate(
                             .map_err(in_eval)?;
                         let weighted = (|| {
                             let loss = task.eval_loss(&x, &y)?.f_to_kind(Kind::Double)?;
-                            let weight = match (counted, task.last_units()) {
+                            let weight = match (counted, task.last_units().unwrap_or(0)) {
                                 (false, _) => weight,
-                                (true, Some(0)) => return Ok(None), // its mean is undefined
-                                (true, n) => n.unwrap_or(0) as f64,
+                                (true, 0) => return Ok(None), // no unit counts: its mean is undefined
+                                (true, n) => {
+                                    here += n;
+                                    n as f64
+                                }
                             };
-                            here += task.last_units().filter(|_| counted).unwrap_or(0);
                             let w = crate::ops::mul_scalar(&loss, weight)?;
                             sum.as_ref().map_or(Ok(w.shallow_clone()), |s| s.f_add(&w)).map(Some)
                         })();
