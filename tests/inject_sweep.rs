@@ -20,11 +20,12 @@ fn copies(named: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> {
     named.into_iter().map(|(n, t)| (n, t.detach().copy())).collect()
 }
 
-fn max_diff(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> f64 {
+/// The largest difference of two parameter sets, and the parameter it is in.
+fn max_diff(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> (f64, String) {
     a.iter()
         .zip(b)
-        .map(|((_, x), (_, y))| (x - y).abs().max().double_value(&[]))
-        .fold(0.0, f64::max)
+        .map(|((n, x), (_, y))| ((x - y).abs().max().double_value(&[]), n.clone()))
+        .fold((0.0, String::new()), |m, d| if d.0 > m.0 { d } else { m })
 }
 
 /// Runs `f` with the allocation `k` allocations from now made to fail; returns its result
@@ -46,6 +47,8 @@ fn allocations(f: impl FnOnce()) -> u64 {
 
 #[test]
 fn an_oom_at_every_allocation_changes_nothing() {
+    // One thread: the clean steps and the recovered ones sum in one order, on any machine.
+    tch::set_num_threads(1);
     let common::TinyGpt { data, task, mut opt } = common::tiny_gpt();
     let batches = common::tiny_batches(&data, 16);
     let (start_params, start_opt) = (
@@ -56,24 +59,29 @@ fn an_oom_at_every_allocation_changes_nothing() {
         tensors::copy_into(&start_params, &task.state()).unwrap();
         opt.load_state(&start_opt, None).unwrap();
     };
-    let step = |opt: &mut AdamW| {
-        let mut guard = Guard::new(&MemoryConfig::default(), 8, Device::Cpu);
+    // One step from micro-batch `mb`: its result, the guard's events, where it ended.
+    let step_from = |opt: &mut AdamW, mb: usize| {
+        let mut guard = Guard::new(&MemoryConfig::default(), mb, Device::Cpu);
         let r = guard.run(
             0,
             opt,
             |opt, mb| train_step(&task, opt, &batches as &StepSamples, 0, mb, 1e-3, 1.0),
             |o| o.clear_grads(),
         );
-        (r, guard.drain_events())
+        (r, guard.drain_events(), guard.micro_batch_size())
     };
 
     // 1. Every allocation of one optimizer step (2 micro-batches of 8, clipping, AdamW).
-    let n = allocations(|| step(&mut opt).0.map(|_| ()).unwrap());
-    let clean = copies(task.state());
+    // A recovered step is held to the clean step at the micro-batch size it ended on: the
+    // same samples split otherwise sum in another order, and AdamW's first step turns the
+    // last bits of a gradient near its eps into visible differences (tests/training.rs
+    // holds the splits to each other over whole runs).
+    let n = allocations(|| step_from(&mut opt, 8).0.map(|_| ()).unwrap());
+    let mut clean = std::collections::BTreeMap::from([(8, copies(task.state()))]);
     let mut phases = BTreeSet::new();
     for k in 0..n {
         reset(&mut opt);
-        let ((r, events), fired) = with_failure_at(k, || step(&mut opt));
+        let ((r, events, mb), fired) = with_failure_at(k, || step_from(&mut opt, 8));
         assert!(fired, "allocation {k} of {n}: no failure injected");
         let stats = r.unwrap_or_else(|e| panic!("allocation {k} of {n}: the step failed: {e}"));
         assert_eq!(stats.num_samples, 16);
@@ -82,11 +90,6 @@ fn an_oom_at_every_allocation_changes_nothing() {
                 phases.insert(format!("{:?}", o.phase.unwrap()));
             }
         }
-        let d = max_diff(&clean, &task.state());
-        assert!(
-            d < 1e-5,
-            "allocation {k} of {n}: parameters differ from a clean step by {d}"
-        );
         for (name, t) in opt.state() {
             if name.ends_with(".step") {
                 assert_eq!(
@@ -96,6 +99,18 @@ fn an_oom_at_every_allocation_changes_nothing() {
                 );
             }
         }
+        let recovered = copies(task.state());
+        if !clean.contains_key(&mb) {
+            reset(&mut opt);
+            let (r, _, ended) = step_from(&mut opt, mb);
+            assert!(r.is_ok() && ended == mb, "a clean step at micro-batch {mb}");
+            clean.insert(mb, copies(task.state()));
+        }
+        let (d, name) = max_diff(&clean[&mb], &recovered);
+        assert!(
+            d < 1e-5,
+            "allocation {k} of {n}: {name} differs from a clean step at micro-batch {mb} by {d}"
+        );
     }
     for p in ["Data", "Forward", "Backward", "Clip", "Optimizer"] {
         assert!(phases.contains(p), "no failure landed in {p}: {phases:?}");
@@ -178,7 +193,7 @@ fn an_oom_at_every_allocation_changes_nothing() {
             "restore allocation {k} of {r_allocs}: {r:?}"
         );
         checkpoint::restore(&saved, &task, &mut opt, Device::Cpu).unwrap();
-        assert_eq!(max_diff(&before, &task.state()), 0.0);
+        assert_eq!(max_diff(&before, &task.state()).0, 0.0);
     }
     println!("evaluation: {m} allocations, checkpoint write: {w}, restore: {r_allocs}; an OOM at each recovered");
 }
