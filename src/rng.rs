@@ -75,9 +75,9 @@ pub fn set_states(saved: &[(String, Tensor)], device: Device) -> Result<()> {
     Ok(())
 }
 
-/// Data parallel: each rank's generators at the start of each attempt of a step, a pure
-/// function of (seed, step, rank). Dropout masks differ by rank, a retried attempt draws
-/// what the first drew, and a resume at any world size needs no saved state.
+/// Each rank's generators (one process: rank 0's) at the start of each attempt of a step,
+/// a pure function of (seed, step, rank). Dropout masks differ by rank, a retried attempt
+/// draws what the first drew, and a resume at any world size needs no saved state.
 pub fn seed_rank_step(seed: u64, step: u64, rank: usize) {
     tch::manual_seed(rank_step_seed(seed, step, rank) as i64);
 }

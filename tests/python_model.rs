@@ -771,7 +771,7 @@ device: cpu, num_threads: 1}}
 }
 
 /// One process, a model with dropout and draws from Python's `random` and numpy's: a retried
-/// attempt draws what the first drew (torch's generators and the host's put back), so a run
+/// attempt draws what the first drew (torch's generators and the host's seeded again), so a run
 /// with injected OOMs ends at the clean run's parameters, as `--inject-oom` promises.
 #[test]
 fn a_retried_attempt_draws_what_the_first_drew() {
@@ -814,9 +814,10 @@ train: {{micro_batch_size: {mb}, grad_accum_steps: {ga}, max_steps: 6, eval_ever
     );
 }
 
-/// Data parallel: Python's `random` and numpy's global generator are seeded per (seed, step,
-/// rank), as torch's are: each rank draws its own numbers (no identical augmentations on every
-/// rank), and two runs of one seed draw the same ones.
+/// Python's `random` and numpy's global generator are seeded per (seed, step, rank), as
+/// torch's are: each rank draws its own numbers (no identical augmentations on every rank),
+/// two runs of one seed draw the same ones, and one process draws rank 0's (so a run resumed
+/// at another world size draws what a run at that size would).
 #[test]
 fn each_rank_draws_its_own_host_numbers_and_runs_repeat() {
     let dir = tempfile::tempdir().unwrap();
@@ -824,7 +825,7 @@ fn each_rank_draws_its_own_host_numbers_and_runs_repeat() {
         dir.path().join("draws.py"),
         "import os, random\nimport numpy as np\nimport torch\nfrom torch import nn\nclass Draws(nn.Module):\n    def __init__(self):\n        \
          super().__init__()\n        self.w = nn.Linear(4, 1)\n    def forward(self, x, y):\n        \
-         if self.training:\n            with open(os.environ['DRAWS'] + '-' + os.environ['RANK'], 'a') as f:\n                \
+         if self.training:\n            with open(os.environ['DRAWS'] + '-' + os.environ.get('RANK', '0'), 'a') as f:\n                \
          f.write(f'{random.random()} {np.random.rand()}\\n')\n        return ((self.w(x.float()) - y.float()) ** 2).mean()\n\
          def build(s):\n    return Draws()\n",
     )
@@ -839,22 +840,23 @@ data: {source: tensors, path: rows.safetensors}
 train: {micro_batch_size: 8, grad_accum_steps: 1, max_steps: 3, eval_every: 0, seed: 3, device: cpu, num_threads: 1}
 ",
     );
-    let draws = |name: &str| {
+    let draws = |name: &str, nproc: usize| {
         let prefix = dir.path().join(name);
-        let mut c = train_command(dir.path(), &cfg, &dir.path().join(format!("run-{name}")), 2);
+        let mut c = train_command(dir.path(), &cfg, &dir.path().join(format!("run-{name}")), nproc);
         let o = c.env("DRAWS", &prefix).output().unwrap();
         assert!(o.status.success(), "{}", stderr(&o));
-        (0..2)
+        (0..nproc)
             .map(|r| std::fs::read_to_string(format!("{}-{r}", prefix.display())).unwrap())
             .collect::<Vec<_>>()
     };
-    let first = draws("a");
+    let first = draws("a", 2);
     assert_eq!(first[0].lines().count(), 3, "{first:?}");
     for (a, b) in first[0].lines().zip(first[1].lines()) {
         let (a, b): (Vec<&str>, Vec<&str>) = (a.split(' ').collect(), b.split(' ').collect());
         assert!(a[0] != b[0] && a[1] != b[1], "ranks drew the same numbers: {first:?}");
     }
-    assert_eq!(draws("b"), first, "two runs of one seed drew different numbers");
+    assert_eq!(draws("b", 2), first, "two runs of one seed drew different numbers");
+    assert_eq!(draws("c", 1)[0], first[0], "one process drew other numbers than rank 0");
 }
 
 /// `dir/rows.safetensors`: `rows` random inputs of `dim` features and their targets (seeded),

@@ -149,17 +149,7 @@ pub trait Task {
     fn set_host_rng_state(&self, _state: &serde_json::Value) -> Result<()> {
         Ok(())
     }
-    /// One process, at a step's first attempt: keeps the host generators' states (Python's
-    /// `random`, numpy's), which `rewind_host_rng` puts back for a retried attempt, so that it
-    /// draws what the first drew.
-    fn mark_host_rng(&self) -> Result<()> {
-        Ok(())
-    }
-    /// Puts back what `mark_host_rng` kept.
-    fn rewind_host_rng(&self) -> Result<()> {
-        Ok(())
-    }
-    /// Data parallel, at each attempt: the host generators seeded as torch's are, from
+    /// At each attempt of a step: the host generators seeded as torch's are, from
     /// (seed, step, rank): each rank its own stream, a retry the same draws, a resume nothing
     /// to restore.
     fn seed_host_rng(&self, _seed: u64) -> Result<()> {

@@ -123,9 +123,6 @@ impl<'a> Run<'a> {
         let exchanged_before = self.pg.as_ref().map(|pg| pg.exchange_bytes());
         memory::inject::targeted::at(self.rank(), step);
         let ooms_before = self.guard.policy.num_ooms;
-        // One process: the generators at the step's first attempt, as host bytes (kept across
-        // attempts and the ladder's rungs, they hold no memory the guard counts).
-        let mut rng_at_start: Option<Vec<Vec<u8>>> = None;
         let result = loop {
             let mut batches = StepSamples::new(
                 self.data.train.as_ref(),
@@ -156,27 +153,24 @@ impl<'a> Run<'a> {
             let mut ctx = StepCtx {
                 opt: &mut self.opt,
                 buffers: None,
-                rng: &mut rng_at_start,
             };
+            let rank = pg.map_or(0, |pg| pg.rank);
             let result = self.guard.run(
                 step,
                 &mut ctx,
                 |ctx, mb| {
                     match pg {
-                        Some(pg) => {
-                            if has_buffers {
-                                // The snapshot's OOM is agreed like any other.
-                                pg.agree(Topic::BufferSnapshot, ctx.snapshot_buffers(task))?;
-                            }
-                            crate::rng::seed_rank_step(c.train.seed, step, pg.rank);
-                            task.seed_host_rng(crate::rng::rank_step_seed(c.train.seed, step, pg.rank))?;
-                            dist_step(pg, task, ctx.opt, &batches, step, mb, &u)
-                        }
-                        None => {
-                            ctx.snapshot_buffers(task)?;
-                            ctx.same_draws(task, self.device)?;
-                            step_with(task, ctx.opt, &batches, step, mb, &u)
-                        }
+                        // The snapshot's OOM is agreed like any other.
+                        Some(pg) if has_buffers => pg.agree(Topic::BufferSnapshot, ctx.snapshot_buffers(task))?,
+                        _ => ctx.snapshot_buffers(task)?,
+                    }
+                    // Every generator the model draws from, seeded from (seed, step, rank) at
+                    // each attempt: a retry draws what the first drew, each rank its own.
+                    crate::rng::seed_rank_step(c.train.seed, step, rank);
+                    task.seed_host_rng(crate::rng::rank_step_seed(c.train.seed, step, rank))?;
+                    match pg {
+                        Some(pg) => dist_step(pg, task, ctx.opt, &batches, step, mb, &u),
+                        None => step_with(task, ctx.opt, &batches, step, mb, &u),
                     }
                 },
                 |ctx| ctx.undo(task),
@@ -435,28 +429,9 @@ impl<'a> Run<'a> {
 struct StepCtx<'o> {
     opt: &'o mut AdamW,
     buffers: Option<Vec<Tensor>>,
-    /// One process: torch's generators at the step's first attempt (the host's are kept by
-    /// the task), put back for each retry.
-    rng: &'o mut Option<Vec<Vec<u8>>>,
 }
 
 impl StepCtx<'_> {
-    /// One process: a retried attempt draws what the first drew (torch's generators and the
-    /// model's host generators as they were at the step's start), so that an OOM's retry
-    /// ends where a clean run does, dropout and all.
-    fn same_draws(&mut self, task: &dyn Task, device: Device) -> Result<()> {
-        let at = |e: tch::TchError| Error::from(e).in_phase(Phase::Forward);
-        match self.rng.as_ref() {
-            None => {
-                *self.rng = Some(crate::rng::capture_bytes(device).map_err(at)?);
-                task.mark_host_rng()
-            }
-            Some(states) => {
-                crate::rng::restore_bytes(states, device).map_err(at)?;
-                task.rewind_host_rng()
-            }
-        }
-    }
     fn snapshot_buffers(&mut self, task: &dyn Task) -> Result<()> {
         if self.buffers.is_none() {
             let copies = task

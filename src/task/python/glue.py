@@ -292,28 +292,9 @@ def seed_host(seed):
 
 
 def seed_host_all(seed):
-    """Data parallel: Python's `random` and numpy's global generator seeded for this attempt."""
+    """Python's `random` and numpy's global generator seeded for this attempt of a step."""
     random.seed(seed)
     seed_host(seed)
-
-
-_MARK = None
-
-
-def mark_host():
-    """One process, a step's first attempt: the host generators' states, kept."""
-    global _MARK
-    np_random = _numpy_random()
-    _MARK = (random.getstate(), np_random.get_state() if np_random is not None else None)
-
-
-def rewind_host():
-    """A retried attempt: the host generators as `mark_host` found them."""
-    if _MARK is None:
-        return
-    random.setstate(_MARK[0])
-    if _MARK[1] is not None:
-        _numpy_random().set_state(_MARK[1])
 
 
 def python_rng_state():

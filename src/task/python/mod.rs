@@ -539,12 +539,6 @@ impl Task for PythonTask {
             serde_json::from_str(&text).ok()
         })
     }
-    fn mark_host_rng(&self) -> Result<()> {
-        self.call_glue("mark_host", None)
-    }
-    fn rewind_host_rng(&self) -> Result<()> {
-        self.call_glue("rewind_host", None)
-    }
     fn seed_host_rng(&self, seed: u64) -> Result<()> {
         self.call_glue("seed_host_all", Some(seed))
     }
