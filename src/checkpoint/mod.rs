@@ -153,7 +153,7 @@ pub fn save(
     opt_state: &[(String, Tensor)],
     device: tch::Device,
 ) -> Result<PathBuf> {
-    let tmp = format!(".tmp-step-{:08}-{}", state.next_step, std::process::id());
+    let tmp = private_tmp("step", state.next_step);
     let begun = begin(run_dir, state.next_step, &tmp)?;
     if begun.skip {
         return Ok(begun.final_dir);
@@ -174,6 +174,25 @@ pub struct Begun {
 fn io_err(what: &str, p: &Path) -> impl FnOnce(std::io::Error) -> Error {
     let m = format!("{what} {}", p.display());
     move |e: std::io::Error| Error::io(m, e)
+}
+
+/// A temporary folder's name for step `next_step`'s `what`, this writer's alone among every
+/// process on every node that shares the run directory (host, process, a count): two
+/// survivors saving one step never write into one folder, though containers on two nodes
+/// often give their workers the same process id.
+fn private_tmp(what: &str, next_step: u64) -> String {
+    static COUNT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let host: String = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .unwrap_or_default()
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '.')
+        .take(64)
+        .collect();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let n = COUNT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!(".tmp-{what}-{next_step:08}-{host}-{}-{nanos}-{n}", std::process::id())
 }
 
 /// The temporary folder every rank of a sharded save writes into (all agree on it: the
@@ -245,20 +264,40 @@ pub fn finish(begun: &Begun, state: &TrainState, shard_sums: &[(String, FileSum)
     atomic::sync_dir(tmp).map_err(io_err("cannot fsync", tmp))?;
     // A directory cannot be renamed over a non-empty one: the corrupt one steps aside first
     // (a kill between the two renames leaves the new one complete under its .tmp- name).
-    let aside = parent.join(format!(
-        ".tmp-corrupt-step-{:08}-{}",
-        state.next_step,
-        std::process::id()
-    ));
+    let aside = parent.join(private_tmp("corrupt-step", state.next_step));
     if begun.replaces {
         std::fs::rename(final_dir, &aside).map_err(io_err("cannot move aside", final_dir))?;
     }
-    std::fs::rename(tmp, final_dir).map_err(io_err("cannot rename into", final_dir))?;
+    if let Err(e) = std::fs::rename(tmp, final_dir) {
+        return another_writers(final_dir, tmp, &state).ok_or_else(|| io_err("cannot rename into", final_dir)(e));
+    }
     atomic::sync_dir(parent).map_err(io_err("cannot fsync", parent))?;
     if begun.replaces {
         let _ = std::fs::remove_dir_all(&aside);
     }
     Ok(final_dir.clone())
+}
+
+/// After a failed rename into `final_dir`: if another process (a survivor on another node)
+/// saved the same step there first, its checkpoint stays and this one's `tmp` goes. The
+/// next round's rank 0 reads that one and hands it to every rank, so survivors whose bits
+/// differ (nodes of different CPUs) still resume as one state; the difference is logged.
+fn another_writers(final_dir: &Path, tmp: &Path, ours: &TrainState) -> Option<PathBuf> {
+    let theirs = verify(final_dir).ok()?;
+    let _ = std::fs::remove_dir_all(tmp);
+    let differ: Vec<&str> = FILES
+        .into_iter()
+        .filter(|f| theirs.files.get(*f) != ours.files.get(*f))
+        .collect();
+    if !differ.is_empty() {
+        tracing::warn!(
+            "{}: another process saved this step first, and its {} differ from this one's; the next round \
+             resumes from it on every rank",
+            final_dir.display(),
+            differ.join(", ")
+        );
+    }
+    Some(final_dir.to_path_buf())
 }
 
 fn checksum(path: &Path) -> Result<FileSum> {

@@ -108,15 +108,13 @@ impl Run<'_> {
             return;
         }
         self.handover = true;
-        let saved = self.save_whole(next_step);
-        let dir = checkpoint::checkpoints_dir(&self.run_dir).join(format!("step-{next_step:08}"));
-        match saved {
+        // Survivors on other nodes may save the same step at once: the first one's stays
+        // (`checkpoint::save`), and the next round's rank 0 hands it to every rank.
+        match self.save_whole(next_step) {
             Ok(d) => tracing::warn!(
                 "{cause}: saved this rank's state at step {next_step} for the next round: {}",
                 d.display()
             ),
-            // Another survivor's save of the same step got there first.
-            Err(_) if checkpoint::verify(&dir).is_ok() => {}
             Err(e) => tracing::error!("{cause}: could not save this rank's state for the next round: {e}"),
         }
     }
