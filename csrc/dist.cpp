@@ -86,15 +86,12 @@ int bound_listener(const char* addr, int port) {
   throw std::runtime_error(std::string("cannot listen on ") + addr + ":" + service + " (" + why + ")");
 }
 
-bool is_loopback(const std::string& addr) {
-  return addr == "localhost" || addr == "::1" || addr.rfind("127.", 0) == 0;
-}
 }  // namespace
 
 extern "C" {
 
-char* og_dist_init(const char* addr, int port, const char* token, int rank, int world, int cuda_index, int64_t timeout_ms,
-                   void** out) {
+char* og_dist_init(const char* addr, int port, const char* token, int rank, int world, int cuda_index,
+                   const char* gloo_host, int64_t timeout_ms, void** out) {
   return oomguard::guarded([&] {
     const auto timeout = std::chrono::milliseconds(timeout_ms);
     c10d::TCPStoreOptions opts;
@@ -124,11 +121,12 @@ char* og_dist_init(const char* addr, int port, const char* token, int rank, int 
     if (cuda_index < 0) {
       auto o = c10d::ProcessGroupGloo::Options::create();
       o->timeout = timeout;
-      // Gloo's own sockets: the interface asked for, else loopback when the store is there.
+      // Gloo's own sockets: the interface asked for, else this host's address on the route to
+      // MASTER_ADDR (gloo_host; loopback when the store is there). Never Gloo's default, the
+      // hostname's address, which /etc/hosts often maps to loopback on a multi-node job.
       const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
-      o->devices.push_back(ifname                   ? c10d::ProcessGroupGloo::createDeviceForInterface(ifname)
-                           : is_loopback(addr)      ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
-                                                    : c10d::ProcessGroupGloo::createDefaultDevice());
+      o->devices.push_back(ifname ? c10d::ProcessGroupGloo::createDeviceForInterface(ifname)
+                                  : c10d::ProcessGroupGloo::createDeviceForHostname(gloo_host));
       g->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(g->store, rank, world, o);
       g->gloo = true;
     } else {

@@ -84,8 +84,8 @@ char* og_amp_update_scale(void* scale, void* growth_tracker, void* found_inf, do
 
 // Data parallel (csrc/dist.cpp): a c10d group (Gloo when cuda_index < 0, else NCCL), its
 // collectives (op: 0 sum, 1 max, 2 min; in place), and its store.
-char* og_dist_init(const char* addr, int port, const char* token, int rank, int world, int cuda_index, int64_t timeout_ms,
-                   void** out);
+char* og_dist_init(const char* addr, int port, const char* token, int rank, int world, int cuda_index,
+                   const char* gloo_host, int64_t timeout_ms, void** out);
 void og_dist_free(void* group);
 char* og_dist_all_reduce(void* group, void** tensors, int n, int op);
 char* og_dist_broadcast(void* group, void** tensors, int n, int root);

@@ -2,8 +2,8 @@
 //! `import oomguard`): its items, and its error as the runtime's `Error::Dist`.
 //! Keeps: one implementation of the channel and its header checks for both fronts.
 pub use oomguard_exchange::{
-    busiest_neighbours, children, parent, Channel, Exchange, ExchangeError, MemoryStore, Reduce, Topic, MESSAGE_BYTES,
-    PAYLOAD,
+    busiest_neighbours, children, local_ip_towards, parent, Channel, Exchange, ExchangeError, MemoryStore, Reduce,
+    Topic, MESSAGE_BYTES, PAYLOAD,
 };
 
 impl From<ExchangeError> for crate::error::Error {

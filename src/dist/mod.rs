@@ -25,6 +25,7 @@ extern "C" {
         rank: i32,
         world: i32,
         cuda_index: i32,
+        gloo_host: *const c_char,
         timeout_ms: i64,
         out: *mut *mut c_void,
     ) -> *mut c_char;
@@ -170,6 +171,8 @@ impl ProcessGroup {
         let cuda = if let Device::Cuda(i) = device { i as i32 } else { -1 };
         let caddr = CString::new(addr.clone()).map_err(|_| Error::Dist("MASTER_ADDR holds a NUL byte".into()))?;
         let ctoken = CString::new(token.clone()).map_err(|_| Error::Dist(format!("{TOKEN_VAR} holds a NUL byte")))?;
+        let host = gloo_host(addr)?;
+        let chost = CString::new(host).map_err(|_| Error::Dist("an address holds a NUL byte".into()))?;
         let mut ptr: *mut c_void = std::ptr::null_mut();
         check(unsafe {
             og_dist_init(
@@ -179,6 +182,7 @@ impl ProcessGroup {
                 rank as i32,
                 world as i32,
                 cuda,
+                chost.as_ptr(),
                 timeout.as_millis() as i64,
                 &mut ptr,
             )
@@ -443,6 +447,19 @@ pub struct Buckets {
     flat: Vec<Tensor>,
     members: Vec<Vec<usize>>,
     solo: Vec<usize>,
+}
+
+/// The address Gloo's sockets bind to (empty: `GLOO_SOCKET_IFNAME` names an interface):
+/// this host's own on the route to MASTER_ADDR, as the exchange's listener. Gloo's default,
+/// the hostname's address, is loopback on many hosts (`/etc/hosts`), where ranks on other
+/// nodes cannot reach it.
+fn gloo_host(master: &str) -> Result<String> {
+    if std::env::var_os("GLOO_SOCKET_IFNAME").is_some() {
+        return Ok(String::new());
+    }
+    exchange::local_ip_towards(master)
+        .map(|ip| ip.to_string())
+        .map_err(|e| Error::Dist(format!("no route to MASTER_ADDR {master} for Gloo's sockets: {e}; set GLOO_SOCKET_IFNAME to the interface to use")))
 }
 
 /// Gradients of at least this size are reduced in place, not copied into a bucket.

@@ -381,8 +381,9 @@ impl Channel {
     }
 }
 
-/// This host's address on the route to `addr` (a UDP socket's `connect` sends nothing).
-fn local_ip_towards(addr: &str) -> std::io::Result<IpAddr> {
+/// This host's address on the route to `addr` (a UDP socket's `connect` sends nothing): the
+/// exchange's listener binds to it, and so do Gloo's sockets.
+pub fn local_ip_towards(addr: &str) -> std::io::Result<IpAddr> {
     let target = (addr, 9)
         .to_socket_addrs()?
         .next()
