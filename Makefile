@@ -60,7 +60,7 @@ docs-picture: build
 	./target/release/oomguard report runs/docs-picture --out docs/demo-report.png
 
 bench: setup
-	cargo bench --bench throughput --bench guard --bench launch --bench auto --bench dist --bench precision --bench torchscript --bench report --bench sweep --bench eager_gpt --bench fused_fit --bench snapshot --bench shard --bench checkpoint --bench python_model --bench scale --bench elastic
+	cargo bench --bench throughput --bench guard --bench launch --bench auto --bench dist --bench precision --bench torchscript --bench report --bench sweep --bench eager_gpt --bench fused_fit --bench snapshot --bench shard --bench checkpoint --bench python_model --bench scale --bench elastic --bench netns
 	OMP_NUM_THREADS=1 .venv/bin/python benches/python/own_loop.py
 	OMP_NUM_THREADS=1 .venv/bin/python benches/python/sharded.py
 	OMP_NUM_THREADS=1 .venv/bin/python benches/python/hf_trainer.py

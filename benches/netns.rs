@@ -1,0 +1,127 @@
+//! `make bench` (netns): two "nodes" in network namespaces of their own (tests/common/netns.rs),
+//! one rank each, over a veth pair at its own speed and held to 1 Gbit/s by `tc tbf`: plain
+//! data parallel and ZeRO-2 train the same GPT, the two links alternated over 3 rounds. For
+//! each: the median step time at both speeds and the step's exposed reduction (`comm_s` less
+//! the agreements); the bytes rank 0 sent a step, counted by the kernel on its link (a
+//! 25-step run less a 5-step one, so the start's broadcast drops out), against the cost
+//! model's (`dist::cost`'s wire bytes, doubled for ZeRO on Gloo) and its transfer time at
+//! 1 Gbit/s; and the share of that transfer hidden behind computation, 1 - exposed / transfer
+//! (at least 0), where the communication exposed at 1 Gbit/s is the step time the slow link
+//! adds plus the exposed reduction on the veth (ZeRO's parameter all-gather runs in the
+//! update, outside `comm_s`: the step time sees it). The gradients are reduced after the
+//! whole backward today, so that share is the baseline an overlap is measured against.
+//! Root only (the namespaces); they go on every exit path.
+#[path = "../tests/common/mod.rs"]
+mod tests_common;
+
+use oomguard::dist::cost::cost;
+use oomguard::optim::Shard;
+use oomguard::task::Task;
+use std::path::Path;
+use tests_common::netns::{self, Nodes};
+use tests_common::{median, records, stderr, write_config};
+
+const CONFIG: &str = "
+model: {n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab_size: 256}
+data: {source: embedded}
+train: {micro_batch_size: 16, grad_accum_steps: 1, global_batch_size: 32, max_steps: 25, eval_every: 0, eval_batch_size: 4, eval_batches: 1, device: \
+    cpu, num_threads: 1}
+memory: {budget: none}
+log: {every: 1000}
+";
+const RATE_BITS: f64 = 1e9;
+const ROUNDS: usize = 3;
+
+/// Rank 0's steps 5.. of a run: their step times and exposed reductions (comm_s less the
+/// agreements).
+fn measure(run: &Path) -> (Vec<f64>, Vec<f64>) {
+    let steps: Vec<serde_json::Value> = records(run, "step").into_iter().skip(5).collect();
+    let of = |f: &dyn Fn(&serde_json::Value) -> f64| steps.iter().map(f).collect();
+    (
+        of(&|s| s["step_time_s"].as_f64().unwrap()),
+        of(&|s| s["comm_s"].as_f64().unwrap_or(0.0) - s["agree_s"].as_f64().unwrap_or(0.0)),
+    )
+}
+
+fn main() {
+    if !netns::available() {
+        println!("netns: skipped (network namespaces need root and iproute2)");
+        return;
+    }
+    let bin = Path::new(env!("CARGO_BIN_EXE_oomguard"));
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "gpt.yaml", CONFIG);
+    let gpt = oomguard::model::GptConfig {
+        n_layer: 4,
+        n_head: 4,
+        n_embd: 128,
+        block_size: 128,
+        vocab_size: 256,
+        dropout: 0.0,
+        bias: true,
+        loss: Default::default(),
+    };
+    let task = oomguard::task::gpt::GptTask::new(&gpt, tch::Device::Cpu).unwrap();
+    let numels: Vec<i64> = task.parameters().iter().map(|(_, t)| t.numel() as i64).collect();
+    let fast = Nodes::new("f", None);
+    let slow = Nodes::new("s", Some("1gbit"));
+    println!(
+        "2 nodes (network namespaces, 1 rank and 1 thread each), GPT 4x128 ({:.2}M parameters), global batch 32, 25 steps; link: veth, and tc tbf at 1 Gbit/s",
+        numels.iter().sum::<i64>() as f64 / 1e6
+    );
+    for (name, shard, set) in [
+        ("data parallel", Shard::None, "train.shard=none"),
+        ("ZeRO-2", Shard::Gradients, "train.shard=gradients"),
+    ] {
+        let train = |nodes: &Nodes, tag: &str, extra: &[&str]| {
+            let run = dir.path().join(format!("{}-{tag}", set.replace('=', "-")));
+            let outs = nodes.train(bin, dir.path(), &cfg, &run, &[&["--set", set], extra].concat());
+            for (r, o) in outs.iter().enumerate() {
+                assert!(o.status.success(), "{name} {tag}: node {r}: {}", stderr(o));
+            }
+            run
+        };
+        // [veth, 1 Gbit/s]: every step's time and exposed reduction, over the rounds.
+        let mut at: [(Vec<f64>, Vec<f64>); 2] = Default::default();
+        for round in 0..ROUNDS {
+            for (i, nodes) in [&fast, &slow].into_iter().enumerate() {
+                let (t, r) = measure(&train(nodes, &format!("{i}-{round}"), &[]));
+                at[i].0.extend(t);
+                at[i].1.extend(r);
+            }
+        }
+        let sent = |steps: &str| {
+            let before = slow.tx_bytes(0);
+            train(&slow, &format!("bytes-{steps}"), &["--set", &format!("train.max_steps={steps}")]);
+            (slow.tx_bytes(0) - before) as f64
+        };
+        let per_step = (sent("25") - sent("5")) / 20.0;
+        // On Gloo ZeRO's reduce-scatter and all-gather are in-place all-reduces (twice the
+        // model's ring bytes).
+        let wire = cost(&numels, 2, shard).wire as f64 * if shard == Shard::None { 1.0 } else { 2.0 };
+        let transfer = wire * 8.0 / RATE_BITS;
+        let [(step_f, red_f), (step_s, red_s)] = at.map(|(t, r)| (median(t), median(r)));
+        println!(
+            "{name}: step {:.1} ms on the veth, {:.1} ms at 1 Gbit/s; exposed reduction {:.1} ms and {:.1} ms; computation (step less reduction) {:.1} ms",
+            step_f * 1e3,
+            step_s * 1e3,
+            red_f * 1e3,
+            red_s * 1e3,
+            (step_s - red_s) * 1e3
+        );
+        println!(
+            "{name}: rank 0 sent {:.2} MB a step (the kernel's count), the cost model says {:.2} MB ({:.2}x): {:.1} ms at 1 Gbit/s",
+            per_step / 1e6,
+            wire / 1e6,
+            per_step / wire,
+            transfer * 1e3
+        );
+        let exposed = step_s - step_f + red_f;
+        println!(
+            "{name}: communication exposed at 1 Gbit/s {:.1} ms (the step time added, {:.1} ms, plus the veth's exposed reduction); hidden behind computation: {:.0}% of the transfer",
+            exposed * 1e3,
+            (step_s - step_f) * 1e3,
+            (1.0 - exposed / transfer).max(0.0) * 100.0
+        );
+    }
+}

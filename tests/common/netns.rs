@@ -1,0 +1,105 @@
+//! Two "nodes" on one machine: network namespaces of their own joined by a veth pair,
+//! optionally held to a rate by `tc tbf`, each running a launcher over the real interface
+//! (10.77.0.1 and .2), never loopback. No traffic leaves the machine. Needs root and
+//! iproute2 (`available` says whether this machine has them).
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+pub const ADDR: [&str; 2] = ["10.77.0.1", "10.77.0.2"];
+
+/// The namespaces and their link; deleted on drop (the veth pair goes with them), also when
+/// an assertion fails or a bench panics.
+pub struct Nodes {
+    ns: [String; 2],
+    veth: [String; 2],
+}
+
+fn ip(args: &[&str]) -> Output {
+    Command::new("ip").args(args).output().expect("runs ip")
+}
+
+fn ok(o: Output, what: &str) {
+    assert!(o.status.success(), "{what}: {}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// Whether this machine can make namespaces: root, with iproute2.
+pub fn available() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    root && Command::new("ip").arg("-V").output().is_ok_and(|o| o.status.success())
+}
+
+impl Nodes {
+    /// Two nodes whose link carries `rate` (tc's spelling: `100mbit`, `1gbit`) each way, or
+    /// the veth's own speed with None. `tag` keeps two sets apart (names are per process).
+    pub fn new(tag: &str, rate: Option<&str>) -> Nodes {
+        let id = std::process::id();
+        let nodes = Nodes {
+            ns: [format!("og{id}{tag}0"), format!("og{id}{tag}1")],
+            veth: [format!("ogv{id}{tag}a"), format!("ogv{id}{tag}b")],
+        };
+        let veth = &nodes.veth;
+        for n in &nodes.ns {
+            ok(ip(&["netns", "add", n]), "ip netns add");
+        }
+        ok(ip(&["link", "add", &veth[0], "type", "veth", "peer", "name", &veth[1]]), "ip link add");
+        for i in 0..2 {
+            let (n, v) = (nodes.ns[i].as_str(), veth[i].as_str());
+            ok(ip(&["link", "set", v, "netns", n]), "ip link set netns");
+            ok(ip(&["-n", n, "addr", "add", &format!("{}/24", ADDR[i]), "dev", v]), "ip addr add");
+            ok(ip(&["-n", n, "link", "set", "lo", "up"]), "lo up");
+            ok(ip(&["-n", n, "link", "set", v, "up"]), "veth up");
+            if let Some(rate) = rate {
+                let tc = Command::new("tc")
+                    .args(["-n", n, "qdisc", "add", "dev", v, "root", "tbf", "rate", rate])
+                    .args(["burst", "256kb", "latency", "50ms"])
+                    .output()
+                    .expect("runs tc");
+                ok(tc, "tc qdisc add tbf");
+            }
+        }
+        nodes
+    }
+
+    /// The bytes node `i` has sent on its link so far (the kernel's count).
+    pub fn tx_bytes(&self, i: usize) -> u64 {
+        let o = ip(&["-n", &self.ns[i], "-s", "-j", "link", "show", "dev", &self.veth[i]]);
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("ip -j prints JSON");
+        v[0]["stats64"]["tx"]["bytes"].as_u64().expect("a tx byte count")
+    }
+
+    /// Both nodes' launchers (`oomguard launch --nnodes 2 --nproc-per-node 1`), each running
+    /// `bin train cfg --run-dir run extra`, to their end.
+    pub fn train(&self, bin: &Path, dir: &Path, cfg: &Path, run: &Path, extra: &[&str]) -> [Output; 2] {
+        let token = format!("{:032x}", std::process::id() as u128 * 0x9E37_79B9_7F4A_7C15);
+        let children: Vec<_> = (0..2)
+            .map(|r| {
+                let mut c = Command::new("ip");
+                super::dies_with_test(&mut c)
+                    .args(["netns", "exec", &self.ns[r]])
+                    .arg(bin)
+                    .args(["launch", "--nnodes", "2", "--node-rank", &r.to_string(), "--nproc-per-node", "1"])
+                    .args(["--master-addr", ADDR[0], "--master-port", "29517", "--no-python"])
+                    .arg(bin)
+                    .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()])
+                    .args(extra)
+                    .env("OOMGUARD_RUN_TOKEN", &token)
+                    .current_dir(dir)
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let mut outs = children.into_iter().map(|c| c.wait_with_output().unwrap());
+        [outs.next().unwrap(), outs.next().unwrap()]
+    }
+}
+
+impl Drop for Nodes {
+    fn drop(&mut self) {
+        for n in &self.ns {
+            let _ = ip(&["netns", "del", n]);
+        }
+    }
+}
