@@ -92,7 +92,11 @@ fn main() {
         }
         let sent = |steps: &str| {
             let before = slow.tx_bytes(0);
-            train(&slow, &format!("bytes-{steps}"), &["--set", &format!("train.max_steps={steps}")]);
+            train(
+                &slow,
+                &format!("bytes-{steps}"),
+                &["--set", &format!("train.max_steps={steps}")],
+            );
             (slow.tx_bytes(0) - before) as f64
         };
         let per_step = (sent("25") - sent("5")) / 20.0;

@@ -100,11 +100,11 @@ fn an_oom_at_every_allocation_changes_nothing() {
             }
         }
         let recovered = copies(task.state());
-        if !clean.contains_key(&mb) {
+        if let std::collections::btree_map::Entry::Vacant(e) = clean.entry(mb) {
             reset(&mut opt);
             let (r, _, ended) = step_from(&mut opt, mb);
             assert!(r.is_ok() && ended == mb, "a clean step at micro-batch {mb}");
-            clean.insert(mb, copies(task.state()));
+            e.insert(copies(task.state()));
         }
         let (d, name) = max_diff(&clean[&mb], &recovered);
         assert!(

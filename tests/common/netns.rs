@@ -42,11 +42,17 @@ impl Nodes {
         for n in &nodes.ns {
             ok(ip(&["netns", "add", n]), "ip netns add");
         }
-        ok(ip(&["link", "add", &veth[0], "type", "veth", "peer", "name", &veth[1]]), "ip link add");
+        ok(
+            ip(&["link", "add", &veth[0], "type", "veth", "peer", "name", &veth[1]]),
+            "ip link add",
+        );
         for i in 0..2 {
             let (n, v) = (nodes.ns[i].as_str(), veth[i].as_str());
             ok(ip(&["link", "set", v, "netns", n]), "ip link set netns");
-            ok(ip(&["-n", n, "addr", "add", &format!("{}/24", ADDR[i]), "dev", v]), "ip addr add");
+            ok(
+                ip(&["-n", n, "addr", "add", &format!("{}/24", ADDR[i]), "dev", v]),
+                "ip addr add",
+            );
             ok(ip(&["-n", n, "link", "set", "lo", "up"]), "lo up");
             ok(ip(&["-n", n, "link", "set", v, "up"]), "veth up");
             if let Some(rate) = rate {
@@ -78,7 +84,15 @@ impl Nodes {
                 super::dies_with_test(&mut c)
                     .args(["netns", "exec", &self.ns[r]])
                     .arg(bin)
-                    .args(["launch", "--nnodes", "2", "--node-rank", &r.to_string(), "--nproc-per-node", "1"])
+                    .args([
+                        "launch",
+                        "--nnodes",
+                        "2",
+                        "--node-rank",
+                        &r.to_string(),
+                        "--nproc-per-node",
+                        "1",
+                    ])
                     .args(["--master-addr", ADDR[0], "--master-port", "29517", "--no-python"])
                     .arg(bin)
                     .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()])
