@@ -14,14 +14,7 @@ use common::{events, median};
 use std::path::Path;
 use std::process::Command;
 
-const CONFIG: &str = "
-model: {n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab_size: 256}
-data: {source: embedded}
-train: {micro_batch_size: 16, grad_accum_steps: 1, global_batch_size: 32, max_steps: 25, eval_every: 0, eval_batch_size: 4, eval_batches: 1, device: \
-    cpu, num_threads: 1}
-memory: {budget: none}
-log: {every: 1000}
-";
+use common::DIST_CONFIG as CONFIG;
 
 /// Median tokens/s and the mean shares of a step spent communicating and in the agreements
 /// alone, steps 5.. of a run.

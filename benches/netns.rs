@@ -11,8 +11,11 @@
 //! update, outside `comm_s`: the step time sees it). The gradients are reduced after the
 //! whole backward today, so that share is the baseline an overlap is measured against.
 //! Root only (the namespaces); they go on every exit path.
+mod common;
 #[path = "../tests/common/mod.rs"]
 mod tests_common;
+
+use common::DIST_CONFIG as CONFIG;
 
 use oomguard::dist::cost::cost;
 use oomguard::optim::Shard;
@@ -21,14 +24,6 @@ use std::path::Path;
 use tests_common::netns::{self, Nodes};
 use tests_common::{median, records, stderr, write_config};
 
-const CONFIG: &str = "
-model: {n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab_size: 256}
-data: {source: embedded}
-train: {micro_batch_size: 16, grad_accum_steps: 1, global_batch_size: 32, max_steps: 25, eval_every: 0, eval_batch_size: 4, eval_batches: 1, device: \
-    cpu, num_threads: 1}
-memory: {budget: none}
-log: {every: 1000}
-";
 const RATE_BITS: f64 = 1e9;
 const ROUNDS: usize = 3;
 
@@ -51,16 +46,8 @@ fn main() {
     let bin = Path::new(env!("CARGO_BIN_EXE_oomguard"));
     let dir = tempfile::tempdir().unwrap();
     let cfg = write_config(dir.path(), "gpt.yaml", CONFIG);
-    let gpt = oomguard::model::GptConfig {
-        n_layer: 4,
-        n_head: 4,
-        n_embd: 128,
-        block_size: 128,
-        vocab_size: 256,
-        dropout: 0.0,
-        bias: true,
-        loss: Default::default(),
-    };
+    // The CONFIG's model: GptConfig's defaults.
+    let gpt = oomguard::model::GptConfig::default();
     let task = oomguard::task::gpt::GptTask::new(&gpt, tch::Device::Cpu).unwrap();
     let numels: Vec<i64> = task.parameters().iter().map(|(_, t)| t.numel() as i64).collect();
     let fast = Nodes::new("f", None);

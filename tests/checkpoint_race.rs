@@ -3,8 +3,7 @@
 //! mixture), both writers succeed, and nothing temporary is left. In-process, one thread a
 //! writer: one process id for both, as containers on two nodes often have.
 mod common;
-use oomguard::checkpoint::{self, TrainState};
-use oomguard::guard::Policy;
+use oomguard::checkpoint;
 use oomguard::task::Task;
 use std::path::Path;
 use tch::Device;
@@ -16,20 +15,7 @@ fn save(run: &Path, step: u64, shift: f64) -> (std::path::PathBuf, String, tch::
     let common::TinyGpt { task, opt, .. } = common::tiny_gpt();
     let (name, first) = task.state().swap_remove(0);
     let _ = tch::no_grad(|| first.shallow_clone().f_add_scalar_(shift).unwrap());
-    let state = TrainState {
-        format: checkpoint::FORMAT,
-        next_step: step,
-        samples_seen: 16 * step,
-        policy: Policy::new(8),
-        eval_policy: Policy::new(8),
-        val_loss: None,
-        eval_history: Default::default(),
-        model: task.fingerprint(),
-        extra: Default::default(),
-        files: Default::default(),
-        shards: None,
-        manifest_crc32: None,
-    };
+    let state = common::train_state(&task, step);
     let opt_state: Vec<_> = opt.state().into_iter().map(|(n, t)| (n, t.shallow_clone())).collect();
     let dir = checkpoint::save(run, &state, &task, &opt_state, Device::Cpu).unwrap();
     (dir, name, first.detach().copy())

@@ -4,10 +4,10 @@
 //! evaluation gives the same loss; a write or restore fails cleanly and succeeds when tried
 //! again. In-process, through the library; alone in its file (the injector is process-wide).
 mod common;
-use oomguard::checkpoint::{self, TrainState};
+use oomguard::checkpoint;
 use oomguard::data::{Samples, StepSamples};
 use oomguard::error::Error;
-use oomguard::guard::{Guard, GuardEvent, Policy};
+use oomguard::guard::{Guard, GuardEvent};
 use oomguard::memory::{inject, MemoryConfig};
 use oomguard::optim::AdamW;
 use oomguard::precision::Amp;
@@ -152,20 +152,7 @@ fn an_oom_at_every_allocation_changes_nothing() {
     // 3. Every allocation of a checkpoint write, then of a restore: an OOM error (never a
     // panic), and a retry that succeeds with the same tensors.
     let dir = tempfile::tempdir().unwrap();
-    let state = TrainState {
-        format: checkpoint::FORMAT,
-        next_step: 1,
-        samples_seen: 16,
-        policy: Policy::new(8),
-        eval_policy: Policy::new(16),
-        val_loss: None,
-        eval_history: Default::default(),
-        model: task.fingerprint(),
-        extra: Default::default(),
-        files: Default::default(),
-        shards: None,
-        manifest_crc32: None,
-    };
+    let state = common::train_state(&task, 1);
     let full: Vec<(String, Tensor)> = opt.state().into_iter().map(|(n, t)| (n, t.shallow_clone())).collect();
     let save = || checkpoint::save(dir.path(), &state, &task, &full, Device::Cpu);
     let saved = save().unwrap();

@@ -66,3 +66,14 @@ pub fn bench_gpt() -> (
     .unwrap();
     (task, opt, data)
 }
+
+/// The data-parallel benches' run (dist, netns): GPT 4x128 (GptConfig's defaults), global
+/// batch 32 in micro-batches of 16, 25 steps, one thread a rank.
+pub const DIST_CONFIG: &str = "
+model: {n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab_size: 256}
+data: {source: embedded}
+train: {micro_batch_size: 16, grad_accum_steps: 1, global_batch_size: 32, max_steps: 25, eval_every: 0, eval_batch_size: 4, eval_batches: 1, device: \
+    cpu, num_threads: 1}
+memory: {budget: none}
+log: {every: 1000}
+";

@@ -284,6 +284,26 @@ pub fn tiny_gpt() -> TinyGpt {
     TinyGpt { data, task, opt }
 }
 
+/// A checkpoint's state for `task` at `next_step` (16 samples a step, micro-batch 8,
+/// evaluation batch 16, nothing else kept).
+pub fn train_state(task: &dyn oomguard::task::Task, next_step: u64) -> oomguard::checkpoint::TrainState {
+    use oomguard::guard::Policy;
+    oomguard::checkpoint::TrainState {
+        format: oomguard::checkpoint::FORMAT,
+        next_step,
+        samples_seen: 16 * next_step,
+        policy: Policy::new(8),
+        eval_policy: Policy::new(16),
+        val_loss: None,
+        eval_history: Default::default(),
+        model: task.fingerprint(),
+        extra: Default::default(),
+        files: Default::default(),
+        shards: None,
+        manifest_crc32: None,
+    }
+}
+
 /// The tiny GPT's training samples, `global_batch` a step.
 pub fn tiny_batches(data: &oomguard::data::Dataset, global_batch: usize) -> oomguard::data::StepSamples<'_> {
     oomguard::data::StepSamples::new(data.train.as_ref(), 1, global_batch, tch::Device::Cpu)
