@@ -2,8 +2,10 @@
 //! that `tc tbf` holds to 100 Mbit/s: `oomguard launch --nnodes 2` over a real interface (not
 //! loopback), with plain data parallel and with ZeRO-2, ends where one process does. Before,
 //! Gloo bound to the hostname's address, loopback here, and rank 1 could not connect.
+//! An elastic job over the same link loses a node mid-run and ends where one process does.
 //! Needs root and iproute2, as CI has; elsewhere it says why and checks nothing.
 mod common;
+use common::elastic::{self, steps_of};
 use common::netns::{self, Nodes, ADDR};
 use common::*;
 
@@ -31,4 +33,64 @@ fn two_nodes_over_a_slow_link_equal_one_process() {
         let d = max_abs_diff(&weights(&single), &weights(&run));
         assert!(d < 1e-5, "{name}: two nodes differ from one process by {d}");
     }
+}
+
+/// An elastic job (`--nnodes 1:2`, the rendezvous on node 0's interface) over the link: node
+/// 1 is killed -9 four steps in. Node 0 goes on alone from the state it held, names the lost
+/// node, records each step once and the change (from the survivors, at most the step in
+/// flight done again), and ends within 1e-5 of one process.
+#[test]
+fn an_elastic_job_loses_a_node_over_the_link() {
+    if !netns::available() {
+        println!("skipped: network namespaces need root and iproute2 (ip, tc)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 20;
+    let cfg = elastic::config(dir.path(), steps);
+    let single = train_into(dir.path(), &cfg, "single", &[]);
+    let nodes = Nodes::new("e", Some("100mbit"));
+    let run = dir.path().join("elastic");
+    let endpoint = format!("{}:29518", ADDR[0]);
+    let launch = [
+        "--nnodes",
+        "1:2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        &endpoint,
+        "--rdzv-id",
+        "netns",
+    ];
+    let launch = [&launch[..], &["--monitor-interval", "0.05"]].concat();
+    let train = [cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()];
+    let env = [
+        ("OOMGUARD_TEST_STEP_PAUSE_MS", "150"),
+        ("PET_RDZV_CONF", "last_call_timeout=1"),
+        ("OMP_NUM_THREADS", "1"),
+    ];
+    let survivor = nodes.launcher(0, &bin(), dir.path(), &launch, &train, &env);
+    // Node 0 hosts the rendezvous: it starts first.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let mut lost = nodes.launcher(1, &bin(), dir.path(), &launch, &train, &env);
+    wait_for_steps(&run, 4);
+    assert!(steps_of(&run).iter().all(|s| s["world_size"] == 2));
+    elastic::kill(&mut lost);
+    let o = survivor.wait_with_output().unwrap();
+    let log = stderr(&o);
+    assert!(o.status.success(), "{log}");
+    assert!(log.contains("node 1's launcher is gone"), "{log}");
+    let seen: Vec<u64> = steps_of(&run).iter().map(|s| s["step"].as_u64().unwrap()).collect();
+    assert_eq!(seen, (0..steps).collect::<Vec<_>>());
+    let m = records(&run, "membership");
+    assert_eq!(m.len(), 1, "{m:?}");
+    assert_eq!(
+        (m[0]["old_world"].as_u64(), m[0]["new_world"].as_u64()),
+        (Some(2), Some(1)),
+        "{m:?}"
+    );
+    assert_eq!(m[0]["source"], "survivors", "{m:?}");
+    assert!(m[0]["steps_recomputed"].as_u64().unwrap() <= 1, "{m:?}");
+    let d = max_abs_diff(&weights(&single), &weights(&run));
+    assert!(d < 1e-5, "the elastic run over the link is {d} from one process");
 }

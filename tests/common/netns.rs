@@ -3,7 +3,7 @@
 //! (10.77.0.1 and .2), never loopback. No traffic leaves the machine. Needs root and
 //! iproute2 (`available` says whether this machine has them).
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 
 pub const ADDR: [&str; 2] = ["10.77.0.1", "10.77.0.2"];
 
@@ -74,36 +74,44 @@ impl Nodes {
         v[0]["stats64"]["tx"]["bytes"].as_u64().expect("a tx byte count")
     }
 
-    /// Both nodes' launchers (`oomguard launch --nnodes 2 --nproc-per-node 1`), each running
-    /// `bin train cfg --run-dir run extra`, to their end.
-    pub fn train(&self, bin: &Path, dir: &Path, cfg: &Path, run: &Path, extra: &[&str]) -> [Output; 2] {
+    /// Node `i`'s launcher in its namespace: `bin launch LAUNCH --no-python bin train TRAIN`,
+    /// with `env` and the run's token, its output piped.
+    pub fn launcher(
+        &self,
+        i: usize,
+        bin: &Path,
+        dir: &Path,
+        launch: &[&str],
+        train: &[&str],
+        env: &[(&str, &str)],
+    ) -> Child {
         let token = format!("{:032x}", std::process::id() as u128 * 0x9E37_79B9_7F4A_7C15);
-        let children: Vec<_> = (0..2)
-            .map(|r| {
-                let mut c = Command::new("ip");
-                super::dies_with_test(&mut c)
-                    .args(["netns", "exec", &self.ns[r]])
-                    .arg(bin)
-                    .args([
-                        "launch",
-                        "--nnodes",
-                        "2",
-                        "--node-rank",
-                        &r.to_string(),
-                        "--nproc-per-node",
-                        "1",
-                    ])
-                    .args(["--master-addr", ADDR[0], "--master-port", "29517", "--no-python"])
-                    .arg(bin)
-                    .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()])
-                    .args(extra)
-                    .env("OOMGUARD_RUN_TOKEN", &token)
-                    .current_dir(dir)
-                    .stdout(Stdio::piped())
-                    .stderr(Stdio::piped())
-                    .spawn()
-                    .unwrap()
-            })
+        let mut c = Command::new("ip");
+        super::dies_with_test(&mut c)
+            .args(["netns", "exec", &self.ns[i]])
+            .arg(bin)
+            .arg("launch")
+            .args(launch)
+            .args(["--node-rank", &i.to_string(), "--nproc-per-node", "1", "--no-python"])
+            .arg(bin)
+            .arg("train")
+            .args(train)
+            .env("OOMGUARD_RUN_TOKEN", &token)
+            .envs(env.iter().copied())
+            .current_dir(dir)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+
+    /// Both nodes' launchers (`--nnodes 2`, one rank each), each training `cfg` into `run`
+    /// with `extra`, to their end.
+    pub fn train(&self, bin: &Path, dir: &Path, cfg: &Path, run: &Path, extra: &[&str]) -> [Output; 2] {
+        let launch = ["--nnodes", "2", "--master-addr", ADDR[0], "--master-port", "29517"];
+        let train = [&[cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()], extra].concat();
+        let children: Vec<Child> = (0..2)
+            .map(|i| self.launcher(i, bin, dir, &launch, &train, &[]))
             .collect();
         let mut outs = children.into_iter().map(|c| c.wait_with_output().unwrap());
         [outs.next().unwrap(), outs.next().unwrap()]
