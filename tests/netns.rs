@@ -2,7 +2,10 @@
 //! that `tc tbf` holds to 100 Mbit/s: `oomguard launch --nnodes 2` over a real interface (not
 //! loopback), with plain data parallel and with ZeRO-2, ends where one process does. Before,
 //! Gloo bound to the hostname's address, loopback here, and rank 1 could not connect.
-//! An elastic job over the same link loses a node mid-run and ends where one process does.
+//! An elastic job over the same link loses a node mid-run and ends where one process does,
+//! and a user's own DDP script (`init_process_group("gloo")`) under `oomguard launch` works
+//! there: the launcher names Gloo's interface for its workers, which torch's default (the
+//! hostname's address, loopback here) got wrong.
 //! Needs root and iproute2, as CI has; elsewhere it says why and checks nothing.
 mod common;
 use common::elastic::{self, steps_of};
@@ -63,7 +66,15 @@ fn an_elastic_job_loses_a_node_over_the_link() {
         "netns",
     ];
     let launch = [&launch[..], &["--monitor-interval", "0.05"]].concat();
-    let train = [cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()];
+    let bin_s = bin();
+    let train = [
+        "--no-python",
+        bin_s.to_str().unwrap(),
+        "train",
+        cfg.to_str().unwrap(),
+        "--run-dir",
+        run.to_str().unwrap(),
+    ];
     let env = [
         ("OOMGUARD_TEST_STEP_PAUSE_MS", "150"),
         ("PET_RDZV_CONF", "last_call_timeout=1"),
@@ -93,4 +104,64 @@ fn an_elastic_job_loses_a_node_over_the_link() {
     assert!(m[0]["steps_recomputed"].as_u64().unwrap() <= 1, "{m:?}");
     let d = max_abs_diff(&weights(&single), &weights(&run));
     assert!(d < 1e-5, "the elastic run over the link is {d} from one process");
+}
+
+/// A user's own loop (tests/python/loop.py: DDP over Gloo, `import oomguard`) on the two
+/// nodes, an OOM injected on rank 1: both ranks recover it and end at the parameters of one
+/// process without the guard. torch's own Gloo group needs the launcher's
+/// GLOO_SOCKET_IFNAME here: without it, rank 1 could not connect.
+#[test]
+fn a_users_own_ddp_loop_runs_on_two_nodes() {
+    if !netns::available() {
+        println!("skipped: network namespaces need root and iproute2 (ip, tc)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let loop_py = root().join("tests/python/loop.py");
+    let loop_py = loop_py.to_str().unwrap();
+    let single = dir.path().join("single.pt");
+    python(&[
+        loop_py,
+        "--steps",
+        "4",
+        "--global-batch",
+        "256",
+        "--out",
+        single.to_str().unwrap(),
+    ]);
+    let nodes = Nodes::new("p", Some("100mbit"));
+    let (run, out) = (dir.path().join("run"), dir.path().join("two.pt"));
+    let launch = ["--nnodes", "2", "--master-addr", ADDR[0], "--master-port", "29519"];
+    let worker = [loop_py, "--guard", "--steps", "4", "--global-batch", "256"];
+    let worker = [
+        &worker[..],
+        &["--run-dir", run.to_str().unwrap(), "--out", out.to_str().unwrap()],
+    ]
+    .concat();
+    let python3 = root().join(".venv/bin/python3");
+    let env = [
+        ("OOMGUARD_PYTHON", python3.to_str().unwrap()),
+        ("OOMGUARD_TEST_OOM_AT", "1:2:backward"),
+        ("OMP_NUM_THREADS", "1"),
+    ];
+    let children: Vec<_> = (0..2)
+        .map(|i| nodes.launcher(i, &bin(), dir.path(), &launch, &worker, &env))
+        .collect();
+    for (r, c) in children.into_iter().enumerate() {
+        let o = c.wait_with_output().unwrap();
+        assert!(o.status.success(), "node {r}: {}", stderr(&o));
+    }
+    let ooms = records(&run, "oom");
+    assert_eq!(ooms.len(), 1, "{ooms:?}");
+    assert_eq!(ooms[0]["new_micro_batch_size"], 64, "{ooms:?}");
+    let d = python(&[
+        "-c",
+        &format!(
+            "import torch\na = torch.load({:?}); b = torch.load({:?})\nprint(max((x - y).abs().max().item() for x, y in zip(a, b)))",
+            single.to_str().unwrap(),
+            out.to_str().unwrap()
+        ),
+    ]);
+    let d: f64 = d.trim().parse().unwrap();
+    assert!(d < 1e-10, "two nodes differ from one process by {d}");
 }

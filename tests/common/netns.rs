@@ -74,15 +74,16 @@ impl Nodes {
         v[0]["stats64"]["tx"]["bytes"].as_u64().expect("a tx byte count")
     }
 
-    /// Node `i`'s launcher in its namespace: `bin launch LAUNCH --no-python bin train TRAIN`,
-    /// with `env` and the run's token, its output piped.
+    /// Node `i`'s launcher in its namespace: `bin launch LAUNCH --node-rank i
+    /// --nproc-per-node 1 WORKER` (WORKER: a script and its arguments, or `--no-python` and a
+    /// program), with `env` and the run's token, its output piped.
     pub fn launcher(
         &self,
         i: usize,
         bin: &Path,
         dir: &Path,
         launch: &[&str],
-        train: &[&str],
+        worker: &[&str],
         env: &[(&str, &str)],
     ) -> Child {
         let token = format!("{:032x}", std::process::id() as u128 * 0x9E37_79B9_7F4A_7C15);
@@ -92,10 +93,8 @@ impl Nodes {
             .arg(bin)
             .arg("launch")
             .args(launch)
-            .args(["--node-rank", &i.to_string(), "--nproc-per-node", "1", "--no-python"])
-            .arg(bin)
-            .arg("train")
-            .args(train)
+            .args(["--node-rank", &i.to_string(), "--nproc-per-node", "1"])
+            .args(worker)
             .env("OOMGUARD_RUN_TOKEN", &token)
             .envs(env.iter().copied())
             .current_dir(dir)
@@ -109,7 +108,8 @@ impl Nodes {
     /// with `extra`, to their end.
     pub fn train(&self, bin: &Path, dir: &Path, cfg: &Path, run: &Path, extra: &[&str]) -> [Output; 2] {
         let launch = ["--nnodes", "2", "--master-addr", ADDR[0], "--master-port", "29517"];
-        let train = [&[cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()], extra].concat();
+        let (bin_s, cfg_s, run_s) = (bin.to_str().unwrap(), cfg.to_str().unwrap(), run.to_str().unwrap());
+        let train = [&["--no-python", bin_s, "train", cfg_s, "--run-dir", run_s], extra].concat();
         let children: Vec<Child> = (0..2)
             .map(|i| self.launcher(i, bin, dir, &launch, &train, &[]))
             .collect();

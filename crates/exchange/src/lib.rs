@@ -398,6 +398,46 @@ pub fn local_ip_towards(addr: &str) -> std::io::Result<IpAddr> {
     Ok(s.local_addr()?.ip())
 }
 
+/// The name of this host's interface that holds `ip` (getifaddrs), if any: what
+/// `GLOO_SOCKET_IFNAME` wants for the address `local_ip_towards` found.
+pub fn interface_of(ip: IpAddr) -> Option<String> {
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `head` with a list that freeifaddrs frees below.
+    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+        return None;
+    }
+    let mut found = None;
+    let mut cur = head;
+    while !cur.is_null() && found.is_none() {
+        // SAFETY: a node of the list getifaddrs returned, not yet freed; its address, when
+        // not null, is a sockaddr of the family it names.
+        let ifa = unsafe { &*cur };
+        let addr = match (!ifa.ifa_addr.is_null()).then(|| unsafe { (*ifa.ifa_addr).sa_family } as i32) {
+            Some(libc::AF_INET) => {
+                let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+                Some(IpAddr::V4(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr))))
+            }
+            Some(libc::AF_INET6) => {
+                let sin6 = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in6) };
+                Some(IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr)))
+            }
+            _ => None,
+        };
+        if addr == Some(ip) {
+            // SAFETY: ifa_name is a NUL-terminated string of the same list.
+            found = Some(
+                unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) }
+                    .to_string_lossy()
+                    .into_owned(),
+            );
+        }
+        cur = ifa.ifa_next;
+    }
+    // SAFETY: the list getifaddrs returned, freed once.
+    unsafe { libc::freeifaddrs(head) };
+    found
+}
+
 fn encode(values: &[f64], bytes: &mut [u8]) {
     for (v, b) in values.iter().zip(bytes.chunks_exact_mut(8)) {
         b.copy_from_slice(&v.to_le_bytes());

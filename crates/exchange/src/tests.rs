@@ -261,3 +261,9 @@ fn a_dead_rank_among_sixty_four_fails_every_other_within_seconds() {
         .any(|e| e.contains("the exchange with rank 21: the connection closed")));
     assert!(took < Duration::from_secs(10), "{took:?}");
 }
+
+#[test]
+fn loopbacks_interface_is_found_by_its_address() {
+    assert_eq!(interface_of("127.0.0.1".parse().unwrap()).as_deref(), Some("lo"));
+    assert_eq!(interface_of("192.0.2.77".parse().unwrap()), None);
+}

@@ -109,6 +109,22 @@ pub struct LaunchSpec {
     pub named_rank: Option<usize>,
     /// Elastic: the membership change that began this round, for the workers (JSON).
     pub membership: Option<String>,
+    /// The workers' GLOO_SOCKET_IFNAME (`gloo_interface`), on several nodes.
+    pub gloo_ifname: Option<String>,
+}
+
+/// Gloo's interface for the workers (GLOO_SOCKET_IFNAME), when the job spans nodes and the
+/// user named none: the one on this host's route to MASTER_ADDR. Gloo's default, the
+/// hostname's address, is loopback wherever /etc/hosts maps the hostname there, and a
+/// user's own `init_process_group("gloo")` then cannot connect across nodes.
+fn gloo_interface(nnodes: usize, master_addr: &str) -> Option<String> {
+    if nnodes < 2 || std::env::var_os("GLOO_SOCKET_IFNAME").is_some() {
+        return None;
+    }
+    let ip = oomguard_exchange::local_ip_towards(master_addr).ok()?;
+    (!ip.is_loopback())
+        .then(|| oomguard_exchange::interface_of(ip))
+        .flatten()
 }
 
 fn bad(flag: &str, message: String) -> Error {
@@ -206,6 +222,7 @@ impl LaunchSpec {
             return Err(bad(TOKEN_VAR, several_nodes_need_a_secret(&a.nnodes)));
         }
         let from_env = allocator::effective(&default_allocator(), |v| std::env::var(v).ok())?;
+        let gloo_ifname = gloo_interface(nnodes, &master_addr);
         Ok(LaunchSpec {
             nnodes,
             nproc_per_node,
@@ -245,6 +262,7 @@ impl LaunchSpec {
             elastic,
             named_rank: a.node_rank,
             membership: None,
+            gloo_ifname,
         })
     }
 
@@ -256,6 +274,7 @@ impl LaunchSpec {
             master_addr: layout.master_addr.clone(),
             master_port: layout.master_port,
             membership: layout.change.as_ref().map(|c| c.for_workers(self.nproc_per_node)),
+            gloo_ifname: gloo_interface(layout.nnodes, &layout.master_addr),
             ..self.clone()
         }
     }
@@ -525,6 +544,9 @@ pub fn worker_env(
     }
     if let Some(m) = &spec.membership {
         env.push((MEMBERSHIP_VAR.into(), m.clone()));
+    }
+    if let Some(i) = &spec.gloo_ifname {
+        env.push(("GLOO_SOCKET_IFNAME".into(), i.clone()));
     }
     env
 }
