@@ -14,8 +14,7 @@ use common::*;
 
 #[test]
 fn two_nodes_over_a_slow_link_equal_one_process() {
-    if !netns::available() {
-        println!("skipped: network namespaces need root and iproute2 (ip, tc)");
+    if netns::skipped() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -44,8 +43,7 @@ fn two_nodes_over_a_slow_link_equal_one_process() {
 /// flight done again), and ends within 1e-5 of one process.
 #[test]
 fn an_elastic_job_loses_a_node_over_the_link() {
-    if !netns::available() {
-        println!("skipped: network namespaces need root and iproute2 (ip, tc)");
+    if netns::skipped() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -112,8 +110,7 @@ fn an_elastic_job_loses_a_node_over_the_link() {
 /// GLOO_SOCKET_IFNAME here: without it, rank 1 could not connect.
 #[test]
 fn a_users_own_ddp_loop_runs_on_two_nodes() {
-    if !netns::available() {
-        println!("skipped: network namespaces need root and iproute2 (ip, tc)");
+    if netns::skipped() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();

@@ -29,6 +29,15 @@ pub fn available() -> bool {
     root && Command::new("ip").arg("-V").output().is_ok_and(|o| o.status.success())
 }
 
+/// True, saying why, where `available` is not (a test then checks nothing).
+pub fn skipped() -> bool {
+    let skip = !available();
+    if skip {
+        println!("skipped: network namespaces need root and iproute2 (ip, tc)");
+    }
+    skip
+}
+
 impl Nodes {
     /// Two nodes whose link carries `rate` (tc's spelling: `100mbit`, `1gbit`) each way, or
     /// the veth's own speed with None. `tag` keeps two sets apart (names are per process).
