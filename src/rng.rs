@@ -48,21 +48,6 @@ pub fn restore(states: &[Tensor], device: Device) -> Result<(), TchError> {
     Ok(())
 }
 
-/// The generators' states as host bytes (`capture`'s tensors, copied out and dropped): held
-/// across a step's attempts without holding memory the guard counts.
-pub fn capture_bytes(device: Device) -> Result<Vec<Vec<u8>>, TchError> {
-    capture(device)?.iter().map(Vec::<u8>::try_from).collect()
-}
-
-/// Puts back states from `capture_bytes`.
-pub fn restore_bytes(states: &[Vec<u8>], device: Device) -> Result<(), TchError> {
-    let tensors = states
-        .iter()
-        .map(|b| Tensor::f_from_slice(b))
-        .collect::<Result<Vec<_>, _>>()?;
-    restore(&tensors, device)
-}
-
 pub fn set_states(saved: &[(String, Tensor)], device: Device) -> Result<()> {
     for (name, index) in generators(device) {
         let Some((_, t)) = saved.iter().find(|(n, _)| *n == name) else {

@@ -63,11 +63,8 @@ pub fn evaluate(
     let mut units = 0usize;
     // The batches' weighted losses add up on the device; one read at the end.
     let mut total: Option<Tensor> = None;
-    // The valid units of all batches (counted once), and torch's generators as training left
-    // them (host bytes, taken in the first attempt and put back at the end of every attempt
-    // that succeeds: evaluation never moves training's draws; inside the guard, an OOM in
-    // either is retried like any other).
-    let mut ctx: (Option<Option<usize>>, Option<Vec<Vec<u8>>>) = (None, None);
+    // The valid units of all batches, counted once.
+    let mut valid_in_all: Option<Option<usize>> = None;
     for k in 0..spec.num_batches as u64 {
         let positions = positions_of(k);
         // Each attempt adds its batch to the total so far (a new tensor, inside the guard: an
@@ -75,12 +72,9 @@ pub fn evaluate(
         let so_far = total.as_ref();
         let (batch_total, batch_units) = guard.run(
             step,
-            &mut ctx,
-            |(valid_in_all, training_rng), mb| {
+            &mut valid_in_all,
+            |valid_in_all, mb| {
                 let local = (|| {
-                    if training_rng.is_none() {
-                        *training_rng = Some(crate::rng::capture_bytes(spec.device).map_err(|e| in_eval(e.into()))?);
-                    }
                     let valid = match (*valid_in_all, counted) {
                         (_, true) => None,
                         (Some(v), false) => v,
@@ -127,9 +121,6 @@ pub fn evaluate(
                     let total = so_far
                         .map_or(Ok(sum.shallow_clone()), |t| t.f_add(&sum))
                         .map_err(|e| in_eval(e.into()))?;
-                    if let Some(states) = training_rng.as_ref() {
-                        crate::rng::restore_bytes(states, spec.device).map_err(|e| in_eval(e.into()))?;
-                    }
                     Ok((total, here))
                 })();
                 match pg {

@@ -320,10 +320,9 @@ impl<'a> Run<'a> {
             device: self.device,
             loss_scale: None,
         };
-        // Evaluation never moves training's generators (torch's, put back by `evaluate`;
-        // Python's and numpy's, here): whatever it draws, training draws next what it would
-        // have without it, so the `train.eval_*` keys change nothing but the evaluations.
-        let host_rng = self.task.host_rng_state();
+        // Evaluation may draw from the generators as it likes: every attempt of a training
+        // step seeds them anew from (seed, step, rank), so the `train.eval_*` keys change
+        // nothing but the evaluations.
         let v = evaluate(
             self.task.as_ref(),
             &spec,
@@ -332,9 +331,6 @@ impl<'a> Run<'a> {
             &amp,
             self.pg.as_deref(),
         );
-        if let Some(h) = &host_rng {
-            self.task.set_host_rng_state(h)?;
-        }
         let v = self.after_guarded(v, step)?;
         if self.lead {
             tracing::info!("eval  {:>5} | val loss {v:.4}", step + 1);
