@@ -276,6 +276,12 @@ class Guard:
         )
         self._buffers = Buffers(self._model)
         self._heap = Heap(verbose) if self._device.type == "cpu" else None
+        # Every tensor `_sync` handed to a collective, held until the next `backward` begins:
+        # a backend's worker thread may drop its own reference just after the collective
+        # completes; were it the last, that thread would free the tensor's Python object and
+        # need the GIL, which at interpreter exit (right after a last step) aborts the
+        # process ("terminate called without an active exception", seen with Gloo).
+        self._handed: List[torch.Tensor] = []
 
         start = _env_int(MICRO_BATCH_VAR)
         self.cache_key: Optional[str] = None
@@ -377,6 +383,7 @@ class Guard:
         micro-batch 1 does not fit. `.grad` is as before the call when anything raises.
         """
         self._flush_pending()
+        self._handed = []
         try:
             scaler = self._checked_scaler(scaler) if scaler is not None else self._scaler
             rows = Rows(batch)
@@ -915,6 +922,7 @@ class Guard:
             used = 0
             for g in grads + [None]:
                 if g is not None and g.numel() > buf.numel():
+                    self._handed.append(g)
                     all_reduce(g, group=pg)
                     g.div_(world)
                     continue
@@ -925,6 +933,7 @@ class Guard:
                         for c in chunk:
                             flat[off : off + c.numel()].copy_(c.reshape(-1))
                             off += c.numel()
+                        self._handed.append(flat)
                         all_reduce(flat, group=pg)
                         flat.div_(world)
                         off = 0

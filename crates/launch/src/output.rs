@@ -5,8 +5,10 @@ use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 const TAIL_LINES: usize = 50;
 
@@ -18,13 +20,28 @@ pub struct Sink {
     pub file: Option<PathBuf>,
 }
 
-/// The last lines of a stream.
+/// The last lines of a stream, and whether the worker has closed it.
 #[derive(Clone, Default)]
-pub struct Tail(Arc<Mutex<VecDeque<String>>>);
+pub struct Tail(Arc<(Mutex<VecDeque<String>>, AtomicBool)>);
 
 impl Tail {
     pub fn lines(&self) -> Vec<String> {
-        self.0.lock().map(|t| t.iter().cloned().collect()).unwrap_or_default()
+        self.0
+             .0
+            .lock()
+            .map(|t| t.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// Waits until the stream is closed, at most `limit` (a process the worker started may
+    /// hold it open): a worker that just exited may still have lines in the pipe, its last
+    /// error among them.
+    pub fn settled(&self, limit: Duration) -> &Tail {
+        let t = Instant::now();
+        while !self.0 .1.load(Ordering::Acquire) && t.elapsed() < limit {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self
     }
 }
 
@@ -50,7 +67,7 @@ pub fn pump(stream: impl Read + Send + 'static, sink: Sink, tail: Tail) -> JoinH
             if let Some(f) = file.as_mut() {
                 let _ = writeln!(f, "{line}");
             }
-            if let Ok(mut t) = tail.0.lock() {
+            if let Ok(mut t) = tail.0 .0.lock() {
                 if t.len() == TAIL_LINES {
                     t.pop_front();
                 }
@@ -60,5 +77,35 @@ pub fn pump(stream: impl Read + Send + 'static, sink: Sink, tail: Tail) -> JoinH
         if let Some(f) = file.as_mut() {
             let _ = f.flush();
         }
+        tail.0 .1.store(true, Ordering::Release);
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::{Command, Stdio};
+
+    /// A worker's last line can reach the pipe after its exit is seen: the failure summary
+    /// (and the Infeasible line that makes exit 3) waits for the stream to close.
+    #[test]
+    fn a_settled_tail_has_the_streams_last_line() {
+        let mut child = Command::new("sh")
+            .args(["-c", "echo first; sleep 0.3; echo last"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let tail = Tail::default();
+        let sink = Sink {
+            prefix: String::new(),
+            console: false,
+            is_stderr: false,
+            file: None,
+        };
+        let pumping = pump(child.stdout.take().unwrap(), sink, tail.clone());
+        assert!(!tail.lines().contains(&"last".to_string()));
+        assert_eq!(tail.settled(Duration::from_secs(10)).lines(), ["first", "last"]);
+        child.wait().unwrap();
+        pumping.join().unwrap();
+    }
 }

@@ -386,8 +386,9 @@ fn watch(workers: &mut [Worker], interval: Duration, grace: Duration, signals: &
                 time,
                 error_message: read_error_file(&w.error_file),
                 error_file: w.error_file.clone(),
-                stdout: w.stdout.lines(),
-                stderr: w.stderr.lines(),
+                // Its last lines may still be in the pipe when its exit is seen.
+                stdout: w.stdout.settled(Duration::from_secs(2)).lines(),
+                stderr: w.stderr.settled(Duration::from_secs(2)).lines(),
             });
         }
         if workers.iter().all(|w| w.done) {
