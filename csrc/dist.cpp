@@ -88,6 +88,9 @@ int bound_listener(const char* addr, int port) {
 
 }  // namespace
 
+// The group's backend, for csrc/overlap.cpp's reducer (which the group outlives).
+c10d::Backend* og_group_backend(void* g) { return group(g)->backend.get(); }
+
 extern "C" {
 
 char* og_dist_init(const char* addr, int port, const char* token, int rank, int world, int cuda_index,

@@ -39,6 +39,8 @@ const FREE: &[&str] = &[
     "train.device",
     "train.num_threads",
     "train.dist_timeout_s",
+    "train.overlap_grad_reduce",
+    "train.bucket_cap_mb",
     "train.shard",
     "train.precision",
     "model.activation_checkpointing",

@@ -4,13 +4,18 @@
 //! and tree, `zero::Layout`'s chunks and plan); tests check it against measured small worlds.
 pub use super::exchange::busiest_neighbours;
 use super::exchange::MESSAGE_BYTES;
+use super::overlap::{buffer_bytes, DEFAULT_BUCKET_MB};
 use crate::optim::zero::{Layout, BUCKET_BYTES};
 use crate::optim::Shard;
 
 /// Exchanges inside a clean step of `oomguard train` (what a step record's `exchange_bytes`
-/// counts; a real run checks it): the attempt's agreement, the update's, the losses' sum,
-/// the guard's inputs.
+/// counts; a real run checks it) with the gradients reduced after backward (ZeRO-2, CPU
+/// ranks on one machine by default, or `train.overlap_grad_reduce: false`): the attempt's
+/// agreement, the update's, the losses' sum, the guard's inputs.
 pub const EXCHANGES_IN_STEP: u64 = 4;
+/// With the reduction overlapped (by default on CUDA and across machines, which this model
+/// is for): one more, before the last micro-batch.
+pub const EXCHANGES_IN_OVERLAPPED_STEP: u64 = EXCHANGES_IN_STEP + 1;
 /// And the boundary's before each step (a stop signal, the checkpoint clock).
 pub const EXCHANGES_PER_STEP: u64 = EXCHANGES_IN_STEP + 1;
 
@@ -23,7 +28,8 @@ pub struct Cost {
     pub grads: u64,
     /// AdamW's two moments: this rank's shard of them, or all.
     pub moments: u64,
-    /// ZeRO's collective buffers (`world x chunk` and one chunk).
+    /// ZeRO's collective buffers (`world x chunk` and one chunk); plain: the overlapped
+    /// reduction's buckets of several parameters (one alone is reduced in place).
     pub buffers: u64,
     /// Gradient and parameter collectives' bytes sent by this rank (ring algorithms: NCCL's
     /// flat forms; on Gloo ZeRO's reduce-scatter and all-gather are all-reduces, twice this).
@@ -48,14 +54,16 @@ pub fn cost(numels: &[i64], world: usize, shard: Shard) -> Cost {
     let p: u64 = numels.iter().map(|&n| n as u64).sum();
     let w = world as u64;
     let ring = |bytes: u64| bytes * (w - 1) / w;
-    let control = EXCHANGES_PER_STEP * 2 * MESSAGE_BYTES * busiest_neighbours(world);
+    let control = |exchanges: u64| (exchanges + 1) * 2 * MESSAGE_BYTES * busiest_neighbours(world);
+    let sizes: Vec<(usize, ())> = numels.iter().map(|&n| (4 * n as usize, ())).collect();
+    let cap = (DEFAULT_BUCKET_MB * (1u64 << 20) as f64) as usize;
     let plain = Cost {
         params: 4 * p,
         grads: 4 * p,
         moments: 8 * p,
-        buffers: 0,
+        buffers: if world < 2 { 0 } else { buffer_bytes(&sizes, cap) as u64 },
         wire: 2 * ring(4 * p),
-        control,
+        control: control(EXCHANGES_IN_OVERLAPPED_STEP),
         collectives: 1,
         host_copies: 0,
     };
@@ -78,8 +86,10 @@ pub fn cost(numels: &[i64], world: usize, shard: Shard) -> Cost {
             host_copies: blocks + chunks,
             ..sharded
         },
-        // A reduce-scatter and an all-gather a chunk at a time, each through the plan.
+        // A reduce-scatter and an all-gather a chunk at a time, each through the plan, after
+        // backward.
         _ => Cost {
+            control: control(EXCHANGES_IN_STEP),
             wire: 2 * ring(4 * p),
             collectives: 2 * chunks,
             host_copies: 2 * blocks,

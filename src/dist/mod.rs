@@ -13,9 +13,11 @@ pub mod bind;
 pub mod cost;
 pub mod elastic;
 pub mod exchange;
+pub mod overlap;
 
 pub use exchange::Topic;
 use exchange::{Channel, Exchange, Reduce, PAYLOAD};
+pub use overlap::Reducer;
 
 extern "C" {
     fn og_dist_init(

@@ -50,10 +50,11 @@ impl FromStr for InjectOom {
     }
 }
 
-/// Test-only: `OOMGUARD_TEST_OOM_IN=PHASE:RANK:STEP[,...]` fails the first allocation made
-/// after that phase begins on that rank at that step, once each: a real OOM from the
-/// counting allocator where random injection rarely lands (the update's allocations come
-/// last in a step, after the attempts that failed earlier). Not with `--inject-oom`.
+/// Test-only: `OOMGUARD_TEST_OOM_IN=PHASE:RANK:STEP[:AFTER][,...]` fails the first
+/// allocation made after that phase begins on that rank at that step (or the AFTER-th one
+/// after it), once each: a real OOM from the counting allocator where random injection
+/// rarely lands (the update's allocations come last in a step, after the attempts that
+/// failed earlier; a backward part-way, its first buckets sent). Not with `--inject-oom`.
 pub mod targeted {
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::{Mutex, OnceLock};
@@ -61,8 +62,9 @@ pub mod targeted {
     static RANK: AtomicU64 = AtomicU64::new(0);
     static STEP: AtomicU64 = AtomicU64::new(0);
 
-    fn targets() -> &'static Mutex<Vec<(String, u64, u64)>> {
-        static T: OnceLock<Mutex<Vec<(String, u64, u64)>>> = OnceLock::new();
+    #[allow(clippy::type_complexity)]
+    fn targets() -> &'static Mutex<Vec<(String, u64, u64, u64)>> {
+        static T: OnceLock<Mutex<Vec<(String, u64, u64, u64)>>> = OnceLock::new();
         T.get_or_init(|| {
             let spec = test_hook!("OOMGUARD_TEST_OOM_IN").unwrap_or_default();
             let parse = |t: &str| {
@@ -71,6 +73,7 @@ pub mod targeted {
                     f.next()?.trim().to_string(),
                     f.next()?.trim().parse().ok()?,
                     f.next()?.trim().parse().ok()?,
+                    f.next().map_or(Some(0), |a| a.trim().parse().ok())?,
                 ))
             };
             Mutex::new(spec.split(',').filter_map(parse).collect())
@@ -92,9 +95,9 @@ pub mod targeted {
     pub fn phase_begins(phase: &str) {
         let Ok(mut t) = targets().lock() else { return };
         let (r, s) = (RANK.load(Ordering::Relaxed), STEP.load(Ordering::Relaxed));
-        if let Some(i) = t.iter().position(|(p, tr, ts)| p == phase && *tr == r && *ts == s) {
-            t.remove(i);
-            super::arm(&[super::alloc_count()]);
+        if let Some(i) = t.iter().position(|(p, tr, ts, _)| p == phase && *tr == r && *ts == s) {
+            let (.., after) = t.remove(i);
+            super::arm(&[super::alloc_count() + after]);
         }
     }
 }

@@ -95,6 +95,11 @@ impl AdamW {
         })
     }
 
+    /// Every parameter, in the optimizer's order.
+    pub fn params(&self) -> Vec<Tensor> {
+        self.all_params().map(Tensor::shallow_clone).collect()
+    }
+
     fn all_params(&self) -> impl Iterator<Item = &Tensor> {
         self.groups.iter().flat_map(|g| g.params.iter())
     }

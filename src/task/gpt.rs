@@ -48,6 +48,11 @@ impl Task for GptTask {
     fn set_activation_checkpointing(&mut self, on: bool) {
         self.checkpointing = on;
     }
+    /// Recomputation back-propagates the head and the embedding in passes of their own, and
+    /// they share the tied embedding's weight.
+    fn backward_is_one_pass(&self) -> bool {
+        !self.checkpointing
+    }
     fn loss_kind(&self) -> Option<LossKind> {
         Some(self.model.config().loss)
     }

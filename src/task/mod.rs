@@ -109,6 +109,14 @@ pub trait Task {
     }
     /// Turns activation checkpointing on or off (models that can).
     fn set_activation_checkpointing(&mut self, _on: bool) {}
+    /// Whether `forward_backward` accumulates each parameter's gradient at most once a
+    /// micro-batch (one backward pass, or passes over disjoint parameters), so that data
+    /// parallel may send a bucket as soon as its gradients are in. The default's does; a model
+    /// whose passes touch a parameter twice (recomputation with tied weights) says false.
+    /// (One that says true wrongly stops with an error naming this method, never trains on.)
+    fn backward_is_one_pass(&self) -> bool {
+        true
+    }
     /// How the loss is computed (`model.loss`); `None` if the model has no such choice.
     fn loss_kind(&self) -> Option<crate::model::LossKind> {
         None

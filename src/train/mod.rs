@@ -83,6 +83,14 @@ pub struct TrainConfig {
     /// Data parallel: `none`, `optimizer` (ZeRO-1: AdamW's moments split across the ranks)
     /// or `gradients` (ZeRO-2: the summed gradients too). A single process ignores it.
     pub shard: crate::optim::Shard,
+    /// Data parallel: the gradients' all-reduce starts from backward, bucket by bucket, as
+    /// each bucket's gradients complete on an attempt's last micro-batch (false: after
+    /// backward). Unset: on, except for CPU ranks that all share one machine, where the
+    /// transfer is CPU work that would compete with the ranks' own.
+    pub overlap_grad_reduce: Option<bool>,
+    /// Data parallel, overlapped: the most MiB of gradients a bucket holds (a parameter
+    /// larger than that is a bucket alone, reduced in place).
+    pub bucket_cap_mb: f64,
 }
 
 impl Default for TrainConfig {
@@ -102,6 +110,8 @@ impl Default for TrainConfig {
             grad_scaler: Default::default(),
             dist_timeout_s: 1800,
             shard: Default::default(),
+            overlap_grad_reduce: None,
+            bucket_cap_mb: crate::dist::overlap::DEFAULT_BUCKET_MB,
         }
     }
 }
@@ -153,8 +163,23 @@ impl TrainConfig {
                 "is 0; leave it unset for this process's CPU share (affinity, cgroup quota, Slurm)",
             ));
         }
+        if !(self.bucket_cap_mb > 0.0 && self.bucket_cap_mb.is_finite()) {
+            return Err(ConfigError::invalid(
+                "train.bucket_cap_mb",
+                format!(
+                    "is {}; it must be a positive number of MiB (default {})",
+                    self.bucket_cap_mb,
+                    crate::dist::overlap::DEFAULT_BUCKET_MB
+                ),
+            ));
+        }
         parse_device(&self.device)?;
         self.grad_scaler.validate()
+    }
+
+    /// `bucket_cap_mb` in bytes (at least one).
+    pub fn bucket_bytes(&self) -> usize {
+        ((self.bucket_cap_mb * (1u64 << 20) as f64) as usize).max(1)
     }
 
     /// The global batch: samples per optimizer step, whatever the micro-batch.

@@ -21,7 +21,7 @@ use super::{MicroBatch, Options, Resume, StepStats, Summary};
 use crate::checkpoint::{self, TrainState};
 use crate::config::Config;
 use crate::data::{Dataset, StepSamples};
-use crate::dist::{ProcessGroup, Topic};
+use crate::dist::{ProcessGroup, Reducer, Topic};
 use crate::error::{ConfigError, Error, Phase, Result};
 use crate::guard::ladder::{self, Rung};
 use crate::guard::{Agree, Guard, GuardEvent, Policy, SharedDumper};
@@ -57,6 +57,8 @@ pub(super) struct Run<'a> {
     pub pressure: PressureSchedule,
     /// Rank 0 (or a single process) writes metrics, checkpoints and weights.
     metrics: Option<MetricsWriter>,
+    /// The overlapped gradient reduction's hooks (data parallel); dropped before the group.
+    reducer: Option<Reducer>,
     pg: Option<Rc<ProcessGroup>>,
     lead: bool,
     pub next_step: u64,
@@ -149,6 +151,7 @@ impl<'a> Run<'a> {
                 scaler: self.scaler.as_ref(),
             };
             let task = self.task.as_ref();
+            let reducer = self.reducer.as_ref();
             let has_buffers = !task.buffers().is_empty();
             let mut ctx = StepCtx {
                 opt: &mut self.opt,
@@ -169,7 +172,7 @@ impl<'a> Run<'a> {
                     crate::rng::seed_rank_step(c.train.seed, step, rank);
                     task.seed_host_rng(crate::rng::rank_step_seed(c.train.seed, step, rank))?;
                     match pg {
-                        Some(pg) => dist_step(pg, task, ctx.opt, &batches, step, mb, &u),
+                        Some(pg) => dist_step(pg, reducer, task, ctx.opt, &batches, step, mb, &u),
                         None => step_with(task, ctx.opt, &batches, step, mb, &u),
                     }
                 },

@@ -5,10 +5,11 @@ use std::ops::Range;
 use tch::{Kind, Tensor};
 
 use crate::data::StepBatches;
-use crate::dist::{Buckets, ProcessGroup, Topic};
+use crate::dist::{Buckets, ProcessGroup, Reducer, Topic};
 use crate::error::{Error, Phase, Result};
 use crate::memory::snapshot;
 use crate::optim::AdamW;
+use crate::optim::Shard;
 use crate::precision::{Amp, Scaler};
 use crate::task::Task;
 
@@ -110,6 +111,19 @@ pub fn accumulate(
     micro_batch_size: usize,
     amp: &Amp,
 ) -> Result<Accumulated> {
+    accumulate_with(task, data, step, micro_batch_size, amp, &mut || Ok(()))
+}
+
+/// `accumulate`, calling `before_last` just before the last micro-batch (an error from it
+/// ends the accumulation).
+pub fn accumulate_with(
+    task: &dyn Task,
+    data: &dyn StepBatches,
+    step: u64,
+    micro_batch_size: usize,
+    amp: &Amp,
+    before_last: &mut dyn FnMut() -> Result<()>,
+) -> Result<Accumulated> {
     let global = data.global_batch_size();
     let parts = split_range(data.shard(), micro_batch_size);
     snapshot::set_phase(Phase::Data, None);
@@ -121,6 +135,9 @@ pub fn accumulate(
     };
     let mut loss_sum: Option<Tensor> = None;
     for (i, part) in parts.iter().enumerate() {
+        if i + 1 == parts.len() {
+            before_last()?;
+        }
         let weight = match valid_in_batch {
             None => part.len() as f64 / global as f64,
             Some(total) => match data.valid_units(step, part.clone()).map_err(data_err)? {
@@ -319,14 +336,22 @@ pub fn step_with(
     })
 }
 
-/// Gradients travel in buckets of this size (as PyTorch DDP's default).
+/// Gradients travel in buckets of this size (as PyTorch DDP's default) when they are
+/// reduced after backward.
 const BUCKET_BYTES: usize = 25 << 20;
 
-/// A data-parallel step: this rank's shard, then the ranks agree (any OOM anywhere drops
-/// the attempt everywhere) before the bucketed gradient all-reduce; after the update's
-/// allocations they agree again, then every rank commits.
+/// A data-parallel step: this rank's shard, then its gradients summed over the ranks, then
+/// after the update's allocations the ranks agree again and every rank commits. Any OOM
+/// anywhere drops the attempt everywhere, before anything is committed.
+/// - Overlapped (`reducer`, when the step can be: not ZeRO-2, no loss units counted in the
+///   forward, a model whose backward is one pass): the ranks agree before the last
+///   micro-batch, whose backward starts each bucket's all-reduce as its gradients complete.
+/// - Otherwise the ranks agree after backward, then the bucketed all-reduce (or ZeRO-2's
+///   reduce-scatter) runs.
+#[allow(clippy::too_many_arguments)]
 pub fn dist_step(
     pg: &ProcessGroup,
+    reducer: Option<&Reducer>,
     task: &dyn Task,
     opt: &mut AdamW,
     data: &dyn StepBatches,
@@ -334,6 +359,55 @@ pub fn dist_step(
     micro_batch_size: usize,
     u: &Update,
 ) -> Result<StepStats> {
+    let overlap = reducer
+        .filter(|_| opt.shard() != Shard::Gradients && !data.counted_in_forward() && task.backward_is_one_pass());
+    let mut t = Times::default();
+    let acc = match overlap {
+        Some(r) => overlapped(pg, r, task, opt, data, step, micro_batch_size, u, &mut t)?,
+        None => reduced_after(pg, task, opt, data, step, micro_batch_size, u, &mut t)?,
+    };
+    let ready = prepare_update(opt, step, u, &acc.loss);
+    let ready = timed(&mut t.agree, || pg.agree(Topic::UpdateReady, ready))?;
+    let out = commit_update(opt, ready, u)?;
+    committed_pause(pg.rank, step);
+    // This rank's loss came back with the read-out; the global batch's is their sum.
+    let loss = timed(&mut t.agree, || pg.sum_f64(Topic::Losses, out.loss))?;
+    if let Some(r) = overlap {
+        r.settle(pg)?;
+    }
+    Ok(StepStats {
+        loss,
+        grad_norm: out.grad_norm,
+        micro_batch_size,
+        num_micro_batches: acc.micro_batches,
+        num_samples: data.global_batch_size(),
+        skipped: out.skipped,
+        comm_s: Some(t.agree + t.reduce),
+        agree_s: Some(t.agree),
+        loss_scale: out.loss_scale,
+    })
+}
+
+/// Seconds of a data-parallel step in the ranks' agreements, and waiting for the gradients'
+/// reduction (its exposed part, when overlapped).
+#[derive(Default)]
+struct Times {
+    agree: f64,
+    reduce: f64,
+}
+
+/// Backward, then the agreement, then the reduction.
+#[allow(clippy::too_many_arguments)]
+fn reduced_after(
+    pg: &ProcessGroup,
+    task: &dyn Task,
+    opt: &mut AdamW,
+    data: &dyn StepBatches,
+    step: u64,
+    micro_batch_size: usize,
+    u: &Update,
+    t: &mut Times,
+) -> Result<Accumulated> {
     let local = accumulate(task, data, step, micro_batch_size, &u.amp).and_then(|r| {
         let backward = |e: tch::TchError| Error::from(e).in_phase(Phase::Backward);
         opt.zero_missing_grads().map_err(backward)?;
@@ -348,41 +422,81 @@ pub fn dist_step(
         };
         Ok((r, reduce))
     });
-    let (mut agree_s, mut reduce_s) = (0.0, 0.0);
-    let (acc, reduce) = timed(&mut agree_s, || pg.agree(Topic::Agreement, local))?;
-    let (loss, num_micro_batches) = (acc.loss, acc.micro_batches);
+    let (acc, reduce) = timed(&mut t.agree, || pg.agree(Topic::Agreement, local))?;
     if let Some(c) = acc.counted {
         // The global batch's units, summed over the ranks' forward passes; each rank's
         // gradients (packed or not yet) take its own rescale before they are summed.
-        let total = timed(&mut agree_s, || pg.sum_f64(Topic::LossUnits, c.units as f64))?;
+        let total = timed(&mut t.agree, || pg.sum_f64(Topic::LossUnits, c.units as f64))?;
         let s = c.rescale(total);
         match &reduce {
-            Reduce::All(grads, buckets) => rescale(&buckets.local_parts(grads), &loss, s)?,
-            Reduce::Scatter(_) => rescale(&opt.param_grads(), &loss, s)?,
+            Reduce::All(grads, buckets) => rescale(&buckets.local_parts(grads), &acc.loss, s)?,
+            Reduce::Scatter(_) => rescale(&opt.param_grads(), &acc.loss, s)?,
         }
     }
-    timed(&mut reduce_s, || match reduce {
+    timed(&mut t.reduce, || match reduce {
         Reduce::All(grads, buckets) => buckets.reduce_into(pg, &grads),
         Reduce::Scatter(bufs) => opt.reduce_scatter_grads(bufs),
     })?;
-    let ready = prepare_update(opt, step, u, &loss);
-    let ready = timed(&mut agree_s, || pg.agree(Topic::UpdateReady, ready))?;
-    let out = commit_update(opt, ready, u)?;
-    committed_pause(pg.rank, step);
-    // This rank's loss came back with the read-out; the global batch's is their sum.
-    let loss = timed(&mut agree_s, || pg.sum_f64(Topic::Losses, out.loss))?;
-    let (comm_s, agree_s) = (Some(agree_s + reduce_s), Some(agree_s));
-    Ok(StepStats {
-        loss,
-        grad_norm: out.grad_norm,
-        micro_batch_size,
-        num_micro_batches,
-        num_samples: data.global_batch_size(),
-        skipped: out.skipped,
-        comm_s,
-        agree_s,
-        loss_scale: out.loss_scale,
-    })
+    Ok(acc)
+}
+
+/// The overlapped reduction. Every rank votes once before its last micro-batch (a rank that
+/// failed earlier votes its failure there): a failure then drops the attempt everywhere
+/// before any gradient leaves. Past it, a rank whose last micro-batch fails still starts
+/// every bucket (garbage) and waits for them, and the agreement after backward drops the
+/// attempt everywhere: no collective is left unmatched, none is started twice.
+#[allow(clippy::too_many_arguments)]
+fn overlapped(
+    pg: &ProcessGroup,
+    r: &Reducer,
+    task: &dyn Task,
+    opt: &mut AdamW,
+    data: &dyn StepBatches,
+    step: u64,
+    micro_batch_size: usize,
+    u: &Update,
+    t: &mut Times,
+) -> Result<Accumulated> {
+    let arm = |agree_s: &mut f64, local: Result<()>| {
+        let armed = timed(agree_s, || pg.agree(Topic::Armed, local.and_then(|()| r.arm())));
+        if armed.is_err() {
+            r.disarm();
+        }
+        armed
+    };
+    let (mut voted, mut armed) = (false, false);
+    let local = accumulate_with(task, data, step, micro_batch_size, &u.amp, &mut || {
+        voted = true;
+        arm(&mut t.agree, Ok(()))?;
+        armed = true;
+        Ok(())
+    });
+    let local = match (voted, local) {
+        // Failed before the last micro-batch, or had none: this rank's vote.
+        (false, Ok(acc)) => arm(&mut t.agree, Ok(())).map(|()| acc),
+        (false, Err(e)) => {
+            return arm(&mut t.agree, Err(e)).and_then(|()| Err(Error::Dist("a failure agreed as none".into())))
+        }
+        // The agreement before the last micro-batch failed: every rank has that outcome.
+        (true, Err(e)) if !armed => return Err(e),
+        (true, local) => local,
+    };
+    let local = local.and_then(|acc| {
+        opt.zero_missing_grads()
+            .map_err(|e| Error::from(e).in_phase(Phase::Backward))?;
+        Ok(acc)
+    });
+    let local = match r.launch_rest(local.is_err())? {
+        true if local.is_ok() => Err(Error::Torch(tch::TchError::Torch(format!(
+            "{}: a gradient was accumulated twice in one micro-batch's backward, so the overlapped \
+             reduction sent it before it was whole; this model's backward_is_one_pass must say false",
+            task.describe()
+        )))),
+        _ => local,
+    };
+    let agreed = timed(&mut t.agree, || pg.agree(Topic::Agreement, local));
+    timed(&mut t.reduce, || r.wait(agreed.is_ok()))?;
+    agreed
 }
 
 /// Test hook `OOMGUARD_TEST_COMMIT_PAUSE_MS=RANK:STEP:MS`: rank RANK sleeps MS right after

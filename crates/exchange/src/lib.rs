@@ -60,6 +60,9 @@ pub enum Topic {
     LossUnits = 18,
     /// The same for an evaluation.
     EvalUnits = 19,
+    /// Before an attempt's last micro-batch, when its backward starts the gradients'
+    /// all-reduce (the overlapped reduction).
+    Armed = 20,
 }
 
 fn topic_name(k: f64) -> &'static str {
@@ -82,6 +85,7 @@ fn topic_name(k: f64) -> &'static str {
         17 => "the Python guard's vote",
         18 => "the step's loss units",
         19 => "the evaluation's loss units",
+        20 => "the agreement before an attempt's last micro-batch",
         _ => "an unknown exchange",
     }
 }

@@ -497,6 +497,11 @@ impl Task for PythonTask {
     fn activation_checkpointing(&self) -> Option<bool> {
         self.checkpointing
     }
+    /// Recomputation may run a backward of its own per wrapped block, and a block may share
+    /// a weight with the rest (tied embeddings): reduced after backward then.
+    fn backward_is_one_pass(&self) -> bool {
+        self.checkpointing != Some(true)
+    }
     fn set_activation_checkpointing(&mut self, on: bool) {
         let n = Python::with_gil(|py| {
             self.model

@@ -345,6 +345,7 @@ impl<'a> Run<'a> {
             .values()
             .copied()
             .fold(None, |b: Option<f64>, v| Some(b.map_or(v, |b| b.min(v))));
+        let reducer = pg.as_ref().and_then(|pg| reducer(c, pg, &opt, device));
         Ok(Run {
             cfg,
             run_dir: run_dir.to_path_buf(),
@@ -365,6 +366,7 @@ impl<'a> Run<'a> {
             verified: BTreeMap::new(),
             checkpointed: None,
             cache_key: options.inject_oom.is_none().then_some(cache_key),
+            reducer,
             pg,
             lead,
             summary: Summary {
@@ -381,6 +383,28 @@ impl<'a> Run<'a> {
             handover: false,
         })
     }
+}
+
+/// The overlapped reduction's hooks on the parameters, when `train.overlap_grad_reduce` says
+/// so (unset: on CUDA, or when the ranks span several machines); none where a parameter
+/// carries a hook of its own (reduced after backward then).
+fn reducer(c: &crate::config::RawConfig, pg: &ProcessGroup, opt: &AdamW, device: Device) -> Option<Reducer> {
+    let one_machine = || {
+        let local = std::env::var("LOCAL_WORLD_SIZE")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok());
+        local.is_some_and(|l| l >= pg.world)
+    };
+    if !c
+        .train
+        .overlap_grad_reduce
+        .unwrap_or_else(|| device.is_cuda() || !one_machine())
+    {
+        return None;
+    }
+    Reducer::new(pg, &opt.params(), c.train.bucket_bytes())
+        .inspect_err(|e| tracing::warn!("gradients are reduced after backward: {e}"))
+        .ok()
 }
 
 /// AdamW as `train.shard` asks (data parallel only). When even its state does not fit,

@@ -1,0 +1,231 @@
+//! Owns the gradient reduction overlapped with backward (csrc/overlap.cpp): buckets of
+//! parameters whose all-reduces start from backward's hooks on an attempt's last micro-batch.
+//! Keeps: in every armed pass each rank starts the same buckets in the same order, whatever
+//! failed where, and waits for them before the attempt's outcome is acted on.
+use std::ffi::{c_char, c_void};
+use tch::Tensor;
+
+use super::ProcessGroup;
+use crate::error::{check, Error, Phase, Result};
+
+extern "C" {
+    fn og_reducer_new(
+        group: *mut c_void,
+        params: *const *mut c_void,
+        n: i32,
+        order: *const i64,
+        starts: *const i64,
+        nb: i32,
+        out: *mut *mut c_void,
+    ) -> *mut c_char;
+    fn og_reducer_free(r: *mut c_void);
+    fn og_reducer_buckets(r: *mut c_void) -> i32;
+    fn og_reducer_observed(r: *mut c_void, out: *mut i64, n: *mut i32);
+    fn og_reducer_relayout(r: *mut c_void, order: *const i64, starts: *const i64, nb: i32) -> *mut c_char;
+    fn og_reducer_arm(r: *mut c_void) -> *mut c_char;
+    fn og_reducer_disarm(r: *mut c_void);
+    fn og_reducer_launch_rest(r: *mut c_void, failed: i32, twice: *mut i32) -> *mut c_char;
+    fn og_reducer_wait(r: *mut c_void, unpack: i32) -> *mut c_char;
+}
+
+/// DDP's default bucket size is 25 MiB, sized for GPUs and NCCL. Here it is measured
+/// (docs/measurements/bench-netns-2026-11-27.txt, two nodes at 1 Gbit/s): 1 MiB hid 79% of
+/// the transfer and cost 1% on the fast link; 0.25 MiB hid it all at 1 Gbit/s but its many
+/// small collectives cost 13% on the fast link; one bucket hides nothing. A parameter larger
+/// than a bucket is reduced alone, in place, so the size only groups the small ones.
+pub const DEFAULT_BUCKET_MB: f64 = 1.0;
+
+/// The reducer of one process group's parameters; its hooks stay on the parameters until
+/// it is dropped (inert unless armed). Its first buckets follow the parameters' reverse
+/// order; after its first overlapped step they follow the order backward produced the
+/// gradients in (rank 0's, as DDP rebuilds its buckets), so that the first bucket is
+/// complete early.
+pub struct Reducer {
+    ptr: *mut c_void,
+    /// Bytes and dtype-and-device of each parameter.
+    sizes: Vec<(usize, String)>,
+    cap: usize,
+    settled: std::cell::Cell<bool>,
+}
+
+impl Drop for Reducer {
+    fn drop(&mut self) {
+        unsafe { og_reducer_free(self.ptr) }
+    }
+}
+
+fn torch_error(what: &'static str) -> impl Fn(tch::TchError) -> Error {
+    move |e| Error::Dist(format!("{what}: {}", crate::task::error_line(&e.to_string())))
+}
+
+impl Reducer {
+    /// Buckets of at most `bucket_bytes` over `params` (see `layout`), a hook on each. Fails
+    /// where a parameter already carries a post-accumulate-grad hook of its own.
+    pub fn new(pg: &ProcessGroup, params: &[Tensor], bucket_bytes: usize) -> Result<Reducer> {
+        let sizes: Vec<(usize, String)> = params
+            .iter()
+            .map(|t| {
+                (
+                    t.numel() * t.kind().elt_size_in_bytes(),
+                    format!("{:?} {:?}", t.kind(), t.device()),
+                )
+            })
+            .collect();
+        let (order, starts) = flat(&layout(&reversed(sizes.len()), &sizes, bucket_bytes));
+        let p: Vec<*mut c_void> = params.iter().map(|t| t.as_ptr() as *mut c_void).collect();
+        let mut ptr = std::ptr::null_mut();
+        let nb = starts.len() as i32 - 1;
+        check(unsafe {
+            og_reducer_new(
+                pg.ptr,
+                p.as_ptr(),
+                p.len() as i32,
+                order.as_ptr(),
+                starts.as_ptr(),
+                nb,
+                &mut ptr,
+            )
+        })
+        .map_err(torch_error("the overlapped reduction's hooks"))?;
+        Ok(Reducer {
+            ptr,
+            sizes,
+            cap: bucket_bytes,
+            settled: std::cell::Cell::new(false),
+        })
+    }
+
+    /// Once, after an overlapped step every rank completed: the buckets in the order this
+    /// run's backward produced the gradients (rank 0's order, broadcast; parameters that had
+    /// none last). Every rank calls it at the same point.
+    pub fn settle(&self, pg: &ProcessGroup) -> Result<()> {
+        if self.settled.replace(true) {
+            return Ok(());
+        }
+        let n = self.sizes.len();
+        let (mut seen, mut count) = (vec![0i64; n], 0i32);
+        unsafe { og_reducer_observed(self.ptr, seen.as_mut_ptr(), &mut count) };
+        seen.truncate(count as usize);
+        let mut order: Vec<usize> = seen.iter().map(|&i| i as usize).collect();
+        order.extend(reversed(n).into_iter().filter(|i| !seen.contains(&(*i as i64))));
+        let t = Tensor::from_slice(&order.iter().map(|&i| i as i64).collect::<Vec<_>>())
+            .f_to_device(pg.device())
+            .map_err(torch_error("the gradients' order"))?;
+        pg.broadcast(std::slice::from_ref(&t), 0)?;
+        let order: Vec<usize> = t
+            .f_to_device(tch::Device::Cpu)
+            .and_then(|t| Vec::<i64>::try_from(&t))
+            .map_err(torch_error("the gradients' order"))?
+            .into_iter()
+            .map(|i| i as usize)
+            .collect();
+        let (order, starts) = flat(&layout(&order, &self.sizes, self.cap));
+        let nb = starts.len() as i32 - 1;
+        check(unsafe { og_reducer_relayout(self.ptr, order.as_ptr(), starts.as_ptr(), nb) })
+            .map_err(torch_error("the overlapped reduction's buckets"))
+    }
+
+    /// Collectives an armed pass starts.
+    pub fn buckets(&self) -> usize {
+        unsafe { og_reducer_buckets(self.ptr) as usize }
+    }
+
+    /// Before the last micro-batch: allocates the buffers (an OOM here is the backward's, and
+    /// comes before the ranks agree), then the hooks start buckets as gradients complete.
+    pub fn arm(&self) -> Result<()> {
+        check(unsafe { og_reducer_arm(self.ptr) }).map_err(|e| Error::from(e).in_phase(Phase::Backward))
+    }
+
+    /// The ranks did not agree to go on: nothing was started; the buffers go.
+    pub fn disarm(&self) {
+        unsafe { og_reducer_disarm(self.ptr) }
+    }
+
+    /// After backward: starts the buckets the hooks did not. `failed`: as they are (their sums
+    /// will be dropped). Returns whether some gradient was accumulated twice in the pass (a
+    /// model whose backward runs in several passes; its sums are wrong).
+    pub fn launch_rest(&self, failed: bool) -> Result<bool> {
+        let mut twice = 0;
+        check(unsafe { og_reducer_launch_rest(self.ptr, failed as i32, &mut twice) })
+            .map_err(torch_error("starting the gradient all-reduce"))?;
+        Ok(twice != 0)
+    }
+
+    /// Waits for every bucket started; `unpack`: the sums go into the gradients.
+    pub fn wait(&self, unpack: bool) -> Result<()> {
+        check(unsafe { og_reducer_wait(self.ptr, unpack as i32) }).map_err(torch_error("gradient all-reduce"))
+    }
+}
+
+/// Every parameter, last first: the order backward completes gradients in, before it is
+/// observed.
+fn reversed(n: usize) -> Vec<usize> {
+    (0..n).rev().collect()
+}
+
+/// The buckets as csrc/overlap.cpp takes them: their members one after another, and where
+/// each bucket starts (and the last ends).
+fn flat(buckets: &[Vec<usize>]) -> (Vec<i64>, Vec<i64>) {
+    let order = buckets.iter().flatten().map(|&i| i as i64).collect();
+    let mut starts = vec![0i64];
+    for b in buckets {
+        starts.push(starts[starts.len() - 1] + b.len() as i64);
+    }
+    (order, starts)
+}
+
+/// The buckets, in the order they start: parameters in `order` (the order backward
+/// completes their gradients, every parameter once), consecutive ones together while their
+/// bytes stay within `cap` and they share a dtype and device (`sizes`: bytes and that key,
+/// per parameter). A parameter over `cap` is a bucket alone. Every parameter is in exactly
+/// one bucket.
+pub fn layout<K: PartialEq>(order: &[usize], sizes: &[(usize, K)], cap: usize) -> Vec<Vec<usize>> {
+    let mut buckets: Vec<Vec<usize>> = vec![];
+    let mut bytes = 0usize;
+    for &i in order {
+        let (size, key) = &sizes[i];
+        let joins = buckets
+            .last()
+            .is_some_and(|b| bytes.saturating_add(*size) <= cap && sizes[b[0]].1 == *key);
+        if !joins {
+            buckets.push(vec![]);
+            bytes = 0;
+        }
+        buckets.last_mut().expect("a bucket was just pushed").push(i);
+        bytes += size;
+    }
+    buckets
+}
+
+/// Bytes of the buffers an armed pass allocates: the buckets of more than one parameter
+/// (one alone is reduced in place).
+pub fn buffer_bytes<K: PartialEq>(sizes: &[(usize, K)], cap: usize) -> usize {
+    layout(&reversed(sizes.len()), sizes, cap)
+        .iter()
+        .filter(|b| b.len() > 1)
+        .map(|b| b.iter().map(|&i| sizes[i].0).sum::<usize>())
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{flat, layout, reversed};
+
+    #[test]
+    fn buckets_cover_every_parameter_once_in_order_within_the_cap() {
+        let sizes: Vec<(usize, u8)> = [4, 4, 16, 4, 4, 4, 40, 4].iter().map(|&b| (b, 0)).collect();
+        let b = layout(&reversed(8), &sizes, 12);
+        assert_eq!(b, vec![vec![7], vec![6], vec![5, 4, 3], vec![2], vec![1, 0]]);
+        assert_eq!(flat(&b).1, vec![0, 1, 2, 5, 6, 8]);
+        let one = layout(&reversed(8), &sizes, usize::MAX);
+        assert_eq!(one, vec![(0..8).rev().collect::<Vec<_>>()]);
+        assert_eq!(layout(&reversed(8), &sizes, 1).len(), 8);
+        let mixed = layout(&[2, 1, 0], &[(4, 'f'), (4, 'h'), (4, 'h')], 100);
+        assert_eq!(mixed, vec![vec![2, 1], vec![0]]);
+        // An observed order: the embedding (0) last, as backward reaches it.
+        assert_eq!(
+            layout(&[3, 1, 2, 0], &sizes[..4], 8),
+            vec![vec![3, 1], vec![2], vec![0]]
+        );
+    }
+}
