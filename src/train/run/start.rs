@@ -389,16 +389,18 @@ impl<'a> Run<'a> {
 /// so (unset: on CUDA, or when the ranks span several machines); none where a parameter
 /// carries a hook of its own (reduced after backward then).
 fn reducer(c: &crate::config::RawConfig, pg: &ProcessGroup, opt: &AdamW, device: Device) -> Option<Reducer> {
-    let one_machine = || {
+    // Several machines when the launcher (or torchrun) says fewer ranks run here than in
+    // all; ranks started by hand, without LOCAL_WORLD_SIZE, reduce after backward.
+    let several_machines = || {
         let local = std::env::var("LOCAL_WORLD_SIZE")
             .ok()
             .and_then(|v| v.trim().parse::<usize>().ok());
-        local.is_some_and(|l| l >= pg.world)
+        local.is_some_and(|l| l < pg.world)
     };
     if !c
         .train
         .overlap_grad_reduce
-        .unwrap_or_else(|| device.is_cuda() || !one_machine())
+        .unwrap_or_else(|| device.is_cuda() || several_machines())
     {
         return None;
     }
