@@ -1,11 +1,16 @@
 // Data parallel's gradient reduction overlapped with backward: DDP's reducer, cut down to
-// what the trainer needs. Owns the buckets (laid out by src/dist/overlap.rs) and, while armed (an attempt's last micro-batch), a
-// post-accumulate-grad hook per parameter that puts its gradient into its bucket; a bucket
-// whose gradients are all in starts its all-reduce at once, asynchronously.
+// what the trainer needs. Owns the buckets (laid out by src/dist/overlap.rs) and, while
+// armed (an attempt's last micro-batch), a post-accumulate-grad hook per parameter; a
+// bucket whose gradients are all in starts its all-reduce at once, asynchronously.
 // Keeps: buckets start in index order, the same on every rank, each exactly once an armed
 // pass (`launch_rest` starts what backward did not, garbage included after a failure), so
-// the ranks issue the same collectives in the same order whatever failed; nothing is
-// allocated between `arm` and `wait` (the buffers come at `arm`, before the ranks agree).
+// the ranks issue the same collectives in the same order whatever failed.
+// Memory: a parameter larger than a bucket is reduced in its own gradient. The others'
+// bucket is made when its last gradient is in, and the gradients become views of it (as
+// DDP's gradient_as_bucket_view), so a bucket costs a bucket's bytes for a moment, not a
+// copy of the gradients. A rank must send every bucket whatever failed, so `arm` (before
+// the ranks agree) allocates one stand-in: as large as the largest bucket that could still
+// be missing its buffer (a failed allocation, or a large gradient backward never made).
 #include "oomguard.h"
 
 #include <torch/csrc/autograd/function_hook.h>
@@ -14,10 +19,12 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 c10d::Backend* og_group_backend(void* group);
@@ -28,9 +35,11 @@ struct Bucket {
   std::vector<int64_t> offsets;  // each member's first element in `flat`
   int64_t numel = 0;
   bool in_place = false;  // one contiguous parameter: its own gradient is reduced
-  at::Tensor flat;        // the others' buffer, from `arm` to `wait`
+  at::Tensor flat;        // the others': made when complete, the gradients views of it
   size_t pending = 0;
 };
+
+using Need = std::vector<std::pair<at::Tensor, int64_t>>;  // of each dtype and device, the largest numel
 
 struct Reducer {
   c10d::Backend* backend;
@@ -47,6 +56,8 @@ struct Reducer {
   bool observing = true;
   std::vector<int64_t> arrival;
   std::vector<char> arrived;
+  // What a bucket with no buffer of its own sends (its rank failed): allocated at `arm`.
+  std::vector<at::Tensor> scratch;
 
   void lay_out(const int64_t* order, const int64_t* starts, int nb) {
     buckets.clear();
@@ -64,32 +75,53 @@ struct Reducer {
     }
   }
 
-  at::Tensor slot(const Bucket& b, size_t k) {
-    const auto& p = params[b.members[k]];
-    return b.flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes());
-  }
-
-  // Where a parameter reduced in place that has no gradient yet (no accumulation before
-  // the last micro-batch) sends from if its rank fails before backward makes one: one
-  // buffer per dtype and device, of the largest such parameter, allocated at `arm`.
-  std::vector<at::Tensor> scratch;
-
-  at::Tensor stand_in(const at::Tensor& p) {
-    for (auto& t : scratch) {
-      if (t.scalar_type() == p.scalar_type() && t.device() == p.device() && t.numel() >= p.numel()) {
-        return t.narrow(0, 0, p.numel()).view(p.sizes());
+  static void need(Need& need, const at::Tensor& p, int64_t numel) {
+    for (auto& n : need) {
+      if (n.first.scalar_type() == p.scalar_type() && n.first.device() == p.device()) {
+        n.second = std::max(n.second, numel);
+        return;
       }
     }
-    throw std::runtime_error("no stand-in buffer for a gradient backward did not make");
+    need.emplace_back(p, numel);
+  }
+
+  at::Tensor stand_in(const at::Tensor& like, int64_t numel) {
+    for (auto& t : scratch) {
+      if (t.scalar_type() == like.scalar_type() && t.device() == like.device() && t.numel() >= numel) {
+        return t.narrow(0, 0, numel);
+      }
+    }
+    throw std::runtime_error("no stand-in buffer for a bucket this rank could not fill");
+  }
+
+  // A shared bucket's buffer: its members' gradients (zeros where one has none), which
+  // then become views of it.
+  void build(Bucket& b) {
+    torch::NoGradGuard no_grad;
+    const auto& first = params[b.members[0]];
+    auto flat = at::empty({b.numel}, first.options().requires_grad(false));
+    for (size_t k = 0; k < b.members.size(); ++k) {
+      auto& p = params[b.members[k]];
+      auto to = flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes());
+      if (p.grad().defined()) {
+        to.copy_(p.grad());
+      } else {
+        to.zero_();
+      }
+    }
+    for (size_t k = 0; k < b.members.size(); ++k) {
+      auto& p = params[b.members[k]];
+      p.mutable_grad() = flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes());
+    }
+    b.flat = flat;
   }
 
   void start(size_t i) {
     auto& b = buckets[i];
+    const auto& first = params[b.members[0]];
     at::Tensor t = b.flat;
-    if (b.in_place) {
-      const auto& p = params[b.members[0]];
-      t = p.grad().defined() ? p.grad() : stand_in(p);
-    }
+    if (b.in_place && first.grad().defined()) t = first.grad();
+    if (!t.defined()) t = stand_in(first, b.numel);
     std::vector<at::Tensor> one{t};
     works.push_back(backend->allreduce(one, c10d::AllreduceOptions()));
   }
@@ -99,7 +131,9 @@ struct Reducer {
     while (next < buckets.size() && buckets[next].pending == 0) start(next++);
   }
 
-  void accumulated(size_t i, const at::Tensor& grad) {
+  // A failed allocation here fails this rank's backward: its bucket goes later, from the
+  // stand-in, with the others.
+  void accumulated(size_t i) {
     std::lock_guard<std::mutex> lock(mu);
     if (observing && !arrived[i]) {
       arrived[i] = 1;
@@ -112,14 +146,33 @@ struct Reducer {
     }
     in[i] = 1;
     auto& b = buckets[bucket_of[i]];
-    if (!b.in_place) {
-      size_t k = 0;
-      while (b.members[k] != i) ++k;
-      torch::NoGradGuard no_grad;
-      slot(b, k).copy_(grad);
-    }
-    --b.pending;
+    if (--b.pending == 0 && !b.in_place) build(b);
     start_ready();
+  }
+
+  // The buffers go; `views`: so do the gradients that are views of them (sums the ranks
+  // dropped), so that a failed attempt leaves nothing behind.
+  void release(bool views) {
+    for (auto& b : buckets) {
+      for (size_t k = 0; views && b.flat.defined() && k < b.members.size(); ++k) {
+        params[b.members[k]].mutable_grad() = at::Tensor();
+      }
+      b.flat = at::Tensor();
+    }
+    scratch.clear();
+  }
+
+  // Gloo's worker drops its reference to a work (and its tensors) just after marking it
+  // complete: wait for that (at most 1 s), so that a failed attempt's buffers are freed
+  // here, before the guard measures what is live, not on that thread a moment later.
+  void let_go_of_works() {
+    if (backend->getBackendName() == "gloo") {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+      for (auto& w : works) {
+        while (w.use_count() > 1 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+      }
+    }
+    works.clear();
   }
 };
 
@@ -127,7 +180,7 @@ struct Hook : torch::autograd::PostAccumulateGradHook {
   Reducer* r;
   size_t i;
   Hook(Reducer* r, size_t i) : r(r), i(i) {}
-  void operator()(const torch::autograd::Variable& p) override { r->accumulated(i, p.grad()); }
+  void operator()(const torch::autograd::Variable&) override { r->accumulated(i); }
 };
 
 Reducer* reducer(void* p) { return static_cast<Reducer*>(p); }
@@ -188,31 +241,18 @@ char* og_reducer_relayout(void* p, const int64_t* order, const int64_t* starts, 
   });
 }
 
-// Before the last micro-batch: the buffers, and the stand-in for parameters reduced in place
-// that have no gradient yet, so that nothing is allocated once the ranks agreed.
+// Before the last micro-batch: the stand-in, for the largest bucket that could go without
+// a buffer of its own (a shared one, or a large parameter with no gradient yet).
 char* og_reducer_arm(void* p) {
   return oomguard::guarded([&] {
     auto* r = reducer(p);
     std::lock_guard<std::mutex> lock(r->mu);
-    torch::NoGradGuard no_grad;
-    r->scratch.clear();
-    std::vector<std::pair<at::Tensor, int64_t>> need;  // a parameter of each dtype and device, the largest numel
+    r->release(false);
+    Need need;
     for (auto& b : r->buckets) {
       const auto& first = r->params[b.members[0]];
       b.pending = b.members.size();
-      if (!b.in_place) {
-        if (!b.flat.defined()) b.flat = at::empty({b.numel}, first.options().requires_grad(false));
-        continue;
-      }
-      if (first.grad().defined()) continue;
-      bool known = false;
-      for (auto& n : need) {
-        if (n.first.scalar_type() == first.scalar_type() && n.first.device() == first.device()) {
-          n.second = std::max(n.second, first.numel());
-          known = true;
-        }
-      }
-      if (!known) need.emplace_back(first, first.numel());
+      if (!b.in_place || !first.grad().defined()) Reducer::need(need, first, b.numel);
     }
     for (const auto& n : need) r->scratch.push_back(at::empty({n.second}, n.first.options().requires_grad(false)));
     std::fill(r->in.begin(), r->in.end(), 0);
@@ -229,29 +269,28 @@ void og_reducer_disarm(void* p) {
   auto* r = reducer(p);
   std::lock_guard<std::mutex> lock(r->mu);
   r->armed = false;
-  for (auto& b : r->buckets) b.flat = at::Tensor();
-  r->scratch.clear();
+  r->release(true);
 }
 
 // After backward: starts every bucket not started yet, in order. `failed`: this rank's
 // attempt failed, and the buckets go as they are (their sums are dropped everywhere);
 // otherwise the gradients backward did not reach (zeros where a parameter has none) go
-// into their slots first. *twice: some gradient was accumulated twice in the armed pass.
-char* og_reducer_launch_rest(void* p, int failed, int* twice) {
+// into their buckets first; if that fails, this rank has failed (*oom: the error) and the
+// rest go from the stand-in. *twice: some gradient was accumulated twice in the pass.
+char* og_reducer_launch_rest(void* p, int failed, int* twice, char** oom) {
   return oomguard::guarded([&] {
     auto* r = reducer(p);
     std::lock_guard<std::mutex> lock(r->mu);
+    *oom = nullptr;
     if (!r->armed) return;
-    torch::NoGradGuard no_grad;
     for (size_t i = r->next; i < r->buckets.size(); ++i) {
       auto& b = r->buckets[i];
-      for (size_t k = 0; k < b.members.size() && !failed && !b.in_place; ++k) {
-        if (r->in[b.members[k]]) continue;
-        const auto& g = r->params[b.members[k]].grad();
-        if (g.defined()) {
-          r->slot(b, k).copy_(g);
-        } else {
-          r->slot(b, k).zero_();
+      if (!failed && !b.in_place && !b.flat.defined()) {
+        try {
+          r->build(b);
+        } catch (const std::exception& e) {
+          *oom = strdup(e.what());
+          failed = 1;
         }
       }
       r->start(i);
@@ -262,9 +301,9 @@ char* og_reducer_launch_rest(void* p, int failed, int* twice) {
   });
 }
 
-// Waits for every bucket started; `unpack`: the sums go back into the gradients. The
-// buffers go either way.
-char* og_reducer_wait(void* p, int unpack) {
+// Waits for every bucket started; `keep`: the sums are the gradients (views of the
+// buckets). Otherwise they go. The stand-in goes either way.
+char* og_reducer_wait(void* p, int keep) {
   return oomguard::guarded([&] {
     auto* r = reducer(p);
     std::lock_guard<std::mutex> lock(r->mu);
@@ -276,16 +315,8 @@ char* og_reducer_wait(void* p, int unpack) {
         if (first_error.empty()) first_error = e.what();
       }
     }
-    r->works.clear();
-    if (first_error.empty() && unpack) {
-      torch::NoGradGuard no_grad;
-      for (auto& b : r->buckets) {
-        if (b.in_place || !b.flat.defined()) continue;
-        for (size_t k = 0; k < b.members.size(); ++k) r->params[b.members[k]].mutable_grad().copy_(r->slot(b, k));
-      }
-    }
-    for (auto& b : r->buckets) b.flat = at::Tensor();
-    r->scratch.clear();
+    r->let_go_of_works();
+    r->release(!first_error.empty() || !keep);
     if (!first_error.empty()) throw std::runtime_error(first_error);
   });
 }

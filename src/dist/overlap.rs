@@ -24,7 +24,7 @@ extern "C" {
     fn og_reducer_relayout(r: *mut c_void, order: *const i64, starts: *const i64, nb: i32) -> *mut c_char;
     fn og_reducer_arm(r: *mut c_void) -> *mut c_char;
     fn og_reducer_disarm(r: *mut c_void);
-    fn og_reducer_launch_rest(r: *mut c_void, failed: i32, twice: *mut i32) -> *mut c_char;
+    fn og_reducer_launch_rest(r: *mut c_void, failed: i32, twice: *mut i32, oom: *mut *mut c_char) -> *mut c_char;
     fn og_reducer_wait(r: *mut c_void, unpack: i32) -> *mut c_char;
 }
 
@@ -130,30 +130,34 @@ impl Reducer {
         unsafe { og_reducer_buckets(self.ptr) as usize }
     }
 
-    /// Before the last micro-batch: allocates the buffers (an OOM here is the backward's, and
-    /// comes before the ranks agree), then the hooks start buckets as gradients complete.
+    /// Before the last micro-batch: allocates the stand-in a failed rank sends from (an OOM
+    /// here is the backward's, and comes before the ranks agree); then the hooks start
+    /// buckets as gradients complete.
     pub fn arm(&self) -> Result<()> {
         check(unsafe { og_reducer_arm(self.ptr) }).map_err(|e| Error::from(e).in_phase(Phase::Backward))
     }
 
-    /// The ranks did not agree to go on: nothing was started; the buffers go.
+    /// The ranks did not agree to go on: nothing was started; the stand-in goes.
     pub fn disarm(&self) {
         unsafe { og_reducer_disarm(self.ptr) }
     }
 
     /// After backward: starts the buckets the hooks did not. `failed`: as they are (their sums
     /// will be dropped). Returns whether some gradient was accumulated twice in the pass (a
-    /// model whose backward runs in several passes; its sums are wrong).
-    pub fn launch_rest(&self, failed: bool) -> Result<bool> {
-        let mut twice = 0;
-        check(unsafe { og_reducer_launch_rest(self.ptr, failed as i32, &mut twice) })
+    /// model whose backward runs in several passes; its sums are wrong), and the error of a
+    /// bucket that could not be made (this rank has failed: its buckets went as garbage).
+    pub fn launch_rest(&self, failed: bool) -> Result<(bool, Option<Error>)> {
+        let (mut twice, mut oom) = (0, std::ptr::null_mut());
+        check(unsafe { og_reducer_launch_rest(self.ptr, failed as i32, &mut twice, &mut oom) })
             .map_err(torch_error("starting the gradient all-reduce"))?;
-        Ok(twice != 0)
+        let oom = check(oom).err().map(|e| Error::from(e).in_phase(Phase::Backward));
+        Ok((twice != 0, oom))
     }
 
-    /// Waits for every bucket started; `unpack`: the sums go into the gradients.
-    pub fn wait(&self, unpack: bool) -> Result<()> {
-        check(unsafe { og_reducer_wait(self.ptr, unpack as i32) }).map_err(torch_error("gradient all-reduce"))
+    /// Waits for every bucket started; `keep`: the sums are the gradients, otherwise the
+    /// gradients that are views of the buckets go.
+    pub fn wait(&self, keep: bool) -> Result<()> {
+        check(unsafe { og_reducer_wait(self.ptr, keep as i32) }).map_err(torch_error("gradient all-reduce"))
     }
 }
 
@@ -197,14 +201,14 @@ pub fn layout<K: PartialEq>(order: &[usize], sizes: &[(usize, K)], cap: usize) -
     buckets
 }
 
-/// Bytes of the buffers an armed pass allocates: the buckets of more than one parameter
-/// (one alone is reduced in place).
+/// Bytes an armed pass holds beyond the gradients: the stand-in, as large as the largest
+/// bucket (a parameter alone in one counts: it may have no gradient yet at `arm`), plus one
+/// shared bucket's copy at a time.
 pub fn buffer_bytes<K: PartialEq>(sizes: &[(usize, K)], cap: usize) -> usize {
-    layout(&reversed(sizes.len()), sizes, cap)
-        .iter()
-        .filter(|b| b.len() > 1)
-        .map(|b| b.iter().map(|&i| sizes[i].0).sum::<usize>())
-        .sum()
+    let buckets = layout(&reversed(sizes.len()), sizes, cap);
+    let bytes = |b: &Vec<usize>| b.iter().map(|&i| sizes[i].0).sum::<usize>();
+    let largest = |shared: bool| buckets.iter().filter(|b| (b.len() > 1) == shared).map(bytes).max();
+    largest(false).unwrap_or(0).max(largest(true).unwrap_or(0)) + largest(true).unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -487,7 +487,8 @@ fn overlapped(
         Ok(acc)
     });
     let local = match r.launch_rest(local.is_err())? {
-        true if local.is_ok() => Err(Error::Torch(tch::TchError::Torch(format!(
+        (_, Some(oom)) if local.is_ok() => Err(oom),
+        (true, _) if local.is_ok() => Err(Error::Torch(tch::TchError::Torch(format!(
             "{}: a gradient was accumulated twice in one micro-batch's backward, so the overlapped \
              reduction sent it before it was whole; this model's backward_is_one_pass must say false",
             task.describe()
