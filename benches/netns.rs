@@ -4,13 +4,15 @@
 //! each: the median step time at both speeds and the step's exposed reduction (`comm_s` less
 //! the agreements); the bytes rank 0 sent a step, counted by the kernel on its link (a
 //! 25-step run less a 5-step one, so the start's broadcast drops out), against the cost
-//! model's (`dist::cost`'s wire bytes, doubled for ZeRO on Gloo) and its transfer time at
+//! model's (`dist::cost`'s plain wire bytes, doubled for ZeRO on Gloo, whose collectives
+//! are all all-reduces) and its transfer time at
 //! 1 Gbit/s; and the share of that transfer hidden behind computation, 1 - exposed / transfer
 //! (at least 0), where the communication exposed at 1 Gbit/s is the step time the slow link
 //! adds plus the exposed reduction on the veth (ZeRO's parameter all-gather runs in the
 //! update, outside `comm_s`: the step time sees it). Data parallel runs with its reduction
 //! after the whole backward (`train.overlap_grad_reduce=false`, the baseline) and overlapped
-//! with it (the default) at three bucket sizes; ZeRO-2 reduces after backward.
+//! with it (the default) at three bucket sizes; ZeRO-2 after backward and overlapped (its
+//! default), at 1 MiB.
 //! Root only (the namespaces); they go on every exit path.
 mod common;
 #[path = "../tests/common/mod.rs"]
@@ -88,7 +90,16 @@ fn main() {
             Shard::None,
             ["train.bucket_cap_mb=32", "train.shard=none"],
         ),
-        ("ZeRO-2", Shard::Gradients, [after, "train.shard=gradients"]),
+        (
+            "ZeRO-2, after backward",
+            Shard::Gradients,
+            [after, "train.shard=gradients"],
+        ),
+        (
+            "ZeRO-2, overlapped, 1 MiB buckets",
+            Shard::Gradients,
+            ["train.bucket_cap_mb=1", "train.shard=gradients"],
+        ),
     ] {
         let tag_of = sets.join("-").replace('=', "-");
         let set: Vec<&str> = sets.iter().flat_map(|s| ["--set", s]).collect();
@@ -119,9 +130,11 @@ fn main() {
             (slow.tx_bytes(0) - before) as f64
         };
         let per_step = (sent("25") - sent("5")) / 20.0;
-        // On Gloo ZeRO's reduce-scatter and all-gather are in-place all-reduces (twice the
-        // model's ring bytes).
-        let wire = cost(&numels, 2, shard).wire as f64 * if shard == Shard::None { 1.0 } else { 2.0 };
+        // On Gloo every collective of ZeRO's is an all-reduce: the gradients' sum (a
+        // reduce-scatter after backward, a bucket's all-reduce overlapped) and the
+        // parameters' all-gather, each the model's all-reduce bytes.
+        let plain = cost(&numels, 2, Shard::None).wire as f64;
+        let wire = if shard == Shard::None { plain } else { 2.0 * plain };
         let transfer = wire * 8.0 / RATE_BITS;
         let [(step_f, red_f), (step_s, red_s)] = at.map(|(t, r)| (median(t), median(r)));
         println!(

@@ -2,8 +2,11 @@
 //! ranks with one thread each, the same GPT and global batch, alternated, median of 3:
 //! - step time of each stage over plain (floors: stage 1 at most 1.15x, stage 2 at most 1.25x);
 //! - per-rank peak memory of each stage over plain;
-//! - the largest model (parameters, by its vocabulary) that trains at micro-batch 1 under
-//!   a fixed per-rank budget, for each stage, over plain (aim: 1.8x at 2 ranks).
+//! - the largest model that trains at micro-batch 1 under a fixed per-rank budget, for each
+//!   stage, over plain (goal: 1.6x at 2 ranks for ZeRO-2), grown two ways: by its vocabulary
+//!   (a tied embedding, one gradient that is whole on every rank at some point of backward)
+//!   and by its depth (many matrices, which ZeRO-2 sums bucket by bucket and drops); with
+//!   what `oomguard plan` predicts for each.
 mod common;
 use common::{events, median};
 use std::path::Path;
@@ -20,16 +23,53 @@ memory: {budget: none, snapshot: off}
 log: {every: 1000}
 ";
 
-/// A state-heavy GPT (a large vocabulary, a short sequence), one sample per rank.
-fn heavy(vocab: u64) -> String {
+/// A state-heavy GPT (a short sequence), one sample per rank, grown by `grow`.
+fn heavy(grow: Grow, size: u64) -> String {
+    let (layers, vocab) = match grow {
+        Grow::Vocab => (2, size),
+        Grow::Depth => (size, 256),
+    };
     format!(
-        "model: {{n_layer: 2, n_head: 2, n_embd: 64, block_size: 8, vocab_size: {vocab}}}
+        "model: {{n_layer: {layers}, n_head: 2, n_embd: 64, block_size: 8, vocab_size: {vocab}}}
 data: {{source: embedded}}
 train: {{micro_batch_size: 1, global_batch_size: 2, max_steps: 2, eval_every: 0, eval_batch_size: 1, eval_batches: 1, device: cpu, num_threads: 1}}
 memory: {{budget: {BUDGET}, snapshot: off, allow_sharding: false, allow_activation_checkpointing: false, allow_precision_fallback: false}}
 checkpoint: {{every_steps: 0}}
 "
     )
+}
+
+/// How the largest-model search grows the heavy GPT.
+#[derive(Clone, Copy, PartialEq)]
+enum Grow {
+    /// The vocabulary, in steps of 64 from 256 (GPT 2x64).
+    Vocab,
+    /// The layers, from 1 (GPT Lx64, vocabulary 256).
+    Depth,
+}
+
+impl Grow {
+    fn range(self) -> (u64, u64) {
+        match self {
+            Grow::Vocab => (4, 4096),
+            Grow::Depth => (1, 512),
+        }
+    }
+    fn size(self, unit: u64) -> u64 {
+        match self {
+            Grow::Vocab => unit * 64,
+            Grow::Depth => unit,
+        }
+    }
+    /// Parameters of the heavy GPT (tied embeddings, biases).
+    fn params(self, size: u64) -> u64 {
+        let (c, t) = (64u64, 8u64);
+        let (l, v) = match self {
+            Grow::Vocab => (2, size),
+            Grow::Depth => (size, 256),
+        };
+        v * c + t * c + l * (12 * c * c + 13 * c) + 2 * c
+    }
 }
 
 /// The fixed per-rank budget of the largest-model search.
@@ -67,34 +107,45 @@ fn measure(run: &Path) -> (f64, f64) {
     (t, peak)
 }
 
-/// The largest vocabulary (a multiple of 64, at least the 256 bytes) whose model trains 2 steps at micro-batch 1
-/// under BUDGET at `shard`, with no rung to climb.
-fn largest_vocab(bin: &str, dir: &Path, shard: &str) -> u64 {
-    let fits = |v: u64| {
-        let cfg = dir.join(format!("heavy-{v}.yaml"));
-        std::fs::write(&cfg, heavy(v)).unwrap();
-        let run = dir.join(format!("heavy-{shard}-{v}"));
+/// The largest size (`Grow`) whose model trains 2 steps at micro-batch 1 under BUDGET at
+/// `shard`, with no rung to climb; with `plan`, the largest `oomguard plan` says fits.
+fn largest(bin: &str, dir: &Path, grow: Grow, shard: &str, plan: bool) -> u64 {
+    let fits = |size: u64| {
+        let cfg = dir.join(format!("heavy-{size}.yaml"));
+        std::fs::write(&cfg, heavy(grow, size)).unwrap();
+        if plan {
+            return plans_to_fit(bin, &cfg, shard);
+        }
+        let run = dir.join(format!("heavy-{shard}-{size}"));
         let ok = train(bin, &cfg, &run, shard, dir) && events(&run, "step").len() == 2;
         let _ = std::fs::remove_dir_all(&run);
         ok
     };
-    let (mut lo, mut hi) = (4u64, 4096u64); // in units of 64, from the byte vocabulary (256)
-    assert!(fits(lo * 64), "the smallest model does not fit {BUDGET}");
+    let (mut lo, mut hi) = grow.range();
+    assert!(fits(grow.size(lo)), "the smallest model does not fit {BUDGET}");
     while lo < hi {
         let mid = (lo + hi).div_ceil(2);
-        if fits(mid * 64) {
+        if fits(grow.size(mid)) {
             lo = mid
         } else {
             hi = mid - 1
         }
     }
-    lo * 64
+    grow.size(lo)
 }
 
-/// Parameters of the heavy GPT at `vocab` (tied embeddings, biases).
-fn params(vocab: u64) -> u64 {
-    let (c, t, l) = (64u64, 8u64, 2u64);
-    vocab * c + t * c + l * (12 * c * c + 13 * c) + 2 * c
+/// Whether `oomguard plan` says micro-batch 1 fits at `shard` on 2 ranks (the config's
+/// `memory.budget`, BUDGET, is what it plans against on the CPU).
+fn plans_to_fit(bin: &str, cfg: &Path, shard: &str) -> bool {
+    let out = Command::new(bin)
+        .args(["plan", cfg.to_str().unwrap(), "--nproc-per-node", "2", "--json"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    v["shards"]
+        .as_array()
+        .and_then(|rows| rows.iter().find(|r| r["shard"] == shard))
+        .is_some_and(|r| r["largest_micro_batch_size"].as_u64().unwrap_or(0) >= 1)
 }
 
 fn main() {
@@ -130,15 +181,24 @@ fn main() {
         p[2] / p[0],
         p[0] / 1048576.0
     );
-    let v: Vec<u64> = STAGES.iter().map(|s| largest_vocab(bin, dir.path(), s)).collect();
-    println!(
-        "largest model at micro-batch 1 under {BUDGET} per rank (2 ranks; GPT 2x64, block 8, the vocabulary grown):"
-    );
-    for (s, &vocab) in STAGES.iter().zip(&v) {
-        println!(
-            "  train.shard: {s:<10} vocabulary {vocab:>6}: {:.2}M parameters, {:.2}x plain (aim 1.8x)",
-            params(vocab) as f64 / 1e6,
-            params(vocab) as f64 / params(v[0]) as f64
-        );
+    for (grow, what) in [
+        (Grow::Vocab, "GPT 2x64, block 8, the vocabulary grown"),
+        (Grow::Depth, "GPT Lx64, block 8, vocabulary 256, the layers grown"),
+    ] {
+        let v: Vec<u64> = STAGES
+            .iter()
+            .map(|s| largest(bin, dir.path(), grow, s, false))
+            .collect();
+        let planned: Vec<u64> = STAGES.iter().map(|s| largest(bin, dir.path(), grow, s, true)).collect();
+        println!("largest model at micro-batch 1 under {BUDGET} per rank (2 ranks; {what}):");
+        for ((s, &size), &plan) in STAGES.iter().zip(&v).zip(&planned) {
+            let name = if grow == Grow::Vocab { "vocabulary" } else { "layers" };
+            println!(
+                "  train.shard: {s:<10} {name} {size:>6}: {:.2}M parameters, {:.2}x plain (goal for gradients 1.6x); oomguard plan: {name} {plan}, {:.2}M",
+                grow.params(size) as f64 / 1e6,
+                grow.params(size) as f64 / grow.params(v[0]) as f64,
+                grow.params(plan) as f64 / 1e6,
+            );
+        }
     }
 }

@@ -8,9 +8,14 @@
 // Memory: a parameter larger than a bucket is reduced in its own gradient. The others'
 // bucket is made when its last gradient is in, and the gradients become views of it (as
 // DDP's gradient_as_bucket_view), so a bucket costs a bucket's bytes for a moment, not a
-// copy of the gradients. A rank must send every bucket whatever failed, so `arm` (before
-// the ranks agree) allocates one stand-in: as large as the largest bucket that could still
-// be missing its buffer (a failed allocation, or a large gradient backward never made).
+// copy of the gradients. A rank must send every bucket whatever failed: a bucket left
+// without a buffer (its making failed, or backward never made a large gradient) goes, on a
+// rank whose attempt failed, from a stand-in allocated then, once the attempt's memory is
+// freed (or, where even that fails, from a gradient the failure made garbage); none is held
+// through forward and backward.
+// ZeRO-2: as each bucket's sum arrives, this rank's pieces of it go into its shard of the
+// summed gradients and the bucket's gradients are dropped, during backward: the whole
+// gradients are never all held at once on the last micro-batch.
 #include "oomguard.h"
 
 #include <torch/csrc/autograd/function_hook.h>
@@ -19,6 +24,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -39,8 +45,6 @@ struct Bucket {
   size_t pending = 0;
 };
 
-using Need = std::vector<std::pair<at::Tensor, int64_t>>;  // of each dtype and device, the largest numel
-
 struct Reducer {
   c10d::Backend* backend;
   std::vector<at::Tensor> params;
@@ -56,8 +60,19 @@ struct Reducer {
   bool observing = true;
   std::vector<int64_t> arrival;
   std::vector<char> arrived;
-  // What a bucket with no buffer of its own sends (its rank failed): allocated at `arm`.
+  // What buckets with no buffer of their own send (their rank failed): from `launch_rest`.
   std::vector<at::Tensor> scratch;
+  // ZeRO-2 (from `arm` to `wait`): this rank's shard of the summed gradients (its size; made
+  // at the first sum, so that it is not held through forward); each parameter's pieces of
+  // it (where in the flattened parameter, how long, where in the shard); the buckets whose
+  // sums are in it; whether this pass's sums are garbage.
+  int64_t shard_numel = -1;
+  at::Tensor shard;
+  std::vector<std::vector<std::array<int64_t, 3>>> pieces;
+  size_t scattered = 0;
+  int64_t inflight = 0;  // bytes of the buckets started and not yet scattered
+  bool garbage = false;
+  std::string error;  // of a work that failed, found while scattering
 
   void lay_out(const int64_t* order, const int64_t* starts, int nb) {
     buckets.clear();
@@ -75,23 +90,29 @@ struct Reducer {
     }
   }
 
-  static void need(Need& need, const at::Tensor& p, int64_t numel) {
-    for (auto& n : need) {
-      if (n.first.scalar_type() == p.scalar_type() && n.first.device() == p.device()) {
-        n.second = std::max(n.second, numel);
-        return;
-      }
-    }
-    need.emplace_back(p, numel);
-  }
-
+  // What a failed rank sends for a bucket with no buffer: a new one (the failed attempt's
+  // memory is free by now), else any garbage of the pass large enough (a gradient, the shard).
   at::Tensor stand_in(const at::Tensor& like, int64_t numel) {
     for (auto& t : scratch) {
       if (t.scalar_type() == like.scalar_type() && t.device() == like.device() && t.numel() >= numel) {
         return t.narrow(0, 0, numel);
       }
     }
-    throw std::runtime_error("no stand-in buffer for a bucket this rank could not fill");
+    try {
+      scratch.push_back(at::empty({numel}, like.options().requires_grad(false)));
+      return scratch.back();
+    } catch (const std::exception&) {
+    }
+    std::vector<at::Tensor> garbage_{shard};
+    for (auto& p : params) garbage_.push_back(p.grad());
+    for (auto& t : garbage_) {
+      if (t.defined() && t.is_contiguous() && t.scalar_type() == like.scalar_type() && t.device() == like.device() &&
+          t.numel() >= numel) {
+        return t.reshape({-1}).narrow(0, 0, numel);
+      }
+    }
+    throw std::runtime_error("no memory for a bucket this rank must send (" + std::to_string(numel) +
+                             " elements) and nothing to send it from: the other ranks will time out");
   }
 
   // A shared bucket's buffer: its members' gradients (zeros where one has none), which
@@ -124,6 +145,7 @@ struct Reducer {
     if (!t.defined()) t = stand_in(first, b.numel);
     std::vector<at::Tensor> one{t};
     works.push_back(backend->allreduce(one, c10d::AllreduceOptions()));
+    inflight += bytes(b);
   }
 
   // Starts every complete bucket that is next in line.
@@ -148,6 +170,69 @@ struct Reducer {
     auto& b = buckets[bucket_of[i]];
     if (--b.pending == 0 && !b.in_place) build(b);
     start_ready();
+    if (shard_numel >= 0 && !garbage) {
+      scatter_arrived(false);
+      throttle();
+    }
+  }
+
+  // ZeRO-2's shard, zeros, once (an allocation before the ranks' agreement after backward:
+  // a failure here is this rank's backward's).
+  void make_shard() {
+    if (shard.defined() || shard_numel < 0) return;
+    shard = at::zeros({shard_numel}, params[0].options().requires_grad(false));
+  }
+
+  // ZeRO-2: bucket i's sums (complete) into the shard, and its gradients dropped.
+  void scatter(size_t i) {
+    auto& b = buckets[i];
+    torch::NoGradGuard no_grad;
+    for (auto m : b.members) {
+      auto& p = params[m];
+      if (!p.grad().defined()) continue;
+      auto g = p.grad().reshape({-1});
+      for (const auto& pc : pieces[m]) shard.narrow(0, pc[2], pc[1]).copy_(g.narrow(0, pc[0], pc[1]));
+      p.mutable_grad() = at::Tensor();
+    }
+    b.flat = at::Tensor();
+  }
+
+  // ZeRO-2: every bucket whose sum has arrived, in order (`all`: every one started, their
+  // works waited for). Its work goes too: Gloo's holds the bucket's tensors until freed.
+  void scatter_arrived(bool all) {
+    while (scattered < works.size() && (all || works[scattered]->isCompleted())) scatter_next();
+  }
+
+  // ZeRO-2: while the buckets sent but not yet in the shard hold more than two of the
+  // largest, backward waits for the oldest: what the last micro-batch holds of the whole
+  // gradients stays bounded however the network keeps up.
+  void throttle() {
+    int64_t largest = 0;
+    for (const auto& b : buckets) largest = std::max(largest, bytes(b));
+    while (scattered < works.size() && inflight > 2 * largest) scatter_next();
+  }
+
+  void scatter_next() {
+    auto& w = works[scattered];
+    try {
+      w->wait();
+    } catch (const std::exception& e) {
+      if (error.empty()) error = e.what();
+      garbage = true;
+    }
+    // A failed allocation of the shard leaves this bucket's work for `wait`.
+    if (!garbage && shard_numel >= 0) {
+      make_shard();
+      scatter(scattered);
+    }
+    inflight -= bytes(buckets[scattered]);
+    let_go_of(w);
+    w.reset();
+    ++scattered;
+  }
+
+  int64_t bytes(const Bucket& b) const {
+    return b.numel * static_cast<int64_t>(params[b.members[0]].element_size());
   }
 
   // The buffers go; `views`: so do the gradients that are views of them (sums the ranks
@@ -160,19 +245,17 @@ struct Reducer {
       b.flat = at::Tensor();
     }
     scratch.clear();
+    shard = at::Tensor();
+    shard_numel = -1;
   }
 
   // Gloo's worker drops its reference to a work (and its tensors) just after marking it
   // complete: wait for that (at most 1 s), so that a failed attempt's buffers are freed
   // here, before the guard measures what is live, not on that thread a moment later.
-  void let_go_of_works() {
-    if (backend->getBackendName() == "gloo") {
-      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-      for (auto& w : works) {
-        while (w.use_count() > 1 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
-      }
-    }
-    works.clear();
+  void let_go_of(const c10::intrusive_ptr<c10d::Work>& w) {
+    if (!w || backend->getBackendName() != "gloo") return;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    while (w.use_count() > 1 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
   }
 };
 
@@ -241,24 +324,29 @@ char* og_reducer_relayout(void* p, const int64_t* order, const int64_t* starts, 
   });
 }
 
-// Before the last micro-batch: the stand-in, for the largest bucket that could go without
-// a buffer of its own (a shared one, or a large parameter with no gradient yet).
-char* og_reducer_arm(void* p) {
+// Before the last micro-batch (nothing is allocated here). ZeRO-2:
+// this rank's shard's elements (-1 otherwise) and its n pieces, 4 numbers each: the
+// parameter, where in it (flattened), how long, where in the shard.
+char* og_reducer_arm(void* p, int64_t shard_numel, const int64_t* pieces, int n) {
   return oomguard::guarded([&] {
     auto* r = reducer(p);
     std::lock_guard<std::mutex> lock(r->mu);
     r->release(false);
-    Need need;
-    for (auto& b : r->buckets) {
-      const auto& first = r->params[b.members[0]];
-      b.pending = b.members.size();
-      if (!b.in_place || !first.grad().defined()) Reducer::need(need, first, b.numel);
+    r->pieces.assign(r->params.size(), {});
+    for (int k = 0; k < n; ++k) {
+      const int64_t* pc = pieces + 4 * k;
+      r->pieces.at(static_cast<size_t>(pc[0])).push_back({pc[1], pc[2], pc[3]});
     }
-    for (const auto& n : need) r->scratch.push_back(at::empty({n.second}, n.first.options().requires_grad(false)));
+    for (auto& b : r->buckets) b.pending = b.members.size();
     std::fill(r->in.begin(), r->in.end(), 0);
     r->next = 0;
     r->twice = false;
     r->works.clear();
+    r->scattered = 0;
+    r->inflight = 0;
+    r->garbage = false;
+    r->error.clear();
+    r->shard_numel = shard_numel;
     r->armed = true;
   });
 }
@@ -283,18 +371,28 @@ char* og_reducer_launch_rest(void* p, int failed, int* twice, char** oom) {
     std::lock_guard<std::mutex> lock(r->mu);
     *oom = nullptr;
     if (!r->armed) return;
+    torch::NoGradGuard no_grad;
     for (size_t i = r->next; i < r->buckets.size(); ++i) {
       auto& b = r->buckets[i];
-      if (!failed && !b.in_place && !b.flat.defined()) {
-        try {
-          r->build(b);
-        } catch (const std::exception& e) {
-          *oom = strdup(e.what());
-          failed = 1;
-        }
+      auto& first = r->params[b.members[0]];
+      try {
+        if (!failed && !b.in_place && !b.flat.defined()) r->build(b);
+        if (!failed && b.in_place && !first.grad().defined()) first.mutable_grad() = at::zeros_like(first);
+      } catch (const std::exception& e) {
+        *oom = strdup(e.what());
+        failed = 1;
       }
       r->start(i);
     }
+    if (!failed) {
+      try {
+        r->make_shard();
+      } catch (const std::exception& e) {
+        *oom = strdup(e.what());
+        failed = 1;
+      }
+    }
+    r->garbage = r->garbage || failed;
     r->next = r->buckets.size();
     r->armed = false;
     *twice = r->twice ? 1 : 0;
@@ -302,20 +400,27 @@ char* og_reducer_launch_rest(void* p, int failed, int* twice, char** oom) {
 }
 
 // Waits for every bucket started; `keep`: the sums are the gradients (views of the
-// buckets). Otherwise they go. The stand-in goes either way.
-char* og_reducer_wait(void* p, int keep) {
+// buckets; ZeRO-2: *shard_out, a new tensor the caller owns). Otherwise they go. The
+// stand-in goes either way.
+char* og_reducer_wait(void* p, int keep, void** shard_out) {
   return oomguard::guarded([&] {
     auto* r = reducer(p);
     std::lock_guard<std::mutex> lock(r->mu);
-    std::string first_error;
+    *shard_out = nullptr;
+    std::string first_error = r->error;
     for (auto& w : r->works) {
       try {
-        w->wait();
+        if (w) w->wait();
       } catch (const std::exception& e) {
         if (first_error.empty()) first_error = e.what();
       }
     }
-    r->let_go_of_works();
+    if (first_error.empty() && keep && r->shard.defined()) {
+      r->scatter_arrived(true);
+      *shard_out = new at::Tensor(r->shard);
+    }
+    for (auto& w : r->works) r->let_go_of(w);
+    r->works.clear();
     r->release(!first_error.empty() || !keep);
     if (!first_error.empty()) throw std::runtime_error(first_error);
   });

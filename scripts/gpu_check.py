@@ -653,6 +653,36 @@ def check(kit, out):
     checks["nccl group of one rank"] = nccl
     save()
 
+    # 3d. The overlapped reduction's hook path on NCCL at world size 1 (issue 56): the same
+    # group of one rank, its gradients reduced from backward's hooks (on by default on CUDA)
+    # and after backward, 30 steps each, alternated twice: the ratio of median step times is
+    # the hooks' and buckets' overhead (at world size 1 there is nothing to hide), and
+    # `comm_s` the exposed reduction and agreements.
+    ov = {}
+    for rnd in range(2):
+        for mode in ("true", "false"):
+            d = work / f"overlap-{mode}-{rnd}"
+            d.mkdir()
+            (d / "c.yaml").write_text(TINY.format(extra=""))
+            r = sh([og, "launch", "--standalone", "--nproc-per-node", "1", "--no-python", og, "train", d / "c.yaml", "--run-dir", d / "run",
+                    "--memory-budget", "none", "--max-steps", "30", "--set", f"train.overlap_grad_reduce={mode}"],
+                   extra_env={"OOMGUARD_GROUP_OF_ONE": "1"})
+            steps = step_records(d / "run")
+            row = ov.setdefault(mode, {"exits": [], "step_s": [], "comm_s": [], "steps": []})
+            row["exits"].append(r.returncode)
+            row["steps"].append(len(steps))
+            row["step_s"] += [s.get("step_time_s") for s in steps[5:] if s.get("step_time_s") is not None]
+            row["comm_s"] += [s.get("comm_s") for s in steps[5:] if s.get("comm_s") is not None]
+    for row in ov.values():
+        row["median_step_s"] = statistics.median(row["step_s"]) if row["step_s"] else None
+        row["median_comm_s"] = statistics.median(row["comm_s"]) if row["comm_s"] else None
+        del row["step_s"], row["comm_s"]
+    a, b = ov.get("true", {}).get("median_step_s"), ov.get("false", {}).get("median_step_s")
+    ov["overlapped_over_after_backward"] = a / b if a and b else None
+    ov["ok"] = all(e == 0 for m in ("true", "false") for e in ov[m]["exits"]) and all(n == 30 for m in ("true", "false") for n in ov[m]["steps"])
+    checks["overlapped reduction on nccl, world size 1"] = ov
+    save()
+
     # 3c. The memory snapshot of a real CUDA OOM (issue 24): libtorch's recorder and OOM
     # observer write oom/001/snapshot.pickle, which this host's torch.cuda._memory_viz reads,
     # and summary.json, whose reserved bytes agree with the snapshot's segments.

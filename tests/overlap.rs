@@ -1,6 +1,7 @@
 //! The gradient reduction overlapped with backward (`train.overlap_grad_reduce`; by default
 //! on for CUDA and across machines), through the real launcher over Gloo: at every bucket size, from one smaller
-//! than any parameter to one larger than the model, at 2 and 3 ranks and under ZeRO-1, a run
+//! than any parameter to one larger than the model, at 2 and 3 ranks and under ZeRO-1 and
+//! ZeRO-2 (each bucket's sum scattered into the shard as it arrives), a run
 //! ends where one process does; an OOM part-way through one rank's last backward, its first
 //! buckets already sent, is agreed and redone on every rank without a hang or a drift.
 mod common;
@@ -57,6 +58,17 @@ fn every_bucket_size_world_and_stage_ends_where_one_process_does() {
         ("larger-than-the-model", 2, vec!["train.bucket_cap_mb=1000"]),
         ("three-ranks", 3, vec!["train.bucket_cap_mb=0.01"]),
         ("zero-1", 2, vec!["train.shard=optimizer", "train.bucket_cap_mb=0.01"]),
+        ("zero-2", 2, vec!["train.shard=gradients", "train.bucket_cap_mb=0.01"]),
+        (
+            "zero-2-one-bucket",
+            2,
+            vec!["train.shard=gradients", "train.bucket_cap_mb=1000"],
+        ),
+        (
+            "zero-2-three-ranks",
+            3,
+            vec!["train.shard=gradients", "train.bucket_cap_mb=0.00001"],
+        ),
         ("after-backward", 2, vec!["train.overlap_grad_reduce=false"]),
     ] {
         let run = launched(dir.path(), &cfg, name, world, &[], &set);
@@ -84,21 +96,29 @@ fn an_oom_part_way_through_a_ranks_last_backward_is_redone_everywhere() {
     // One micro-batch a rank (8 and 7 samples): its backward is the armed one.
     let cfg = uneven_config(dir.path(), 4, "");
     let single = train_ok(dir.path(), &cfg, &["--set", "train.micro_batch_size=8"]);
-    let set = ["train.micro_batch_size=8", "train.bucket_cap_mb=0.00001"];
-    for (rank, after) in [(1, 60), (0, 5), (1, 0)] {
+    // ZeRO-2 too: the buckets summed before the OOM are already in the shard, their
+    // gradients dropped.
+    for (rank, after, stage) in [
+        (1, 60, "none"),
+        (0, 5, "none"),
+        (1, 0, "none"),
+        (0, 60, "gradients"),
+        (1, 5, "gradients"),
+    ] {
         let spec = format!("backward:{rank}:2:{after}");
+        let shard = format!("train.shard={stage}");
         let run = launched(
             dir.path(),
             &cfg,
-            &format!("r{rank}a{after}"),
+            &format!("r{rank}a{after}{stage}"),
             2,
             &[("OOMGUARD_TEST_OOM_IN", &spec)],
-            &set,
+            &["train.micro_batch_size=8", "train.bucket_cap_mb=0.00001", &shard],
         );
         let ooms = records(&run, "oom");
         assert!(
             ooms.len() == 1 && ooms[0]["step"] == 2 && ooms[0]["phase"] == "backward",
-            "{spec}: {ooms:?}"
+            "{spec} {stage}: {ooms:?}"
         );
         let sizes: Vec<u64> = records(&run, "step")
             .iter()
@@ -107,6 +127,6 @@ fn an_oom_part_way_through_a_ranks_last_backward_is_redone_everywhere() {
         assert_eq!(&sizes[..2], &[8, 8], "{spec}");
         assert!(sizes[2] < 8, "{spec}: {sizes:?}");
         let d = max_abs_diff(&weights(&single), &weights(&run));
-        assert!(d < 1e-5, "{spec}: differs from one process by {d}");
+        assert!(d < 1e-5, "{spec} {stage}: differs from one process by {d}");
     }
 }

@@ -239,6 +239,69 @@ fn a_budget_too_small_for_the_whole_state_climbs_to_sharding() {
     assert!(stderr(&o).contains("memory.allow_sharding"), "{}", stderr(&o));
 }
 
+/// A deep, narrow GPT (many matrices, a small embedding): ZeRO-2 drops each bucket's
+/// gradients during backward, so a run at ZeRO-1 under pressure that only ZeRO-2's peak
+/// fits climbs to ZeRO-2 (a change of what is sharded, nothing gathered) and comes back
+/// when it lifts, with every other setting at its default but the rungs that would save
+/// activations.
+#[test]
+fn pressure_zero_1_does_not_relieve_climbs_on_to_zero_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = "
+model: {n_layer: 12, n_head: 2, n_embd: 64, block_size: 8, vocab_size: 256}
+data: {source: embedded, embedded_bytes: 65536}
+optim: {lr: 3.0e-3, min_lr: 3.0e-4, warmup_steps: 2}
+train: {micro_batch_size: 1, global_batch_size: 2, max_steps: 8, eval_every: 0, eval_batch_size: 2, eval_batches: 1, seed: 7, device: cpu, num_threads: 1, \
+    bucket_cap_mb: 0.1, shard: optimizer}
+memory: {allow_activation_checkpointing: false, allow_precision_fallback: false}
+log: {every: 1}
+";
+    let cfg = write_config(dir.path(), "deep.yaml", yaml);
+    let (one, two) = (
+        peak_at_one(dir.path(), &cfg, "optimizer"),
+        peak_at_one(dir.path(), &cfg, "gradients"),
+    );
+    assert!(two < one, "ZeRO-2 lowers the peak: {two} against {one}");
+    let budget = one + one / 10;
+    // Held on each rank during steps 2..4: ZeRO-1's step no longer fits, ZeRO-2's does.
+    let held = budget - (one + two) / 2;
+    let cfg = write_config(
+        dir.path(),
+        "pressure.yaml",
+        &yaml.replace(
+            "memory: {",
+            &format!(
+                "memory: {{budget: {budget}, grow_after_steps: 1, grow_headroom: 0.0, cooldown_steps: 1, \
+                 pressure: [{{from_step: 2, to_step: 4, size: {held}}}], "
+            ),
+        ),
+    );
+    let free = dir.path().join("free");
+    ok(train_n(
+        dir.path(),
+        &cfg,
+        &free,
+        2,
+        &["--memory-budget", "none", "--set", "memory.pressure=[]"],
+    ));
+    let run = dir.path().join("climbs");
+    let err = ok(train_n(dir.path(), &cfg, &run, 2, &[]));
+    let rungs: Vec<(String, u64)> = records(&run, "rung")
+        .iter()
+        .map(|r| (r["rung"].as_str().unwrap().to_string(), r["step"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(rungs, [("shard_gradients".to_string(), 2)], "{err}");
+    let shards: Vec<String> = records(&run, "step")
+        .iter()
+        .map(|s| s["shard"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(shards.len(), 8);
+    assert_eq!(shards[2], "gradients", "{shards:?}");
+    assert_eq!(shards.last().unwrap(), "optimizer", "{shards:?}\n{err}");
+    let d = max_abs_diff(&weights(&free), &weights(&run));
+    assert!(d < 1e-5, "the climbed run differs from the unconstrained one by {d}");
+}
+
 /// A checkpoint's optimizer files: `optimizer.safetensors` and, sharded, the ranks' shards
 /// as the manifest names them.
 fn optimizer_files(ckpt: &Path) -> (Vec<(String, tch::Tensor)>, serde_json::Value) {
@@ -703,7 +766,7 @@ fn uneven_limits_decide_the_way_back_together(dir: &tempfile::TempDir, cfg: &Pat
     assert!(records(&run, "rung_down")
         .iter()
         .any(|r| r["rung"] == "shard_optimizer"));
-    let d = max_abs_diff(&weights(&free), &weights(&run));
+    let d = max_abs_diff(&weights(free), &weights(&run));
     assert!(d < 1e-5, "uneven limits: differs from the unconstrained run by {d}");
 }
 

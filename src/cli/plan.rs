@@ -152,7 +152,8 @@ fn per_rank(args: &PlanArgs, estimate: &Estimate, memory: u64, global: usize, wh
                 s.name(), human_bytes(e.optimizer_bytes), human_bytes(e.peak(1))
             );
         }
-        println!("  (gradients: the summed gradients are sharded after backward, where each is whole, so its peak counts as optimizer's)");
+        println!("  (gradients: each bucket is summed into this rank's shard during backward and dropped, so the peak holds the shard, the largest \
+            gradient and two buckets; with activation checkpointing or train.overlap_grad_reduce: false every gradient is whole, as under optimizer)");
         match best {
             Some((s, _, fit)) => println!(
                 "fits: train.shard: {} at micro-batch {fit}{}", s.name(),

@@ -4,17 +4,17 @@
 //! and tree, `zero::Layout`'s chunks and plan); tests check it against measured small worlds.
 pub use super::exchange::busiest_neighbours;
 use super::exchange::MESSAGE_BYTES;
-use super::overlap::{buffer_bytes, DEFAULT_BUCKET_MB};
+use super::overlap::{buffer_bytes, layout, DEFAULT_BUCKET_MB};
 use crate::optim::zero::{Layout, BUCKET_BYTES};
 use crate::optim::Shard;
 
 /// Exchanges inside a clean step of `oomguard train` (what a step record's `exchange_bytes`
-/// counts; a real run checks it) with the gradients reduced after backward (ZeRO-2, CPU
-/// ranks on one machine by default, or `train.overlap_grad_reduce: false`): the attempt's
+/// counts; a real run checks it) with the gradients reduced after backward (plain and
+/// ZeRO-1 CPU ranks on one machine by default, or `train.overlap_grad_reduce: false`): the attempt's
 /// agreement, the update's, the losses' sum, the guard's inputs.
 pub const EXCHANGES_IN_STEP: u64 = 4;
-/// With the reduction overlapped (by default on CUDA and across machines, which this model
-/// is for): one more, before the last micro-batch.
+/// With the reduction overlapped (by default on CUDA, across machines, which this model is
+/// for, and under ZeRO-2): one more, before the last micro-batch.
 pub const EXCHANGES_IN_OVERLAPPED_STEP: u64 = EXCHANGES_IN_STEP + 1;
 /// And the boundary's before each step (a stop signal, the checkpoint clock).
 pub const EXCHANGES_PER_STEP: u64 = EXCHANGES_IN_STEP + 1;
@@ -24,19 +24,21 @@ pub const EXCHANGES_PER_STEP: u64 = EXCHANGES_IN_STEP + 1;
 pub struct Cost {
     /// fp32 parameters, replicated.
     pub params: u64,
-    /// fp32 gradients at their peak (after backward, before the reduction).
+    /// fp32 gradients at their peak: all of them after backward; ZeRO-2 (overlapped): the
+    /// shard, the largest gradient and two buckets.
     pub grads: u64,
     /// AdamW's two moments: this rank's shard of them, or all.
     pub moments: u64,
-    /// ZeRO's collective buffers (`world x chunk` and one chunk); plain: the overlapped
-    /// reduction's buckets of several parameters (one alone is reduced in place).
+    /// ZeRO's collective buffers (`world x chunk` and one chunk), and the overlapped
+    /// reduction's: one shared bucket while it is made (`buffer_bytes`).
     pub buffers: u64,
     /// Gradient and parameter collectives' bytes sent by this rank (ring algorithms: NCCL's
     /// flat forms; on Gloo ZeRO's reduce-scatter and all-gather are all-reduces, twice this).
     pub wire: u64,
     /// The busiest rank's exchange bytes (sent and received) a step.
     pub control: u64,
-    /// Collective calls a step (ZeRO: one per chunk and direction; plain: buckets aside, 1).
+    /// Collective calls a step (ZeRO: one per chunk and direction, ZeRO-2's reduction one per
+    /// bucket; plain and ZeRO-1: buckets aside, 1).
     pub collectives: u64,
     /// Host-side copies a step between the parameters and ZeRO's buffers (the plan's blocks).
     pub host_copies: u64,
@@ -78,6 +80,13 @@ pub fn cost(numels: &[i64], world: usize, shard: Shard) -> Cost {
         buffers: 4 * (w + 1) * l.chunk as u64,
         ..plain
     };
+    let buckets = layout(&(0..sizes.len()).rev().collect::<Vec<_>>(), &sizes, cap);
+    let largest_bucket = buckets
+        .iter()
+        .map(|b| b.iter().map(|&i| sizes[i].0).sum::<usize>())
+        .max()
+        .unwrap_or(0) as u64;
+    let largest_grad = sizes.iter().map(|s| s.0).max().unwrap_or(0) as u64;
     match shard {
         // The gradients all-reduced whole, then the updated shard all-gathered.
         Shard::Optimizer => Cost {
@@ -86,13 +95,16 @@ pub fn cost(numels: &[i64], world: usize, shard: Shard) -> Cost {
             host_copies: blocks + chunks,
             ..sharded
         },
-        // A reduce-scatter and an all-gather a chunk at a time, each through the plan, after
-        // backward.
+        // Overlapped with backward: each bucket all-reduced as it completes, this rank's
+        // pieces kept and its gradients dropped (at most two buckets in flight, and the
+        // largest gradient whole while backward makes it); then the all-gather, a chunk at
+        // a time, through the plan.
         _ => Cost {
-            control: control(EXCHANGES_IN_STEP),
-            wire: 2 * ring(4 * p),
-            collectives: 2 * chunks,
-            host_copies: 2 * blocks,
+            grads: 4 * l.shard as u64 + largest_grad + 2 * largest_bucket,
+            buffers: sharded.buffers + buffer_bytes(&sizes, cap) as u64,
+            wire: 2 * ring(4 * p) + ring(4 * p),
+            collectives: buckets.len() as u64 + chunks,
+            host_copies: blocks + chunks,
             ..sharded
         },
     }

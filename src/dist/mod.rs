@@ -17,7 +17,7 @@ pub mod overlap;
 
 pub use exchange::Topic;
 use exchange::{Channel, Exchange, Reduce, PAYLOAD};
-pub use overlap::Reducer;
+pub use overlap::{Reducer, DEFAULT_BUCKET_BYTES};
 
 extern "C" {
     fn og_dist_init(

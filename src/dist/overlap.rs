@@ -22,10 +22,10 @@ extern "C" {
     fn og_reducer_buckets(r: *mut c_void) -> i32;
     fn og_reducer_observed(r: *mut c_void, out: *mut i64, n: *mut i32);
     fn og_reducer_relayout(r: *mut c_void, order: *const i64, starts: *const i64, nb: i32) -> *mut c_char;
-    fn og_reducer_arm(r: *mut c_void) -> *mut c_char;
+    fn og_reducer_arm(r: *mut c_void, shard_numel: i64, pieces: *const i64, n: i32) -> *mut c_char;
     fn og_reducer_disarm(r: *mut c_void);
     fn og_reducer_launch_rest(r: *mut c_void, failed: i32, twice: *mut i32, oom: *mut *mut c_char) -> *mut c_char;
-    fn og_reducer_wait(r: *mut c_void, unpack: i32) -> *mut c_char;
+    fn og_reducer_wait(r: *mut c_void, keep: i32, shard: *mut *mut c_void) -> *mut c_char;
 }
 
 /// DDP's default bucket size is 25 MiB, sized for GPUs and NCCL. Here it is measured
@@ -34,10 +34,12 @@ extern "C" {
 /// small collectives cost 13% on the fast link; one bucket hides nothing. A parameter larger
 /// than a bucket is reduced alone, in place, so the size only groups the small ones.
 pub const DEFAULT_BUCKET_MB: f64 = 1.0;
+/// The same, in bytes.
+pub const DEFAULT_BUCKET_BYTES: u64 = 1 << 20;
 
 /// The reducer of one process group's parameters; its hooks stay on the parameters until
 /// it is dropped (inert unless armed). Its first buckets follow the parameters' reverse
-/// order; after its first overlapped step they follow the order backward produced the
+/// order; after its first step (overlapped or not) they follow the order backward produced the
 /// gradients in (rank 0's, as DDP rebuilds its buckets), so that the first bucket is
 /// complete early.
 pub struct Reducer {
@@ -46,6 +48,7 @@ pub struct Reducer {
     sizes: Vec<(usize, String)>,
     cap: usize,
     settled: std::cell::Cell<bool>,
+    always: bool,
 }
 
 impl Drop for Reducer {
@@ -60,8 +63,9 @@ fn torch_error(what: &'static str) -> impl Fn(tch::TchError) -> Error {
 
 impl Reducer {
     /// Buckets of at most `bucket_bytes` over `params` (see `layout`), a hook on each. Fails
-    /// where a parameter already carries a post-accumulate-grad hook of its own.
-    pub fn new(pg: &ProcessGroup, params: &[Tensor], bucket_bytes: usize) -> Result<Reducer> {
+    /// where a parameter already carries a post-accumulate-grad hook of its own. `always`:
+    /// for every stage (otherwise under ZeRO-2 only, see `runs_under`).
+    pub fn new(pg: &ProcessGroup, params: &[Tensor], bucket_bytes: usize, always: bool) -> Result<Reducer> {
         let sizes: Vec<(usize, String)> = params
             .iter()
             .map(|t| {
@@ -92,12 +96,23 @@ impl Reducer {
             sizes,
             cap: bucket_bytes,
             settled: std::cell::Cell::new(false),
+            always,
         })
     }
 
-    /// Once, after an overlapped step every rank completed: the buckets in the order this
-    /// run's backward produced the gradients (rank 0's order, broadcast; parameters that had
-    /// none last). Every rank calls it at the same point.
+    /// Whether a step at this stage overlaps: always when so made, else under ZeRO-2, whose
+    /// memory it is (each bucket's gradients dropped once summed into the shard, during
+    /// backward, instead of every gradient held until the end).
+    pub fn runs_under(&self, stage: crate::optim::Shard) -> bool {
+        self.always || stage == crate::optim::Shard::Gradients
+    }
+
+    /// Once, after the first step every rank completed (overlapped or not: the hooks see
+    /// every backward): the buckets in the order this run's backward produced the gradients
+    /// (rank 0's order, broadcast; parameters that had none last). Every rank calls it at the
+    /// same point. Until then (a run's first step) the buckets follow the optimizer's order
+    /// reversed, which groups parameters by weight decay: as DDP's first iteration, its
+    /// first bucket may complete only at backward's end.
     pub fn settle(&self, pg: &ProcessGroup) -> Result<()> {
         if self.settled.replace(true) {
             return Ok(());
@@ -132,9 +147,15 @@ impl Reducer {
 
     /// Before the last micro-batch: allocates the stand-in a failed rank sends from (an OOM
     /// here is the backward's, and comes before the ranks agree); then the hooks start
-    /// buckets as gradients complete.
-    pub fn arm(&self) -> Result<()> {
-        check(unsafe { og_reducer_arm(self.ptr) }).map_err(|e| Error::from(e).in_phase(Phase::Backward))
+    /// buckets as gradients complete. ZeRO-2 (`scatter`): this rank's shard's elements and
+    /// its pieces, `[parameter, where in it, how long, where in the shard]`: each bucket's
+    /// sum goes into the shard (made at the first) as it arrives, and its gradients are
+    /// dropped.
+    pub fn arm(&self, scatter: Option<(i64, &[[i64; 4]])>) -> Result<()> {
+        let (numel, pieces) = scatter.map_or((-1, vec![]), |(n, p)| (n, p.concat()));
+        let n = (pieces.len() / 4) as i32;
+        check(unsafe { og_reducer_arm(self.ptr, numel, pieces.as_ptr(), n) })
+            .map_err(|e| Error::from(e).in_phase(Phase::Backward))
     }
 
     /// The ranks did not agree to go on: nothing was started; the stand-in goes.
@@ -154,10 +175,15 @@ impl Reducer {
         Ok((twice != 0, oom))
     }
 
-    /// Waits for every bucket started; `keep`: the sums are the gradients, otherwise the
-    /// gradients that are views of the buckets go.
-    pub fn wait(&self, keep: bool) -> Result<()> {
-        check(unsafe { og_reducer_wait(self.ptr, keep as i32) }).map_err(torch_error("gradient all-reduce"))
+    /// Waits for every bucket started; `keep`: the sums are the gradients (ZeRO-2: returned,
+    /// this rank's shard of them, the gradients dropped); otherwise the gradients that are
+    /// views of the buckets go.
+    pub fn wait(&self, keep: bool) -> Result<Option<Tensor>> {
+        let mut shard = std::ptr::null_mut();
+        check(unsafe { og_reducer_wait(self.ptr, keep as i32, &mut shard) })
+            .map_err(torch_error("gradient all-reduce"))?;
+        // SAFETY: a non-null `shard` is a new torch::Tensor* the C++ side handed over.
+        Ok((!shard.is_null()).then(|| unsafe { Tensor::from_ptr(shard as *mut torch_sys::C_tensor) }))
     }
 }
 
@@ -201,14 +227,16 @@ pub fn layout<K: PartialEq>(order: &[usize], sizes: &[(usize, K)], cap: usize) -
     buckets
 }
 
-/// Bytes an armed pass holds beyond the gradients: the stand-in, as large as the largest
-/// bucket (a parameter alone in one counts: it may have no gradient yet at `arm`), plus one
-/// shared bucket's copy at a time.
+/// Bytes an armed pass holds beyond the gradients: one shared bucket while it is made (its
+/// gradients copied in, then freed). A failed rank's stand-ins come after its attempt's
+/// memory is freed.
 pub fn buffer_bytes<K: PartialEq>(sizes: &[(usize, K)], cap: usize) -> usize {
-    let buckets = layout(&reversed(sizes.len()), sizes, cap);
-    let bytes = |b: &Vec<usize>| b.iter().map(|&i| sizes[i].0).sum::<usize>();
-    let largest = |shared: bool| buckets.iter().filter(|b| (b.len() > 1) == shared).map(bytes).max();
-    largest(false).unwrap_or(0).max(largest(true).unwrap_or(0)) + largest(true).unwrap_or(0)
+    layout(&reversed(sizes.len()), sizes, cap)
+        .iter()
+        .filter(|b| b.len() > 1)
+        .map(|b| b.iter().map(|&i| sizes[i].0).sum::<usize>())
+        .max()
+        .unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -1,4 +1,4 @@
-//! Owns the rungs below micro-batch 1: fused loss, activation checkpointing, bf16, ZeRO-1.
+//! Owns the rungs below micro-batch 1: fused loss, activation checkpointing, bf16, ZeRO-1/2.
 //! Keeps: pure decisions; the rung chosen saves the most memory for what it costs.
 use serde::{Deserialize, Serialize};
 
@@ -64,13 +64,16 @@ pub struct Savings {
     pub optimizer_state: u64,
     pub gradients: u64,
     pub world: u64,
+    /// Whether ZeRO-2 would reduce during backward (the overlapped reduction, a backward in
+    /// one pass): only then does it save its gradients at the peak.
+    pub gradients_during_backward: bool,
 }
 
 /// What each rung costs, as a share of a step's time. Checkpointing recomputes each
 /// block's forward (about a third of a step); bf16 is faster where the device runs it
 /// natively and several times slower where it is emulated (this CPU); sharding adds the
-/// all-gather of the parameters (stage 1) and trades the all-reduce for a reduce-scatter
-/// (stage 2), a few per cent of a data-parallel step (`make bench`, sharding).
+/// all-gather of the parameters (stage 1) and moves each bucket's sum into the shard as it
+/// arrives (stage 2), a few per cent of a data-parallel step (`make bench`, sharding).
 fn cost(rung: Rung, bf16_fast: bool) -> f64 {
     match rung {
         Rung::FusedLoss => 0.0,
@@ -94,9 +97,10 @@ pub fn next_rung(at: Footing, allowed: Allowed, s: &Savings) -> Option<Rung> {
             .then_some((Rung::ActivationCheckpointing, s.activations * 2 / 3)),
         (allowed.precision_fallback && at.precision == Precision::Fp32).then_some((Rung::Bf16, s.activations / 2)),
         (allowed.sharding && at.shard == Some(Shard::None)).then_some((Rung::ShardOptimizer, split(s.optimizer_state))),
-        // No `ShardGradients`: stage 2 drops the whole gradients only after backward, where
-        // the step's peak already was, so it saves nothing at the peak (measured: its peak is
-        // stage 1's or more). `train.shard: gradients` stays a choice, not a rung.
+        // Stage 2 after stage 1, where it drops each bucket's gradients during backward;
+        // reduced after backward, every gradient is whole at the peak and it saves nothing.
+        (allowed.sharding && at.shard == Some(Shard::Optimizer) && s.gradients_during_backward)
+            .then_some((Rung::ShardGradients, split(s.gradients))),
     ];
     let score = |&(r, saved): &(Rung, u64)| saved.max(1) as f64 / cost(r, allowed.bf16_fast).max(0.01);
     candidates
@@ -152,6 +156,7 @@ mod tests {
         optimizer_state: 8 << 20,
         gradients: 4 << 20,
         world: 2,
+        gradients_during_backward: true,
     };
 
     fn next_rung(at: Footing, allowed: Allowed) -> Option<Rung> {
@@ -283,6 +288,7 @@ mod tests {
             optimizer_state: 2 << 30,
             gradients: 1 << 30,
             world: 2,
+            gradients_during_backward: false,
         };
         let dp = Footing {
             checkpointing: Some(false),
@@ -295,8 +301,15 @@ mod tests {
             shard: Some(Shard::Optimizer),
             ..dp
         };
-        // Stage 2 saves nothing at the peak: never climbed, however large the gradients.
+        // Stage 2 reduced after backward saves nothing at the peak: never climbed, however
+        // large the gradients; reduced during backward it is the next rung.
         assert_eq!(super::next_rung(s1, ALL, &big), Some(Rung::ActivationCheckpointing));
+        let during = Savings {
+            gradients_during_backward: true,
+            ..big
+        };
+        assert_eq!(super::next_rung(s1, ALL, &during), Some(Rung::ShardGradients));
+        assert_eq!(super::next_rung(dp, ALL, &during), Some(Rung::ShardOptimizer));
         let s2 = Footing {
             shard: Some(Shard::Gradients),
             ..dp

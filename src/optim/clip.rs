@@ -1,7 +1,7 @@
 //! Owns gradient clipping (across ranks' shards in stage 2) and zeros for undefined gradients.
 //! Keeps: with sharded gradients the norm is the norm of all ranks' shards together.
 use std::ffi::{c_char, c_void};
-use tch::{Kind, TchError, Tensor};
+use tch::{TchError, Tensor};
 
 use super::{ptrs, zero, AdamW};
 use crate::error::{Error, Result as OgResult};
@@ -28,7 +28,8 @@ impl AdamW {
             // shard's sum of squares, the norm's and coefficient's scalars); the collective
             // and the clipping wait for the ranks' agreement (`shard_stats`).
             let g = z.grad.as_ref().expect("stage 2 gradients");
-            let sq = g.f_square()?.f_sum(Kind::Float)?;
+            // A dot product, not square-then-sum: no temporary the shard's size.
+            let sq = g.f_dot(g)?;
             let clip = zero::Clip {
                 norm: sq.f_zeros_like()?,
                 coef: sq.f_zeros_like()?,

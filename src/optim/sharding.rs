@@ -73,6 +73,28 @@ impl AdamW {
         )))
     }
 
+    /// Stage 2, overlapped with backward (src/dist/overlap.rs): the size of this rank's
+    /// shard of the summed gradients and its pieces, as `[parameter, where in it, how long,
+    /// where in the shard]`.
+    pub fn scatter_target(&self) -> Option<(i64, Vec<[i64; 4]>)> {
+        let z = self.zero.as_ref().filter(|z| z.stage == Shard::Gradients)?;
+        let pieces = z
+            .pieces
+            .iter()
+            .map(|p| [p.param as i64, p.at, p.len, p.in_shard])
+            .collect();
+        Some((z.layout.shard, pieces))
+    }
+
+    /// Stage 2: the shard the overlapped reduction filled becomes the step's gradients; any
+    /// whole gradient left goes.
+    pub fn take_scattered(&mut self, shard: Tensor) {
+        if let Some(z) = self.zero.as_mut() {
+            z.grad = Some(shard);
+        }
+        self.all_params().for_each(clear_grad);
+    }
+
     /// Stage 2: sums the ranks' gradients into this rank's shard, a chunk at a time, then
     /// drops the full gradients (the memory stage 2 saves).
     pub fn reduce_scatter_grads(&mut self, (bufs, grad): (Buffers, Tensor)) -> OgResult<()> {

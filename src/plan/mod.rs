@@ -50,6 +50,10 @@ pub struct Estimate {
     /// and one block is recomputed at a time in backward.
     pub activation_checkpointing: bool,
     pub layer_input_per_sample: u64,
+    /// The largest parameter's gradient (the tied embedding's, or an MLP matrix).
+    pub largest_grad_bytes: u64,
+    /// ZeRO-2's world (1: the gradients are whole on every rank).
+    pub grads_shard_world: u64,
 }
 
 /// The share the planner adds for a CUDA caching allocator's rounding and fragmentation.
@@ -70,16 +74,32 @@ impl Estimate {
     }
 
     /// Per rank, with `shard` across `world` data-parallel ranks: AdamW's moments split
-    /// (ZeRO-1 and 2). Stage 2's gradients are summed into 1/world shards only after
-    /// backward, where every gradient is whole, so its peak is counted like stage 1's.
+    /// (ZeRO-1 and 2), and stage 2's gradients (`grads_at_peak`).
     pub fn with_shard(self, shard: crate::optim::Shard, world: u64) -> Estimate {
         if shard == crate::optim::Shard::None || world <= 1 {
             return self;
         }
         Estimate {
             optimizer_bytes: self.optimizer_bytes.div_ceil(world),
+            grads_shard_world: if shard == crate::optim::Shard::Gradients {
+                world
+            } else {
+                1
+            },
             ..self
         }
+    }
+
+    /// The gradients at their peak. Whole, unless ZeRO-2 reduces them overlapped with
+    /// backward (not with activation checkpointing, whose backward runs in passes): then
+    /// this rank's shard, the largest gradient (a tied embedding's is whole until the
+    /// embedding's own backward), and two of the largest buckets in flight.
+    pub fn grads_at_peak(&self) -> u64 {
+        if self.grads_shard_world <= 1 || self.activation_checkpointing {
+            return self.grads_bytes;
+        }
+        let bucket = self.largest_grad_bytes.max(crate::dist::DEFAULT_BUCKET_BYTES);
+        (self.grads_bytes.div_ceil(self.grads_shard_world) + self.largest_grad_bytes + 2 * bucket).min(self.grads_bytes)
     }
 
     /// The fewest data-parallel ranks (up to 4096) over which the optimizer-sharded state
@@ -151,6 +171,8 @@ impl Estimate {
             workspace_bytes: if cuda { CUDA_WORKSPACES } else { 0 },
             activation_checkpointing: false,
             layer_input_per_sample: (t * c * 4.0) as u64,
+            largest_grad_bytes: 4 * (m.vocab_size * m.n_embd).max(4 * m.n_embd * m.n_embd) as u64,
+            grads_shard_world: 1,
         }
     }
 
@@ -173,7 +195,7 @@ impl Estimate {
     /// forward's saved activations (with the fused loss's fixed part) and the gradients,
     /// over the fixed part.
     pub fn peak(&self, micro: usize) -> u64 {
-        let step = (self.per_sample_bytes() * micro as u64 + self.logits_fixed_bytes).max(self.grads_bytes);
+        let step = (self.per_sample_bytes() * micro as u64 + self.logits_fixed_bytes).max(self.grads_at_peak());
         ((self.fixed_bytes() + step) as f64 * (1.0 + self.allocator_overhead)) as u64
     }
 

@@ -85,8 +85,9 @@ pub struct TrainConfig {
     pub shard: crate::optim::Shard,
     /// Data parallel: the gradients' all-reduce starts from backward, bucket by bucket, as
     /// each bucket's gradients complete on an attempt's last micro-batch (false: after
-    /// backward). Unset: on, except for CPU ranks that all share one machine, where the
-    /// transfer is CPU work that would compete with the ranks' own.
+    /// backward). Unset: on for CUDA, for ranks on several machines, and under ZeRO-2 (where
+    /// it is what frees the gradients during backward); off otherwise for CPU ranks that all
+    /// share one machine, where the transfer is CPU work that would compete with their own.
     pub overlap_grad_reduce: Option<bool>,
     /// Data parallel, overlapped: the most MiB of gradients a bucket holds (a parameter
     /// larger than that is a bucket alone, reduced in place).

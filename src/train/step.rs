@@ -9,7 +9,6 @@ use crate::dist::{Buckets, ProcessGroup, Reducer, Topic};
 use crate::error::{Error, Phase, Result};
 use crate::memory::snapshot;
 use crate::optim::AdamW;
-use crate::optim::Shard;
 use crate::precision::{Amp, Scaler};
 use crate::task::Task;
 
@@ -359,8 +358,8 @@ pub fn dist_step(
     micro_batch_size: usize,
     u: &Update,
 ) -> Result<StepStats> {
-    let overlap = reducer
-        .filter(|_| opt.shard() != Shard::Gradients && !data.counted_in_forward() && task.backward_is_one_pass());
+    let overlap =
+        reducer.filter(|r| r.runs_under(opt.shard()) && !data.counted_in_forward() && task.backward_is_one_pass());
     let mut t = Times::default();
     let acc = match overlap {
         Some(r) => overlapped(pg, r, task, opt, data, step, micro_batch_size, u, &mut t)?,
@@ -372,7 +371,7 @@ pub fn dist_step(
     committed_pause(pg.rank, step);
     // This rank's loss came back with the read-out; the global batch's is their sum.
     let loss = timed(&mut t.agree, || pg.sum_f64(Topic::Losses, out.loss))?;
-    if let Some(r) = overlap {
+    if let Some(r) = reducer {
         r.settle(pg)?;
     }
     Ok(StepStats {
@@ -457,8 +456,11 @@ fn overlapped(
     u: &Update,
     t: &mut Times,
 ) -> Result<Accumulated> {
+    // ZeRO-2: where each bucket's sum goes.
+    let target = opt.scatter_target();
     let arm = |agree_s: &mut f64, local: Result<()>| {
-        let armed = timed(agree_s, || pg.agree(Topic::Armed, local.and_then(|()| r.arm())));
+        let armed = local.and_then(|()| r.arm(target.as_ref().map(|(n, p)| (*n, p.as_slice()))));
+        let armed = timed(agree_s, || pg.agree(Topic::Armed, armed));
         if armed.is_err() {
             r.disarm();
         }
@@ -481,11 +483,8 @@ fn overlapped(
         (true, Err(e)) if !armed => return Err(e),
         (true, local) => local,
     };
-    let local = local.and_then(|acc| {
-        opt.zero_missing_grads()
-            .map_err(|e| Error::from(e).in_phase(Phase::Backward))?;
-        Ok(acc)
-    });
+    // A parameter backward did not reach gets zeros there (its bucket's), not here: under
+    // ZeRO-2 the gradients already summed are gone.
     let local = match r.launch_rest(local.is_err())? {
         (_, Some(oom)) if local.is_ok() => Err(oom),
         (true, _) if local.is_ok() => Err(Error::Torch(tch::TchError::Torch(format!(
@@ -496,7 +495,9 @@ fn overlapped(
         _ => local,
     };
     let agreed = timed(&mut t.agree, || pg.agree(Topic::Agreement, local));
-    timed(&mut t.reduce, || r.wait(agreed.is_ok()))?;
+    if let Some(shard) = timed(&mut t.reduce, || r.wait(agreed.is_ok()))? {
+        opt.take_scattered(shard);
+    }
     agreed
 }
 

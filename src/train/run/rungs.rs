@@ -58,7 +58,9 @@ impl Run<'_> {
             Rung::ActivationCheckpointing => "activation checkpointing on (blocks are recomputed in backward)".to_string(),
             Rung::Bf16 => "bf16 autocast (master weights and optimizer state stay fp32)".to_string(),
             Rung::ShardOptimizer => format!("AdamW's state sharded across the {world} ranks (ZeRO-1: each keeps 1/{world} of the moments)"),
-            Rung::ShardGradients => format!("the gradients sharded too (ZeRO-2: a reduce-scatter; each rank keeps 1/{world} of the summed gradients)"),
+            Rung::ShardGradients => format!(
+                "the gradients sharded too (ZeRO-2: each bucket's sum kept as this rank's 1/{world} during backward, its gradients dropped)"
+            ),
         };
         tracing::warn!("step {step}: micro-batch 1 does not fit; climbing down a rung: {what}; retrying the step");
         self.write(&Record::Rung(RungRecord {
@@ -85,6 +87,7 @@ impl Run<'_> {
             optimizer_state: self.opt.state_bytes(),
             gradients,
             world: self.world_size() as u64,
+            gradients_during_backward: self.reducer.is_some() && self.task.backward_is_one_pass(),
         }
     }
 

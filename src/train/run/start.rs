@@ -385,9 +385,10 @@ impl<'a> Run<'a> {
     }
 }
 
-/// The overlapped reduction's hooks on the parameters, when `train.overlap_grad_reduce` says
-/// so (unset: on CUDA, or when the ranks span several machines); none where a parameter
-/// carries a hook of its own (reduced after backward then).
+/// The overlapped reduction's hooks on the parameters, unless `train.overlap_grad_reduce:
+/// false`. It runs in every step when the key says true (unset: on CUDA, or when the ranks
+/// span several machines), otherwise under ZeRO-2 only; none where a parameter carries a
+/// hook of its own (reduced after backward then).
 fn reducer(c: &crate::config::RawConfig, pg: &ProcessGroup, opt: &AdamW, device: Device) -> Option<Reducer> {
     // Several machines when the launcher (or torchrun) says fewer ranks run here than in
     // all; ranks started by hand, without LOCAL_WORLD_SIZE, reduce after backward.
@@ -397,15 +398,16 @@ fn reducer(c: &crate::config::RawConfig, pg: &ProcessGroup, opt: &AdamW, device:
             .and_then(|v| v.trim().parse::<usize>().ok());
         local.is_some_and(|l| l < pg.world)
     };
-    if !c
-        .train
-        .overlap_grad_reduce
-        .unwrap_or_else(|| device.is_cuda() || several_machines())
-    {
-        return None;
-    }
-    Reducer::new(pg, &opt.params(), c.train.bucket_bytes())
-        .inspect_err(|e| tracing::warn!("gradients are reduced after backward: {e}"))
+    let always = match c.train.overlap_grad_reduce {
+        Some(false) => return None,
+        Some(true) => true,
+        None => device.is_cuda() || several_machines(),
+    };
+    Reducer::new(pg, &opt.params(), c.train.bucket_bytes(), always)
+        .inspect_err(|e| match always {
+            true => tracing::warn!("gradients are reduced after backward: {e}"),
+            false => tracing::info!("ZeRO-2 reduces after backward: {e}"),
+        })
         .ok()
 }
 
@@ -509,7 +511,7 @@ fn refuse_what_cannot_fit(cfg: &Config, device: Device, world: usize) -> Result<
     };
     let est =
         plan::Estimate::new(&c.model.gpt(), plan::Precision::Fp32, device.is_cuda()).with_shard(shard, world as u64);
-    let state = est.params_bytes + est.grads_bytes + est.optimizer_bytes;
+    let state = est.params_bytes + est.grads_at_peak() + est.optimizer_bytes;
     if stats.live_bytes + state <= limit {
         return Ok(());
     }
