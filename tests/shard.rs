@@ -239,6 +239,16 @@ fn a_budget_too_small_for_the_whole_state_climbs_to_sharding() {
     assert!(stderr(&o).contains("memory.allow_sharding"), "{}", stderr(&o));
 }
 
+/// 2 ranks on `cfg` twice: free (no budget, no pressure) and as configured; returns both
+/// runs and the second's stderr.
+fn free_and_pressed(dir: &Path, cfg: &Path) -> (PathBuf, PathBuf, String) {
+    let (free, run) = (dir.join("free"), dir.join("run"));
+    let unbound = ["--memory-budget", "none", "--set", "memory.pressure=[]"];
+    ok(train_n(dir, cfg, &free, 2, &unbound));
+    let err = ok(train_n(dir, cfg, &run, 2, &[]));
+    (free, run, err)
+}
+
 /// A deep, narrow GPT (many matrices, a small embedding): ZeRO-2 drops each bucket's
 /// gradients during backward, so a run at ZeRO-1 under pressure that only ZeRO-2's peak
 /// fits climbs to ZeRO-2 (a change of what is sharded, nothing gathered) and comes back
@@ -276,16 +286,7 @@ log: {every: 1}
             ),
         ),
     );
-    let free = dir.path().join("free");
-    ok(train_n(
-        dir.path(),
-        &cfg,
-        &free,
-        2,
-        &["--memory-budget", "none", "--set", "memory.pressure=[]"],
-    ));
-    let run = dir.path().join("climbs");
-    let err = ok(train_n(dir.path(), &cfg, &run, 2, &[]));
+    let (free, run, err) = free_and_pressed(dir.path(), &cfg);
     let rungs: Vec<(String, u64)> = records(&run, "rung")
         .iter()
         .map(|r| (r["rung"].as_str().unwrap().to_string(), r["step"].as_u64().unwrap()))
@@ -688,16 +689,7 @@ fn comes_back_down(overlap: &str) -> (tempfile::TempDir, PathBuf, PathBuf) {
             size: {held}}}], snapshot: off,"),
     );
     let cfg = write_config(dir.path(), "pressure.yaml", &yaml);
-    let free = dir.path().join("free");
-    ok(train_n(
-        dir.path(),
-        &cfg,
-        &free,
-        2,
-        &["--memory-budget", "none", "--set", "memory.pressure=[]"],
-    ));
-    let run = dir.path().join("run");
-    let err = ok(train_n(dir.path(), &cfg, &run, 2, &[]));
+    let (free, run, err) = free_and_pressed(dir.path(), &cfg);
     assert!(
         !err.contains("more is live"),
         "{overlap}: a failed attempt left memory behind\n{err}"
