@@ -342,7 +342,7 @@ const BUCKET_BYTES: usize = 25 << 20;
 /// A data-parallel step: this rank's shard, then its gradients summed over the ranks, then
 /// after the update's allocations the ranks agree again and every rank commits. Any OOM
 /// anywhere drops the attempt everywhere, before anything is committed.
-/// - Overlapped (`reducer`, when the step can be: not ZeRO-2, no loss units counted in the
+/// - Overlapped (`reducer`, when it runs at this stage and the step can be: no loss units counted in the
 ///   forward, a model whose backward is one pass): the ranks agree before the last
 ///   micro-batch, whose backward starts each bucket's all-reduce as its gradients complete.
 /// - Otherwise the ranks agree after backward, then the bucketed all-reduce (or ZeRO-2's
@@ -361,9 +361,16 @@ pub fn dist_step(
     let overlap =
         reducer.filter(|r| r.runs_under(opt.shard()) && !data.counted_in_forward() && task.backward_is_one_pass());
     let mut t = Times::default();
+    let work = Work {
+        task,
+        data,
+        step,
+        micro_batch_size,
+        u,
+    };
     let acc = match overlap {
-        Some(r) => overlapped(pg, r, task, opt, data, step, micro_batch_size, u, &mut t)?,
-        None => reduced_after(pg, task, opt, data, step, micro_batch_size, u, &mut t)?,
+        Some(r) => overlapped(pg, r, opt, work, &mut t)?,
+        None => reduced_after(pg, opt, work, &mut t)?,
     };
     let ready = prepare_update(opt, step, u, &acc.loss);
     let ready = timed(&mut t.agree, || pg.agree(Topic::UpdateReady, ready))?;
@@ -387,6 +394,30 @@ pub fn dist_step(
     })
 }
 
+/// What one attempt of a data-parallel step trains: the model, its batches and settings.
+#[derive(Clone, Copy)]
+struct Work<'a> {
+    task: &'a dyn Task,
+    data: &'a dyn StepBatches,
+    step: u64,
+    micro_batch_size: usize,
+    u: &'a Update<'a>,
+}
+
+impl Work<'_> {
+    /// Its micro-batches' forward and backward (`before_last`: as `accumulate_with`).
+    fn accumulate(&self, before_last: &mut dyn FnMut() -> Result<()>) -> Result<Accumulated> {
+        accumulate_with(
+            self.task,
+            self.data,
+            self.step,
+            self.micro_batch_size,
+            &self.u.amp,
+            before_last,
+        )
+    }
+}
+
 /// Seconds of a data-parallel step in the ranks' agreements, and waiting for the gradients'
 /// reduction (its exposed part, when overlapped).
 #[derive(Default)]
@@ -396,18 +427,8 @@ struct Times {
 }
 
 /// Backward, then the agreement, then the reduction.
-#[allow(clippy::too_many_arguments)]
-fn reduced_after(
-    pg: &ProcessGroup,
-    task: &dyn Task,
-    opt: &mut AdamW,
-    data: &dyn StepBatches,
-    step: u64,
-    micro_batch_size: usize,
-    u: &Update,
-    t: &mut Times,
-) -> Result<Accumulated> {
-    let local = accumulate(task, data, step, micro_batch_size, &u.amp).and_then(|r| {
+fn reduced_after(pg: &ProcessGroup, opt: &mut AdamW, w: Work, t: &mut Times) -> Result<Accumulated> {
+    let local = w.accumulate(&mut || Ok(())).and_then(|r| {
         let backward = |e: tch::TchError| Error::from(e).in_phase(Phase::Backward);
         opt.zero_missing_grads().map_err(backward)?;
         // Stage 2 reduce-scatters into this rank's shard; otherwise every gradient is summed.
@@ -444,18 +465,7 @@ fn reduced_after(
 /// before any gradient leaves. Past it, a rank whose last micro-batch fails still starts
 /// every bucket (garbage) and waits for them, and the agreement after backward drops the
 /// attempt everywhere: no collective is left unmatched, none is started twice.
-#[allow(clippy::too_many_arguments)]
-fn overlapped(
-    pg: &ProcessGroup,
-    r: &Reducer,
-    task: &dyn Task,
-    opt: &mut AdamW,
-    data: &dyn StepBatches,
-    step: u64,
-    micro_batch_size: usize,
-    u: &Update,
-    t: &mut Times,
-) -> Result<Accumulated> {
+fn overlapped(pg: &ProcessGroup, r: &Reducer, opt: &mut AdamW, w: Work, t: &mut Times) -> Result<Accumulated> {
     // ZeRO-2: where each bucket's sum goes.
     let target = opt.scatter_target();
     let arm = |agree_s: &mut f64, local: Result<()>| {
@@ -467,7 +477,7 @@ fn overlapped(
         armed
     };
     let (mut voted, mut armed) = (false, false);
-    let local = accumulate_with(task, data, step, micro_batch_size, &u.amp, &mut || {
+    let local = w.accumulate(&mut || {
         voted = true;
         arm(&mut t.agree, Ok(()))?;
         armed = true;
@@ -490,7 +500,7 @@ fn overlapped(
         (true, _) if local.is_ok() => Err(Error::Torch(tch::TchError::Torch(format!(
             "{}: a gradient was accumulated twice in one micro-batch's backward, so the overlapped \
              reduction sent it before it was whole; this model's backward_is_one_pass must say false",
-            task.describe()
+            w.task.describe()
         )))),
         _ => local,
     };
