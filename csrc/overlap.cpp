@@ -71,6 +71,7 @@ struct Reducer {
   std::vector<std::vector<std::array<int64_t, 3>>> pieces;
   size_t scattered = 0;
   int64_t inflight = 0;  // bytes of the buckets started and not yet scattered
+  int64_t largest = 0;   // bytes of the largest bucket (set with the layout)
   bool garbage = false;
   std::string error;  // of a work that failed, found while scattering
 
@@ -88,6 +89,8 @@ struct Reducer {
       bucket.in_place = bucket.members.size() == 1 && params[bucket.members[0]].is_contiguous();
       buckets.push_back(std::move(bucket));
     }
+    largest = 0;
+    for (const auto& b : buckets) largest = std::max(largest, bytes(b));
   }
 
   // What a failed rank sends for a bucket with no buffer: a new one (the failed attempt's
@@ -207,8 +210,6 @@ struct Reducer {
   // largest, backward waits for the oldest: what the last micro-batch holds of the whole
   // gradients stays bounded however the network keeps up.
   void throttle() {
-    int64_t largest = 0;
-    for (const auto& b : buckets) largest = std::max(largest, bytes(b));
     while (scattered < works.size() && inflight > 2 * largest) scatter_next();
   }
 
