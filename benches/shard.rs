@@ -169,7 +169,7 @@ fn main() {
     }
     let t: Vec<f64> = time.into_iter().map(median).collect();
     let p: Vec<f64> = peak.into_iter().map(median).collect();
-    println!("2 ranks, 1 thread each, GPT 4x128, global batch 32 (Gloo; its reduce-scatter and all-gather as in-place all-reduces):");
+    println!("2 ranks, 1 thread each, GPT 4x128, global batch 32 (Gloo; its reduce-scatter as an in-place all-reduce, its all-gather as in-place broadcasts):");
     println!(
         "  step time over plain data parallel: optimizer {:.3}x (floor 1.15), gradients {:.3}x (floor 1.25)",
         t[1] / t[0],

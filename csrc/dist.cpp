@@ -187,15 +187,31 @@ char* og_dist_reduce_scatter(void* g, void* in, void* out, int* fallback) {
   });
 }
 
-// All-gather: out[r*S, (r+1)*S) = rank r's in[S], on every rank. On Gloo (or unsupported):
-// the zeros of `out` with this rank's slice in place, summed over the ranks (x + 0 is x
-// exactly), allocating nothing.
+// All-gather: out[r*S, (r+1)*S) = rank r's in[S], on every rank. On Gloo: this rank's slice
+// in place, then one in-place broadcast from each rank (an all-gather's bytes, allocating
+// nothing), *fallback 3. Where a backend has no flat form: the zeros of `out` with this
+// rank's slice in place, summed over the ranks (x + 0 is x exactly), *fallback 1.
 char* og_dist_all_gather(void* g, void* in, void* out, int* fallback) {
   return oomguard::guarded([&] {
     auto* G = group(g);
     auto& input = *static_cast<at::Tensor*>(in);
     auto& output = *static_cast<at::Tensor*>(out);
-    if (!G->no_all_gather && !G->gloo) {
+    const int64_t S = input.numel();
+    const int rank = G->backend->getRank();
+    if (G->gloo) {
+      output.narrow(0, rank * S, S).copy_(input);
+      std::vector<c10::intrusive_ptr<c10d::Work>> works;
+      for (int r = 0; r < G->backend->getSize(); ++r) {
+        std::vector<at::Tensor> one{output.narrow(0, r * S, S)};
+        c10d::BroadcastOptions o;
+        o.rootRank = r;
+        works.push_back(G->backend->broadcast(one, o));
+      }
+      for (auto& w : works) w->wait();
+      *fallback = 3;
+      return;
+    }
+    if (!G->no_all_gather) {
       try {
         G->backend->_allgather_base(output, input, c10d::AllgatherOptions())->wait();
         *fallback = 0;
@@ -205,12 +221,11 @@ char* og_dist_all_gather(void* g, void* in, void* out, int* fallback) {
         G->no_all_gather = true;
       }
     }
-    const int64_t S = input.numel();
     output.zero_();
-    output.narrow(0, G->backend->getRank() * S, S).copy_(input);
+    output.narrow(0, rank * S, S).copy_(input);
     std::vector<at::Tensor> one{output};
     G->backend->allreduce(one, c10d::AllreduceOptions())->wait();
-    *fallback = G->gloo ? 2 : 1;
+    *fallback = 1;
   });
 }
 

@@ -188,6 +188,11 @@ void og_clear_grad(void* tensor) {
   static_cast<torch::Tensor*>(tensor)->mutable_grad().reset();
 }
 
+// The parameter's gradient becomes `grad` (a view of a bucket): its old one is let go.
+void og_set_grad(void* tensor, void* grad) {
+  static_cast<torch::Tensor*>(tensor)->mutable_grad() = *static_cast<torch::Tensor*>(grad);
+}
+
 int og_cuda_available() { return torch::cuda::is_available() ? 1 : 0; }
 
 // Data parallel on CUDA: the rank's own GPU becomes the current device before any CUDA

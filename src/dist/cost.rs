@@ -33,7 +33,8 @@ pub struct Cost {
     /// reduction's: one shared bucket while it is made (`buffer_bytes`).
     pub buffers: u64,
     /// Gradient and parameter collectives' bytes sent by this rank (ring algorithms: NCCL's
-    /// flat forms; on Gloo ZeRO's reduce-scatter and all-gather are all-reduces, twice this).
+    /// flat forms; on Gloo ZeRO's gradient sum is an all-reduce, as here, and its all-gather
+    /// a broadcast from each rank: the same bytes).
     pub wire: u64,
     /// The busiest rank's exchange bytes (sent and received) a step.
     pub control: u64,

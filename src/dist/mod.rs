@@ -281,12 +281,11 @@ impl ProcessGroup {
             )
         })
         .map_err(dist_error("all-gather"))?;
-        self.say_fallback(
-            1,
-            fallback,
-            "all-gather",
-            "an in-place all-reduce of the zero-padded shards (the same values, twice the traffic)",
-        );
+        let instead = match fallback {
+            3 => "one in-place broadcast from each rank (an all-gather's bytes)",
+            _ => "an in-place all-reduce of the zero-padded shards (the same values, twice the traffic)",
+        };
+        self.say_fallback(1, fallback, "all-gather", instead);
         Ok(())
     }
 
@@ -299,10 +298,9 @@ impl ProcessGroup {
             said[which] = true;
             self.said.set(said);
             if self.rank == 0 {
-                let why = if fallback == 2 {
-                    "Gloo's flat form allocates inside the collective, where an OOM would fail one rank after the ranks agreed"
-                } else {
-                    "this backend has no flat form"
+                let why = match fallback {
+                    2 | 3 => "Gloo's flat form allocates inside the collective, where an OOM would fail one rank after the ranks agreed",
+                    _ => "this backend has no flat form",
                 };
                 tracing::info!("sharding: the {what} is {instead}: {why}");
             }
@@ -442,13 +440,13 @@ pub fn shard(global: usize, world: usize, rank: usize) -> Range<usize> {
     start..start + base + usize::from(rank < extra)
 }
 
-/// Gradients grouped for the all-reduce: small ones flattened into buckets (of at most
-/// `bucket_bytes`: few large collectives instead of many small ones), large ones reduced in
-/// place (no copy); all in flight at once.
+/// The gradients of the reduction after backward: small ones moved into buckets of at most
+/// `bucket_bytes` (few collectives instead of many), their parameters' gradients then views
+/// of them, as DDP's `gradient_as_bucket_view` (no second copy held); large ones reduced in
+/// place. All in flight at once.
 pub struct Buckets {
-    flat: Vec<Tensor>,
-    members: Vec<Vec<usize>>,
-    solo: Vec<usize>,
+    /// What is summed: the buckets, then the large gradients.
+    parts: Vec<Tensor>,
 }
 
 /// The address Gloo's sockets bind to (empty: `GLOO_SOCKET_IFNAME` names an interface):
@@ -468,19 +466,24 @@ fn gloo_host(master: &str) -> Result<String> {
 const SOLO_BYTES: usize = 1 << 20;
 
 impl Buckets {
-    /// Copies the small gradients into buckets: this allocates, so it runs before the ranks
-    /// agree.
-    pub fn pack(grads: &[Tensor], bucket_bytes: usize) -> Result<Buckets, TchError> {
-        let (mut members, mut solo): (Vec<Vec<usize>>, Vec<usize>) = (vec![], vec![]);
+    /// Moves the small gradients of `params` into buckets, one bucket at a time (its bytes
+    /// more, for a moment): this allocates, so it runs before the ranks agree. A failure
+    /// leaves every gradient's values as they were.
+    pub fn pack(params: &[Tensor], bucket_bytes: usize) -> Result<Buckets, TchError> {
+        let (mut members, mut solo): (Vec<Vec<usize>>, Vec<Tensor>) = (vec![], vec![]);
         let mut size = usize::MAX;
-        for (i, g) in grads.iter().enumerate() {
+        for (i, p) in params.iter().enumerate() {
+            let g = p.grad();
+            if !g.defined() {
+                continue;
+            }
             let bytes = g.numel() * g.kind().elt_size_in_bytes();
             if bytes >= SOLO_BYTES {
-                solo.push(i);
+                solo.push(g);
                 continue;
             }
             if size.saturating_add(bytes) > bucket_bytes
-                || members.last().is_some_and(|m| grads[m[0]].kind() != g.kind())
+                || members.last().is_some_and(|m| params[m[0]].kind() != p.kind())
             {
                 members.push(vec![]);
                 size = 0;
@@ -490,56 +493,39 @@ impl Buckets {
             }
             size += bytes;
         }
-        let flat = members
-            .iter()
-            .map(|m| {
-                Tensor::f_cat(
-                    &m.iter()
-                        .map(|&i| grads[i].f_reshape([-1]))
-                        .collect::<Result<Vec<_>, _>>()?,
-                    0,
-                )
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(Buckets { flat, members, solo })
-    }
-
-    /// Sums over the ranks: the buckets and the large gradients in place, then the buckets
-    /// back into their gradients (no allocation).
-    pub fn reduce_into(&self, pg: &ProcessGroup, grads: &[Tensor]) -> Result<()> {
-        let mut all: Vec<Tensor> = self.flat.iter().map(Tensor::shallow_clone).collect();
-        all.extend(self.solo.iter().map(|&i| grads[i].shallow_clone()));
-        pg.all_reduce(&all, Op::Sum)?;
-        let _no_grad = tch::no_grad_guard();
-        for (flat, m) in self.flat.iter().zip(&self.members) {
+        let mut parts = Vec::with_capacity(members.len() + solo.len());
+        for m in &members {
+            let flat = Tensor::f_cat(
+                &m.iter()
+                    .map(|&i| params[i].grad().f_reshape([-1]))
+                    .collect::<Result<Vec<_>, _>>()?,
+                0,
+            )?;
             let mut at = 0;
             for &i in m {
-                let n = grads[i].numel() as i64;
-                let part = flat
-                    .f_narrow(0, at, n)
-                    .and_then(|p| p.f_view_as(&grads[i]))
-                    .map_err(dist_error("unpacking gradients"))?;
-                grads[i]
-                    .shallow_clone()
-                    .f_copy_(&part)
-                    .map_err(dist_error("unpacking gradients"))?;
+                let n = params[i].numel() as i64;
+                crate::memory::set_grad(&params[i], &flat.f_narrow(0, at, n)?.f_view_as(&params[i])?);
                 at += n;
             }
+            parts.push(flat);
         }
-        Ok(())
+        parts.extend(solo);
+        Ok(Buckets { parts })
     }
 
-    /// What holds this rank's gradients until the reduce: the buckets (copies of the small
-    /// ones) and the large ones themselves.
-    pub fn local_parts(&self, grads: &[Tensor]) -> Vec<Tensor> {
-        let flat = self.flat.iter().map(Tensor::shallow_clone);
-        flat.chain(self.solo.iter().map(|&i| grads[i].shallow_clone()))
-            .collect()
+    /// Sums over the ranks, in place: the gradients hold the sums.
+    pub fn reduce(&self, pg: &ProcessGroup) -> Result<()> {
+        pg.all_reduce(&self.parts, Op::Sum)
+    }
+
+    /// What holds this rank's gradients until the reduce.
+    pub fn parts(&self) -> &[Tensor] {
+        &self.parts
     }
 
     /// Collectives per step.
     pub fn len(&self) -> usize {
-        self.flat.len() + self.solo.len()
+        self.parts.len()
     }
 
     pub fn is_empty(&self) -> bool {

@@ -46,6 +46,8 @@ pub struct Reducer {
     ptr: *mut c_void,
     /// Bytes and dtype-and-device of each parameter.
     sizes: Vec<(usize, String)>,
+    /// The first step's order (`new`).
+    first: Vec<usize>,
     cap: usize,
     settled: std::cell::Cell<bool>,
     always: bool,
@@ -62,10 +64,18 @@ fn torch_error(what: &'static str) -> impl Fn(tch::TchError) -> Error {
 }
 
 impl Reducer {
-    /// Buckets of at most `bucket_bytes` over `params` (see `layout`), a hook on each. Fails
-    /// where a parameter already carries a post-accumulate-grad hook of its own. `always`:
-    /// for every stage (otherwise under ZeRO-2 only, see `runs_under`).
-    pub fn new(pg: &ProcessGroup, params: &[Tensor], bucket_bytes: usize, always: bool) -> Result<Reducer> {
+    /// Buckets of at most `bucket_bytes` over `params` (see `layout`), a hook on each, in
+    /// `first`: the order the first backward is expected to complete them in (indices into
+    /// `params`, each once; the rest follow, last first). Fails where a parameter already
+    /// carries a post-accumulate-grad hook of its own. `always`: for every stage (otherwise
+    /// under ZeRO-2 only, see `runs_under`).
+    pub fn new(
+        pg: &ProcessGroup,
+        params: &[Tensor],
+        first: &[usize],
+        bucket_bytes: usize,
+        always: bool,
+    ) -> Result<Reducer> {
         let sizes: Vec<(usize, String)> = params
             .iter()
             .map(|t| {
@@ -75,7 +85,8 @@ impl Reducer {
                 )
             })
             .collect();
-        let (order, starts) = flat(&layout(&reversed(sizes.len()), &sizes, bucket_bytes));
+        let first = complete(first, sizes.len());
+        let (order, starts) = flat(&layout(&first, &sizes, bucket_bytes));
         let p: Vec<*mut c_void> = params.iter().map(|t| t.as_ptr() as *mut c_void).collect();
         let mut ptr = std::ptr::null_mut();
         let nb = starts.len() as i32 - 1;
@@ -94,6 +105,7 @@ impl Reducer {
         Ok(Reducer {
             ptr,
             sizes,
+            first,
             cap: bucket_bytes,
             settled: std::cell::Cell::new(false),
             always,
@@ -110,9 +122,8 @@ impl Reducer {
     /// Once, after the first step every rank completed (overlapped or not: the hooks see
     /// every backward): the buckets in the order this run's backward produced the gradients
     /// (rank 0's order, broadcast; parameters that had none last). Every rank calls it at the
-    /// same point. Until then (a run's first step) the buckets follow the optimizer's order
-    /// reversed, which groups parameters by weight decay: as DDP's first iteration, its
-    /// first bucket may complete only at backward's end.
+    /// same point. Until then (a run's first step) the buckets follow the order `new` was
+    /// given: the model's own order reversed, as DDP's first iteration.
     pub fn settle(&self, pg: &ProcessGroup) -> Result<()> {
         if self.settled.replace(true) {
             return Ok(());
@@ -122,7 +133,7 @@ impl Reducer {
         unsafe { og_reducer_observed(self.ptr, seen.as_mut_ptr(), &mut count) };
         seen.truncate(count as usize);
         let mut order: Vec<usize> = seen.iter().map(|&i| i as usize).collect();
-        order.extend(reversed(n).into_iter().filter(|i| !seen.contains(&(*i as i64))));
+        order.extend(self.first.iter().filter(|&&i| !seen.contains(&(i as i64))));
         let t = Tensor::from_slice(&order.iter().map(|&i| i as i64).collect::<Vec<_>>())
             .f_to_device(pg.device())
             .map_err(torch_error("the gradients' order"))?;
@@ -193,6 +204,18 @@ fn reversed(n: usize) -> Vec<usize> {
     (0..n).rev().collect()
 }
 
+/// `first` with every other parameter of `n` after it, last first; each once.
+fn complete(first: &[usize], n: usize) -> Vec<usize> {
+    let mut seen = vec![false; n];
+    let mut order: Vec<usize> = first
+        .iter()
+        .copied()
+        .filter(|&i| i < n && !std::mem::replace(&mut seen[i], true))
+        .collect();
+    order.extend(reversed(n).into_iter().filter(|&i| !seen[i]));
+    order
+}
+
 /// The buckets as csrc/overlap.cpp takes them: their members one after another, and where
 /// each bucket starts (and the last ends).
 fn flat(buckets: &[Vec<usize>]) -> (Vec<i64>, Vec<i64>) {
@@ -241,7 +264,13 @@ pub fn buffer_bytes<K: PartialEq>(sizes: &[(usize, K)], cap: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::{flat, layout, reversed};
+    use super::{complete, flat, layout, reversed};
+
+    #[test]
+    fn the_first_order_names_each_parameter_once() {
+        assert_eq!(complete(&[2, 0, 2, 9], 4), vec![2, 0, 3, 1]);
+        assert_eq!(complete(&[], 3), reversed(3));
+    }
 
     #[test]
     fn buckets_cover_every_parameter_once_in_order_within_the_cap() {

@@ -25,6 +25,7 @@ mod ffi {
         pub fn og_cpu_peak_bytes() -> i64;
         pub fn og_cpu_reset_peak();
         pub fn og_clear_grad(tensor: *mut c_void);
+        pub fn og_set_grad(tensor: *mut c_void, grad: *mut c_void);
         pub fn og_cuda_available() -> c_int;
         pub fn og_cuda_set_device(device: c_int) -> *mut c_char;
         pub fn og_cuda_empty_cache() -> *mut c_char;
@@ -78,6 +79,12 @@ pub fn reset_cpu_peak() {
 pub fn clear_grad(t: &Tensor) {
     // SAFETY: tch's C_tensor is a torch::Tensor*, which og_clear_grad takes.
     unsafe { ffi::og_clear_grad(t.as_ptr() as *mut c_void) }
+}
+
+/// `t`'s gradient becomes `grad` (same shape); the old one is let go.
+pub fn set_grad(t: &Tensor, grad: &Tensor) {
+    // SAFETY: both are torch::Tensor*, as og_set_grad takes them; it copies the handle.
+    unsafe { ffi::og_set_grad(t.as_ptr() as *mut c_void, grad.as_ptr() as *mut c_void) }
 }
 
 pub fn cuda_available() -> bool {

@@ -100,6 +100,14 @@ impl AdamW {
         self.all_params().map(Tensor::shallow_clone).collect()
     }
 
+    /// Every parameter's name, in the optimizer's order.
+    pub fn names(&self) -> Vec<&str> {
+        self.groups
+            .iter()
+            .flat_map(|g| g.names.iter().map(String::as_str))
+            .collect()
+    }
+
     fn all_params(&self) -> impl Iterator<Item = &Tensor> {
         self.groups.iter().flat_map(|g| g.params.iter())
     }

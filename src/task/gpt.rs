@@ -1,5 +1,5 @@
 //! Owns the built-in GPT as a `Task`: a VarStore, the formula planner, its shape as fingerprint.
-//! Keeps: its fingerprint is exactly its shape keys.
+//! Keeps: its fingerprint is exactly its shape keys; its parameters come in definition order.
 use tch::{nn::VarStore, Device, TchError, Tensor};
 
 use super::{Fingerprint, Task};
@@ -26,10 +26,23 @@ impl GptTask {
     }
 }
 
+/// Where a parameter of the GPT comes in its definition (and forward): the embeddings, the
+/// blocks by number, the final norm. The order the gradients' first buckets are laid out
+/// in, reversed; "h.10" after "h.9".
+fn definition_order(name: &str) -> (u8, u64, String) {
+    let mut parts = name.splitn(3, '.');
+    match (parts.next(), parts.next()) {
+        (Some("wte"), _) => (0, 0, String::new()),
+        (Some("wpe"), _) => (1, 0, String::new()),
+        (Some("h"), Some(i)) => (2, i.parse().unwrap_or(u64::MAX), parts.next().unwrap_or("").to_string()),
+        _ => (3, 0, name.to_string()),
+    }
+}
+
 impl Task for GptTask {
     fn parameters(&self) -> Vec<(String, Tensor)> {
         let mut named: Vec<(String, Tensor)> = self.vs.variables().into_iter().collect();
-        named.sort_by(|a, b| a.0.cmp(&b.0));
+        named.sort_by_cached_key(|(n, _)| definition_order(n));
         named
     }
     fn loss(&self, inputs: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor, TchError> {
@@ -87,5 +100,34 @@ impl Task for GptTask {
             Estimate::new(self.model.config(), Precision::Fp32, self.vs.device().is_cuda())
                 .with_checkpointing(self.checkpointing),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::definition_order;
+
+    #[test]
+    fn parameters_sort_in_definition_order() {
+        let mut names = [
+            "ln_f.weight",
+            "h.10.ln_1.weight",
+            "wpe",
+            "h.2.mlp.c_fc.weight",
+            "wte",
+            "h.2.attn.c_attn.weight",
+        ];
+        names.sort_by_key(|n| definition_order(n));
+        assert_eq!(
+            names,
+            [
+                "wte",
+                "wpe",
+                "h.2.attn.c_attn.weight",
+                "h.2.mlp.c_fc.weight",
+                "h.10.ln_1.weight",
+                "ln_f.weight"
+            ]
+        );
     }
 }

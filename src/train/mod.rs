@@ -89,8 +89,8 @@ pub struct TrainConfig {
     /// it is what frees the gradients during backward); off otherwise for CPU ranks that all
     /// share one machine, where the transfer is CPU work that would compete with their own.
     pub overlap_grad_reduce: Option<bool>,
-    /// Data parallel, overlapped: the most MiB of gradients a bucket holds (a parameter
-    /// larger than that is a bucket alone, reduced in place).
+    /// Data parallel: the most MiB of gradients a bucket holds, overlapped or after backward
+    /// (a parameter larger than that is a bucket alone, reduced in place).
     pub bucket_cap_mb: f64,
 }
 

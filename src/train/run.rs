@@ -172,7 +172,17 @@ impl<'a> Run<'a> {
                     crate::rng::seed_rank_step(c.train.seed, step, rank);
                     task.seed_host_rng(crate::rng::rank_step_seed(c.train.seed, step, rank))?;
                     match pg {
-                        Some(pg) => dist_step(pg, reducer, task, ctx.opt, &batches, step, mb, &u),
+                        Some(pg) => dist_step(
+                            pg,
+                            reducer,
+                            c.train.bucket_bytes(),
+                            task,
+                            ctx.opt,
+                            &batches,
+                            step,
+                            mb,
+                            &u,
+                        ),
                         None => step_with(task, ctx.opt, &batches, step, mb, &u),
                     }
                 },

@@ -335,22 +335,19 @@ pub fn step_with(
     })
 }
 
-/// Gradients travel in buckets of this size (as PyTorch DDP's default) when they are
-/// reduced after backward.
-const BUCKET_BYTES: usize = 25 << 20;
-
 /// A data-parallel step: this rank's shard, then its gradients summed over the ranks, then
 /// after the update's allocations the ranks agree again and every rank commits. Any OOM
 /// anywhere drops the attempt everywhere, before anything is committed.
 /// - Overlapped (`reducer`, when it runs at this stage and the step can be: no loss units counted in the
 ///   forward, a model whose backward is one pass): the ranks agree before the last
 ///   micro-batch, whose backward starts each bucket's all-reduce as its gradients complete.
-/// - Otherwise the ranks agree after backward, then the bucketed all-reduce (or ZeRO-2's
-///   reduce-scatter) runs.
+/// - Otherwise the ranks agree after backward, then the all-reduce of buckets of at most
+///   `bucket_bytes` (or ZeRO-2's reduce-scatter) runs.
 #[allow(clippy::too_many_arguments)]
 pub fn dist_step(
     pg: &ProcessGroup,
     reducer: Option<&Reducer>,
+    bucket_bytes: usize,
     task: &dyn Task,
     opt: &mut AdamW,
     data: &dyn StepBatches,
@@ -370,7 +367,7 @@ pub fn dist_step(
     };
     let acc = match overlap {
         Some(r) => overlapped(pg, r, opt, work, &mut t)?,
-        None => reduced_after(pg, opt, work, &mut t)?,
+        None => reduced_after(pg, opt, work, bucket_bytes, &mut t)?,
     };
     let ready = prepare_update(opt, step, u, &acc.loss);
     let ready = timed(&mut t.agree, || pg.agree(Topic::UpdateReady, ready))?;
@@ -427,7 +424,13 @@ struct Times {
 }
 
 /// Backward, then the agreement, then the reduction.
-fn reduced_after(pg: &ProcessGroup, opt: &mut AdamW, w: Work, t: &mut Times) -> Result<Accumulated> {
+fn reduced_after(
+    pg: &ProcessGroup,
+    opt: &mut AdamW,
+    w: Work,
+    bucket_bytes: usize,
+    t: &mut Times,
+) -> Result<Accumulated> {
     let local = w.accumulate(&mut || Ok(())).and_then(|r| {
         let backward = |e: tch::TchError| Error::from(e).in_phase(Phase::Backward);
         opt.zero_missing_grads().map_err(backward)?;
@@ -435,9 +438,8 @@ fn reduced_after(pg: &ProcessGroup, opt: &mut AdamW, w: Work, t: &mut Times) -> 
         let reduce = match opt.scatter_buffers().map_err(backward)? {
             Some(bufs) => Reduce::Scatter(bufs),
             None => {
-                let grads = opt.grads();
-                let buckets = Buckets::pack(&grads, BUCKET_BYTES).map_err(backward)?;
-                Reduce::All(grads, buckets)
+                let buckets = Buckets::pack(&opt.params(), bucket_bytes).map_err(backward)?;
+                Reduce::All(buckets)
             }
         };
         Ok((r, reduce))
@@ -449,12 +451,12 @@ fn reduced_after(pg: &ProcessGroup, opt: &mut AdamW, w: Work, t: &mut Times) -> 
         let total = timed(&mut t.agree, || pg.sum_f64(Topic::LossUnits, c.units as f64))?;
         let s = c.rescale(total);
         match &reduce {
-            Reduce::All(grads, buckets) => rescale(&buckets.local_parts(grads), &acc.loss, s)?,
+            Reduce::All(buckets) => rescale(buckets.parts(), &acc.loss, s)?,
             Reduce::Scatter(_) => rescale(&opt.param_grads(), &acc.loss, s)?,
         }
     }
     timed(&mut t.reduce, || match reduce {
-        Reduce::All(grads, buckets) => buckets.reduce_into(pg, &grads),
+        Reduce::All(buckets) => buckets.reduce(pg),
         Reduce::Scatter(bufs) => opt.reduce_scatter_grads(bufs),
     })?;
     Ok(acc)
@@ -519,7 +521,7 @@ fn committed_pause(rank: usize, step: u64) {
 
 /// How a data-parallel step sums its gradients.
 enum Reduce {
-    All(Vec<Tensor>, Buckets),
+    All(Buckets),
     Scatter((crate::optim::zero::Buffers, Tensor)),
 }
 

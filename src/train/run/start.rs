@@ -345,7 +345,7 @@ impl<'a> Run<'a> {
             .values()
             .copied()
             .fold(None, |b: Option<f64>, v| Some(b.map_or(v, |b| b.min(v))));
-        let reducer = pg.as_ref().and_then(|pg| reducer(c, pg, &opt, device));
+        let reducer = pg.as_ref().and_then(|pg| reducer(c, pg, task.as_ref(), &opt, device));
         Ok(Run {
             cfg,
             run_dir: run_dir.to_path_buf(),
@@ -389,7 +389,13 @@ impl<'a> Run<'a> {
 /// false`. It runs in every step when the key says true (unset: on CUDA, or when the ranks
 /// span several machines), otherwise under ZeRO-2 only; none where a parameter carries a
 /// hook of its own (reduced after backward then).
-fn reducer(c: &crate::config::RawConfig, pg: &ProcessGroup, opt: &AdamW, device: Device) -> Option<Reducer> {
+fn reducer(
+    c: &crate::config::RawConfig,
+    pg: &ProcessGroup,
+    task: &dyn Task,
+    opt: &AdamW,
+    device: Device,
+) -> Option<Reducer> {
     // Several machines when the launcher (or torchrun) says fewer ranks run here than in
     // all; ranks started by hand, without LOCAL_WORLD_SIZE, reduce after backward.
     let several_machines = || {
@@ -403,12 +409,31 @@ fn reducer(c: &crate::config::RawConfig, pg: &ProcessGroup, opt: &AdamW, device:
         Some(true) => true,
         None => device.is_cuda() || several_machines(),
     };
-    Reducer::new(pg, &opt.params(), c.train.bucket_bytes(), always)
-        .inspect_err(|e| match always {
-            true => tracing::warn!("gradients are reduced after backward: {e}"),
-            false => tracing::info!("ZeRO-2 reduces after backward: {e}"),
-        })
-        .ok()
+    Reducer::new(
+        pg,
+        &opt.params(),
+        &backward_order(task, opt),
+        c.train.bucket_bytes(),
+        always,
+    )
+    .inspect_err(|e| match always {
+        true => tracing::warn!("gradients are reduced after backward: {e}"),
+        false => tracing::info!("ZeRO-2 reduces after backward: {e}"),
+    })
+    .ok()
+}
+
+/// The order a run's first backward is expected to complete the gradients in, as indices
+/// into the optimizer's order: the model's own order reversed (a Python model's definition
+/// order; the GPT's too), as DDP's first buckets (the reducer adds any not named). The optimizer's order is no guide: it
+/// groups parameters by weight decay, so every block's biases would share the first bucket.
+fn backward_order(task: &dyn Task, opt: &AdamW) -> Vec<usize> {
+    let at: std::collections::HashMap<&str, usize> = opt.names().into_iter().enumerate().map(|(i, n)| (n, i)).collect();
+    task.parameters()
+        .iter()
+        .rev()
+        .filter_map(|(n, _)| at.get(n.as_str()).copied())
+        .collect()
 }
 
 /// AdamW as `train.shard` asks (data parallel only). When even its state does not fit,
