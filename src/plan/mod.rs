@@ -54,6 +54,17 @@ pub struct Estimate {
     pub largest_grad_bytes: u64,
     /// ZeRO-2's world (1: the gradients are whole on every rank).
     pub grads_shard_world: u64,
+    /// The tied embedding's gradient (fp32): backward makes it twice, the head's and the
+    /// lookup's, and sums them into a third before it is the parameter's.
+    pub tied_grad_bytes: u64,
+    /// Data parallel: one bucket of the reduction, made while the gradients are whole.
+    pub bucket_bytes: u64,
+    /// The fused loss's chunk: its rows at the floor size, the tokens of one sample (a
+    /// chunk never exceeds the micro-batch's tokens), and bytes per row.
+    pub chunk_rows: u64,
+    pub tokens_per_sample: u64,
+    pub chunk_row_bytes: u64,
+    pub other_chunk_row_bytes: u64,
 }
 
 /// The share the planner adds for a CUDA caching allocator's rounding and fragmentation.
@@ -76,10 +87,21 @@ impl Estimate {
     /// Per rank, with `shard` across `world` data-parallel ranks: AdamW's moments split
     /// (ZeRO-1 and 2), and stage 2's gradients (`grads_at_peak`).
     pub fn with_shard(self, shard: crate::optim::Shard, world: u64) -> Estimate {
-        if shard == crate::optim::Shard::None || world <= 1 {
+        if world <= 1 {
             return self;
         }
+        // The small gradients' bucket: a gradient of 1 MiB or more is reduced in place.
+        let large = if self.tied_grad_bytes >= 1 << 20 {
+            self.tied_grad_bytes
+        } else {
+            0
+        };
+        let bucket_bytes = crate::dist::DEFAULT_BUCKET_BYTES.min(self.grads_bytes - large);
+        if shard == crate::optim::Shard::None {
+            return Estimate { bucket_bytes, ..self };
+        }
         Estimate {
+            bucket_bytes,
             optimizer_bytes: self.optimizer_bytes.div_ceil(world),
             grads_shard_world: if shard == crate::optim::Shard::Gradients {
                 world
@@ -90,16 +112,45 @@ impl Estimate {
         }
     }
 
-    /// The gradients at their peak. Whole, unless ZeRO-2 reduces them overlapped with
-    /// backward (not with activation checkpointing, whose backward runs in passes): then
-    /// this rank's shard, the largest gradient (a tied embedding's is whole until the
-    /// embedding's own backward), and two of the largest buckets in flight.
-    pub fn grads_at_peak(&self) -> u64 {
+    /// The gradients held: whole, unless ZeRO-2 reduces them overlapped with backward (not
+    /// with activation checkpointing, whose backward runs in passes): then, alongside the
+    /// activations from backward's start, this rank's shard, the largest gradient (a tied
+    /// embedding's is whole until the embedding's own backward), two of the largest buckets
+    /// in flight and one being made.
+    pub fn grads_held(&self) -> u64 {
         if self.grads_shard_world <= 1 || self.activation_checkpointing {
             return self.grads_bytes;
         }
         let bucket = self.largest_grad_bytes.max(crate::dist::DEFAULT_BUCKET_BYTES);
-        (self.grads_bytes.div_ceil(self.grads_shard_world) + self.largest_grad_bytes + 2 * bucket).min(self.grads_bytes)
+        let shard = self.grads_bytes.div_ceil(self.grads_shard_world);
+        (shard + self.largest_grad_bytes + 2 * bucket + crate::dist::DEFAULT_BUCKET_BYTES).min(self.grads_bytes)
+    }
+
+    /// Whether backward drops the gradients as it goes (ZeRO-2 overlapped, where that holds
+    /// less than them all): they then stand beside the activations, not after them.
+    fn grads_beside_activations(&self) -> bool {
+        self.grads_held() < self.grads_bytes
+    }
+
+    /// The gradients at their peak: those held, with the larger of what comes and goes
+    /// around them: the tied embedding's two partial gradients while backward sums them, or
+    /// (data parallel, whole) one bucket being made after backward.
+    pub fn grads_at_peak(&self) -> u64 {
+        let bucket = if self.grads_beside_activations() {
+            0
+        } else {
+            self.bucket_bytes
+        };
+        self.grads_held() + bucket.max(2 * self.tied_grad_bytes)
+    }
+
+    /// The logits term that does not scale with the micro-batch, at `micro` samples: the
+    /// fused loss's chunk is at most the micro-batch's tokens.
+    pub fn logits_fixed(&self, micro: usize) -> u64 {
+        let rows = self
+            .chunk_rows
+            .min((micro as u64).saturating_mul(self.tokens_per_sample));
+        self.logits_fixed_bytes - (self.chunk_rows - rows) * self.chunk_row_bytes
     }
 
     /// The fewest data-parallel ranks (up to 4096) over which the optimizer-sharded state
@@ -139,6 +190,8 @@ impl Estimate {
             other_loss: self.loss,
             other_logits_per_sample: self.logits_per_sample,
             other_logits_fixed_bytes: self.logits_fixed_bytes,
+            chunk_row_bytes: self.other_chunk_row_bytes,
+            other_chunk_row_bytes: self.chunk_row_bytes,
             ..self
         }
     }
@@ -173,6 +226,12 @@ impl Estimate {
             layer_input_per_sample: (t * c * 4.0) as u64,
             largest_grad_bytes: 4 * (m.vocab_size * m.n_embd).max(4 * m.n_embd * m.n_embd) as u64,
             grads_shard_world: 1,
+            tied_grad_bytes: 4 * (m.vocab_size * m.n_embd) as u64,
+            bucket_bytes: 0,
+            chunk_rows: chunk_floor(cuda) as u64,
+            tokens_per_sample: m.block_size as u64,
+            chunk_row_bytes: chunk_row_bytes(m, m.loss, precision),
+            other_chunk_row_bytes: chunk_row_bytes(m, other, precision),
         }
     }
 
@@ -191,23 +250,35 @@ impl Estimate {
         layers + self.logits_per_sample + self.embeddings_per_sample
     }
 
-    /// Peak bytes of one step at `micro` samples per micro-batch: the larger of the
-    /// forward's saved activations (with the fused loss's fixed part) and the gradients,
-    /// over the fixed part.
+    /// Peak bytes of one step at `micro` samples per micro-batch, over the fixed part: the
+    /// larger of the forward's saved activations (with the fused loss's fixed part; ZeRO-2
+    /// overlapped, with the gradients held beside them) and the gradients at their peak.
     pub fn peak(&self, micro: usize) -> u64 {
-        let step = (self.per_sample_bytes() * micro as u64 + self.logits_fixed_bytes).max(self.grads_at_peak());
+        let beside = if self.grads_beside_activations() {
+            self.grads_held()
+        } else {
+            0
+        };
+        let forward = self.per_sample_bytes().saturating_mul(micro as u64) + self.logits_fixed(micro);
+        let step = (forward + beside).max(self.grads_at_peak());
         ((self.fixed_bytes() + step) as f64 * (1.0 + self.allocator_overhead)) as u64
     }
 
-    /// The largest micro-batch (at most `max`) whose peak fits `memory`; 0 if none.
+    /// The largest micro-batch (at most `max`) whose peak fits `memory`; 0 if none (`peak`
+    /// grows with the micro-batch: a bisection).
     pub fn largest_fitting(&self, memory: u64, max: usize) -> usize {
-        let budget = memory as f64 / (1.0 + self.allocator_overhead);
-        let room = budget - self.fixed_bytes() as f64;
-        let for_samples = room - self.logits_fixed_bytes as f64;
-        if room < self.grads_bytes as f64 || for_samples < self.per_sample_bytes() as f64 {
-            return 0;
+        // Every sample adds its bytes: no more than the memory holds of them.
+        let most = memory / self.per_sample_bytes().max(1);
+        let (mut lo, mut hi) = (0usize, max.min(usize::try_from(most).unwrap_or(usize::MAX)));
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            if self.peak(mid) <= memory {
+                lo = mid
+            } else {
+                hi = mid - 1
+            }
         }
-        ((for_samples / self.per_sample_bytes() as f64) as usize).min(max)
+        lo
     }
 
     /// The table `oomguard plan` prints.
@@ -224,6 +295,7 @@ impl Estimate {
                 ),
             ),
             row("gradients", self.grads_bytes),
+            row("  the tied embedding's two, summed", 2 * self.tied_grad_bytes),
             row("optimizer state (AdamW)", self.optimizer_bytes),
             (
                 format!("activations per layer (x{})", self.n_layer),
@@ -238,11 +310,14 @@ impl Estimate {
             ),
             (
                 logits_label(self.loss),
-                human_bytes(self.logits_per_sample * b + self.logits_fixed_bytes),
+                human_bytes(self.logits_per_sample * b + self.logits_fixed(micro)),
             ),
             (
                 format!("  if model.loss: {}", self.other_loss.name()),
-                human_bytes(self.other_logits_per_sample * b + self.other_logits_fixed_bytes),
+                human_bytes(
+                    self.clone().with_loss(self.other_loss).logits_per_sample * b
+                        + self.clone().with_loss(self.other_loss).logits_fixed(micro),
+                ),
             ),
             row("embeddings and the rest", self.embeddings_per_sample * b),
             row("cuBLAS workspaces", self.workspace_bytes),
@@ -282,6 +357,18 @@ fn logits_bytes(m: &GptConfig, loss: LossKind, precision: Precision, cuda: bool)
                 (t * c * 4.0 + t * c * per_logit) as u64,
                 (vp * c * 4.0 + floor * vp * per_logit) as u64,
             )
+        }
+    }
+}
+
+/// The fused loss's bytes per chunk row (its logits, fp32, and their bf16 copies under
+/// autocast); 0 for the full loss.
+fn chunk_row_bytes(m: &GptConfig, loss: LossKind, precision: Precision) -> u64 {
+    match loss {
+        LossKind::Full => 0,
+        LossKind::Fused => {
+            let per_logit = if precision == Precision::Fp32 { 4 } else { 8 };
+            padded_vocab(m.vocab_size) as u64 * per_logit
         }
     }
 }
@@ -427,6 +514,51 @@ pub fn advice(m: &GptConfig, memory: u64, cuda: bool) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn data_parallel_terms_follow_what_the_step_holds() {
+        use crate::optim::Shard;
+        // A state-heavy GPT: a tied vocabulary of 20,736 (5.3 MB), two blocks, 8 tokens.
+        let m = GptConfig {
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 64,
+            block_size: 8,
+            vocab_size: 20736,
+            loss: LossKind::Fused,
+            ..gpt2()
+        };
+        let e = Estimate::new(&m, Precision::Fp32, false);
+        // One sample's 8 tokens are the fused loss's whole chunk, not its 256-row floor.
+        assert_eq!(e.logits_fixed(64) - e.logits_fixed(1), (256 - 8) * e.chunk_row_bytes);
+        // The tied embedding's two partial gradients outweigh a bucket of the small ones.
+        let dp = e.clone().with_shard(Shard::None, 2);
+        assert_eq!(dp.grads_at_peak(), dp.grads_bytes + 2 * dp.tied_grad_bytes);
+        assert!(
+            dp.bucket_bytes < 1 << 20,
+            "the embedding goes in place: {}",
+            dp.bucket_bytes
+        );
+        // Deep and narrow: ZeRO-2 holds its shard and buckets beside the activations.
+        let deep = Estimate::new(
+            &GptConfig {
+                n_layer: 55,
+                vocab_size: 256,
+                ..m
+            },
+            Precision::Fp32,
+            false,
+        );
+        let z2 = deep.clone().with_shard(Shard::Gradients, 2);
+        assert!(z2.grads_held() < z2.grads_bytes);
+        assert_eq!(
+            z2.peak(1),
+            z2.fixed_bytes() + z2.per_sample_bytes() + z2.logits_fixed(1) + z2.grads_held()
+        );
+        let z1 = deep.with_shard(Shard::Optimizer, 2);
+        assert_eq!(z1.grads_at_peak(), z1.grads_bytes + (1 << 20));
+        assert!(z2.peak(1) < z1.peak(1));
+    }
 
     fn gpt2() -> GptConfig {
         GptConfig {
