@@ -29,10 +29,10 @@ extern "C" {
 }
 
 /// DDP's default bucket size is 25 MiB, sized for GPUs and NCCL. Here it is measured
-/// (docs/measurements/bench-netns-2026-11-27.txt, two nodes at 1 Gbit/s): 1 MiB hid 79% of
-/// the transfer and cost 1% on the fast link; 0.25 MiB hid it all at 1 Gbit/s but its many
-/// small collectives cost 13% on the fast link; one bucket hides nothing. A parameter larger
-/// than a bucket is reduced alone, in place, so the size only groups the small ones.
+/// (docs/measurements/bench-netns-2026-11-27b.txt, two nodes at 1 Gbit/s): 1 MiB hid 84% of
+/// the transfer at no cost on the fast link; 0.25 MiB hid 88% but its many small
+/// collectives cost 9% on the fast link; one bucket hides nothing. A parameter larger than a
+/// bucket is reduced alone, in place, so the size only groups the small ones.
 pub const DEFAULT_BUCKET_MB: f64 = 1.0;
 /// The same, in bytes.
 pub const DEFAULT_BUCKET_BYTES: u64 = 1 << 20;
