@@ -187,10 +187,11 @@ char* og_dist_reduce_scatter(void* g, void* in, void* out, int* fallback) {
   });
 }
 
-// All-gather: out[r*S, (r+1)*S) = rank r's in[S], on every rank. On Gloo: this rank's slice
-// in place, then one in-place broadcast from each rank (an all-gather's bytes, allocating
-// nothing), *fallback 3. Where a backend has no flat form: the zeros of `out` with this
-// rank's slice in place, summed over the ranks (x + 0 is x exactly), *fallback 1.
+// All-gather: out[r*S, (r+1)*S) = rank r's in[S], on every rank; `in` may be this rank's
+// slice of `out` itself. On Gloo: this rank's slice in place, then one in-place broadcast
+// from each rank (an all-gather's bytes, allocating nothing), *fallback 3. Where a backend
+// has no flat form: the other slices zeroed, summed over the ranks (x + 0 is x exactly),
+// *fallback 1.
 char* og_dist_all_gather(void* g, void* in, void* out, int* fallback) {
   return oomguard::guarded([&] {
     auto* G = group(g);
@@ -198,10 +199,13 @@ char* og_dist_all_gather(void* g, void* in, void* out, int* fallback) {
     auto& output = *static_cast<at::Tensor*>(out);
     const int64_t S = input.numel();
     const int rank = G->backend->getRank();
+    const int world = G->backend->getSize();
+    auto ours = output.narrow(0, rank * S, S);
+    const bool in_place = ours.data_ptr() == input.data_ptr();
     if (G->gloo) {
-      output.narrow(0, rank * S, S).copy_(input);
+      if (!in_place) ours.copy_(input);
       std::vector<c10::intrusive_ptr<c10d::Work>> works;
-      for (int r = 0; r < G->backend->getSize(); ++r) {
+      for (int r = 0; r < world; ++r) {
         std::vector<at::Tensor> one{output.narrow(0, r * S, S)};
         c10d::BroadcastOptions o;
         o.rootRank = r;
@@ -221,8 +225,9 @@ char* og_dist_all_gather(void* g, void* in, void* out, int* fallback) {
         G->no_all_gather = true;
       }
     }
-    output.zero_();
-    output.narrow(0, rank * S, S).copy_(input);
+    if (!in_place) ours.copy_(input);
+    output.narrow(0, 0, rank * S).zero_();
+    output.narrow(0, (rank + 1) * S, (world - rank - 1) * S).zero_();
     std::vector<at::Tensor> one{output};
     G->backend->allreduce(one, c10d::AllreduceOptions())->wait();
     *fallback = 1;

@@ -47,8 +47,11 @@ impl AdamW {
         let zeros = |n: i64| Tensor::f_zeros([n], (Kind::Float, device));
         // A fresh state's shards; empty when `set_shard` fills them from whole moments.
         let n = if fresh { layout.shard } else { 0 };
+        let world = comm.world() as i64;
+        let gather_in_grad = Layout::with_chunk(&numels, comm.rank(), comm.world(), layout.shard / world);
         Ok(Zero {
             stage,
+            gather_in_grad,
             pieces: layout.pieces(),
             exp_avg: zeros(n)?,
             exp_avg_sq: zeros(n)?,

@@ -44,8 +44,9 @@ pub struct Prepared {
     step: u64,
     next: Vec<Vec<Tensor>>,
     found_inf: Option<Tensor>,
-    /// Sharded: the all-gather's buffers for the updated parameters.
-    gather: Option<Buffers>,
+    /// Sharded: the all-gather's buffers for the updated parameters (`Some(None)`: stage 2,
+    /// through the gradient shard).
+    gather: Option<Option<Buffers>>,
 }
 
 impl AdamW {
@@ -78,10 +79,14 @@ impl AdamW {
                     .collect::<Result<_, _>>()
             })
             .collect::<Result<_, TchError>>()?;
+        // Stage 2 gathers through its gradient shard, once the update has used it.
         let gather = self
             .zero
             .as_ref()
-            .map(|z| Buffers::new(&z.layout, Kind::Float, z.exp_avg.device()))
+            .map(|z| match z.gathers_in_grad() {
+                true => Ok(None),
+                false => Buffers::new(&z.layout, Kind::Float, z.exp_avg.device()).map(Some),
+            })
             .transpose()?;
         Ok(Prepared {
             step,
@@ -113,7 +118,7 @@ impl AdamW {
             self.commit_shard(&next, inf, lr).map_err(|e| partial(step, e))?;
             // Every rank's updated shard to every rank. A failure here is a collective's
             // (a peer gone): the group restarts from the last checkpoint.
-            self.gather_params(&gather)?;
+            self.gather_params(gather.as_ref())?;
             self.last_step = Some(step);
             if let Some(z) = self.zero.as_mut() {
                 z.grad = None;
@@ -197,16 +202,23 @@ impl AdamW {
         Ok(())
     }
 
-    /// The all-gather of the updated parameters, a chunk at a time.
-    fn gather_params(&self, b: &Buffers) -> OgResult<()> {
+    /// The all-gather of the updated parameters, a chunk at a time: through `b`, or (stage
+    /// 2, `None`) through the gradient shard, whose values the update has used.
+    fn gather_params(&self, b: Option<&Buffers>) -> OgResult<()> {
         let z = self.zero.as_ref().expect("sharded");
         let _no_grad = tch::no_grad_guard();
         let flat = self.flat_params()?;
-        let (l, w) = (&z.layout, z.layout.world as i64);
+        let (l, all) = match (b, &z.grad) {
+            (Some(b), _) => (&z.layout, b.all.shallow_clone()),
+            (None, Some(g)) => (&z.gather_in_grad, g.shallow_clone()),
+            (None, None) => return Err(Error::Dist("stage 2's all-gather found no gradient shard".into())),
+        };
+        let w = l.world as i64;
         for c in l.chunks() {
-            let own = b.own.f_narrow(0, 0, c.1)?;
+            let all = all.f_narrow(0, 0, w * c.1)?;
+            // This rank's part in its place: the collective sends it from there.
+            let own = all.f_narrow(0, l.rank as i64 * c.1, c.1)?;
             l.pack(&flat, l.rank as i64 * l.shard + c.0, &own)?;
-            let all = b.all.f_narrow(0, 0, w * c.1)?;
             z.comm.all_gather(&own, &all)?;
             l.unpack_all(&all, c, &flat)?;
         }

@@ -38,7 +38,8 @@ pub trait Comm {
     fn all_reduce_max(&self, t: &Tensor) -> Result<()>;
     /// `out` (S values) becomes the sum over ranks of their `input[rank*S..]`.
     fn reduce_scatter(&self, input: &Tensor, out: &Tensor) -> Result<()>;
-    /// `out[r*S..(r+1)*S]` becomes rank r's `input` (S values).
+    /// `out[r*S..(r+1)*S]` becomes rank r's `input` (S values); `input` may be this rank's
+    /// slice of `out`.
     fn all_gather(&self, input: &Tensor, out: &Tensor) -> Result<()>;
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<()>;
 }
@@ -105,6 +106,17 @@ impl Layout {
     /// `numels`: the parameters' sizes in the optimizer's order; `bucket_elems`: the most
     /// elements one collective moves over all ranks.
     pub fn new(numels: &[i64], rank: usize, world: usize, bucket_elems: i64) -> Layout {
+        let total: i64 = numels.iter().sum();
+        let shard = (total + world as i64 - 1) / world as i64;
+        // A sixteenth of the shard at most: the buffers ((world + 1) x chunk) stay small
+        // against what sharding saves, even for a model smaller than one bucket.
+        let chunk = (bucket_elems / world as i64).min((shard + CHUNKS_PER_SHARD - 1) / CHUNKS_PER_SHARD);
+        Layout::with_chunk(numels, rank, world, chunk)
+    }
+
+    /// The same space moved in chunks of `chunk` elements per rank (at least 1, at most the
+    /// shard).
+    pub fn with_chunk(numels: &[i64], rank: usize, world: usize, chunk: i64) -> Layout {
         let mut offsets = Vec::with_capacity(numels.len());
         let mut total = 0;
         for n in numels {
@@ -112,11 +124,7 @@ impl Layout {
             total += n;
         }
         let shard = (total + world as i64 - 1) / world as i64;
-        // A sixteenth of the shard at most: the buffers ((world + 1) x chunk) stay small
-        // against what sharding saves, even for a model smaller than one bucket.
-        let chunk = (bucket_elems / world as i64)
-            .min((shard + CHUNKS_PER_SHARD - 1) / CHUNKS_PER_SHARD)
-            .clamp(1, shard.max(1));
+        let chunk = chunk.clamp(1, shard.max(1));
         let mut l = Layout {
             rank,
             world,
@@ -318,11 +326,27 @@ pub struct Zero {
     /// Stage 2: this rank's part of the summed gradients, from the reduce-scatter to the
     /// update.
     pub grad: Option<Tensor>,
+    /// Stage 2's all-gather, through the gradient shard's memory once the update has used
+    /// it: `world` chunks of shard / world (and the remainder), so `world x chunk` fits the
+    /// shard. Few collectives, each their latency (about a millisecond on Gloo here), and
+    /// no buffer of its own.
+    pub gather_in_grad: Layout,
     /// A checkpoint's full state read on rank 0, until `AdamW::share_restored` hands each
     /// rank its part.
     pub restored: Option<Vec<(String, Tensor)>>,
     /// Stage 2: the clipping prepared for the ranks' agreement.
     pub clip: Option<Clip>,
+}
+
+impl Zero {
+    /// Whether the all-gather goes through the gradient shard (stage 2, a shard that holds
+    /// `world` chunks: not for a model of fewer elements than ranks).
+    pub fn gathers_in_grad(&self) -> bool {
+        let l = &self.gather_in_grad;
+        self.grad
+            .as_ref()
+            .is_some_and(|g| l.world as i64 * l.chunk <= g.numel() as i64)
+    }
 }
 
 /// Stage 2's clipping, allocated before the ranks agree: this shard's sum of squares, and
@@ -372,6 +396,10 @@ mod tests {
                 }
                 let chunks = l.chunks();
                 assert_eq!(chunks.iter().map(|c| c.1).sum::<i64>(), l.shard);
+                // Stage 2's gather through the gradient shard: world chunks and the rest.
+                let g = Layout::with_chunk(&numels, rank, world, l.shard / world as i64);
+                assert_eq!(g.chunks().iter().map(|c| c.1).sum::<i64>(), l.shard);
+                assert!(world as i64 * g.chunk <= l.shard || l.shard < world as i64);
                 assert!(chunks.iter().all(|c| c.1 <= l.chunk));
             }
             assert!(seen.iter().all(|&s| s == 1), "world {world}: {seen:?}");
