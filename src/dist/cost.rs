@@ -5,7 +5,7 @@
 pub use super::exchange::busiest_neighbours;
 use super::exchange::MESSAGE_BYTES;
 use super::overlap::{buffer_bytes, layout, DEFAULT_BUCKET_MB};
-use crate::optim::zero::{Layout, BUCKET_BYTES};
+use crate::optim::zero::{gathers_in_shard, Layout, BUCKET_BYTES};
 use crate::optim::Shard;
 
 /// Exchanges inside a clean step of `oomguard train` (what a step record's `exchange_bytes`
@@ -100,14 +100,24 @@ pub fn cost(numels: &[i64], world: usize, shard: Shard) -> Cost {
         // pieces kept and its gradients dropped (at most two buckets in flight, and the
         // largest gradient whole while backward makes it); then the all-gather, a chunk at
         // a time, through the plan.
-        _ => Cost {
-            grads: 4 * l.shard as u64 + largest_grad + 2 * largest_bucket,
-            buffers: sharded.buffers + buffer_bytes(&sizes, cap) as u64,
-            wire: 2 * ring(4 * p) + ring(4 * p),
-            collectives: buckets.len() as u64 + chunks,
-            host_copies: blocks + chunks,
-            ..sharded
-        },
+        // The all-gather through the gradient shard where that takes no more collectives
+        // (no buffers of its own), else through the buffers.
+        _ => {
+            let g = Layout::with_chunk(numels, 0, world, l.shard / w as i64);
+            let (gather_buffers, gather_chunks, gather_blocks) = if gathers_in_shard(&l, &g, l.shard) {
+                (0, g.chunks().len() as u64, g.blocks() as u64)
+            } else {
+                (sharded.buffers, chunks, blocks)
+            };
+            Cost {
+                grads: 4 * l.shard as u64 + largest_grad + 2 * largest_bucket,
+                buffers: gather_buffers + buffer_bytes(&sizes, cap) as u64,
+                wire: 2 * ring(4 * p) + ring(4 * p),
+                collectives: buckets.len() as u64 + gather_chunks,
+                host_copies: gather_blocks + gather_chunks,
+                ..sharded
+            }
+        }
     }
 }
 

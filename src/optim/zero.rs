@@ -339,14 +339,20 @@ pub struct Zero {
 }
 
 impl Zero {
-    /// Whether the all-gather goes through the gradient shard (stage 2, a shard that holds
-    /// `world` chunks: not for a model of fewer elements than ranks).
+    /// Whether the all-gather goes through the gradient shard: stage 2, where that takes no
+    /// more collectives than the buffers' chunks (up to 16 ranks) and the shard holds
+    /// `world` chunks (not for a model of fewer elements than ranks).
     pub fn gathers_in_grad(&self) -> bool {
-        let l = &self.gather_in_grad;
         self.grad
             .as_ref()
-            .is_some_and(|g| l.world as i64 * l.chunk <= g.numel() as i64)
+            .is_some_and(|g| gathers_in_shard(&self.layout, &self.gather_in_grad, g.numel() as i64))
     }
+}
+
+/// Whether the all-gather of `layout`'s space goes through a shard of `shard_numel` elements
+/// by `in_shard` (its chunks no smaller than the buffers' and `world` of them fit).
+pub fn gathers_in_shard(layout: &Layout, in_shard: &Layout, shard_numel: i64) -> bool {
+    in_shard.chunk >= layout.chunk && in_shard.world as i64 * in_shard.chunk <= shard_numel
 }
 
 /// Stage 2's clipping, allocated before the ranks agree: this shard's sum of squares, and
