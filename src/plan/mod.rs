@@ -144,6 +144,11 @@ impl Estimate {
         self.grads_held() + bucket.max(2 * self.tied_grad_bytes)
     }
 
+    /// The logits term at `micro` samples, both parts.
+    pub fn logits_at(&self, micro: usize) -> u64 {
+        self.logits_per_sample.saturating_mul(micro as u64) + self.logits_fixed(micro)
+    }
+
     /// The logits term that does not scale with the micro-batch, at `micro` samples: the
     /// fused loss's chunk is at most the micro-batch's tokens.
     pub fn logits_fixed(&self, micro: usize) -> u64 {
@@ -308,16 +313,10 @@ impl Estimate {
                     human_bytes(self.attention_scores_if_materialized_per_sample * b)
                 ),
             ),
-            (
-                logits_label(self.loss),
-                human_bytes(self.logits_per_sample * b + self.logits_fixed(micro)),
-            ),
+            (logits_label(self.loss), human_bytes(self.logits_at(micro))),
             (
                 format!("  if model.loss: {}", self.other_loss.name()),
-                human_bytes(
-                    self.clone().with_loss(self.other_loss).logits_per_sample * b
-                        + self.clone().with_loss(self.other_loss).logits_fixed(micro),
-                ),
+                human_bytes(self.clone().with_loss(self.other_loss).logits_at(micro)),
             ),
             row("embeddings and the rest", self.embeddings_per_sample * b),
             row("cuBLAS workspaces", self.workspace_bytes),
