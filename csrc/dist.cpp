@@ -187,50 +187,53 @@ char* og_dist_reduce_scatter(void* g, void* in, void* out, int* fallback) {
   });
 }
 
-// All-gather: out[r*S, (r+1)*S) = rank r's in[S], on every rank; `in` may be this rank's
-// slice of `out` itself. On Gloo: this rank's slice in place, then one in-place broadcast
-// from each rank (an all-gather's bytes, allocating nothing), *fallback 3. Where a backend
-// has no flat form: the other slices zeroed, summed over the ranks (x + 0 is x exactly),
-// *fallback 1.
-char* og_dist_all_gather(void* g, void* in, void* out, int* fallback) {
+// All-gathers, n of them: outs[k][r*S, (r+1)*S) = rank r's ins[k][S], on every rank;
+// ins[k] may be this rank's slice of outs[k] itself. On Gloo: this rank's slices in place,
+// then one in-place broadcast from each rank for each (an all-gather's bytes, allocating
+// nothing), every one issued before any is waited for (their latencies overlap), *fallback
+// 3. Elsewhere one at a time: the flat form, or where a backend has none, the other slices
+// zeroed and summed over the ranks (x + 0 is x exactly), *fallback 1.
+char* og_dist_all_gather(void* g, void** ins, void** outs, int n, int* fallback) {
   return oomguard::guarded([&] {
     auto* G = group(g);
-    auto& input = *static_cast<at::Tensor*>(in);
-    auto& output = *static_cast<at::Tensor*>(out);
-    const int64_t S = input.numel();
     const int rank = G->backend->getRank();
     const int world = G->backend->getSize();
-    auto ours = output.narrow(0, rank * S, S);
-    const bool in_place = ours.data_ptr() == input.data_ptr();
-    if (G->gloo) {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    for (int k = 0; k < n; ++k) {
+      auto& input = *static_cast<at::Tensor*>(ins[k]);
+      auto& output = *static_cast<at::Tensor*>(outs[k]);
+      const int64_t S = input.numel();
+      auto ours = output.narrow(0, rank * S, S);
+      const bool in_place = ours.data_ptr() == input.data_ptr();
+      if (G->gloo) {
+        if (!in_place) ours.copy_(input);
+        for (int r = 0; r < world; ++r) {
+          std::vector<at::Tensor> one{output.narrow(0, r * S, S)};
+          c10d::BroadcastOptions o;
+          o.rootRank = r;
+          works.push_back(G->backend->broadcast(one, o));
+        }
+        *fallback = 3;
+        continue;
+      }
+      if (!G->no_all_gather) {
+        try {
+          G->backend->_allgather_base(output, input, c10d::AllgatherOptions())->wait();
+          *fallback = 0;
+          continue;
+        } catch (const std::exception& e) {
+          if (!unsupported(e)) throw;
+          G->no_all_gather = true;
+        }
+      }
       if (!in_place) ours.copy_(input);
-      std::vector<c10::intrusive_ptr<c10d::Work>> works;
-      for (int r = 0; r < world; ++r) {
-        std::vector<at::Tensor> one{output.narrow(0, r * S, S)};
-        c10d::BroadcastOptions o;
-        o.rootRank = r;
-        works.push_back(G->backend->broadcast(one, o));
-      }
-      for (auto& w : works) w->wait();
-      *fallback = 3;
-      return;
+      output.narrow(0, 0, rank * S).zero_();
+      output.narrow(0, (rank + 1) * S, (world - rank - 1) * S).zero_();
+      std::vector<at::Tensor> one{output};
+      G->backend->allreduce(one, c10d::AllreduceOptions())->wait();
+      *fallback = 1;
     }
-    if (!G->no_all_gather) {
-      try {
-        G->backend->_allgather_base(output, input, c10d::AllgatherOptions())->wait();
-        *fallback = 0;
-        return;
-      } catch (const std::exception& e) {
-        if (!unsupported(e)) throw;
-        G->no_all_gather = true;
-      }
-    }
-    if (!in_place) ours.copy_(input);
-    output.narrow(0, 0, rank * S).zero_();
-    output.narrow(0, (rank + 1) * S, (world - rank - 1) * S).zero_();
-    std::vector<at::Tensor> one{output};
-    G->backend->allreduce(one, c10d::AllreduceOptions())->wait();
-    *fallback = 1;
+    for (auto& w : works) w->wait();
   });
 }
 

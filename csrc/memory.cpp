@@ -193,6 +193,65 @@ void og_set_grad(void* tensor, void* grad) {
   static_cast<torch::Tensor*>(tensor)->mutable_grad() = *static_cast<torch::Tensor*>(grad);
 }
 
+// The storages that only the gradients of `params` hold, each whole as one flat tensor,
+// largest first (*count of them, at most n, into out): scratch once those gradients are
+// spent (ZeRO-1's all-gather after its update). Only where nothing else holds the storage,
+// a gradient or the bucket a gradient is a view of (a live bucket, a user's reference, a
+// saved tensor): nothing but spent gradients is ever overwritten. Allocates no tensor
+// memory.
+char* og_grads_scratch(void** params, int n, void** out, int* count) {
+  return guarded([&] {
+    *count = 0;
+    if (n <= 0) return;
+    const auto& like = *static_cast<torch::Tensor*>(params[0]);
+    // Per storage: the tensors that hold it (gradients, and the bases they are views of),
+    // each with the references it may have (1 for a gradient: its parameter's slot).
+    struct Holder {
+      const c10::TensorImpl* impl;
+      int64_t refs;
+      size_t expected;
+    };
+    struct Held {
+      c10::Storage storage;
+      std::vector<Holder> holders;
+      void add(const at::TensorBase& t, size_t expected) {
+        for (auto& h : holders) {
+          if (h.impl == t.unsafeGetTensorImpl()) {
+            h.expected += expected;
+            return;
+          }
+        }
+        holders.push_back({t.unsafeGetTensorImpl(), static_cast<int64_t>(t.use_count()), expected});
+      }
+    };
+    std::vector<Held> held;
+    for (int i = 0; i < n; ++i) {
+      const auto& g = static_cast<torch::Tensor*>(params[i])->grad();
+      if (!g.defined() || !g.has_storage() || g.scalar_type() != like.scalar_type() || g.device() != like.device()) {
+        continue;
+      }
+      auto it = std::find_if(held.begin(), held.end(), [&](const Held& h) { return h.storage.is_alias_of(g.storage()); });
+      if (it == held.end()) it = held.insert(held.end(), Held{g.storage(), {}});
+      it->add(g, 1);
+      if (g.is_view()) it->add(g._base(), 1);
+    }
+    std::vector<const c10::Storage*> only;
+    for (const auto& h : held) {
+      bool alone = h.storage.use_count() == h.holders.size() + 1;  // + `held`'s own copy
+      for (const auto& x : h.holders) alone = alone && x.refs == static_cast<int64_t>(x.expected);
+      if (alone && h.storage.nbytes() >= static_cast<size_t>(like.element_size())) only.push_back(&h.storage);
+    }
+    std::stable_sort(only.begin(), only.end(), [](auto a, auto b) { return a->nbytes() > b->nbytes(); });
+    torch::NoGradGuard no_grad;
+    for (const auto* st : only) {
+      const auto numel = static_cast<int64_t>(st->nbytes() / like.element_size());
+      auto flat = at::empty({0}, like.options().requires_grad(false));
+      flat.set_(*st, 0, {numel}, {1});
+      out[(*count)++] = new torch::Tensor(flat);
+    }
+  });
+}
+
 int og_cuda_available() { return torch::cuda::is_available() ? 1 : 0; }
 
 // Data parallel on CUDA: the rank's own GPU becomes the current device before any CUDA

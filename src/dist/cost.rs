@@ -89,13 +89,23 @@ pub fn cost(numels: &[i64], world: usize, shard: Shard) -> Cost {
         .unwrap_or(0) as u64;
     let largest_grad = sizes.iter().map(|s| s.0).max().unwrap_or(0) as u64;
     match shard {
-        // The gradients all-reduced whole, then the updated shard all-gathered.
-        Shard::Optimizer => Cost {
-            wire: 2 * ring(4 * p) + ring(4 * p),
-            collectives: 1 + chunks,
-            host_copies: blocks + chunks,
-            ..sharded
-        },
+        // The gradients all-reduced whole, then the updated shard all-gathered through the
+        // spent gradients' largest storage (a bucket, or a gradient larger than one) where
+        // that takes no more collectives than the buffers, else through the buffers.
+        Shard::Optimizer => {
+            let g = Layout::with_chunk(numels, 0, world, largest_bucket as i64 / 4 / w as i64);
+            let (buffers, chunks, blocks) = match gathers_in_shard(&l, &g, largest_bucket as i64 / 4) {
+                true => (0, g.chunks().len() as u64, g.blocks() as u64),
+                false => (sharded.buffers, chunks, blocks),
+            };
+            Cost {
+                buffers,
+                wire: 2 * ring(4 * p) + ring(4 * p),
+                collectives: 1 + chunks,
+                host_copies: blocks + chunks,
+                ..sharded
+            }
+        }
         // Overlapped with backward: each bucket all-reduced as it completes, this rank's
         // pieces kept and its gradients dropped (at most two buckets in flight, and the
         // largest gradient whole while backward makes it); then the all-gather, a chunk at

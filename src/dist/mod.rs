@@ -40,7 +40,13 @@ extern "C" {
         out: *mut c_void,
         fallback: *mut i32,
     ) -> *mut c_char;
-    fn og_dist_all_gather(group: *mut c_void, input: *mut c_void, out: *mut c_void, fallback: *mut i32) -> *mut c_char;
+    fn og_dist_all_gather(
+        group: *mut c_void,
+        inputs: *const *mut c_void,
+        outs: *const *mut c_void,
+        n: i32,
+        fallback: *mut i32,
+    ) -> *mut c_char;
     fn og_dist_store_set(group: *mut c_void, key: *const c_char, data: *const u8, len: i64) -> *mut c_char;
     fn og_dist_store_get(group: *mut c_void, key: *const c_char, out: *mut *mut u8, len: *mut i64) -> *mut c_char;
     fn og_free(p: *mut c_char);
@@ -269,18 +275,17 @@ impl ProcessGroup {
         Ok(())
     }
 
-    /// ZeRO's all-gather: `out[r*S..(r+1)*S]` becomes rank r's `input` (S values).
-    pub fn all_gather(&self, input: &Tensor, out: &Tensor) -> Result<()> {
+    /// ZeRO's all-gathers: each `out[r*S..(r+1)*S]` becomes rank r's `input` (S values);
+    /// on Gloo all issued before any is waited for.
+    pub fn all_gather(&self, pairs: &[(Tensor, Tensor)]) -> Result<()> {
+        let (ins, outs): (Vec<Tensor>, Vec<Tensor>) = pairs
+            .iter()
+            .map(|(i, o)| (i.shallow_clone(), o.shallow_clone()))
+            .unzip();
+        let (ins, outs) = (ptrs(&ins), ptrs(&outs));
         let mut fallback = 0;
-        check(unsafe {
-            og_dist_all_gather(
-                self.ptr,
-                input.as_ptr() as *mut c_void,
-                out.as_ptr() as *mut c_void,
-                &mut fallback,
-            )
-        })
-        .map_err(dist_error("all-gather"))?;
+        check(unsafe { og_dist_all_gather(self.ptr, ins.as_ptr(), outs.as_ptr(), ins.len() as i32, &mut fallback) })
+            .map_err(dist_error("all-gather"))?;
         let instead = match fallback {
             3 => "one in-place broadcast from each rank (an all-gather's bytes)",
             _ => "an in-place all-reduce of the zero-padded shards (the same values, twice the traffic)",
@@ -342,16 +347,24 @@ impl ProcessGroup {
     /// the guards, which decide on them, decide alike.
     /// `topic`: the site's own, so that ranks at different sites fail at once, named.
     pub fn agree<T>(&self, topic: Topic, local: Result<T>) -> Result<T> {
+        self.agree_with(topic, local, &mut [])
+    }
+
+    /// `agree`, with `also` (a few values) reduced by MAX over the ranks in the same exchange.
+    pub fn agree_with<T>(&self, topic: Topic, local: Result<T>, also: &mut [f64]) -> Result<T> {
         // Which ranks failed, in O(1) values: the lowest rank with an OOM, and with another
         // error (-rank, under MAX; -inf for none).
         let me = -(self.rank as f64);
         let none = f64::NEG_INFINITY;
-        let mut v = match &local {
+        let status = match &local {
             Ok(_) => [none, none],
             Err(Error::Oom(_)) => [me, none],
             Err(_) => [none, me],
         };
-        self.exchange(topic, &mut v)?;
+        let mut all = [&status[..], also].concat();
+        self.exchange(topic, &mut all)?;
+        also.copy_from_slice(&all[2..]);
+        let v = [all[0], all[1]];
         if v[1] > none {
             let r = -v[1] as usize;
             return Err(match local {
@@ -549,8 +562,8 @@ impl crate::optim::Comm for ProcessGroup {
     fn reduce_scatter(&self, input: &Tensor, out: &Tensor) -> Result<()> {
         ProcessGroup::reduce_scatter(self, input, out)
     }
-    fn all_gather(&self, input: &Tensor, out: &Tensor) -> Result<()> {
-        ProcessGroup::all_gather(self, input, out)
+    fn all_gather(&self, pairs: &[(Tensor, Tensor)]) -> Result<()> {
+        ProcessGroup::all_gather(self, pairs)
     }
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<()> {
         ProcessGroup::broadcast(self, std::slice::from_ref(t), root)

@@ -26,6 +26,12 @@ mod ffi {
         pub fn og_cpu_reset_peak();
         pub fn og_clear_grad(tensor: *mut c_void);
         pub fn og_set_grad(tensor: *mut c_void, grad: *mut c_void);
+        pub fn og_grads_scratch(
+            params: *const *mut c_void,
+            n: c_int,
+            out: *mut *mut c_void,
+            count: *mut c_int,
+        ) -> *mut c_char;
         pub fn og_cuda_available() -> c_int;
         pub fn og_cuda_set_device(device: c_int) -> *mut c_char;
         pub fn og_cuda_empty_cache() -> *mut c_char;
@@ -85,6 +91,23 @@ pub fn clear_grad(t: &Tensor) {
 pub fn set_grad(t: &Tensor, grad: &Tensor) {
     // SAFETY: both are torch::Tensor*, as og_set_grad takes them; it copies the handle.
     unsafe { ffi::og_set_grad(t.as_ptr() as *mut c_void, grad.as_ptr() as *mut c_void) }
+}
+
+/// The storages that only `params`' gradients hold, each whole as one flat tensor, largest
+/// first: scratch once the gradients are spent. Nothing else holds them, so writing them
+/// changes nothing but those gradients. Allocates no tensor memory.
+pub fn grads_scratch(params: &[Tensor]) -> Result<Vec<Tensor>, TchError> {
+    let ptrs: Vec<*mut c_void> = params.iter().map(|p| p.as_ptr() as *mut c_void).collect();
+    let mut out = vec![std::ptr::null_mut(); ptrs.len()];
+    let mut count = 0;
+    // SAFETY: tch's C_tensor is a torch::Tensor*, as og_grads_scratch takes them; it fills
+    // `count` (at most ptrs.len()) slots of `out` with new torch::Tensor*s it hands over.
+    let done = check(unsafe { ffi::og_grads_scratch(ptrs.as_ptr(), ptrs.len() as i32, out.as_mut_ptr(), &mut count) });
+    let taken = out[..count.max(0) as usize]
+        .iter()
+        .map(|&p| unsafe { Tensor::from_ptr(p as *mut torch_sys::C_tensor) })
+        .collect();
+    done.map(|()| taken)
 }
 
 pub fn cuda_available() -> bool {
@@ -296,6 +319,48 @@ pub use oomguard_console::units::human_bytes;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scratch_is_only_storage_no_one_but_the_gradients_holds() {
+        let opts = (tch::Kind::Float, Device::Cpu);
+        let params: Vec<Tensor> = [3i64, 5, 4, 7]
+            .iter()
+            .map(|&n| Tensor::zeros([n], opts).set_requires_grad(true))
+            .collect();
+        let sizes = |v: &[Tensor]| v.iter().map(|t| t.numel()).collect::<Vec<_>>();
+        // Backward's own gradients: each its storage, largest first.
+        params.iter().for_each(|p| p.sum(None).backward());
+        assert_eq!(sizes(&grads_scratch(&params).unwrap()), [7, 5, 4, 3]);
+        // The first three as views of one bucket (as the reduction leaves them): that
+        // bucket, whole, and not the gradients it replaced.
+        let bucket = Tensor::arange(12, opts);
+        let mut at = 0;
+        for p in &params[..3] {
+            let n = p.numel() as i64;
+            set_grad(p, &bucket.narrow(0, at, n));
+            at += n;
+        }
+        let bucket_ptr = bucket.data_ptr();
+        // Still held here (as a live bucket would be): not scratch.
+        assert_eq!(sizes(&grads_scratch(&params).unwrap()), [7]);
+        drop(bucket);
+        let got = grads_scratch(&params).unwrap();
+        assert_eq!(sizes(&got), [12, 7]);
+        assert_eq!(got[0].data_ptr(), bucket_ptr);
+        drop(got);
+        // A gradient someone else holds (a user's reference): its storage is not scratch.
+        let kept = params[3].grad();
+        assert_eq!(sizes(&grads_scratch(&params).unwrap()), [12]);
+        drop(kept);
+        // A view of a gradient held elsewhere keeps the whole bucket out.
+        let view = params[1].grad().narrow(0, 1, 2);
+        assert_eq!(sizes(&grads_scratch(&params).unwrap()), [7]);
+        drop(view);
+        assert_eq!(sizes(&grads_scratch(&params).unwrap()), [12, 7]);
+        // Nothing to use where no gradient exists.
+        params.iter().for_each(clear_grad);
+        assert!(grads_scratch(&params).unwrap().is_empty());
+    }
 
     #[test]
     fn sizes() {

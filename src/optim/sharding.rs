@@ -249,7 +249,8 @@ pub(super) fn gather_into(z: &Zero, b: &Buffers, shard: &Tensor, flat: &[Tensor]
     let w = z.layout.world as i64;
     for c in z.layout.chunks() {
         let all = b.all.f_narrow(0, 0, w * c.1)?;
-        z.comm.all_gather(&shard.f_narrow(0, c.0, c.1)?, &all)?;
+        z.comm
+            .all_gather(&[(shard.f_narrow(0, c.0, c.1)?, all.shallow_clone())])?;
         z.layout.unpack_all(&all, c, flat)?;
     }
     Ok(())

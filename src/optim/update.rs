@@ -3,7 +3,7 @@
 use std::ffi::{c_char, c_void};
 use tch::{Kind, TchError, Tensor};
 
-use super::zero::Buffers;
+use super::zero::{gathers_in_shard, Buffers, Layout, Shard, Zero};
 use super::{ptrs, AdamW};
 use crate::error::{Error, Result as OgResult};
 use crate::memory::check;
@@ -44,9 +44,44 @@ pub struct Prepared {
     step: u64,
     next: Vec<Vec<Tensor>>,
     found_inf: Option<Tensor>,
-    /// Sharded: the all-gather's buffers for the updated parameters (`Some(None)`: stage 2,
-    /// through the gradient shard).
-    gather: Option<Option<Buffers>>,
+    /// Sharded: what the all-gather of the updated parameters goes through.
+    gather: Option<Gather>,
+}
+
+impl Prepared {
+    /// The most elements per rank one collective of the all-gather can move here (`None`:
+    /// nothing to agree on). The ranks take the least of theirs (`agree_gather`).
+    pub fn gather_chunk(&self) -> Option<i64> {
+        match &self.gather {
+            Some(Gather::Buffers(b)) => Some(b.own.numel() as i64),
+            Some(Gather::Grads(spaces, l)) => Some(spaces[0].numel() as i64 / l.world as i64),
+            _ => None,
+        }
+    }
+
+    /// The chunk every rank can take (the least `gather_chunk` over the ranks, never below
+    /// the buffers'): the ranks' all-gathers are then the same collectives, however each
+    /// found its memory.
+    pub fn agree_gather(&mut self, chunk: i64) {
+        if let Some(Gather::Grads(_, l)) = &mut self.gather {
+            let chunk = chunk.clamp(1, l.shard.max(1));
+            if l.chunk != chunk {
+                *l = l.rechunked(chunk);
+            }
+        }
+    }
+}
+
+/// The memory a sharded step's all-gather goes through, a chunk at a time.
+enum Gather {
+    /// Its own buffers (`world x chunk` and one chunk), by the optimizer's layout.
+    Buffers(Buffers),
+    /// Stage 2: the gradient shard, whose values the update has used (`Zero::gather_in_grad`).
+    Shard,
+    /// Stage 1: the storages only the spent gradients hold (the reduction's buckets, large
+    /// gradients), largest first, by a layout of chunks that fill the largest: fewer
+    /// collectives, no buffers, and as many at once as the storages hold.
+    Grads(Vec<Tensor>, Layout),
 }
 
 impl AdamW {
@@ -79,15 +114,7 @@ impl AdamW {
                     .collect::<Result<_, _>>()
             })
             .collect::<Result<_, TchError>>()?;
-        // Stage 2 gathers through its gradient shard, once the update has used it.
-        let gather = self
-            .zero
-            .as_ref()
-            .map(|z| match z.gathers_in_grad() {
-                true => Ok(None),
-                false => Buffers::new(&z.layout, Kind::Float, z.exp_avg.device()).map(Some),
-            })
-            .transpose()?;
+        let gather = self.zero.as_ref().map(|z| self.gather_through(z)).transpose()?;
         Ok(Prepared {
             step,
             next,
@@ -118,7 +145,7 @@ impl AdamW {
             self.commit_shard(&next, inf, lr).map_err(|e| partial(step, e))?;
             // Every rank's updated shard to every rank. A failure here is a collective's
             // (a peer gone): the group restarts from the last checkpoint.
-            self.gather_params(gather.as_ref())?;
+            self.gather_params(&gather)?;
             self.last_step = Some(step);
             if let Some(z) = self.zero.as_mut() {
                 z.grad = None;
@@ -202,25 +229,59 @@ impl AdamW {
         Ok(())
     }
 
-    /// The all-gather of the updated parameters, a chunk at a time: through `b`, or (stage
-    /// 2, `None`) through the gradient shard, whose values the update has used.
-    fn gather_params(&self, b: Option<&Buffers>) -> OgResult<()> {
+    /// Where the all-gather will go, once the update has used the gradients: stage 2's shard,
+    /// or stage 1's largest gradient storage, where either takes no more collectives than
+    /// the buffers (and `world` chunks fit); else buffers allocated here.
+    fn gather_through(&self, z: &Zero) -> Result<Gather, TchError> {
+        if z.gathers_in_grad() {
+            return Ok(Gather::Shard);
+        }
+        if z.stage == Shard::Optimizer {
+            let spaces = crate::memory::grads_scratch(&self.params())?;
+            if let Some(numel) = spaces.first().map(|s| s.numel() as i64) {
+                let l = z.layout.rechunked(numel / z.layout.world as i64);
+                if gathers_in_shard(&z.layout, &l, numel) {
+                    return Ok(Gather::Grads(spaces, l));
+                }
+            }
+        }
+        Buffers::new(&z.layout, Kind::Float, z.exp_avg.device()).map(Gather::Buffers)
+    }
+
+    /// The all-gather of the updated parameters through `through`, in waves: the next chunks,
+    /// each in the first of the spaces that holds it (`world x` its length), whose
+    /// collectives are all issued before any is waited for.
+    fn gather_params(&self, through: &Gather) -> OgResult<()> {
         let z = self.zero.as_ref().expect("sharded");
         let _no_grad = tch::no_grad_guard();
         let flat = self.flat_params()?;
-        let (l, all) = match (b, &z.grad) {
-            (Some(b), _) => (&z.layout, b.all.shallow_clone()),
-            (None, Some(g)) => (&z.gather_in_grad, g.shallow_clone()),
-            (None, None) => return Err(Error::Dist("stage 2's all-gather found no gradient shard".into())),
+        let (l, spaces) = match (through, &z.grad) {
+            (Gather::Buffers(b), _) => (&z.layout, vec![b.all.shallow_clone()]),
+            (Gather::Grads(spaces, l), _) => (l, spaces.iter().map(Tensor::shallow_clone).collect()),
+            (Gather::Shard, Some(g)) => (&z.gather_in_grad, vec![g.shallow_clone()]),
+            (Gather::Shard, None) => return Err(Error::Dist("stage 2's all-gather found no gradient shard".into())),
         };
         let w = l.world as i64;
-        for c in l.chunks() {
-            let all = all.f_narrow(0, 0, w * c.1)?;
-            // This rank's part in its place: the collective sends it from there.
-            let own = all.f_narrow(0, l.rank as i64 * c.1, c.1)?;
-            l.pack(&flat, l.rank as i64 * l.shard + c.0, &own)?;
-            z.comm.all_gather(&own, &all)?;
-            l.unpack_all(&all, c, &flat)?;
+        let mut chunks = l.chunks().into_iter().peekable();
+        while chunks.peek().is_some() {
+            let (mut wave, mut pairs) = (Vec::new(), Vec::new());
+            for space in &spaces {
+                if let Some(c) = chunks.next_if(|c| w * c.1 <= space.numel() as i64) {
+                    let all = space.f_narrow(0, 0, w * c.1)?;
+                    // This rank's part in its place: the collective sends it from there.
+                    let own = all.f_narrow(0, l.rank as i64 * c.1, c.1)?;
+                    l.pack(&flat, l.rank as i64 * l.shard + c.0, &own)?;
+                    wave.push(c);
+                    pairs.push((own, all));
+                }
+            }
+            if wave.is_empty() {
+                return Err(Error::Dist("the all-gather's chunk fits none of its spaces".into()));
+            }
+            z.comm.all_gather(&pairs)?;
+            for (&c, (_, all)) in wave.iter().zip(&pairs) {
+                l.unpack_all(all, c, &flat)?;
+            }
         }
         Ok(())
     }

@@ -38,9 +38,9 @@ pub trait Comm {
     fn all_reduce_max(&self, t: &Tensor) -> Result<()>;
     /// `out` (S values) becomes the sum over ranks of their `input[rank*S..]`.
     fn reduce_scatter(&self, input: &Tensor, out: &Tensor) -> Result<()>;
-    /// `out[r*S..(r+1)*S]` becomes rank r's `input` (S values); `input` may be this rank's
-    /// slice of `out`.
-    fn all_gather(&self, input: &Tensor, out: &Tensor) -> Result<()>;
+    /// For each (input, out): `out[r*S..(r+1)*S]` becomes rank r's `input` (S values);
+    /// `input` may be this rank's slice of `out`. Their latencies may overlap.
+    fn all_gather(&self, pairs: &[(Tensor, Tensor)]) -> Result<()>;
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<()>;
 }
 
@@ -224,6 +224,11 @@ impl Layout {
                 in_shard,
             })
             .collect()
+    }
+
+    /// The same space and rank, moved in chunks of `chunk` elements per rank.
+    pub fn rechunked(&self, chunk: i64) -> Layout {
+        Layout::with_chunk(&self.numels, self.rank, self.world, chunk)
     }
 
     /// The collectives' chunks of a shard: (start inside the shard, length).

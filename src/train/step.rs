@@ -370,7 +370,16 @@ pub fn dist_step(
         None => reduced_after(pg, opt, work, bucket_bytes, &mut t)?,
     };
     let ready = prepare_update(opt, step, u, &acc.loss);
-    let ready = timed(&mut t.agree, || pg.agree(Topic::UpdateReady, ready))?;
+    // ZeRO's all-gather goes in the chunks every rank can take: the least (as -x under MAX).
+    let mut chunk = [ready
+        .as_ref()
+        .ok()
+        .and_then(|r| r.prepared.gather_chunk())
+        .map_or(f64::NEG_INFINITY, |c| -(c as f64))];
+    let mut ready = timed(&mut t.agree, || pg.agree_with(Topic::UpdateReady, ready, &mut chunk))?;
+    if chunk[0].is_finite() {
+        ready.prepared.agree_gather(-chunk[0] as i64);
+    }
     let out = commit_update(opt, ready, u)?;
     committed_pause(pg.rank, step);
     // This rank's loss came back with the read-out; the global batch's is their sum.
