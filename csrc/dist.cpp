@@ -18,6 +18,7 @@
 #include <cstring>
 #include <memory>
 #include <stdexcept>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -48,15 +49,34 @@ std::vector<at::Tensor> tensors(void** ptrs, int n) {
   return out;
 }
 
+}  // namespace
+
+// Gloo's worker drops its reference to a work (and its tensors) just after marking it
+// complete: wait for that (at most 1 s), so that the tensors are this caller's alone when
+// it goes on (a failed attempt's buffers freed before the guard measures what is live; a
+// bucket's gradients free to be ZeRO-1's gather space), not a moment later on that thread.
+void og_let_go_of(c10d::Backend* backend, const c10::intrusive_ptr<c10d::Work>& w) {
+  if (!w || backend->getBackendName() != "gloo") return;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  while (w.use_count() > 1 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+}
+
+namespace {
+// Waits for every work, then for the backend to let go of them.
+void wait_all(c10d::Backend* backend, const std::vector<c10::intrusive_ptr<c10d::Work>>& works) {
+  for (auto& w : works) w->wait();
+  for (auto& w : works) og_let_go_of(backend, w);
+}
+
 // One collective per tensor, all issued before any is waited for (they overlap).
 template <typename F>
-void each_then_wait(const std::vector<at::Tensor>& ts, F&& issue) {
+void each_then_wait(c10d::Backend* backend, const std::vector<at::Tensor>& ts, F&& issue) {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   for (const auto& t : ts) {
     std::vector<at::Tensor> one{t};
     works.push_back(issue(one));
   }
-  for (auto& w : works) w->wait();
+  wait_all(backend, works);
 }
 // Rank 0's store socket, bound to MASTER_ADDR's own interface rather than every one: a
 // loopback address (--standalone, one node) stays on this machine.
@@ -146,7 +166,8 @@ char* og_dist_all_reduce(void* g, void** ts, int n, int op) {
   return oomguard::guarded([&] {
     c10d::AllreduceOptions o;
     o.reduceOp = op == 1 ? c10d::ReduceOp::MAX : op == 2 ? c10d::ReduceOp::MIN : c10d::ReduceOp::SUM;
-    each_then_wait(tensors(ts, n), [&](std::vector<at::Tensor>& one) { return group(g)->backend->allreduce(one, o); });
+    auto* b = group(g)->backend.get();
+    each_then_wait(b, tensors(ts, n), [&](std::vector<at::Tensor>& one) { return b->allreduce(one, o); });
   });
 }
 
@@ -154,7 +175,8 @@ char* og_dist_broadcast(void* g, void** ts, int n, int root) {
   return oomguard::guarded([&] {
     c10d::BroadcastOptions o;
     o.rootRank = root;
-    each_then_wait(tensors(ts, n), [&](std::vector<at::Tensor>& one) { return group(g)->backend->broadcast(one, o); });
+    auto* b = group(g)->backend.get();
+    each_then_wait(b, tensors(ts, n), [&](std::vector<at::Tensor>& one) { return b->broadcast(one, o); });
   });
 }
 
@@ -233,7 +255,7 @@ char* og_dist_all_gather(void* g, void** ins, void** outs, int n, int* fallback)
       G->backend->allreduce(one, c10d::AllreduceOptions())->wait();
       *fallback = 1;
     }
-    for (auto& w : works) w->wait();
+    wait_all(G->backend.get(), works);
   });
 }
 

@@ -34,6 +34,7 @@
 #include <vector>
 
 c10d::Backend* og_group_backend(void* group);
+void og_let_go_of(c10d::Backend* backend, const c10::intrusive_ptr<c10d::Work>& w);
 
 namespace {
 struct Bucket {
@@ -250,14 +251,7 @@ struct Reducer {
     shard_numel = -1;
   }
 
-  // Gloo's worker drops its reference to a work (and its tensors) just after marking it
-  // complete: wait for that (at most 1 s), so that a failed attempt's buffers are freed
-  // here, before the guard measures what is live, not on that thread a moment later.
-  void let_go_of(const c10::intrusive_ptr<c10d::Work>& w) {
-    if (!w || backend->getBackendName() != "gloo") return;
-    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-    while (w.use_count() > 1 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
-  }
+  void let_go_of(const c10::intrusive_ptr<c10d::Work>& w) { og_let_go_of(backend, w); }
 };
 
 struct Hook : torch::autograd::PostAccumulateGradHook {

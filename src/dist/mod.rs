@@ -182,18 +182,21 @@ impl ProcessGroup {
         let host = gloo_host(addr)?;
         let chost = CString::new(host).map_err(|_| Error::Dist("an address holds a NUL byte".into()))?;
         let mut ptr: *mut c_void = std::ptr::null_mut();
-        check(unsafe {
-            og_dist_init(
-                caddr.as_ptr(),
-                i32::from(port),
-                ctoken.as_ptr(),
-                rank as i32,
-                world as i32,
-                cuda,
-                chost.as_ptr(),
-                timeout.as_millis() as i64,
-                &mut ptr,
-            )
+        // Gloo's threads on the process's whole mask, not the rank's bound share.
+        bind::unbound(|| {
+            check(unsafe {
+                og_dist_init(
+                    caddr.as_ptr(),
+                    i32::from(port),
+                    ctoken.as_ptr(),
+                    rank as i32,
+                    world as i32,
+                    cuda,
+                    chost.as_ptr(),
+                    timeout.as_millis() as i64,
+                    &mut ptr,
+                )
+            })
         })
         .map_err(dist_error(&format!(
             "rank {rank} of {world} joining the group at {addr}:{port}"
