@@ -53,13 +53,19 @@ fn both_stages_end_where_one_process_does_with_a_world_share_of_the_state() {
     let params: u64 = weights(&single).iter().map(|(_, t)| t.numel() as u64 * 4).sum();
     for stage in ["optimizer", "gradients"] {
         let run = dir.path().join(stage);
-        ok(train_n(
+        let log = ok(train_n(
             dir.path(),
             &cfg,
             &run,
             2,
             &["--set", &format!("train.shard={stage}")],
         ));
+        // Stage 1 gathers through its spent gradients (the reduction's bucket), not buffers.
+        assert_eq!(
+            log.contains("ZeRO-1's all-gather goes through the spent gradients' storages"),
+            stage == "optimizer",
+            "{log}"
+        );
         let steps = records(&run, "step");
         assert_eq!(steps.len(), 6);
         assert!(

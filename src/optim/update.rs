@@ -59,6 +59,14 @@ impl Prepared {
         }
     }
 
+    /// Stage 1 through the spent gradients: its chunks a step and their elements per rank.
+    pub fn gathers_through_grads(&self) -> Option<(usize, i64)> {
+        match &self.gather {
+            Some(Gather::Grads(_, l)) => Some((l.chunks().len(), l.chunk)),
+            _ => None,
+        }
+    }
+
     /// The chunk every rank can take (the least `gather_chunk` over the ranks, never below
     /// the buffers'): the ranks' all-gathers are then the same collectives, however each
     /// found its memory.

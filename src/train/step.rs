@@ -380,6 +380,14 @@ pub fn dist_step(
     if chunk[0].is_finite() {
         ready.prepared.agree_gather(-chunk[0] as i64);
     }
+    if let Some((chunks, elems)) = ready.prepared.gathers_through_grads().filter(|_| pg.rank == 0) {
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| {
+            tracing::info!(
+                "sharding: ZeRO-1's all-gather goes through the spent gradients' storages, no buffers of its own: {chunks} chunks of {elems} elements a rank"
+            )
+        });
+    }
     let out = commit_update(opt, ready, u)?;
     committed_pause(pg.rank, step);
     // This rank's loss came back with the read-out; the global batch's is their sum.
