@@ -43,6 +43,21 @@ bool unsupported(const std::exception& e) {
 
 Group* group(void* p) { return static_cast<Group*>(p); }
 
+// Runs a collective's flat form unless the backend lacks it (`missing`: learnt at the first
+// call, the same on every rank); whether it ran.
+template <typename F>
+bool flat_form(bool& missing, F&& run) {
+  if (missing) return false;
+  try {
+    run();
+    return true;
+  } catch (const std::exception& e) {
+    if (!unsupported(e)) throw;
+    missing = true;
+    return false;
+  }
+}
+
 std::vector<at::Tensor> tensors(void** ptrs, int n) {
   std::vector<at::Tensor> out;
   for (int i = 0; i < n; ++i) out.push_back(*static_cast<at::Tensor*>(ptrs[i]));
@@ -191,15 +206,11 @@ char* og_dist_reduce_scatter(void* g, void* in, void* out, int* fallback) {
     auto* G = group(g);
     auto& input = *static_cast<at::Tensor*>(in);
     auto& output = *static_cast<at::Tensor*>(out);
-    if (!G->no_reduce_scatter && !G->gloo) {
-      try {
-        G->backend->_reduce_scatter_base(output, input, c10d::ReduceScatterOptions())->wait();
-        *fallback = 0;
-        return;
-      } catch (const std::exception& e) {
-        if (!unsupported(e)) throw;
-        G->no_reduce_scatter = true;
-      }
+    if (!G->gloo && flat_form(G->no_reduce_scatter, [&] {
+          G->backend->_reduce_scatter_base(output, input, c10d::ReduceScatterOptions())->wait();
+        })) {
+      *fallback = 0;
+      return;
     }
     std::vector<at::Tensor> one{input};
     G->backend->allreduce(one, c10d::AllreduceOptions())->wait();
@@ -238,15 +249,9 @@ char* og_dist_all_gather(void* g, void** ins, void** outs, int n, int* fallback)
         *fallback = 3;
         continue;
       }
-      if (!G->no_all_gather) {
-        try {
-          G->backend->_allgather_base(output, input, c10d::AllgatherOptions())->wait();
-          *fallback = 0;
-          continue;
-        } catch (const std::exception& e) {
-          if (!unsupported(e)) throw;
-          G->no_all_gather = true;
-        }
+      if (flat_form(G->no_all_gather, [&] { G->backend->_allgather_base(output, input, c10d::AllgatherOptions())->wait(); })) {
+        *fallback = 0;
+        continue;
       }
       if (!in_place) ours.copy_(input);
       output.narrow(0, 0, rank * S).zero_();
