@@ -329,7 +329,7 @@ mod tests {
             .collect();
         let sizes = |v: &[Tensor]| v.iter().map(|t| t.numel()).collect::<Vec<_>>();
         // Backward's own gradients: each its storage, largest first.
-        params.iter().for_each(|p| p.sum(None).backward());
+        params.iter().for_each(|p| p.sum(None).f_backward().unwrap());
         assert_eq!(sizes(&grads_scratch(&params).unwrap()), [7, 5, 4, 3]);
         // The first three as views of one bucket (as the reduction leaves them): that
         // bucket, whole, and not the gradients it replaced.
