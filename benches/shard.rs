@@ -1,7 +1,8 @@
 //! `make bench` (shard): ZeRO-1 and ZeRO-2 against plain data parallel on this machine, 2
-//! ranks with one thread each, the same GPT and global batch, alternated, median of 3:
-//! - step time of each stage over plain (floors: stage 1 at most 1.15x, stage 2 at most 1.25x);
-//! - per-rank peak memory of each stage over plain;
+//! ranks with one thread each, the same GPT and global batch:
+//! - step time of each stage over plain, 5 rounds in an order that turns each round, the
+//!   median of the rounds' ratios (floors: stage 1 at most 1.15x, stage 2 at most 1.25x);
+//! - per-rank peak memory of each stage over plain (medians over the rounds);
 //! - the largest model that trains at micro-batch 1 under a fixed per-rank budget, for each
 //!   stage, over plain (goal: 1.6x at 2 ranks for ZeRO-2), grown two ways: by its vocabulary
 //!   (a tied embedding, one gradient that is whole on every rank at some point of backward)
@@ -13,6 +14,9 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 
 const STAGES: [&str; 3] = ["none", "optimizer", "gradients"];
+
+/// Rounds of the step-time comparison (each runs every stage once).
+const ROUNDS: usize = 5;
 
 const CONFIG: &str = "
 model: {n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab_size: 256}
@@ -154,8 +158,11 @@ fn main() {
     std::fs::write(&cfg, CONFIG).unwrap();
     let bin = env!("CARGO_BIN_EXE_oomguard");
     let (mut time, mut peak) = (vec![vec![]; 3], vec![vec![]; 3]);
-    for round in 0..3 {
-        for (i, s) in STAGES.iter().enumerate() {
+    for round in 0..ROUNDS {
+        // The order turns each round, so that no stage always runs first or last.
+        for k in 0..STAGES.len() {
+            let i = (k + round) % STAGES.len();
+            let s = STAGES[i];
             let run = dir.path().join(format!("{s}{round}"));
             assert!(train(bin, &cfg, &run, s, dir.path()), "shard {s} failed");
             let (t, p) = measure(&run);
@@ -163,17 +170,30 @@ fn main() {
             peak[i].push(p);
         }
         println!(
-            "round {round}: step time none {:.3}s, optimizer {:.3}s, gradients {:.3}s",
-            time[0][round], time[1][round], time[2][round]
+            "round {round}: step time none {:.3}s, optimizer {:.3}s ({:.3}x), gradients {:.3}s ({:.3}x)",
+            time[0][round],
+            time[1][round],
+            time[1][round] / time[0][round],
+            time[2][round],
+            time[2][round] / time[0][round]
         );
     }
-    let t: Vec<f64> = time.into_iter().map(median).collect();
+    // Each stage over plain within a round (minutes apart at most, so the VM's slow
+    // stretches fall on both sides), then the median over the rounds, and their range.
+    let over = |i: usize| -> (f64, f64, f64) {
+        let r: Vec<f64> = time[i].iter().zip(&time[0]).map(|(t, p)| t / p).collect();
+        let (lo, hi) = (
+            r.iter().cloned().fold(f64::INFINITY, f64::min),
+            r.iter().cloned().fold(0.0, f64::max),
+        );
+        (median(r), lo, hi)
+    };
     let p: Vec<f64> = peak.into_iter().map(median).collect();
     println!("2 ranks, 1 thread each, GPT 4x128, global batch 32 (Gloo; its reduce-scatter as an in-place all-reduce, its all-gather as in-place broadcasts):");
+    let ((o, olo, ohi), (g, glo, ghi)) = (over(1), over(2));
     println!(
-        "  step time over plain data parallel: optimizer {:.3}x (floor 1.15), gradients {:.3}x (floor 1.25)",
-        t[1] / t[0],
-        t[2] / t[0]
+        "  step time over plain data parallel (median of the rounds' ratios): optimizer {o:.3}x (floor 1.15; rounds {olo:.3}..{ohi:.3}), gradients \
+         {g:.3}x (floor 1.25; rounds {glo:.3}..{ghi:.3})"
     );
     println!(
         "  per-rank peak memory over plain: optimizer {:.3}x, gradients {:.3}x ({:.1} MiB plain)",

@@ -15,8 +15,8 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
-#include <cstring>
 #include <memory>
+#include <cstring>
 #include <stdexcept>
 #include <thread>
 #include <string>
@@ -82,6 +82,12 @@ void wait_all(c10d::Backend* backend, const std::vector<c10::intrusive_ptr<c10d:
   for (auto& w : works) w->wait();
   for (auto& w : works) og_let_go_of(backend, w);
 }
+
+// Collectives issued and not yet waited for (og_dist_all_gather_start).
+struct Started {
+  c10d::Backend* backend;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+};
 
 // One collective per tensor, all issued before any is waited for (they overlap).
 template <typename F>
@@ -220,48 +226,56 @@ char* og_dist_reduce_scatter(void* g, void* in, void* out, int* fallback) {
   });
 }
 
-// All-gathers, n of them: outs[k][r*S, (r+1)*S) = rank r's ins[k][S], on every rank;
-// ins[k] may be this rank's slice of outs[k] itself. On Gloo: this rank's slices in place,
-// then one in-place broadcast from each rank for each (an all-gather's bytes, allocating
-// nothing), every one issued before any is waited for (their latencies overlap), *fallback
-// 3. Elsewhere one at a time: the flat form, or where a backend has none, the other slices
-// zeroed and summed over the ranks (x + 0 is x exactly), *fallback 1.
-char* og_dist_all_gather(void* g, void** ins, void** outs, int n, int* fallback) {
+// One all-gather: out[r*S, (r+1)*S) = rank r's in[S], on every rank; `in` may be this
+// rank's slice of `out` itself. On Gloo: this rank's slice in place, then one in-place
+// broadcast from each rank (an all-gather's bytes, allocating nothing), issued and left in
+// flight: *started holds them until og_dist_gathered (the caller packs and unpacks other
+// chunks meanwhile), *fallback 3. Elsewhere done here (*started null): the flat form, or
+// where a backend has none, the other slices zeroed and summed over the ranks (x + 0 is x
+// exactly), *fallback 1.
+char* og_dist_all_gather_start(void* g, void* in, void* out, int* fallback, void** started) {
+  *started = nullptr;
   return oomguard::guarded([&] {
     auto* G = group(g);
     const int rank = G->backend->getRank();
     const int world = G->backend->getSize();
-    std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    for (int k = 0; k < n; ++k) {
-      auto& input = *static_cast<at::Tensor*>(ins[k]);
-      auto& output = *static_cast<at::Tensor*>(outs[k]);
-      const int64_t S = input.numel();
-      auto ours = output.narrow(0, rank * S, S);
-      const bool in_place = ours.data_ptr() == input.data_ptr();
-      if (G->gloo) {
-        if (!in_place) ours.copy_(input);
-        for (int r = 0; r < world; ++r) {
-          std::vector<at::Tensor> one{output.narrow(0, r * S, S)};
-          c10d::BroadcastOptions o;
-          o.rootRank = r;
-          works.push_back(G->backend->broadcast(one, o));
-        }
-        *fallback = 3;
-        continue;
-      }
-      if (flat_form(G->no_all_gather, [&] { G->backend->_allgather_base(output, input, c10d::AllgatherOptions())->wait(); })) {
-        *fallback = 0;
-        continue;
-      }
+    auto& input = *static_cast<at::Tensor*>(in);
+    auto& output = *static_cast<at::Tensor*>(out);
+    const int64_t S = input.numel();
+    auto ours = output.narrow(0, rank * S, S);
+    const bool in_place = ours.data_ptr() == input.data_ptr();
+    if (G->gloo) {
       if (!in_place) ours.copy_(input);
-      output.narrow(0, 0, rank * S).zero_();
-      output.narrow(0, (rank + 1) * S, (world - rank - 1) * S).zero_();
-      std::vector<at::Tensor> one{output};
-      G->backend->allreduce(one, c10d::AllreduceOptions())->wait();
-      *fallback = 1;
+      auto s = std::make_unique<Started>(Started{G->backend.get(), {}});
+      for (int r = 0; r < world; ++r) {
+        std::vector<at::Tensor> one{output.narrow(0, r * S, S)};
+        c10d::BroadcastOptions o;
+        o.rootRank = r;
+        s->works.push_back(G->backend->broadcast(one, o));
+      }
+      *fallback = 3;
+      *started = s.release();
+      return;
     }
-    wait_all(G->backend.get(), works);
+    if (flat_form(G->no_all_gather, [&] { G->backend->_allgather_base(output, input, c10d::AllgatherOptions())->wait(); })) {
+      *fallback = 0;
+      return;
+    }
+    if (!in_place) ours.copy_(input);
+    output.narrow(0, 0, rank * S).zero_();
+    output.narrow(0, (rank + 1) * S, (world - rank - 1) * S).zero_();
+    std::vector<at::Tensor> one{output};
+    G->backend->allreduce(one, c10d::AllreduceOptions())->wait();
+    *fallback = 1;
   });
+}
+
+// Frees a started all-gather (null: nothing in flight), having waited for it when `wait`
+// (also when that fails). Unwaited (the step failed already), its works stay the backend's.
+char* og_dist_gathered(void* started, int wait) {
+  std::unique_ptr<Started> s(static_cast<Started*>(started));
+  if (!s || !wait) return nullptr;
+  return oomguard::guarded([&] { wait_all(s->backend, s->works); });
 }
 
 // The store, for small state every rank needs (rank 0's resume point).

@@ -40,13 +40,14 @@ extern "C" {
         out: *mut c_void,
         fallback: *mut i32,
     ) -> *mut c_char;
-    fn og_dist_all_gather(
+    fn og_dist_all_gather_start(
         group: *mut c_void,
-        inputs: *const *mut c_void,
-        outs: *const *mut c_void,
-        n: i32,
+        input: *mut c_void,
+        out: *mut c_void,
         fallback: *mut i32,
+        started: *mut *mut c_void,
     ) -> *mut c_char;
+    fn og_dist_gathered(started: *mut c_void, wait: i32) -> *mut c_char;
     fn og_dist_store_set(group: *mut c_void, key: *const c_char, data: *const u8, len: i64) -> *mut c_char;
     fn og_dist_store_get(group: *mut c_void, key: *const c_char, out: *mut *mut u8, len: *mut i64) -> *mut c_char;
     fn og_free(p: *mut c_char);
@@ -278,23 +279,26 @@ impl ProcessGroup {
         Ok(())
     }
 
-    /// ZeRO's all-gathers: each `out[r*S..(r+1)*S]` becomes rank r's `input` (S values);
-    /// on Gloo all issued before any is waited for.
-    pub fn all_gather(&self, pairs: &[(Tensor, Tensor)]) -> Result<()> {
-        let (ins, outs): (Vec<Tensor>, Vec<Tensor>) = pairs
-            .iter()
-            .map(|(i, o)| (i.shallow_clone(), o.shallow_clone()))
-            .unzip();
-        let (ins, outs) = (ptrs(&ins), ptrs(&outs));
-        let mut fallback = 0;
-        check(unsafe { og_dist_all_gather(self.ptr, ins.as_ptr(), outs.as_ptr(), ins.len() as i32, &mut fallback) })
-            .map_err(dist_error("all-gather"))?;
+    /// One of ZeRO's all-gathers: `out[r*S..(r+1)*S]` becomes rank r's `input` (S values).
+    /// On Gloo it is left in flight (`Gathering::wait` completes it); elsewhere done here.
+    pub fn all_gather_start(&self, input: &Tensor, out: &Tensor) -> Result<Gathering> {
+        let (mut fallback, mut started) = (0, std::ptr::null_mut());
+        check(unsafe {
+            og_dist_all_gather_start(
+                self.ptr,
+                input.as_ptr() as *mut c_void,
+                out.as_ptr() as *mut c_void,
+                &mut fallback,
+                &mut started,
+            )
+        })
+        .map_err(dist_error("all-gather"))?;
         let instead = match fallback {
             3 => "one in-place broadcast from each rank (an all-gather's bytes)",
             _ => "an in-place all-reduce of the zero-padded shards (the same values, twice the traffic)",
         };
         self.say_fallback(1, fallback, "all-gather", instead);
-        Ok(())
+        Ok(Gathering(started))
     }
 
     /// Says once how a ZeRO collective runs when not in its flat form: on Gloo by design
@@ -549,6 +553,25 @@ impl Buckets {
     }
 }
 
+/// An all-gather in flight (`ProcessGroup::all_gather_start`). Dropped unwaited (the step
+/// has failed already), it is let go: its tensors stay the backend's until it ends.
+pub struct Gathering(*mut c_void);
+
+impl crate::optim::InFlight for Gathering {
+    fn wait(mut self: Box<Self>) -> Result<()> {
+        let started = std::mem::replace(&mut self.0, std::ptr::null_mut());
+        check(unsafe { og_dist_gathered(started, 1) }).map_err(dist_error("all-gather"))
+    }
+}
+
+impl Drop for Gathering {
+    fn drop(&mut self) {
+        if !self.0.is_null() {
+            let _ = check(unsafe { og_dist_gathered(self.0, 0) });
+        }
+    }
+}
+
 impl crate::optim::Comm for ProcessGroup {
     fn rank(&self) -> usize {
         self.rank
@@ -565,8 +588,8 @@ impl crate::optim::Comm for ProcessGroup {
     fn reduce_scatter(&self, input: &Tensor, out: &Tensor) -> Result<()> {
         ProcessGroup::reduce_scatter(self, input, out)
     }
-    fn all_gather(&self, pairs: &[(Tensor, Tensor)]) -> Result<()> {
-        ProcessGroup::all_gather(self, pairs)
+    fn all_gather_start(&self, input: &Tensor, out: &Tensor) -> Result<Box<dyn crate::optim::InFlight>> {
+        Ok(Box::new(ProcessGroup::all_gather_start(self, input, out)?))
     }
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<()> {
         ProcessGroup::broadcast(self, std::slice::from_ref(t), root)

@@ -17,7 +17,7 @@ use zero::Zero;
 pub use config::OptimConfig;
 pub use sharding::Agreed;
 pub use update::Prepared;
-pub use zero::{Comm, Shard};
+pub use zero::{Comm, InFlight, Shard};
 
 struct Group {
     names: Vec<String>,

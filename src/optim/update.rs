@@ -257,8 +257,10 @@ impl AdamW {
     }
 
     /// The all-gather of the updated parameters through `through`, in waves: the next chunks,
-    /// each in the first of the spaces that holds it (`world x` its length), whose
-    /// collectives are all issued before any is waited for.
+    /// each in the first of the spaces that holds it (`world x` its length). Each chunk's
+    /// collective starts as soon as it is packed (the next is packed while it moves), and
+    /// each is unpacked as it arrives, while the later ones still move; a rank's own segment
+    /// is not unpacked (its parameters hold it).
     fn gather_params(&self, through: &Gather) -> OgResult<()> {
         let z = self.zero.as_ref().expect("sharded");
         let _no_grad = tch::no_grad_guard();
@@ -272,23 +274,22 @@ impl AdamW {
         let w = l.world as i64;
         let mut chunks = l.chunks().into_iter().peekable();
         while chunks.peek().is_some() {
-            let (mut wave, mut pairs) = (Vec::new(), Vec::new());
+            let mut wave = Vec::new();
             for space in &spaces {
                 if let Some(c) = chunks.next_if(|c| w * c.1 <= space.numel() as i64) {
                     let all = space.f_narrow(0, 0, w * c.1)?;
                     // This rank's part in its place: the collective sends it from there.
                     let own = all.f_narrow(0, l.rank as i64 * c.1, c.1)?;
                     l.pack(&flat, l.rank as i64 * l.shard + c.0, &own)?;
-                    wave.push(c);
-                    pairs.push((own, all));
+                    wave.push((c, z.comm.all_gather_start(&own, &all)?, all));
                 }
             }
             if wave.is_empty() {
                 return Err(Error::Dist("the all-gather's chunk fits none of its spaces".into()));
             }
-            z.comm.all_gather(&pairs)?;
-            for (&c, (_, all)) in wave.iter().zip(&pairs) {
-                l.unpack_all(all, c, &flat)?;
+            for (c, moving, all) in wave {
+                moving.wait()?;
+                l.unpack_others(&all, c, &flat)?;
             }
         }
         Ok(())

@@ -38,10 +38,23 @@ pub trait Comm {
     fn all_reduce_max(&self, t: &Tensor) -> Result<()>;
     /// `out` (S values) becomes the sum over ranks of their `input[rank*S..]`.
     fn reduce_scatter(&self, input: &Tensor, out: &Tensor) -> Result<()>;
-    /// For each (input, out): `out[r*S..(r+1)*S]` becomes rank r's `input` (S values);
-    /// `input` may be this rank's slice of `out`. Their latencies may overlap.
-    fn all_gather(&self, pairs: &[(Tensor, Tensor)]) -> Result<()>;
+    /// Starts an all-gather: `out[r*S..(r+1)*S]` becomes rank r's `input` (S values) once
+    /// waited for; `input` may be this rank's slice of `out`. Several in flight overlap.
+    fn all_gather_start(&self, input: &Tensor, out: &Tensor) -> Result<Box<dyn InFlight>>;
+    /// For each (input, out), as `all_gather_start`, all started before any is waited for.
+    fn all_gather(&self, pairs: &[(Tensor, Tensor)]) -> Result<()> {
+        let started: Vec<_> = pairs
+            .iter()
+            .map(|(i, o)| self.all_gather_start(i, o))
+            .collect::<Result<_>>()?;
+        started.into_iter().try_for_each(|s| s.wait())
+    }
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<()>;
+}
+
+/// A collective in flight; `wait` completes it (an error: a peer failed or went).
+pub trait InFlight {
+    fn wait(self: Box<Self>) -> Result<()>;
 }
 
 /// The most bytes one of sharding's collectives moves over all ranks (f32 elements: a
@@ -279,9 +292,35 @@ impl Layout {
 
     /// The reverse of `pack_all`: a `world x len` buffer's values into the parameters.
     pub fn unpack_all(&self, buf: &Tensor, chunk: (i64, i64), flat: &[Tensor]) -> std::result::Result<(), TchError> {
-        for b in &self.plan_of(chunk)?.blocks {
-            let (mut param, ours) = self.block_views(b, flat, buf)?;
-            param.f_copy_(&ours)?;
+        self.unpack_except(buf, chunk, flat, None)
+    }
+
+    /// `unpack_all` but for this rank's own segment, which its parameters hold already
+    /// (the update wrote them in place, and they were packed from there).
+    pub fn unpack_others(&self, buf: &Tensor, chunk: (i64, i64), flat: &[Tensor]) -> std::result::Result<(), TchError> {
+        self.unpack_except(buf, chunk, flat, Some(self.rank as i64))
+    }
+
+    /// A block covers ranks `rel / len ..` (one segment each): all but `except`'s copied.
+    fn unpack_except(
+        &self,
+        buf: &Tensor,
+        (start, len): (i64, i64),
+        flat: &[Tensor],
+        except: Option<i64>,
+    ) -> std::result::Result<(), TchError> {
+        for b in &self.plan_of((start, len))?.blocks {
+            let (param, ours) = self.block_views(b, flat, buf)?;
+            let skip = except
+                .map(|r| r - b.rel / len.max(1))
+                .filter(|i| (0..b.count).contains(i));
+            let rows = match skip {
+                None => vec![(0, b.count)],
+                Some(i) => vec![(0, i), (i + 1, b.count - i - 1)],
+            };
+            for (at, n) in rows.into_iter().filter(|r| r.1 > 0) {
+                param.f_narrow(0, at, n)?.f_copy_(&ours.f_narrow(0, at, n)?)?;
+            }
         }
         Ok(())
     }
@@ -481,6 +520,20 @@ mod tests {
                     }
                     for (p, b) in params.iter().zip(&back) {
                         assert!(p.equal(b), "{numels:?} world {world} bucket {bucket}: unpacked {b:?}");
+                    }
+                    // Each rank's unpack of the others' segments: every value but its own shard's.
+                    for rank in 0..world {
+                        let l = Layout::new(&numels, rank, world, bucket);
+                        let others: Vec<Tensor> = params.iter().map(|p| p.full_like(-1.0)).collect();
+                        for (start, len) in l.chunks() {
+                            let buf = Tensor::f_empty([l.world as i64 * len], opts).unwrap();
+                            l.pack_all(&params, (start, len), &buf).unwrap();
+                            l.unpack_others(&buf, (start, len), &others).unwrap();
+                        }
+                        let (got, mut want) = (Tensor::cat(&others, 0), Tensor::cat(&params, 0));
+                        let lo = (rank as i64 * l.shard).min(total);
+                        let _ = want.narrow(0, lo, (lo + l.shard).min(total) - lo).fill_(-1.0);
+                        assert!(got.equal(&want), "{numels:?} world {world} bucket {bucket} rank {rank}");
                     }
                     // A step's copies do not grow with the world: at most three per parameter a chunk.
                     assert!(l.blocks() <= 3 * numels.len() * l.chunks().len(), "{}", l.blocks());
