@@ -2,6 +2,9 @@
 //! ranks with one thread each, the same GPT and global batch:
 //! - step time of each stage over plain, 5 rounds in an order that turns each round, the
 //!   median of the rounds' ratios (floors: stage 1 at most 1.15x, stage 2 at most 1.25x);
+//!   and by phase: plain's step with its reduction, agreements and update (`comm_s`,
+//!   `update_s`) swapped for the stage's, which takes out the VM's swings in forward and
+//!   backward (the same work in every stage);
 //! - per-rank peak memory of each stage over plain (medians over the rounds);
 //! - the largest model that trains at micro-batch 1 under a fixed per-rank budget, for each
 //!   stage, over plain (goal: 1.6x at 2 ranks for ZeRO-2), grown two ways: by its vocabulary
@@ -100,15 +103,19 @@ fn train(bin: &str, cfg: &Path, run: &Path, shard: &str, cache: &Path) -> bool {
         .success()
 }
 
-/// Median step time (steps 5..) and the run's peak bytes (rank 0).
-fn measure(run: &Path) -> (f64, f64) {
+/// Median step time (steps 5..), the median seconds a step spends beyond forward and
+/// backward (`comm_s`: the reduction's exposed part and the agreements; `update_s`: the
+/// update with ZeRO's all-gather), and the run's peak bytes (rank 0).
+fn measure(run: &Path) -> (f64, f64, f64) {
     let steps: Vec<serde_json::Value> = events(run, "step").into_iter().skip(5).collect();
-    let t = median(steps.iter().map(|s| s["step_time_s"].as_f64().unwrap()).collect());
+    let of = |f: &dyn Fn(&serde_json::Value) -> f64| median(steps.iter().map(f).collect());
+    let t = of(&|s| s["step_time_s"].as_f64().unwrap());
+    let beyond = of(&|s| s["comm_s"].as_f64().unwrap() + s["update_s"].as_f64().unwrap());
     let peak = steps
         .iter()
         .map(|s| s["memory"]["peak_bytes"].as_f64().unwrap())
         .fold(0.0, f64::max);
-    (t, peak)
+    (t, beyond, peak)
 }
 
 /// The largest size (`Grow`) whose model trains 2 steps at micro-batch 1 under BUDGET at
@@ -157,7 +164,7 @@ fn main() {
     let cfg = dir.path().join("dp.yaml");
     std::fs::write(&cfg, CONFIG).unwrap();
     let bin = env!("CARGO_BIN_EXE_oomguard");
-    let (mut time, mut peak) = (vec![vec![]; 3], vec![vec![]; 3]);
+    let (mut time, mut beyond, mut peak) = (vec![vec![]; 3], vec![vec![]; 3], vec![vec![]; 3]);
     for round in 0..ROUNDS {
         // The order turns each round, so that no stage always runs first or last.
         for k in 0..STAGES.len() {
@@ -165,8 +172,9 @@ fn main() {
             let s = STAGES[i];
             let run = dir.path().join(format!("{s}{round}"));
             assert!(train(bin, &cfg, &run, s, dir.path()), "shard {s} failed");
-            let (t, p) = measure(&run);
+            let (t, b, p) = measure(&run);
             time[i].push(t);
+            beyond[i].push(b);
             peak[i].push(p);
         }
         println!(
@@ -188,12 +196,28 @@ fn main() {
         );
         (median(r), lo, hi)
     };
+    // By phase: plain's step with its reduction, agreements and update swapped for the
+    // stage's (forward and backward are the same work in every stage, so this takes out
+    // the VM's swings in them; stage 2's overlapped reduction runs inside its backward, so
+    // only its exposed part is counted).
+    let by_phase = |i: usize| -> (f64, f64) {
+        let r: Vec<f64> = (0..ROUNDS)
+            .map(|k| (time[0][k] - beyond[0][k] + beyond[i][k]) / time[0][k])
+            .collect();
+        let ms: Vec<f64> = (0..ROUNDS).map(|k| 1e3 * (beyond[i][k] - beyond[0][k])).collect();
+        (median(r), median(ms))
+    };
     let p: Vec<f64> = peak.into_iter().map(median).collect();
     println!("2 ranks, 1 thread each, GPT 4x128, global batch 32 (Gloo; its reduce-scatter as an in-place all-reduce, its all-gather as in-place broadcasts):");
     let ((o, olo, ohi), (g, glo, ghi)) = (over(1), over(2));
     println!(
         "  step time over plain data parallel (median of the rounds' ratios): optimizer {o:.3}x (floor 1.15; rounds {olo:.3}..{ohi:.3}), gradients \
          {g:.3}x (floor 1.25; rounds {glo:.3}..{ghi:.3})"
+    );
+    let ((o, oms), (g, gms)) = (by_phase(1), by_phase(2));
+    println!(
+        "  by phase (plain's forward and backward, each stage's reduction, agreements and update with its all-gather): optimizer \
+         {o:.3}x ({oms:+.1} ms a step), gradients {g:.3}x ({gms:+.1} ms; its reduction during backward not counted)"
     );
     println!(
         "  per-rank peak memory over plain: optimizer {:.3}x, gradients {:.3}x ({:.1} MiB plain)",

@@ -86,6 +86,10 @@ pub struct StepRecord {
     /// Data parallel: of `comm_s`, seconds in the ranks' agreements.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agree_s: Option<f64>,
+    /// Data parallel: seconds in the optimizer's update, ZeRO's all-gather of the
+    /// parameters included (not in `comm_s`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub update_s: Option<f64>,
     /// Data parallel: what the ranks split (`none`, `optimizer`, `gradients`): the
     /// configured `train.shard`, or a rung climbed.
     #[serde(default)]

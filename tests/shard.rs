@@ -72,6 +72,13 @@ fn both_stages_end_where_one_process_does_with_a_world_share_of_the_state() {
             steps.iter().all(|s| s["shard"] == stage && s["world_size"] == 2),
             "{steps:?}"
         );
+        // The update's seconds, its all-gather included, apart from the reduction's.
+        assert!(
+            steps.iter().all(|s| s["update_s"]
+                .as_f64()
+                .is_some_and(|u| u > 0.0 && u < s["step_time_s"].as_f64().unwrap())),
+            "{steps:?}"
+        );
         let d = max_abs_diff(&weights(&single), &weights(&run));
         assert!(d < 1e-5, "shard: {stage} on 2 ranks differs from 1 process by {d}");
         let (a, b) = (losses(&single), losses(&run));

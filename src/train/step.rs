@@ -29,6 +29,9 @@ pub struct StepStats {
     /// Data parallel: of those, seconds in the agreements (and the loss's sum), waiting for
     /// the slowest rank included.
     pub agree_s: Option<f64>,
+    /// Data parallel: seconds in the optimizer's update (its allocations, the fused AdamW,
+    /// ZeRO's all-gather of the parameters, waiting for the other ranks there included).
+    pub update_s: Option<f64>,
     /// fp16: the loss scale after the step.
     pub loss_scale: Option<f64>,
 }
@@ -331,6 +334,7 @@ pub fn step_with(
         skipped: out.skipped,
         comm_s: None,
         agree_s: None,
+        update_s: None,
         loss_scale: out.loss_scale,
     })
 }
@@ -369,7 +373,7 @@ pub fn dist_step(
         Some(r) => overlapped(pg, r, opt, work, &mut t)?,
         None => reduced_after(pg, opt, work, bucket_bytes, &mut t)?,
     };
-    let ready = prepare_update(opt, step, u, &acc.loss);
+    let ready = timed(&mut t.update, || prepare_update(opt, step, u, &acc.loss));
     // ZeRO's all-gather goes in the chunks every rank can take: the least (as -x under MAX).
     let mut chunk = [ready
         .as_ref()
@@ -388,7 +392,7 @@ pub fn dist_step(
             )
         });
     }
-    let out = commit_update(opt, ready, u)?;
+    let out = timed(&mut t.update, || commit_update(opt, ready, u))?;
     committed_pause(pg.rank, step);
     // This rank's loss came back with the read-out; the global batch's is their sum.
     let loss = timed(&mut t.agree, || pg.sum_f64(Topic::Losses, out.loss))?;
@@ -404,6 +408,7 @@ pub fn dist_step(
         skipped: out.skipped,
         comm_s: Some(t.agree + t.reduce),
         agree_s: Some(t.agree),
+        update_s: Some(t.update),
         loss_scale: out.loss_scale,
     })
 }
@@ -432,12 +437,13 @@ impl Work<'_> {
     }
 }
 
-/// Seconds of a data-parallel step in the ranks' agreements, and waiting for the gradients'
-/// reduction (its exposed part, when overlapped).
+/// Seconds of a data-parallel step in the ranks' agreements, waiting for the gradients'
+/// reduction (its exposed part, when overlapped), and in the optimizer's update.
 #[derive(Default)]
 struct Times {
     agree: f64,
     reduce: f64,
+    update: f64,
 }
 
 /// Backward, then the agreement, then the reduction.
