@@ -530,7 +530,7 @@ mod tests {
                             l.pack_all(&params, (start, len), &buf).unwrap();
                             l.unpack_others(&buf, (start, len), &others).unwrap();
                         }
-                        let (got, mut want) = (Tensor::cat(&others, 0), Tensor::cat(&params, 0));
+                        let (got, want) = (Tensor::cat(&others, 0), Tensor::cat(&params, 0));
                         let lo = (rank as i64 * l.shard).min(total);
                         let _ = want.narrow(0, lo, (lo + l.shard).min(total) - lo).fill_(-1.0);
                         assert!(got.equal(&want), "{numels:?} world {world} bucket {bucket} rank {rank}");
