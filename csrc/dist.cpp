@@ -15,8 +15,8 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
-#include <memory>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <thread>
 #include <string>
