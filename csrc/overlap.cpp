@@ -203,8 +203,19 @@ struct Reducer {
 
   // ZeRO-2: every bucket whose sum has arrived, in order (`all`: every one started, their
   // works waited for). Its work goes too: Gloo's holds the bucket's tensors until freed.
+  // Before the shard is made, only once the arrived buckets hold as many bytes as it: made
+  // sooner, it would hold more than it frees (a small model's shard, beside all but its
+  // first bucket's gradients, at the tied embedding's sum). The throttle still makes it.
   void scatter_arrived(bool all) {
+    if (!all && !shard.defined() && arrived_bytes() < shard_bytes()) return;
     while (scattered < works.size() && (all || works[scattered]->isCompleted())) scatter_next();
+  }
+
+  // Bytes of the buckets, from the next to scatter, whose sums have arrived.
+  int64_t arrived_bytes() const {
+    int64_t n = 0;
+    for (size_t k = scattered; k < works.size() && works[k]->isCompleted(); ++k) n += bytes(buckets[k]);
+    return n;
   }
 
   // ZeRO-2: while the buckets sent but not yet in the shard hold more than two of the
@@ -213,6 +224,8 @@ struct Reducer {
   void throttle() {
     while (scattered < works.size() && inflight > 2 * largest) scatter_next();
   }
+
+  int64_t shard_bytes() const { return shard_numel * static_cast<int64_t>(params[0].element_size()); }
 
   void scatter_next() {
     auto& w = works[scattered];

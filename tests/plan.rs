@@ -54,8 +54,11 @@ fn planner_peak_within_20_percent_of_measured() {
 /// Over 2 ranks, state-heavy GPTs at micro-batch 1 (where the gradients, not the
 /// activations, set the peak): the plan of each `train.shard` against the measured peak.
 /// Plain data parallel and ZeRO-1 hold the gradients once (a bucket at a time is made, as
-/// views: no second copy) and the tied embedding's two partial gradients; ZeRO-2 its shard
-/// and buckets beside the activations, whose peak moves with the buckets' timing.
+/// views: no second copy) and the tied embedding's two partial gradients: within 1%.
+/// ZeRO-2's peak moves with the buckets' timing (on a loaded machine the deep model's from
+/// 15.5 to 16.4 MB): its plan is the worst timing's, so it covers every measured peak and is
+/// at most 15% over one. (The wide one's shard is made after the embedding's backward,
+/// whatever the timing: it had peaked 0.8 MB higher where it was made before.)
 #[test]
 fn data_parallel_plans_match_measured_peaks() {
     let dir = tempfile::tempdir().unwrap();
@@ -72,7 +75,7 @@ fn data_parallel_plans_match_measured_peaks() {
             dir.path(),
         );
         let plan: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-        for (shard, tolerance) in [("none", 0.01), ("optimizer", 0.01), ("gradients", 0.05)] {
+        for (shard, over) in [("none", 0.01), ("optimizer", 0.01), ("gradients", 0.15)] {
             let run = dir.path().join(format!("{name}-{shard}"));
             let o = train_command(dir.path(), &cfg, &run, 2)
                 .args(["--set", &format!("train.shard={shard}")])
@@ -93,10 +96,10 @@ fn data_parallel_plans_match_measured_peaks() {
                 .unwrap()["peak_bytes_at_1"]
                 .as_u64()
                 .unwrap() as f64;
-            let err = (planned - measured).abs() / measured;
+            let err = (planned - measured) / measured;
             assert!(
-                err < tolerance,
-                "{name} {shard}: planned {planned} measured {measured} ({:.2}% off)",
+                (-0.01..over).contains(&err),
+                "{name} {shard}: planned {planned} measured {measured} ({:+.2}% off)",
                 err * 100.0
             );
         }

@@ -116,14 +116,21 @@ impl Estimate {
     /// with activation checkpointing, whose backward runs in passes): then, alongside the
     /// activations from backward's start, this rank's shard, the largest gradient (a tied
     /// embedding's is whole until the embedding's own backward), two of the largest buckets
-    /// in flight and one being made.
+    /// in flight and one being made. The shard is made once the sums that arrived hold its
+    /// bytes (the gradients held stay within them whole), or when backward waits for the
+    /// buckets in flight beyond two of the largest: then, at the worst timing, beside all
+    /// but the first bucket's gradients.
     pub fn grads_held(&self) -> u64 {
         if self.grads_shard_world <= 1 || self.activation_checkpointing {
             return self.grads_bytes;
         }
         let bucket = self.largest_grad_bytes.max(crate::dist::DEFAULT_BUCKET_BYTES);
         let shard = self.grads_bytes.div_ceil(self.grads_shard_world);
-        (shard + self.largest_grad_bytes + 2 * bucket + crate::dist::DEFAULT_BUCKET_BYTES).min(self.grads_bytes)
+        let bounded = shard + self.largest_grad_bytes + 2 * bucket + crate::dist::DEFAULT_BUCKET_BYTES;
+        let first_sent = shard + self.grads_bytes.saturating_sub(self.bucket_bytes);
+        let waits = self.grads_bytes > 2 * bucket;
+        let whole = self.grads_bytes.max(if waits { first_sent } else { 0 });
+        bounded.min(whole)
     }
 
     /// Whether backward drops the gradients as it goes (ZeRO-2 overlapped, where that holds
@@ -538,6 +545,19 @@ mod tests {
             "the embedding goes in place: {}",
             dp.bucket_bytes
         );
+        // Small, its tied embedding the largest bucket: backward never waits, and ZeRO-2
+        // holds no more than the whole gradients.
+        let small = e.clone().with_shard(Shard::Gradients, 2);
+        assert_eq!(small.grads_held(), small.grads_bytes);
+        // Deep but small: backward may wait for its first buckets, and the shard stands
+        // beside the rest of the gradients.
+        let d24 = GptConfig {
+            n_layer: 24,
+            vocab_size: 256,
+            ..m
+        };
+        let d24 = Estimate::new(&d24, Precision::Fp32, false).with_shard(Shard::Gradients, 2);
+        assert!(d24.grads_held() > d24.grads_bytes);
         // Deep and narrow: ZeRO-2 holds its shard and buckets beside the activations.
         let deep = Estimate::new(
             &GptConfig {
