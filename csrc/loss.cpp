@@ -7,6 +7,13 @@
 // dtype (bf16 or fp16 logits, as eager's linear does), softmax and the loss in fp32, and the
 // weight's gradient accumulates over the chunks in fp32. An OOM inside a chunk is an
 // ordinary exception, returned as a message like every other.
+//
+// A tied embedding's lookup can go through `TiedEmbedding` with the same `Tie`: its backward
+// then adds its rows into the head's gradient in place (index_add_), while that gradient
+// waits in autograd's buffer for the weight, instead of making a dense [V, C] gradient of
+// its own for autograd to sum into a third. Backward holds one embedding-sized gradient,
+// not three (two on CUDA, below). Keeps: only within one graph (one backward pass), where the engine runs the
+// weight's accumulation after both uses; anything else takes the dense path.
 #include "oomguard.h"
 
 #include <ATen/autocast_mode.h>
@@ -36,6 +43,23 @@ Tensor padded(const Tensor& weight, int64_t vp) {
 struct Result {
   Tensor loss, grad_h, grad_w;
 };
+
+// What the head's backward hands the lookup's: the weight's gradient it returned, until the
+// lookup's backward has added into it (or the graph is freed).
+struct Tie : torch::CustomClassHolder {
+  Tensor grad_w;
+};
+using TiePtr = c10::intrusive_ptr<Tie>;
+
+c10::IValue capsule(const TiePtr& tie) {
+  return tie ? c10::IValue::make_capsule(tie) : c10::IValue();
+}
+
+TiePtr tie_of(AutogradContext* ctx) {
+  auto it = ctx->saved_data.find("tie");
+  if (it == ctx->saved_data.end() || !it->second.isCapsule()) return TiePtr();
+  return c10::static_intrusive_pointer_cast<Tie>(it->second.toCapsule());
+}
 
 // Mean cross-entropy of hidden [N, C] @ weight^T against targets [N]; with `grads`, also
 // d loss / d hidden [N, C] and d loss / d weight [V, C] (fp32).
@@ -102,10 +126,12 @@ Result compute(const Tensor& hidden, const Tensor& weight_in, const Tensor& targ
 }
 
 struct FusedLinearCrossEntropy : torch::autograd::Function<FusedLinearCrossEntropy> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& hidden, const Tensor& weight, const Tensor& targets, int64_t vp, int64_t chunk) {
+  static Tensor forward(AutogradContext* ctx, const Tensor& hidden, const Tensor& weight, const Tensor& targets, int64_t vp, int64_t chunk,
+                        TiePtr tie) {
     Result r = compute(hidden, weight, targets, vp, chunk, true);
     ctx->saved_data["grad_h"] = r.grad_h;
     ctx->saved_data["grad_w"] = r.grad_w.to(weight.scalar_type());
+    ctx->saved_data["tie"] = capsule(tie);
     return r.loss;
   }
 
@@ -114,10 +140,47 @@ struct FusedLinearCrossEntropy : torch::autograd::Function<FusedLinearCrossEntro
     const Tensor& g = grad_out[0];
     Tensor gh = ctx->saved_data["grad_h"].toTensor();
     Tensor gw = ctx->saved_data["grad_w"].toTensor();
+    TiePtr tie = tie_of(ctx);
     ctx->saved_data.clear();
     gh.mul_(g);
     gw.mul_(g);
-    return {gh, gw, Tensor(), Tensor(), Tensor()};
+    if (tie && !torch::autograd::GradMode::is_enabled()) tie->grad_w = gw;
+    return {gh, gw, Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+// The lookup `weight[idx]`; its backward adds into the tied head's gradient when the head's
+// backward left one (above), else returns the dense gradient as embedding's does.
+struct TiedEmbedding : torch::autograd::Function<TiedEmbedding> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& weight, const Tensor& idx, TiePtr tie) {
+    ctx->saved_data["idx"] = idx;
+    ctx->saved_data["rows"] = weight.size(0);
+    ctx->saved_data["tie"] = capsule(tie);
+    return at::embedding(weight, idx);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
+    const Tensor idx = ctx->saved_data["idx"].toTensor();
+    const int64_t rows = ctx->saved_data["rows"].toInt();
+    TiePtr tie = tie_of(ctx);
+    ctx->saved_data.clear();
+    const Tensor& g = grad_out[0];
+    Tensor into = tie ? std::move(tie->grad_w) : Tensor();
+    if (tie) tie->grad_w = Tensor();
+    const int64_t c = g.size(-1);
+    if (into.defined() && !torch::autograd::GradMode::is_enabled() && into.dim() == 2 && into.size(0) == rows &&
+        into.size(1) == c && into.device() == g.device()) {
+      // Still in the engine's buffer for the weight: it becomes the weight's gradient after
+      // this node (the only other use), with these rows added. On the CPU row by row (in
+      // index order: deterministic); on CUDA, where index_add_ is not, through the dense
+      // gradient, added in place: two buffers, not three.
+      if (g.is_cpu())
+        into.index_add_(0, idx.reshape({-1}), g.reshape({-1, c}).to(into.scalar_type()));
+      else
+        into.add_(at::embedding_backward(g, idx, rows, -1, false, false));
+      return {Tensor(), Tensor(), Tensor()};
+    }
+    return {at::embedding_backward(g, idx, rows, -1, false, false), Tensor(), Tensor()};
   }
 };
 
@@ -126,14 +189,33 @@ at::Tensor& t(void* p) { return *static_cast<at::Tensor*>(p); }
 
 extern "C" {
 
-char* og_fused_linear_ce(void* hidden, void* weight, void* targets, int64_t vp, int64_t chunk, void** out) {
+char* og_tie_new(void** out) {
+  return oomguard::guarded([&] { *out = new TiePtr(c10::make_intrusive<Tie>()); });
+}
+
+void og_tie_free(void* tie) {
+  delete static_cast<TiePtr*>(tie);
+}
+
+char* og_tied_embedding(void* weight, void* idx, void* tie, void** out) {
+  return oomguard::guarded([&] {
+    const Tensor &w = t(weight), &i = t(idx);
+    TORCH_CHECK(w.dim() == 2, "tied embedding: weight [V, C]; got ", w.sizes());
+    const TiePtr ti = tie ? *static_cast<TiePtr*>(tie) : TiePtr();
+    const bool grads = torch::autograd::GradMode::is_enabled() && w.requires_grad();
+    *out = new Tensor(grads ? TiedEmbedding::apply(w, i, ti) : at::embedding(w, i));
+  });
+}
+
+char* og_fused_linear_ce(void* hidden, void* weight, void* targets, int64_t vp, int64_t chunk, void* tie, void** out) {
   return oomguard::guarded([&] {
     const Tensor &h = t(hidden), &w = t(weight), &y = t(targets);
     TORCH_CHECK(h.dim() == 2 && w.dim() == 2 && y.dim() == 1 && h.size(0) == y.size(0) && h.size(1) == w.size(1),
                 "fused linear cross-entropy: hidden [N, C], weight [V, C], targets [N]; got ", h.sizes(), ", ", w.sizes(), ", ", y.sizes());
     TORCH_CHECK(vp >= w.size(0) && chunk >= 1, "fused linear cross-entropy: padded vocabulary ", vp, ", chunk ", chunk);
     const bool grads = torch::autograd::GradMode::is_enabled() && (h.requires_grad() || w.requires_grad());
-    Tensor loss = grads ? FusedLinearCrossEntropy::apply(h, w, y, vp, chunk) : compute(h, w, y, vp, chunk, false).loss;
+    const TiePtr ti = tie ? *static_cast<TiePtr*>(tie) : TiePtr();
+    Tensor loss = grads ? FusedLinearCrossEntropy::apply(h, w, y, vp, chunk, ti) : compute(h, w, y, vp, chunk, false).loss;
     *out = new Tensor(loss);
   });
 }

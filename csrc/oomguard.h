@@ -72,7 +72,13 @@ int64_t og_cuda_syncs();
 
 // The GPT's head and cross-entropy fused, in chunks of `chunk` rows (csrc/loss.cpp): hidden
 // [N, C], weight [V, C] (its storage padded to vp rows), targets [N]; out: the mean loss.
-char* og_fused_linear_ce(void* hidden, void* weight, void* targets, int64_t vp, int64_t chunk, void** out);
+// tie (or null): from og_tie_new, also given to the tied weight's og_tied_embedding in the
+// same graph, whose backward then adds into the head's gradient in place; og_tie_free drops
+// the caller's reference (the graph keeps its own).
+char* og_fused_linear_ce(void* hidden, void* weight, void* targets, int64_t vp, int64_t chunk, void* tie, void** out);
+char* og_tie_new(void** out);
+void og_tie_free(void* tie);
+char* og_tied_embedding(void* weight, void* idx, void* tie, void** out);
 
 // Mixed precision (csrc/amp.cpp): autocast on the CPU or CUDA (half: 0 bf16, 1 fp16), and
 // GradScaler's kernels.

@@ -11,8 +11,9 @@
 // copy of the gradients. A rank must send every bucket whatever failed: a bucket left
 // without a buffer (its making failed, or backward never made a large gradient) goes, on a
 // rank whose attempt failed, from a stand-in allocated then, once the attempt's memory is
-// freed (or, where even that fails, from a gradient the failure made garbage); none is held
-// through forward and backward.
+// freed (or, where even that fails, from a gradient the failure made garbage, and at last
+// from a parameter, which the ranks then restore: `trashed`); none is held through forward
+// and backward.
 // ZeRO-2: as each bucket's sum arrives, this rank's pieces of it go into its shard of the
 // summed gradients and the bucket's gradients are dropped, during backward: the whole
 // gradients are never all held at once on the last micro-batch.
@@ -63,6 +64,9 @@ struct Reducer {
   std::vector<char> arrived;
   // What buckets with no buffer of their own send (their rank failed): from `launch_rest`.
   std::vector<at::Tensor> scratch;
+  // Parameters a failed rank sent from, for want of memory, as (parameter, bucket, elements
+  // from its start): garbage now, restored by the ranks together (src/dist/overlap.rs).
+  std::vector<std::array<int64_t, 3>> trashed;
   // ZeRO-2 (from `arm` to `wait`): this rank's shard of the summed gradients (its size; made
   // at the first sum, so that it is not held through forward); each parameter's pieces of
   // it (where in the flattened parameter, how long, where in the shard); the buckets whose
@@ -96,7 +100,7 @@ struct Reducer {
 
   // What a failed rank sends for a bucket with no buffer: a new one (the failed attempt's
   // memory is free by now), else any garbage of the pass large enough (a gradient, the shard).
-  at::Tensor stand_in(const at::Tensor& like, int64_t numel) {
+  at::Tensor stand_in(const at::Tensor& like, int64_t numel, size_t bucket) {
     for (auto& t : scratch) {
       if (t.scalar_type() == like.scalar_type() && t.device() == like.device() && t.numel() >= numel) {
         return t.narrow(0, 0, numel);
@@ -113,6 +117,17 @@ struct Reducer {
       if (t.defined() && t.is_contiguous() && t.scalar_type() == like.scalar_type() && t.device() == like.device() &&
           t.numel() >= numel) {
         return t.reshape({-1}).narrow(0, 0, numel);
+      }
+    }
+    // At last a parameter: every rank holds the same values, so the ranks restore it after
+    // the agreement drops the attempt (from a rank that kept it, or, where every rank sent
+    // it for this bucket, from the sum of their copies).
+    for (size_t k = 0; k < params.size(); ++k) {
+      const auto& t = params[k];
+      const bool taken = std::any_of(trashed.begin(), trashed.end(), [&](const auto& x) { return x[0] == static_cast<int64_t>(k); });
+      if (!taken && t.is_contiguous() && t.scalar_type() == like.scalar_type() && t.device() == like.device() && t.numel() >= numel) {
+        trashed.push_back({static_cast<int64_t>(k), static_cast<int64_t>(bucket), numel});
+        return t.detach().reshape({-1}).narrow(0, 0, numel);
       }
     }
     throw std::runtime_error("no memory for a bucket this rank must send (" + std::to_string(numel) +
@@ -146,7 +161,7 @@ struct Reducer {
     const auto& first = params[b.members[0]];
     at::Tensor t = b.flat;
     if (b.in_place && first.grad().defined()) t = first.grad();
-    if (!t.defined()) t = stand_in(first, b.numel);
+    if (!t.defined()) t = stand_in(first, b.numel, i);
     std::vector<at::Tensor> one{t};
     works.push_back(backend->allreduce(one, c10d::AllreduceOptions()));
     inflight += bytes(b);
@@ -354,6 +369,7 @@ char* og_reducer_arm(void* p, int64_t shard_numel, const int64_t* pieces, int n)
     r->inflight = 0;
     r->garbage = false;
     r->error.clear();
+    r->trashed.clear();
     r->shard_numel = shard_numel;
     r->armed = true;
   });
@@ -432,6 +448,20 @@ char* og_reducer_wait(void* p, int keep, void** shard_out) {
     r->release(!first_error.empty() || !keep);
     if (!first_error.empty()) throw std::runtime_error(first_error);
   });
+}
+
+// The parameters this rank sent from in its last armed pass (at most `cap`), 3 numbers
+// each: the parameter, the bucket, the elements from its start. Returns how many.
+int og_reducer_trashed(void* p, int64_t* out, int cap) {
+  auto* r = reducer(p);
+  std::lock_guard<std::mutex> lock(r->mu);
+  int n = 0;
+  for (const auto& t : r->trashed) {
+    if (n >= cap) break;
+    std::copy(t.begin(), t.end(), out + 3 * n);
+    ++n;
+  }
+  return n;
 }
 
 }  // extern "C"

@@ -1,6 +1,7 @@
 //! `model.loss: fused` against `full` on the same model and samples, in-process: the loss, every
 //! gradient (plain and under activation checkpointing), the padded vocabulary, one step's
-//! peak memory by the counting allocator against the planner, and the step's one read back
+//! peak memory by the counting allocator against the planner, the tied lookup's gradient
+//! added into the head's, and the step's one read back
 //! from the device. Alone in its file, its tests one at a time (`common::exclusive()`): the
 //! random generator, the counting allocator and the read counter are process-wide.
 //! (End-to-end runs, the forced OOM included, are in tests/fused_runs.rs; every allocation
@@ -184,6 +185,58 @@ fn fused_step_peaks_at_most_half_of_full() {
             err * 100.0
         );
     }
+}
+
+/// The fused loss ties the embedding's lookup to the head (`model::loss::Tie`): the lookup's
+/// backward adds its rows into the head's gradient in place, so a state-heavy GPT's step
+/// holds its embedding's gradient once where `full` holds it three times (the head's, the
+/// lookup's and autograd's sum of them): its peak is at least 1.5 embedding gradients lower.
+/// Under activation checkpointing (backward in passes) nothing is tied: the lookup's dense
+/// gradient is added into the head's, already the parameter's, so it holds two.
+#[test]
+fn the_tied_lookup_adds_into_the_heads_gradient() {
+    let _one_at_a_time = common::exclusive();
+    memory::install_cpu_allocator();
+    let (vocab, c) = (16384, 64);
+    let cfg = |loss| GptConfig {
+        n_layer: 2,
+        n_head: 2,
+        n_embd: c,
+        block_size: 8,
+        vocab_size: vocab,
+        dropout: 0.0,
+        bias: true,
+        loss,
+    };
+    let inputs = Tensor::randint(vocab, [1, 8], (tch::Kind::Int64, Device::Cpu));
+    let targets = inputs.roll([-1], [1]);
+    let peak = |loss, checkpointing| {
+        tch::manual_seed(5);
+        let mut task = GptTask::new(&cfg(loss), Device::Cpu).unwrap();
+        task.set_activation_checkpointing(checkpointing);
+        memory::reset_peak(Device::Cpu);
+        let _ = task
+            .forward_backward(&inputs, &targets, 1.0, &Amp::fp32(Device::Cpu))
+            .unwrap();
+        let wte = task.parameters().into_iter().find(|(n, _)| n == "wte").unwrap().1;
+        assert!(wte.grad().defined(), "the embedding has its gradient");
+        memory::stats(Device::Cpu).peak_bytes as f64
+    };
+    let tied = (4 * vocab * c) as f64;
+    let (full, fused) = (peak(LossKind::Full, false), peak(LossKind::Fused, false));
+    println!(
+        "peak: full {:.1} MiB, fused {:.1} MiB, the embedding's gradient {:.1} MiB",
+        full / 1048576.0,
+        fused / 1048576.0,
+        tied / 1048576.0
+    );
+    assert!(full - fused > 1.5 * tied, "full {full}, fused {fused}");
+    let checkpointed = peak(LossKind::Fused, true);
+    println!("checkpointed fused {:.1} MiB", checkpointed / 1048576.0);
+    assert!(
+        checkpointed - fused > 0.5 * tied,
+        "checkpointed {checkpointed}, fused {fused}"
+    );
 }
 
 /// A step of 4 micro-batches reads back from the device once (after the update), in fp32

@@ -54,11 +54,12 @@ fn planner_peak_within_20_percent_of_measured() {
 /// Over 2 ranks, state-heavy GPTs at micro-batch 1 (where the gradients, not the
 /// activations, set the peak): the plan of each `train.shard` against the measured peak.
 /// Plain data parallel and ZeRO-1 hold the gradients once (a bucket at a time is made, as
-/// views: no second copy) and the tied embedding's two partial gradients: within 1%.
-/// ZeRO-2's peak moves with the buckets' timing (on a loaded machine the deep model's from
-/// 15.5 to 16.4 MB): its plan is the worst timing's, so it covers every measured peak and is
-/// at most 15% over one. (The wide one's shard is made after the embedding's backward,
-/// whatever the timing: it had peaked 0.8 MB higher where it was made before.)
+/// views: no second copy; the tied embedding's once, its lookup's rows added into the
+/// head's): within 1%. ZeRO-2's peak moves with the buckets' timing (on a loaded machine
+/// the deep model's from 15.5 to 16.4 MB): its plan is the worst timing's, so it covers
+/// every measured peak and is at most 15% over one. (The wide one's gradients are two
+/// buckets: its sums stay whole, as stage 1's, and a shard made beside them, 0.85 MB more,
+/// would fail here.)
 #[test]
 fn data_parallel_plans_match_measured_peaks() {
     let dir = tempfile::tempdir().unwrap();

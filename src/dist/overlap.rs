@@ -26,6 +26,7 @@ extern "C" {
     fn og_reducer_disarm(r: *mut c_void);
     fn og_reducer_launch_rest(r: *mut c_void, failed: i32, twice: *mut i32, oom: *mut *mut c_char) -> *mut c_char;
     fn og_reducer_wait(r: *mut c_void, keep: i32, shard: *mut *mut c_void) -> *mut c_char;
+    fn og_reducer_trashed(r: *mut c_void, out: *mut i64, cap: i32) -> i32;
 }
 
 /// DDP's default bucket size is 25 MiB, sized for GPUs and NCCL. Here it is measured
@@ -112,11 +113,12 @@ impl Reducer {
         })
     }
 
-    /// Whether a step at this stage overlaps: always when so made, else under ZeRO-2, whose
-    /// memory it is (each bucket's gradients dropped once summed into the shard, during
-    /// backward, instead of every gradient held until the end).
+    /// Whether a step at this stage overlaps: always when so made, else under ZeRO-2 where it
+    /// shards the gradients (`shards_gradients`), whose memory it is (each bucket's
+    /// gradients dropped once summed into the shard, during backward, instead of every
+    /// gradient held until the end).
     pub fn runs_under(&self, stage: crate::optim::Shard) -> bool {
-        self.always || stage == crate::optim::Shard::Gradients
+        self.always || (stage == crate::optim::Shard::Gradients && self.scatters())
     }
 
     /// Once, after the first step every rank completed (overlapped or not: the hooks see
@@ -151,6 +153,11 @@ impl Reducer {
             .map_err(torch_error("the overlapped reduction's buckets"))
     }
 
+    /// `shards_gradients` for these parameters and buckets.
+    pub fn scatters(&self) -> bool {
+        shards_gradients(self.sizes.iter().map(|s| s.0), self.cap)
+    }
+
     /// Collectives an armed pass starts.
     pub fn buckets(&self) -> usize {
         unsafe { og_reducer_buckets(self.ptr) as usize }
@@ -162,7 +169,9 @@ impl Reducer {
     /// its pieces, `[parameter, where in it, how long, where in the shard]`: each bucket's
     /// sum goes into the shard (made at the first) as it arrives, and its gradients are
     /// dropped.
+    /// Whole (ZeRO-2 only where `scatters`): the sums stay the gradients, as data parallel's.
     pub fn arm(&self, scatter: Option<(i64, &[[i64; 4]])>) -> Result<()> {
+        let scatter = scatter.filter(|_| self.scatters());
         let (numel, pieces) = scatter.map_or((-1, vec![]), |(n, p)| (n, p.concat()));
         let n = (pieces.len() / 4) as i32;
         check(unsafe { og_reducer_arm(self.ptr, numel, pieces.as_ptr(), n) })
@@ -196,6 +205,85 @@ impl Reducer {
         // SAFETY: a non-null `shard` is a new torch::Tensor* the C++ side handed over.
         Ok((!shard.is_null()).then(|| unsafe { Tensor::from_ptr(shard as *mut torch_sys::C_tensor) }))
     }
+}
+
+impl Reducer {
+    /// After an armed pass the ranks dropped, every rank: the parameters a failed rank sent a
+    /// bucket from, for want of any other memory (`og_reducer_trashed`), restored. Each from
+    /// the lowest rank that kept it; where every rank sent it for the same bucket, it holds
+    /// the sum of their identical copies, divided by the world (exact at 2, 4, 8... ranks;
+    /// within rounding, and the same on every rank, at others). One small all-reduce, and a
+    /// broadcast per parameter restored.
+    pub fn restore_trashed(&self, pg: &ProcessGroup, params: &[Tensor]) -> Result<()> {
+        let n = self.sizes.len();
+        let mut out = vec![0i64; 3 * n];
+        let k = unsafe { og_reducer_trashed(self.ptr, out.as_mut_ptr(), n as i32) } as usize;
+        let mine: Vec<Option<(i64, i64)>> = (0..n)
+            .map(|i| {
+                out[..3 * k]
+                    .chunks(3)
+                    .find(|t| t[0] == i as i64)
+                    .map(|t| (t[1] + 1, t[2]))
+            })
+            .collect();
+        let (rank, world) = (pg.rank as i64, pg.world as i64);
+        // Per parameter, the ranks' least of: its bucket + 1 (0: kept), the same negated (the
+        // most), and its rank where kept (else the world).
+        let v: Vec<i64> = mine
+            .iter()
+            .flat_map(|m| match m {
+                Some((b, _)) => [*b, -b, world],
+                None => [0, 0, rank],
+            })
+            .collect();
+        let t = Tensor::from_slice(&v)
+            .f_to_device(pg.device())
+            .map_err(torch_error("the parameters' restore"))?;
+        pg.all_reduce(std::slice::from_ref(&t), super::Op::Min)?;
+        let v = t
+            .f_to_device(tch::Device::Cpu)
+            .and_then(|t| Vec::<i64>::try_from(&t))
+            .map_err(torch_error("the parameters' restore"))?;
+        let _no_grad = tch::no_grad_guard();
+        for (i, m) in v.chunks(3).enumerate() {
+            let (least, most, root) = (m[0], -m[1], m[2]);
+            if most == 0 {
+                continue;
+            }
+            let p = params[i].detach();
+            if root < world {
+                pg.broadcast(std::slice::from_ref(&p), root as usize)?;
+            } else if least == most {
+                let numel = mine[i].map_or(0, |(_, e)| e);
+                let sent = p.f_view([-1]).and_then(|f| f.f_narrow(0, 0, numel));
+                let _ = sent
+                    .and_then(|mut s| s.f_div_scalar_(world))
+                    .map_err(torch_error("the parameters' restore"))?;
+            } else {
+                return Err(Error::Dist(format!(
+                    "parameter {i} was sent as a stand-in for different buckets on every rank (no memory for them) \
+                     and no rank kept it: resume from the last checkpoint"
+                )));
+            }
+        }
+        if k > 0 {
+            tracing::warn!("data parallel: {k} parameter(s) sent as a stand-in for want of memory, restored");
+        }
+        Ok(())
+    }
+}
+
+/// Whether ZeRO-2 shards the gradients of parameters of these byte sizes, buckets of at most
+/// `cap` bytes: only where backward can wait for its buckets, the gradients exceeding two of
+/// the largest (as `oomguard plan` counts them). Otherwise they are whole at backward's end
+/// whatever was sent, and a shard made beside them would hold more than dropping them frees
+/// (a small model, or one that is mostly its tied embedding: a 2-layer GPT with a tied
+/// vocabulary of 8192 peaked 0.85 MB above stage 1). There the sums stay the gradients and
+/// the step reads this rank's pieces from them, as stage 1 does. Shapes alone decide, so
+/// every rank takes the same path.
+pub fn shards_gradients(sizes: impl Iterator<Item = usize>, cap: usize) -> bool {
+    let (total, largest) = sizes.fold((0, cap), |(t, l), s| (t + s, l.max(s)));
+    total > 2 * largest
 }
 
 /// Every parameter, last first: the order backward completes gradients in, before it is

@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 use tch::{nn, Kind, Reduction, TchError, Tensor};
 
-use super::loss::{fused_linear_cross_entropy, padded_vocab, LossKind};
+use super::loss::{fused_linear_cross_entropy_tied, padded_vocab, LossKind, Tie};
 use crate::error::ConfigError;
 use crate::memory::snapshot;
 use crate::precision::Amp;
@@ -207,10 +207,13 @@ impl Gpt {
         &self.cfg
     }
 
-    /// Token and position embeddings (with dropout).
-    fn embed(&self, idx: &Tensor, train: bool) -> Result<Tensor, TchError> {
+    /// Token and position embeddings (with dropout); the token lookup through `tie`, if any.
+    fn embed(&self, idx: &Tensor, train: bool, tie: Option<&Tie>) -> Result<Tensor, TchError> {
         let pos = crate::ops::arange_like(idx.size2()?.1, idx)?;
-        let tok = Tensor::f_embedding(&self.wte, idx, -1, false, false)?;
+        let tok = match tie {
+            Some(tie) => tie.embedding(&self.wte, idx)?,
+            None => Tensor::f_embedding(&self.wte, idx, -1, false, false)?,
+        };
         tok.f_add(&Tensor::f_embedding(&self.wpe, &pos, -1, false, false)?)?
             .f_dropout(self.cfg.dropout, train)
     }
@@ -229,10 +232,10 @@ impl Gpt {
     }
 
     /// The last block's output `[B, T, C]` for token ids `[B, T]`.
-    fn trunk(&self, idx: &Tensor, train: bool) -> Result<Tensor, TchError> {
+    fn trunk(&self, idx: &Tensor, train: bool, tie: Option<&Tie>) -> Result<Tensor, TchError> {
         let mut x = {
             let _s = snapshot::scope("embed");
-            self.embed(idx, train)?
+            self.embed(idx, train, tie)?
         };
         for (i, block) in self.blocks.iter().enumerate() {
             let _s = snapshot::scope(&format!("block.{i}"));
@@ -243,13 +246,14 @@ impl Gpt {
 
     /// Logits `[B, T, vocab]` for token ids `[B, T]`.
     pub fn logits(&self, idx: &Tensor, train: bool) -> Result<Tensor, TchError> {
-        let x = self.trunk(idx, train)?;
+        let x = self.trunk(idx, train, None)?;
         let _s = snapshot::scope("logits");
         self.head(&x)
     }
 
-    /// The mean loss from the last block's output, as `model.loss` says.
-    fn head_loss(&self, x: &Tensor, targets: &Tensor) -> Result<Tensor, TchError> {
+    /// The mean loss from the last block's output, as `model.loss` says (the fused head
+    /// tied to the lookup made through `tie`, if any).
+    fn head_loss(&self, x: &Tensor, targets: &Tensor, tie: Option<&Tie>) -> Result<Tensor, TchError> {
         match self.cfg.loss {
             LossKind::Full => {
                 let logits = {
@@ -262,7 +266,8 @@ impl Gpt {
             LossKind::Fused => {
                 let h = self.ln_f.forward(x)?;
                 let _s = snapshot::scope("loss");
-                fused_linear_cross_entropy(&h.f_view([-1, self.cfg.n_embd])?, &self.wte, &targets.f_view([-1])?)
+                let (h, y) = (h.f_view([-1, self.cfg.n_embd])?, targets.f_view([-1])?);
+                fused_linear_cross_entropy_tied(&h, &self.wte, &y, tie)
             }
         }
     }
@@ -283,9 +288,15 @@ impl Gpt {
         block.attn_proj.forward(&y)?.f_dropout(self.cfg.dropout, train)
     }
 
-    /// Mean cross-entropy of next-token predictions.
+    /// Mean cross-entropy of next-token predictions, one graph that one backward pass walks
+    /// whole: under the fused loss, the tied embedding's lookup adds its gradient into the
+    /// head's in place (`Tie`).
     pub fn loss(&self, idx: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor, TchError> {
-        self.head_loss(&self.trunk(idx, train)?, targets)
+        let tie = match self.cfg.loss {
+            LossKind::Fused => Some(Tie::new()?),
+            LossKind::Full => None,
+        };
+        self.head_loss(&self.trunk(idx, train, tie.as_ref())?, targets, tie.as_ref())
     }
 
     fn cross_entropy(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor, TchError> {
@@ -343,7 +354,7 @@ impl Gpt {
         let last = {
             let _no_grad = tch::no_grad_guard();
             let _autocast = amp.autocast()?;
-            let mut x = self.embed(idx, true)?;
+            let mut x = self.embed(idx, true, None)?;
             for block in &self.blocks {
                 inputs.push((x.shallow_clone(), rng_now()?));
                 x = self.block(block, &x, true)?;
@@ -369,7 +380,7 @@ impl Gpt {
         let last = last.f_detach()?.set_requires_grad(true);
         let loss = {
             let _autocast = amp.autocast()?;
-            self.head_loss(&last, targets)?
+            self.head_loss(&last, targets, None)?
         };
         let weighted = crate::ops::mul_scalar(&loss, weight)?;
         amp.scale(&weighted)?.f_backward()?;
@@ -391,7 +402,7 @@ impl Gpt {
         }
         let x0 = {
             let _autocast = amp.autocast()?;
-            self.embed(idx, true)?
+            self.embed(idx, true, None)?
         };
         x0.f_mul(&grad)?.f_sum(x0.kind())?.f_backward()?;
         if let Some(s) = &after_forward {

@@ -11,8 +11,45 @@ extern "C" {
         targets: *mut c_void,
         vp: i64,
         chunk: i64,
+        tie: *mut c_void,
         out: *mut *mut c_void,
     ) -> *mut c_char;
+    fn og_tie_new(out: *mut *mut c_void) -> *mut c_char;
+    fn og_tie_free(tie: *mut c_void);
+    fn og_tied_embedding(weight: *mut c_void, idx: *mut c_void, tie: *mut c_void, out: *mut *mut c_void)
+        -> *mut c_char;
+}
+
+/// A tied embedding's lookup and the fused head in one graph (csrc/loss.cpp): the lookup's
+/// backward adds its rows into the head's gradient in place, so backward holds one
+/// embedding-sized gradient, not three. Only for a graph that one backward pass walks whole.
+pub struct Tie(*mut c_void);
+
+impl Tie {
+    pub fn new() -> Result<Tie, TchError> {
+        let mut out: *mut c_void = std::ptr::null_mut();
+        crate::memory::check(unsafe { og_tie_new(&mut out) })?;
+        Ok(Tie(out))
+    }
+
+    /// `weight[idx]`, its backward tied to the fused head's given this `Tie`.
+    pub fn embedding(&self, weight: &Tensor, idx: &Tensor) -> Result<Tensor, TchError> {
+        let mut out: *mut c_void = std::ptr::null_mut();
+        crate::memory::check(unsafe { og_tied_embedding(p(weight), p(idx), self.0, &mut out) })?;
+        // SAFETY: on success the C++ side returned a new torch::Tensor* we now own.
+        Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+    }
+}
+
+impl Drop for Tie {
+    fn drop(&mut self) {
+        // The graph's nodes keep their own references.
+        unsafe { og_tie_free(self.0) }
+    }
+}
+
+fn p(t: &Tensor) -> *mut c_void {
+    t.as_ptr() as *mut c_void
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -61,13 +98,23 @@ pub fn chunk_floor(cuda: bool) -> i64 {
 /// The mean cross-entropy of `hidden [N, C] @ weight[:V]^T` against `targets [N]`, fused
 /// (csrc/loss.cpp). `weight`'s storage holds `padded_vocab(V)` rows (or it is padded).
 pub fn fused_linear_cross_entropy(hidden: &Tensor, weight: &Tensor, targets: &Tensor) -> Result<Tensor, TchError> {
+    fused_linear_cross_entropy_tied(hidden, weight, targets, None)
+}
+
+/// As `fused_linear_cross_entropy`, its weight's lookup made through `tie` in this graph.
+pub fn fused_linear_cross_entropy_tied(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &Tensor,
+    tie: Option<&Tie>,
+) -> Result<Tensor, TchError> {
     let (n, c) = hidden.size2()?;
     let v = weight.size2()?.0;
     let chunk = chunk_rows(n, padded_vocab(v), c, hidden.device().is_cuda());
-    let p = |t: &Tensor| t.as_ptr() as *mut c_void;
+    let tie = tie.map_or(std::ptr::null_mut(), |t| t.0);
     let mut out: *mut c_void = std::ptr::null_mut();
     crate::memory::check(unsafe {
-        og_fused_linear_ce(p(hidden), p(weight), p(targets), padded_vocab(v), chunk, &mut out)
+        og_fused_linear_ce(p(hidden), p(weight), p(targets), padded_vocab(v), chunk, tie, &mut out)
     })?;
     // SAFETY: on success the C++ side returned a new torch::Tensor* we now own.
     Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })

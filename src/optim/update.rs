@@ -238,13 +238,14 @@ impl AdamW {
     }
 
     /// Where the all-gather will go, once the update has used the gradients: stage 2's shard,
-    /// or stage 1's largest gradient storage, where either takes no more collectives than
-    /// the buffers (and `world` chunks fit); else buffers allocated here.
+    /// or the largest storage of whole gradients (stage 1, or stage 2 whose sums stayed
+    /// whole: `Reducer::scatters`), where either takes no more collectives than the buffers
+    /// (and `world` chunks fit); else buffers allocated here.
     fn gather_through(&self, z: &Zero) -> Result<Gather, TchError> {
         if z.gathers_in_grad() {
             return Ok(Gather::Shard);
         }
-        if z.stage == Shard::Optimizer {
+        if z.stage == Shard::Optimizer || z.grad.is_none() {
             let spaces = crate::memory::grads_scratch(&self.params())?;
             if let Some(numel) = spaces.first().map(|s| s.numel() as i64) {
                 let l = z.layout.rechunked(numel / z.layout.world as i64);

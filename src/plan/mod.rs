@@ -55,8 +55,10 @@ pub struct Estimate {
     /// ZeRO-2's world (1: the gradients are whole on every rank).
     pub grads_shard_world: u64,
     /// The tied embedding's gradient (fp32): backward makes it twice, the head's and the
-    /// lookup's, and sums them into a third before it is the parameter's.
+    /// lookup's (`tied_partial_bytes`).
     pub tied_grad_bytes: u64,
+    /// A CUDA device (its lookup's gradient is dense: `tied_partial_bytes`).
+    pub cuda: bool,
     /// Data parallel: one bucket of the reduction, made while the gradients are whole.
     pub bucket_bytes: u64,
     /// The fused loss's chunk: its rows at the floor size, the tokens of one sample (a
@@ -139,8 +141,21 @@ impl Estimate {
         self.grads_held() < self.grads_bytes
     }
 
+    /// What backward holds beside the tied embedding's gradient while it forms it. The full
+    /// loss in one pass: the head's and the lookup's partial gradients, summed into a third.
+    /// A checkpointed backward (in passes): the lookup's, added into the head's, already the
+    /// parameter's. The fused loss in one pass: the lookup adds its rows into the head's in
+    /// place (csrc/loss.cpp), nothing beside; on CUDA through a dense gradient of its own.
+    pub fn tied_partial_bytes(&self) -> u64 {
+        match (self.loss, self.activation_checkpointing, self.cuda) {
+            (_, true, _) | (LossKind::Fused, false, true) => self.tied_grad_bytes,
+            (LossKind::Fused, false, false) => 0,
+            (LossKind::Full, false, _) => 2 * self.tied_grad_bytes,
+        }
+    }
+
     /// The gradients at their peak: those held, with the larger of what comes and goes
-    /// around them: the tied embedding's two partial gradients while backward sums them, or
+    /// around them: the tied embedding's partial gradients while backward forms it, or
     /// (data parallel, whole) one bucket being made after backward.
     pub fn grads_at_peak(&self) -> u64 {
         let bucket = if self.grads_beside_activations() {
@@ -148,7 +163,7 @@ impl Estimate {
         } else {
             self.bucket_bytes
         };
-        self.grads_held() + bucket.max(2 * self.tied_grad_bytes)
+        self.grads_held() + bucket.max(self.tied_partial_bytes())
     }
 
     /// The logits term at `micro` samples, both parts.
@@ -239,6 +254,7 @@ impl Estimate {
             largest_grad_bytes: 4 * (m.vocab_size * m.n_embd).max(4 * m.n_embd * m.n_embd) as u64,
             grads_shard_world: 1,
             tied_grad_bytes: 4 * (m.vocab_size * m.n_embd) as u64,
+            cuda,
             bucket_bytes: 0,
             chunk_rows: chunk_floor(cuda) as u64,
             tokens_per_sample: m.block_size as u64,
@@ -307,7 +323,7 @@ impl Estimate {
                 ),
             ),
             row("gradients", self.grads_bytes),
-            row("  the tied embedding's two, summed", 2 * self.tied_grad_bytes),
+            row("  the tied embedding's partial ones", self.tied_partial_bytes()),
             row("optimizer state (AdamW)", self.optimizer_bytes),
             (
                 format!("activations per layer (x{})", self.n_layer),
@@ -537,9 +553,17 @@ mod tests {
         let e = Estimate::new(&m, Precision::Fp32, false);
         // One sample's 8 tokens are the fused loss's whole chunk, not its 256-row floor.
         assert_eq!(e.logits_fixed(64) - e.logits_fixed(1), (256 - 8) * e.chunk_row_bytes);
-        // The tied embedding's two partial gradients outweigh a bucket of the small ones.
+        // The fused loss's lookup adds into the head's gradient: a bucket of the small ones
+        // is all that comes and goes; under the full loss (two), checkpointed or on CUDA
+        // (one) the tied embedding's partial gradients outweigh it.
         let dp = e.clone().with_shard(Shard::None, 2);
-        assert_eq!(dp.grads_at_peak(), dp.grads_bytes + 2 * dp.tied_grad_bytes);
+        assert_eq!(dp.grads_at_peak(), dp.grads_bytes + dp.bucket_bytes);
+        let full = e.clone().with_loss(LossKind::Full).with_shard(Shard::None, 2);
+        assert_eq!(full.grads_at_peak(), full.grads_bytes + 2 * full.tied_grad_bytes);
+        let ac = e.clone().with_checkpointing(true).with_shard(Shard::None, 2);
+        assert_eq!(ac.grads_at_peak(), ac.grads_bytes + ac.tied_grad_bytes);
+        let cuda = Estimate::new(&m, Precision::Fp32, true).with_shard(Shard::None, 2);
+        assert_eq!(cuda.grads_at_peak(), cuda.grads_bytes + cuda.tied_grad_bytes);
         assert!(
             dp.bucket_bytes < 1 << 20,
             "the embedding goes in place: {}",

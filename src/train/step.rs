@@ -388,7 +388,7 @@ pub fn dist_step(
         static SAID: std::sync::Once = std::sync::Once::new();
         SAID.call_once(|| {
             tracing::info!(
-                "sharding: ZeRO-1's all-gather goes through the spent gradients' storages, no buffers of its own: {chunks} chunks of {elems} elements a rank"
+                "sharding: the all-gather goes through the spent gradients' storages, no buffers of its own: {chunks} chunks of {elems} elements a rank"
             )
         });
     }
@@ -457,8 +457,18 @@ fn reduced_after(
     let local = w.accumulate(&mut || Ok(())).and_then(|r| {
         let backward = |e: tch::TchError| Error::from(e).in_phase(Phase::Backward);
         opt.zero_missing_grads().map_err(backward)?;
-        // Stage 2 reduce-scatters into this rank's shard; otherwise every gradient is summed.
-        let reduce = match opt.scatter_buffers().map_err(backward)? {
+        // Stage 2 reduce-scatters into this rank's shard where that frees memory; otherwise
+        // every gradient is summed.
+        let sizes = opt
+            .params()
+            .iter()
+            .map(|p| p.numel() * p.kind().elt_size_in_bytes())
+            .collect::<Vec<_>>();
+        let scatter = match crate::dist::overlap::shards_gradients(sizes.into_iter(), bucket_bytes) {
+            true => opt.scatter_buffers().map_err(backward)?,
+            false => None,
+        };
+        let reduce = match scatter {
             Some(bufs) => Reduce::Scatter(bufs),
             None => {
                 let buckets = Buckets::pack(&opt.params(), bucket_bytes).map_err(backward)?;
@@ -532,6 +542,9 @@ fn overlapped(pg: &ProcessGroup, r: &Reducer, opt: &mut AdamW, w: Work, t: &mut 
     let agreed = timed(&mut t.agree, || pg.agree(Topic::Agreement, local));
     if let Some(shard) = timed(&mut t.reduce, || r.wait(agreed.is_ok()))? {
         opt.take_scattered(shard);
+    }
+    if agreed.is_err() {
+        timed(&mut t.reduce, || r.restore_trashed(pg, &opt.params()))?;
     }
     agreed
 }
