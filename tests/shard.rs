@@ -671,10 +671,14 @@ fn an_oom_in_the_sharded_update_on_any_rank_is_agreed_and_redone() {
 #[test]
 fn a_run_that_sharded_under_pressure_comes_back_down() {
     let (dir, cfg, free) = comes_back_down("false");
-    uneven_limits_decide_the_way_back_together(&dir, &cfg, &free);
+    let _ = uneven_limits_decide_the_way_back_together(&dir, &cfg, &free);
     // Overlapped: its stand-in and buckets are gone when the guard checks what a failed
     // attempt left, and its peak (measured as such) still climbs and comes back down.
-    comes_back_down("true");
+    let (dir, cfg, free) = comes_back_down("true");
+    // Overlapped, rank 1 without a limit: only rank 0 sends the embedding's bucket from the
+    // parameter, and takes it back from rank 1.
+    let err = uneven_limits_decide_the_way_back_together(&dir, &cfg, &free);
+    assert!(err.contains("sent as a stand-in for want of memory, restored"), "{err}");
 }
 
 /// Steps 0..3 under pressure climb to ZeRO-1, later ones come back down, and the run ends
@@ -740,7 +744,8 @@ fn comes_back_down(overlap: &str) -> (tempfile::TempDir, PathBuf, PathBuf) {
     (dir, cfg, free)
 }
 
-fn uneven_limits_decide_the_way_back_together(dir: &tempfile::TempDir, cfg: &Path, free: &Path) {
+/// Returns rank 0's log.
+fn uneven_limits_decide_the_way_back_together(dir: &tempfile::TempDir, cfg: &Path, free: &Path) -> String {
     // Ranks with limits of their own (as `budget: auto` gives on the CPU): rank 1 has none.
     // They decide the way back on the smallest limit, together; deciding on their own, one
     // gathered the state while the other went on to the next step, and the group hung.
@@ -775,14 +780,13 @@ fn uneven_limits_decide_the_way_back_together(dir: &tempfile::TempDir, cfg: &Pat
                 .unwrap()
         })
         .collect();
-    for w in workers {
-        ok(w.wait_with_output().unwrap());
-    }
+    let logs: Vec<String> = workers.into_iter().map(|w| ok(w.wait_with_output().unwrap())).collect();
     assert!(records(&run, "rung_down")
         .iter()
         .any(|r| r["rung"] == "shard_optimizer"));
     let d = max_abs_diff(&weights(free), &weights(&run));
     assert!(d < 1e-5, "uneven limits: differs from the unconstrained run by {d}");
+    logs[0].clone()
 }
 
 /// fp16 under ZeRO-2 with a loss scale high enough to skip steps: an overflow in either
