@@ -31,7 +31,12 @@ impl Samples for Rows {
         }
         let idx: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
         let picked = self.targets.f_index_select(0, &Tensor::f_from_slice(&idx)?)?;
-        let valid = picked.f_ne(IGNORE_INDEX)?.f_sum(tch::Kind::Int64)?.f_int64_value(&[])?;
+        // Not tch's scalar `ne`: its Scalar's drop panics after a failed allocation.
+        let ignore = crate::ops::scalar(IGNORE_INDEX as f64, picked.kind(), picked.device())?;
+        let valid = picked
+            .f_ne_tensor(&ignore)?
+            .f_sum(tch::Kind::Int64)?
+            .f_int64_value(&[])?;
         Ok(Some(valid as usize))
     }
     fn name(&self) -> String {
@@ -73,7 +78,10 @@ pub(super) fn open(path: &Path, val_fraction: f64) -> Result<Dataset> {
         targets.kind(),
         tch::Kind::Int64 | tch::Kind::Int | tch::Kind::Int16 | tch::Kind::Int8
     );
-    let masked = integer && targets.f_eq(IGNORE_INDEX)?.f_any()?.f_int64_value(&[])? != 0;
+    let masked = integer && {
+        let ignore = crate::ops::scalar(IGNORE_INDEX as f64, targets.kind(), targets.device())?;
+        targets.f_eq_tensor(&ignore)?.f_any()?.f_int64_value(&[])? != 0
+    };
     let split = |start: i64, len: i64, which: &str| -> Result<Rows> {
         Ok(Rows {
             inputs: part(&inputs, start, len)?,

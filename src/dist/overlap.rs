@@ -255,9 +255,9 @@ impl Reducer {
                 pg.broadcast(std::slice::from_ref(&p), root as usize)?;
             } else if least == most {
                 let numel = mine[i].map_or(0, |(_, e)| e);
-                let sent = p.f_view([-1]).and_then(|f| f.f_narrow(0, 0, numel));
-                let _ = sent
-                    .and_then(|mut s| s.f_div_scalar_(world))
+                p.f_view([-1])
+                    .and_then(|f| f.f_narrow(0, 0, numel))
+                    .and_then(|sent| crate::ops::mul_scalar_(&sent, 1.0 / world as f64))
                     .map_err(torch_error("the parameters' restore"))?;
             } else {
                 return Err(Error::Dist(format!(

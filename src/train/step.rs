@@ -204,10 +204,7 @@ pub fn accumulate_with(
 fn rescale(grads: &[Tensor], loss: &Tensor, s: f64) -> Result<()> {
     let _no_grad = tch::no_grad_guard();
     for g in grads.iter().chain([loss]) {
-        g.shallow_clone()
-            .f_mul_scalar_(s)
-            .map(drop)
-            .map_err(|e| Error::from(e).in_phase(Phase::Backward))?;
+        crate::ops::mul_scalar_(g, s).map_err(|e| Error::from(e).in_phase(Phase::Backward))?;
     }
     Ok(())
 }
