@@ -165,8 +165,7 @@ struct TiedEmbedding : torch::autograd::Function<TiedEmbedding> {
     TiePtr tie = tie_of(ctx);
     ctx->saved_data.clear();
     const Tensor& g = grad_out[0];
-    Tensor into = tie ? std::move(tie->grad_w) : Tensor();
-    if (tie) tie->grad_w = Tensor();
+    Tensor into = tie ? std::move(tie->grad_w) : Tensor();  // the tie lets go of it
     const int64_t c = g.size(-1);
     if (into.defined() && !torch::autograd::GradMode::is_enabled() && into.dim() == 2 && into.size(0) == rows &&
         into.size(1) == c && into.device() == g.device()) {

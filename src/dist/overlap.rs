@@ -205,9 +205,7 @@ impl Reducer {
         // SAFETY: a non-null `shard` is a new torch::Tensor* the C++ side handed over.
         Ok((!shard.is_null()).then(|| unsafe { Tensor::from_ptr(shard as *mut torch_sys::C_tensor) }))
     }
-}
 
-impl Reducer {
     /// After an armed pass the ranks dropped, every rank: the parameters a failed rank sent a
     /// bucket from, for want of any other memory (`og_reducer_trashed`), restored. Each from
     /// the lowest rank that kept it; where every rank sent it for the same bucket, it holds
@@ -250,7 +248,11 @@ impl Reducer {
             if most == 0 {
                 continue;
             }
-            let p = params[i].detach();
+            let Some(p) = params.get(i).map(Tensor::detach) else {
+                return Err(Error::Dist(format!(
+                    "parameter {i} to restore is not among the optimizer's"
+                )));
+            };
             if root < world {
                 pg.broadcast(std::slice::from_ref(&p), root as usize)?;
             } else if least == most {

@@ -456,19 +456,16 @@ fn reduced_after(
         opt.zero_missing_grads().map_err(backward)?;
         // Stage 2 reduce-scatters into this rank's shard where that frees memory; otherwise
         // every gradient is summed.
-        let sizes = opt
-            .params()
-            .iter()
-            .map(|p| p.numel() * p.kind().elt_size_in_bytes())
-            .collect::<Vec<_>>();
-        let scatter = match crate::dist::overlap::shards_gradients(sizes.into_iter(), bucket_bytes) {
+        let params = opt.params();
+        let sizes = params.iter().map(|p| p.numel() * p.kind().elt_size_in_bytes());
+        let scatter = match crate::dist::overlap::shards_gradients(sizes, bucket_bytes) {
             true => opt.scatter_buffers().map_err(backward)?,
             false => None,
         };
         let reduce = match scatter {
             Some(bufs) => Reduce::Scatter(bufs),
             None => {
-                let buckets = Buckets::pack(&opt.params(), bucket_bytes).map_err(backward)?;
+                let buckets = Buckets::pack(&params, bucket_bytes).map_err(backward)?;
                 Reduce::All(buckets)
             }
         };
