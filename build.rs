@@ -73,12 +73,16 @@ fn main() {
             .file("csrc/dist_nccl.cpp"),
         "oomguard_nccl",
     );
-    // The CUDA memory snapshot needs libtorch_cuda's symbols: only against a libtorch that has
+    // The CUDA memory snapshot and the caching allocator's start need libtorch_cuda's symbols: only against a libtorch that has
     // them; Rust sees `cfg(oomguard_cuda_snapshot)` (a CPU-only libtorch builds without it).
     println!("cargo:rustc-check-cfg=cfg(oomguard_cuda_snapshot)");
     if lib_dir.join("libtorch_cuda.so").exists() {
         compile(
-            base().include(&cuda_inc).flag("-w").file("csrc/snapshot_cuda.cpp"),
+            base()
+                .include(&cuda_inc)
+                .flag("-w")
+                .file("csrc/snapshot_cuda.cpp")
+                .file("csrc/cuda_allocator.cpp"),
             "oomguard_cuda_snapshot",
         );
         println!("cargo:rustc-cfg=oomguard_cuda_snapshot");
@@ -90,6 +94,7 @@ fn main() {
     for f in SOURCES.iter().chain(&[
         "csrc/dist_nccl.cpp",
         "csrc/snapshot_cuda.cpp",
+        "csrc/cuda_allocator.cpp",
         "csrc/snapshot.h",
         "csrc/oomguard.h",
     ]) {

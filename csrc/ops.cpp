@@ -41,6 +41,12 @@ char* og_mul_scalar_(void* tensor, double v) {
   return oomguard::guarded([&] { t(tensor).mul_(v); });
 }
 
+// Page-locked host memory for a copy to the current accelerator (torch >= 2.11 deprecates
+// naming the device: tch's f_pin_memory warns once per call).
+char* og_pin_memory(void* tensor, void** out) {
+  return oomguard::guarded([&] { *out = new at::Tensor(t(tensor).pin_memory()); });
+}
+
 char* og_arange_like(int64_t end, void* like, void** out) {
   return oomguard::guarded([&] { *out = new at::Tensor(at::arange(end, t(like).options().dtype(at::kLong))); });
 }

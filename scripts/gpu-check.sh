@@ -11,6 +11,8 @@
 # model.loss full and fused next to eager PyTorch, and the largest micro-batch that fits the
 # card with each.
 # Writes OUT_DIR/gpu-check.json (results) and OUT_DIR/gpu-check.log (everything printed).
+# GPU_CHECK_PARTS=tests,python,... runs some of the parts only (gpu_check.py's PARTS); the
+# timed parts (overlap, throughput, fit) want the GPU to themselves.
 set -euo pipefail
 KIT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="${1:-$KIT/gpu-check-out}"

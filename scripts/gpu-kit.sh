@@ -53,10 +53,14 @@ cp "$WORK/target/release/oomguard" "$WORK/target/release/oomguard-torch" "$KIT/b
 # Python models (model.kind: python): oomguard-torch-python, the same commands with CPython
 # embedded, built against the kit venv's Python (its version in KIT.txt; its own target folder,
 # so that neither build undoes the other's). It runs on a host whose torch runs under that
-# Python; gpu-check.sh points it at the host's libpython and site-packages.
-PYVER="$("$VENV/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
-(cd "$SRC" && PYO3_PYTHON="$VENV/bin/python" CARGO_TARGET_DIR="$WORK/target-python" cargo build --release --bin oomguard-torch)
-cp "$WORK/target-python/release/oomguard-torch" "$KIT/bin/oomguard-torch-python"
+# Python; gpu-check.sh points it at the host's libpython and site-packages. GPU_KIT_PYTHON
+# names another interpreter (a shared-library build) to embed: the host's Python version.
+EMBED="${GPU_KIT_PYTHON:-$VENV/bin/python}"
+PYVER="$("$EMBED" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" || { echo "gpu-kit: GPU_KIT_PYTHON=$EMBED does not run" >&2; exit 2; }
+[ "$("$EMBED" -c 'import sysconfig; print(sysconfig.get_config_var("Py_ENABLE_SHARED"))')" = 1 ] ||
+  { echo "gpu-kit: $EMBED has no shared libpython to embed: name a Python built with --enable-shared in GPU_KIT_PYTHON" >&2; exit 2; }
+(cd "$SRC" && PYO3_PYTHON="$EMBED" CARGO_TARGET_DIR="$WORK/target-python-$PYVER" cargo build --release --bin oomguard-torch)
+cp "$WORK/target-python-$PYVER/release/oomguard-torch" "$KIT/bin/oomguard-torch-python"
 for e in "${EXES[@]}"; do cp "$e" "$KIT/tests/$(basename "$e" | sed 's/-[0-9a-f]*$//')"; done
 strip "$KIT"/bin/* "$KIT"/tests/*
 cp -r "$ROOT/configs" "$KIT/"

@@ -56,7 +56,7 @@ class GPT(nn.Module):
         for b in self.blocks:
             x = b(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
 # Dense peak TFLOP/s (no sparsity) from NVIDIA's datasheets, for MFU: bf16 on tensor cores, and
@@ -185,6 +185,11 @@ train: {{micro_batch_size: 16, grad_accum_steps: 1, max_steps: 3, eval_every: 0,
 log: {{every: 1}}
 {extra}"""
 
+# TINY wider and longer, at micro-batch 64: activations, not the fixed 64 MiB of cuBLAS
+# workspaces (Hopper), make most of its peak, so that a limit at 60% of that peak fits a
+# smaller micro-batch (as tests/cuda_guard.rs); where a budget must force a CUDA OOM.
+WIDE = TINY.replace("n_embd: 64, block_size: 64", "n_embd: 128, block_size: 256").replace("micro_batch_size: 16", "micro_batch_size: 64")
+
 # The memory rows run under both settings on both sides: oomguard's default, and PyTorch's.
 ALLOC_SETTINGS = [("expandable_segments:True", "true"), ("expandable_segments:False", "false")]
 ALLOC_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
@@ -199,11 +204,14 @@ def own_loop(mode, out, micro_batch=None, fraction=None):
     import oomguard
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    model = nn.Sequential(nn.Linear(1024, 8192), nn.GELU(), nn.Linear(8192, 8192), nn.GELU(), nn.Linear(8192, 1024)).to(dev)
+    # Activations dominate (16 positions a sample, a 4x wide hidden layer), so that a limit
+    # between two sizes' peaks fails the larger one in its micro-batches, not in AdamW's step,
+    # whose memory no size changes (the guard calls that infeasible, and rightly).
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     G = 1024
     gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(G, 1024, generator=gen).to(dev), torch.randn(G, 1024, generator=gen).to(dev)) for _ in range(4)]
+    batches = [(torch.randn(G, 16, 1024, generator=gen).to(dev), torch.randn(G, 16, 1024, generator=gen).to(dev)) for _ in range(4)]
     loss_fn = lambda b: F.mse_loss(model(b[0]), b[1])
     if mode == "measure":
         peaks = {}
@@ -215,6 +223,7 @@ def own_loop(mode, out, micro_batch=None, fraction=None):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             g.backward(batches[0], loss_fn)
+            opt.step()  # the step's peak: its micro-batches' and the update's
             peaks[mb] = torch.cuda.max_memory_allocated()
             opt.zero_grad(set_to_none=True)
         json.dump({"peaks": peaks, "total": torch.cuda.mem_get_info()[1]}, open(out, "w"))
@@ -499,8 +508,9 @@ def read_safetensors(path):
 
 def python_model(kit, work, sh, cuda):
     """A Python model (model.kind: python) in bin/oomguard-torch-python, which embeds CPython,
-    against this host's torch and Python: examples/python/tiny_lm.yaml trained clean (its
-    peak), then under a budget of 3/4 of that peak, so that its micro-batch of 16 runs out of
+    against this host's torch and Python: examples/python/tiny_lm.yaml (on CUDA wider and
+    longer) trained clean (its peak), then under a budget of 3/4 of that peak (on CUDA 60%),
+    so that its micro-batch of 16 runs out of
     memory inside the Python forward; the OOM is recovered with the same samples and the
     parameters equal those of a clean run configured at the size the guarded run settled at
     (the same reduction order: what the guard promises beyond float rounding)."""
@@ -514,10 +524,22 @@ def python_model(kit, work, sh, cuda):
         return {"ok": None, "skipped": f"the kit embeds Python {m.group(1)}; this host's torch runs under Python {host_py}"}
     device = "cuda" if cuda else "cpu"
     res = {"device": device}
+    config = kit / "examples" / "python" / "tiny_lm.yaml"
+    share = 3 / 4
+    if cuda:
+        # Longer windows and a wider model on CUDA, so that activations, not the fixed 64 MiB
+        # of cuBLAS workspaces (Hopper), make most of the peak; the limit then fits a smaller
+        # micro-batch (as tests/cuda_guard.rs).
+        text = config.read_text().replace("path: tiny_lm.py", f"path: {config.parent / 'tiny_lm.py'}")
+        text = text.replace("settings: {dim: 128, layers: 2, block: 64}", "settings: {dim: 256, layers: 2, block: 256}")
+        text = text.replace("block_size: 64 ", "block_size: 256 ")
+        config, share = work / "tiny_lm_cuda.yaml", 0.6
+        config.write_text(text)
+    res["config_share_of_peak"] = share
 
     def run(name, budget, *sets):
         d = work / f"py-{name}"
-        r = sh([exe, "train", kit / "examples" / "python" / "tiny_lm.yaml", "--run-dir", d, "--set", "train.max_steps=6",
+        r = sh([exe, "train", config, "--run-dir", d, "--set", "train.max_steps=6",
                 "--set", f"train.device={device}", "--set", f"memory.budget={budget}", *sets],
                extra_env={"OOMGUARD_CACHE": str(work / f"py-cache-{name}")})
         recs = [json.loads(l) for l in open(d / "metrics.jsonl")] if (d / "metrics.jsonl").exists() else []
@@ -527,7 +549,7 @@ def python_model(kit, work, sh, cuda):
     peak = max((x["memory"]["peak_bytes"] for x in recs if x.get("event") == "step" and x.get("memory", {}).get("peak_bytes")), default=None)
     res.update({"clean_exit": code, "clean_peak_bytes": peak})
     if code == 0 and peak:
-        code, recs, tight = run("tight", str(int(peak * 3 // 4)))
+        code, recs, tight = run("tight", str(int(peak * share)))
         ooms = [x for x in recs if x.get("event") == "oom"]
         res.update({"tight_exit": code, "ooms": len(ooms), "oom_phases": [x.get("phase") for x in ooms],
                     "micro_batch_sizes": [x.get("micro_batch_size") for x in recs if x.get("event") == "step"]})
@@ -545,6 +567,10 @@ def python_model(kit, work, sh, cuda):
     return res
 
 
+# check's parts, in the order they run (GPU_CHECK_PARTS).
+PARTS = ("tests", "python", "allocator", "nccl", "overlap", "snapshot", "own", "memory", "syncs", "throughput", "fit")
+
+
 def check(kit, out):
     import glob, pathlib, statistics, tempfile
     kit, out = pathlib.Path(kit), pathlib.Path(out)
@@ -557,6 +583,14 @@ def check(kit, out):
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "kit": (kit / "KIT.txt").read_text().strip() if (kit / "KIT.txt").exists() else None,
               "command": "gpu-kit/scripts/gpu-check.sh", "inherited_alloc_conf_removed": inherited, "checks": {}}
     checks = report["checks"]
+    # GPU_CHECK_PARTS (a comma list of PARTS) runs some parts only, e.g. in parallel runs of
+    # their own; every part runs by default.
+    parts = [p for p in os.environ.get("GPU_CHECK_PARTS", "").split(",") if p]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        sys.exit(f"GPU_CHECK_PARTS: unknown part(s) {', '.join(unknown)}: the parts are {', '.join(PARTS)}")
+    report["parts"] = parts or list(PARTS)
+    want = lambda part: part in report["parts"]
 
     def save():
         (out / "gpu-check.json").write_text(json.dumps(report, indent=1))
@@ -575,30 +609,33 @@ def check(kit, out):
     # difference between two clean runs; --memory-budget as a CUDA cap) and tests/guard.rs, which
     # is CPU-only and checks the kit's binaries against this host's torch. Where each test ran is
     # read from its runs' step records (tests/common: OOMGUARD_TEST_DEVICES).
-    for t in sorted(glob.glob(str(kit / "tests" / "*"))):
-        name = os.path.basename(t)
-        devfile = work / f"devices-{name}.jsonl"
-        r = sh([t, "--test-threads=1", "--nocapture"], timeout=1800, extra_env={"OOMGUARD_TEST_DEVICES": str(devfile)})
-        text = r.stdout + r.stderr
-        by_test = {}
-        for line in (devfile.read_text().splitlines() if devfile.exists() else []):
-            run = json.loads(line)
-            by_test.setdefault(run["test"], set()).update(run["devices"])
-        devices = sorted(set().union(*by_test.values()))
-        on_cuda = sorted(k for k, v in by_test.items() if any(d.startswith("cuda") for d in v))
-        results = test_results(text)
-        # On a GPU every CUDA test must have trained on it: one that returned early is no pass.
-        all_on_cuda = not (cuda and name == "cuda_guard") or set(results) <= set(on_cuda)
-        checks["test " + name] = {"ok": r.returncode == 0 and all_on_cuda, "exit": r.returncode, "ran_on_cuda": bool(on_cuda), "devices": devices,
-                                  "tests_on_cuda": on_cuda, "devices_by_test": {k: sorted(v) for k, v in by_test.items()}, "results": results,
-                                  "figures": [l for l in text.splitlines() if l.startswith("CUDA: ")], "tail": text.strip().splitlines()[-3:]}
-        save()
+    if want("tests"):
+        for t in sorted(glob.glob(str(kit / "tests" / "*"))):
+            name = os.path.basename(t)
+            devfile = work / f"devices-{name}.jsonl"
+            r = sh([t, "--test-threads=1", "--nocapture"], timeout=1800, extra_env={"OOMGUARD_TEST_DEVICES": str(devfile)})
+            text = r.stdout + r.stderr
+            by_test = {}
+            for line in (devfile.read_text().splitlines() if devfile.exists() else []):
+                run = json.loads(line)
+                by_test.setdefault(run["test"], set()).update(run["devices"])
+            devices = sorted(set().union(*by_test.values()))
+            on_cuda = sorted(k for k, v in by_test.items() if any(d.startswith("cuda") for d in v))
+            results = test_results(text)
+            # On a GPU every CUDA test must have trained on it: one that returned early is no pass.
+            all_on_cuda = not (cuda and name == "cuda_guard") or set(results) <= set(on_cuda)
+            checks["test " + name] = {"ok": r.returncode == 0 and all_on_cuda, "exit": r.returncode, "ran_on_cuda": bool(on_cuda), "devices": devices,
+                                      "tests_on_cuda": on_cuda, "devices_by_test": {k: sorted(v) for k, v in by_test.items()}, "results": results,
+                                      "figures": [l for l in text.splitlines() if l.startswith("CUDA: ")], "tail": text.strip().splitlines()[-3:]}
+            save()
     # 2b. A Python model in-process (bin/oomguard-torch-python), on CUDA where there is one, else
     # on the CPU: an OOM inside its Python forward recovered, its parameters the clean run's.
-    checks["python model: an OOM inside a Python forward recovered"] = python_model(kit, work, sh, cuda)
-    save()
+    if want("python"):
+        checks["python model: an OOM inside a Python forward recovered"] = python_model(kit, work, sh, cuda)
+        save()
     if not cuda:
-        checks.update(own_rows(cuda, None))
+        if want("own"):
+            checks.update(own_rows(cuda, None))
         report["note"] = "CUDA is not available: the CUDA checks were skipped"
         save()
         return
@@ -607,147 +644,159 @@ def check(kit, out):
         m = re.findall(r"allocator settings: (\S+)", log)
         return m[-1] if m else None
 
-    def train(name, extra="", args=()):
+    def train(name, extra="", args=(), base=TINY):
         d = work / name
         d.mkdir()
-        (d / "c.yaml").write_text(TINY.format(extra=extra))
+        (d / "c.yaml").write_text(base.format(extra=extra))
         r = sh([og, "train", d / "c.yaml", "--run-dir", d / "run", *args])
         log = (d / "run" / "train.log").read_text() if (d / "run" / "train.log").exists() else ""
         return r, log + r.stderr, step_records(d / "run")
 
+    wide = {}
+
+    def wide_peak():
+        """WIDE's peak at micro-batch 64, free (measured once)."""
+        if "peak" not in wide:
+            _, _, steps = train("wide-free", "", ["--memory-budget", "none"], base=WIDE)
+            wide["peak"] = steps[0]["memory"]["peak_bytes"] if steps else None
+        return wide["peak"]
+
     # 3. Allocator settings.
-    r, log, _ = train("expandable", "memory: {allocator: {expandable_segments: true}}")
-    checks["allocator expandable_segments"] = {"ok": r.returncode == 0 and "expandable_segments:True" in log}
-    r, log, _ = train("async", "memory: {allocator: {backend: cudaMallocAsync}}")
-    checks["allocator cudaMallocAsync re-executes"] = {"ok": r.returncode == 0 and "restarting so that libtorch loads" in log}
-    r, log, _ = train("invalid", "memory: {allocator: {backend: bogus}}")
-    checks["allocator invalid exits 2"] = {"ok": r.returncode == 2, "exit": r.returncode}
-    save()
+    if want("allocator"):
+        r, log, _ = train("expandable", "memory: {allocator: {expandable_segments: true}}")
+        checks["allocator expandable_segments"] = {"ok": r.returncode == 0 and "expandable_segments:True" in log}
+        r, log, _ = train("async", "memory: {allocator: {backend: cudaMallocAsync}}")
+        checks["allocator cudaMallocAsync re-executes"] = {"ok": r.returncode == 0 and "restarting so that libtorch loads" in log}
+        r, log, _ = train("invalid", "memory: {allocator: {backend: bogus}}")
+        checks["allocator invalid exits 2"] = {"ok": r.returncode == 2, "exit": r.returncode}
+        save()
 
     # 3b. Data parallel on NCCL, as a group of one rank (the lent machines have one GPU, and
     # NCCL refuses two ranks on one device): under the launcher the group forms over NCCL on
     # this rank's GPU, every collective of a step runs (agreements, the gradients' all-reduce,
-    # the start's agreement), and a CUDA OOM under a budget between micro-batch 16's peak and
-    # 8's is recovered through the agreement.
-    peaks = {}
-    for mb in (16, 8):
-        _, _, steps = train(f"nccl-peak{mb}", "", ["--set", f"train.micro_batch_size={mb}", "--memory-budget", "none"])
-        peaks[mb] = steps[0]["memory"]["peak_bytes"] if steps else None
-    nccl = {"peaks": peaks}
-    if all(peaks.values()):
-        budget = (peaks[16] + peaks[8]) // 2
-        d = work / "nccl"
-        d.mkdir()
-        (d / "c.yaml").write_text(TINY.format(extra="memory: {cooldown_steps: 1000}"))
-        r = sh([og, "launch", "--standalone", "--nproc-per-node", "1", "--no-python", og, "train", d / "c.yaml", "--run-dir", d / "run",
-                "--memory-budget", str(budget)], extra_env={"OOMGUARD_GROUP_OF_ONE": "1"})
-        log = r.stdout + r.stderr
-        steps = step_records(d / "run")
-        ooms = [json.loads(l) for l in (d / "run" / "metrics.jsonl").read_text().splitlines() if '"event":"oom"' in l] if (d / "run" / "metrics.jsonl").exists() else []
-        nccl.update({"exit": r.returncode, "budget": budget, "joined_nccl": "(nccl) joined the group" in log, "ooms": len(ooms),
-                     "micro_batches": [s.get("micro_batch_size") for s in steps], "world_sizes": sorted({s.get("world_size") for s in steps}),
-                     "comm_s": [s.get("comm_s") for s in steps]})
-        nccl["ok"] = r.returncode == 0 and nccl["joined_nccl"] and len(ooms) > 0 and len(steps) == 3 and all(m and m < 16 for m in nccl["micro_batches"])
-    else:
-        nccl["ok"] = False
-    checks["nccl group of one rank"] = nccl
-    save()
+    # the start's agreement), and a CUDA OOM under a budget at 60% of WIDE's peak is
+    # recovered through the agreement.
+    if want("nccl"):
+        peak = wide_peak()
+        nccl = {"peak": peak}
+        if peak:
+            budget = peak * 6 // 10
+            d = work / "nccl"
+            d.mkdir()
+            (d / "c.yaml").write_text(WIDE.format(extra="memory: {cooldown_steps: 1000}"))
+            r = sh([og, "launch", "--standalone", "--nproc-per-node", "1", "--no-python", og, "train", d / "c.yaml", "--run-dir", d / "run",
+                    "--memory-budget", str(budget)], extra_env={"OOMGUARD_GROUP_OF_ONE": "1"})
+            log = r.stdout + r.stderr
+            steps = step_records(d / "run")
+            ooms = [json.loads(l) for l in (d / "run" / "metrics.jsonl").read_text().splitlines() if '"event":"oom"' in l] if (d / "run" / "metrics.jsonl").exists() else []
+            nccl.update({"exit": r.returncode, "budget": budget, "joined_nccl": "(nccl) joined the group" in log, "ooms": len(ooms),
+                         "micro_batches": [s.get("micro_batch_size") for s in steps], "world_sizes": sorted({s.get("world_size") for s in steps}),
+                         "comm_s": [s.get("comm_s") for s in steps]})
+            nccl["ok"] = r.returncode == 0 and nccl["joined_nccl"] and len(ooms) > 0 and len(steps) == 3 and all(m and m < 64 for m in nccl["micro_batches"])
+        else:
+            nccl["ok"] = False
+        checks["nccl group of one rank"] = nccl
+        save()
 
     # 3d. The overlapped reduction's hook path on NCCL at world size 1 (issue 56): the same
     # group of one rank, its gradients reduced from backward's hooks (on by default on CUDA)
     # and after backward, 30 steps each, alternated twice: the ratio of median step times is
     # the hooks' and buckets' overhead (at world size 1 there is nothing to hide), and
     # `comm_s` the exposed reduction and agreements.
-    ov = {}
-    for rnd in range(2):
-        for mode in ("true", "false"):
-            d = work / f"overlap-{mode}-{rnd}"
-            d.mkdir()
-            (d / "c.yaml").write_text(TINY.format(extra=""))
-            r = sh([og, "launch", "--standalone", "--nproc-per-node", "1", "--no-python", og, "train", d / "c.yaml", "--run-dir", d / "run",
-                    "--memory-budget", "none", "--max-steps", "30", "--set", f"train.overlap_grad_reduce={mode}"],
-                   extra_env={"OOMGUARD_GROUP_OF_ONE": "1"})
-            steps = step_records(d / "run")
-            row = ov.setdefault(mode, {"exits": [], "step_s": [], "comm_s": [], "steps": []})
-            row["exits"].append(r.returncode)
-            row["steps"].append(len(steps))
-            row["step_s"] += [s.get("step_time_s") for s in steps[5:] if s.get("step_time_s") is not None]
-            row["comm_s"] += [s.get("comm_s") for s in steps[5:] if s.get("comm_s") is not None]
-    for row in ov.values():
-        row["median_step_s"] = statistics.median(row["step_s"]) if row["step_s"] else None
-        row["median_comm_s"] = statistics.median(row["comm_s"]) if row["comm_s"] else None
-        del row["step_s"], row["comm_s"]
-    a, b = ov.get("true", {}).get("median_step_s"), ov.get("false", {}).get("median_step_s")
-    ov["overlapped_over_after_backward"] = a / b if a and b else None
-    ov["ok"] = all(e == 0 for m in ("true", "false") for e in ov[m]["exits"]) and all(n == 30 for m in ("true", "false") for n in ov[m]["steps"])
-    checks["overlapped reduction on nccl, world size 1"] = ov
-    save()
+    if want("overlap"):
+        ov = {}
+        for rnd in range(2):
+            for mode in ("true", "false"):
+                d = work / f"overlap-{mode}-{rnd}"
+                d.mkdir()
+                (d / "c.yaml").write_text(TINY.format(extra=""))
+                r = sh([og, "launch", "--standalone", "--nproc-per-node", "1", "--no-python", og, "train", d / "c.yaml", "--run-dir", d / "run",
+                        "--memory-budget", "none", "--max-steps", "30", "--set", f"train.overlap_grad_reduce={mode}"],
+                       extra_env={"OOMGUARD_GROUP_OF_ONE": "1"})
+                steps = step_records(d / "run")
+                row = ov.setdefault(mode, {"exits": [], "step_s": [], "comm_s": [], "steps": []})
+                row["exits"].append(r.returncode)
+                row["steps"].append(len(steps))
+                row["step_s"] += [s.get("step_time_s") for s in steps[5:] if s.get("step_time_s") is not None]
+                row["comm_s"] += [s.get("comm_s") for s in steps[5:] if s.get("comm_s") is not None]
+        for row in ov.values():
+            row["median_step_s"] = statistics.median(row["step_s"]) if row["step_s"] else None
+            row["median_comm_s"] = statistics.median(row["comm_s"]) if row["comm_s"] else None
+            del row["step_s"], row["comm_s"]
+        a, b = ov.get("true", {}).get("median_step_s"), ov.get("false", {}).get("median_step_s")
+        ov["overlapped_over_after_backward"] = a / b if a and b else None
+        ov["ok"] = all(e == 0 for m in ("true", "false") for e in ov[m]["exits"]) and all(n == 30 for m in ("true", "false") for n in ov[m]["steps"])
+        checks["overlapped reduction on nccl, world size 1"] = ov
+        save()
 
     # 3c. The memory snapshot of a real CUDA OOM (issue 24): libtorch's recorder and OOM
     # observer write oom/001/snapshot.pickle, which this host's torch.cuda._memory_viz reads,
     # and summary.json, whose reserved bytes agree with the snapshot's segments.
-    r, log, _ = train("snapshot", "memory: {allocator: {per_process_memory_fraction: 0.0008}}")
-    snap = work / "snapshot" / "run" / "oom" / "001"
-    viz = {}
-    for cmd in ("stats", "trace"):
-        v = sh([sys.executable, "-m", "torch.cuda._memory_viz", cmd, snap / "snapshot.pickle"]) if snap.exists() else None
-        viz[cmd] = v is not None and v.returncode == 0
-    summary = json.loads((snap / "summary.json").read_text()) if (snap / "summary.json").exists() else {}
-    seg_total = None
-    if snap.exists():
-        import pickle
-        with open(snap / "snapshot.pickle", "rb") as f:
-            seg_total = sum(x["total_size"] for x in pickle.load(f)["segments"])
-    checks["memory snapshot on a CUDA OOM"] = {
-        "ok": r.returncode in (0, 3) and all(viz.values()) and summary.get("reserved_bytes") == seg_total and seg_total is not None
-        and sum(summary.get("categories", {}).values()) == seg_total,
-        "exit": r.returncode, "memory_viz": viz, "summary_reserved": summary.get("reserved_bytes"), "segments_total": seg_total,
-        "text": summary.get("text")}
-    save()
+    if want("snapshot"):
+        peak = wide_peak()
+        r, log, _ = train("snapshot", "", ["--memory-budget", str(peak * 6 // 10 if peak else 1 << 20)], base=WIDE)
+        snap = work / "snapshot" / "run" / "oom" / "001"
+        viz = {}
+        for cmd in ("stats", "trace"):
+            v = sh([sys.executable, "-m", "torch.cuda._memory_viz", cmd, snap / "snapshot.pickle"]) if snap.exists() else None
+            viz[cmd] = v is not None and v.returncode == 0
+        summary = json.loads((snap / "summary.json").read_text()) if (snap / "summary.json").exists() else {}
+        seg_total = None
+        if snap.exists():
+            import pickle
+            with open(snap / "snapshot.pickle", "rb") as f:
+                seg_total = sum(x["total_size"] for x in pickle.load(f)["segments"])
+        checks["memory snapshot on a CUDA OOM"] = {
+            "ok": r.returncode in (0, 3) and all(viz.values()) and summary.get("reserved_bytes") == seg_total and seg_total is not None
+            and sum(summary.get("categories", {}).values()) == seg_total,
+            "exit": r.returncode, "memory_viz": viz, "summary_reserved": summary.get("reserved_bytes"), "segments_total": seg_total,
+            "text": summary.get("text")}
+        save()
 
     # 3d. `import oomguard` (the kit's abi3 wheel, python/) in a plain PyTorch loop: a real CUDA
     # OOM (the caching allocator under a per-process memory fraction between the peaks of
     # micro-batch 1024 and 512) recovered in-process, PyTorch's memory snapshot written under
     # the run dir (read by this host's memory_viz), and the parameters equal to a clean run
     # that starts at the size the guarded run settled at.
-    own = {}
-    wheels = sorted(glob.glob(str(kit / "python" / "oomguard-*.whl")))
-    pylib = work / "pylib"
-    pip = sh([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", pylib, *wheels[-1:]]) if wheels else None
-    own["wheel"] = wheels[-1] if wheels else None
-    py_env = None
-    if pip is not None and pip.returncode == 0:
-        py_env = {"PYTHONPATH": f"{pylib}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        m = sh([sys.executable, __file__, "own-loop", "measure", work / "own-measure.json"], extra_env=py_env)
-        measured = json.loads((work / "own-measure.json").read_text()) if m.returncode == 0 else {}
-        peaks = {int(k): v for k, v in measured.get("peaks", {}).items()}
-        own["peaks"] = peaks
-        if peaks:
-            fraction = (peaks[1024] + peaks[512]) / 2 / measured["total"]
-            g = sh([sys.executable, __file__, "own-loop", "run", work / "own-guarded.pt", "1024", f"{fraction:.6f}"], extra_env=py_env)
-            res = json.loads((work / "own-guarded.pt.json").read_text()) if g.returncode == 0 else {}
-            own.update({"exit": g.returncode, "fraction": fraction, "sizes": res.get("sizes"), "ooms": res.get("ooms")})
-            if res.get("sizes"):
-                settled = res["sizes"][0]
-                c = sh([sys.executable, __file__, "own-loop", "run", work / "own-clean.pt", str(settled), ""], extra_env=py_env)
-                if c.returncode == 0:
-                    a, b = torch.load(work / "own-guarded.pt"), torch.load(work / "own-clean.pt")
-                    own["max_param_diff_vs_clean_at_settled"] = max((x - y).abs().max().item() for x, y in zip(a, b))
-                snaps = sorted(glob.glob(os.path.join(res["run_dir"], "oom", "*", "snapshot.pickle")))
-                own["snapshots"] = snaps
-                own["memory_viz_stats"] = bool(snaps) and sh([sys.executable, "-m", "torch.cuda._memory_viz", "stats", snaps[0]]).returncode == 0
-                recs = [json.loads(l) for l in open(os.path.join(res["run_dir"], "metrics.jsonl"))]
-                own["oom_records"] = [r for r in recs if r.get("event") == "oom"]
-    own["ok"] = bool(own.get("ooms")) and (own.get("sizes") or [1024])[-1] < 1024 and own.get("memory_viz_stats") is True \
-        and own.get("max_param_diff_vs_clean_at_settled") is not None and own["max_param_diff_vs_clean_at_settled"] < 1e-5
-    checks["python guard: a real CUDA OOM in a plain loop"] = own
-    save()
-
-    # 3e. `import oomguard` in two more loops of one's own, each with an OOM from the guard's
-    # test hook (own_row): FSDP2 over a 1-rank NCCL group, and fp16 with a GradScaler.
-    for name, row in own_rows(cuda, lambda kind: own_row(kind, work, sh, py_env)):
-        checks[name] = row
+    if want("own"):
+        own = {}
+        wheels = sorted(glob.glob(str(kit / "python" / "oomguard-*.whl")))
+        pylib = work / "pylib"
+        pip = sh([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", pylib, *wheels[-1:]]) if wheels else None
+        own["wheel"] = wheels[-1] if wheels else None
+        py_env = None
+        if pip is not None and pip.returncode == 0:
+            py_env = {"PYTHONPATH": f"{pylib}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+            m = sh([sys.executable, __file__, "own-loop", "measure", work / "own-measure.json"], extra_env=py_env)
+            measured = json.loads((work / "own-measure.json").read_text()) if m.returncode == 0 else {}
+            peaks = {int(k): v for k, v in measured.get("peaks", {}).items()}
+            own["peaks"] = peaks
+            if peaks:
+                fraction = (peaks[1024] + peaks[512]) / 2 / measured["total"]
+                g = sh([sys.executable, __file__, "own-loop", "run", work / "own-guarded.pt", "1024", f"{fraction:.6f}"], extra_env=py_env)
+                res = json.loads((work / "own-guarded.pt.json").read_text()) if g.returncode == 0 else {}
+                own.update({"exit": g.returncode, "fraction": fraction, "sizes": res.get("sizes"), "ooms": res.get("ooms")})
+                if res.get("sizes"):
+                    settled = res["sizes"][0]
+                    c = sh([sys.executable, __file__, "own-loop", "run", work / "own-clean.pt", str(settled), ""], extra_env=py_env)
+                    if c.returncode == 0:
+                        a, b = torch.load(work / "own-guarded.pt"), torch.load(work / "own-clean.pt")
+                        own["max_param_diff_vs_clean_at_settled"] = max((x - y).abs().max().item() for x, y in zip(a, b))
+                    snaps = sorted(glob.glob(os.path.join(res["run_dir"], "oom", "*", "snapshot.pickle")))
+                    own["snapshots"] = snaps
+                    own["memory_viz_stats"] = bool(snaps) and sh([sys.executable, "-m", "torch.cuda._memory_viz", "stats", snaps[0]]).returncode == 0
+                    recs = [json.loads(l) for l in open(os.path.join(res["run_dir"], "metrics.jsonl"))]
+                    own["oom_records"] = [r for r in recs if r.get("event") == "oom"]
+        own["ok"] = bool(own.get("ooms")) and (own.get("sizes") or [1024])[-1] < 1024 and own.get("memory_viz_stats") is True \
+            and own.get("max_param_diff_vs_clean_at_settled") is not None and own["max_param_diff_vs_clean_at_settled"] < 1e-5
+        checks["python guard: a real CUDA OOM in a plain loop"] = own
         save()
+
+        # 3e. `import oomguard` in two more loops of one's own, each with an OOM from the guard's
+        # test hook (own_row): FSDP2 over a 1-rank NCCL group, and fp16 with a GradScaler.
+        for name, row in own_rows(cuda, lambda kind: own_row(kind, work, sh, py_env)):
+            checks[name] = row
+            save()
 
     def og_run(d, yaml):
         """oomguard trains `yaml` in d/run: (exit, step records, the allocator settings it logged)."""
@@ -763,82 +812,84 @@ def check(kit, out):
 
     ratio = lambda a, b: a / b if a and b else None
 
+    precisions = ["fp32"] + (["bf16"] if report["host"].get("bf16") else [])
     # 4-5. Memory: oomguard's device stats and the planner's estimate against the host's PyTorch,
     # by shape, precision and allocator setting (the same PYTORCH_ALLOC_CONF on both sides).
-    shapes = [
-        {"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 256, "vocab_size": 8192, "micro_batch_size": 16},
-        {"n_layer": 8, "n_head": 8, "n_embd": 512, "block_size": 512, "vocab_size": 32768, "micro_batch_size": 8},
-        {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "vocab_size": 50304, "micro_batch_size": 8},
-    ]
-    precisions = ["fp32"] + (["bf16"] if report["host"].get("bf16") else [])
-    rows = []
-    for i, shp in enumerate(shapes):
-        for prec in precisions:
-            for alloc, expandable in ALLOC_SETTINGS:
-                model = {k: shp[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")}
-                d = work / f"shape{i}-{prec}-{expandable}"
-                yaml = (f"log: {{every: 1}}\nmodel: {json.dumps(model)}\n"
-                        f"train: {{micro_batch_size: {shp['micro_batch_size']}, grad_accum_steps: 1, max_steps: 3, eval_every: 0, device: cuda, precision: {prec}}}\n"
-                        f"data: {{source: embedded, embedded_bytes: 4194304}}\nmemory: {{allocator: {{expandable_segments: {expandable}}}}}\n")
-                code, steps, og_alloc = og_run(d, yaml)
-                plan = sh([og, "plan", d / "c.yaml", "--json", "--precision", prec, "--device-memory", str(report["host"]["total_memory"])])
-                estimate = json.loads(plan.stdout) if plan.returncode in (0, 3) and plan.stdout.strip() else {}
-                planned = estimate.get("configured_peak_bytes")
-                planned_overhead = estimate.get("estimate", {}).get("allocator_overhead")
-                eager_m = eager_run(dict(shp, precision=prec, steps=4), og_alloc)
-                peak = max((s["memory"]["peak_bytes"] for s in steps), default=None)
-                reserved = steps[-1]["memory"].get("reserved_bytes") if steps else None
-                rows.append({
-                    "shape": model, "micro_batch_size": shp["micro_batch_size"], "precision": prec, "alloc_conf": alloc,
-                    "oomguard_alloc_conf": og_alloc, "torch_alloc_conf": eager_m.get("alloc_conf"),
-                    "oomguard_devices": sorted({s.get("device") for s in steps}),
-                    "oomguard_peak_bytes": peak, "torch_peak_bytes": eager_m.get("peak_bytes"), "planned_peak_bytes": planned,
-                    # Reserved: the caching allocator's bytes after the last step, on both sides.
-                    "oomguard_reserved_bytes": reserved, "torch_reserved_bytes": eager_m.get("reserved_bytes"),
-                    "peak_vs_torch": ratio(peak, eager_m.get("peak_bytes")), "reserved_vs_torch": ratio(reserved, eager_m.get("reserved_bytes")),
-                    # The planner's estimate includes its allocator overhead: it is a reserved-bytes figure.
-                    "planned_vs_measured": ratio(planned, peak), "planned_vs_reserved": ratio(planned, reserved),
-                    "allocator_overhead_measured": reserved / peak - 1 if reserved and peak else None,
-                    "allocator_overhead_planned": planned_overhead,
-                    "torch_allocator_overhead_measured": eager_m["reserved_bytes"] / eager_m["peak_bytes"] - 1 if eager_m.get("peak_bytes") else None,
-                })
-                checks["memory and planner"] = {"ok": all(x["oomguard_peak_bytes"] and x["oomguard_alloc_conf"] == x["torch_alloc_conf"] for x in rows), "rows": rows}
-                save()
-    span = lambda vals: [min(vals), max(vals)] if vals else None
-    summary = {}
-    for alloc, _ in ALLOC_SETTINGS:
-        rs = [x for x in rows if x["alloc_conf"] == alloc]
-        pick = lambda key, prec=None: [x[key] for x in rs if x[key] is not None and (prec is None or x["precision"] == prec)]
-        summary[alloc] = {
-            "rows": len(rs), "peak_vs_torch": span(pick("peak_vs_torch")), "reserved_vs_torch": span(pick("reserved_vs_torch")),
-            "rows_reserving_less_than_torch": sum(1 for v in pick("reserved_vs_torch") if v < 1),
-            "planned_vs_reserved": span(pick("planned_vs_reserved")), "rows_planned_covers_reserved": sum(1 for v in pick("planned_vs_reserved") if v >= 1),
-            "allocator_overhead_measured": {p: span(pick("allocator_overhead_measured", p)) for p in precisions},
-        }
-    checks["memory and planner"]["summary"] = summary
-    save()
+    if want("memory"):
+        shapes = [
+            {"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 256, "vocab_size": 8192, "micro_batch_size": 16},
+            {"n_layer": 8, "n_head": 8, "n_embd": 512, "block_size": 512, "vocab_size": 32768, "micro_batch_size": 8},
+            {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "vocab_size": 50304, "micro_batch_size": 8},
+        ]
+        rows = []
+        for i, shp in enumerate(shapes):
+            for prec in precisions:
+                for alloc, expandable in ALLOC_SETTINGS:
+                    model = {k: shp[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")}
+                    d = work / f"shape{i}-{prec}-{expandable}"
+                    yaml = (f"log: {{every: 1}}\nmodel: {json.dumps(model)}\n"
+                            f"train: {{micro_batch_size: {shp['micro_batch_size']}, grad_accum_steps: 1, max_steps: 3, eval_every: 0, device: cuda, precision: {prec}}}\n"
+                            f"data: {{source: embedded, embedded_bytes: 4194304}}\nmemory: {{allocator: {{expandable_segments: {expandable}}}}}\n")
+                    code, steps, og_alloc = og_run(d, yaml)
+                    plan = sh([og, "plan", d / "c.yaml", "--json", "--precision", prec, "--device-memory", str(report["host"]["total_memory"])])
+                    estimate = json.loads(plan.stdout) if plan.returncode in (0, 3) and plan.stdout.strip() else {}
+                    planned = estimate.get("configured_peak_bytes")
+                    planned_overhead = estimate.get("estimate", {}).get("allocator_overhead")
+                    eager_m = eager_run(dict(shp, precision=prec, steps=4), og_alloc)
+                    peak = max((s["memory"]["peak_bytes"] for s in steps), default=None)
+                    reserved = steps[-1]["memory"].get("reserved_bytes") if steps else None
+                    rows.append({
+                        "shape": model, "micro_batch_size": shp["micro_batch_size"], "precision": prec, "alloc_conf": alloc,
+                        "oomguard_alloc_conf": og_alloc, "torch_alloc_conf": eager_m.get("alloc_conf"),
+                        "oomguard_devices": sorted({s.get("device") for s in steps}),
+                        "oomguard_peak_bytes": peak, "torch_peak_bytes": eager_m.get("peak_bytes"), "planned_peak_bytes": planned,
+                        # Reserved: the caching allocator's bytes after the last step, on both sides.
+                        "oomguard_reserved_bytes": reserved, "torch_reserved_bytes": eager_m.get("reserved_bytes"),
+                        "peak_vs_torch": ratio(peak, eager_m.get("peak_bytes")), "reserved_vs_torch": ratio(reserved, eager_m.get("reserved_bytes")),
+                        # The planner's estimate includes its allocator overhead: it is a reserved-bytes figure.
+                        "planned_vs_measured": ratio(planned, peak), "planned_vs_reserved": ratio(planned, reserved),
+                        "allocator_overhead_measured": reserved / peak - 1 if reserved and peak else None,
+                        "allocator_overhead_planned": planned_overhead,
+                        "torch_allocator_overhead_measured": eager_m["reserved_bytes"] / eager_m["peak_bytes"] - 1 if eager_m.get("peak_bytes") else None,
+                    })
+                    checks["memory and planner"] = {"ok": all(x["oomguard_peak_bytes"] and x["oomguard_alloc_conf"] == x["torch_alloc_conf"] for x in rows), "rows": rows}
+                    save()
+        span = lambda vals: [min(vals), max(vals)] if vals else None
+        summary = {}
+        for alloc, _ in ALLOC_SETTINGS:
+            rs = [x for x in rows if x["alloc_conf"] == alloc]
+            pick = lambda key, prec=None: [x[key] for x in rs if x[key] is not None and (prec is None or x["precision"] == prec)]
+            summary[alloc] = {
+                "rows": len(rs), "peak_vs_torch": span(pick("peak_vs_torch")), "reserved_vs_torch": span(pick("reserved_vs_torch")),
+                "rows_reserving_less_than_torch": sum(1 for v in pick("reserved_vs_torch") if v < 1),
+                "planned_vs_reserved": span(pick("planned_vs_reserved")), "rows_planned_covers_reserved": sum(1 for v in pick("planned_vs_reserved") if v >= 1),
+                "allocator_overhead_measured": {p: span(pick("allocator_overhead_measured", p)) for p in precisions},
+            }
+        checks["memory and planner"]["summary"] = summary
+        save()
 
     # 6. Syncs: oomguard's own count of its reads back from the device (step records'
     # d2h_reads, at most 1 a step) against CUDA's sync-debug mode (OOMGUARD_CUDA_SYNC_DEBUG=1:
     # the records' cuda_syncs, the training thread's synchronizing calls so far; the lines other
     # threads print to stderr counted too), 4 micro-batches a step, both losses and precisions.
-    syncs = {}
-    for prec in precisions:
-        for loss in ("full", "fused"):
-            d = work / f"syncs-{prec}-{loss}"
-            d.mkdir()
-            yaml = TINY.format(extra="").replace("vocab_size: 256}", f"vocab_size: 50257, loss: {loss}}}").replace(
-                "micro_batch_size: 16, grad_accum_steps: 1, max_steps: 3", f"micro_batch_size: 4, grad_accum_steps: 4, max_steps: 6, precision: {prec}")
-            (d / "c.yaml").write_text(yaml)
-            r = sh([og, "train", d / "c.yaml", "--run-dir", d / "run"], extra_env={"OOMGUARD_CUDA_SYNC_DEBUG": "1"})
-            steps = step_records(d / "run")
-            counts = [s.get("cuda_syncs") for s in steps]
-            per_step = [b - a for a, b in zip(counts, counts[1:]) if a is not None and b is not None]
-            syncs[f"{prec} {loss}"] = {"exit": r.returncode, "d2h_reads": [s.get("d2h_reads") for s in steps], "cuda_syncs_per_step": per_step,
-                                       "stderr_sync_warnings": r.stderr.count("synchronizing CUDA operation")}
-    checks["syncs per step"] = {"ok": all(v["exit"] == 0 and v["d2h_reads"] and all(n == 1 for n in v["d2h_reads"]) and v["cuda_syncs_per_step"] for v in syncs.values()),
-                                "by_run": syncs, "note": "cuda_syncs_per_step above d2h_reads are syncs inside libtorch's own kernels or elsewhere: read them"}
-    save()
+    if want("syncs"):
+        syncs = {}
+        for prec in precisions:
+            for loss in ("full", "fused"):
+                d = work / f"syncs-{prec}-{loss}"
+                d.mkdir()
+                yaml = TINY.format(extra="").replace("vocab_size: 256}", f"vocab_size: 50257, loss: {loss}}}").replace(
+                    "micro_batch_size: 16, grad_accum_steps: 1, max_steps: 3", f"micro_batch_size: 4, grad_accum_steps: 4, max_steps: 6, precision: {prec}")
+                (d / "c.yaml").write_text(yaml)
+                r = sh([og, "train", d / "c.yaml", "--run-dir", d / "run"], extra_env={"OOMGUARD_CUDA_SYNC_DEBUG": "1"})
+                steps = step_records(d / "run")
+                counts = [s.get("cuda_syncs") for s in steps]
+                per_step = [b - a for a, b in zip(counts, counts[1:]) if a is not None and b is not None]
+                syncs[f"{prec} {loss}"] = {"exit": r.returncode, "d2h_reads": [s.get("d2h_reads") for s in steps], "cuda_syncs_per_step": per_step,
+                                           "stderr_sync_warnings": r.stderr.count("synchronizing CUDA operation")}
+        checks["syncs per step"] = {"ok": all(v["exit"] == 0 and v["d2h_reads"] and all(n == 1 for n in v["d2h_reads"]) and v["cuda_syncs_per_step"] for v in syncs.values()),
+                                    "by_run": syncs, "note": "cuda_syncs_per_step above d2h_reads are syncs inside libtorch's own kernels or elsewhere: read them"}
+        save()
 
     # 7. Throughput: GPT-2 124M's shape, oomguard (model.loss full and fused) and eager PyTorch
     # (full logits) alternated, timed by window_rate on both sides, under the PYTORCH_ALLOC_CONF
@@ -847,54 +898,56 @@ def check(kit, out):
     peak = report["host"].get("mfu_peak_tflops")
     print(f"MFU peak: {peak['label']} (bf16 {peak['bf16']}, fp32 {peak['fp32']} dense TFLOP/s) for {report['host'].get('gpu')}" if peak
           else f"MFU peak: {report['host'].get('gpu')} with {report['host'].get('total_memory', 0) / 2**30:.1f} GiB is not in PEAKS: MFU not computed", flush=True)
-    tp = {}
-    for prec in precisions:
-        shp = dict(gpt2, micro_batch_size=8, grad_accum_steps=4, steps=12, precision=prec)
-        tokens_per_step = 8 * 4 * gpt2["block_size"]
-        og_rates, og_peaks, eager_rates, eager_peaks, n_params, confs = {"full": [], "fused": []}, {"full": [], "fused": []}, [], [], None, []
-        for rnd in range(2):
-            for loss in ("full", "fused") if rnd % 2 == 0 else ("fused", "full"):
-                model = dict(gpt2, loss=loss)
-                code, steps, og_alloc = og_run(work / f"tp-{prec}-{loss}-{rnd}", f"model: {json.dumps(model)}\ndata: {{source: embedded, embedded_bytes: 8388608}}\ntrain: {{micro_batch_size: 8, grad_accum_steps: 4, max_steps: 12, eval_every: 0, device: cuda, precision: {prec}}}\nlog: {{every: 1}}\n")
-                if code == 0 and len(steps) == 12:
-                    og_rates[loss].append(window_rate([s["elapsed_s"] for s in steps], tokens_per_step))
-                    og_peaks[loss].append(max(s["memory"]["peak_bytes"] for s in steps))
-                confs.append({"oomguard": og_alloc})
-            m = eager_run(shp, og_alloc)
-            if m:
-                eager_rates.append(m["tokens_per_s"])
-                eager_peaks.append(m["peak_bytes"])
-                n_params = m["params"]
-            confs[-1]["eager"] = m.get("alloc_conf")
-        fpt = flops_per_token(gpt2, n_params) if n_params else None
-        top = peak and peak["bf16" if prec == "bf16" else "fp32"]
-        mfu = lambda r: r * fpt / (top * 1e12) if (top and fpt and r) else None
-        med = lambda v: statistics.median(v) if v else None
-        eager_tp = med(eager_rates)
-        tp[prec] = {"eager_tokens_per_s": eager_tp, "eager_mfu": mfu(eager_tp), "eager_peak_bytes": max(eager_peaks, default=None),
-                    "mfu_peak_tflops": top, "mfu_peak_label": peak and peak["label"], "alloc_conf": confs, "by_loss": {}}
-        for loss in ("full", "fused"):
-            og_tp = med(og_rates[loss])
-            tp[prec]["by_loss"][loss] = {"oomguard_tokens_per_s": og_tp, "ratio": ratio(og_tp, eager_tp), "oomguard_mfu": mfu(og_tp),
-                                         "oomguard_peak_bytes": max(og_peaks[loss], default=None), "rounds": og_rates[loss]}
-        tp[prec]["rounds_eager"] = eager_rates
-        checks["throughput gpt2-124m"] = {"ok": all(og_rates.values()) and all(c["oomguard"] == c.get("eager", c["oomguard"]) for c in confs), "by_precision": tp,
-                                          "timing": "tokens/s over steps 2-11 of 12: wall clock between step ends (oomguard's: its one read a step, after the update; eager's: a device synchronise), on both sides"}
-        save()
+    if want("throughput"):
+        tp = {}
+        for prec in precisions:
+            shp = dict(gpt2, micro_batch_size=8, grad_accum_steps=4, steps=12, precision=prec)
+            tokens_per_step = 8 * 4 * gpt2["block_size"]
+            og_rates, og_peaks, eager_rates, eager_peaks, n_params, confs = {"full": [], "fused": []}, {"full": [], "fused": []}, [], [], None, []
+            for rnd in range(2):
+                for loss in ("full", "fused") if rnd % 2 == 0 else ("fused", "full"):
+                    model = dict(gpt2, loss=loss)
+                    code, steps, og_alloc = og_run(work / f"tp-{prec}-{loss}-{rnd}", f"model: {json.dumps(model)}\ndata: {{source: embedded, embedded_bytes: 8388608}}\ntrain: {{micro_batch_size: 8, grad_accum_steps: 4, max_steps: 12, eval_every: 0, device: cuda, precision: {prec}}}\nlog: {{every: 1}}\n")
+                    if code == 0 and len(steps) == 12:
+                        og_rates[loss].append(window_rate([s["elapsed_s"] for s in steps], tokens_per_step))
+                        og_peaks[loss].append(max(s["memory"]["peak_bytes"] for s in steps))
+                    confs.append({"oomguard": og_alloc})
+                m = eager_run(shp, og_alloc)
+                if m:
+                    eager_rates.append(m["tokens_per_s"])
+                    eager_peaks.append(m["peak_bytes"])
+                    n_params = m["params"]
+                confs[-1]["eager"] = m.get("alloc_conf")
+            fpt = flops_per_token(gpt2, n_params) if n_params else None
+            top = peak and peak["bf16" if prec == "bf16" else "fp32"]
+            mfu = lambda r: r * fpt / (top * 1e12) if (top and fpt and r) else None
+            med = lambda v: statistics.median(v) if v else None
+            eager_tp = med(eager_rates)
+            tp[prec] = {"eager_tokens_per_s": eager_tp, "eager_mfu": mfu(eager_tp), "eager_peak_bytes": max(eager_peaks, default=None),
+                        "mfu_peak_tflops": top, "mfu_peak_label": peak and peak["label"], "alloc_conf": confs, "by_loss": {}}
+            for loss in ("full", "fused"):
+                og_tp = med(og_rates[loss])
+                tp[prec]["by_loss"][loss] = {"oomguard_tokens_per_s": og_tp, "ratio": ratio(og_tp, eager_tp), "oomguard_mfu": mfu(og_tp),
+                                             "oomguard_peak_bytes": max(og_peaks[loss], default=None), "rounds": og_rates[loss]}
+            tp[prec]["rounds_eager"] = eager_rates
+            checks["throughput gpt2-124m"] = {"ok": all(og_rates.values()) and all(c["oomguard"] == c.get("eager", c["oomguard"]) for c in confs), "by_precision": tp,
+                                              "timing": "tokens/s over steps 2-11 of 12: wall clock between step ends (oomguard's: its one read a step, after the update; eager's: a device synchronise), on both sides"}
+            save()
 
     # 8. The largest micro-batch that fits the card, GPT-2 124M at T 1024, per loss and
     # precision: micro_batch_size auto (real trial steps on the card) with global batch 512.
-    fit = {}
-    for prec in precisions:
-        for loss in ("full", "fused"):
-            model = dict(gpt2, loss=loss)
-            code, _, _ = og_run(work / f"fit-{prec}-{loss}", f"model: {json.dumps(model)}\ndata: {{source: embedded, embedded_bytes: 8388608}}\ntrain: {{micro_batch_size: auto, global_batch_size: 512, max_steps: 1, eval_every: 0, device: cuda, precision: {prec}}}\nmemory: {{auto_margin: 0.0}}\nlog: {{every: 1}}\n")
-            rec = [json.loads(l) for l in (work / f"fit-{prec}-{loss}" / "run" / "metrics.jsonl").read_text().splitlines() if '"auto_micro_batch"' in l] if code == 0 else []
-            fit[f"{prec} {loss}"] = rec[0].get("largest_fitting") if rec else None
-        fit[f"{prec} fused/full"] = ratio(fit[f"{prec} fused"], fit[f"{prec} full"])
-        checks["largest micro-batch gpt2-124m"] = {"ok": all(v for k, v in fit.items() if "/" not in k), "by_run": fit,
-                                                   "how": "micro_batch_size: auto, global batch 512, T 1024: the largest size a real trial step fit"}
-        save()
+    if want("fit"):
+        fit = {}
+        for prec in precisions:
+            for loss in ("full", "fused"):
+                model = dict(gpt2, loss=loss)
+                code, _, _ = og_run(work / f"fit-{prec}-{loss}", f"model: {json.dumps(model)}\ndata: {{source: embedded, embedded_bytes: 8388608}}\ntrain: {{micro_batch_size: auto, global_batch_size: 512, max_steps: 1, eval_every: 0, device: cuda, precision: {prec}}}\nmemory: {{auto_margin: 0.0}}\nlog: {{every: 1}}\n")
+                rec = [json.loads(l) for l in (work / f"fit-{prec}-{loss}" / "run" / "metrics.jsonl").read_text().splitlines() if '"auto_micro_batch"' in l] if code == 0 else []
+                fit[f"{prec} {loss}"] = rec[0].get("largest_fitting") if rec else None
+            fit[f"{prec} fused/full"] = ratio(fit[f"{prec} fused"], fit[f"{prec} full"])
+            checks["largest micro-batch gpt2-124m"] = {"ok": all(v for k, v in fit.items() if "/" not in k), "by_run": fit,
+                                                       "how": "micro_batch_size: auto, global batch 512, T 1024: the largest size a real trial step fit"}
+            save()
 
 if __name__ == "__main__":
     cmd = sys.argv[1] if len(sys.argv) > 1 else ""

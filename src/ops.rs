@@ -10,6 +10,7 @@ extern "C" {
     fn og_mul_scalar(t: *mut c_void, v: f64, out: *mut *mut c_void) -> *mut c_char;
     fn og_add_scalar(t: *mut c_void, v: f64, out: *mut *mut c_void) -> *mut c_char;
     fn og_mul_scalar_(t: *mut c_void, v: f64) -> *mut c_char;
+    fn og_pin_memory(t: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
     fn og_arange_like(end: i64, like: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
     fn og_cuda_sync_debug() -> i32;
     fn og_cuda_syncs() -> i64;
@@ -60,7 +61,7 @@ pub fn scalar(v: f64, kind: tch::Kind, device: tch::Device) -> Result<Tensor, Tc
 pub fn upload(t: &Tensor, device: Device) -> Result<Tensor, TchError> {
     match device {
         Device::Cuda(_) if t.device() == Device::Cpu => {
-            t.f_pin_memory(device)?.f_to_device_(device, t.kind(), true, false)
+            new_tensor(|out| unsafe { og_pin_memory(ptr(t), out) })?.f_to_device_(device, t.kind(), true, false)
         }
         _ => t.f_to_device(device),
     }

@@ -28,7 +28,7 @@ from . import _memory, _ranks, _trackers
 from ._batch import Rows
 from ._buffers import Buffers
 from ._memory import Heap, Peak, forget, human, oom_of, warn
-from ._native import Policy, agreed, cached_micro_batch, memory_step, remember_micro_batch, vote
+from ._native import Policy, agreed, cached_micro_batch, left_behind, memory_step, remember_micro_batch, vote
 from ._ranks import Unsupported  # noqa: F401 - oomguard.Unsupported
 from ._records import Records, finite, membership, membership_record
 
@@ -636,7 +636,7 @@ class Guard:
                     self._heap.bound("the process ran out of host memory")
                 self.last_cleanup_s = time.perf_counter() - t_drop
                 after = self._kept_aside(base)
-                severe = self._cuda and after is not None and base is not None and after > base
+                severe = self._cuda and after is not None and base is not None and left_behind(max(0, after - base), base)
                 sig = zlib.crc32(f"{phase}|{index}|{oom[1]}".encode())
                 outcome = self._vote(vote(self.rank, oom=(severe, sig, phase, index), limit_bytes=self._limit))
             elif outcome is None:

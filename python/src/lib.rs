@@ -312,6 +312,13 @@ fn memory_step(limit: u64) -> u64 {
     oomguard_policy::memory_step(limit)
 }
 
+/// Whether memory left live after an OOM's cleanup calls for shrinking harder (both guards'
+/// rule).
+#[pyfunction]
+fn left_behind(leftover: u64, baseline: u64) -> bool {
+    oomguard_policy::left_behind(leftover, baseline)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Policy>()?;
@@ -319,6 +326,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(malloc_trim, m)?)?;
     m.add_function(wrap_pyfunction!(classify_oom, m)?)?;
     m.add_function(wrap_pyfunction!(memory_step, m)?)?;
+    m.add_function(wrap_pyfunction!(left_behind, m)?)?;
     m.add_function(wrap_pyfunction!(vote, m)?)?;
     m.add_function(wrap_pyfunction!(agreed, m)?)?;
     m.add_function(wrap_pyfunction!(cached_micro_batch, m)?)?;

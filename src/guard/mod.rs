@@ -221,14 +221,15 @@ impl Guard {
             memory::empty_cache(self.device)?;
             let after = memory::stats(self.device).live_bytes;
             let leftover = after.saturating_sub(baseline);
-            if leftover > 0 {
+            let severe = policy::left_behind(leftover, baseline);
+            if severe {
                 tracing::warn!(
                     "after cleanup {} more is live than at step start; shrinking harder",
                     human_bytes(leftover)
                 );
             }
             // Ranks that did not run out cleaned up too, and all decide on the same inputs.
-            let [severe, sig] = self.agreed([(leftover > 0) as u8 as f64, (signature(&oom) >> 11) as f64])?;
+            let [severe, sig] = self.agreed([severe as u8 as f64, (signature(&oom) >> 11) as f64])?;
             let decision = self
                 .policy
                 .on_oom(step, severe > 0.0, Some(sig as u64), self.cfg.retries_at_one);

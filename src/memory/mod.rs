@@ -156,7 +156,7 @@ pub fn prepare(
     device: Device,
 ) -> Result<Option<u64>, crate::Error> {
     install_cpu_allocator();
-    snapshot::begin(cfg.snapshot()?, device);
+    let snapshots = cfg.snapshot()?;
     let mut settings = settings.clone();
     let mut described = None;
     let budget = match (device, cfg.budget()?) {
@@ -223,6 +223,16 @@ pub fn prepare(
         .and_then(|f| f.parse::<f64>().ok())
         .unwrap_or(1.0);
     CUDA_FRACTION.store(fraction.to_bits(), Ordering::Relaxed);
+    #[cfg(oomguard_cuda_snapshot)]
+    if let Device::Cuda(i) = device {
+        // After the settings, before the recorder: see csrc/cuda_allocator.cpp.
+        cuda_start(i, fraction).map_err(crate::Error::Torch)?;
+        if fraction < 1.0 {
+            let held = cuda_memory_fraction(i).map_err(crate::Error::Torch)?;
+            tracing::info!("the CUDA caching allocator's limit on cuda:{i}: {held:.9} of the card");
+        }
+    }
+    snapshot::begin(snapshots, device);
     set_cpu_budget(if device == Device::Cpu { budget } else { None });
     if let Some(b) = budget {
         let why = described.unwrap_or_else(|| format!("memory.budget: {}", cfg.budget));
@@ -238,6 +248,28 @@ const FOOTPRINT_SHARE: f64 = 0.95;
 /// The `per_process_memory_fraction` in force (1.0 when none): the CUDA limit is the card's
 /// memory times this.
 static CUDA_FRACTION: AtomicU64 = AtomicU64::new(0x3FF0_0000_0000_0000); // 1.0f64
+
+#[cfg(oomguard_cuda_snapshot)]
+extern "C" {
+    fn og_cuda_start(device: std::ffi::c_int, fraction: f64) -> *mut std::ffi::c_char;
+    fn og_cuda_memory_fraction(device: std::ffi::c_int, out: *mut f64) -> *mut std::ffi::c_char;
+}
+
+/// CUDA started with the caching allocator's devices made, and `fraction` of the card the
+/// limit on device `index` (1.0: none set).
+#[cfg(oomguard_cuda_snapshot)]
+fn cuda_start(index: usize, fraction: f64) -> Result<(), TchError> {
+    check(unsafe { og_cuda_start(index as i32, fraction) })
+}
+
+/// The caching allocator's limit in force on device `index`, as a fraction of the card
+/// (what libtorch holds, not what was asked).
+#[cfg(oomguard_cuda_snapshot)]
+pub fn cuda_memory_fraction(index: usize) -> Result<f64, TchError> {
+    let mut out = 0.0;
+    check(unsafe { og_cuda_memory_fraction(index as i32, &mut out) })?;
+    Ok(out)
+}
 
 fn cuda_mem_info(index: usize) -> Result<(u64, u64), TchError> {
     let mut out = [0i64; 2];

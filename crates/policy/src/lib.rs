@@ -201,6 +201,14 @@ pub fn fits(obs: &Observation, current: usize, next: usize, headroom: f64) -> bo
     predicted <= limit as f64 * (1.0 - headroom)
 }
 
+/// Whether what stays live after an OOM's cleanup, beyond the attempt's start and what is
+/// kept on purpose (`leftover`), is enough to shrink harder (`on_oom`'s `severe`): over a
+/// 64th of the start's live bytes and over 2 MiB. Less is bookkeeping a smaller size would
+/// not give back (a loss sum, a scaler's flag, the allocator's rounding). Both guards use it.
+pub fn left_behind(leftover: u64, baseline: u64) -> bool {
+    leftover > (baseline / 64).max(2 << 20)
+}
+
 /// The micro-batch cache's memory key: the device's limit in steps of 3% (an auto budget
 /// moves a little between runs), so that what one budget learned never shrinks a run whose
 /// budget is more than a step larger. Both guards key by it.
@@ -311,6 +319,16 @@ mod tests {
             assert_eq!(p.after_step(s, roomy, &CFG), Adjust::Keep, "step {s}");
         }
         assert_eq!(p.after_step(15, roomy, &CFG), Adjust::Grow { micro_batch_size: 16 });
+    }
+
+    #[test]
+    fn only_memory_that_matters_is_left_behind() {
+        assert!(!left_behind(0, 0));
+        assert!(!left_behind(512, 1 << 30), "a scalar's block");
+        assert!(!left_behind(2 << 20, 0));
+        assert!(left_behind((2 << 20) + 1, 0));
+        assert!(!left_behind(16 << 20, 1 << 30), "a 64th of 1 GiB is 16 MiB");
+        assert!(left_behind((16 << 20) + 1, 1 << 30));
     }
 
     #[test]

@@ -79,9 +79,12 @@ impl<'a> Run<'a> {
 
         let global = c.train.global_batch_size();
         let limit = memory::stats(device).limit_bytes;
+        // What sets a micro-batch's memory: the model, its loss (the full logits or none),
+        // the sample, precision, recomputation, device and limit.
         let cache_key = format!(
-            "{}|u{}|{}{}|{device:?}|{}",
+            "{}{}|u{}|{}{}|{device:?}|{}",
             fingerprint_key(&task.fingerprint()),
+            task.loss_kind().map_or(String::new(), |l| format!("+{}", l.name())),
             data.train.units_per_sample(),
             precision.name(),
             if task.activation_checkpointing() == Some(true) {
