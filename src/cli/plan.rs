@@ -39,7 +39,7 @@ pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
                     line_col: None,
                     key: String::new(),
                     message: format!(
-                        "`{text}` is not a size (24GiB) or a known card (T4, L4, A100-40GB, A100-80GB, H100)"
+                        "`{text}` is not a size (24GiB) or a known card (T4, L4, A100-40GB, A100-80GB, H100, H200)"
                     ),
                 })
             })?;

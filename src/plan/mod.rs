@@ -405,6 +405,8 @@ pub fn device_memory(text: &str) -> Option<u64> {
         "A10040GB" | "A10040G" => Some(40),
         "A100" | "A10080GB" | "A10080G" => Some(80),
         "H100" | "H10080GB" => Some(80),
+        // CUDA reports 143,771 MiB on an H200 (2026-11-28).
+        "H200" | "H200141GB" => Some(140),
         _ => None,
     };
     card.map(|g| g * GIB).or_else(|| crate::memory::parse_size(text))
@@ -682,6 +684,7 @@ mod tests {
             "{s:?}"
         );
         assert_eq!(device_memory("t4"), Some(16 << 30));
+        assert_eq!(device_memory("H200"), Some(140 << 30));
         assert_eq!(device_memory("24GiB"), Some(24 << 30));
     }
 }

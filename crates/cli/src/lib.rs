@@ -80,7 +80,7 @@ pub struct PlanArgs {
     #[arg(long = "set", value_name = "KEY.PATH=VALUE")]
     pub set: Vec<String>,
     /// Memory to fit: a size (24GiB) or a card: T4 (16GiB), L4 (24GiB), A100-40GB, A100 /
-    /// A100-80GB, H100 (80GiB). Default: the CPU memory budget for CPU configs.
+    /// A100-80GB, H100 (80GiB), H200 (140GiB). Default: the CPU memory budget for CPU configs.
     #[arg(long, value_name = "SIZE|CARD")]
     pub device_memory: Option<String>,
     /// Precision to plan for: fp32, or bf16/fp16 (half-size activations). Default: what
