@@ -16,6 +16,9 @@ use crate::model::{GptConfig, LossKind};
 pub use crate::precision::Precision;
 
 const ACT_PER_LAYER: f64 = 16.0; // values per token per n_embd per layer
+                                 // Of those, kept in fp32 under autocast: the residual stream each LayerNorm saves (an H200's
+                                 // bf16 GPT-2 124M peaked 10% over a plan that had all 16 in bf16; docs/gpu-outcome.md).
+const F32_PER_LAYER: f64 = 2.0;
 const LOGITS: f64 = 3.0; // values per token per vocab entry
 const EMBED: f64 = 2.3; // values per token per n_embd
 
@@ -28,6 +31,9 @@ pub struct Estimate {
     pub optimizer_bytes: u64,
     pub activations_per_layer_per_sample: u64,
     pub n_layer: u64,
+    /// bf16/fp16: the half-precision copies of the blocks' weight matrices that autocast
+    /// makes in forward and backward keeps (0 in fp32).
+    pub cast_weights_bytes: u64,
     /// Fused attention (flash / memory-efficient, as oomguard uses) keeps no B*H*T*T
     /// scores; this is what materialised scores would take, per sample and layer.
     pub attention_scores_if_materialized_per_sample: u64,
@@ -237,8 +243,14 @@ impl Estimate {
             params_bytes: 4 * p,
             grads_bytes: 4 * p,
             optimizer_bytes: 8 * p,
-            activations_per_layer_per_sample: (ACT_PER_LAYER * t * c * a) as u64,
+            activations_per_layer_per_sample: (((ACT_PER_LAYER - F32_PER_LAYER) * a + F32_PER_LAYER * 4.0) * t * c)
+                as u64,
             n_layer: m.n_layer as u64,
+            cast_weights_bytes: if precision == Precision::Fp32 {
+                0
+            } else {
+                (12.0 * c * c * m.n_layer as f64 * a) as u64
+            },
             attention_scores_if_materialized_per_sample: (h * t * t * a) as u64,
             loss: m.loss,
             logits_per_sample: terms(m.loss).0,
@@ -287,7 +299,8 @@ impl Estimate {
         } else {
             0
         };
-        let forward = self.per_sample_bytes().saturating_mul(micro as u64) + self.logits_fixed(micro);
+        let forward =
+            self.per_sample_bytes().saturating_mul(micro as u64) + self.logits_fixed(micro) + self.cast_weights_bytes;
         let step = (forward + beside).max(self.grads_at_peak());
         ((self.fixed_bytes() + step) as f64 * (1.0 + self.allocator_overhead)) as u64
     }
@@ -313,7 +326,7 @@ impl Estimate {
     pub fn table(&self, micro: usize) -> Vec<(String, String)> {
         let b = micro as u64;
         let row = |k: &str, v: u64| (k.to_string(), human_bytes(v));
-        vec![
+        let mut rows = vec![
             (
                 "parameters".into(),
                 format!(
@@ -348,7 +361,12 @@ impl Estimate {
                 format!("{:.0}%", self.allocator_overhead * 100.0),
             ),
             row("peak", self.peak(micro)),
-        ]
+        ];
+        if self.cast_weights_bytes > 0 {
+            let at = rows.iter().position(|(k, _)| k.starts_with("attention")).unwrap_or(0);
+            rows.insert(at, row("weights cast for autocast", self.cast_weights_bytes));
+        }
+        rows
     }
 }
 

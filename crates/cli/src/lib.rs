@@ -83,7 +83,7 @@ pub struct PlanArgs {
     /// A100-80GB, H100 (80GiB), H200 (140GiB). Default: the CPU memory budget for CPU configs.
     #[arg(long, value_name = "SIZE|CARD")]
     pub device_memory: Option<String>,
-    /// Precision to plan for: fp32, or bf16/fp16 (half-size activations). Default: what
+    /// Precision to plan for: fp32, or bf16/fp16 (activations at half size but the residual stream). Default: what
     /// train would run, train.precision on the planned device (auto: bf16 on a GPU given by
     /// --device-memory or an Ampere or newer one here, else fp32).
     #[arg(long, value_parser = ["fp32", "bf16", "fp16"])]
