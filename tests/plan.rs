@@ -51,6 +51,33 @@ fn planner_peak_within_20_percent_of_measured() {
     }
 }
 
+/// bf16 under autocast: what a layer adds (6 layers less 2, so that everything else
+/// cancels), planned against measured, within 5%. A plan with all 16 activation values in
+/// bf16 and no autocast weight copies was 12% short (docs/measurements/planner-bf16-2026-11-28.txt).
+#[test]
+fn bf16_layers_plan_as_measured() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut measured = Vec::new();
+    let mut planned = Vec::new();
+    for l in [2, 6] {
+        let yaml = shape_yaml(l, 4, 128, 256, 256, 8).replace("device: cpu", "device: cpu, precision: bf16");
+        let cfg = write_config(dir.path(), &format!("bf16-{l}.yaml"), &yaml);
+        let run = dir.path().join(format!("bf16-{l}"));
+        let o = train_at(dir.path(), &cfg, &run, &["--memory-budget", "none"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        measured.push(records(&run, "step")[1]["memory"]["peak_bytes"].as_u64().unwrap() as f64);
+        let o = oomguard(
+            &["plan", cfg.to_str().unwrap(), "--json", "--precision", "bf16"],
+            dir.path(),
+        );
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        planned.push(v["configured_peak_bytes"].as_u64().unwrap() as f64);
+    }
+    let (m, p) = (measured[1] - measured[0], planned[1] - planned[0]);
+    assert!((p / m - 1.0).abs() < 0.05, "4 bf16 layers: planned {p}, measured {m}");
+}
+
 /// Over 2 ranks, state-heavy GPTs at micro-batch 1 (where the gradients, not the
 /// activations, set the peak): the plan of each `train.shard` against the measured peak.
 /// Plain data parallel and ZeRO-1 hold the gradients once (a bucket at a time is made, as
