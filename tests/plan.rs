@@ -158,7 +158,8 @@ fn nothing_fits_says_what_would() {
     assert!(String::from_utf8_lossy(&o.stdout).contains("largest micro-batch that fits"));
 }
 
-/// The first run searches (and caches); the second starts from the cache, no trials.
+/// The first run searches (and caches); the second starts from the cache, no trials; a
+/// run with the other `model.loss` searches again.
 #[test]
 fn auto_micro_batch_is_cached() {
     let dir = tempfile::tempdir().unwrap();
@@ -169,7 +170,7 @@ fn auto_micro_batch_is_cached() {
         )
         .replace("max_steps: 6", "max_steps: 2");
     let cfg = write_config(dir.path(), "auto.yaml", &yaml);
-    let run = |name: &str| {
+    let run = |name: &str, extra: &[&str]| {
         let run = dir.path().join(name);
         let o = std::process::Command::new(common::bin())
             .args([
@@ -180,6 +181,7 @@ fn auto_micro_batch_is_cached() {
                 "--memory-budget",
                 "3MiB",
             ])
+            .args(extra)
             .env("OOMGUARD_CACHE", dir.path().join("cache"))
             .env("OMP_NUM_THREADS", "1")
             .output()
@@ -187,7 +189,7 @@ fn auto_micro_batch_is_cached() {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         records(&run, "auto_micro_batch").remove(0)
     };
-    let first = run("a");
+    let first = run("a", &[]);
     assert_eq!(first["from_cache"], false);
     let trials = first["trials"].as_u64().unwrap();
     let found = first["largest_fitting"].as_u64().unwrap();
@@ -199,7 +201,7 @@ fn auto_micro_batch_is_cached() {
         first["micro_batch_size"].as_u64().unwrap() < found,
         "a safety margin: {first}"
     );
-    let second = run("b");
+    let second = run("b", &[]);
     assert_eq!(
         (second["from_cache"].as_bool(), second["trials"].as_u64()),
         (Some(true), Some(0))
@@ -208,6 +210,9 @@ fn auto_micro_batch_is_cached() {
     assert!(records(&dir.path().join("b"), "step")
         .iter()
         .all(|s| s["num_samples"] == 64));
+    // The other loss holds other memory (the full logits): it searches for itself.
+    let other = run("c", &["--set", "model.loss=full"]);
+    assert_eq!(other["from_cache"], false, "{other}");
 }
 
 /// Planning against a device's memory is the same whether the device is named by its card
