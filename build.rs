@@ -12,7 +12,7 @@ fn main() {
     let torch_dir = lib_dir.parent().expect("libtorch lib dir has a parent").to_path_buf();
     let include = torch_dir.join("include");
 
-    const SOURCES: [&str; 10] = [
+    const SOURCES: [&str; 11] = [
         "csrc/memory.cpp",
         "csrc/snapshot.cpp",
         "csrc/optim.cpp",
@@ -21,6 +21,7 @@ fn main() {
         "csrc/ops.cpp",
         "csrc/amp.cpp",
         "csrc/dist.cpp",
+        "csrc/shm.cpp",
         "csrc/overlap.cpp",
         "csrc/loss.cpp",
     ];

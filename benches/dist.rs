@@ -7,8 +7,9 @@
 //! share alone, and 3 ranks (1 thread each, more ranks than cores) as a correctness-under-load
 //! run, not a speed figure: its parameters against one process's. And the machine's own
 //! ceiling: two independent one-rank runs at once against one alone (no communication at
-//! all), so the efficiency can be read against what two busy cores give here, and the ranks
-//! left unbound to cores (OOMGUARD_CPU_BIND=0).
+//! all), so the efficiency can be read against what two busy cores give here, the ranks
+//! left unbound to cores (OOMGUARD_CPU_BIND=0), and the ranks' collectives over Gloo's
+//! loopback TCP instead of shared memory (OOMGUARD_DIST_SHM=0).
 mod common;
 use common::{events, median};
 use std::path::Path;
@@ -36,13 +37,13 @@ fn measure(run: &Path) -> (f64, f64, f64) {
 }
 
 fn launch(bin: &str, nproc: &str, cfg: &Path, run: &Path, cache: &Path) {
-    launch_with(bin, nproc, cfg, run, cache, "1");
+    launch_with(bin, nproc, cfg, run, cache, &[]);
 }
 
-/// `bind`: OOMGUARD_CPU_BIND (0: the ranks' cores left to the scheduler).
-fn launch_with(bin: &str, nproc: &str, cfg: &Path, run: &Path, cache: &Path, bind: &str) {
+/// `env`: e.g. OOMGUARD_CPU_BIND=0 (the ranks' cores left to the scheduler).
+fn launch_with(bin: &str, nproc: &str, cfg: &Path, run: &Path, cache: &Path, env: &[(&str, &str)]) {
     let ok = Command::new(bin)
-        .env("OOMGUARD_CPU_BIND", bind)
+        .envs(env.iter().copied())
         .args([
             "launch",
             "--nproc-per-node",
@@ -88,6 +89,7 @@ fn main() {
     let bin = env!("CARGO_BIN_EXE_oomguard");
     let (mut one, mut two, mut comm, mut agree, mut pair, mut unbound) =
         (vec![], vec![], vec![], vec![], vec![], vec![]);
+    let (mut tcp, mut tcp_comm) = (vec![], vec![]);
     for round in 0..ROUNDS {
         let run1 = dir.path().join(format!("one{round}"));
         let ok = Command::new(bin)
@@ -121,8 +123,13 @@ fn main() {
         comm.push(c);
         agree.push(a);
         let run_u = dir.path().join(format!("unbound{round}"));
-        launch_with(bin, "2", &cfg, &run_u, dir.path(), "0");
+        launch_with(bin, "2", &cfg, &run_u, dir.path(), &[("OOMGUARD_CPU_BIND", "0")]);
         unbound.push(measure(&run_u).0);
+        let run_t = dir.path().join(format!("tcp{round}"));
+        launch_with(bin, "2", &cfg, &run_t, dir.path(), &[("OOMGUARD_DIST_SHM", "0")]);
+        let (t, c, _) = measure(&run_t);
+        tcp.push(t);
+        tcp_comm.push(c);
         println!(
             "round {round}: 1 rank {:.0} tok/s, 2 ranks {:.0} tok/s, efficiency {:.2}",
             one[round],
@@ -145,6 +152,11 @@ fn main() {
     println!(
         "  the same with the ranks' cores left to the scheduler (OOMGUARD_CPU_BIND=0): {:.2}",
         median(ratio(&unbound))
+    );
+    println!(
+        "  the same over Gloo's loopback TCP instead of shared memory (OOMGUARD_DIST_SHM=0): {:.2}, all-reduce and agreements {:.1}% of a step",
+        median(ratio(&tcp)),
+        100.0 * median(tcp_comm)
     );
     let ceiling = median(ratio(&pair));
     println!("the machine's ceiling (two independent 1-thread runs at once over 2 x one alone): {ceiling:.2}; the efficiency against it: {:.2}", e / ceiling);

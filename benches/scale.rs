@@ -104,6 +104,7 @@ fn gloo(world: usize) -> f64 {
                 port,
                 token: "bench".into(),
                 timeout: Duration::from_secs(300),
+                shared_memory: false,
             };
             let pg = ProcessGroup::join(&at, Device::Cpu).unwrap();
             // The exchange's message: a 6-value header and a 16-value payload.

@@ -24,6 +24,10 @@
 
 c10::intrusive_ptr<c10d::Backend> og_make_nccl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world,
                                                std::chrono::milliseconds timeout);
+c10::intrusive_ptr<c10d::Backend> og_make_shm(const c10::intrusive_ptr<c10d::Store>& store,
+                                              c10::intrusive_ptr<c10d::Backend> gloo, const std::string& token,
+                                              int port, int rank, int world, std::chrono::milliseconds timeout,
+                                              std::string& why);
 
 namespace {
 struct Group {
@@ -34,6 +38,9 @@ struct Group {
   // The backend lacks the flat reduce-scatter / all-gather (learnt at the first call, the
   // same on every rank: an unsupported collective throws before any traffic).
   bool no_reduce_scatter = false, no_all_gather = false;
+  // The transport: "gloo", "shared memory" (csrc/shm.cpp, in front of Gloo) or "nccl"; and
+  // why shared memory was asked for and not used.
+  std::string transport, note;
 };
 
 bool unsupported(const std::exception& e) {
@@ -71,7 +78,7 @@ std::vector<at::Tensor> tensors(void** ptrs, int n) {
 // it goes on (a failed attempt's buffers freed before the guard measures what is live; a
 // bucket's gradients free to be ZeRO-1's gather space), not a moment later on that thread.
 void og_let_go_of(c10d::Backend* backend, const c10::intrusive_ptr<c10d::Work>& w) {
-  if (!w || backend->getBackendName() != "gloo") return;
+  if (!w || (backend->getBackendName() != "gloo" && backend->getBackendName() != "oomguard-shm")) return;
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
   while (w.use_count() > 1 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
 }
@@ -134,8 +141,9 @@ c10d::Backend* og_group_backend(void* g) { return group(g)->backend.get(); }
 
 extern "C" {
 
+// shm: the ranks all run on this host; try shared memory in front of Gloo (csrc/shm.cpp).
 char* og_dist_init(const char* addr, int port, const char* token, int rank, int world, int cuda_index,
-                   const char* gloo_host, int64_t timeout_ms, void** out) {
+                   const char* gloo_host, int64_t timeout_ms, int shm, void** out) {
   return oomguard::guarded([&] {
     const auto timeout = std::chrono::milliseconds(timeout_ms);
     c10d::TCPStoreOptions opts;
@@ -173,14 +181,29 @@ char* og_dist_init(const char* addr, int port, const char* token, int rank, int 
                                   : c10d::ProcessGroupGloo::createDeviceForHostname(gloo_host));
       g->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(g->store, rank, world, o);
       g->gloo = true;
+      g->transport = "gloo";
+      if (shm) {
+        if (auto s = og_make_shm(g->store, g->backend, token, port, rank, world, timeout, g->note)) {
+          g->backend = s;
+          g->transport = "shared memory";
+        }
+      }
     } else {
       g->backend = og_make_nccl(g->store, rank, world, timeout);
+      g->transport = "nccl";
     }
     *out = g.release();
   });
 }
 
 void og_dist_free(void* g) { delete group(g); }
+
+// The group's transport, and why shared memory was asked for and not used ("" if it was not
+// asked for or is used); both live as long as the group.
+const char* og_dist_transport(void* g, const char** note) {
+  *note = group(g)->note.c_str();
+  return group(g)->transport.c_str();
+}
 
 // op: 0 sum, 1 max, 2 min; in place.
 char* og_dist_all_reduce(void* g, void** ts, int n, int op) {

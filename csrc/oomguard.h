@@ -88,11 +88,13 @@ char* og_autocast_exit(int cuda, int was_enabled, int was_dtype);
 char* og_amp_unscale(void** grads, int n, void* found_inf, void* inv_scale);
 char* og_amp_update_scale(void* scale, void* growth_tracker, void* found_inf, double growth, double backoff, int64_t interval);
 
-// Data parallel (csrc/dist.cpp): a c10d group (Gloo when cuda_index < 0, else NCCL), its
-// collectives (op: 0 sum, 1 max, 2 min; in place), and its store.
+// Data parallel (csrc/dist.cpp): a c10d group (Gloo when cuda_index < 0, with shared memory
+// in front when `shm` and every rank maps it; else NCCL), its collectives (op: 0 sum, 1 max,
+// 2 min; in place), and its store.
 char* og_dist_init(const char* addr, int port, const char* token, int rank, int world, int cuda_index,
-                   const char* gloo_host, int64_t timeout_ms, void** out);
+                   const char* gloo_host, int64_t timeout_ms, int shm, void** out);
 void og_dist_free(void* group);
+const char* og_dist_transport(void* group, const char** note);
 char* og_dist_all_reduce(void* group, void** tensors, int n, int op);
 char* og_dist_broadcast(void* group, void** tensors, int n, int root);
 char* og_dist_store_set(void* group, const char* key, const uint8_t* data, int64_t len);

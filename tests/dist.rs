@@ -1,5 +1,6 @@
-//! Data-parallel training over c10d (Gloo on the CPU), with real processes under the real
-//! launcher, one thread per rank: the same result as one process, an OOM on one rank shared
+//! Data-parallel training over c10d (Gloo on the CPU, shared memory in front of it for ranks on
+//! one host), with real processes under the real launcher, one thread per rank: the same
+//! result as one process and over either transport, an OOM on one rank shared
 //! by all, two "nodes" over loopback, SIGINT and a resume, a rank killed and the group
 //! restarted from the checkpoint.
 mod common;
@@ -59,7 +60,8 @@ fn two_ranks_end_where_one_process_does() {
     let run = dir.path().join("two");
     let mut args = vec!["--nproc-per-node", "2", "--no-python"];
     args.extend(train_args(&cfg, &run));
-    ok(launch(dir.path(), &args).output().unwrap());
+    let err = ok(launch(dir.path(), &args).output().unwrap());
+    assert!(err.contains("rank 1 of 2 (shared memory) joined the group"), "{err}");
     let steps = records(&run, "step");
     assert_eq!(steps.len(), 6);
     assert!(
@@ -85,6 +87,17 @@ fn two_ranks_end_where_one_process_does() {
     let o = train_at(dir.path(), &cfg, &short, &["--nproc-per-node", "2"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(max_abs_diff(&weights(&run), &weights(&short)), 0.0);
+    // The same ranks over Gloo's loopback TCP, as across hosts: the same bits (at 2 ranks
+    // both transports sum a + b).
+    let tcp = dir.path().join("tcp");
+    let mut args = vec!["--nproc-per-node", "2", "--no-python"];
+    args.extend(train_args(&cfg, &tcp));
+    let err = ok(launch(dir.path(), &args)
+        .env("OOMGUARD_DIST_SHM", "0")
+        .output()
+        .unwrap());
+    assert!(err.contains("rank 1 of 2 (gloo) joined the group"), "{err}");
+    assert_eq!(max_abs_diff(&weights(&run), &weights(&tcp)), 0.0);
 }
 
 /// A budget on rank 1 alone: it runs out of memory, both ranks shrink together (no

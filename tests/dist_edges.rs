@@ -376,3 +376,59 @@ fn an_evaluation_batch_smaller_than_the_world_is_evaluated_by_the_ranks_that_hav
     assert_eq!(a.len(), 2);
     assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-5), "{a:?} {b:?}");
 }
+
+/// Ranks on one host reduce through shared memory (csrc/shm.cpp). A rank that dies inside
+/// one of its collectives (the test hook exits it at its 12th barrier, before it arrives,
+/// and this test leaves it unreaped, a zombie) fails the rank waiting there at once, naming
+/// it, not after the group's timeout (here 600 s).
+#[test]
+fn a_rank_that_dies_inside_a_shared_memory_collective_fails_the_other_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny(dir.path(), "c.yaml", |t| t.replace("max_steps: 6", "max_steps: 20"));
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let rank = |r: &str| {
+        let mut c = Command::new(bin());
+        isolated(dies_with_test(&mut c), dir.path())
+            .args([
+                "train",
+                cfg.to_str().unwrap(),
+                "--run-dir",
+                "r",
+                "--set",
+                "train.dist_timeout_s=600",
+            ])
+            .envs([
+                ("RANK", r),
+                ("LOCAL_RANK", r),
+                ("WORLD_SIZE", "2"),
+                ("LOCAL_WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", &port),
+                ("OMP_NUM_THREADS", "1"),
+                ("OOMGUARD_TEST_SHM_EXIT", "1:12"),
+            ])
+            .current_dir(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (r0, mut r1) = (rank("0"), rank("1"));
+    let t = Instant::now();
+    let o = r0.wait_with_output().unwrap();
+    let took = t.elapsed();
+    let err = text(&o);
+    assert!(took < Duration::from_secs(60), "took {took:?}: {err}");
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("(shared memory) joined the group"), "{err}");
+    assert!(
+        err.contains("rank 1 (pid ") && err.contains(") exited in the middle of a collective"),
+        "{err}"
+    );
+    assert_eq!(r1.wait().unwrap().code(), Some(137));
+}

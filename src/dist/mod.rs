@@ -29,9 +29,11 @@ extern "C" {
         cuda_index: i32,
         gloo_host: *const c_char,
         timeout_ms: i64,
+        shm: i32,
         out: *mut *mut c_void,
     ) -> *mut c_char;
     fn og_dist_free(group: *mut c_void);
+    fn og_dist_transport(group: *mut c_void, note: *mut *const c_char) -> *const c_char;
     fn og_dist_all_reduce(group: *mut c_void, tensors: *const *mut c_void, n: i32, op: i32) -> *mut c_char;
     fn og_dist_broadcast(group: *mut c_void, tensors: *const *mut c_void, n: i32, root: i32) -> *mut c_char;
     fn og_dist_reduce_scatter(
@@ -84,7 +86,14 @@ pub struct Rendezvous {
     /// The run's secret: a group whose store holds another is refused.
     pub token: String,
     pub timeout: Duration,
+    /// Every rank runs on this host (the launcher's LOCAL_WORLD_SIZE is the world): the CPU's
+    /// all-reduces and broadcasts go through shared memory (csrc/shm.cpp) where all ranks can
+    /// map it, unless `OOMGUARD_DIST_SHM=0`.
+    pub shared_memory: bool,
 }
+
+/// `OOMGUARD_DIST_SHM=0`: ranks on one host talk over Gloo's loopback TCP, as across hosts.
+pub const SHM_VAR: &str = "OOMGUARD_DIST_SHM";
 
 /// Set by `oomguard launch`: one value per launch (per `--rdzv-id` across nodes).
 pub const TOKEN_VAR: &str = "OOMGUARD_RUN_TOKEN";
@@ -137,15 +146,10 @@ impl ProcessGroup {
             .unwrap_or(rank);
         let addr = var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
         let port = num("MASTER_PORT", &var("MASTER_PORT").unwrap_or_else(|| "29500".into()))?;
-        check_env(
-            rank,
-            world,
-            local_rank,
-            var("LOCAL_WORLD_SIZE")
-                .map(|l| num("LOCAL_WORLD_SIZE", &l))
-                .transpose()?,
-            port,
-        )?;
+        let local_world = var("LOCAL_WORLD_SIZE")
+            .map(|l| num("LOCAL_WORLD_SIZE", &l))
+            .transpose()?;
+        check_env(rank, world, local_rank, local_world, port)?;
         // The launch's token, checked in the store before the group forms (TOKEN_VAR).
         let token = var(TOKEN_VAR)
             .or_else(|| var("TORCHELASTIC_RUN_ID"))
@@ -158,6 +162,7 @@ impl ProcessGroup {
             port: port as u16,
             token,
             timeout,
+            shared_memory: local_world == Some(world) && var(SHM_VAR).is_none_or(|v| v.trim() != "0"),
         };
         ProcessGroup::join(&at, device).map(Some)
     }
@@ -172,6 +177,7 @@ impl ProcessGroup {
             port,
             ref token,
             timeout,
+            shared_memory,
         } = *at;
         let device = match device {
             Device::Cuda(_) => Device::Cuda(local_rank),
@@ -195,6 +201,7 @@ impl ProcessGroup {
                     cuda,
                     chost.as_ptr(),
                     timeout.as_millis() as i64,
+                    i32::from(shared_memory && cuda < 0),
                     &mut ptr,
                 )
             })
@@ -202,10 +209,16 @@ impl ProcessGroup {
         .map_err(dist_error(&format!(
             "rank {rank} of {world} joining the group at {addr}:{port}"
         )))?;
-        tracing::info!(
-            "rank {rank} of {world} ({}) joined the group at {addr}:{port}",
-            if cuda < 0 { "gloo" } else { "nccl" }
-        );
+        let (transport, note) = unsafe {
+            let mut note: *const c_char = std::ptr::null();
+            let t = og_dist_transport(ptr, &mut note);
+            let s = |p: *const c_char| std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned();
+            (s(t), s(note))
+        };
+        tracing::info!("rank {rank} of {world} ({transport}) joined the group at {addr}:{port}");
+        if !note.is_empty() {
+            tracing::warn!("rank {rank}: the ranks share this host, but their collectives go over Gloo's TCP: {note}");
+        }
         let mut pg = ProcessGroup {
             ptr,
             rank,
