@@ -208,7 +208,7 @@ fn main() {
         (median(r), median(ms))
     };
     let p: Vec<f64> = peak.into_iter().map(median).collect();
-    println!("2 ranks, 1 thread each, GPT 4x128, global batch 32 (Gloo; its reduce-scatter as an in-place all-reduce, its all-gather as in-place broadcasts):");
+    println!("2 ranks, 1 thread each, GPT 4x128, global batch 32 (shared memory in front of Gloo, one host; the reduce-scatter as an in-place all-reduce, the all-gather as in-place broadcasts):");
     let ((o, olo, ohi), (g, glo, ghi)) = (over(1), over(2));
     println!(
         "  step time over plain data parallel (median of the rounds' ratios): optimizer {o:.3}x (floor 1.15; rounds {olo:.3}..{ohi:.3}), gradients \
