@@ -22,6 +22,26 @@ fn two_ranks(dir: &Path, cfg: &Path, args: &[&str]) -> Command {
     c
 }
 
+/// Rank `rank` of 2 started by hand (no launcher) at `port`, its stderr piped.
+fn by_hand(dir: &Path, cfg: &Path, port: &str, rank: &str, timeout_s: u32) -> Command {
+    let mut c = Command::new(bin());
+    isolated(dies_with_test(&mut c), dir)
+        .args(["train", cfg.to_str().unwrap(), "--run-dir", "r", "--set"])
+        .arg(format!("train.dist_timeout_s={timeout_s}"))
+        .envs([
+            ("RANK", rank),
+            ("LOCAL_RANK", rank),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", port),
+            ("OMP_NUM_THREADS", "1"),
+        ])
+        .current_dir(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    c
+}
+
 fn text(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
@@ -306,35 +326,8 @@ fn a_run_resumes_at_another_world_size() {
 fn a_signal_before_the_first_step_exits_at_once() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = tiny(dir.path(), "c.yaml", |t| t);
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
-    let mut c = Command::new(bin());
-    let child = isolated(dies_with_test(&mut c), dir.path())
-        .args([
-            "train",
-            cfg.to_str().unwrap(),
-            "--run-dir",
-            "r",
-            "--set",
-            "train.dist_timeout_s=20",
-        ])
-        .envs([
-            ("RANK", "0"),
-            ("LOCAL_RANK", "0"),
-            ("WORLD_SIZE", "2"),
-            ("MASTER_ADDR", "127.0.0.1"),
-            ("MASTER_PORT", &port),
-            ("OMP_NUM_THREADS", "1"),
-        ])
-        .current_dir(dir.path())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let port = loopback_port();
+    let child = by_hand(dir.path(), &cfg, &port, "0", 20).spawn().unwrap();
     // Rank 0 is waiting for rank 1 once its store listens.
     let t = Instant::now();
     while std::net::TcpStream::connect(("127.0.0.1", port.parse::<u16>().unwrap())).is_err() {
@@ -385,36 +378,10 @@ fn an_evaluation_batch_smaller_than_the_world_is_evaluated_by_the_ranks_that_hav
 fn a_rank_that_dies_inside_a_shared_memory_collective_fails_the_other_at_once() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = tiny(dir.path(), "c.yaml", |t| t.replace("max_steps: 6", "max_steps: 20"));
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
+    let port = loopback_port();
     let rank = |r: &str| {
-        let mut c = Command::new(bin());
-        isolated(dies_with_test(&mut c), dir.path())
-            .args([
-                "train",
-                cfg.to_str().unwrap(),
-                "--run-dir",
-                "r",
-                "--set",
-                "train.dist_timeout_s=600",
-            ])
-            .envs([
-                ("RANK", r),
-                ("LOCAL_RANK", r),
-                ("WORLD_SIZE", "2"),
-                ("LOCAL_WORLD_SIZE", "2"),
-                ("MASTER_ADDR", "127.0.0.1"),
-                ("MASTER_PORT", &port),
-                ("OMP_NUM_THREADS", "1"),
-                ("OOMGUARD_TEST_SHM_EXIT", "1:12"),
-            ])
-            .current_dir(dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
+        by_hand(dir.path(), &cfg, &port, r, 600)
+            .envs([("LOCAL_WORLD_SIZE", "2"), ("OOMGUARD_TEST_SHM_EXIT", "1:12")])
             .spawn()
             .unwrap()
     };

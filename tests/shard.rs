@@ -750,12 +750,7 @@ fn uneven_limits_decide_the_way_back_together(dir: &tempfile::TempDir, cfg: &Pat
     // They decide the way back on the smallest limit, together; deciding on their own, one
     // gathered the state while the other went on to the next step, and the group hung.
     let run = dir.path().join("uneven");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
+    let port = loopback_port();
     let workers: Vec<_> = [("0", "config"), ("1", "none")]
         .into_iter()
         .map(|(rank, budget)| {

@@ -389,6 +389,16 @@ pub fn wait_for_steps(run: &Path, n: usize) {
     }
 }
 
+/// A port nothing listens on now (a store's, which rank 0 binds).
+pub fn loopback_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string()
+}
+
 /// A free port on loopback whose next port is free too (node 0's launcher coordinates the
 /// nodes at --master-port + 1).
 pub fn port_pair() -> u16 {
