@@ -6,17 +6,19 @@
 // pass (`launch_rest` starts what backward did not, garbage included after a failure), so
 // the ranks issue the same collectives in the same order whatever failed.
 // Memory: a parameter larger than a bucket is reduced in its own gradient. The others'
-// bucket is made when its last gradient is in, and the gradients become views of it (as
-// DDP's gradient_as_bucket_view), so a bucket costs a bucket's bytes for a moment, not a
-// copy of the gradients. A rank must send every bucket whatever failed: a bucket left
+// bucket is made at its first gradient, and each gradient, as it comes, is copied in and
+// becomes a view of it (as DDP's gradient_as_bucket_view), so a bucket costs one gradient's
+// bytes beyond its own for a moment, not a copy of the gradients. A rank must send every bucket whatever failed: a bucket left
 // without a buffer (its making failed, or backward never made a large gradient) goes, on a
 // rank whose attempt failed, from a stand-in allocated then, once the attempt's memory is
 // freed (or, where even that fails, from a gradient the failure made garbage, and at last
 // from a parameter, which the ranks then restore: `trashed`); none is held through forward
 // and backward.
-// ZeRO-2: as each bucket's sum arrives, this rank's pieces of it go into its shard of the
-// summed gradients and the bucket's gradients are dropped, during backward: the whole
-// gradients are never all held at once on the last micro-batch.
+// ZeRO-2: as each bucket's sum arrives, this rank's pieces of it go into a segment made for
+// them then (the bucket's part of this rank's shard) and the bucket's gradients are
+// dropped, during backward: the whole gradients are never all held at once on the last
+// micro-batch, and the shard grows as the activations go instead of standing beside them
+// all from backward's start.
 #include "oomguard.h"
 
 #include <torch/csrc/autograd/function_hook.h>
@@ -51,6 +53,7 @@ struct Reducer {
   c10d::Backend* backend;
   std::vector<at::Tensor> params;
   std::vector<size_t> bucket_of;
+  std::vector<size_t> slot_of;  // each parameter's place among its bucket's members
   std::vector<Bucket> buckets;
   std::mutex mu;  // hooks run on autograd's threads (one per device on CUDA)
   bool armed = false;
@@ -67,13 +70,15 @@ struct Reducer {
   // Parameters a failed rank sent from, for want of memory, as (parameter, bucket, elements
   // from its start): garbage now, restored by the ranks together (src/dist/overlap.rs).
   std::vector<std::array<int64_t, 3>> trashed;
-  // ZeRO-2 (from `arm` to `wait`): this rank's shard of the summed gradients (its size; made
-  // at the first sum, so that it is not held through forward); each parameter's pieces of
-  // it (where in the flattened parameter, how long, where in the shard); the buckets whose
-  // sums are in it; whether this pass's sums are garbage.
-  int64_t shard_numel = -1;
-  at::Tensor shard;
+  // ZeRO-2 (from `arm` to `wait`): whether it shards; each parameter's pieces of this rank's
+  // shard (where in the flattened parameter, how long, the piece's index); each bucket's
+  // segment (its pieces, in its members' order, made as its sum arrives); where each piece
+  // lies (its bucket, where in the segment); the buckets whose sums are in their segments;
+  // whether this pass's sums are garbage.
+  bool sharding = false;
   std::vector<std::vector<std::array<int64_t, 3>>> pieces;
+  std::vector<at::Tensor> segs;
+  std::vector<std::array<int64_t, 2>> where;
   size_t scattered = 0;
   int64_t inflight = 0;  // bytes of the buckets started and not yet scattered
   int64_t largest = 0;   // bytes of the largest bucket (set with the layout)
@@ -90,6 +95,7 @@ struct Reducer {
         bucket.offsets.push_back(bucket.numel);
         bucket.numel += params[i].numel();
         bucket_of[i] = static_cast<size_t>(b);
+        slot_of[i] = bucket.members.size() - 1;
       }
       bucket.in_place = bucket.members.size() == 1 && params[bucket.members[0]].is_contiguous();
       buckets.push_back(std::move(bucket));
@@ -99,19 +105,24 @@ struct Reducer {
   }
 
   // What a failed rank sends for a bucket with no buffer: a new one (the failed attempt's
-  // memory is free by now), else any garbage of the pass large enough (a gradient, the shard).
+  // memory is free by now), else any garbage of the pass large enough (a gradient, a segment).
   at::Tensor stand_in(const at::Tensor& like, int64_t numel, size_t bucket) {
     for (auto& t : scratch) {
       if (t.scalar_type() == like.scalar_type() && t.device() == like.device() && t.numel() >= numel) {
         return t.narrow(0, 0, numel);
       }
     }
-    try {
-      scratch.push_back(at::empty({numel}, like.options().requires_grad(false)));
-      return scratch.back();
-    } catch (const std::exception&) {
+    for (int tries = 0; tries < 2; ++tries) {
+      try {
+        scratch.push_back(at::empty({numel}, like.options().requires_grad(false)));
+        return scratch.back();
+      } catch (const std::exception&) {
+      }
+      // This pass is garbage: what it made for the buckets not sent yet, and the segments,
+      // go first (the buckets sent keep theirs until their works are done).
+      drop_unsent(bucket);
     }
-    std::vector<at::Tensor> garbage_{shard};
+    std::vector<at::Tensor> garbage_;
     for (auto& p : params) garbage_.push_back(p.grad());
     for (auto& t : garbage_) {
       if (t.defined() && t.is_contiguous() && t.scalar_type() == like.scalar_type() && t.device() == like.device() &&
@@ -134,26 +145,36 @@ struct Reducer {
                              " elements) and nothing to send it from: the other ranks will time out");
   }
 
-  // A shared bucket's buffer: its members' gradients (zeros where one has none), which
-  // then become views of it.
-  void build(Bucket& b) {
+  // A failed pass: the buffers and gradients of buckets `from` on, and the segments, go.
+  void drop_unsent(size_t from) {
+    for (size_t i = from; i < buckets.size(); ++i) {
+      buckets[i].flat = at::Tensor();
+      for (auto m : buckets[i].members) params[m].mutable_grad() = at::Tensor();
+    }
+    segs.assign(segs.size(), at::Tensor());
+  }
+
+  // Member k of shared bucket b into the bucket's buffer (made at its first): its gradient
+  // (zeros where it has none) copied in, and the gradient a view of it from then on, so
+  // that a bucket costs its bytes and one gradient's while it fills, not twice its bytes.
+  void put(Bucket& b, size_t k) {
     torch::NoGradGuard no_grad;
-    const auto& first = params[b.members[0]];
-    auto flat = at::empty({b.numel}, first.options().requires_grad(false));
-    for (size_t k = 0; k < b.members.size(); ++k) {
-      auto& p = params[b.members[k]];
-      auto to = flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes());
-      if (p.grad().defined()) {
-        to.copy_(p.grad());
-      } else {
-        to.zero_();
-      }
+    auto& p = params[b.members[k]];
+    if (!b.flat.defined()) b.flat = at::empty({b.numel}, p.options().requires_grad(false));
+    auto to = b.flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes());
+    if (p.grad().defined()) {
+      to.copy_(p.grad());
+    } else {
+      to.zero_();
     }
+    p.mutable_grad() = to;
+  }
+
+  // After backward: the members of shared bucket b backward did not reach, into its buffer.
+  void complete(Bucket& b) {
     for (size_t k = 0; k < b.members.size(); ++k) {
-      auto& p = params[b.members[k]];
-      p.mutable_grad() = flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes());
+      if (!in[b.members[k]]) put(b, k);
     }
-    b.flat = flat;
   }
 
   void start(size_t i) {
@@ -187,30 +208,75 @@ struct Reducer {
     }
     in[i] = 1;
     auto& b = buckets[bucket_of[i]];
-    if (--b.pending == 0 && !b.in_place) build(b);
+    if (!b.in_place) put(b, slot_of[i]);
+    --b.pending;
     start_ready();
-    if (shard_numel >= 0 && !garbage) {
+    if (sharding && !garbage) {
       scatter_arrived(false);
       throttle();
     }
   }
 
-  // ZeRO-2's shard, zeros, once (an allocation before the ranks' agreement after backward:
+  // ZeRO-2: bucket i's segment (an allocation before the ranks' agreement after backward:
   // a failure here is this rank's backward's).
-  void make_shard() {
-    if (shard.defined() || shard_numel < 0) return;
-    shard = at::zeros({shard_numel}, params[0].options().requires_grad(false));
+  void make_segment(size_t i) {
+    if (segs[i].defined() || aliases(i)) return;
+    const auto& b = buckets[i];
+    int64_t n = 0;
+    for (auto m : b.members) {
+      for (const auto& pc : pieces[m]) n += pc[1];
+    }
+    if (n > 0) segs[i] = at::empty({n}, params[b.members[0]].options().requires_grad(false));
   }
 
-  // ZeRO-2: bucket i's sums (complete) into the shard, and its gradients dropped.
+  // Bucket i's buffer: the shared one, or its one gradient.
+  at::Tensor sums(size_t i) const {
+    const auto& b = buckets[i];
+    return b.in_place ? params[b.members[0]].grad() : b.flat;
+  }
+
+  // ZeRO-2: whether this rank's pieces of bucket i are most of it (7/8 or more), in one
+  // buffer: then its sums are its segment as they are, kept whole, with no copy (a copy of
+  // most of a bucket would stand beside it for a moment; the rest kept is less).
+  bool aliases(size_t i) const {
+    int64_t mine = 0;
+    for (auto m : buckets[i].members) {
+      for (const auto& pc : pieces[m]) mine += pc[1];
+    }
+    const auto t = sums(i);
+    return 8 * mine >= 7 * buckets[i].numel && t.defined() && t.is_contiguous();
+  }
+
+  // ZeRO-2: bucket i's sums (complete) into its segment, and its gradients dropped.
   void scatter(size_t i) {
     auto& b = buckets[i];
+    if (!segs[i].defined() && aliases(i)) {
+      segs[i] = sums(i).reshape({-1});
+      for (size_t k = 0; k < b.members.size(); ++k) {
+        for (const auto& pc : pieces[b.members[k]]) {
+          where[static_cast<size_t>(pc[2])] = {static_cast<int64_t>(i), b.offsets[k] + pc[0]};
+        }
+        params[b.members[k]].mutable_grad() = at::Tensor();
+      }
+      b.flat = at::Tensor();
+      return;
+    }
+    make_segment(i);
     torch::NoGradGuard no_grad;
+    int64_t off = 0;
     for (auto m : b.members) {
       auto& p = params[m];
-      if (!p.grad().defined()) continue;
-      auto g = p.grad().reshape({-1});
-      for (const auto& pc : pieces[m]) shard.narrow(0, pc[2], pc[1]).copy_(g.narrow(0, pc[0], pc[1]));
+      const auto g = p.grad().defined() ? p.grad().reshape({-1}) : at::Tensor();
+      for (const auto& pc : pieces[m]) {
+        auto to = segs[i].narrow(0, off, pc[1]);
+        if (g.defined()) {
+          to.copy_(g.narrow(0, pc[0], pc[1]));
+        } else {
+          to.zero_();
+        }
+        where[static_cast<size_t>(pc[2])] = {static_cast<int64_t>(i), off};
+        off += pc[1];
+      }
       p.mutable_grad() = at::Tensor();
     }
     b.flat = at::Tensor();
@@ -218,29 +284,16 @@ struct Reducer {
 
   // ZeRO-2: every bucket whose sum has arrived, in order (`all`: every one started, their
   // works waited for). Its work goes too: Gloo's holds the bucket's tensors until freed.
-  // Before the shard is made, only once the arrived buckets hold as many bytes as it: made
-  // sooner, it would hold more than it frees (a small model's shard, beside all but its
-  // first bucket's gradients, at the tied embedding's sum). The throttle still makes it.
   void scatter_arrived(bool all) {
-    if (!all && !shard.defined() && arrived_bytes() < shard_bytes()) return;
     while (scattered < works.size() && (all || works[scattered]->isCompleted())) scatter_next();
   }
 
-  // Bytes of the buckets, from the next to scatter, whose sums have arrived.
-  int64_t arrived_bytes() const {
-    int64_t n = 0;
-    for (size_t k = scattered; k < works.size() && works[k]->isCompleted(); ++k) n += bytes(buckets[k]);
-    return n;
-  }
-
-  // ZeRO-2: while the buckets sent but not yet in the shard hold more than two of the
+  // ZeRO-2: while the buckets sent but not yet in their segments hold more than two of the
   // largest, backward waits for the oldest: what the last micro-batch holds of the whole
   // gradients stays bounded however the network keeps up.
   void throttle() {
     while (scattered < works.size() && inflight > 2 * largest) scatter_next();
   }
-
-  int64_t shard_bytes() const { return shard_numel * static_cast<int64_t>(params[0].element_size()); }
 
   void scatter_next() {
     auto& w = works[scattered];
@@ -250,11 +303,8 @@ struct Reducer {
       if (error.empty()) error = e.what();
       garbage = true;
     }
-    // A failed allocation of the shard leaves this bucket's work for `wait`.
-    if (!garbage && shard_numel >= 0) {
-      make_shard();
-      scatter(scattered);
-    }
+    // A failed allocation of the segment leaves this bucket's work for `wait`.
+    if (!garbage && sharding) scatter(scattered);
     inflight -= bytes(buckets[scattered]);
     let_go_of(w);
     w.reset();
@@ -275,8 +325,8 @@ struct Reducer {
       b.flat = at::Tensor();
     }
     scratch.clear();
-    shard = at::Tensor();
-    shard_numel = -1;
+    segs.assign(buckets.size(), at::Tensor());
+    sharding = false;
   }
 
   void let_go_of(const c10::intrusive_ptr<c10d::Work>& w) { og_let_go_of(backend, w); }
@@ -309,6 +359,7 @@ char* og_reducer_new(void* group, void** params, int n, const int64_t* order, co
       }
     }
     r->bucket_of.assign(r->params.size(), 0);
+    r->slot_of.assign(r->params.size(), 0);
     r->in.assign(r->params.size(), 0);
     r->arrived.assign(r->params.size(), 0);
     r->lay_out(order, starts, nb);
@@ -347,19 +398,19 @@ char* og_reducer_relayout(void* p, const int64_t* order, const int64_t* starts, 
   });
 }
 
-// Before the last micro-batch (nothing is allocated here). ZeRO-2:
-// this rank's shard's elements (-1 otherwise) and its n pieces, 4 numbers each: the
-// parameter, where in it (flattened), how long, where in the shard.
-char* og_reducer_arm(void* p, int64_t shard_numel, const int64_t* pieces, int n) {
+// Before the last micro-batch (nothing is allocated here). ZeRO-2 (`shard`): this rank's n
+// pieces of its shard, 3 numbers each: the parameter, where in it (flattened), how long.
+char* og_reducer_arm(void* p, int shard, const int64_t* pieces, int n) {
   return oomguard::guarded([&] {
     auto* r = reducer(p);
     std::lock_guard<std::mutex> lock(r->mu);
     r->release(false);
     r->pieces.assign(r->params.size(), {});
     for (int k = 0; k < n; ++k) {
-      const int64_t* pc = pieces + 4 * k;
-      r->pieces.at(static_cast<size_t>(pc[0])).push_back({pc[1], pc[2], pc[3]});
+      const int64_t* pc = pieces + 3 * k;
+      r->pieces.at(static_cast<size_t>(pc[0])).push_back({pc[1], pc[2], k});
     }
+    r->where.assign(static_cast<size_t>(n), {-1, 0});
     for (auto& b : r->buckets) b.pending = b.members.size();
     std::fill(r->in.begin(), r->in.end(), 0);
     r->next = 0;
@@ -370,7 +421,7 @@ char* og_reducer_arm(void* p, int64_t shard_numel, const int64_t* pieces, int n)
     r->garbage = false;
     r->error.clear();
     r->trashed.clear();
-    r->shard_numel = shard_numel;
+    r->sharding = shard != 0;
     r->armed = true;
   });
 }
@@ -400,7 +451,7 @@ char* og_reducer_launch_rest(void* p, int failed, int* twice, char** oom) {
       auto& b = r->buckets[i];
       auto& first = r->params[b.members[0]];
       try {
-        if (!failed && !b.in_place && !b.flat.defined()) r->build(b);
+        if (!failed && !b.in_place) r->complete(b);
         if (!failed && b.in_place && !first.grad().defined()) first.mutable_grad() = at::zeros_like(first);
       } catch (const std::exception& e) {
         *oom = strdup(e.what());
@@ -408,9 +459,11 @@ char* og_reducer_launch_rest(void* p, int failed, int* twice, char** oom) {
       }
       r->start(i);
     }
-    if (!failed) {
+    // ZeRO-2: the segments of the buckets whose sums are still to come, now, so that what
+    // follows the ranks' agreement allocates nothing.
+    if (!failed && r->sharding) {
       try {
-        r->make_shard();
+        for (size_t i = r->scattered; i < r->buckets.size(); ++i) r->make_segment(i);
       } catch (const std::exception& e) {
         *oom = strdup(e.what());
         failed = 1;
@@ -424,13 +477,14 @@ char* og_reducer_launch_rest(void* p, int failed, int* twice, char** oom) {
 }
 
 // Waits for every bucket started; `keep`: the sums are the gradients (views of the
-// buckets; ZeRO-2: *shard_out, a new tensor the caller owns). Otherwise they go. The
-// stand-in goes either way.
-char* og_reducer_wait(void* p, int keep, void** shard_out) {
+// buckets; ZeRO-2: this rank's shard of them, *nsegs segments, new tensors the caller
+// owns, in segs_out (room for one a bucket), and where each piece lies, 2 numbers each in
+// where_out: its segment, where in it). Otherwise they go. The stand-in goes either way.
+char* og_reducer_wait(void* p, int keep, void** segs_out, int* nsegs, int64_t* where_out) {
   return oomguard::guarded([&] {
     auto* r = reducer(p);
     std::lock_guard<std::mutex> lock(r->mu);
-    *shard_out = nullptr;
+    *nsegs = -1;
     std::string first_error = r->error;
     for (auto& w : r->works) {
       try {
@@ -439,9 +493,23 @@ char* og_reducer_wait(void* p, int keep, void** shard_out) {
         if (first_error.empty()) first_error = e.what();
       }
     }
-    if (first_error.empty() && keep && r->shard.defined()) {
+    if (first_error.empty() && keep && r->sharding) {
       r->scatter_arrived(true);
-      *shard_out = new at::Tensor(r->shard);
+      std::vector<int64_t> out_of(r->segs.size(), -1);
+      int n = 0;
+      for (size_t i = 0; i < r->segs.size(); ++i) {
+        if (r->segs[i].defined()) out_of[i] = n++;
+      }
+      for (size_t k = 0; k < r->where.size(); ++k) {
+        const auto [b, off] = r->where[k];
+        if (b < 0) throw std::runtime_error("piece " + std::to_string(k) + " of the gradient shard was never filled");
+        where_out[2 * k] = out_of[static_cast<size_t>(b)];
+        where_out[2 * k + 1] = off;
+      }
+      for (size_t i = 0; i < r->segs.size(); ++i) {
+        if (r->segs[i].defined()) segs_out[out_of[i]] = new at::Tensor(r->segs[i]);
+      }
+      *nsegs = n;
     }
     for (auto& w : r->works) r->let_go_of(w);
     r->works.clear();

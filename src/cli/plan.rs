@@ -122,7 +122,9 @@ fn per_rank(args: &PlanArgs, estimate: &Estimate, memory: u64, global: usize, wh
     let stages: Vec<(Shard, Estimate, usize)> = [Shard::None, Shard::Optimizer, Shard::Gradients]
         .into_iter()
         .map(|s| {
-            let e = estimate.clone().with_shard(s, n);
+            // The ranks of `--nproc-per-node` share one host.
+            let shm = crate::dist::shared_memory_allowed();
+            let e = estimate.clone().through_shared_memory(shm).with_shard(s, n);
             let fit = e.largest_fitting(memory, samples);
             (s, e, fit)
         })
@@ -152,8 +154,9 @@ fn per_rank(args: &PlanArgs, estimate: &Estimate, memory: u64, global: usize, wh
                 s.name(), human_bytes(e.optimizer_bytes), human_bytes(e.peak(1))
             );
         }
-        println!("  (gradients: each bucket is summed into this rank's shard during backward and dropped, so the peak holds the shard, the largest \
-            gradient and two buckets; with activation checkpointing or train.overlap_grad_reduce: false every gradient is whole, as under optimizer)");
+        println!("  (gradients: each bucket's sums become this rank's part of the shard during backward, the rest dropped, so the shard grows as the \
+            activations go and beside it stand the largest gradient and the buckets being summed; with activation checkpointing or \
+            train.overlap_grad_reduce: false every gradient is whole, as under optimizer)");
         match best {
             Some((s, _, fit)) => println!(
                 "fits: train.shard: {} at micro-batch {fit}{}", s.name(),

@@ -17,7 +17,7 @@ pub mod overlap;
 
 pub use exchange::Topic;
 use exchange::{Channel, Exchange, Reduce, PAYLOAD};
-pub use overlap::{Reducer, DEFAULT_BUCKET_BYTES};
+pub use overlap::{Reducer, Segments, DEFAULT_BUCKET_BYTES};
 
 extern "C" {
     fn og_dist_init(
@@ -95,6 +95,11 @@ pub struct Rendezvous {
 /// `OOMGUARD_DIST_SHM=0`: ranks on one host talk over Gloo's loopback TCP, as across hosts.
 pub const SHM_VAR: &str = "OOMGUARD_DIST_SHM";
 
+/// Whether ranks on one CPU host may reduce through shared memory (`SHM_VAR` is not `0`).
+pub fn shared_memory_allowed() -> bool {
+    std::env::var(SHM_VAR).map_or(true, |v| v.trim() != "0")
+}
+
 /// Set by `oomguard launch`: one value per launch (per `--rdzv-id` across nodes).
 pub const TOKEN_VAR: &str = "OOMGUARD_RUN_TOKEN";
 
@@ -162,7 +167,7 @@ impl ProcessGroup {
             port: port as u16,
             token,
             timeout,
-            shared_memory: local_world == Some(world) && var(SHM_VAR).is_none_or(|v| v.trim() != "0"),
+            shared_memory: local_world == Some(world) && shared_memory_allowed(),
         };
         ProcessGroup::join(&at, device).map(Some)
     }

@@ -22,10 +22,11 @@ extern "C" {
     fn og_reducer_buckets(r: *mut c_void) -> i32;
     fn og_reducer_observed(r: *mut c_void, out: *mut i64, n: *mut i32);
     fn og_reducer_relayout(r: *mut c_void, order: *const i64, starts: *const i64, nb: i32) -> *mut c_char;
-    fn og_reducer_arm(r: *mut c_void, shard_numel: i64, pieces: *const i64, n: i32) -> *mut c_char;
+    fn og_reducer_arm(r: *mut c_void, shard: i32, pieces: *const i64, n: i32) -> *mut c_char;
     fn og_reducer_disarm(r: *mut c_void);
     fn og_reducer_launch_rest(r: *mut c_void, failed: i32, twice: *mut i32, oom: *mut *mut c_char) -> *mut c_char;
-    fn og_reducer_wait(r: *mut c_void, keep: i32, shard: *mut *mut c_void) -> *mut c_char;
+    fn og_reducer_wait(r: *mut c_void, keep: i32, segs: *mut *mut c_void, nsegs: *mut i32, at: *mut i64)
+        -> *mut c_char;
     fn og_reducer_trashed(r: *mut c_void, out: *mut i64, cap: i32) -> i32;
 }
 
@@ -52,6 +53,14 @@ pub struct Reducer {
     cap: usize,
     settled: std::cell::Cell<bool>,
     always: bool,
+}
+
+/// ZeRO-2's shard of the summed gradients as the overlapped reduction made it: a segment for
+/// each bucket it has pieces of, and where each piece lies (its segment, where in it), in
+/// the order the pieces were armed.
+pub struct Segments {
+    pub segments: Vec<Tensor>,
+    pub at: Vec<(usize, i64)>,
 }
 
 impl Drop for Reducer {
@@ -163,18 +172,17 @@ impl Reducer {
         unsafe { og_reducer_buckets(self.ptr) as usize }
     }
 
-    /// Before the last micro-batch: allocates the stand-in a failed rank sends from (an OOM
-    /// here is the backward's, and comes before the ranks agree); then the hooks start
-    /// buckets as gradients complete. ZeRO-2 (`scatter`): this rank's shard's elements and
-    /// its pieces, `[parameter, where in it, how long, where in the shard]`: each bucket's
-    /// sum goes into the shard (made at the first) as it arrives, and its gradients are
-    /// dropped.
+    /// Before the last micro-batch (nothing is allocated here); then the hooks start buckets
+    /// as gradients complete. ZeRO-2 (`scatter`): this rank's pieces of its shard,
+    /// `[parameter, where in it, how long]`: as each bucket's sum arrives, the pieces become
+    /// its segment (the bucket's own buffer where they are most of it, else a copy), and its
+    /// gradients are dropped.
     /// Whole (ZeRO-2 only where `scatters`): the sums stay the gradients, as data parallel's.
-    pub fn arm(&self, scatter: Option<(i64, &[[i64; 4]])>) -> Result<()> {
-        let scatter = scatter.filter(|_| self.scatters());
-        let (numel, pieces) = scatter.map_or((-1, vec![]), |(n, p)| (n, p.concat()));
-        let n = (pieces.len() / 4) as i32;
-        check(unsafe { og_reducer_arm(self.ptr, numel, pieces.as_ptr(), n) })
+    pub fn arm(&self, scatter: Option<&[[i64; 3]]>) -> Result<()> {
+        let pieces = scatter.filter(|_| self.scatters());
+        let flat = pieces.map_or(vec![], |p| p.concat());
+        let n = (flat.len() / 3) as i32;
+        check(unsafe { og_reducer_arm(self.ptr, pieces.is_some() as i32, flat.as_ptr(), n) })
             .map_err(|e| Error::from(e).in_phase(Phase::Backward))
     }
 
@@ -195,15 +203,24 @@ impl Reducer {
         Ok((twice != 0, oom))
     }
 
-    /// Waits for every bucket started; `keep`: the sums are the gradients (ZeRO-2: returned,
-    /// this rank's shard of them, the gradients dropped); otherwise the gradients that are
-    /// views of the buckets go.
-    pub fn wait(&self, keep: bool) -> Result<Option<Tensor>> {
-        let mut shard = std::ptr::null_mut();
-        check(unsafe { og_reducer_wait(self.ptr, keep as i32, &mut shard) })
+    /// Waits for every bucket started; `keep`: the sums are the gradients (ZeRO-2, armed with
+    /// `pieces` of them: returned, this rank's shard of them, the gradients dropped);
+    /// otherwise the gradients that are views of the buckets go.
+    pub fn wait(&self, keep: bool, pieces: usize) -> Result<Option<Segments>> {
+        let mut segs = vec![std::ptr::null_mut(); self.buckets()];
+        let (mut n, mut at) = (-1i32, vec![0i64; 2 * pieces]);
+        check(unsafe { og_reducer_wait(self.ptr, keep as i32, segs.as_mut_ptr(), &mut n, at.as_mut_ptr()) })
             .map_err(torch_error("gradient all-reduce"))?;
-        // SAFETY: a non-null `shard` is a new torch::Tensor* the C++ side handed over.
-        Ok((!shard.is_null()).then(|| unsafe { Tensor::from_ptr(shard as *mut torch_sys::C_tensor) }))
+        if n < 0 {
+            return Ok(None);
+        }
+        // SAFETY: the first n slots hold new torch::Tensor*s the C++ side handed over.
+        let segments = segs[..n as usize]
+            .iter()
+            .map(|&p| unsafe { Tensor::from_ptr(p as *mut torch_sys::C_tensor) })
+            .collect();
+        let at = at.chunks(2).map(|w| (w[0] as usize, w[1])).collect();
+        Ok(Some(Segments { segments, at }))
     }
 
     /// After an armed pass the ranks dropped, every rank: the parameters a failed rank sent a

@@ -27,9 +27,12 @@ impl AdamW {
             // Stage 2: the norm is the ranks' together. Only the allocations here (this
             // shard's sum of squares, the norm's and coefficient's scalars); the collective
             // and the clipping wait for the ranks' agreement (`shard_stats`).
-            let g = z.grad.as_ref().expect("stage 2 gradients");
-            // A dot product, not square-then-sum: no temporary the shard's size.
-            let sq = g.f_dot(g)?;
+            let parts = z.grad.as_ref().expect("stage 2 gradients").parts();
+            // Dot products, not square-then-sum: no temporary the shard's size.
+            let mut sq = Tensor::f_zeros([], (tch::Kind::Float, z.exp_avg.device()))?;
+            for g in &parts {
+                sq = sq.f_add(&g.f_dot(g)?)?;
+            }
             let clip = zero::Clip {
                 norm: sq.f_zeros_like()?,
                 coef: sq.f_zeros_like()?,
@@ -60,7 +63,7 @@ impl AdamW {
     pub fn shard_stats(&mut self, found_inf: Option<&Tensor>) -> OgResult<Option<Tensor>> {
         let Some(z) = self.zero.as_mut() else { return Ok(None) };
         let Some(clip) = z.clip.take() else { return Ok(None) };
-        let g = z.grad.as_ref().expect("stage 2 gradients");
+        let parts = z.grad.as_ref().expect("stage 2 gradients").parts();
         if let Some(f) = found_inf {
             z.comm.all_reduce_max(f)?;
         }
@@ -73,7 +76,9 @@ impl AdamW {
             let _ = coef.f_reciprocal_()?;
             let _ = coef.f_mul_scalar_(clip.max_norm)?;
             let _ = coef.f_clamp_max_(1.0)?;
-            let _ = g.shallow_clone().f_mul_(&coef)?;
+            for g in &parts {
+                let _ = g.shallow_clone().f_mul_(&coef)?;
+            }
         }
         Ok(Some(clip.norm))
     }

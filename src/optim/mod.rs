@@ -141,7 +141,7 @@ impl AdamW {
     /// of the summed gradients, once reduced.
     pub fn grads(&self) -> Vec<Tensor> {
         if let Some(g) = self.zero.as_ref().and_then(|z| z.grad.as_ref()) {
-            return vec![g.shallow_clone()];
+            return g.parts();
         }
         self.all_params().map(|p| p.grad()).filter(|g| g.defined()).collect()
     }

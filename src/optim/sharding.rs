@@ -3,7 +3,7 @@
 use std::rc::Rc;
 use tch::{Kind, TchError, Tensor};
 
-use super::zero::{Buffers, Layout, Zero};
+use super::zero::{Buffers, GradShard, Layout, Zero};
 use super::{groups, AdamW, Comm, Group, OptimConfig, Shard};
 use crate::error::{Error, Result as OgResult};
 use crate::memory::clear_grad;
@@ -76,26 +76,30 @@ impl AdamW {
         )))
     }
 
-    /// Stage 2, overlapped with backward (src/dist/overlap.rs): the size of this rank's
-    /// shard of the summed gradients and its pieces, as `[parameter, where in it, how long,
-    /// where in the shard]`.
-    pub fn scatter_target(&self) -> Option<(i64, Vec<[i64; 4]>)> {
+    /// Stage 2, overlapped with backward (src/dist/overlap.rs): this rank's pieces of its
+    /// shard of the summed gradients, as `[parameter, where in it, how long]`.
+    pub fn scatter_target(&self) -> Option<Vec<[i64; 3]>> {
         let z = self.zero.as_ref().filter(|z| z.stage == Shard::Gradients)?;
-        let pieces = z
-            .pieces
-            .iter()
-            .map(|p| [p.param as i64, p.at, p.len, p.in_shard])
-            .collect();
-        Some((z.layout.shard, pieces))
+        Some(z.pieces.iter().map(|p| [p.param as i64, p.at, p.len]).collect())
     }
 
-    /// Stage 2: the shard the overlapped reduction filled becomes the step's gradients; any
-    /// whole gradient left goes.
-    pub fn take_scattered(&mut self, shard: Tensor) {
+    /// Stage 2: the segments the overlapped reduction filled become the step's gradients
+    /// (each piece a view of its segment); any whole gradient left goes.
+    pub fn take_scattered(&mut self, s: crate::dist::Segments) -> Result<(), TchError> {
         if let Some(z) = self.zero.as_mut() {
-            z.grad = Some(shard);
+            let pieces = z
+                .pieces
+                .iter()
+                .zip(&s.at)
+                .map(|(p, &(seg, at))| s.segments[seg].f_narrow(0, at, p.len))
+                .collect::<Result<_, _>>()?;
+            z.grad = Some(GradShard::Segments {
+                segments: s.segments,
+                pieces,
+            });
         }
         self.all_params().for_each(clear_grad);
+        Ok(())
     }
 
     /// Stage 2: sums the ranks' gradients into this rank's shard, a chunk at a time, then
@@ -113,7 +117,7 @@ impl AdamW {
             z.comm.reduce_scatter(&all, &grad.f_narrow(0, c.0, c.1)?)?;
         }
         drop(flat);
-        z.grad = Some(grad);
+        z.grad = Some(GradShard::Flat(grad));
         self.all_params().for_each(clear_grad);
         Ok(())
     }

@@ -3,7 +3,7 @@
 use std::ffi::{c_char, c_void};
 use tch::{Kind, TchError, Tensor};
 
-use super::zero::{gathers_in_shard, Buffers, Layout, Shard, Zero};
+use super::zero::{gathers_in_shard, Buffers, GradShard, Layout, Shard, Zero};
 use super::{ptrs, AdamW};
 use crate::error::{Error, Result as OgResult};
 use crate::memory::check;
@@ -86,7 +86,7 @@ enum Gather {
     Buffers(Buffers),
     /// Stage 2: the gradient shard, whose values the update has used (`Zero::gather_in_grad`).
     Shard,
-    /// Stage 1: the storages only the spent gradients hold (the reduction's buckets, large
+    /// Stage 1 (and stage 2's segments): the storages only the spent gradients hold (the reduction's buckets, large
     /// gradients), largest first, by a layout of chunks that fill the largest: fewer
     /// collectives, no buffers, and as many at once as the storages hold.
     Grads(Vec<Tensor>, Layout),
@@ -205,11 +205,11 @@ impl AdamW {
         let index = self.index();
         for (gi, g) in self.groups.iter().enumerate() {
             let (mut p, mut gr, mut m, mut v, mut s) = (vec![], vec![], vec![], vec![], vec![]);
-            for piece in z.pieces.iter().filter(|pc| index[pc.param].0 == gi) {
+            for (k, piece) in z.pieces.iter().enumerate().filter(|(_, pc)| index[pc.param].0 == gi) {
                 let param = &g.params[index[piece.param].1];
                 p.push(param.f_view([-1])?.f_narrow(0, piece.at, piece.len)?);
                 gr.push(match &z.grad {
-                    Some(grad) => grad.f_narrow(0, piece.in_shard, piece.len)?,
+                    Some(grad) => grad.piece(k, piece)?,
                     None => param.grad().f_view([-1])?.f_narrow(0, piece.at, piece.len)?,
                 });
                 m.push(z.exp_avg.f_narrow(0, piece.in_shard, piece.len)?);
@@ -245,6 +245,16 @@ impl AdamW {
         if z.gathers_in_grad() {
             return Ok(Gather::Shard);
         }
+        if let Some(GradShard::Segments { segments, .. }) = &z.grad {
+            // Stage 2's segments, largest first, by chunks that fill the largest: no buffers
+            // beside them (the shard grew during backward, with none whole to go through).
+            let mut spaces: Vec<Tensor> = segments.iter().map(Tensor::shallow_clone).collect();
+            spaces.sort_by_key(|s| std::cmp::Reverse(s.numel()));
+            let w = z.layout.world as i64;
+            if let Some(numel) = spaces.first().map(|s| s.numel() as i64).filter(|&n| n >= w) {
+                return Ok(Gather::Grads(spaces, z.layout.rechunked(numel / w)));
+            }
+        }
         if z.stage == Shard::Optimizer || z.grad.is_none() {
             let spaces = crate::memory::grads_scratch(&self.params())?;
             if let Some(numel) = spaces.first().map(|s| s.numel() as i64) {
@@ -269,7 +279,7 @@ impl AdamW {
         let (l, spaces) = match (through, &z.grad) {
             (Gather::Buffers(b), _) => (&z.layout, vec![b.all.shallow_clone()]),
             (Gather::Grads(spaces, l), _) => (l, spaces.iter().map(Tensor::shallow_clone).collect()),
-            (Gather::Shard, Some(g)) => (&z.gather_in_grad, vec![g.shallow_clone()]),
+            (Gather::Shard, Some(g)) => (&z.gather_in_grad, g.parts()),
             (Gather::Shard, None) => return Err(Error::Dist("stage 2's all-gather found no gradient shard".into())),
         };
         let w = l.world as i64;

@@ -369,7 +369,7 @@ pub struct Zero {
     pub exp_avg_sq: Tensor,
     /// Stage 2: this rank's part of the summed gradients, from the reduce-scatter to the
     /// update.
-    pub grad: Option<Tensor>,
+    pub grad: Option<GradShard>,
     /// Stage 2's all-gather, through the gradient shard's memory once the update has used
     /// it: `world` chunks of shard / world (and the remainder), so `world x chunk` fits the
     /// shard. Few collectives, each their latency (about a millisecond on Gloo here), and
@@ -383,13 +383,38 @@ pub struct Zero {
 }
 
 impl Zero {
-    /// Whether the all-gather goes through the gradient shard: stage 2, where that takes no
-    /// more collectives than the buffers' chunks (up to 16 ranks) and the shard holds
+    /// Whether the all-gather goes through the gradient shard: stage 2's flat one, where that
+    /// takes no more collectives than the buffers' chunks (up to 16 ranks) and the shard holds
     /// `world` chunks (not for a model of fewer elements than ranks).
     pub fn gathers_in_grad(&self) -> bool {
-        self.grad
-            .as_ref()
-            .is_some_and(|g| gathers_in_shard(&self.layout, &self.gather_in_grad, g.numel() as i64))
+        matches!(&self.grad, Some(GradShard::Flat(g)) if gathers_in_shard(&self.layout, &self.gather_in_grad, g.numel() as i64))
+    }
+}
+
+/// Stage 2's shard of the summed gradients: one tensor (the reduce-scatter after backward),
+/// or the segments the overlapped reduction made bucket by bucket during backward (so that
+/// no whole shard stands beside backward's first activations; a segment may be a bucket
+/// kept whole, others' sums beside this rank's), with each piece's view of them.
+pub enum GradShard {
+    Flat(Tensor),
+    Segments { segments: Vec<Tensor>, pieces: Vec<Tensor> },
+}
+
+impl GradShard {
+    /// Piece `k` (`p`, the k-th of the layout's pieces) of the summed gradients.
+    pub fn piece(&self, k: usize, p: &Piece) -> std::result::Result<Tensor, TchError> {
+        match self {
+            GradShard::Flat(g) => g.f_narrow(0, p.in_shard, p.len),
+            GradShard::Segments { pieces, .. } => Ok(pieces[k].shallow_clone()),
+        }
+    }
+
+    /// Its elements, each once (a segment may hold more: a bucket kept whole).
+    pub fn parts(&self) -> Vec<Tensor> {
+        match self {
+            GradShard::Flat(g) => vec![g.shallow_clone()],
+            GradShard::Segments { pieces, .. } => pieces.iter().map(Tensor::shallow_clone).collect(),
+        }
     }
 }
 

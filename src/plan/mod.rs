@@ -67,6 +67,9 @@ pub struct Estimate {
     pub cuda: bool,
     /// Data parallel: one bucket of the reduction, made while the gradients are whole.
     pub bucket_bytes: u64,
+    /// The ranks' collectives complete as they start (one CPU host, through shared
+    /// memory): no bucket waits in flight.
+    pub shared_memory: bool,
     /// The fused loss's chunk: its rows at the floor size, the tokens of one sample (a
     /// chunk never exceeds the micro-batch's tokens), and bytes per row.
     pub chunk_rows: u64,
@@ -120,31 +123,56 @@ impl Estimate {
         }
     }
 
-    /// The gradients held: whole, unless ZeRO-2 reduces them overlapped with backward (not
-    /// with activation checkpointing, whose backward runs in passes): then, alongside the
-    /// activations from backward's start, this rank's shard, the largest gradient (a tied
-    /// embedding's is whole until the embedding's own backward), two of the largest buckets
-    /// in flight and one being made. The shard is made once the sums that arrived hold its
-    /// bytes (the gradients held stay within them whole), or when backward waits for the
-    /// buckets in flight beyond two of the largest: then, at the worst timing, beside all
-    /// but the first bucket's gradients.
+    /// The gradients held at backward's end: whole, unless ZeRO-2 reduces them overlapped
+    /// with backward (not with activation checkpointing, whose backward runs in passes; only
+    /// where backward can wait for its buckets, as `dist::overlap::shards_gradients`
+    /// decides): then this rank's shard, made bucket by bucket as the sums arrive, and the
+    /// whole gradients in flight (`grads_in_flight`).
     pub fn grads_held(&self) -> u64 {
-        if self.grads_shard_world <= 1 || self.activation_checkpointing {
+        if !self.grads_beside_activations() {
             return self.grads_bytes;
         }
-        let bucket = self.largest_grad_bytes.max(crate::dist::DEFAULT_BUCKET_BYTES);
-        let shard = self.grads_bytes.div_ceil(self.grads_shard_world);
-        let bounded = shard + self.largest_grad_bytes + 2 * bucket + crate::dist::DEFAULT_BUCKET_BYTES;
-        let first_sent = shard + self.grads_bytes.saturating_sub(self.bucket_bytes);
-        let waits = self.grads_bytes > 2 * bucket;
-        let whole = self.grads_bytes.max(if waits { first_sent } else { 0 });
-        bounded.min(whole)
+        self.grads_shard() + self.grads_in_flight()
     }
 
-    /// Whether backward drops the gradients as it goes (ZeRO-2 overlapped, where that holds
-    /// less than them all): they then stand beside the activations, not after them.
+    /// The gradients held at backward's end, at least: whole, or ZeRO-2's shard alone.
+    pub fn grads_at_least(&self) -> u64 {
+        if self.grads_beside_activations() {
+            self.grads_shard()
+        } else {
+            self.grads_bytes
+        }
+    }
+
+    /// ZeRO-2's shard of the gradients on this rank.
+    fn grads_shard(&self) -> u64 {
+        self.grads_bytes.div_ceil(self.grads_shard_world)
+    }
+
+    /// ZeRO-2 overlapped: the whole gradients held at once, at most: the largest (a tied
+    /// embedding's is whole until the embedding's own backward), one bucket being made and
+    /// (unless through shared memory) two of the largest in flight.
+    fn grads_in_flight(&self) -> u64 {
+        let bucket = self.largest_grad_bytes.max(crate::dist::DEFAULT_BUCKET_BYTES);
+        let waiting = if self.shared_memory { 0 } else { 2 * bucket };
+        let most = self.largest_grad_bytes + waiting + crate::dist::DEFAULT_BUCKET_BYTES;
+        most.min(self.grads_bytes)
+    }
+
+    /// With the ranks on one CPU host reducing through shared memory (`shared_memory`).
+    pub fn through_shared_memory(self, on: bool) -> Estimate {
+        Estimate {
+            shared_memory: on && !self.cuda,
+            ..self
+        }
+    }
+
+    /// Whether backward drops the gradients as it goes (ZeRO-2 overlapped, where its
+    /// gradients exceed two of the largest buckets): the shard then grows as the activations
+    /// go, beside them, and the whole gradients stay few.
     fn grads_beside_activations(&self) -> bool {
-        self.grads_held() < self.grads_bytes
+        let bucket = self.largest_grad_bytes.max(crate::dist::DEFAULT_BUCKET_BYTES);
+        self.grads_shard_world > 1 && !self.activation_checkpointing && self.grads_bytes > 2 * bucket
     }
 
     /// What backward holds beside the tied embedding's gradient while it forms it. The full
@@ -268,6 +296,7 @@ impl Estimate {
             tied_grad_bytes: 4 * (m.vocab_size * m.n_embd) as u64,
             cuda,
             bucket_bytes: 0,
+            shared_memory: false,
             chunk_rows: chunk_floor(cuda) as u64,
             tokens_per_sample: m.block_size as u64,
             chunk_row_bytes: chunk_row_bytes(m, m.loss, precision),
@@ -291,17 +320,18 @@ impl Estimate {
     }
 
     /// Peak bytes of one step at `micro` samples per micro-batch, over the fixed part: the
-    /// larger of the forward's saved activations (with the fused loss's fixed part; ZeRO-2
-    /// overlapped, with the gradients held beside them) and the gradients at their peak.
+    /// larger of the forward's saved activations (with the fused loss's fixed part) and the
+    /// gradients at their peak. ZeRO-2 overlapped: backward frees the activations as its
+    /// shard grows, so the larger of the two, with the whole gradients in flight beside.
     pub fn peak(&self, micro: usize) -> u64 {
-        let beside = if self.grads_beside_activations() {
-            self.grads_held()
-        } else {
-            0
-        };
         let forward =
             self.per_sample_bytes().saturating_mul(micro as u64) + self.logits_fixed(micro) + self.cast_weights_bytes;
-        let step = (forward + beside).max(self.grads_at_peak());
+        let forward = if self.grads_beside_activations() {
+            forward.max(self.grads_shard()) + self.grads_in_flight()
+        } else {
+            forward
+        };
+        let step = forward.max(self.grads_at_peak());
         ((self.fixed_bytes() + step) as f64 * (1.0 + self.allocator_overhead)) as u64
     }
 
@@ -593,8 +623,7 @@ mod tests {
         // holds no more than the whole gradients.
         let small = e.clone().with_shard(Shard::Gradients, 2);
         assert_eq!(small.grads_held(), small.grads_bytes);
-        // Deep but small: backward may wait for its first buckets, and the shard stands
-        // beside the rest of the gradients.
+        // Deep but small: its shard and the buckets in flight hold more than its gradients.
         let d24 = GptConfig {
             n_layer: 24,
             vocab_size: 256,
@@ -602,7 +631,8 @@ mod tests {
         };
         let d24 = Estimate::new(&d24, Precision::Fp32, false).with_shard(Shard::Gradients, 2);
         assert!(d24.grads_held() > d24.grads_bytes);
-        // Deep and narrow: ZeRO-2 holds its shard and buckets beside the activations.
+        // Deep and narrow: ZeRO-2's shard grows as the activations go, the buckets in flight
+        // beside both.
         let deep = Estimate::new(
             &GptConfig {
                 n_layer: 55,
@@ -614,9 +644,10 @@ mod tests {
         );
         let z2 = deep.clone().with_shard(Shard::Gradients, 2);
         assert!(z2.grads_held() < z2.grads_bytes);
+        let forward = z2.per_sample_bytes() + z2.logits_fixed(1);
         assert_eq!(
             z2.peak(1),
-            z2.fixed_bytes() + z2.per_sample_bytes() + z2.logits_fixed(1) + z2.grads_held()
+            z2.fixed_bytes() + forward.max(z2.grads_shard()) + z2.grads_in_flight()
         );
         let z1 = deep.with_shard(Shard::Optimizer, 2);
         assert_eq!(z1.grads_at_peak(), z1.grads_bytes + (1 << 20));

@@ -498,7 +498,7 @@ fn overlapped(pg: &ProcessGroup, r: &Reducer, opt: &mut AdamW, w: Work, t: &mut 
     // ZeRO-2: where each bucket's sum goes.
     let target = opt.scatter_target();
     let arm = |agree_s: &mut f64, local: Result<()>| {
-        let armed = local.and_then(|()| r.arm(target.as_ref().map(|(n, p)| (*n, p.as_slice()))));
+        let armed = local.and_then(|()| r.arm(target.as_deref()));
         let armed = timed(agree_s, || pg.agree(Topic::Armed, armed));
         if armed.is_err() {
             r.disarm();
@@ -534,8 +534,9 @@ fn overlapped(pg: &ProcessGroup, r: &Reducer, opt: &mut AdamW, w: Work, t: &mut 
         _ => local,
     };
     let agreed = timed(&mut t.agree, || pg.agree(Topic::Agreement, local));
-    if let Some(shard) = timed(&mut t.reduce, || r.wait(agreed.is_ok()))? {
-        opt.take_scattered(shard);
+    let pieces = target.as_ref().map_or(0, Vec::len);
+    if let Some(shard) = timed(&mut t.reduce, || r.wait(agreed.is_ok(), pieces))? {
+        opt.take_scattered(shard)?;
     }
     if agreed.is_err() {
         timed(&mut t.reduce, || r.restore_trashed(pg, &opt.params()))?;

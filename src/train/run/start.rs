@@ -539,7 +539,7 @@ fn refuse_what_cannot_fit(cfg: &Config, device: Device, world: usize) -> Result<
     };
     let est =
         plan::Estimate::new(&c.model.gpt(), plan::Precision::Fp32, device.is_cuda()).with_shard(shard, world as u64);
-    let state = est.params_bytes + est.grads_held() + est.optimizer_bytes;
+    let state = est.params_bytes + est.grads_at_least() + est.optimizer_bytes;
     if stats.live_bytes + state <= limit {
         return Ok(());
     }
