@@ -839,3 +839,49 @@ fn fp16_skipped_steps_count_alike_on_every_rank_under_zero_2() {
         );
     }
 }
+
+/// A deep, narrow GPT (many matrices, little activation) under a fixed per-rank budget, one
+/// sample per rank, no rung to climb.
+fn deep(dir: &Path, layers: usize) -> PathBuf {
+    let yaml = format!(
+        "
+model: {{n_layer: {layers}, n_head: 2, n_embd: 64, block_size: 8, vocab_size: 256}}
+data: {{source: embedded}}
+train: {{micro_batch_size: 1, global_batch_size: 2, max_steps: 2, eval_every: 0, eval_batch_size: 1, eval_batches: 1, device: cpu, num_threads: 1}}
+memory: {{budget: 32MiB, allow_sharding: false, allow_activation_checkpointing: false, allow_precision_fallback: false}}
+"
+    );
+    write_config(dir, &format!("deep-{layers}.yaml"), &yaml)
+}
+
+#[test]
+fn zero_2_trains_near_its_ideal_share_of_a_fixed_budget() {
+    // At 32 MiB a rank trains 40 such layers unsharded; ZeRO-2's ideal at 2 ranks is 1.6x
+    // the parameters (64 layers). Until its shard grew bucket by bucket, 57 was its most.
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = deep(dir.path(), 62);
+    let zero2 = ["--set", "train.shard=gradients"];
+    let run = dir.path().join("zero2");
+    ok(train_n(dir.path(), &cfg, &run, 2, &zero2));
+    assert_eq!(records(&run, "step").len(), 2);
+    assert!(records(&run, "oom").is_empty(), "{:?}", records(&run, "oom"));
+    let free = dir.path().join("free");
+    let unbound = ["--set", "train.shard=gradients", "--memory-budget", "none"];
+    ok(train_n(dir.path(), &cfg, &free, 2, &unbound));
+    let d = max_abs_diff(&weights(&free), &weights(&run));
+    assert!(d < 1e-5, "the budgeted run differs from the free one by {d}");
+    // The budget binds: unsharded it does not fit (exit 3); the plan says ZeRO-2 fits.
+    let plain = train_n(dir.path(), &cfg, &dir.path().join("plain"), 2, &[]);
+    assert_eq!(plain.status.code(), Some(3), "{}", stderr(&plain));
+    let plan = oomguard(
+        &["plan", cfg.to_str().unwrap(), "--nproc-per-node", "2", "--json"],
+        dir.path(),
+    );
+    let v: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();
+    let row = v["shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["shard"] == "gradients");
+    assert_eq!(row.unwrap()["largest_micro_batch_size"], 1, "{v}");
+}
