@@ -105,7 +105,7 @@ struct Reducer {
   }
 
   // What a failed rank sends for a bucket with no buffer: a new one (the failed attempt's
-  // memory is free by now), else any garbage of the pass large enough (a gradient, a segment).
+  // memory is free by now), else a gradient of the pass, garbage now, large enough.
   at::Tensor stand_in(const at::Tensor& like, int64_t numel, size_t bucket) {
     for (auto& t : scratch) {
       if (t.scalar_type() == like.scalar_type() && t.device() == like.device() && t.numel() >= numel) {
@@ -122,9 +122,8 @@ struct Reducer {
       // go first (the buckets sent keep theirs until their works are done).
       drop_unsent(bucket);
     }
-    std::vector<at::Tensor> garbage_;
-    for (auto& p : params) garbage_.push_back(p.grad());
-    for (auto& t : garbage_) {
+    for (auto& p : params) {
+      const auto t = p.grad();
       if (t.defined() && t.is_contiguous() && t.scalar_type() == like.scalar_type() && t.device() == like.device() &&
           t.numel() >= numel) {
         return t.reshape({-1}).narrow(0, 0, numel);
@@ -221,12 +220,18 @@ struct Reducer {
   // a failure here is this rank's backward's).
   void make_segment(size_t i) {
     if (segs[i].defined() || aliases(i)) return;
-    const auto& b = buckets[i];
+    if (const auto n = mine(i); n > 0) {
+      segs[i] = at::empty({n}, params[buckets[i].members[0]].options().requires_grad(false));
+    }
+  }
+
+  // ZeRO-2: the elements of this rank's pieces of bucket i.
+  int64_t mine(size_t i) const {
     int64_t n = 0;
-    for (auto m : b.members) {
+    for (auto m : buckets[i].members) {
       for (const auto& pc : pieces[m]) n += pc[1];
     }
-    if (n > 0) segs[i] = at::empty({n}, params[b.members[0]].options().requires_grad(false));
+    return n;
   }
 
   // Bucket i's buffer: the shared one, or its one gradient.
@@ -239,12 +244,8 @@ struct Reducer {
   // buffer: then its sums are its segment as they are, kept whole, with no copy (a copy of
   // most of a bucket would stand beside it for a moment; the rest kept is less).
   bool aliases(size_t i) const {
-    int64_t mine = 0;
-    for (auto m : buckets[i].members) {
-      for (const auto& pc : pieces[m]) mine += pc[1];
-    }
     const auto t = sums(i);
-    return 8 * mine >= 7 * buckets[i].numel && t.defined() && t.is_contiguous();
+    return 8 * mine(i) >= 7 * buckets[i].numel && t.defined() && t.is_contiguous();
   }
 
   // ZeRO-2: bucket i's sums (complete) into its segment, and its gradients dropped.

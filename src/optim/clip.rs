@@ -27,11 +27,10 @@ impl AdamW {
             // Stage 2: the norm is the ranks' together. Only the allocations here (this
             // shard's sum of squares, the norm's and coefficient's scalars); the collective
             // and the clipping wait for the ranks' agreement (`shard_stats`).
-            let parts = z.grad.as_ref().expect("stage 2 gradients").parts();
             // Dot products, not square-then-sum: no temporary the shard's size.
             let mut sq = Tensor::f_zeros([], (tch::Kind::Float, z.exp_avg.device()))?;
-            for g in &parts {
-                sq = sq.f_add(&g.f_dot(g)?)?;
+            for g in z.grad.as_ref().expect("stage 2 gradients").parts() {
+                let _ = sq.f_add_(&g.f_dot(&g)?)?;
             }
             let clip = zero::Clip {
                 norm: sq.f_zeros_like()?,

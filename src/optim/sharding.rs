@@ -87,15 +87,18 @@ impl AdamW {
     /// (each piece a view of its segment); any whole gradient left goes.
     pub fn take_scattered(&mut self, s: crate::dist::Segments) -> Result<(), TchError> {
         if let Some(z) = self.zero.as_mut() {
-            let pieces = z
-                .pieces
-                .iter()
-                .zip(&s.at)
-                .map(|(p, &(seg, at))| s.segments[seg].f_narrow(0, at, p.len))
-                .collect::<Result<_, _>>()?;
+            let lens: Vec<i64> = z.pieces.iter().map(|p| p.len).collect();
+            let view = |(seg, at, len): (usize, i64, i64)| match s.segments.get(seg) {
+                Some(t) => t.f_narrow(0, at, len),
+                None => Err(TchError::Kind(format!("stage 2's gradient shard has no segment {seg}"))),
+            };
+            let pieces = s.at.iter().zip(&lens).map(|(&(seg, at), &len)| view((seg, at, len)));
+            let pieces = pieces.collect::<Result<_, _>>()?;
+            let parts = runs(&s.at, &lens).into_iter().map(view).collect::<Result<_, _>>()?;
             z.grad = Some(GradShard::Segments {
                 segments: s.segments,
                 pieces,
+                parts,
             });
         }
         self.all_params().for_each(clear_grad);
@@ -258,4 +261,33 @@ pub(super) fn gather_into(z: &Zero, b: &Buffers, shard: &Tensor, flat: &[Tensor]
         z.layout.unpack_all(&all, c, flat)?;
     }
     Ok(())
+}
+
+/// Pieces `(segment, where in it)` of `lens` elements, as runs `(segment, where, length)`:
+/// those that follow each other in a segment merged, each element once.
+fn runs(at: &[(usize, i64)], lens: &[i64]) -> Vec<(usize, i64, i64)> {
+    let mut pieces: Vec<(usize, i64, i64)> = at.iter().zip(lens).map(|(&(s, a), &n)| (s, a, n)).collect();
+    pieces.sort_unstable();
+    let mut out: Vec<(usize, i64, i64)> = Vec::with_capacity(pieces.len());
+    for (s, a, n) in pieces {
+        match out.last_mut() {
+            Some(last) if last.0 == s && last.1 + last.2 == a => last.2 += n,
+            _ => out.push((s, a, n)),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::runs;
+
+    #[test]
+    fn pieces_that_follow_each_other_in_a_segment_merge() {
+        // Segment 0: [0, 4) and [4, 6) follow each other, [8, 9) does not; segment 1 alone.
+        let at = [(0, 4), (1, 0), (0, 0), (0, 8)];
+        let lens = [2, 5, 4, 1];
+        assert_eq!(runs(&at, &lens), vec![(0, 0, 6), (0, 8, 1), (1, 0, 5)]);
+        assert_eq!(runs(&[], &[]), vec![]);
+    }
 }

@@ -86,9 +86,9 @@ enum Gather {
     Buffers(Buffers),
     /// Stage 2: the gradient shard, whose values the update has used (`Zero::gather_in_grad`).
     Shard,
-    /// Stage 1 (and stage 2's segments): the storages only the spent gradients hold (the reduction's buckets, large
-    /// gradients), largest first, by a layout of chunks that fill the largest: fewer
-    /// collectives, no buffers, and as many at once as the storages hold.
+    /// Stage 1 (and stage 2's segments): the storages only the spent gradients hold (the
+    /// reduction's buckets, large gradients), largest first, by a layout of chunks that fill
+    /// the largest: fewer collectives, no buffers, and as many at once as the storages hold.
     Grads(Vec<Tensor>, Layout),
 }
 

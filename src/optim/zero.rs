@@ -397,7 +397,12 @@ impl Zero {
 /// kept whole, others' sums beside this rank's), with each piece's view of them.
 pub enum GradShard {
     Flat(Tensor),
-    Segments { segments: Vec<Tensor>, pieces: Vec<Tensor> },
+    /// `parts`: the pieces' views with those that follow each other in a segment merged.
+    Segments {
+        segments: Vec<Tensor>,
+        pieces: Vec<Tensor>,
+        parts: Vec<Tensor>,
+    },
 }
 
 impl GradShard {
@@ -405,15 +410,19 @@ impl GradShard {
     pub fn piece(&self, k: usize, p: &Piece) -> std::result::Result<Tensor, TchError> {
         match self {
             GradShard::Flat(g) => g.f_narrow(0, p.in_shard, p.len),
-            GradShard::Segments { pieces, .. } => Ok(pieces[k].shallow_clone()),
+            GradShard::Segments { pieces, .. } => pieces
+                .get(k)
+                .map(Tensor::shallow_clone)
+                .ok_or_else(|| TchError::Kind(format!("stage 2's gradient shard has no piece {k}"))),
         }
     }
 
-    /// Its elements, each once (a segment may hold more: a bucket kept whole).
+    /// Its elements, each once, in as few views as they lie in (a segment may hold more: a
+    /// bucket kept whole).
     pub fn parts(&self) -> Vec<Tensor> {
         match self {
             GradShard::Flat(g) => vec![g.shallow_clone()],
-            GradShard::Segments { pieces, .. } => pieces.iter().map(Tensor::shallow_clone).collect(),
+            GradShard::Segments { parts, .. } => parts.iter().map(Tensor::shallow_clone).collect(),
         }
     }
 }

@@ -153,8 +153,11 @@ impl Estimate {
     /// embedding's is whole until the embedding's own backward), one bucket being made and
     /// (unless through shared memory) two of the largest in flight.
     fn grads_in_flight(&self) -> u64 {
-        let bucket = self.largest_grad_bytes.max(crate::dist::DEFAULT_BUCKET_BYTES);
-        let waiting = if self.shared_memory { 0 } else { 2 * bucket };
+        let waiting = if self.shared_memory {
+            0
+        } else {
+            2 * self.largest_bucket()
+        };
         let most = self.largest_grad_bytes + waiting + crate::dist::DEFAULT_BUCKET_BYTES;
         most.min(self.grads_bytes)
     }
@@ -171,8 +174,12 @@ impl Estimate {
     /// gradients exceed two of the largest buckets): the shard then grows as the activations
     /// go, beside them, and the whole gradients stay few.
     fn grads_beside_activations(&self) -> bool {
-        let bucket = self.largest_grad_bytes.max(crate::dist::DEFAULT_BUCKET_BYTES);
-        self.grads_shard_world > 1 && !self.activation_checkpointing && self.grads_bytes > 2 * bucket
+        self.grads_shard_world > 1 && !self.activation_checkpointing && self.grads_bytes > 2 * self.largest_bucket()
+    }
+
+    /// The largest bucket of the reduction: a bucket's cap, or a larger gradient alone.
+    fn largest_bucket(&self) -> u64 {
+        self.largest_grad_bytes.max(crate::dist::DEFAULT_BUCKET_BYTES)
     }
 
     /// What backward holds beside the tied embedding's gradient while it forms it. The full
