@@ -856,10 +856,11 @@ memory: {{budget: 32MiB, allow_sharding: false, allow_activation_checkpointing: 
 
 #[test]
 fn zero_2_trains_near_its_ideal_share_of_a_fixed_budget() {
-    // At 32 MiB a rank trains 40 such layers unsharded; ZeRO-2's ideal at 2 ranks is 1.6x
-    // the parameters (64 layers). Until its shard grew bucket by bucket, 57 was its most.
+    // At 32 MiB a rank trains 41 such layers unsharded; ZeRO-2's ideal at 2 ranks is 1.6x
+    // the parameters. Until its shard grew bucket by bucket, 57 was its most; with 1 MiB
+    // buckets under this budget, 64. The free run's buckets are 1 MiB: the sums are the same.
     let dir = tempfile::tempdir().unwrap();
-    let cfg = deep(dir.path(), 62);
+    let cfg = deep(dir.path(), 65);
     let zero2 = ["--set", "train.shard=gradients"];
     let run = dir.path().join("zero2");
     ok(train_n(dir.path(), &cfg, &run, 2, &zero2));
@@ -884,4 +885,24 @@ fn zero_2_trains_near_its_ideal_share_of_a_fixed_budget() {
         .iter()
         .find(|r| r["shard"] == "gradients");
     assert_eq!(row.unwrap()["largest_micro_batch_size"], 1, "{v}");
+    // The user's 1 MiB buckets: the plan and the run agree that it no longer fits.
+    let cap = ["--set", "train.bucket_cap_mb=1"];
+    let plan = oomguard(
+        &[
+            &["plan", cfg.to_str().unwrap(), "--nproc-per-node", "2", "--json"],
+            &cap[..],
+        ]
+        .concat(),
+        dir.path(),
+    );
+    let v: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();
+    assert_eq!(v["shards"][2]["largest_micro_batch_size"], 0, "{v}");
+    let big = train_n(
+        dir.path(),
+        &cfg,
+        &dir.path().join("big"),
+        2,
+        &[&zero2[..], &cap[..]].concat(),
+    );
+    assert_eq!(big.status.code(), Some(3), "{}", stderr(&big));
 }

@@ -62,7 +62,8 @@ pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
         return measured(&cfg, &args, memory, cuda, &what);
     }
     let model = c.model.gpt();
-    let estimate = Estimate::new(&model, precision, cuda);
+    // The buckets a run of this config would make (data parallel).
+    let estimate = Estimate::new(&model, precision, cuda).with_bucket_cap(c.train.bucket_bytes(&c.memory) as u64);
     let global = c.train.global_batch_size();
     if args.nproc_per_node > 1 {
         return per_rank(&args, &estimate, memory, global, &what);

@@ -39,6 +39,27 @@ pub const DEFAULT_BUCKET_MB: f64 = 1.0;
 /// The same, in bytes.
 pub const DEFAULT_BUCKET_BYTES: u64 = 1 << 20;
 
+/// Under a fixed `memory.budget`, a default bucket is at most this share of it: the buckets
+/// held at once (one being filled, two in flight) then stay a few percent of the memory,
+/// where a model sized to a small budget would otherwise spend its last megabytes on them
+/// (ZeRO-2's largest model, bench-shard-2026-11-29c.txt).
+pub const BUDGET_PER_BUCKET: u64 = 128;
+
+/// The smallest default bucket (a budget this small trains only toy models).
+const MIN_DEFAULT_BUCKET: u64 = 4 << 10;
+
+/// A bucket's most bytes: `cap_mb` where the user set it; else 1 MiB, or 1/128 of a fixed
+/// budget where that is less. Pure, and the same on every rank for the same config.
+pub fn bucket_bytes(cap_mb: Option<f64>, fixed_budget: Option<u64>) -> usize {
+    match cap_mb {
+        Some(mb) => ((mb * (1u64 << 20) as f64) as usize).max(1),
+        None => {
+            let share = fixed_budget.map_or(u64::MAX, |b| b / BUDGET_PER_BUCKET);
+            DEFAULT_BUCKET_BYTES.min(share.max(MIN_DEFAULT_BUCKET)) as usize
+        }
+    }
+}
+
 /// The reducer of one process group's parameters; its hooks stay on the parameters until
 /// it is dropped (inert unless armed). Its first buckets follow the parameters' reverse
 /// order; after its first step (overlapped or not) they follow the order backward produced the
@@ -371,7 +392,20 @@ pub fn buffer_bytes<K: PartialEq>(sizes: &[(usize, K)], cap: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::{complete, flat, layout, reversed};
+    use super::{bucket_bytes, complete, flat, layout, reversed};
+
+    #[test]
+    fn a_bucket_is_the_users_cap_or_a_small_share_of_a_fixed_budget() {
+        let mib = 1usize << 20;
+        assert_eq!(bucket_bytes(None, None), mib);
+        assert_eq!(bucket_bytes(None, Some(80 << 30)), mib);
+        assert_eq!(bucket_bytes(None, Some(128 << 20)), mib);
+        assert_eq!(bucket_bytes(None, Some(32 << 20)), mib / 4);
+        assert_eq!(bucket_bytes(None, Some(1 << 10)), 4 << 10);
+        // The user's cap is kept, whatever the budget.
+        assert_eq!(bucket_bytes(Some(4.0), Some(32 << 20)), 4 * mib);
+        assert_eq!(bucket_bytes(Some(1e-9), None), 1);
+    }
 
     #[test]
     fn the_first_order_names_each_parameter_once() {

@@ -67,6 +67,9 @@ pub struct Estimate {
     pub cuda: bool,
     /// Data parallel: one bucket of the reduction, made while the gradients are whole.
     pub bucket_bytes: u64,
+    /// Data parallel: a bucket's most bytes (`train.bucket_cap_mb`, or its default for the
+    /// budget: `TrainConfig::bucket_bytes`).
+    pub bucket_cap: u64,
     /// The ranks' collectives complete as they start (one CPU host, through shared
     /// memory): no bucket waits in flight.
     pub shared_memory: bool,
@@ -95,19 +98,27 @@ impl Estimate {
         }
     }
 
+    /// With buckets of at most `bytes` (before `with_shard`, which sizes the bucket by it).
+    pub fn with_bucket_cap(self, bytes: u64) -> Estimate {
+        Estimate {
+            bucket_cap: bytes.max(1),
+            ..self
+        }
+    }
+
     /// Per rank, with `shard` across `world` data-parallel ranks: AdamW's moments split
     /// (ZeRO-1 and 2), and stage 2's gradients (`grads_at_peak`).
     pub fn with_shard(self, shard: crate::optim::Shard, world: u64) -> Estimate {
         if world <= 1 {
             return self;
         }
-        // The small gradients' bucket: a gradient of 1 MiB or more is reduced in place.
-        let large = if self.tied_grad_bytes >= 1 << 20 {
+        // The small gradients' bucket: a gradient of a bucket's size or more is reduced in place.
+        let large = if self.tied_grad_bytes >= self.bucket_cap {
             self.tied_grad_bytes
         } else {
             0
         };
-        let bucket_bytes = crate::dist::DEFAULT_BUCKET_BYTES.min(self.grads_bytes - large);
+        let bucket_bytes = self.bucket_cap.min(self.grads_bytes - large);
         if shard == crate::optim::Shard::None {
             return Estimate { bucket_bytes, ..self };
         }
@@ -158,7 +169,7 @@ impl Estimate {
         } else {
             2 * self.largest_bucket()
         };
-        let most = self.largest_grad_bytes + waiting + crate::dist::DEFAULT_BUCKET_BYTES;
+        let most = self.largest_grad_bytes + waiting + self.bucket_cap;
         most.min(self.grads_bytes)
     }
 
@@ -179,7 +190,7 @@ impl Estimate {
 
     /// The largest bucket of the reduction: a bucket's cap, or a larger gradient alone.
     fn largest_bucket(&self) -> u64 {
-        self.largest_grad_bytes.max(crate::dist::DEFAULT_BUCKET_BYTES)
+        self.largest_grad_bytes.max(self.bucket_cap)
     }
 
     /// What backward holds beside the tied embedding's gradient while it forms it. The full
@@ -303,6 +314,7 @@ impl Estimate {
             tied_grad_bytes: 4 * (m.vocab_size * m.n_embd) as u64,
             cuda,
             bucket_bytes: 0,
+            bucket_cap: crate::dist::DEFAULT_BUCKET_BYTES,
             shared_memory: false,
             chunk_rows: chunk_floor(cuda) as u64,
             tokens_per_sample: m.block_size as u64,

@@ -90,8 +90,9 @@ pub struct TrainConfig {
     /// share one machine, where the transfer is CPU work that would compete with their own.
     pub overlap_grad_reduce: Option<bool>,
     /// Data parallel: the most MiB of gradients a bucket holds, overlapped or after backward
-    /// (a parameter larger than that is a bucket alone, reduced in place).
-    pub bucket_cap_mb: f64,
+    /// (a parameter larger than that is a bucket alone, reduced in place). Unset: 1 MiB, or
+    /// less under a small fixed `memory.budget` (`dist::overlap::bucket_bytes`).
+    pub bucket_cap_mb: Option<f64>,
 }
 
 impl Default for TrainConfig {
@@ -112,7 +113,7 @@ impl Default for TrainConfig {
             dist_timeout_s: 1800,
             shard: Default::default(),
             overlap_grad_reduce: None,
-            bucket_cap_mb: crate::dist::overlap::DEFAULT_BUCKET_MB,
+            bucket_cap_mb: None,
         }
     }
 }
@@ -164,12 +165,11 @@ impl TrainConfig {
                 "is 0; leave it unset for this process's CPU share (affinity, cgroup quota, Slurm)",
             ));
         }
-        if !(self.bucket_cap_mb > 0.0 && self.bucket_cap_mb.is_finite()) {
+        if let Some(mb) = self.bucket_cap_mb.filter(|mb| !(*mb > 0.0 && mb.is_finite())) {
             return Err(ConfigError::invalid(
                 "train.bucket_cap_mb",
                 format!(
-                    "is {}; it must be a positive number of MiB (default {})",
-                    self.bucket_cap_mb,
+                    "is {mb}; it must be a positive number of MiB, or left out (default {} MiB, less under a small memory.budget)",
                     crate::dist::overlap::DEFAULT_BUCKET_MB
                 ),
             ));
@@ -178,9 +178,14 @@ impl TrainConfig {
         self.grad_scaler.validate()
     }
 
-    /// `bucket_cap_mb` in bytes (at least one).
-    pub fn bucket_bytes(&self) -> usize {
-        ((self.bucket_cap_mb * (1u64 << 20) as f64) as usize).max(1)
+    /// A bucket's most bytes: `bucket_cap_mb` where set, else the default for `memory`'s
+    /// budget (the same on every rank: a fixed budget is the config's, never measured).
+    pub fn bucket_bytes(&self, memory: &crate::memory::MemoryConfig) -> usize {
+        let fixed = match memory.budget() {
+            Ok(crate::memory::Budget::Bytes(b)) => Some(b),
+            _ => None,
+        };
+        crate::dist::overlap::bucket_bytes(self.bucket_cap_mb, fixed)
     }
 
     /// The global batch: samples per optimizer step, whatever the micro-batch.

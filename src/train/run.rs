@@ -175,7 +175,7 @@ impl<'a> Run<'a> {
                         Some(pg) => dist_step(
                             pg,
                             reducer,
-                            c.train.bucket_bytes(),
+                            c.train.bucket_bytes(&c.memory),
                             task,
                             ctx.opt,
                             &batches,

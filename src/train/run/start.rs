@@ -412,18 +412,20 @@ fn reducer(
         Some(true) => true,
         None => device.is_cuda() || several_machines(),
     };
-    Reducer::new(
-        pg,
-        &opt.params(),
-        &backward_order(task, opt),
-        c.train.bucket_bytes(),
-        always,
-    )
-    .inspect_err(|e| match always {
-        true => tracing::warn!("gradients are reduced after backward: {e}"),
-        false => tracing::info!("ZeRO-2 reduces after backward: {e}"),
-    })
-    .ok()
+    let cap = c.train.bucket_bytes(&c.memory);
+    if c.train.bucket_cap_mb.is_none() && (cap as u64) < crate::dist::DEFAULT_BUCKET_BYTES {
+        tracing::info!(
+            "gradient buckets of {} (1/{} of memory.budget; train.bucket_cap_mb sets them)",
+            crate::memory::human_bytes(cap as u64),
+            crate::dist::overlap::BUDGET_PER_BUCKET
+        );
+    }
+    Reducer::new(pg, &opt.params(), &backward_order(task, opt), cap, always)
+        .inspect_err(|e| match always {
+            true => tracing::warn!("gradients are reduced after backward: {e}"),
+            false => tracing::info!("ZeRO-2 reduces after backward: {e}"),
+        })
+        .ok()
 }
 
 /// The order a run's first backward is expected to complete the gradients in, as indices
@@ -537,8 +539,9 @@ fn refuse_what_cannot_fit(cfg: &Config, device: Device, world: usize) -> Result<
     } else {
         Shard::None
     };
-    let est =
-        plan::Estimate::new(&c.model.gpt(), plan::Precision::Fp32, device.is_cuda()).with_shard(shard, world as u64);
+    let est = plan::Estimate::new(&c.model.gpt(), plan::Precision::Fp32, device.is_cuda())
+        .with_bucket_cap(c.train.bucket_bytes(&c.memory) as u64)
+        .with_shard(shard, world as u64);
     let state = est.params_bytes + est.grads_at_least() + est.optimizer_bytes;
     if stats.live_bytes + state <= limit {
         return Ok(());
