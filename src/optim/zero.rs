@@ -120,11 +120,7 @@ impl Layout {
     /// elements one collective moves over all ranks.
     pub fn new(numels: &[i64], rank: usize, world: usize, bucket_elems: i64) -> Layout {
         let total: i64 = numels.iter().sum();
-        let shard = (total + world as i64 - 1) / world as i64;
-        // A sixteenth of the shard at most: the buffers ((world + 1) x chunk) stay small
-        // against what sharding saves, even for a model smaller than one bucket.
-        let chunk = (bucket_elems / world as i64).min((shard + CHUNKS_PER_SHARD - 1) / CHUNKS_PER_SHARD);
-        Layout::with_chunk(numels, rank, world, chunk)
+        Layout::with_chunk(numels, rank, world, default_chunk(total, world, bucket_elems))
     }
 
     /// The same space moved in chunks of `chunk` elements per rank (at least 1, at most the
@@ -429,8 +425,35 @@ impl GradShard {
 
 /// Whether the all-gather of `layout`'s space goes through a shard of `shard_numel` elements
 /// by `in_shard` (its chunks no smaller than the buffers' and `world` of them fit).
+/// The elements per rank of one collective over `total` parameters (`Layout::new`): a
+/// sixteenth of the shard at most, so that the buffers ((world + 1) x chunk) stay small
+/// against what sharding saves, even for a model smaller than one bucket.
+pub fn default_chunk(total: i64, world: usize, bucket_elems: i64) -> i64 {
+    let shard = (total + world as i64 - 1) / world as i64;
+    (bucket_elems / world as i64).min((shard + CHUNKS_PER_SHARD - 1) / CHUNKS_PER_SHARD)
+}
+
+/// Stage 1's all-gather buffers, in elements, where its largest spent gradient storage of
+/// `space` elements would take more collectives than they (`gathers_in_shard`); 0 where it
+/// goes through that storage. What `AdamW::prepare` allocates, for the planner.
+pub fn stage_1_buffers(total: i64, world: usize, space: i64) -> i64 {
+    let shard = (total + world as i64 - 1) / world as i64;
+    let chunk = default_chunk(total, world, BUCKET_BYTES / 4).clamp(1, shard.max(1));
+    let through = (space / world as i64).clamp(1, shard.max(1));
+    match goes_through(chunk, through, world, space) {
+        true => 0,
+        false => (world as i64 + 1) * chunk,
+    }
+}
+
 pub fn gathers_in_shard(layout: &Layout, in_shard: &Layout, shard_numel: i64) -> bool {
-    in_shard.chunk >= layout.chunk && in_shard.world as i64 * in_shard.chunk <= shard_numel
+    goes_through(layout.chunk, in_shard.chunk, in_shard.world, shard_numel)
+}
+
+/// Chunks of `through` elements a rank in a storage of `space` take no more collectives
+/// than the buffers' chunks of `chunk`, and `world` of them fit it.
+fn goes_through(chunk: i64, through: i64, world: usize, space: i64) -> bool {
+    through >= chunk && world as i64 * through <= space
 }
 
 /// Stage 2's clipping, allocated before the ranks agree: this shard's sum of squares, and

@@ -70,6 +70,9 @@ pub struct Estimate {
     /// Data parallel: a bucket's most bytes (`train.bucket_cap_mb`, or its default for the
     /// budget: `TrainConfig::bucket_bytes`).
     pub bucket_cap: u64,
+    /// Stage 1's all-gather buffers, where its spent gradients' storages are too small to
+    /// gather through (`optim::zero::stage_1_buffers`): made after backward, beside them.
+    pub gather_buffers_bytes: u64,
     /// The ranks' collectives complete as they start (one CPU host, through shared
     /// memory): no bucket waits in flight.
     pub shared_memory: bool,
@@ -122,8 +125,16 @@ impl Estimate {
         if shard == crate::optim::Shard::None {
             return Estimate { bucket_bytes, ..self };
         }
+        let gather_buffers_bytes = match shard {
+            crate::optim::Shard::Optimizer => {
+                let space = self.bucket_cap.max(self.largest_grad_bytes) as i64 / 4;
+                4 * crate::optim::zero::stage_1_buffers(self.num_params as i64, world as usize, space) as u64
+            }
+            _ => 0,
+        };
         Estimate {
             bucket_bytes,
+            gather_buffers_bytes,
             optimizer_bytes: self.optimizer_bytes.div_ceil(world),
             grads_shard_world: if shard == crate::optim::Shard::Gradients {
                 world
@@ -206,16 +217,17 @@ impl Estimate {
         }
     }
 
-    /// The gradients at their peak: those held, with the larger of what comes and goes
-    /// around them: the tied embedding's partial gradients while backward forms it, or
-    /// (data parallel, whole) one bucket being made after backward.
+    /// The gradients at their peak: those held, with the largest of what comes and goes
+    /// around them: the tied embedding's partial gradients while backward forms it,
+    /// (data parallel, whole) one bucket being made after backward, or stage 1's all-gather
+    /// buffers.
     pub fn grads_at_peak(&self) -> u64 {
         let bucket = if self.grads_beside_activations() {
             0
         } else {
             self.bucket_bytes
         };
-        self.grads_held() + bucket.max(self.tied_partial_bytes())
+        self.grads_held() + bucket.max(self.tied_partial_bytes()).max(self.gather_buffers_bytes)
     }
 
     /// The logits term at `micro` samples, both parts.
@@ -315,6 +327,7 @@ impl Estimate {
             cuda,
             bucket_bytes: 0,
             bucket_cap: crate::dist::DEFAULT_BUCKET_BYTES,
+            gather_buffers_bytes: 0,
             shared_memory: false,
             chunk_rows: chunk_floor(cuda) as u64,
             tokens_per_sample: m.block_size as u64,
@@ -668,9 +681,19 @@ mod tests {
             z2.peak(1),
             z2.fixed_bytes() + forward.max(z2.grads_shard()) + z2.grads_in_flight()
         );
-        let z1 = deep.with_shard(Shard::Optimizer, 2);
+        let z1 = deep.clone().with_shard(Shard::Optimizer, 2);
         assert_eq!(z1.grads_at_peak(), z1.grads_bytes + (1 << 20));
         assert!(z2.peak(1) < z1.peak(1));
+        // Smaller buckets (a small budget's): less in flight for ZeRO-2, but stage 1's
+        // all-gather no longer goes through them, and its buffers come after backward.
+        let small = deep.clone().with_bucket_cap(256 << 10);
+        let z2s = small.clone().with_shard(Shard::Gradients, 2);
+        assert_eq!(z2.grads_in_flight() - z2s.grads_in_flight(), 3 * (768 << 10));
+        let z1s = small.with_shard(Shard::Optimizer, 2);
+        assert_eq!(z1.gather_buffers_bytes, 0);
+        let chunk = (deep.num_params as u64).div_ceil(2).div_ceil(16);
+        assert_eq!(z1s.gather_buffers_bytes, 4 * 3 * chunk);
+        assert_eq!(z1s.grads_at_peak(), z1s.grads_bytes + z1s.gather_buffers_bytes);
     }
 
     fn gpt2() -> GptConfig {
