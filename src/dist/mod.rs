@@ -270,6 +270,13 @@ impl ProcessGroup {
         Ok(v[0])
     }
 
+    /// The least over ranks of one value each (exact: a MAX of the negated).
+    pub fn min_f64(&self, topic: Topic, value: f64) -> Result<f64> {
+        let mut v = [-value];
+        self.exchange.run_as(topic, &mut v, Reduce::Max)?;
+        Ok(-v[0])
+    }
+
     /// Bytes this rank has sent and received on the exchange so far.
     pub fn exchange_bytes(&self) -> u64 {
         self.exchange.bytes_moved()

@@ -691,7 +691,7 @@ mod tests {
         assert_eq!(z2.grads_in_flight() - z2s.grads_in_flight(), 3 * (768 << 10));
         let z1s = small.with_shard(Shard::Optimizer, 2);
         assert_eq!(z1.gather_buffers_bytes, 0);
-        let chunk = (deep.num_params as u64).div_ceil(2).div_ceil(16);
+        let chunk = deep.num_params.div_ceil(2).div_ceil(16);
         assert_eq!(z1s.gather_buffers_bytes, 4 * 3 * chunk);
         assert_eq!(z1s.grads_at_peak(), z1s.grads_bytes + z1s.gather_buffers_bytes);
     }

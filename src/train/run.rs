@@ -59,6 +59,8 @@ pub(super) struct Run<'a> {
     metrics: Option<MetricsWriter>,
     /// The overlapped gradient reduction's hooks (data parallel); dropped before the group.
     reducer: Option<Reducer>,
+    /// A gradient bucket's most bytes, the same on every rank (`start::bucket_bytes`).
+    bucket_bytes: usize,
     pg: Option<Rc<ProcessGroup>>,
     lead: bool,
     pub next_step: u64,
@@ -172,17 +174,7 @@ impl<'a> Run<'a> {
                     crate::rng::seed_rank_step(c.train.seed, step, rank);
                     task.seed_host_rng(crate::rng::rank_step_seed(c.train.seed, step, rank))?;
                     match pg {
-                        Some(pg) => dist_step(
-                            pg,
-                            reducer,
-                            c.train.bucket_bytes(&c.memory),
-                            task,
-                            ctx.opt,
-                            &batches,
-                            step,
-                            mb,
-                            &u,
-                        ),
+                        Some(pg) => dist_step(pg, reducer, self.bucket_bytes, task, ctx.opt, &batches, step, mb, &u),
                         None => step_with(task, ctx.opt, &batches, step, mb, &u),
                     }
                 },

@@ -63,6 +63,8 @@ pub enum Topic {
     /// Before an attempt's last micro-batch, when its backward starts the gradients'
     /// all-reduce (the overlapped reduction).
     Armed = 20,
+    /// The gradient buckets' size: the least of the ranks' (each sized by its own budget).
+    Buckets = 21,
 }
 
 fn topic_name(k: f64) -> &'static str {
@@ -86,6 +88,7 @@ fn topic_name(k: f64) -> &'static str {
         18 => "the step's loss units",
         19 => "the evaluation's loss units",
         20 => "the agreement before an attempt's last micro-batch",
+        21 => "the gradient buckets' size",
         _ => "an unknown exchange",
     }
 }

@@ -348,7 +348,10 @@ impl<'a> Run<'a> {
             .values()
             .copied()
             .fold(None, |b: Option<f64>, v| Some(b.map_or(v, |b| b.min(v))));
-        let reducer = pg.as_ref().and_then(|pg| reducer(c, pg, task.as_ref(), &opt, device));
+        let bucket_bytes = bucket_bytes(c, pg.as_deref())?;
+        let reducer = pg
+            .as_ref()
+            .and_then(|pg| reducer(c, pg, task.as_ref(), &opt, device, bucket_bytes));
         Ok(Run {
             cfg,
             run_dir: run_dir.to_path_buf(),
@@ -370,6 +373,7 @@ impl<'a> Run<'a> {
             checkpointed: None,
             cache_key: options.inject_oom.is_none().then_some(cache_key),
             reducer,
+            bucket_bytes,
             pg,
             lead,
             summary: Summary {
@@ -398,6 +402,7 @@ fn reducer(
     task: &dyn Task,
     opt: &AdamW,
     device: Device,
+    cap: usize,
 ) -> Option<Reducer> {
     // Several machines when the launcher (or torchrun) says fewer ranks run here than in
     // all; ranks started by hand, without LOCAL_WORLD_SIZE, reduce after backward.
@@ -412,20 +417,31 @@ fn reducer(
         Some(true) => true,
         None => device.is_cuda() || several_machines(),
     };
-    let cap = c.train.bucket_bytes(&c.memory);
-    if c.train.bucket_cap_mb.is_none() && (cap as u64) < crate::dist::DEFAULT_BUCKET_BYTES {
-        tracing::info!(
-            "gradient buckets of {} (1/{} of memory.budget; train.bucket_cap_mb sets them)",
-            crate::memory::human_bytes(cap as u64),
-            crate::dist::overlap::BUDGET_PER_BUCKET
-        );
-    }
     Reducer::new(pg, &opt.params(), &backward_order(task, opt), cap, always)
         .inspect_err(|e| match always {
             true => tracing::warn!("gradients are reduced after backward: {e}"),
             false => tracing::info!("ZeRO-2 reduces after backward: {e}"),
         })
         .ok()
+}
+
+/// A gradient bucket's most bytes (`TrainConfig::bucket_bytes`), the least over the ranks:
+/// each sizes it by its own budget (a rank's `--memory-budget` may differ), and ranks that
+/// cut their buckets apart would wait on different collectives.
+fn bucket_bytes(c: &crate::config::RawConfig, pg: Option<&ProcessGroup>) -> Result<usize> {
+    let own = c.train.bucket_bytes(&c.memory);
+    let Some(pg) = pg else {
+        return Ok(own);
+    };
+    let cap = pg.min_f64(Topic::Buckets, own as f64)? as usize;
+    if c.train.bucket_cap_mb.is_none() && (cap as u64) < crate::dist::DEFAULT_BUCKET_BYTES {
+        tracing::info!(
+            "gradient buckets of {} (1/{} of the least memory.budget; train.bucket_cap_mb sets them)",
+            crate::memory::human_bytes(cap as u64),
+            crate::dist::overlap::BUDGET_PER_BUCKET
+        );
+    }
+    Ok(cap)
 }
 
 /// The order a run's first backward is expected to complete the gradients in, as indices
