@@ -140,6 +140,7 @@ fn per_rank(args: &PlanArgs, estimate: &Estimate, memory: u64, global: usize, wh
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({
                 "memory_bytes": memory, "nproc_per_node": n, "global_batch_size": global, "samples_per_rank": samples,
+                "bucket_bytes": estimate.bucket_cap,
                 "shards": rows, "fits": best.map(|b| b.0), "ranks_to_fit": ranks,
             }))?
         );
@@ -158,6 +159,10 @@ fn per_rank(args: &PlanArgs, estimate: &Estimate, memory: u64, global: usize, wh
         println!("  (gradients: each bucket's sums become this rank's part of the shard during backward, the rest dropped, so the shard grows as the \
             activations go and beside it stand the largest gradient and the buckets being summed; with activation checkpointing or \
             train.overlap_grad_reduce: false every gradient is whole, as under optimizer)");
+        println!(
+            "  (gradient buckets of at most {}: train.bucket_cap_mb, else 1 MiB or 1/128 of a fixed memory.budget where less)",
+            human_bytes(estimate.bucket_cap)
+        );
         match best {
             Some((s, _, fit)) => println!(
                 "fits: train.shard: {} at micro-batch {fit}{}", s.name(),
