@@ -423,8 +423,6 @@ impl GradShard {
     }
 }
 
-/// Whether the all-gather of `layout`'s space goes through a shard of `shard_numel` elements
-/// by `in_shard` (its chunks no smaller than the buffers' and `world` of them fit).
 /// The elements per rank of one collective over `total` parameters (`Layout::new`): a
 /// sixteenth of the shard at most, so that the buffers ((world + 1) x chunk) stay small
 /// against what sharding saves, even for a model smaller than one bucket.
@@ -446,6 +444,8 @@ pub fn stage_1_buffers(total: i64, world: usize, space: i64) -> i64 {
     }
 }
 
+/// Whether the all-gather of `layout`'s space goes through a shard of `shard_numel` elements
+/// by `in_shard` (its chunks no smaller than the buffers' and `world` of them fit).
 pub fn gathers_in_shard(layout: &Layout, in_shard: &Layout, shard_numel: i64) -> bool {
     goes_through(layout.chunk, in_shard.chunk, in_shard.world, shard_numel)
 }

@@ -167,9 +167,7 @@ impl<'a> Run<'a> {
                         )?;
                         if let Some(pg) = &pg {
                             // One micro-batch for all ranks: the smallest any rank found.
-                            let mut v = [-(r.micro_batch_size as f64)];
-                            pg.exchange(Topic::Start, &mut v)?;
-                            r.micro_batch_size = (-v[0]) as usize;
+                            r.micro_batch_size = pg.min_f64(Topic::Start, r.micro_batch_size as f64)? as usize;
                         }
                         if let Some(m) = metrics.as_mut() {
                             m.write(&Record::AutoMicroBatch(r.clone()))?;
@@ -293,9 +291,7 @@ impl<'a> Run<'a> {
         if let Some(pg) = &pg {
             // One starting micro-batch for all ranks: the smallest any would take (their
             // micro-batch caches may differ).
-            let mut v = [-(guard.policy.current as f64)];
-            pg.exchange(Topic::Start, &mut v)?;
-            let agreed = (-v[0]) as usize;
+            let agreed = pg.min_f64(Topic::Start, guard.policy.current as f64)? as usize;
             if agreed != guard.policy.current {
                 tracing::info!(
                     "starting at micro-batch {agreed}, the smallest any rank would take (this rank's was {})",
