@@ -212,19 +212,27 @@ fn sigint_then_resume_is_bitwise_with_pythons_random_state() {
     );
 }
 
-/// Two ranks over Gloo under the real launcher end where one process does.
+/// Two ranks over Gloo under the real launcher end where one process does: plain data
+/// parallel, and ZeRO-1 and ZeRO-2 (a transformers GPT-2, its head tied to the embedding,
+/// every other setting at its default).
 #[test]
 fn two_ranks_equal_one_process() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = hf_config(dir.path(), "gpt2", 6, "");
     let single = train_into(dir.path(), &cfg, "single", &[]);
-    let two = dir.path().join("two");
-    let o = train_at(dir.path(), &cfg, &two, &["--nproc-per-node", "2"]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let steps = records(&two, "step");
-    assert!(steps.iter().all(|s| s["world_size"] == 2), "{steps:?}");
-    let d = max_abs_diff(&weights(&single), &weights(&two));
-    assert!(d < 1e-5, "2 ranks differ from 1 process by {d}");
+    for shard in ["none", "optimizer", "gradients"] {
+        let two = dir.path().join(format!("two-{shard}"));
+        let set = format!("train.shard={shard}");
+        let o = train_at(dir.path(), &cfg, &two, &["--nproc-per-node", "2", "--set", &set]);
+        assert!(o.status.success(), "{shard}: {}", stderr(&o));
+        let steps = records(&two, "step");
+        assert!(
+            steps.iter().all(|s| s["world_size"] == 2 && s["shard"] == shard),
+            "{shard}: {steps:?}"
+        );
+        let d = max_abs_diff(&weights(&single), &weights(&two));
+        assert!(d < 1e-5, "2 ranks ({shard}) differ from 1 process by {d}");
+    }
 }
 
 /// A module TorchScript refuses trains; `model.init_from` fine-tunes it from the run's

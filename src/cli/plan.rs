@@ -80,7 +80,7 @@ pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
             "largest_micro_batch_size": fit, "grad_accum_steps": if fit > 0 { Some(global.div_ceil(fit)) } else { None },
             "peak_bytes_at": shown, "peak_bytes": estimate.peak(shown), "estimate": estimate,
             "configured_peak_bytes": configured.map(|m| estimate.peak(m)),
-            "suggestions": if fit == 0 { suggestions(&model, precision, cuda, memory) } else { vec![] },
+            "suggestions": if fit == 0 { suggestions(&model, precision, cuda, memory, estimate.bucket_cap) } else { vec![] },
         });
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
@@ -103,7 +103,7 @@ pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
                 human_bytes(estimate.peak(1)),
                 human_bytes(memory)
             );
-            for s in suggestions(&model, precision, cuda, memory) {
+            for s in suggestions(&model, precision, cuda, memory, estimate.bucket_cap) {
                 println!("  - {s}");
             }
         }
@@ -160,7 +160,7 @@ fn per_rank(args: &PlanArgs, estimate: &Estimate, memory: u64, global: usize, wh
             activations go and beside it stand the largest gradient and the buckets being summed; with activation checkpointing or \
             train.overlap_grad_reduce: false every gradient is whole, as under optimizer)");
         println!(
-            "  (gradient buckets of at most {}: train.bucket_cap_mb, else 1 MiB or 1/128 of a fixed memory.budget where less)",
+            "  (gradient buckets of at most {}: train.bucket_cap_mb, else 1 MiB or 1/128 of a fixed memory.budget where less, at least 4 KiB)",
             human_bytes(estimate.bucket_cap)
         );
         match best {

@@ -362,6 +362,20 @@ mod tests {
         assert!(e.message.contains("unknown key `n_layerz`"), "{e}");
         let e = load_str("", &["train.micro_batch_size=0"]).unwrap_err();
         assert_eq!(e.key, "train.micro_batch_size");
+        // A bucket from a byte to 1 TiB; past that the planner's sums would overflow.
+        for (mb, ok) in [
+            ("0", false),
+            ("-1", false),
+            ("1e-6", true),
+            ("1048576", true),
+            ("2e6", false),
+        ] {
+            let c = load_str("", &[&format!("train.bucket_cap_mb={mb}")]);
+            assert_eq!(c.is_ok(), ok, "bucket_cap_mb={mb}: {:?}", c.err());
+            if let Err(e) = c {
+                assert_eq!(e.key, "train.bucket_cap_mb", "{e}");
+            }
+        }
     }
 
     /// Every float key of the config (found by walking it, as the check does), set beyond

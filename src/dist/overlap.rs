@@ -39,6 +39,10 @@ pub const DEFAULT_BUCKET_MB: f64 = 1.0;
 /// The same, in bytes.
 pub const DEFAULT_BUCKET_BYTES: u64 = 1 << 20;
 
+/// The largest `train.bucket_cap_mb` taken (1 TiB: larger than any model's gradients, and
+/// small enough that the planner's sums of buckets cannot overflow).
+pub const MAX_BUCKET_MB: f64 = (1u64 << 20) as f64;
+
 /// Under a fixed `memory.budget`, a default bucket is at most this share of it: the buckets
 /// held at once (one being filled, two in flight) then stay a few percent of the memory,
 /// where a model sized to a small budget would otherwise spend its last megabytes on them

@@ -494,7 +494,9 @@ pub fn device_memory(text: &str) -> Option<u64> {
 
 /// When nothing fits: the changes that would, each computed (shorter sequence, fewer
 /// layers, a smaller vocabulary, lower precision).
-pub fn suggestions(m: &GptConfig, precision: Precision, cuda: bool, memory: u64) -> Vec<String> {
+/// `bucket_cap`: the run's gradient buckets (`TrainConfig::bucket_bytes`), for the ranks that
+/// would fit.
+pub fn suggestions(m: &GptConfig, precision: Precision, cuda: bool, memory: u64, bucket_cap: u64) -> Vec<String> {
     let fits = |m: &GptConfig, p: Precision| Estimate::new(m, p, cuda).largest_fitting(memory, usize::MAX) >= 1;
     let mut out = Vec::new();
     let mut t = m.block_size;
@@ -589,6 +591,7 @@ pub fn suggestions(m: &GptConfig, precision: Precision, cuda: bool, memory: u64)
         out.push("activation checkpointing and bf16 together (the guard climbs to both by itself)".into());
     }
     if let Some(w) = Estimate::new(m, precision, cuda)
+        .with_bucket_cap(bucket_cap)
         .ranks_to_fit(memory)
         .filter(|&w| w > 1)
     {
@@ -604,14 +607,15 @@ pub fn suggestions(m: &GptConfig, precision: Precision, cuda: bool, memory: u64)
     out
 }
 
-/// For an infeasible GPT: what its state needs against `memory`, and what would fit.
-pub fn advice(m: &GptConfig, memory: u64, cuda: bool) -> String {
+/// For an infeasible GPT: what its state needs against `memory`, and what would fit (with
+/// gradient buckets of `bucket_cap`).
+pub fn advice(m: &GptConfig, memory: u64, cuda: bool, bucket_cap: u64) -> String {
     let e = Estimate::new(m, Precision::Fp32, cuda);
     format!(
         "The planner: the parameters need {}, their gradients {} and AdamW's state {} ({:.2}M parameters); a step at micro-batch 1 peaks near {} \
             against {}. What would fit: {}.",
         human_bytes(e.params_bytes), human_bytes(e.grads_bytes), human_bytes(e.optimizer_bytes), e.num_params as f64 / 1e6,
-        human_bytes(e.peak(1)), human_bytes(memory), suggestions(m, Precision::Fp32, cuda, memory).join("; ")
+        human_bytes(e.peak(1)), human_bytes(memory), suggestions(m, Precision::Fp32, cuda, memory, bucket_cap).join("; ")
     )
 }
 
@@ -753,7 +757,13 @@ mod tests {
     #[test]
     fn suggestions_when_nothing_fits() {
         // Weights, gradients and AdamW state alone exceed 2 GiB: only a smaller model helps.
-        let s = suggestions(&gpt2(), Precision::Fp32, true, 2 << 30);
+        let s = suggestions(
+            &gpt2(),
+            Precision::Fp32,
+            true,
+            2 << 30,
+            crate::dist::DEFAULT_BUCKET_BYTES,
+        );
         assert_eq!(
             Estimate::new(&gpt2(), Precision::Fp32, true).largest_fitting(2 << 30, 512),
             0
@@ -768,7 +778,7 @@ mod tests {
             block_size: 8192,
             ..gpt2()
         };
-        let s = suggestions(&long, Precision::Fp32, true, 4 << 30);
+        let s = suggestions(&long, Precision::Fp32, true, 4 << 30, crate::dist::DEFAULT_BUCKET_BYTES);
         assert!(
             s.iter()
                 .any(|x| x.starts_with("a shorter sequence: model.block_size 1024")),

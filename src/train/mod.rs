@@ -165,11 +165,12 @@ impl TrainConfig {
                 "is 0; leave it unset for this process's CPU share (affinity, cgroup quota, Slurm)",
             ));
         }
-        if let Some(mb) = self.bucket_cap_mb.filter(|mb| !(*mb > 0.0 && mb.is_finite())) {
+        let most = crate::dist::overlap::MAX_BUCKET_MB;
+        if let Some(mb) = self.bucket_cap_mb.filter(|mb| !(*mb > 0.0 && *mb <= most)) {
             return Err(ConfigError::invalid(
                 "train.bucket_cap_mb",
                 format!(
-                    "is {mb}; it must be a positive number of MiB, or left out (default {} MiB, less under a small memory.budget)",
+                    "is {mb}; it must be a positive number of MiB up to {most} (1 TiB), or left out (default {} MiB, less under a small memory.budget)",
                     crate::dist::overlap::DEFAULT_BUCKET_MB
                 ),
             ));

@@ -182,7 +182,10 @@ impl Run<'_> {
     pub(super) fn advice(&self) -> String {
         let c = &self.cfg.raw;
         let mut out = match (c.model.kind, memory::stats(self.device).limit_bytes) {
-            (ModelKind::Gpt, Some(limit)) => format!(" {}", plan::advice(&c.model.gpt(), limit, self.device.is_cuda())),
+            (ModelKind::Gpt, Some(limit)) => format!(
+                " {}",
+                plan::advice(&c.model.gpt(), limit, self.device.is_cuda(), self.bucket_bytes as u64)
+            ),
             _ => String::new(),
         };
         let world = self.world_size() as u64;

@@ -430,10 +430,18 @@ fn bucket_bytes(c: &crate::config::RawConfig, pg: Option<&ProcessGroup>) -> Resu
         return Ok(own);
     };
     let cap = pg.min_f64(Topic::Buckets, own as f64)? as usize;
-    if c.train.bucket_cap_mb.is_none() && (cap as u64) < crate::dist::DEFAULT_BUCKET_BYTES {
+    let human = crate::memory::human_bytes;
+    if cap < own {
+        // Another rank's budget (or its own key) made them smaller than this rank's.
+        tracing::info!(
+            "gradient buckets of {} (another rank's train.bucket_cap_mb or memory.budget; this rank's own would be {}): the ranks take the least",
+            human(cap as u64),
+            human(own as u64)
+        );
+    } else if c.train.bucket_cap_mb.is_none() && (cap as u64) < crate::dist::DEFAULT_BUCKET_BYTES {
         tracing::info!(
             "gradient buckets of {} (1/{} of the least memory.budget; train.bucket_cap_mb sets them)",
-            crate::memory::human_bytes(cap as u64),
+            human(cap as u64),
             crate::dist::overlap::BUDGET_PER_BUCKET
         );
     }
@@ -525,7 +533,15 @@ fn init_failure(e: Error, cfg: &Config, device: Device, doing: &str) -> Error {
     let limit = stats.limit_bytes.or(oom.capacity_bytes);
     let of = limit.map(|l| format!(" of {}", human_bytes(l))).unwrap_or_default();
     let advice = match (c.model.kind, limit) {
-        (ModelKind::Gpt, Some(l)) => format!(" {}", plan::advice(&c.model.gpt(), l, device.is_cuda())),
+        (ModelKind::Gpt, Some(l)) => format!(
+            " {}",
+            plan::advice(
+                &c.model.gpt(),
+                l,
+                device.is_cuda(),
+                c.train.bucket_bytes(&c.memory) as u64
+            )
+        ),
         _ => " To fit: raise memory.budget or use a device with more memory, or a smaller model.".into(),
     };
     Error::Infeasible(format!(
@@ -560,7 +576,7 @@ fn refuse_what_cannot_fit(cfg: &Config, device: Device, world: usize) -> Result<
     }
     Err(Error::Infeasible(format!(
         "the model does not fit in memory: its weights, gradients and AdamW state alone need {} and {} is in use, of {} (nothing was allocated). {}",
-        human_bytes(state), human_bytes(stats.live_bytes), human_bytes(limit), plan::advice(&c.model.gpt(), limit, device.is_cuda())
+        human_bytes(state), human_bytes(stats.live_bytes), human_bytes(limit), plan::advice(&c.model.gpt(), limit, device.is_cuda(), c.train.bucket_bytes(&c.memory) as u64)
     )))
 }
 
