@@ -254,6 +254,9 @@ class Guard:
         # post-accumulate hook: AccumulateGrad adds a parameter's whole gradient at once).
         self._touched: Optional[set] = None
         self._span: Tuple[int, int, Optional[frozenset]] = (0, 0, None)
+        # Off once a redo through `backward(inputs=...)` met reentrant checkpointing, which
+        # refuses it: a backward that ran out part-way is then redone whole.
+        self._partial_ok = True
         self._hooks = []
         if self._ranks is None and hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
             me = weakref.ref(self)
@@ -384,6 +387,11 @@ class Guard:
         """
         self._flush_pending()
         self._handed = []
+        # Under ranks the cache's vote is the first call's on every rank, whatever its batch: a
+        # rank stopped by bad input votes its error there instead, and votes no cache later.
+        first = self._use_cache
+        if self._ranks is not None:
+            self._use_cache = False
         try:
             scaler = self._checked_scaler(scaler) if scaler is not None else self._scaler
             rows = Rows(batch)
@@ -393,7 +401,7 @@ class Guard:
                     f"the batch has {n} rows but global_batch_size is {self.global_batch_size} "
                     "(this rank's most rows: the leading dimension of every tensor)"
                 )
-            if self._use_cache:
+            if first:
                 self._use_cache = False
                 self._start_from_cache(rows)
             if self._heap is not None:
@@ -441,7 +449,7 @@ class Guard:
         otherwise, or when it runs out again, `Infeasible` (phase `optimizer`) says what could
         help: a smaller micro-batch cannot. Under several ranks every rank retries or stops
         together. Returns whether the update was applied (False: the scaler skipped it)."""
-        scaler = self._checked_scaler(scaler) if scaler is not None else None
+        scaler = self._checked_scaler(scaler) if scaler is not None else self._scaler
         if self._inject is not None:
             self._inject.at_step(max(self.step - 1, 0))
         tensors = self._optimizer_tensors(optimizer)
@@ -527,6 +535,7 @@ class Guard:
         policy = self._eval_policy
         if self._inject is not None:
             self._inject.at_step(max(self.step - 1, 0))
+        equal = self._ranks.rows(n) if self._fsdp and self._ranks is not None else None
         while True:
             mb = min(policy.current, n)
             oom = outcome = None
@@ -535,8 +544,7 @@ class Guard:
             total = units_total = None
             try:
                 with self._attempt_context(), torch.no_grad():
-                    for index, start in enumerate(range(0, n, mb)):
-                        stop = min(start + mb, n)
+                    for index, (start, stop) in enumerate(_split(0, n, mb, equal, policy.current)):
                         self._where = ("eval", index)
                         loss, units = _loss_and_units(fn(rows.take(start, stop, mark_dynamic=True)))
                         if self._inject is not None:
@@ -598,6 +606,7 @@ class Guard:
         self._done: Tuple[int, Any, Any] = (0, None, None)
         self._pending: List[Tuple[int, frozenset]] = []
         self._units_mode: Optional[bool] = None
+        self._equal = self._ranks.rows(n) if self._fsdp and self._ranks is not None else None
         while True:
             start, carried, carried_units = self._done
             mb = min(self.policy.current, n)
@@ -615,6 +624,13 @@ class Guard:
                         prepared = self._prepare_sync()
             except _ranks.PeerFailed as pf:
                 outcome = pf.outcome
+            except _Reentrant:
+                # The kept rows' gradients cannot be finished: the whole attempt again, at the
+                # same size, and no backward kept part-way from now on.
+                self._touched, self._partial_ok = None, False
+                self._done, self._pending = (0, None, None), []
+                self._drop_attempt(mb, keep_grads=False)
+                continue
             except BaseException as exc:  # noqa: BLE001 - OOMs are handled, the rest re-raised
                 oom = oom_of(exc)
                 if oom is None:
@@ -685,9 +701,7 @@ class Guard:
             if prepared is not None:
                 self._sync(prepared, outcome["missing_grads"])
             if units is not None and self._units_mode:
-                divisor = units
-                if isinstance(divisor, torch.Tensor) and _any_dtensor(self._params):
-                    divisor = float(divisor)
+                divisor = self._units_divisor(units)
                 for p in self._params:
                     if p.grad is not None:
                         p.grad.div_(divisor)
@@ -761,7 +775,7 @@ class Guard:
         the vote they are waiting in, so they stop too instead of waiting. Raising is the
         caller's."""
         self._touched = None
-        if self._ranks is not None and not isinstance(exc, _ranks.PeerFailed):
+        if self._ranks is not None and not isinstance(exc, (_ranks.PeerFailed, _ranks.PeerStopped)):
             try:
                 self._vote(vote(self.rank, error=True))
             except Exception:  # noqa: BLE001 - the group itself failed: the original error matters
@@ -777,11 +791,15 @@ class Guard:
         inject = self._inject
         peak = self._peak
         ctx = self._model.no_sync() if self._ddp else contextlib.nullcontext()
+        if self._ddp and self._ranks is not None:
+            # As a plain DDP step: its first forward broadcasts rank 0's buffers (DDP stops
+            # after a forward under no_sync, and every forward here is under it).
+            self._model.require_forward_param_sync = True
         spans, at = [], first
         for end, ids in self._pending:
-            spans += [(s, min(s + mb, end), ids) for s in range(at, end, mb)]
+            spans += [(s, e, ids) for s, e in _split(at, end, mb)]
             at = end
-        spans += [(s, min(s + mb, n), None) for s in range(at, n, mb)]
+        spans += [(s, e, None) for s, e in _split(at, n, mb, self._equal, self.policy.current)]
         with ctx:
             for index, (start, stop, ids) in enumerate(spans):
                 self._where = ("forward", index)
@@ -810,7 +828,12 @@ class Guard:
                 if inputs is None:
                     scaled.backward()
                 elif inputs:
-                    scaled.backward(inputs=inputs)
+                    try:
+                        scaled.backward(inputs=inputs)
+                    except RuntimeError as e:
+                        if "use_reentrant" not in str(e):
+                            raise
+                        raise _Reentrant() from None
                 del scaled
                 self._touched = None
                 part = part.detach()
@@ -842,7 +865,7 @@ class Guard:
             return True
         if phase == "backward" and touched is None and self._done[0] >= self._span[1]:
             return True  # after its backward: the micro-batch is in `_done`, `.grad` holds it
-        if phase != "backward" or touched is None:
+        if phase != "backward" or touched is None or not self._partial_ok:
             return False
         _, stop, ids = self._span
         rest = self._pending  # starts at this span's rows, when they were a segment's
@@ -899,6 +922,20 @@ class Guard:
         if self._inject is not None:
             self._inject.check("sync", self._cuda)
         return buckets
+
+    def _units_divisor(self, units: Any) -> Any:
+        """What the gradients of the units' sums are divided by. Reduced over the ranks (DDP's
+        average, FSDP2's reduce-scatter), they become the mean over every rank's units, the
+        same on each: the global batch's, as `oomguard train` and HF Trainer's
+        `average_tokens_across_devices` take it (each rank dividing by its own count would
+        leave the replicas apart when counts differ). One process: its own units."""
+        if self._ranks is not None and (self._ddp or self._fsdp):
+            total = self._ranks.units(float(units))
+            # No unit anywhere: nothing was learned (the sums are zero).
+            return total / self.world_size if total > 0 else 1.0
+        if isinstance(units, torch.Tensor) and _any_dtensor(self._params):
+            return float(units)
+        return units
 
     def _sync(self, buckets, missing: bool) -> None:
         """DDP's gradient average after the ranks agreed, bucket by bucket through the buffers
@@ -1013,7 +1050,9 @@ class Guard:
             # MAX), so that a rank stopped by bad input meanwhile is seen here too.
             outcome = self._ranks.vote(vote(self.rank, peak_bytes=_BIG - known))
             if outcome["error_rank"] is not None:
-                raise RuntimeError(f"oomguard: rank {outcome['error_rank']} stopped (see its output); this rank stops with it")
+                raise _ranks.PeerStopped(
+                    f"oomguard: rank {outcome['error_rank']} stopped (see its output); this rank stops with it"
+                )
             known = _BIG - outcome["peak_bytes"]
         if known < self.policy.current:
             self.policy.current = known
@@ -1136,6 +1175,28 @@ class Guard:
 
 
 _BIG = 1 << 52
+
+
+class _Reentrant(Exception):
+    """A redo through `backward(inputs=...)` refused by reentrant activation checkpointing."""
+
+
+def _split(first: int, n: int, mb: int, equal: Optional[Tuple[int, int]] = None, cap: int = 0) -> List[Tuple[int, int]]:
+    """Rows `first..n` in micro-batches of at most `mb`. `equal`: the most and the fewest rows
+    over the ranks (FSDP2, whose forward and backward are collectives, and `first` is 0): every
+    rank then runs as many micro-batches as the one with the most at `cap` rows, its own rows
+    split evenly among them."""
+    if equal is None:
+        return [(s, min(s + mb, n)) for s in range(first, n, mb)]
+    most, fewest = equal
+    k = -(-most // max(1, min(cap, most)))
+    if fewest < k:
+        raise ValueError(
+            f"under FSDP2 every rank runs as many micro-batches (each one's forward and backward are collectives): at "
+            f"{min(cap, most)} rows a micro-batch the rank with the most rows ({most}) runs {k}, and a rank has only "
+            f"{fewest}: give every rank the same number of rows (as DistributedSampler does)"
+        )
+    return [(i * n // k, (i + 1) * n // k) for i in range(k)]
 
 
 def _loss_and_units(out: Any) -> Tuple[torch.Tensor, Any]:

@@ -19,7 +19,7 @@ import functools
 import os
 import secrets
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -67,6 +67,11 @@ class PeerFailed(Exception):
     def __init__(self, outcome: dict):
         super().__init__("another rank's attempt failed")
         self.outcome = outcome
+
+
+class PeerStopped(RuntimeError):
+    """Another rank stopped with an error, read in a vote this rank took part in: this rank
+    stops with it, and votes no more (the other rank voted once)."""
 
 
 class Unsupported(RuntimeError):
@@ -176,6 +181,7 @@ class Ranks:
         else:
             self.group, self.device = self._agreement_group(process_group, param_device)
         self._vector = torch.zeros(len(vote(0)), dtype=torch.float64, device=self.device)
+        self._pair = torch.zeros(2, dtype=torch.float64, device=self.device)
         self.voting = False
         self.inside = False
         self.solo = False
@@ -244,6 +250,24 @@ class Ranks:
         finally:
             self.voting = False
         return agreed(v.tolist())
+
+    def rows(self, n: int) -> Tuple[int, int]:
+        """The most and the fewest rows any rank splits (one exchange, or one all-reduce)."""
+        if self._exchange is not None:
+            most, fewest = self._exchange.rows(float(n))
+            return int(most), int(fewest)
+        self._pair.copy_(torch.tensor([float(n), -float(n)], dtype=torch.float64))
+        _ORIGINAL.get("all_reduce", self.dist.all_reduce)(self._pair, op=self.dist.ReduceOp.MAX, group=self.group)
+        most, fewest = self._pair.tolist()
+        return int(most), int(-fewest)
+
+    def units(self, units: float) -> float:
+        """The sum of every rank's loss units (one exchange, or one all-reduce)."""
+        if self._exchange is not None:
+            return float(self._exchange.units(float(units)))
+        self._pair.copy_(torch.tensor([float(units), 0.0], dtype=torch.float64))
+        _ORIGINAL.get("all_reduce", self.dist.all_reduce)(self._pair, op=self.dist.ReduceOp.SUM, group=self.group)
+        return float(self._pair[0])
 
     def checkpoint(self, name: str, group: Any = None) -> None:
         """Before a collective inside an attempt: every rank still going? Raises PeerFailed

@@ -100,6 +100,8 @@ class Trainer(transformers.Trainer):
                 "run_dir": self.args.output_dir,
                 "verbose": self.args.should_log,
                 "trackers": (),  # report_to's integrations log this Trainer's metrics
+                # fp16: the Trainer's own GradScaler, which its step unscales and steps with.
+                "scaler": getattr(self.accelerator, "scaler", None),
                 **self._oomguard_options,
             }
             self.guard = Guard(model, global_batch_size=self.oomguard_rows, micro_batch_size=self._oomguard_start, **options)

@@ -69,6 +69,8 @@ class GuardedModule(pl.LightningModule):
                 "run_dir": trainer.log_dir,
                 "verbose": trainer.is_global_zero,
                 "trackers": (),  # the Trainer's loggers log; the guard's state goes through them below
+                # precision="16-mixed": the precision plugin's GradScaler, which opt.step() steps with.
+                "scaler": getattr(trainer.precision_plugin, "scaler", None),
                 **self.oomguard_options,
             }
             self.guard = Guard(model, global_batch_size=rows, micro_batch_size=self.oomguard_micro_batch_size, **options)

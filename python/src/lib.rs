@@ -165,10 +165,37 @@ impl Exchange {
     /// Every rank's `values`, maximised element-wise (the GIL released meanwhile). Raises
     /// when a rank is gone or the ranks are at different exchanges (named).
     fn max(&self, py: Python<'_>, values: Vec<f64>) -> PyResult<Vec<f64>> {
+        self.run(py, oomguard_exchange::Topic::GuardVote, values, oomguard_exchange::Reduce::Max)
+    }
+
+    /// The most and the fewest rows over the ranks, as `(most, fewest)`.
+    fn rows(&self, py: Python<'_>, rows: f64) -> PyResult<(f64, f64)> {
+        let v = self.run(py, oomguard_exchange::Topic::GuardRows, vec![rows, -rows], oomguard_exchange::Reduce::Max)?;
+        Ok((v[0], -v[1]))
+    }
+
+    /// The sum over the ranks of their loss units, added in the tree's fixed order (the same
+    /// bits on every rank).
+    fn units(&self, py: Python<'_>, units: f64) -> PyResult<f64> {
+        let v = self.run(py, oomguard_exchange::Topic::LossUnits, vec![units], oomguard_exchange::Reduce::Sum)?;
+        Ok(v[0])
+    }
+}
+
+impl Exchange {
+    /// One exchange of `values` under `topic` (the GIL released meanwhile). Raises when a rank
+    /// is gone or the ranks are at different exchanges (named).
+    fn run(
+        &self,
+        py: Python<'_>,
+        topic: oomguard_exchange::Topic,
+        values: Vec<f64>,
+        how: oomguard_exchange::Reduce,
+    ) -> PyResult<Vec<f64>> {
         let mut v = values;
         py.allow_threads(|| {
             let x = self.inner.lock().map_err(|_| "the exchange's lock is poisoned".to_string())?;
-            x.run(oomguard_exchange::Topic::GuardVote, &mut v).map_err(|e| e.0)
+            x.run_as(topic, &mut v, how).map_err(|e| e.0)
         })
         .map_err(pyo3::exceptions::PyRuntimeError::new_err)?;
         Ok(v)

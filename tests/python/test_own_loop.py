@@ -208,6 +208,37 @@ def test_an_oom_part_way_through_a_backward_keeps_what_it_finished():
     assert max_diff([p.grad for p in m.parameters()], list(want)) < 1e-12
 
 
+def test_reentrant_checkpointing_refusing_the_partial_redo_redoes_the_attempt_whole():
+    """As above, with the layer between under reentrant activation checkpointing (HF's
+    gradient checkpointing default), which refuses `backward(inputs=...)`: the redo of what
+    the first layer missed cannot run, so the attempt runs again whole at the new size,
+    and later OOMs keep no backward part-way; exact."""
+    from torch.utils.checkpoint import checkpoint
+
+    m, ref = _model(), _model()
+    x, y = _data()
+
+    def forward(net, rows):
+        h = _HungryBackward.apply(net[0](rows), net[0].weight, 8 if net is m else len(rows))
+        return net[2](checkpoint(net[1], h, use_reentrant=True))
+
+    full = torch.nn.functional.mse_loss(forward(ref, x), y)
+    full.backward()  # reentrant checkpointing refuses autograd.grad
+    want = [p.grad for p in ref.parameters()]
+    calls = []
+
+    def loss_fn(b):
+        calls.append(len(b[0]))
+        return torch.nn.functional.mse_loss(forward(m, b[0]), b[1])
+
+    guard = oomguard.Guard(m, global_batch_size=32, micro_batch_size=16, verbose=False, cache=False)
+    loss = guard.backward((x, y), loss_fn)
+    assert calls == [16, 16, 8, 8, 8, 8, 8], calls
+    assert guard.policy.num_ooms == 1
+    assert abs(loss - full.item()) < 1e-12
+    assert max_diff([p.grad for p in m.parameters()], list(want)) < 1e-12
+
+
 def test_an_oom_part_way_through_redoing_such_rows_keeps_what_each_backward_finished():
     """Three layers. Micro-batch 1's backward (16 rows) completes the last layer, then runs
     out; redoing its rows at 8, the backward completes the middle layer over the first 8 and

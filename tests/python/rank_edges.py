@@ -1,0 +1,176 @@
+"""Ranks that differ, as users' data makes them: loss units counted apart (a masked LM), rows
+counted apart (FSDP2), DDP syncing BatchNorm's buffers at each forward. Run as torchrun would
+(RANK, WORLD_SIZE, MASTER_ADDR/PORT); `--case NAME`. Each rank prints `diff NAME VALUE`: the
+largest difference between the guarded step and what it must equal (float64)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import oomguard
+
+torch.set_default_dtype(torch.float64)
+
+
+# Every tensor handed to a collective, held to the end: Gloo's worker thread dropping the last
+# reference at interpreter exit would need the GIL and abort the process (as `Guard._handed`).
+HELD: list = []
+
+
+def gathered(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's `t` (the same shape), concatenated in rank order."""
+    parts = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    HELD.extend([t, *parts])
+    dist.all_gather(parts, t)
+    return torch.cat(parts)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def guard(model, n: int, mb: int) -> oomguard.Guard:
+    return oomguard.Guard(model, global_batch_size=n, micro_batch_size=mb, verbose=False, cache=False, snapshot=False)
+
+
+def units(wrap: str) -> None:
+    """Rank 0 keeps 3 of its 8 tokens, rank 1 all 8: the gradients must be those of the mean
+    over the 11 tokens of both ranks, the same on each rank."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    plain = copy.deepcopy(net)
+    if wrap == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(net)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        model = fully_shard(net)
+    torch.manual_seed(10 + rank)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    keep = torch.ones(8, dtype=torch.bool)
+    if rank == 0:
+        keep[:5] = False
+
+    def loss_fn(b):
+        xb, yb, kb = b
+        per = F.cross_entropy(model(xb), yb, reduction="none")
+        n = int(kb.sum())
+        return (per[kb].sum() / max(n, 1), n)
+
+    guard(model, 8, 2).backward((x, y, keep), loss_fn)
+    X, Y, K = gathered(x), gathered(y), gathered(keep)
+    F.cross_entropy(plain(X), Y, reduction="none")[K].mean().backward()
+    got = torch.cat([full(p.grad).flatten() for p in net.parameters()])
+    want = torch.cat([p.grad.flatten() for p in plain.parameters()])
+    print(f"diff units-{wrap} {(got - want).abs().max().item():.3e}", flush=True)
+    print(f"diff units-{wrap}-ranks {(gathered(got)[: got.numel()] - gathered(got)[got.numel():]).abs().max().item():.3e}")
+
+
+def rows(short: bool) -> None:
+    """FSDP2, rank 0 with 6 rows and rank 1 with 4 (or 2): at micro-batches of 2 every rank
+    runs 3, and the step equals plain FSDP2's (each rank's mean, averaged); with 2 rows a rank
+    cannot run 3, and every rank is refused, none left waiting."""
+    from torch.distributed.fsdp import fully_shard
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    plain = fully_shard(copy.deepcopy(net))
+    model = fully_shard(net)
+    n = 6 if rank == 0 else (2 if short else 4)
+    torch.manual_seed(10 + rank)
+    x, y = torch.randn(n, 4), torch.randn(n, 1)
+    g = guard(model, 8, 2)
+    try:
+        loss = g.backward((x, y), lambda b: F.mse_loss(model(b[0]), b[1]))
+    except ValueError as e:
+        print(f"refused {e}", flush=True)
+        return
+    F.mse_loss(plain(x), y).backward()
+    got = torch.cat([full(p.grad).flatten() for p in net.parameters()])
+    want = torch.cat([full(p.grad).flatten() for p in plain.parameters()])
+    print(f"diff rows {(got - want).abs().max().item():.3e}", flush=True)
+    print(f"diff rows-loss {abs(loss - F.mse_loss(net(x), y).item()):.3e}", flush=True)
+    evaluated = g.evaluate((x, y), lambda b: F.mse_loss(model(b[0]), b[1]))
+    print(f"diff rows-eval {abs(evaluated - F.mse_loss(plain(x), y).item()):.3e}", flush=True)
+
+
+def buffers() -> None:
+    """DDP syncing buffers at each forward (BatchNorm's running statistics): three guarded
+    steps leave them where three plain DDP steps do, on every rank."""
+    rank = dist.get_rank()
+    ends = []
+    for guarded in (False, True):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+        try:
+            ddp = torch.nn.parallel.DistributedDataParallel(net, forward_sync_buffers=True)
+        except TypeError:  # before torch 2.13: broadcast_buffers, True by default
+            ddp = torch.nn.parallel.DistributedDataParallel(net)
+        g = guard(ddp, 8, 8) if guarded else None
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for step in range(3):
+            torch.manual_seed(100 * step + rank)
+            x, y = torch.randn(8, 4) + rank, torch.randn(8, 1)
+            if g is not None:
+                g.backward((x, y), lambda b: F.mse_loss(ddp(b[0]), b[1]))
+            else:
+                F.mse_loss(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        ends.append(torch.cat([b.flatten().double() for b in net.buffers()] + [p.detach().flatten() for p in net.parameters()]))
+    print(f"diff buffers {(ends[0] - ends[1]).abs().max().item():.3e}", flush=True)
+
+
+def bad_first() -> None:
+    """The first step: rank 1 hands over too many rows (ValueError), rank 0 reads that in the
+    micro-batch cache's vote; both catch it and go on, and the next step runs on both alike."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 1)
+    ddp = torch.nn.parallel.DistributedDataParallel(net)
+    g = oomguard.Guard(ddp, global_batch_size=8, micro_batch_size=8, verbose=False, snapshot=False)
+    step = lambda b: F.mse_loss(ddp(b[0]), b[1])  # noqa: E731
+    rows = 16 if rank == 1 else 8
+    try:
+        g.backward((torch.randn(rows, 4), torch.randn(rows, 1)), step)
+    except (ValueError, RuntimeError) as e:
+        print(f"stopped {type(e).__name__}", flush=True)
+    torch.manual_seed(10 + rank)
+    g.backward((torch.randn(8, 4), torch.randn(8, 1)), step)
+    grads = torch.cat([p.grad.flatten() for p in net.parameters()])
+    both = gathered(grads)
+    print(f"diff bad-first {(both[: grads.numel()] - both[grads.numel():]).abs().max().item():.3e}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", required=True)
+    case = ap.parse_args().case
+    dist.init_process_group("gloo")
+    {
+        "units-ddp": lambda: units("ddp"),
+        "units-fsdp": lambda: units("fsdp"),
+        "rows": lambda: rows(False),
+        "rows-short": lambda: rows(True),
+        "buffers": buffers,
+        "bad-first": bad_first,
+    }[case]()
+    dist.barrier()
+    dist.destroy_process_group()
+    # Then without the interpreter's teardown, where Gloo's threads can abort a rank after
+    # everything is printed (as tests/python/hf_train.py ends).
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Ranks whose data differ (tests/python/rank_edges.py, two real Gloo ranks): loss units
+counted apart under DDP and FSDP2, rows counted apart under FSDP2, DDP's per-forward buffer
+sync; and the guard's scaler in `optimizer_step`, in one process."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import oomguard
+from conftest import run_ranks
+
+EDGES = Path(__file__).with_name("rank_edges.py")
+EXACT = 1e-12  # float64: the same sums in another order
+
+
+def diffs(tmp: Path, case: str) -> dict:
+    r = run_ranks(tmp, case, "--case", case, script=EDGES, out_flag=False, timeout=120)
+    assert r.code == 0, r.out
+    found: dict = {}
+    for name, value in re.findall(r"^diff (\S+) (\S+)$", r.out, re.M):
+        found.setdefault(name, []).append(float(value))
+    return found
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_units_counted_apart_give_the_mean_over_every_ranks_units(wrap, tmp_path):
+    d = diffs(tmp_path, f"units-{wrap}")
+    assert len(d[f"units-{wrap}"]) == 2, d
+    assert max(d[f"units-{wrap}"]) < EXACT, d
+    assert max(d[f"units-{wrap}-ranks"]) < EXACT, d
+
+
+def test_fsdp2_ranks_with_other_row_counts_run_as_many_micro_batches(tmp_path):
+    d = diffs(tmp_path, "rows")
+    for key in ("rows", "rows-loss", "rows-eval"):
+        assert len(d[key]) == 2 and max(d[key]) < EXACT, d
+
+
+def test_fsdp2_ranks_that_cannot_run_as_many_are_all_refused(tmp_path):
+    r = run_ranks(tmp_path, "short", "--case", "rows-short", script=EDGES, out_flag=False, timeout=120)
+    assert r.code == 0, r.out
+    refused = re.findall(r"^refused (.*)$", r.out, re.M)
+    assert len(refused) == 2, r.out
+    assert all("a rank has only 2" in line and "runs 3" in line for line in refused), refused
+
+
+def test_ddp_syncing_buffers_at_each_forward_matches_plain_ddp(tmp_path):
+    d = diffs(tmp_path, "buffers")
+    assert len(d["buffers"]) == 2 and max(d["buffers"]) < EXACT, d
+
+
+def test_bad_input_on_one_rank_at_the_first_step_stops_both_and_the_next_step_runs(tmp_path):
+    r = run_ranks(tmp_path, "bad-first", "--case", "bad-first", script=EDGES, out_flag=False, timeout=120)
+    assert r.code == 0, r.out
+    assert sorted(re.findall(r"^stopped (\S+)$", r.out, re.M)) == ["PeerStopped", "ValueError"], r.out
+    d = [float(v) for v in re.findall(r"^diff bad-first (\S+)$", r.out, re.M)]
+    assert len(d) == 2 and max(d) == 0.0, r.out
+
+
+def test_optimizer_step_steps_with_the_guards_scaler():
+    """Guard(scaler=s): `backward` scales by s, so `optimizer_step` must unscale by it too."""
+    ends = []
+    for passed in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        g = oomguard.Guard(model, global_batch_size=8, verbose=False, cache=False, snapshot=False, scaler=scaler)
+        x, y = torch.randn(8, 4), torch.randn(8, 1)
+        g.backward((x, y), lambda b: torch.nn.functional.mse_loss(model(b[0]), b[1]))
+        g.optimizer_step(opt, scaler=scaler if passed else None)
+        ends.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    # Without it, a plain step on gradients 1024x too large.
+    assert (ends[0] - ends[1]).abs().max().item() == 0.0
