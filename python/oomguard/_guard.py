@@ -535,7 +535,7 @@ class Guard:
         policy = self._eval_policy
         if self._inject is not None:
             self._inject.at_step(max(self.step - 1, 0))
-        equal = self._ranks.rows(n) if self._fsdp and self._ranks is not None else None
+        equal = self._rows_everywhere(n)
         while True:
             mb = min(policy.current, n)
             oom = outcome = None
@@ -606,7 +606,7 @@ class Guard:
         self._done: Tuple[int, Any, Any] = (0, None, None)
         self._pending: List[Tuple[int, frozenset]] = []
         self._units_mode: Optional[bool] = None
-        self._equal = self._ranks.rows(n) if self._fsdp and self._ranks is not None else None
+        self._equal = self._rows_everywhere(n)
         while True:
             start, carried, carried_units = self._done
             mb = min(self.policy.current, n)
@@ -624,9 +624,11 @@ class Guard:
                         prepared = self._prepare_sync()
             except _ranks.PeerFailed as pf:
                 outcome = pf.outcome
-            except _Reentrant:
+            except _Reentrant as exc:
                 # The kept rows' gradients cannot be finished: the whole attempt again, at the
                 # same size, and no backward kept part-way from now on.
+                forget(exc)
+                del exc
                 self._touched, self._partial_ok = None, False
                 self._done, self._pending = (0, None, None), []
                 self._drop_attempt(mb, keep_grads=False)
@@ -923,6 +925,16 @@ class Guard:
             self._inject.check("sync", self._cuda)
         return buckets
 
+    def _rows_everywhere(self, n: int) -> Optional[Tuple[int, int]]:
+        """FSDP2 over several ranks: the most and the fewest rows any rank splits, in a vote
+        (a rank stopped by bad input meanwhile is seen here too); else None."""
+        if not self._fsdp or self._ranks is None:
+            return None
+        outcome = self._vote(vote(self.rank, peak_bytes=n, baseline_bytes=_BIG - n))
+        if outcome["error_rank"] is not None:
+            raise _ranks.PeerStopped(f"oomguard: rank {outcome['error_rank']} stopped (see its output); this rank stops with it")
+        return int(outcome["peak_bytes"]), int(_BIG - outcome["baseline_bytes"])
+
     def _units_divisor(self, units: Any) -> Any:
         """What the gradients of the units' sums are divided by. Reduced over the ranks (DDP's
         average, FSDP2's reduce-scatter), they become the mean over every rank's units, the
@@ -1184,10 +1196,12 @@ class _Reentrant(Exception):
 def _split(first: int, n: int, mb: int, equal: Optional[Tuple[int, int]] = None, cap: int = 0) -> List[Tuple[int, int]]:
     """Rows `first..n` in micro-batches of at most `mb`. `equal`: the most and the fewest rows
     over the ranks (FSDP2, whose forward and backward are collectives, and `first` is 0): every
-    rank then runs as many micro-batches as the one with the most at `cap` rows, its own rows
-    split evenly among them."""
+    rank then runs as many micro-batches as the one with the most at `cap` rows: its own rows
+    in micro-batches of `mb` where that makes as many, else split evenly among them; a rank
+    with fewer rows than that raises on every rank alike."""
+    plain = [(s, min(s + mb, n)) for s in range(first, n, mb)]
     if equal is None:
-        return [(s, min(s + mb, n)) for s in range(first, n, mb)]
+        return plain
     most, fewest = equal
     k = -(-most // max(1, min(cap, most)))
     if fewest < k:
@@ -1196,6 +1210,8 @@ def _split(first: int, n: int, mb: int, equal: Optional[Tuple[int, int]] = None,
             f"{min(cap, most)} rows a micro-batch the rank with the most rows ({most}) runs {k}, and a rank has only "
             f"{fewest}: give every rank the same number of rows (as DistributedSampler does)"
         )
+    if len(plain) == k:
+        return plain  # as with one rank: equal counts split as before
     return [(i * n // k, (i + 1) * n // k) for i in range(k)]
 
 

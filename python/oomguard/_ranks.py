@@ -19,7 +19,7 @@ import functools
 import os
 import secrets
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -250,16 +250,6 @@ class Ranks:
         finally:
             self.voting = False
         return agreed(v.tolist())
-
-    def rows(self, n: int) -> Tuple[int, int]:
-        """The most and the fewest rows any rank splits (one exchange, or one all-reduce)."""
-        if self._exchange is not None:
-            most, fewest = self._exchange.rows(float(n))
-            return int(most), int(fewest)
-        self._pair.copy_(torch.tensor([float(n), -float(n)], dtype=torch.float64))
-        _ORIGINAL.get("all_reduce", self.dist.all_reduce)(self._pair, op=self.dist.ReduceOp.MAX, group=self.group)
-        most, fewest = self._pair.tolist()
-        return int(most), int(-fewest)
 
     def units(self, units: float) -> float:
         """The sum of every rank's loss units (one exchange, or one all-reduce)."""

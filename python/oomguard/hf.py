@@ -128,10 +128,9 @@ class Trainer(transformers.Trainer):
                 loss = loss.mean()
             if num_items_in_batch is None:
                 return loss
-            # Normalised by the step's count already: the guard's weighted mean of
+            # Normalised by the step's count already: the guard's mean weighted by rows of
             # (loss x n / r) over micro-batches of r rows (n in all) is the sum of the losses.
-            r = Rows(mb).rows
-            return loss * (guard_rows / r), r
+            return loss * (guard_rows / Rows(mb).rows)
 
         guard_rows = Rows(inputs).rows
         loss = guard.backward(inputs, loss_fn, as_tensor=True)

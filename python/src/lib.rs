@@ -168,12 +168,6 @@ impl Exchange {
         self.run(py, oomguard_exchange::Topic::GuardVote, values, oomguard_exchange::Reduce::Max)
     }
 
-    /// The most and the fewest rows over the ranks, as `(most, fewest)`.
-    fn rows(&self, py: Python<'_>, rows: f64) -> PyResult<(f64, f64)> {
-        let v = self.run(py, oomguard_exchange::Topic::GuardRows, vec![rows, -rows], oomguard_exchange::Reduce::Max)?;
-        Ok((v[0], -v[1]))
-    }
-
     /// The sum over the ranks of their loss units, added in the tree's fixed order (the same
     /// bits on every rank).
     fn units(&self, py: Python<'_>, units: f64) -> PyResult<f64> {

@@ -65,9 +65,6 @@ pub enum Topic {
     Armed = 20,
     /// The gradient buckets' size: the least of the ranks' (each sized by its own budget).
     Buckets = 21,
-    /// The Python guard's rows a step or evaluation splits, most and fewest over the ranks
-    /// (FSDP2: every rank runs as many micro-batches).
-    GuardRows = 22,
 }
 
 fn topic_name(k: f64) -> &'static str {
@@ -92,7 +89,6 @@ fn topic_name(k: f64) -> &'static str {
         19 => "the evaluation's loss units",
         20 => "the agreement before an attempt's last micro-batch",
         21 => "the gradient buckets' size",
-        22 => "the Python guard's rows",
         _ => "an unknown exchange",
     }
 }
