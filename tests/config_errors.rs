@@ -141,3 +141,111 @@ fn train_without_oomguard_torch_beside_it_says_how_to_get_one() {
         .unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+/// `oomguard ARGS` in `cwd` exits 2 saying `wants`.
+fn refused(args: &[&str], cwd: &std::path::Path, wants: &str) {
+    let o = oomguard(args, cwd);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains(wants), "expected {wants:?} in:\n{}", stderr(&o));
+}
+
+/// Sizes past any run, which overflowed, aborted or hung before: refused by key, with the
+/// bound, before anything is written. A usage error is exit 2, and so are the flags'.
+#[test]
+fn sizes_past_any_run_are_refused_by_key() {
+    for (set, wants) in [
+        (
+            "train.micro_batch_size=18446744073709551615",
+            "train.micro_batch_size: is 18446744073709551615; it must be at most 16777216",
+        ),
+        (
+            "train.eval_batch_size=99999999999",
+            "train.eval_batch_size: is 99999999999; it must be at most 16777216",
+        ),
+        (
+            "train.grad_accum_steps=10000000",
+            "train.grad_accum_steps: makes a global batch of 8 x 10000000",
+        ),
+        (
+            "data.embedded_bytes=100000000000",
+            "data.embedded_bytes: is 100000000000; it must be from 4096",
+        ),
+        (
+            "model.n_layer=4294967295",
+            "model.n_layer: is 4294967295; it must be at most 65536",
+        ),
+        (
+            "model.vocab_size=9223372036854775807",
+            "model.vocab_size: is 9223372036854775807; it must be at most",
+        ),
+        (
+            "train.micro_batch_size=-3",
+            "`-3` is not a micro-batch size; use a whole number of samples from 1, or auto",
+        ),
+        ("memory.budget=-1", "memory.budget: `-1` is not a size"),
+    ] {
+        fails_with("", &["--set", set], &[wants]);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let launch = ["launch", "--nproc-per-node", "100000", "--no-python", "/bin/true"];
+    refused(
+        &launch,
+        dir.path(),
+        "--nproc-per-node: is 100000; give 1 to 4096 workers",
+    );
+}
+
+/// `train.device: cuda` where PyTorch sees no GPU: the key and the fix, not libtorch's trace.
+#[test]
+fn a_cuda_device_without_a_gpu_is_refused_by_key() {
+    if oomguard_probe_cuda() {
+        return; // a GPU host: the device exists (tests/cuda_guard.rs runs there)
+    }
+    fails_with(
+        "train:\n  device: cuda\n",
+        &["--check"],
+        &["bad.yaml: train.device: is cuda but PyTorch sees 0 CUDA device(s) here; use auto (a GPU when there is one) or cpu"],
+    );
+}
+
+fn oomguard_probe_cuda() -> bool {
+    std::process::Command::new("nvidia-smi")
+        .arg("-L")
+        .output()
+        .is_ok_and(|o| o.status.success() && !o.stdout.is_empty())
+}
+
+/// `--resume-from` that is not RUN_DIR/checkpoints/step-N is refused before a file is written
+/// (a two-part path once made the current folder the run and rewrote its config.yaml); a fresh
+/// run into a folder holding another run's checkpoints is refused (it took them for its own).
+#[test]
+fn a_resume_or_run_dir_that_is_not_a_run_writes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "tiny.yaml", TINY);
+    let cfg = cfg.to_str().unwrap();
+    std::fs::write(dir.path().join("config.yaml"), "# the user's own\n").unwrap();
+    let here = dir.path();
+    refused(
+        &["train", cfg, "--resume-from", "runs/ok"],
+        here,
+        "--resume-from: runs/ok: is not a checkpoint directory",
+    );
+    std::fs::create_dir_all(here.join("a/b")).unwrap();
+    refused(
+        &["train", cfg, "--resume-from", "a/b"],
+        here,
+        "is not inside a run's checkpoints/ folder",
+    );
+    let mine = std::fs::read_to_string(here.join("config.yaml")).unwrap();
+    assert_eq!(mine, "# the user's own\n");
+    assert!(!here.join("train.log").exists() && !here.join("a/train.log").exists());
+
+    let old = here.join("old");
+    std::fs::create_dir_all(old.join("checkpoints/step-00000002")).unwrap();
+    let run = ["train", cfg, "--run-dir", old.to_str().unwrap()];
+    refused(&run, here, "already holds a run (checkpoints/)");
+    assert!(!old.join("config.yaml").exists());
+    std::fs::write(here.join("afile"), "").unwrap();
+    let run = ["train", cfg, "--run-dir", "afile"];
+    refused(&run, here, "--run-dir: afile: is a file, not a directory");
+}

@@ -1,7 +1,7 @@
 """Batches as users have them, split into micro-batches along the leading dimension.
 
 This module owns the batch's structure: a tensor, a tuple/list/namedtuple, a dict (a Hugging
-Face collator's dict, `BatchEncoding`, a `ModelOutput`), nested in any way, with non-tensor
+Face collator's dict, `BatchEncoding`, a `ModelOutput`), a dataclass, nested in any way, with non-tensor
 leaves (strings, numbers, None) passed to every micro-batch unchanged. Invariant: rows
 `a..b` of every tensor leaf, put back into the same structure, are the micro-batch; every
 tensor leaf has the same number of rows.
@@ -31,6 +31,11 @@ class Rows:
                 f"batch must hold tensors (a tensor, or a tuple, list or dict of them), not {type(batch).__name__} without any"
             )
         self.rows = _rows(self.leaves, self.paths)
+        self._versions = [t._version for t in self.leaves]
+
+    def changed(self) -> List[str]:
+        """The leaves changed in place since the batch was taken (by `loss_fn`, say)."""
+        return [p for t, p, v in zip(self.leaves, self.paths, self._versions) if t._version != v]
 
     def take(self, start: int, stop: int, mark_dynamic: bool = False) -> Any:
         """Rows `start..stop` of every leaf (views, no copy), in the batch's structure. With
@@ -70,6 +75,10 @@ def _walk(obj: Any, leaves: List[torch.Tensor], paths: List[str], path: str) -> 
         fs = [_walk(v, leaves, paths, f"{path}[{i}]") for i, v in enumerate(obj)]
         kind = tuple if isinstance(obj, tuple) else list
         return lambda ts: kind(f(ts) for f in fs)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = [f.name for f in dataclasses.fields(obj) if f.init]
+        walked = [(k, _walk(getattr(obj, k), leaves, paths, f"{path}.{k}")) for k in names]
+        return lambda ts: dataclasses.replace(obj, **{k: f(ts) for k, f in walked})
     return lambda ts: obj  # a string, a number, None: the same in every micro-batch
 
 

@@ -15,6 +15,7 @@ collective.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import time
@@ -234,6 +235,9 @@ class Guard:
         self._verbose = verbose
         self._tokens_per_sample = tokens_per_sample
         self._scaler = self._checked_scaler(scaler)
+        self._units_scale: Optional[float] = None  # see `_units_weight`
+        self._last_scaler: Any = self._scaler  # the last `backward`'s: `optimizer_step`'s default
+        self._said_changed = False
 
         import torch.distributed as dist
 
@@ -394,6 +398,7 @@ class Guard:
             self._use_cache = False
         try:
             scaler = self._checked_scaler(scaler) if scaler is not None else self._scaler
+            self._last_scaler = scaler
             rows = Rows(batch)
             n = rows.rows
             if not 1 <= n <= self.global_batch_size:
@@ -442,18 +447,20 @@ class Guard:
             loss = None if as_tensor else float(loss_t)
         return loss_t if as_tensor else loss
 
-    def optimizer_step(self, optimizer: Any, scaler: Any = None) -> bool:
+    def optimizer_step(self, optimizer: Any, scaler: Any = None, *, update: bool = True) -> bool:
         """`optimizer.step()` (with a scaler: `scaler.step(optimizer)` then `scaler.update()`)
         under the guard. An OOM in it is retried after the memory is handed back when the
         update had changed nothing (the optimizer's state allocated on its first step, say);
         otherwise, or when it runs out again, `Infeasible` (phase `optimizer`) says what could
         help: a smaller micro-batch cannot. Under several ranks every rank retries or stops
-        together. Returns whether the update was applied (False: the scaler skipped it)."""
-        scaler = self._checked_scaler(scaler) if scaler is not None else self._scaler
+        together. The scaler defaults to the one the last `backward` scaled by. Several
+        optimizers: `update=False` on all but the last (the scaler updates once a step).
+        Returns whether the update was applied (False: the scaler skipped it)."""
+        scaler = self._checked_scaler(scaler) if scaler is not None else self._last_scaler
         if self._inject is not None:
             self._inject.at_step(max(self.step - 1, 0))
         tensors = self._optimizer_tensors(optimizer)
-        versions = [t._version for t in tensors]
+        versions = None
         had_state = {id(p) for p in optimizer.state}
         done = partial = False
         scale_before = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
@@ -467,6 +474,11 @@ class Guard:
                     # A retry runs on the ranks that failed only: a collective in it could not
                     # be matched, so it is refused there (`solo`).
                     with self._attempt_context(solo=rounds > 0):
+                        if versions is None:
+                            # The gradients unscaled once, in place, before the update: a
+                            # retried `scaler.step` then updates from the same gradients.
+                            _unscale_once(scaler, optimizer)
+                            versions = [t._version for t in tensors]
                         if self._inject is not None:
                             self._inject.check("optimizer", self._cuda)
                         if scaler is not None:
@@ -484,7 +496,7 @@ class Guard:
                         raise
                     forget(exc)
                     del exc
-                    partial = not all(t._version == v for t, v in zip(tensors, versions))
+                    partial = versions is None or not all(t._version == v for t, v in zip(tensors, versions))
                     if not partial:
                         for p in [p for p in optimizer.state if id(p) not in had_state]:
                             del optimizer.state[p]
@@ -507,12 +519,12 @@ class Guard:
                     f"oomguard WARNING: OOM in the optimizer's step (rank {self.rank}): {oom[1]}; "
                     "retrying once with the memory handed back"
                 )
-        applied = True
-        if scaler is not None:
+        skipped = _found_inf(scaler, optimizer) if scale_before is not None else False
+        if scaler is not None and update:
             scaler.update()
-            if scale_before is not None:
-                applied = scaler.get_scale() >= scale_before
-        return applied
+        if skipped is None:  # a scaler without its flags: by its scale
+            skipped = update and scaler.get_scale() < scale_before
+        return not skipped
 
     def evaluate(
         self,
@@ -528,8 +540,14 @@ class Guard:
         on an OOM and never grown back; `Infeasible` (phase `eval`) when even 1 does not fit.
         Training's state, `.grad` and the policy are untouched. Every rank of a distributed
         job calls it (FSDP2's all-gathers run in it)."""
-        rows = Rows(batch)
-        n = rows.rows
+        try:
+            rows = Rows(batch)
+            n = rows.rows
+            if n < 1:
+                raise ValueError("the evaluation batch has no rows (the leading dimension of its tensors is 0)")
+        except BaseException as exc:
+            self._stop_everywhere(exc, undo=False)
+            raise
         if self._eval_policy is None or (micro_batch_size and micro_batch_size != self._eval_policy.configured):
             self._eval_policy = Policy(max(1, micro_batch_size or self.policy.current))
         policy = self._eval_policy
@@ -550,7 +568,7 @@ class Guard:
                         if self._inject is not None:
                             self._inject.check("eval", self._cuda)
                         w = units if units is not None else (stop - start)
-                        part = loss.detach().double() * w
+                        part = _counted(loss.detach().double() * w, units)
                         total = part if total is None else total + part
                         units_total = w if units_total is None else units_total + w
                         del loss, part
@@ -606,6 +624,7 @@ class Guard:
         self._done: Tuple[int, Any, Any] = (0, None, None)
         self._pending: List[Tuple[int, frozenset]] = []
         self._units_mode: Optional[bool] = None
+        self._units_step: Any = None  # this step's units weight (`_units_weight`), fixed at its first
         self._equal = self._rows_everywhere(n)
         while True:
             start, carried, carried_units = self._done
@@ -700,14 +719,19 @@ class Guard:
                     )
                 failures += 1
                 continue
+            divisor = None
+            if units is not None and self._units_mode:
+                # The sums were weighed by units / `_units_step`: their mean over the units.
+                divisor = self._units_divisor(units) / self._units_step
+                loss_sum = loss_sum * self._units_step / units
+                if prepared is not None:
+                    # DDP: each rank's own weight comes off before the ranks' average.
+                    _divide_grads(self._params, divisor)
+                    divisor = None
             if prepared is not None:
                 self._sync(prepared, outcome["missing_grads"])
-            if units is not None and self._units_mode:
-                divisor = self._units_divisor(units)
-                for p in self._params:
-                    if p.grad is not None:
-                        p.grad.div_(divisor)
-                loss_sum = loss_sum / units
+            if divisor is not None:
+                _divide_grads(self._params, divisor)
             for p, s in zip(self._params, stashed):
                 if s is not None:
                     if p.grad is None:
@@ -792,6 +816,14 @@ class Guard:
         parameters); `self._done` follows each micro-batch finished."""
         inject = self._inject
         peak = self._peak
+        changed = rows.changed()
+        if changed and not self._said_changed:
+            self._said_changed = True
+            warn(
+                f"loss_fn changed its batch in place ({', '.join(changed)}): the rows redone after the OOM "
+                "see the changed values, so unless that change gives the same result twice (masking "
+                "padding, say) the retry is not the same samples; change a copy (x = x / 255, not x.div_(255))"
+            )
         ctx = self._model.no_sync() if self._ddp else contextlib.nullcontext()
         if self._ddp and self._ranks is not None:
             # As a plain DDP step: its first forward broadcasts rank 0's buffers (DDP stops
@@ -821,13 +853,21 @@ class Guard:
                 self._where = ("backward", index)
                 self._touched = set() if self._hooks else None
                 if units is not None:
-                    part = loss * units  # divided by all the units at the end
+                    # Divided by all the units at the end; weighed by a power of two near the
+                    # step's units meanwhile, so fp16 sums and scaled gradients stay in range.
+                    if self._units_step is None:
+                        self._units_step = self._units_weight(units, size, n)
+                    part = loss * (units / self._units_step)
                 elif size == n:
                     part = loss
                 else:
                     part = loss * (size / n)
                 scaled = scaler.scale(part) if scaler is not None else part
-                if inputs is None:
+                if units is not None and not self._fsdp and _known_zero(units):
+                    # No units: nothing to learn, and a mean over none (0/0) would make every
+                    # gradient nan. FSDP2's backward runs anyway (its collectives).
+                    pass
+                elif inputs is None:
                     scaled.backward()
                 elif inputs:
                     try:
@@ -838,7 +878,8 @@ class Guard:
                         raise _Reentrant() from None
                 del scaled
                 self._touched = None
-                part = part.detach()
+                # Summed in float32 at least: a bf16 model's sum would round at every add.
+                part = _counted(_widened(part.detach()), units)
                 total = part if total is None else total + part
                 if units is not None:
                     units_total = units if units_total is None else units_total + units
@@ -935,6 +976,16 @@ class Guard:
             raise _ranks.PeerStopped(f"oomguard: rank {outcome['error_rank']} stopped (see its output); this rank stops with it")
         return int(outcome["peak_bytes"]), int(_BIG - outcome["baseline_bytes"])
 
+    def _units_weight(self, units: Any, size: int, n: int) -> Any:
+        """What this step's units are divided by as each micro-batch's loss is weighed: the
+        power of two at or above the step's units as its first micro-batch foretells them
+        (exact arithmetic; on the device, nothing read back). Under FSDP2's ranks it must be
+        the same on every rank (its reduce-scatter sums what each rank weighed): the last
+        step's units over the ranks, 1 at the first."""
+        if self._fsdp and self._ranks is not None:
+            return self._units_scale or 1.0
+        return _power_of_two(units * (n / size))
+
     def _units_divisor(self, units: Any) -> Any:
         """What the gradients of the units' sums are divided by. Reduced over the ranks (DDP's
         average, FSDP2's reduce-scatter), they become the mean over every rank's units, the
@@ -943,6 +994,8 @@ class Guard:
         leave the replicas apart when counts differ). One process: its own units."""
         if self._ranks is not None and (self._ddp or self._fsdp):
             total = self._ranks.units(float(units))
+            if self._fsdp:
+                self._units_scale = _power_of_two(total / self.world_size)  # the same on every rank
             # No unit anywhere: nothing was learned (the sums are zero).
             return total / self.world_size if total > 0 else 1.0
         if isinstance(units, torch.Tensor) and _any_dtensor(self._params):
@@ -971,9 +1024,10 @@ class Guard:
             used = 0
             for g in grads + [None]:
                 if g is not None and g.numel() > buf.numel():
+                    # Divided before the sum, as DDP does: fp16 sums stay in range.
                     self._handed.append(g)
-                    all_reduce(g, group=pg)
                     g.div_(world)
+                    all_reduce(g, group=pg)
                     continue
                 if g is None or used + g.numel() > buf.numel():
                     if chunk:
@@ -983,8 +1037,8 @@ class Guard:
                             flat[off : off + c.numel()].copy_(c.reshape(-1))
                             off += c.numel()
                         self._handed.append(flat)
-                        all_reduce(flat, group=pg)
                         flat.div_(world)
+                        all_reduce(flat, group=pg)
                         off = 0
                         for c in chunk:
                             c.copy_(flat[off : off + c.numel()].view_as(c))
@@ -1042,7 +1096,8 @@ class Guard:
                     f"scaler must be a torch.amp.GradScaler (it has no {name}()), not {type(scaler).__name__}"
                 )
         device = getattr(scaler, "_device", None)
-        if device is not None and torch.device(device).type != self._device.type:
+        enabled = scaler.is_enabled() if callable(getattr(scaler, "is_enabled", None)) else True
+        if enabled and device is not None and torch.device(device).type != self._device.type:
             raise ValueError(
                 f"the scaler is for {device} but the parameters are on {self._device}: make it with "
                 f"torch.amp.GradScaler({self._device.type!r})"
@@ -1213,6 +1268,63 @@ def _split(first: int, n: int, mb: int, equal: Optional[Tuple[int, int]] = None,
     if len(plain) == k:
         return plain  # as with one rank: equal counts split as before
     return [(i * n // k, (i + 1) * n // k) for i in range(k)]
+
+
+def _known_zero(units: Any) -> bool:
+    """Whether a micro-batch's units are 0, where that reads nothing back from a device."""
+    if isinstance(units, torch.Tensor):
+        return units.device.type == "cpu" and not bool(units > 0)
+    return not units > 0
+
+
+def _counted(part: torch.Tensor, units: Any) -> torch.Tensor:
+    """A micro-batch's weighed loss as the step's sum takes it: 0 where it had no units (its
+    mean over none is nan), decided on the device."""
+    if units is None:
+        return part
+    if isinstance(units, torch.Tensor):
+        return torch.where(units > 0, part, torch.zeros_like(part))
+    return part if units > 0 else torch.zeros_like(part)
+
+
+def _widened(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _power_of_two(x: Any) -> Any:
+    """The least power of two at or above `x` (> 0; else 1), a number or on `x`'s device."""
+    if isinstance(x, torch.Tensor):
+        x = x.float()
+        return torch.where(x > 0, torch.exp2(torch.ceil(torch.log2(x))), torch.ones_like(x))
+    return 2.0 ** math.ceil(math.log2(x)) if x > 0 else 1.0
+
+
+def _divide_grads(params: List[torch.Tensor], divisor: Any) -> None:
+    for p in params:
+        if p.grad is not None:
+            p.grad.div_(divisor)
+
+
+def _found_inf(scaler: Any, optimizer: Any) -> Optional[bool]:
+    """Whether the scaler skipped `optimizer`'s step (inf/nan gradients), by its own flags,
+    read before `update()` clears them; None for a scaler without them."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    found = states[id(optimizer)].get("found_inf_per_device") if states is not None else None
+    if not found:
+        return None
+    return sum(float(f) for f in found.values()) > 0
+
+
+def _unscale_once(scaler: Any, optimizer: Any) -> None:
+    """`scaler.unscale_(optimizer)` unless this step's gradients are unscaled already (the
+    user's clipping did it) or the optimizer unscales inside its own step (fused kernels)."""
+    if scaler is None or not scaler.is_enabled() or getattr(optimizer, "_step_supports_amp_scaling", False):
+        return
+    from torch.amp.grad_scaler import OptState
+
+    states = getattr(scaler, "_per_optimizer_states", None)  # torch's GradScaler and its subclasses
+    if states is not None and states[id(optimizer)]["stage"] is OptState.READY:
+        scaler.unscale_(optimizer)
 
 
 def _loss_and_units(out: Any) -> Tuple[torch.Tensor, Any]:

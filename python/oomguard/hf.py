@@ -24,6 +24,8 @@ except ImportError as e:  # pragma: no cover - the message is the point
         name=e.name,
     ) from e
 
+import torch
+
 from ._batch import Rows
 from ._guard import Guard
 
@@ -75,7 +77,8 @@ class Trainer(transformers.Trainer):
         why = _refusal(args, micro_batch_size)
         if why:
             raise ValueError(f"oomguard.hf.Trainer: {why}")
-        rows = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        per_device = args.per_device_train_batch_size
+        rows = per_device * args.gradient_accumulation_steps
         start = micro_batch_size or args.per_device_train_batch_size
         if not 1 <= start <= rows:
             raise ValueError(f"oomguard.hf.Trainer: micro_batch_size={start} must be in [1, {rows}] (the step's rows)")
@@ -87,6 +90,8 @@ class Trainer(transformers.Trainer):
             kw["args"] = args
         super().__init__(*a, **kw)
         self.oomguard_rows = rows
+        self._oomguard_per_device = per_device
+        self._oomguard_honours: Optional[bool] = None
         self._oomguard_start = start
         self._oomguard_options = dict(oomguard or {})
         self._oomguard_resume: Optional[str] = None
@@ -113,28 +118,60 @@ class Trainer(transformers.Trainer):
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         """The step's rows, through the guard: each micro-batch's loss is the Trainer's own
-        `compute_loss` with the step's `num_items_in_batch`, so that their sum is the plain
-        Trainer's loss of the step; without that count, micro-batch means weigh by rows."""
+        `compute_loss` with the step's `num_items_in_batch`, weighed so that the step's loss
+        and gradients are the plain Trainer's at the configured sizes (its rule in
+        `training_step`, `loss_is_scaled_for_ga`):
+        - a loss normalised by the step's count (a sum over it): their sum;
+        - a mean the Trainer divides by its accumulation: by rows, the mean of the means;
+        - a count passed but ignored (a model's own mean, a sequence classifier's): the sum
+          of the configured batches' means, as the plain Trainer's accumulation adds them."""
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         inputs = self._prepare_inputs(inputs)
         guard = self._guard_for(model)
+        flag = self.loss_is_scaled_for_ga
+        if flag is None:
+            flag = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None
+        honoured = bool(flag) and num_items_in_batch is not None and self._honours_count(model, inputs, num_items_in_batch)
 
         def loss_fn(mb: Any) -> Any:
             with self.compute_loss_context_manager():
                 loss = self.compute_loss(model, mb, num_items_in_batch=num_items_in_batch)
             if self.args.n_gpu > 1:
                 loss = loss.mean()
-            if num_items_in_batch is None:
+            if not flag:
                 return loss
-            # Normalised by the step's count already: the guard's mean weighted by rows of
-            # (loss x n / r) over micro-batches of r rows (n in all) is the sum of the losses.
-            return loss * (guard_rows / Rows(mb).rows)
+            # The guard's mean weighted by rows of (loss x n / r) over micro-batches of r rows
+            # (n in all) is the sum of the losses; of (loss x n / P), the sum of P-row means.
+            return loss * (guard_rows / (Rows(mb).rows if honoured else self._oomguard_per_device))
 
         guard_rows = Rows(inputs).rows
         loss = guard.backward(inputs, loss_fn, as_tensor=True)
         return loss.detach().to(self.args.device)
+
+    def _honours_count(self, model: Any, inputs: Any, count: Any) -> bool:
+        """Whether `compute_loss` divides by `num_items_in_batch` (else it is a mean of its
+        own, which the Trainer still sums unscaled): one row's loss at the count and at twice
+        it, once a run, in eval mode with the RNG put back. Unsure (a row with no labels, an
+        error): yes, the models' own causal-LM losses do."""
+        if self._oomguard_honours is None:
+            self._oomguard_honours = True
+            was = model.training
+            devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+            try:
+                with torch.random.fork_rng(devices=devices), torch.no_grad(), self.compute_loss_context_manager():
+                    model.eval()
+                    row = Rows(inputs).take(0, 1)
+                    a = self.compute_loss(model, row, num_items_in_batch=count).float()
+                    b = self.compute_loss(model, row, num_items_in_batch=count * 2).float()
+                if torch.isfinite(a) and torch.isfinite(b) and a != 0:
+                    self._oomguard_honours = bool(torch.isclose(a, 2 * b, rtol=1e-3))
+            except Exception:  # noqa: BLE001 - the probe only informs; the step itself reports errors
+                pass
+            finally:
+                model.train(was)
+        return self._oomguard_honours
 
     def log(self, logs: dict, *a: Any, **kw: Any) -> None:
         """The Trainer's logs, a training log with the guard's micro-batch and OOM count
@@ -151,8 +188,10 @@ class Trainer(transformers.Trainer):
             resume_from_checkpoint = (
                 transformers.trainer_utils.get_last_checkpoint(self.args.output_dir) or resume_from_checkpoint
             )
-        if isinstance(resume_from_checkpoint, str):
-            self._oomguard_resume = resume_from_checkpoint
+        # Each train() builds its guard afresh: model_init may make a new model, and a resume
+        # loads the guard's state from its checkpoint.
+        self.guard, self._oomguard_honours = None, None
+        self._oomguard_resume = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
         return super().train(resume_from_checkpoint, *a, **kw)
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:

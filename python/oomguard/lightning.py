@@ -77,6 +77,11 @@ class GuardedModule(pl.LightningModule):
             if self._oomguard_state is not None:
                 self.guard.load_state_dict(self._oomguard_state)
         loss = self.guard.backward(batch, loss_fn, as_tensor=True, **kw)
+        # As manual_backward's precision plugin does once the gradients are there.
+        call = _trainer_call()
+        if call is not None:
+            call._call_callback_hooks(self.trainer, "on_after_backward")
+            call._call_lightning_module_hook(self.trainer, "on_after_backward")
         # To the Trainer's loggers (W&B, MLflow, TensorBoard), as the step's own metrics.
         state = {"oomguard/micro_batch_size": float(self.guard.micro_batch_size), "oomguard/oom_count": float(self.guard.oom_count)}
         self.log_dict(state, on_step=True, on_epoch=False, rank_zero_only=True)
@@ -88,3 +93,17 @@ class GuardedModule(pl.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self._oomguard_state = checkpoint.get(CHECKPOINT_KEY)
+        if self.guard is not None and self._oomguard_state is not None:
+            self.guard.load_state_dict(self._oomguard_state)  # a module fit again
+
+
+def _trainer_call() -> Any:
+    """Lightning's hook dispatch (`trainer.call`), where this Lightning has it."""
+    try:
+        from lightning.pytorch.trainer import call
+    except ImportError:
+        try:
+            from pytorch_lightning.trainer import call  # type: ignore[no-redef]
+        except ImportError:
+            return None
+    return call

@@ -50,13 +50,10 @@ pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
         None if !cuda_config => {
             let (b, why) =
                 budget::resolve_described(c.memory.budget()?, &c.memory.budget, 0, budget::host_memory().as_ref())
-                    .ok_or_else(|| anyhow::anyhow!("memory.budget is none: give --device-memory"))?;
+                    .ok_or_else(|| plan_needs_memory(&cfg, "memory.budget", "is none"))?;
             (b, false, format!("the CPU budget ({why})"))
         }
-        None => anyhow::bail!(
-            "train.device is {}: give --device-memory (a size or a card such as A100)",
-            c.train.device
-        ),
+        None => return Err(plan_needs_memory(&cfg, "train.device", &format!("is {}", c.train.device)).into()),
     };
     if c.model.kind != ModelKind::Gpt {
         return measured(&cfg, &args, memory, cuda, &what);
@@ -264,4 +261,14 @@ fn measured(cfg: &Config, args: &PlanArgs, memory: u64, cuda: bool, what: &str) 
         return Err(NothingFits(human_bytes(memory)).into());
     }
     Ok(())
+}
+
+/// `oomguard plan` with no memory to plan against: the config's key and the flag that gives it.
+fn plan_needs_memory(cfg: &config::Config, key: &str, what: &str) -> Error {
+    Error::Config(config::ConfigError {
+        origin: cfg.path.display().to_string(),
+        line_col: None,
+        key: key.into(),
+        message: format!("{what}, so there is no memory to plan against: give --device-memory (a size such as 24GiB, or a card such as A100)"),
+    })
 }

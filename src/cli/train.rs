@@ -92,11 +92,7 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
     let run_dir = match (&args.run_dir, &args.resume_from) {
         (Some(d), _) => d.clone(),
         // run_dir/checkpoints/step-N
-        (None, Some(p)) => p
-            .parent()
-            .and_then(Path::parent)
-            .map(Path::to_path_buf)
-            .context("--resume-from needs a path like RUN_DIR/checkpoints/step-N")?,
+        (None, Some(p)) => resumed_run_dir(p)?,
         (None, None) => next_run_dir(config_arg(&args)?)?,
     };
     let mut overrides = args.set.clone();
@@ -125,6 +121,12 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
     let cfg = config::load(&config_path, &overrides).map_err(crate::Error::from)?;
     cfg.check_data_files().map_err(crate::Error::from)?;
     let settings = allocator_settings(&cfg)?;
+    cfg.raw.train.check_device().map_err(|e| {
+        crate::Error::Config(ConfigError {
+            origin: cfg.path.display().to_string(),
+            ..e
+        })
+    })?;
     if args.check {
         // Data parallel: the world `--nproc-per-node` or the launcher's WORLD_SIZE gives.
         let world = args
@@ -146,7 +148,7 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
     if lead && matches!(resume, train::Resume::Fresh) {
         prepare_run_dir(&run_dir)?;
     } else {
-        std::fs::create_dir_all(&run_dir).with_context(|| format!("creating run directory {}", run_dir.display()))?;
+        create_run_dir(&run_dir)?;
     }
     crate::signals::install().context("installing the SIGINT/SIGTERM handlers")?;
     let inject_oom = args
@@ -362,16 +364,61 @@ fn next_run_dir(config: &Path) -> anyhow::Result<PathBuf> {
         .context("no free run directory under runs/")
 }
 
-/// A fresh run's directory must be new or empty of metrics: a run is never overwritten.
+/// A fresh run's directory must be new, or hold no run (metrics, checkpoints): a run is never
+/// overwritten, nor its checkpoints taken for the new run's.
 fn prepare_run_dir(dir: &Path) -> anyhow::Result<()> {
+    let refuse = |what: &str| {
+        Err(crate::Error::Config(ConfigError {
+            origin: "--run-dir".into(),
+            line_col: None,
+            key: dir.display().to_string(),
+            message: format!("already holds a run ({what}); continue it with --resume, or choose a new --run-dir"),
+        })
+        .into())
+    };
     if dir.join("metrics.jsonl").exists() {
+        return refuse("metrics.jsonl");
+    }
+    let checkpoints = dir.join("checkpoints");
+    if std::fs::read_dir(&checkpoints).is_ok_and(|mut d| d.next().is_some()) {
+        return refuse("checkpoints/");
+    }
+    create_run_dir(dir)
+}
+
+/// `dir` made (with its parents), or a usage error naming it when a file stands there.
+fn create_run_dir(dir: &Path) -> anyhow::Result<()> {
+    if dir.exists() && !dir.is_dir() {
         return Err(crate::Error::Config(ConfigError {
             origin: "--run-dir".into(),
             line_col: None,
             key: dir.display().to_string(),
-            message: "already holds a run (metrics.jsonl); continue it with --resume, or choose a new --run-dir".into(),
+            message: "is a file, not a directory; choose another --run-dir".into(),
         })
         .into());
     }
     std::fs::create_dir_all(dir).with_context(|| format!("creating run directory {}", dir.display()))
+}
+
+/// The run a `--resume-from RUN_DIR/checkpoints/step-N` continues; anything else is refused
+/// before a file is written (the run directory would be a guess).
+fn resumed_run_dir(p: &Path) -> anyhow::Result<PathBuf> {
+    let bad = |why: &str| -> anyhow::Error {
+        crate::Error::Config(ConfigError {
+            origin: "--resume-from".into(),
+            line_col: None,
+            key: p.display().to_string(),
+            message: format!("{why}; give a run's checkpoint: RUN_DIR/checkpoints/step-N"),
+        })
+        .into()
+    };
+    if !p.is_dir() {
+        return Err(bad("is not a checkpoint directory (it does not exist, or is a file)"));
+    }
+    let checkpoints = p.parent().filter(|d| d.file_name().is_some_and(|n| n == "checkpoints"));
+    let run = checkpoints.ok_or_else(|| bad("is not inside a run's checkpoints/ folder"))?;
+    Ok(match run.parent() {
+        Some(r) if !r.as_os_str().is_empty() => r.to_path_buf(),
+        _ => PathBuf::from("."),
+    })
 }

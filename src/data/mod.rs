@@ -90,8 +90,11 @@ impl DataConfig {
                 "must be a mapping (build receives it as a dict)",
             ));
         }
-        if self.embedded_bytes < 4096 {
-            return Err(ConfigError::invalid("data.embedded_bytes", "must be at least 4096"));
+        if !(4096..=1 << 32).contains(&self.embedded_bytes) {
+            return Err(ConfigError::invalid(
+                "data.embedded_bytes",
+                format!("is {}; it must be from 4096 to 4294967296 (4 GiB)", self.embedded_bytes),
+            ));
         }
         Ok(())
     }
@@ -117,8 +120,13 @@ impl DataConfig {
             Some(p) => Err(ConfigError::invalid(
                 "data.path",
                 format!(
-                    "{} does not exist; for source {} point data.path at {}",
+                    "{} {}; for source {} point data.path at {}",
                     p.display(),
+                    if p.is_dir() {
+                        "is a folder, not a file"
+                    } else {
+                        "does not exist"
+                    },
                     self.source.name(),
                     self.source.wants()
                 ),

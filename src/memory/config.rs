@@ -69,10 +69,13 @@ fn size_text<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error>
     enum Size {
         Bytes(u64),
         Text(String),
+        // Refused by name where the text is parsed (a negative or fractional byte count).
+        Number(f64),
     }
     Ok(match Size::deserialize(d)? {
         Size::Bytes(b) => b.to_string(),
         Size::Text(t) => t,
+        Size::Number(n) => n.to_string(),
     })
 }
 

@@ -51,6 +51,18 @@ impl GptConfig {
                 return Err(ConfigError::invalid(key, format!("is {v}; it must be at least 1")));
             }
         }
+        // Far beyond any model that trains, and far from overflowing the planner's sums.
+        for (key, v, most) in [
+            ("model.n_layer", self.n_layer, 1 << 16),
+            ("model.n_head", self.n_head, 1 << 16),
+            ("model.n_embd", self.n_embd, 1 << 20),
+            ("model.block_size", self.block_size, 1 << 24),
+            ("model.vocab_size", self.vocab_size, 1 << 28),
+        ] {
+            if v > most {
+                return Err(ConfigError::invalid(key, format!("is {v}; it must be at most {most}")));
+            }
+        }
         if self.n_embd % self.n_head != 0 {
             return Err(ConfigError::invalid(
                 "model.n_embd",

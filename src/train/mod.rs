@@ -42,14 +42,17 @@ impl<'de> Deserialize<'de> for MicroBatch {
         enum Raw {
             Size(usize),
             Text(String),
+            Other(serde_yaml::Value),
         }
-        match Raw::deserialize(d)? {
-            Raw::Size(n) => Ok(MicroBatch::Size(n)),
-            Raw::Text(t) if t == "auto" => Ok(MicroBatch::Auto),
-            Raw::Text(t) => Err(serde::de::Error::custom(format!(
-                "`{t}` is not a micro-batch size; use a number or auto"
-            ))),
-        }
+        let what = match Raw::deserialize(d)? {
+            Raw::Size(n) => return Ok(MicroBatch::Size(n)),
+            Raw::Text(t) if t == "auto" => return Ok(MicroBatch::Auto),
+            Raw::Text(t) => t,
+            Raw::Other(v) => serde_yaml::to_string(&v).unwrap_or_default().trim().to_string(),
+        };
+        Err(serde::de::Error::custom(format!(
+            "`{what}` is not a micro-batch size; use a whole number of samples from 1, or auto"
+        )))
     }
 }
 
@@ -118,26 +121,12 @@ impl Default for TrainConfig {
     }
 }
 
+/// The most samples a batch setting takes (`micro_batch_size`, `global_batch_size`, ...):
+/// beyond any step that trains, and far from overflowing the sums of sizes.
+pub const MAX_ROWS: usize = 1 << 24;
+
 impl TrainConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
-        match (self.micro_batch_size, self.global_batch_size) {
-            (MicroBatch::Auto, None) => {
-                return Err(ConfigError::invalid(
-                    "train.global_batch_size",
-                    "is required with micro_batch_size: auto (the samples per optimizer step)",
-                ));
-            }
-            // With grad_accum_steps left at 1, the global batch is split into micro-batches of at
-            // most micro_batch_size (the last may be smaller).
-            (MicroBatch::Size(m), Some(g)) if self.grad_accum_steps > 1 && m * self.grad_accum_steps != g => {
-                return Err(ConfigError::invalid(
-                    "train.global_batch_size",
-                    format!("is {g} but micro_batch_size x grad_accum_steps is {m} x {} = {}; make them agree, or leave grad_accum_steps \
-                        out", self.grad_accum_steps, m * self.grad_accum_steps),
-                ));
-            }
-            _ => {}
-        }
         for (k, v) in [
             (
                 "train.micro_batch_size",
@@ -155,6 +144,42 @@ impl TrainConfig {
             if v == 0 {
                 return Err(ConfigError::invalid(k, "is 0; it must be at least 1"));
             }
+            if v > MAX_ROWS {
+                return Err(ConfigError::invalid(
+                    k,
+                    format!("is {v}; it must be at most {MAX_ROWS} (2^24)"),
+                ));
+            }
+        }
+        if let MicroBatch::Size(m) = self.micro_batch_size {
+            if m * self.grad_accum_steps > MAX_ROWS {
+                return Err(ConfigError::invalid(
+                    "train.grad_accum_steps",
+                    format!(
+                        "makes a global batch of {m} x {} = {} samples; it must be at most {MAX_ROWS} (2^24)",
+                        self.grad_accum_steps,
+                        m * self.grad_accum_steps
+                    ),
+                ));
+            }
+        }
+        match (self.micro_batch_size, self.global_batch_size) {
+            (MicroBatch::Auto, None) => {
+                return Err(ConfigError::invalid(
+                    "train.global_batch_size",
+                    "is required with micro_batch_size: auto (the samples per optimizer step)",
+                ));
+            }
+            // With grad_accum_steps left at 1, the global batch is split into micro-batches of at
+            // most micro_batch_size (the last may be smaller).
+            (MicroBatch::Size(m), Some(g)) if self.grad_accum_steps > 1 && m * self.grad_accum_steps != g => {
+                return Err(ConfigError::invalid(
+                    "train.global_batch_size",
+                    format!("is {g} but micro_batch_size x grad_accum_steps is {m} x {} = {}; make them agree, or leave grad_accum_steps \
+                        out", self.grad_accum_steps, m * self.grad_accum_steps),
+                ));
+            }
+            _ => {}
         }
         if self.max_steps == 0 {
             return Err(ConfigError::invalid("train.max_steps", "is 0; it must be at least 1"));
@@ -196,6 +221,33 @@ impl TrainConfig {
             (None, MicroBatch::Size(m)) => m * self.grad_accum_steps,
             (None, MicroBatch::Auto) => self.grad_accum_steps, // refused by validate()
         }
+    }
+
+    /// An explicit CUDA device where PyTorch sees none (or fewer): refused before anything
+    /// runs. Call it after the allocator settings, as `device`.
+    pub fn check_device(&self) -> Result<(), ConfigError> {
+        if let Ok(Some(Device::Cuda(i))) = parse_device(&self.device) {
+            let n = if crate::memory::cuda_available() {
+                tch::Cuda::device_count()
+            } else {
+                0
+            };
+            if i as i64 >= n {
+                return Err(ConfigError::invalid(
+                    "train.device",
+                    format!(
+                        "is {} but PyTorch sees {n} CUDA device(s) here; use auto (a GPU when there is one){}",
+                        self.device,
+                        if n > 0 {
+                            format!(", cpu, or cuda:0 to cuda:{}", n - 1)
+                        } else {
+                            " or cpu".into()
+                        }
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// The device to train on; `auto` asks whether CUDA is present, so call it when the run

@@ -65,7 +65,10 @@ def units(wrap: str) -> None:
         n = int(kb.sum())
         return (per[kb].sum() / max(n, 1), n)
 
-    guard(model, 8, 2).backward((x, y, keep), loss_fn)
+    g = guard(model, 8, 2)
+    for _ in range(2):  # the second step weighs by the first's units (FSDP2's: the same everywhere)
+        net.zero_grad(set_to_none=True)
+        g.backward((x, y, keep), loss_fn)
     X, Y, K = gathered(x), gathered(y), gathered(keep)
     F.cross_entropy(plain(X), Y, reduction="none")[K].mean().backward()
     got = torch.cat([full(p.grad).flatten() for p in net.parameters()])

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import transformers
+import torch
 
 from conftest import env, max_diff, records, run_ranks
 
@@ -108,3 +109,107 @@ def test_misuse_is_refused_at_construction(tmp_path):
     both = refused({"micro_batch_size": 2}, gradient_accumulation_steps=4)
     assert "gradient accumulation set on both sides: gradient_accumulation_steps=4 and micro_batch_size=2" in both
     assert "micro_batch_size=16 must be in [1, 8]" in refused({"micro_batch_size": 16})
+
+
+# --- in this process: losses the Trainer weighs its own way ------------------------------------
+
+VOCAB, SEQ = 64, 12
+
+
+class Rows64(torch.utils.data.Dataset):
+    """64 rows of token ids, with a causal LM's labels or a sequence classifier's."""
+
+    def __init__(self, kind: str):
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(1, VOCAB, (64, SEQ), generator=g)
+        self.y = {"lm": self.ids.clone(), "regression": torch.randn(64, generator=g, dtype=torch.float64)}[kind]
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.y[i]}
+
+
+def tiny(kind: str):
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=1, n_head=2, pad_token_id=0,
+                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0)
+    if kind == "lm":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(**common)).double()
+    cfg = transformers.GPT2Config(num_labels=1, problem_type="regression", **common)
+    return transformers.GPT2ForSequenceClassification(cfg).double()
+
+
+def in_process(monkeypatch, tmp_path, trainer_cls, kind: str, oom=None, model_init=False, trains=1):
+    import oomguard.hf
+
+    guarded = issubclass(trainer_cls, oomguard.hf.Trainer)
+    if oom:
+        monkeypatch.setenv("OOMGUARD_TEST_OOM_AT", oom)
+    else:
+        monkeypatch.delenv("OOMGUARD_TEST_OOM_AT", raising=False)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / f"{trainer_cls.__name__}-{oom}"), per_device_train_batch_size=4,
+        gradient_accumulation_steps=2, max_steps=4, learning_rate=0.1, optim="sgd", max_grad_norm=0.0,
+        logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True, disable_tqdm=True,
+    )
+    model = dict(model_init=lambda: tiny(kind)) if model_init else dict(model=tiny(kind))
+    extra = {"oomguard": {"verbose": False, "cache": False}} if guarded else {}
+    t = trainer_cls(args=args, train_dataset=Rows64(kind), **model, **extra)
+    for _ in range(trains):
+        t.train()
+    return t, [p.detach().clone() for p in t.model.parameters()], losses(t.state.log_history)
+
+
+def test_a_stock_classifiers_own_mean_is_weighed_as_the_plain_trainer_weighs_it(monkeypatch, tmp_path):
+    # GPT2ForSequenceClassification's regression loss is its own mean, though the Trainer
+    # passes num_items_in_batch: the plain Trainer adds its 2 batches' means. After the OOM
+    # (micro-batch 4 -> 2) the guard's 4 micro-batches must still add up to that.
+    import oomguard.hf
+
+    _, want, want_losses = in_process(monkeypatch, tmp_path, transformers.Trainer, "regression")
+    t, got, got_losses = in_process(monkeypatch, tmp_path, oomguard.hf.Trainer, "regression", oom="0:1:forward")
+    assert t.guard.micro_batch_size == 2 and t.guard.oom_count == 1
+    assert max_diff(got, want) < 1e-12
+    assert max(abs(a - b) for a, b in zip(got_losses, want_losses)) < 1e-5, (got_losses, want_losses)
+
+
+def test_a_compute_loss_declared_unscaled_is_divided_as_the_plain_trainer_divides_it(monkeypatch, tmp_path):
+    import torch.nn.functional as F
+
+    import oomguard.hf
+
+    class MeanLoss:
+        loss_is_scaled_for_ga = False  # transformers' flag: a mean the Trainer divides by accumulation
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            out = model(input_ids=inputs["input_ids"])
+            logits = out.logits[:, :-1].reshape(-1, VOCAB)
+            loss = F.cross_entropy(logits, inputs["labels"][:, 1:].reshape(-1))
+            return (loss, out) if return_outputs else loss
+
+    class Plain(MeanLoss, transformers.Trainer):
+        pass
+
+    class Guarded(MeanLoss, oomguard.hf.Trainer):
+        pass
+
+    _, want, want_losses = in_process(monkeypatch, tmp_path, Plain, "lm")
+    t, got, got_losses = in_process(monkeypatch, tmp_path, Guarded, "lm", oom="0:1:forward")
+    assert t.guard.oom_count == 1
+    assert max_diff(got, want) < 1e-12
+    assert max(abs(a - b) for a, b in zip(got_losses, want_losses)) < 1e-5, (got_losses, want_losses)
+
+
+def test_each_train_call_guards_the_model_it_trains(monkeypatch, tmp_path):
+    # model_init makes a new model at each train() (hyperparameter_search's trials): the guard
+    # must follow it, or an OOM part-way through a backward keeps the old model's gradients.
+    import oomguard.hf
+
+    _, want, _ = in_process(monkeypatch, tmp_path, transformers.Trainer, "lm", model_init=True, trains=2)
+    t, got, _ = in_process(monkeypatch, tmp_path, oomguard.hf.Trainer, "lm", oom="0:1:backward", model_init=True, trains=2)
+    params = {id(p) for p in t.model.parameters()}
+    assert {id(p) for p in t.guard._params} == params
+    assert t.guard.step == t.state.global_step == 4
+    assert max_diff(got, want) < 1e-12

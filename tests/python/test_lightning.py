@@ -47,3 +47,55 @@ def test_an_oom_in_training_step_on_one_rank_equals_lightnings_accumulation(tmp_
     )
     assert again.code == 0, again.out
     assert "restored at step 4; micro_batch_size=8" in again.out and sizes(again.out) == [8, 8], again.out
+
+
+def test_one_process_hooks_after_backward_and_a_module_fit_again_from_a_checkpoint(tmp_path, monkeypatch):
+    """`on_after_backward` runs once a step, as under `manual_backward`; a module fit a second
+    time from a checkpoint starts at the micro-batch the checkpoint saved, as a fresh one does."""
+    import lightning as L
+    import torch.nn.functional as F
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from oomguard.lightning import GuardedModule
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(128, 16, generator=g, dtype=torch.float64)
+    data = torch.utils.data.TensorDataset(x, x[:, :1].sin())
+
+    class Guarded(GuardedModule):
+        oomguard_options = {"verbose": False, "cache": False}
+
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).double()
+            self.after_backward = 0
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+        def training_step(self, b, i):
+            opt = self.optimizers()
+            self.guarded_backward(b, lambda mb: F.mse_loss(self.net(mb[0]), mb[1]))
+            opt.step()
+            opt.zero_grad()
+
+        def on_after_backward(self):
+            assert all(p.grad is not None for p in self.parameters())
+            self.after_backward += 1
+
+    def fit(module, steps, ckpt=None, **kw):
+        kw = {"logger": False, "enable_checkpointing": False, **kw}
+        L.Trainer(accelerator="cpu", devices=1, max_steps=steps, default_root_dir=str(tmp_path),
+                  enable_progress_bar=False, enable_model_summary=False, **kw).fit(
+            module, torch.utils.data.DataLoader(data, batch_size=32), ckpt_path=ckpt)
+
+    monkeypatch.setenv("OOMGUARD_TEST_OOM_AT", "0:0:forward")
+    a = Guarded()
+    fit(a, 2, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=str(tmp_path), filename="last")])
+    monkeypatch.delenv("OOMGUARD_TEST_OOM_AT")
+    assert a.guard.micro_batch_size == 16 and a.after_backward == 2
+    again = Guarded()
+    fit(again, 1)  # its guard made, at 32
+    fit(again, 4, ckpt=str(tmp_path / "last.ckpt"))
+    assert again.guard.micro_batch_size == 16 and again.guard.step == 4

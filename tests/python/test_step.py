@@ -133,6 +133,14 @@ def test_a_padded_lm_loss_weighs_each_micro_batch_by_its_tokens(hook):
 # --- GradScaler ----------------------------------------------------------------------------------
 
 
+def plain_scaled_step(scaler, opt) -> bool:
+    """The plain loop's `scaler.step` and `update`: whether the step was applied."""
+    before = scaler.get_scale()
+    scaler.step(opt)
+    scaler.update()
+    return scaler.get_scale() >= before
+
+
 def scaled_loop(guarded: bool, steps: int, hook_spec=None, monkeypatch=None):
     """fp16 autocast on the CPU with torch.amp.GradScaler("cpu"), a start scale so large that
     step 0 overflows (the scaler skips it and lowers the scale), the plain loop at micro-batch
@@ -160,10 +168,7 @@ def scaled_loop(guarded: bool, steps: int, hook_spec=None, monkeypatch=None):
         else:
             for s in range(0, 16, 8):
                 scaler.scale(loss_fn((x[s : s + 8], y[s : s + 8])) * 0.5).backward()
-            before = scaler.get_scale()
-            scaler.step(opt)
-            scaler.update()
-            applied.append(scaler.get_scale() >= before)
+            applied.append(plain_scaled_step(scaler, opt))
         opt.zero_grad(set_to_none=True)
         scales.append(scaler.get_scale())
     return [p.detach().clone() for p in m.parameters()], scales, applied, guard
@@ -178,13 +183,110 @@ def test_gradscaler_loops_scale_each_share_and_skip_overflowing_steps_as_the_pla
     assert max_diff(plain, got) < 1e-6
 
 
+def units_fp16_loop(guarded: bool, steps: int = 3):
+    """An fp16 LM under GradScaler whose loss_fn returns (mean over unpadded tokens, tokens):
+    the plain loop divides each micro-batch's token sum by the step's tokens, as HF's
+    num_items_in_batch does. Returns the scale after each step, whether each step applied, and
+    the parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    gen = torch.Generator().manual_seed(1)
+
+    def mean_and_tokens(b):
+        with torch.autocast("cpu", dtype=torch.float16):
+            logits = model(b["input_ids"]).float()
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, 16), b["labels"].view(-1), ignore_index=-100)
+        return loss, (b["labels"] != -100).sum()
+
+    guard = oomguard.Guard(model, global_batch_size=16, micro_batch_size=8, verbose=False, scaler=scaler)
+    scales, applied = [], []
+    for _ in range(steps):
+        ids = torch.randint(0, 16, (16, 64), generator=gen)
+        labels = ids.roll(-1, 1)
+        labels[::3, 40:] = -100
+        batch = {"input_ids": ids, "labels": labels}
+        if guarded:
+            guard.backward(batch, mean_and_tokens)
+            applied.append(guard.optimizer_step(opt))
+        else:
+            tokens = (labels != -100).sum()
+            for s in range(0, 16, 8):
+                loss, n = mean_and_tokens({k: v[s : s + 8] for k, v in batch.items()})
+                scaler.scale(loss * n / tokens).backward()
+            applied.append(plain_scaled_step(scaler, opt))
+        opt.zero_grad(set_to_none=True)
+        scales.append(scaler.get_scale())
+    return scales, applied, [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_units_loss_under_gradscaler_overflows_no_more_than_the_plain_loop():
+    # Weighed by its raw token count, a micro-batch's scaled fp16 gradients overflowed where
+    # the plain loop's did not: steps skipped and the scale cut, for nothing.
+    plain_scales, plain_applied, plain = units_fp16_loop(False)
+    scales, applied, got = units_fp16_loop(True)
+    assert plain_applied == [True, True, True]
+    assert applied == plain_applied and scales == plain_scales
+    assert max_diff(plain, got) < 1e-5
+
+
 def test_a_scaler_of_the_wrong_kind_is_refused_at_construction():
     m = mlp()
     with pytest.raises(TypeError, match=r"scaler must be a torch.amp.GradScaler .*not float"):
         oomguard.Guard(m, global_batch_size=4, scaler=1.0)
-    cuda_scaler = torch.amp.GradScaler("cuda", enabled=False)
-    with pytest.raises(ValueError, match=r"the scaler is for cuda but the parameters are on cpu"):
-        oomguard.Guard(m, global_batch_size=4, scaler=cuda_scaler)
+    # nanoGPT's GradScaler(enabled=dtype == "float16") on a machine without CUDA: disabled, a
+    # no-op, as in the plain loop.
+    x, y = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 1, dtype=torch.float64)
+    torch.nn.functional.mse_loss(m(x), y).backward()
+    want = grads(m)
+    m.zero_grad(set_to_none=True)
+    off = torch.amp.GradScaler("cuda", enabled=False)
+    guard = oomguard.Guard(m, global_batch_size=4, micro_batch_size=2, verbose=False, scaler=off)
+    guard.backward((x, y), lambda b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+    assert max_diff(grads(m), want) < 1e-12
+
+
+def test_two_optimizers_step_with_one_scaler_update_as_the_plain_loop():
+    """PyTorch's recipe for several optimizers: scaler.step each, then one scaler.update()."""
+
+    def run(guarded: bool):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+        o0 = torch.optim.SGD(m[0].parameters(), lr=0.05)
+        o1 = torch.optim.AdamW(m[2].parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**21)
+        guard = oomguard.Guard(m, global_batch_size=16, verbose=False, snapshot=False)
+        gen = torch.Generator().manual_seed(1)
+        out = []
+        for _ in range(8):
+            x = torch.randn(16, 8, generator=gen)
+
+            def loss_fn(b):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    return torch.nn.functional.mse_loss(m(b).float(), b[:, :1].sin())
+
+            if guarded:
+                guard.backward(x, loss_fn, scaler=scaler)  # optimizer_step takes this scaler
+                out.append((guard.optimizer_step(o0, update=False), guard.optimizer_step(o1)))
+            else:
+                scaler.scale(loss_fn(x)).backward()
+                scaler.step(o0)
+                scaler.step(o1)
+                # Each optimizer skips on its own gradients' inf/nan.
+                out.append(tuple(not sum(scaler._per_optimizer_states[id(o)]["found_inf_per_device"].values()) for o in (o0, o1)))
+                scaler.update()
+            o0.zero_grad(set_to_none=True)
+            o1.zero_grad(set_to_none=True)
+            out.append(scaler.get_scale())
+        return out, [p.detach().clone() for p in m.parameters()]
+
+    plain, plain_params = run(False)
+    got, params = run(True)
+    assert (False, False) in plain and (True, True) in plain  # some steps overflow, some apply
+    assert (True, False) in plain  # the second optimizer's gradients overflowed alone
+    assert got == plain
+    assert max_diff(params, plain_params) < 1e-6
 
 
 # --- buffers -------------------------------------------------------------------------------------
@@ -239,6 +341,41 @@ def test_an_oom_in_adamws_first_step_is_retried_and_changes_nothing(hook):
     assert [s["step"].item() for s in opt.state.values()] == [2.0] * 4
 
 
+def test_an_oom_inside_a_scaled_optimizer_step_is_retried_from_the_same_gradients():
+    """`scaler.step` unscales the gradients in place, then steps: an OOM in AdamW's first step
+    (its state allocated, nothing updated) is retried once, unscaling nothing twice."""
+
+    class FirstStepRunsOut(torch.optim.AdamW):
+        failed = False
+
+        def step(self, closure=None):
+            if not self.failed:
+                FirstStepRunsOut.failed = True
+                for group in self.param_groups:  # its state, made before the update
+                    for p in group["params"]:
+                        self.state[p]["exp_avg"] = torch.zeros_like(p)
+                raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4096 bytes.")
+            return super().step(closure)
+
+    m, ref = mlp(dtype=torch.float32), mlp(dtype=torch.float32)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    for model, cls, guarded in ((m, FirstStepRunsOut, True), (ref, torch.optim.AdamW, False)):
+        opt = cls(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        guard = oomguard.Guard(model, global_batch_size=16, verbose=False, scaler=scaler, snapshot=False)
+        for _ in range(2):
+            if guarded:
+                guard.backward((x, y), lambda b: torch.nn.functional.mse_loss(model(b[0]), b[1]))
+                assert guard.optimizer_step(opt) is True
+            else:
+                scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad(set_to_none=True)
+    assert FirstStepRunsOut.failed
+    assert max_diff(list(m.parameters()), list(ref.parameters())) < 1e-6
+
+
 def test_an_oom_part_way_through_an_update_is_infeasible_naming_the_optimizer():
     m = mlp()
 
@@ -253,6 +390,78 @@ def test_an_oom_part_way_through_an_update_is_infeasible_naming_the_optimizer():
         guard.optimizer_step(HalfDone(m.parameters(), lr=0.1))
     assert e.value.phase == "optimizer" and "part-way through the update" in str(e.value)
     assert "A smaller micro-batch cannot help" in str(e.value) and "shard the optimizer state" in str(e.value)
+
+
+def test_micro_batches_without_loss_units_add_nothing_not_nan(hook):
+    # A fine-tuning batch whose first rows are prompt only (every label masked): a micro-batch
+    # of them has no units, and a hand-written masked mean over it is 0/0.
+    m = mlp()
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    mask = torch.ones(8, dtype=torch.bool)
+    mask[:3] = False
+
+    def masked_mean(b):
+        err = (m(b[0]) - b[1]).square().squeeze(1) * b[2]
+        return err.sum() / b[2].sum(), b[2].sum()
+
+    want_loss = masked_mean((x, y, mask))[0]
+    want_loss.backward()
+    want = grads(m)
+    with torch.no_grad():
+        want_eval = masked_mean((x, y, mask))[0].item()
+    for units in (lambda u: u, lambda u: int(u)):  # a CPU tensor, a number
+        m.zero_grad(set_to_none=True)
+        hook("0:0:backward:2")  # an OOM after two micro-batches, the first without units
+        guard = oomguard.Guard(m, global_batch_size=8, micro_batch_size=2, verbose=False)
+        loss = guard.backward((x, y, mask), lambda b: (masked_mean(b)[0], units(masked_mean(b)[1])))
+        assert guard.micro_batch_size == 1
+        assert loss == pytest.approx(want_loss.item(), rel=1e-12)
+        assert max_diff(grads(m), want) < 1e-12
+        got_eval = guard.evaluate((x, y, mask), lambda b: (masked_mean(b)[0], units(masked_mean(b)[1])), micro_batch_size=2)
+        assert got_eval == pytest.approx(want_eval, rel=1e-12)
+
+
+def test_a_dataclass_batch_splits_its_tensors_and_an_empty_one_is_refused(hook):
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Targets:
+        y: torch.Tensor
+        name: str = "regression"
+
+    m = mlp()
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    torch.nn.functional.mse_loss(m(x), y).backward()
+    want = grads(m)
+    m.zero_grad(set_to_none=True)
+    seen = []
+
+    def loss_fn(b):
+        seen.append((b["t"].name, b["t"].y.shape[0]))
+        return torch.nn.functional.mse_loss(m(b["x"]), b["t"].y)
+
+    hook("0:0:forward:2")
+    guard = oomguard.Guard(m, global_batch_size=8, micro_batch_size=4, verbose=False)
+    guard.backward({"x": x, "t": Targets(y)}, loss_fn)
+    assert max_diff(grads(m), want) < 1e-12
+    assert seen[-1] == ("regression", 2) and {n for _, n in seen} == {4, 2}
+    with pytest.raises(ValueError, match="the evaluation batch has no rows"):
+        guard.evaluate(x[:0], lambda b: m(b).mean())
+
+
+def test_a_loss_fn_that_changes_its_batch_in_place_is_named_at_a_retry(hook, capsys):
+    m = mlp()
+    x = torch.randn(8, 8, dtype=torch.float64)
+    hook("0:0:forward:2")
+    guard = oomguard.Guard(m, global_batch_size=8, micro_batch_size=4)
+
+    def loss_fn(b):
+        b["pixels"].mul_(0.5)  # normalised in place: a redone row is halved twice
+        return m(b["pixels"]).mean()
+
+    guard.backward({"pixels": x}, loss_fn)
+    err = capsys.readouterr().err
+    assert "loss_fn changed its batch in place (batch['pixels'])" in err
 
 
 def test_evaluation_halves_its_own_micro_batch_and_leaves_training_alone(hook):

@@ -396,13 +396,22 @@ fn parse_nproc(s: &str) -> Result<usize, Error> {
             0 => cpus(),
             n => n,
         }),
-        n => n
-            .parse()
-            .ok()
-            .filter(|&n| n >= 1)
-            .ok_or_else(|| bad("--nproc-per-node", format!("`{n}` is not a number, auto, cpu or gpu"))),
+        n => match n.parse::<usize>() {
+            Ok(k) if (1..=MAX_NPROC).contains(&k) => Ok(k),
+            Ok(k) => Err(bad(
+                "--nproc-per-node",
+                format!("is {k}; give 1 to {MAX_NPROC} workers on this node (or auto, cpu, gpu)"),
+            )),
+            Err(_) => Err(bad(
+                "--nproc-per-node",
+                format!("`{n}` is not a number, auto, cpu or gpu"),
+            )),
+        },
     }
 }
+
+/// The most workers one launcher starts: far above any node's devices or cores.
+pub const MAX_NPROC: usize = 4096;
 
 /// `3`, or per local rank `0:1,1:2` (1 stdout, 2 stderr, 3 both).
 fn parse_streams(flag: &str, s: &str, nproc: usize) -> Result<BTreeMap<usize, Streams>, Error> {
