@@ -14,7 +14,7 @@ fn main() {
     let result = match args.command {
         Command::Launch(a) => {
             cli::init_tracing(args.log_format);
-            cli::launch(a)
+            cli::launch(*a)
         }
         Command::Sweep(a) => {
             cli::init_tracing(args.log_format);

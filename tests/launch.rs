@@ -1161,3 +1161,67 @@ fn catches(pid: u32, sig: i32) -> bool {
     mask.and_then(|m| u64::from_str_radix(m, 16).ok())
         .is_some_and(|m| m & (1 << (sig - 1)) != 0)
 }
+
+/// What torchrun users' scripts do to the streams and the log folder: bytes that are not
+/// UTF-8 and a progress bar redrawn with `\r` reach the console as they come (the worker
+/// writes on after them); PET_* switches are `1` as torchrun reads them; a --log-dir used
+/// by an earlier run that died of an OOM does not make this run's failure an OOM.
+#[test]
+fn any_bytes_a_redrawn_bar_numeric_switches_and_a_reused_log_dir() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("bytes.py"),
+        "import sys\nsys.stdout.buffer.write(b'caf\\xe9\\n'); sys.stdout.flush()\n\
+         for i in range(3): sys.stderr.write(f'\\r{i}/3'); sys.stderr.flush()\n\
+         sys.stderr.write('\\n'); print('after', __name__, flush=True)\n",
+    )
+    .unwrap();
+    let logs = dir.path().join("logs");
+    let o = launcher(&["--log-dir", logs.to_str().unwrap(), "bytes.py"])
+        .current_dir(dir.path())
+        .env("PET_RUN_PATH", "1")
+        .output()
+        .unwrap();
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(
+        out.contains("[default0]:caf\u{fffd}\n") && out.contains("[default0]:after __main__"),
+        "{out}"
+    );
+    assert!(
+        err.contains("[default0]:0/3\r[default0]:1/3\r[default0]:2/3\n"),
+        "{err:?}"
+    );
+
+    let stale = logs.join("none/attempt_0/0/error.json");
+    let oom = r#"{"message": {"message": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"}}"#;
+    std::fs::write(&stale, oom).unwrap();
+    std::fs::write(dir.path().join("fails.py"), "import sys; sys.exit(1)").unwrap();
+    let o = launcher(&["--log-dir", logs.to_str().unwrap(), "fails.py"])
+        .current_dir(dir.path())
+        .env("OOMGUARD_MICRO_BATCH_SIZE", "16")
+        .output()
+        .unwrap();
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{out}\n{err}");
+    assert!(
+        !err.contains("out of memory") && !err.contains("Tried to allocate"),
+        "{err}"
+    );
+}
+
+/// A script's own exit 3 is not oomguard's "does not fit": it is restarted as any failure
+/// (torchrun restarts it), and the launcher exits with it once no restart is left.
+#[test]
+fn a_scripts_own_exit_3_is_restarted() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("three.py"), "import sys; sys.exit(3)").unwrap();
+    let o = launcher(&["--max-restarts", "1", "--monitor-interval", "0.05", "three.py"])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(3), "{out}\n{err}");
+    assert!(err.contains("restarting the group (1/1)"), "{err}");
+    assert!(!err.contains("does not fit"), "{err}");
+}

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 from collections.abc import Mapping
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Tuple
 
 import torch
 
@@ -25,12 +26,16 @@ class Rows:
     def __init__(self, batch: Any):
         self.leaves: List[torch.Tensor] = []
         self.paths: List[str] = []
-        self._rebuild = _walk(batch, self.leaves, self.paths, "batch")
+        seqs: List[Tuple[str, int]] = []
+        self._rebuild = _walk(batch, self.leaves, self.paths, "batch", seqs)
         if not self.leaves:
             raise TypeError(
                 f"batch must hold tensors (a tensor, or a tuple, list or dict of them), not {type(batch).__name__} without any"
             )
         self.rows = _rows(self.leaves, self.paths)
+        # Lists or arrays without tensors, one entry a row by their length (`lengths` for
+        # pack_padded_sequence): passed whole to every micro-batch, so a split says so.
+        self._per_row = [p for p, n in seqs if n == self.rows > 1]
         self._versions = [t._version for t in self.leaves]
 
     def changed(self) -> List[str]:
@@ -41,6 +46,13 @@ class Rows:
         """Rows `start..stop` of every leaf (views, no copy), in the batch's structure. With
         `mark_dynamic`, the leading dimension is marked dynamic for torch.compile, so that
         a new micro-batch size does not compile again."""
+        if self._per_row and stop - start < self.rows:
+            warnings.warn(
+                f"oomguard: {', '.join(self._per_row)} has one entry per row but is not a tensor: every micro-batch "
+                f"gets it whole (rows {start}..{stop} of {self.rows} here); make it a tensor to have it split",
+                stacklevel=3,
+            )
+            self._per_row = []
         parts = [t[start:stop] for t in self.leaves]
         if mark_dynamic:
             for p in parts:
@@ -57,27 +69,40 @@ def _maybe_mark_dynamic(t: torch.Tensor) -> None:
         mark(t, 0)
 
 
-def _walk(obj: Any, leaves: List[torch.Tensor], paths: List[str], path: str) -> Rebuild:
+def _walk(obj: Any, leaves: List[torch.Tensor], paths: List[str], path: str, seqs: List[Tuple[str, int]]) -> Rebuild:
+    """`obj`'s tensor leaves into `leaves` (their paths into `paths`) and how to rebuild it;
+    sequences without tensors, with their lengths, into `seqs`."""
+    n = len(leaves)
+    rebuild = _walk_node(obj, leaves, paths, path, seqs)
+    if len(leaves) == n and not isinstance(obj, (str, bytes, Mapping)) and hasattr(obj, "__len__"):
+        try:
+            seqs.append((path, len(obj)))
+        except TypeError:  # a 0-dim array
+            pass
+    return rebuild
+
+
+def _walk_node(obj: Any, leaves: List[torch.Tensor], paths: List[str], path: str, seqs: List[Tuple[str, int]]) -> Rebuild:
     if isinstance(obj, torch.Tensor):
         i = len(leaves)
         leaves.append(obj)
         paths.append(path)
         return lambda ts: ts[i]
     if isinstance(obj, Mapping):
-        items = [(k, _walk(v, leaves, paths, f"{path}[{k!r}]")) for k, v in obj.items()]
+        items = [(k, _walk(v, leaves, paths, f"{path}[{k!r}]", seqs)) for k, v in obj.items()]
         make = _mapping_maker(obj)
         return lambda ts: make({k: f(ts) for k, f in items})
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-        fs = [_walk(v, leaves, paths, f"{path}.{name}") for name, v in zip(obj._fields, obj)]
+        fs = [_walk(v, leaves, paths, f"{path}.{name}", seqs) for name, v in zip(obj._fields, obj)]
         kind = type(obj)
         return lambda ts: kind(*[f(ts) for f in fs])
     if isinstance(obj, (tuple, list)):
-        fs = [_walk(v, leaves, paths, f"{path}[{i}]") for i, v in enumerate(obj)]
+        fs = [_walk(v, leaves, paths, f"{path}[{i}]", seqs) for i, v in enumerate(obj)]
         kind = tuple if isinstance(obj, tuple) else list
         return lambda ts: kind(f(ts) for f in fs)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         names = [f.name for f in dataclasses.fields(obj) if f.init]
-        walked = [(k, _walk(getattr(obj, k), leaves, paths, f"{path}.{k}")) for k in names]
+        walked = [(k, _walk(getattr(obj, k), leaves, paths, f"{path}.{k}", seqs)) for k in names]
         return lambda ts: dataclasses.replace(obj, **{k: f(ts) for k, f in walked})
     return lambda ts: obj  # a string, a number, None: the same in every micro-batch
 

@@ -219,7 +219,7 @@ class Guard:
                 f"micro_batch_size is {configured}; it must be in [1, global_batch_size = {global_batch_size}]"
             )
         self.global_batch_size = global_batch_size
-        self._model = model if isinstance(model, torch.nn.Module) else None
+        self._model = _uncompiled(model) if isinstance(model, torch.nn.Module) else None
         params = model.parameters() if isinstance(model, torch.nn.Module) else model
         self._params: List[torch.nn.Parameter] = [p for p in params if p.requires_grad]
         if not self._params:
@@ -261,26 +261,9 @@ class Guard:
         # Off once a redo through `backward(inputs=...)` met reentrant checkpointing, which
         # refuses it: a backward that ran out part-way is then redone whole.
         self._partial_ok = True
-        self._hooks = []
-        if self._ranks is None and hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
-            me = weakref.ref(self)
-
-            def accumulated(p: torch.Tensor) -> None:
-                g = me()
-                if g is not None and g._touched is not None:
-                    g._touched.add(id(p))
-
-            self._hooks = [p.register_post_accumulate_grad_hook(accumulated) for p in self._params]
-        groups: dict = {}
-        for p in self._params:
-            groups.setdefault((p.dtype, p.device), []).append(p)
-        self._groups = list(groups.items())
+        self._hooks: list = []
+        self._track(self._params)
         self._bucket_cap = int(getattr(self._model, "bucket_bytes_cap", 25 << 20)) if self._ddp else 0
-        self._has = (
-            torch.zeros(len(self._params), dtype=torch.float64, device=self._ranks.device)
-            if self._ranks is not None
-            else None
-        )
         self._buffers = Buffers(self._model)
         self._heap = Heap(verbose) if self._device.type == "cpu" else None
         # Every tensor `_sync` handed to a collective, held until the next `backward` begins:
@@ -322,11 +305,50 @@ class Guard:
         self._say(f"oomguard: micro_batch_size={self.policy.current}")
 
     def __del__(self) -> None:
+        self._unhook()
+
+    def _unhook(self) -> None:
         for h in getattr(self, "_hooks", ()):
             try:
                 h.remove()
             except Exception:  # noqa: BLE001 - at interpreter exit torch may be gone
                 pass
+        self._hooks = []
+
+    def _track(self, params: List[torch.nn.Parameter]) -> None:
+        """What the guard keeps per trainable parameter: the hooks that see a backward's
+        progress (one process), the groups by dtype and device, the ranks' gradient flags."""
+        self._unhook()
+        self._params = params
+        if self._ranks is None and hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+            me = weakref.ref(self)
+
+            def accumulated(p: torch.Tensor) -> None:
+                g = me()
+                if g is not None and g._touched is not None:
+                    g._touched.add(id(p))
+
+            self._hooks = [p.register_post_accumulate_grad_hook(accumulated) for p in params]
+        groups: dict = {}
+        for p in params:
+            groups.setdefault((p.dtype, p.device), []).append(p)
+        self._groups = list(groups.items())
+        self._has = (
+            torch.zeros(len(params), dtype=torch.float64, device=self._ranks.device) if self._ranks is not None else None
+        )
+
+    def _retrack(self) -> None:
+        """A model's parameters frozen or unfrozen since the last call (progressive
+        unfreezing): the guard follows them, as the optimizer's step does."""
+        if self._model is None:
+            return
+        now = [p for p in self._model.parameters() if p.requires_grad]
+        if len(now) == len(self._params) and all(a is b for a, b in zip(now, self._params)):
+            return
+        if not now:
+            raise ValueError("the model has no parameters that require grad")
+        _ranks.refuse_unsafe(self._model, now)
+        self._track(now)
 
     # --- the API ---------------------------------------------------------------------------
 
@@ -399,6 +421,7 @@ class Guard:
         try:
             scaler = self._checked_scaler(scaler) if scaler is not None else self._scaler
             self._last_scaler = scaler
+            self._retrack()
             rows = Rows(batch)
             n = rows.rows
             if not 1 <= n <= self.global_batch_size:
@@ -723,7 +746,7 @@ class Guard:
             if units is not None and self._units_mode:
                 # The sums were weighed by units / `_units_step`: their mean over the units.
                 divisor = self._units_divisor(units) / self._units_step
-                loss_sum = loss_sum * self._units_step / units
+                loss_sum = loss_sum * self._units_step / _at_least_one_unit(units)
                 if prepared is not None:
                     # DDP: each rank's own weight comes off before the ranks' average.
                     _divide_grads(self._params, divisor)
@@ -999,8 +1022,10 @@ class Guard:
             # No unit anywhere: nothing was learned (the sums are zero).
             return total / self.world_size if total > 0 else 1.0
         if isinstance(units, torch.Tensor) and _any_dtensor(self._params):
-            return float(units)
-        return units
+            return float(_at_least_one_unit(units))
+        # No unit in the batch (every label masked): nothing was learned; a mean over none
+        # is taken as over one, as `n.clamp(min=1)` in a plain loop (0 / 0 is NaN).
+        return _at_least_one_unit(units)
 
     def _sync(self, buckets, missing: bool) -> None:
         """DDP's gradient average after the ranks agreed, bucket by bucket through the buffers
@@ -1320,7 +1345,10 @@ def _unscale_once(scaler: Any, optimizer: Any) -> None:
     user's clipping did it) or the optimizer unscales inside its own step (fused kernels)."""
     if scaler is None or not scaler.is_enabled() or getattr(optimizer, "_step_supports_amp_scaling", False):
         return
-    from torch.amp.grad_scaler import OptState
+    try:
+        from torch.amp.grad_scaler import OptState
+    except ImportError:  # torch < 2.3
+        from torch.cuda.amp.grad_scaler import OptState
 
     states = getattr(scaler, "_per_optimizer_states", None)  # torch's GradScaler and its subclasses
     if states is not None and states[id(optimizer)]["stage"] is OptState.READY:
@@ -1339,12 +1367,29 @@ def _loss_and_units(out: Any) -> Tuple[torch.Tensor, Any]:
             units = units.detach().reshape(())
         elif not isinstance(units, (int, float)) or isinstance(units, bool):
             raise TypeError(f"loss_fn's units must be a number or a 1-element tensor, not {type(units).__name__}")
+        elif not units >= 0:
+            raise ValueError(f"loss_fn's units are {units}: the count its mean is over (tokens, rows), 0 or more")
     if not isinstance(out, torch.Tensor) or out.numel() != 1:
         what = type(out).__name__ if not isinstance(out, torch.Tensor) else f"shape {tuple(out.shape)}"
         raise TypeError(
             f"loss_fn must return a scalar tensor (the micro-batch's mean loss) or (loss, units), not {what}"
         )
     return (out if out.dim() == 0 else out.reshape(())), units
+
+
+def _at_least_one_unit(units: Any) -> Any:
+    """`units`, or 1 where there are none (a tensor stays on its device: no sync)."""
+    if isinstance(units, torch.Tensor):
+        return torch.where(units > 0, units, torch.ones_like(units))
+    return units if units > 0 else 1
+
+
+def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module under `torch.compile`'s wrapper (`torch.compile(DDP(m))`, as PyTorch's
+    recipe and Accelerate write it): its DDP or FSDP2 is what the guard drives."""
+    while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+        model = model._orig_mod
+    return model
 
 
 def _any_dtensor(params: List[torch.nn.Parameter]) -> bool:

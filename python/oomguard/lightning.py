@@ -42,6 +42,9 @@ class GuardedModule(pl.LightningModule):
     `oomguard/micro_batch_size` and `oomguard/oom_count` each step."""
 
     oomguard_micro_batch_size: Optional[int] = None
+    #: The most rows a batch may have (default: the train loader's `batch_size`, or the
+    #: first batch's rows, whichever is larger): set it for samplers whose batches vary.
+    oomguard_global_batch_size: Optional[int] = None
     oomguard_options: dict = {}
 
     def __init__(self, *a: Any, **kw: Any):
@@ -73,7 +76,8 @@ class GuardedModule(pl.LightningModule):
                 "scaler": getattr(trainer.precision_plugin, "scaler", None),
                 **self.oomguard_options,
             }
-            self.guard = Guard(model, global_batch_size=rows, micro_batch_size=self.oomguard_micro_batch_size, **options)
+            most = self.oomguard_global_batch_size or max(rows, _loader_batch_size(trainer))
+            self.guard = Guard(model, global_batch_size=most, micro_batch_size=self.oomguard_micro_batch_size, **options)
             if self._oomguard_state is not None:
                 self.guard.load_state_dict(self._oomguard_state)
         loss = self.guard.backward(batch, loss_fn, as_tensor=True, **kw)
@@ -95,6 +99,19 @@ class GuardedModule(pl.LightningModule):
         self._oomguard_state = checkpoint.get(CHECKPOINT_KEY)
         if self.guard is not None and self._oomguard_state is not None:
             self.guard.load_state_dict(self._oomguard_state)  # a module fit again
+
+
+def _loader_batch_size(trainer: Any) -> int:
+    """The train loader's `batch_size` (its batch sampler's), 0 where it has none."""
+    try:
+        loader = trainer.train_dataloader
+    except Exception:  # noqa: BLE001 - not every Trainer state has one
+        return 0
+    for source in (loader, getattr(loader, "batch_sampler", None)):
+        size = getattr(source, "batch_size", None)
+        if isinstance(size, int) and size > 0:
+            return size
+    return 0
 
 
 def _trainer_call() -> Any:

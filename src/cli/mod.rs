@@ -9,7 +9,7 @@ pub use oomguard_cli::{exec_torch_binary, init_tracing, Cli, Command, ExitCode, 
 pub fn run_torch(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Train(a) => train::exec(a),
-        Command::Launch(a) => oomguard_cli::launch(a),
+        Command::Launch(a) => oomguard_cli::launch(*a),
         Command::Plan(a) => plan::exec(a),
         Command::Sweep(a) => oomguard_sweep::run(a),
         Command::Report(a) => oomguard_cli::report(a),

@@ -275,7 +275,7 @@ fn launch_self(nproc: &str, run_dir: Option<&Path>) -> anyhow::Result<()> {
         .context("building the launch command")?
         .command
     {
-        super::Command::Launch(l) => oomguard_cli::launch(l),
+        super::Command::Launch(l) => oomguard_cli::launch(*l),
         _ => anyhow::bail!("building the launch command"),
     }
 }

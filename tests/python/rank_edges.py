@@ -49,6 +49,8 @@ def units(wrap: str) -> None:
     plain = copy.deepcopy(net)
     if wrap == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(net)
+    elif wrap == "compiled-ddp":  # PyTorch's recipe: compile the DDP module (aot_eager: no C compiler)
+        model = torch.compile(torch.nn.parallel.DistributedDataParallel(net), backend="aot_eager")
     else:
         from torch.distributed.fsdp import fully_shard
 
@@ -162,6 +164,7 @@ def main() -> None:
     {
         "units-ddp": lambda: units("ddp"),
         "units-fsdp": lambda: units("fsdp"),
+        "units-compiled-ddp": lambda: units("compiled-ddp"),
         "rows": lambda: rows(False),
         "rows-short": lambda: rows(True),
         "buffers": buffers,

@@ -99,3 +99,45 @@ def test_one_process_hooks_after_backward_and_a_module_fit_again_from_a_checkpoi
     fit(again, 1)  # its guard made, at 32
     fit(again, 4, ckpt=str(tmp_path / "last.ckpt"))
     assert again.guard.micro_batch_size == 16 and again.guard.step == 4
+
+
+def test_batches_that_vary_in_rows_fit_under_the_loaders_or_the_declared_batch_size(tmp_path):
+    """A bucketing sampler's batches grow after the first: the guard takes the declared
+    `oomguard_global_batch_size`; a plain loader's `batch_size` is taken without it."""
+    import lightning as L
+    import torch.nn.functional as F
+
+    from oomguard.lightning import GuardedModule
+
+    x = torch.randn(64, 4, dtype=torch.float64)
+    data = torch.utils.data.TensorDataset(x, x[:, :1].cos())
+
+    class Guarded(GuardedModule):
+        oomguard_options = {"verbose": False, "cache": False}
+
+        def __init__(self, most=None):
+            super().__init__()
+            self.oomguard_global_batch_size = most
+            self.net = torch.nn.Linear(4, 1).double()
+            self.rows = []
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+        def training_step(self, b, i):
+            self.rows.append(len(b[0]))
+            self.guarded_backward(b, lambda mb: F.mse_loss(self.net(mb[0]), mb[1]))
+            self.optimizers().step()
+            self.optimizers().zero_grad()
+
+    def fit(module, loader):
+        L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                  default_root_dir=str(tmp_path), enable_progress_bar=False, enable_model_summary=False).fit(module, loader)
+
+    buckets = [list(range(8)), list(range(8, 40))]  # 8 rows, then 32
+    m = Guarded(most=32)
+    fit(m, torch.utils.data.DataLoader(data, batch_sampler=buckets))
+    assert m.rows == [8, 32] and m.guard.global_batch_size == 32
+    plain = Guarded()
+    fit(plain, torch.utils.data.DataLoader(data, batch_size=16))
+    assert plain.guard.global_batch_size == 16

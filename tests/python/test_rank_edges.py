@@ -26,7 +26,7 @@ def diffs(tmp: Path, case: str) -> dict:
     return found
 
 
-@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp", "compiled-ddp"])
 def test_units_counted_apart_give_the_mean_over_every_ranks_units(wrap, tmp_path):
     d = diffs(tmp_path, f"units-{wrap}")
     assert len(d[f"units-{wrap}"]) == 2, d

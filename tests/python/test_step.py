@@ -421,6 +421,62 @@ def test_micro_batches_without_loss_units_add_nothing_not_nan(hook):
         assert got_eval == pytest.approx(want_eval, rel=1e-12)
 
 
+def test_a_batch_without_any_unit_gives_zero_gradients_as_the_clamped_plain_loop():
+    # Every label masked (prompt-only rows): a plain loop's `sum / n.clamp(min=1)` gives
+    # zero gradients and a zero loss; so must the guard, not 0/0.
+    m = mlp()
+    x, y = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 1, dtype=torch.float64)
+    none = torch.zeros(4, dtype=torch.float64)
+
+    def loss_fn(b):
+        n = b[2].sum()
+        return ((m(b[0]) - b[1]).square().squeeze(1) * b[2]).sum() / n.clamp(min=1), n
+
+    for units in (lambda u: u, lambda u: int(u)):
+        m.zero_grad(set_to_none=True)
+        guard = oomguard.Guard(m, global_batch_size=4, micro_batch_size=2, verbose=False)
+        loss = guard.backward((x, y, none), lambda b: (loss_fn(b)[0], units(loss_fn(b)[1])))
+        assert loss == 0.0
+        assert all(p.grad is None or not p.grad.isnan().any() and p.grad.abs().max() == 0 for p in m.parameters())
+    with pytest.raises(ValueError, match="units are -2"):
+        guard.backward((x, y, none), lambda b: (loss_fn(b)[0], -2))
+
+
+def test_parameters_unfrozen_after_the_guard_was_made_get_exact_gradients(hook):
+    # Progressive unfreezing: the first layer frozen when the guard is made, unfrozen later;
+    # an OOM part-way through a step must neither count it twice nor leave it out. A
+    # BatchNorm (in eval mode) makes the guard redo the failed attempt whole.
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.BatchNorm1d(32), torch.nn.Tanh(), torch.nn.Linear(32, 1)
+    ).to(torch.float64).eval()
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    for p in m[0].parameters():
+        p.requires_grad_(False)
+    hook("0:1:backward:1")  # at the second step, after its first micro-batch's backward
+    guard = oomguard.Guard(m, global_batch_size=8, micro_batch_size=4, verbose=False)
+    guard.backward((x, y), lambda b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+    assert m[0].weight.grad is None
+    for p in m.parameters():
+        p.requires_grad_(True)
+    m.zero_grad(set_to_none=True)
+    torch.nn.functional.mse_loss(m(x), y).backward()
+    want = grads(m)
+    m.zero_grad(set_to_none=True)
+    guard.backward((x, y), lambda b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+    assert guard.micro_batch_size == 2
+    assert max_diff(grads(m), want) < 1e-12
+
+
+def test_a_list_with_one_entry_a_row_is_named_when_the_batch_is_split(hook):
+    m = mlp()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    hook("0:0:forward:1")
+    guard = oomguard.Guard(m, global_batch_size=4, micro_batch_size=4, verbose=False)
+    with pytest.warns(UserWarning, match=r"batch\['lengths'\] has one entry per row but is not a tensor"):
+        guard.backward({"x": x, "lengths": [3, 1, 2, 4], "name": "abcd"}, lambda b: m(b["x"]).mean())
+
+
 def test_a_dataclass_batch_splits_its_tensors_and_an_empty_one_is_refused(hook):
     import dataclasses
 

@@ -50,7 +50,7 @@ pub enum Command {
     /// Train a model (the built-in GPT, your PyTorch module, or a TorchScript one) from a YAML config.
     Train(TrainArgs),
     /// Launch a distributed job: a drop-in for torchrun.
-    Launch(LaunchArgs),
+    Launch(Box<LaunchArgs>),
     /// Print the memory a config needs and the largest micro-batch that fits.
     Plan(PlanArgs),
     /// Run a hyper-parameter sweep (ours or a W&B sweep file): one guarded `oomguard train`
@@ -191,11 +191,15 @@ pub fn finish(result: anyhow::Result<()>, code_of: impl Fn(&anyhow::Error) -> i3
     match result {
         Ok(()) => 0,
         Err(err) => {
+            let code = code_of(&err);
             if err.downcast_ref::<ExitCode>().is_none() {
                 tracing::error!("{err:#}");
-                write_error_file(&format!("{err:#}"));
+                // Exit 3 marked as the Python guard marks it: the launcher then knows it from
+                // a script's own exit 3.
+                let mark = if code == 3 { launch::INFEASIBLE } else { "" };
+                write_error_file(&format!("{mark}{err:#}"));
             }
-            code_of(&err)
+            code
         }
     }
 }

@@ -58,7 +58,7 @@ pub struct LaunchArgs {
     #[arg(long = "rdzv-conf", alias = "rdzv_conf", env = "PET_RDZV_CONF", default_value = "")]
     pub rdzv_conf: String,
     /// Single node on a free local port (c10d on localhost:0).
-    #[arg(long, env = "PET_STANDALONE", action = ArgAction::SetTrue)]
+    #[arg(long, env = "PET_STANDALONE", action = ArgAction::SetTrue, value_parser = boolish())]
     pub standalone: bool,
     /// Restarts of the worker group before giving up.
     #[arg(
@@ -112,14 +112,20 @@ pub struct LaunchArgs {
     #[arg(long, env = "PET_ROLE", default_value = "default")]
     pub role: String,
     /// Run the script as a program, not under python3.
-    #[arg(long = "no-python", alias = "no_python", env = "PET_NO_PYTHON", action = ArgAction::SetTrue, conflicts_with = "module")]
+    #[arg(long = "no-python", alias = "no_python", env = "PET_NO_PYTHON", action = ArgAction::SetTrue, value_parser = boolish(), conflicts_with = "module")]
     pub no_python: bool,
     /// Run the script as a Python module (python3 -m).
-    #[arg(short = 'm', long = "module", env = "PET_MODULE", action = ArgAction::SetTrue)]
+    #[arg(short = 'm', long = "module", env = "PET_MODULE", action = ArgAction::SetTrue, value_parser = boolish())]
     pub module: bool,
     /// Run the script with runpy.run_path.
-    #[arg(long = "run-path", alias = "run_path", env = "PET_RUN_PATH", action = ArgAction::SetTrue)]
+    #[arg(long = "run-path", alias = "run_path", env = "PET_RUN_PATH", action = ArgAction::SetTrue, value_parser = boolish())]
     pub run_path: bool,
+    /// torchrun's, accepted: the workers are always fresh processes (as spawn).
+    #[arg(long = "start-method", alias = "start_method", env = "PET_START_METHOD", value_parser = ["spawn", "fork", "forkserver"], hide = true)]
+    pub start_method: Option<String>,
+    /// torchrun's options that do nothing here; each one given is named in a warning.
+    #[command(flatten)]
+    pub ignored: Ignored,
     /// The training script (or program, or module) and its arguments.
     #[arg(
         required = true,
@@ -128,4 +134,101 @@ pub struct LaunchArgs {
         value_name = "SCRIPT_OR_CMD [ARGS]..."
     )]
     pub command: Vec<String>,
+}
+
+/// `PET_*` switches as torchrun reads them (`1`/`0`), or `true`/`false`, `yes`/`no`.
+fn boolish() -> clap::builder::BoolishValueParser {
+    clap::builder::BoolishValueParser::new()
+}
+
+/// torchrun's options without an effect here (hidden from --help): a torchrun command line
+/// runs as it is, and each one given is named in a warning (`Ignored::given`).
+#[derive(Debug, Args, Default)]
+pub struct Ignored {
+    #[arg(
+        long = "event-log-handler",
+        alias = "event_log_handler",
+        env = "PET_EVENT_LOG_HANDLER",
+        hide = true
+    )]
+    event_log_handler: Option<String>,
+    #[arg(long = "local-addr", alias = "local_addr", env = "PET_LOCAL_ADDR", hide = true)]
+    local_addr: Option<String>,
+    #[arg(long = "logs-specs", alias = "logs_specs", hide = true)]
+    logs_specs: Option<String>,
+    #[arg(long = "numa-binding", alias = "numa_binding", hide = true)]
+    numa_binding: Option<String>,
+    #[arg(
+        long = "signals-to-handle",
+        alias = "signals_to_handle",
+        env = "PET_SIGNALS_TO_HANDLE",
+        hide = true
+    )]
+    signals_to_handle: Option<String>,
+    #[arg(
+        long = "duplicate-stdout-filters",
+        alias = "duplicate_stdout_filters",
+        env = "PET_DUPLICATE_STDOUT_FILTERS",
+        hide = true
+    )]
+    duplicate_stdout_filters: Option<String>,
+    #[arg(
+        long = "duplicate-stderr-filters",
+        alias = "duplicate_stderr_filters",
+        env = "PET_DUPLICATE_STDERR_FILTERS",
+        hide = true
+    )]
+    duplicate_stderr_filters: Option<String>,
+    #[arg(long = "virtual-local-rank", alias = "virtual_local_rank", env = "PET_VIRTUAL_LOCAL_RANK", action = ArgAction::SetTrue, value_parser = boolish(), hide = true)]
+    virtual_local_rank: bool,
+}
+
+impl Ignored {
+    /// The flags given, each with what happens instead.
+    pub fn given(&self) -> Vec<String> {
+        let some =
+            |v: &Option<String>, flag: &str, instead: &str| v.as_ref().map(|v| format!("--{flag} {v}: {instead}"));
+        [
+            some(
+                &self.event_log_handler,
+                "event-log-handler",
+                "oomguard's events go to metrics.jsonl",
+            ),
+            some(
+                &self.local_addr,
+                "local-addr",
+                "the node's address is the one it reaches the rendezvous from",
+            ),
+            some(
+                &self.logs_specs,
+                "logs-specs",
+                "logs go where --log-dir, --redirects and --tee say",
+            ),
+            some(
+                &self.numa_binding,
+                "numa-binding",
+                "workers are bound to cores by OOMGUARD_CPU_BIND",
+            ),
+            some(
+                &self.signals_to_handle,
+                "signals-to-handle",
+                "SIGINT, SIGTERM and SIGHUP are forwarded",
+            ),
+            some(
+                &self.duplicate_stdout_filters,
+                "duplicate-stdout-filters",
+                "no line is duplicated",
+            ),
+            some(
+                &self.duplicate_stderr_filters,
+                "duplicate-stderr-filters",
+                "no line is duplicated",
+            ),
+            self.virtual_local_rank
+                .then(|| "--virtual-local-rank: LOCAL_RANK is each worker's own, every GPU visible".to_string()),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
 }

@@ -264,6 +264,7 @@ mod tests {
                 oom: false,
                 micro: Some(8),
                 code: 1,
+                infeasible: false,
             },
         };
         assert_eq!(c.on(d, failed), vec![]);
@@ -374,6 +375,7 @@ mod tests {
             oom: false,
             micro: Some(8),
             code: 7,
+            infeasible: false,
         };
         c.on(a, ToCoordinator::Failed { round: 0, report });
         let out = c.on(a, ToCoordinator::Stopped { round: 1, port: 0 });

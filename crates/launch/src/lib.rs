@@ -144,6 +144,17 @@ impl LaunchSpec {
 
     /// `from_args` with `token`, the user's OOMGUARD_RUN_TOKEN if any.
     fn with_token(a: &LaunchArgs, token: Option<std::ffi::OsString>) -> Result<LaunchSpec, Error> {
+        if let Some(flag) = a.command.first().filter(|c| c.starts_with('-')) {
+            return Err(bad(
+                flag,
+                "is not an option of oomguard launch (torchrun's options, spelled with - or _: see --help), and not a \
+                script: put the options before the script"
+                    .into(),
+            ));
+        }
+        for what in a.ignored.given() {
+            tracing::warn!("ignored, as it has no effect here: {what}");
+        }
         let (min, nnodes) = parse_nnodes(if a.standalone { "1" } else { &a.nnodes })?;
         let elastic = (min < nnodes)
             .then(|| Elastic::new(min, nnodes, &a.rdzv_conf).map_err(|e| bad("--rdzv-conf", e)))
@@ -244,9 +255,9 @@ impl LaunchSpec {
             console_ranks: parse_filter(&a.local_ranks_filter)?,
             program: worker_program(
                 a,
-                &std::env::var(PYTHON_VAR)
-                    .ok()
-                    .filter(|p| !p.is_empty())
+                &[PYTHON_VAR, "PYTHON_EXEC"]
+                    .iter()
+                    .find_map(|v| std::env::var(v).ok().filter(|p| !p.is_empty()))
                     .unwrap_or("python3".into()),
             ),
             python: !a.no_python,
@@ -467,7 +478,8 @@ fn parse_filter(s: &str) -> Result<Option<Vec<usize>>, Error> {
 }
 
 /// The interpreter a Python worker runs under: $OOMGUARD_PYTHON (which the wheel's `oomguard`
-/// sets to the Python it was installed with), else `python3` from PATH, as torchrun's workers.
+/// sets to the Python it was installed with), else torchrun's $PYTHON_EXEC, else `python3`
+/// from PATH, as torchrun's workers.
 pub const PYTHON_VAR: &str = "OOMGUARD_PYTHON";
 
 /// The command each worker runs: under `python` (as torchrun does) unless --no-python.
@@ -494,6 +506,12 @@ fn worker_program(a: &LaunchArgs, python: &str) -> Vec<String> {
     p.extend(rest.iter().cloned());
     p
 }
+
+/// How a worker's error says that even micro-batch 1 does not fit (exit 3): the Python
+/// guard's last line, `oomguard train`'s error file.
+pub const INFEASIBLE: &str = "oomguard.Infeasible: ";
+
+const NCCL_ERRORS: &str = "TORCH_NCCL_ASYNC_ERROR_HANDLING";
 
 /// Everything the launcher sets in one worker's environment, as torchrun does.
 pub fn worker_env(
@@ -522,12 +540,15 @@ pub fn worker_env(
         ("TORCHELASTIC_MAX_RESTARTS", spec.max_restarts.to_string()),
         ("TORCHELASTIC_RUN_ID", spec.run_id.clone()),
         ("TORCHELASTIC_ERROR_FILE", error_file.display().to_string()),
-        ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1".into()),
         (TOKEN_VAR, spec.token.reveal().to_string()),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
+    // torchrun's default; a value of the user's own reaches the workers as it is.
+    if std::env::var_os(NCCL_ERRORS).is_none() {
+        env.push((NCCL_ERRORS.into(), "1".into()));
+    }
     if let Some((n, _)) = &spec.worker_threads {
         env.push(("OMP_NUM_THREADS".into(), n.to_string()));
     }
@@ -621,6 +642,39 @@ mod tests {
                 "{args:?}"
             );
         }
+    }
+
+    /// A torchrun command line runs as it is: its options without an effect here parse (and
+    /// are named); an option neither knows is refused, naming it, not run as the worker's
+    /// program.
+    #[test]
+    fn torchruns_command_lines_parse_and_an_unknown_option_is_refused() {
+        let torchrun = [
+            "--start_method=fork",
+            "--local-addr",
+            "10.0.0.2",
+            "--numa_binding",
+            "node",
+            "--signals-to-handle",
+            "SIGTERM,SIGUSR1",
+            "--duplicate-stdout-filters",
+            "loss",
+            "--virtual-local-rank",
+            "--logs_specs",
+            "x",
+            "--event-log-handler",
+            "null",
+            "x.py",
+            "--lr",
+            "3",
+        ];
+        let s = spec(&torchrun).unwrap();
+        assert_eq!(s.program[s.program.len() - 3..], ["x.py", "--lr", "3"]);
+        let e = spec(&["--nproc-per-nodes", "2", "x.py"]).unwrap_err().to_string();
+        assert!(
+            e.starts_with("--nproc-per-nodes: is not an option of oomguard launch"),
+            "{e}"
+        );
     }
 
     /// torchrun 2.13: one node without a port rendezvous at a free one (a second job on the

@@ -42,11 +42,15 @@ pub struct Report {
     pub micro: Option<usize>,
     /// The worker's exit code (as the launcher would exit with it).
     pub code: i32,
+    /// It ended with `oomguard.Infeasible` (exit 3 of oomguard's: even micro-batch 1 does
+    /// not fit), not with a code 3 of a script's own.
+    #[serde(default)]
+    pub infeasible: bool,
 }
 
 impl Report {
     pub(crate) fn ended(&self) -> Ended {
-        if self.code == 3 {
+        if self.infeasible {
             Ended::CannotFit
         } else if self.oom {
             Ended::Oom

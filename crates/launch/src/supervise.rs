@@ -41,11 +41,17 @@ struct Failure {
 }
 
 impl Failure {
-    /// The launcher's exit code for it: 3 also for a Python worker that ended with
-    /// `oomguard.Infeasible` (even micro-batch 1 does not fit: no restart can help).
+    /// It ended with `oomguard.Infeasible` (even micro-batch 1 does not fit: no restart can
+    /// help): a Python worker's last line (exit 1), `oomguard train`'s error file (exit 3).
+    /// A script's own exit 3 is not that.
+    fn infeasible(&self) -> bool {
+        let e = self.final_error();
+        matches!(self.exitcode, 1 | 3) && e.lines().any(|l| l.trim_start().starts_with(crate::INFEASIBLE))
+    }
+
+    /// The launcher's exit code for it: 3 where it is `infeasible`, else the worker's own.
     fn exit_code(&self) -> i32 {
-        let infeasible = |t: &str| t.lines().any(|l| l.starts_with("oomguard.Infeasible: "));
-        if self.exitcode == 1 && infeasible(&self.final_error()) {
+        if self.infeasible() {
             3
         } else if self.exitcode < 0 {
             128 - self.exitcode
@@ -237,6 +243,7 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
                         oom,
                         micro: known,
                         code: f.exit_code(),
+                        infeasible: f.infeasible(),
                     },
                 ) {
                     Ok(s) => {
@@ -258,7 +265,7 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
                         let e = f.final_error();
                         let last = e.lines().rev().map(str::trim).find(|l| !l.is_empty());
                         let why = match last {
-                            Some(last) if code == 3 => format!("{why}: {last}"),
+                            Some(last) if f.infeasible() => format!("{why}: {last}"),
                             Some(last) => format!("{why}{}{last}", oomguard_console::WORKER_SAID),
                             None => why,
                         };
@@ -307,6 +314,17 @@ fn spawn(
         source: e,
     })?;
     let error_file = rank_dir.join("error.json");
+    // A run before this one in the same --log-dir left its error there: it is not this
+    // worker's (torchrun starts each attempt's folder empty).
+    match std::fs::remove_file(&error_file) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(Error::Io {
+                context: format!("removing the last run's {}", error_file.display()),
+                source: e,
+            })
+        }
+        _ => {}
+    }
     let mut cmd = Command::new(&spec.program[0]);
     cmd.args(&spec.program[1..])
         .envs(worker_env(spec, local_rank, port, attempt, &error_file, micro))

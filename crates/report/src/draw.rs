@@ -196,14 +196,7 @@ impl Panel<'_> {
         let (w, _) = area.dim_in_pixel();
         let (plot, legend) = area.split_horizontally(w.saturating_sub(self.legend_width));
         let values = self.lines.iter().flat_map(|l| l.points.iter().map(|p| p.1));
-        let (lo, hi) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| (a.min(v), b.max(v)));
-        let (lo, hi) = if lo > hi {
-            (0.0, 1.0)
-        } else {
-            let lo = if self.from_zero { lo.min(0.0) } else { lo };
-            let pad = ((hi - lo) * 0.06).max(hi.abs() * 0.02).max(1e-9);
-            (if self.from_zero && lo >= 0.0 { 0.0 } else { lo - pad }, hi + pad)
-        };
+        let (lo, hi) = y_range(values, self.from_zero);
         let mut chart = ChartBuilder::on(&plot)
             .margin_top(12)
             .margin_right(16)
@@ -287,6 +280,20 @@ impl Panel<'_> {
     }
 }
 
+/// The y axis over `values`, padded: finite, and within [-Y_MAX, Y_MAX] (a diverged run's
+/// 1e308 loss is drawn at the edge: a wider axis overflows the padding and the ticks).
+fn y_range(values: impl Iterator<Item = f64>, from_zero: bool) -> (f64, f64) {
+    const Y_MAX: f64 = 1e300;
+    let values = values.filter(|v| v.is_finite()).map(|v| v.clamp(-Y_MAX, Y_MAX));
+    let (lo, hi) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| (a.min(v), b.max(v)));
+    if lo > hi {
+        return (0.0, 1.0);
+    }
+    let lo = if from_zero { lo.min(0.0) } else { lo };
+    let pad = ((hi - lo) * 0.06).max(hi.abs() * 0.02).max(1e-9);
+    (if from_zero && lo >= 0.0 { 0.0 } else { lo - pad }, hi + pad)
+}
+
 /// A legend entry: a short stroke and its words (no stroke: a note in grey).
 #[derive(Debug, Clone)]
 pub struct LegendRow {
@@ -365,6 +372,25 @@ mod tests {
         }
         let few = [(0.0, 1.0), (1.0, 2.0)];
         assert_eq!(decimate(&few, (0.0, 1.0), 1000), few);
+    }
+
+    #[test]
+    fn a_diverged_runs_extremes_give_a_finite_axis() {
+        for vals in [
+            vec![-1e308, 1e308],
+            vec![f64::MAX, 1.0],
+            vec![f64::INFINITY, f64::NAN, 2.0],
+        ] {
+            for from_zero in [false, true] {
+                let (lo, hi) = y_range(vals.iter().copied(), from_zero);
+                assert!(
+                    lo.is_finite() && hi.is_finite() && lo < hi && hi - lo < f64::INFINITY,
+                    "{vals:?}"
+                );
+            }
+        }
+        assert_eq!(y_range([f64::NAN].into_iter(), false), (0.0, 1.0));
+        assert_eq!(y_range([0.0, 10.0].into_iter(), true).0, 0.0);
     }
 
     #[test]

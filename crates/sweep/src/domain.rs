@@ -66,7 +66,10 @@ impl Domain {
                 });
                 values[i.unwrap_or(values.len() - 1)].clone()
             }
-            Domain::Int { min, max } => Value::from(min + ((u * (max - min + 1) as f64) as i64).min(max - min)),
+            Domain::Int { min, max } => {
+                let span = *max as i128 - *min as i128;
+                Value::from((*min as i128 + ((u * (span + 1) as f64) as i128).min(span)) as i64)
+            }
             Domain::Real { scale, lo, hi, q } => finish(unscale(*scale, lo + u * (hi - lo)), *q),
             Domain::Normal { scale, mu, sigma, q } => finish(
                 unscale(*scale, mu + sigma * normal_ppf(u.clamp(1e-12, 1.0 - 1e-12))),
@@ -86,7 +89,7 @@ impl Domain {
             }
             Domain::Int { min, max } => v
                 .as_f64()
-                .map(|x| ((x - *min as f64 + 0.5) / (max - min + 1) as f64).clamp(0.0, 1.0)),
+                .map(|x| ((x - *min as f64 + 0.5) / (*max as i128 - *min as i128 + 1) as f64).clamp(0.0, 1.0)),
             Domain::Real { scale, lo, hi, .. } => {
                 let x = rescale(*scale, v.as_f64()?)?;
                 Some(if hi > lo {
@@ -132,18 +135,27 @@ impl Domain {
     /// integer of [min, max], `q_uniform` numpy's arange(min, max, q), max excluded); None
     /// for a distribution a grid cannot take.
     pub fn grid_values(&self) -> Option<Vec<Value>> {
+        let n = usize::try_from(self.grid_len()?).ok()?;
         match self {
-            Domain::Values { values, weights: None } => Some(values.clone()),
-            Domain::Int { min, max } => Some((*min..=*max).map(Value::from).collect()),
+            Domain::Values { values, .. } => Some(values.clone()),
+            Domain::Int { min, .. } => Some((0..n as i64).map(|i| Value::from(min + i)).collect()),
+            Domain::Real { lo, q: Some(q), .. } => Some((0..n).map(|i| number(lo + i as f64 * q.q, q.int)).collect()),
+            _ => None,
+        }
+    }
+
+    /// How many values `grid_values` gives, counted without making them (a grid's size is
+    /// checked before it is built); None where a grid cannot take this distribution.
+    pub fn grid_len(&self) -> Option<u128> {
+        match self {
+            Domain::Values { values, weights: None } => Some(values.len() as u128),
+            Domain::Int { min, max } => Some((*max as i128 - *min as i128 + 1) as u128),
             Domain::Real {
                 scale: Scale::Linear,
                 lo,
                 hi,
                 q: Some(q),
-            } => {
-                let n = ((hi - lo) / q.q).ceil().max(0.0) as usize;
-                Some((0..n).map(|i| number(lo + i as f64 * q.q, q.int)).collect())
-            }
+            } => Some(((hi - lo) / q.q).ceil().max(0.0) as u128),
             _ => None,
         }
     }

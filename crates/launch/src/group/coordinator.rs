@@ -461,8 +461,9 @@ impl Coordinator {
                     oom: false,
                     micro: None,
                     code: 1,
+                    infeasible: false,
                 });
-                if report.code == 3 {
+                if report.infeasible {
                     return self.end(
                         3,
                         format!("worker rank {} on node {failed_node} exited 3: it does not fit in memory even at micro-batch 1, so no \
@@ -618,6 +619,7 @@ mod tests {
             oom,
             micro,
             code: 1,
+            infeasible: false,
         };
         assert_eq!(
             gave_up(&r(true, Some(16)), 0, 0),
@@ -667,6 +669,7 @@ mod tests {
             oom,
             micro,
             code: 1,
+            infeasible: false,
         }
     }
 
@@ -778,6 +781,7 @@ mod tests {
                     oom: false,
                     micro: None,
                     code: 7,
+                    infeasible: false,
                 },
             },
         );

@@ -764,6 +764,7 @@ mod tests {
             oom,
             micro,
             code: 1,
+            infeasible: false,
         }
     }
 

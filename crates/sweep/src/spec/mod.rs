@@ -545,6 +545,30 @@ mod tests {
     }
 
     #[test]
+    fn a_grid_too_large_is_refused_before_it_is_built() {
+        let wide = vec![
+            ("a.x".to_string(), Domain::Int { min: 1, max: 1000 }),
+            (
+                "b.y".to_string(),
+                Domain::Int {
+                    min: i64::MIN,
+                    max: i64::MAX,
+                },
+            ),
+        ];
+        let e = grid(&wide).unwrap_err().to_string();
+        assert!(e.contains("parameters.b.y") && e.contains("at most 1000000"), "{e}");
+        assert_eq!(grid(&wide[..1]).unwrap().len(), 1000);
+        let d = Domain::Int {
+            min: i64::MIN,
+            max: i64::MAX,
+        };
+        assert_eq!(d.ppf(0.0), json!(i64::MIN));
+        assert!(d.ppf(0.75).as_i64().is_some_and(|v| v > i64::MAX / 4));
+        assert!(d.cdf(&json!(0)).is_some_and(|u| (u - 0.5).abs() < 1e-9));
+    }
+
+    #[test]
     fn random_draws_are_seeded_and_in_range() {
         let d = vec![
             ("optim.lr".to_string(), log_lr()),

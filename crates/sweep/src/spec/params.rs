@@ -365,18 +365,34 @@ pub fn trial_of(index: usize, params: BTreeMap<String, Value>) -> Trial {
     trial(index, params)
 }
 
+/// The most trials a grid may have: past it a typo (`q: 0.0001`) would fill the memory.
+pub const MAX_GRID: u128 = 1_000_000;
+
 /// Every combination in W&B's order (grid_search.py: keys sorted, the last varying fastest,
 /// each distinct combination once).
 pub fn grid(domains: &[(String, Domain)]) -> Result<Vec<Trial>, ConfigError> {
     let mut combos: Vec<BTreeMap<String, Value>> = vec![BTreeMap::new()];
+    let mut size: u128 = 1;
     for (key, d) in domains {
-        let values = d.grid_values().ok_or_else(|| {
+        let at = format!("parameters.{key}");
+        let n = d.grid_len().ok_or_else(|| {
             ConfigError::invalid(
-                &format!("parameters.{key}"),
+                &at,
                 "a grid takes value, values (without probabilities), int_uniform or q_uniform; other \
                 distributions need method: random, bayes or tpe",
             )
         })?;
+        size = size.saturating_mul(n);
+        if size > MAX_GRID {
+            return Err(ConfigError::invalid(
+                &at,
+                format!(
+                    "the grid reaches {size} trials here (at most {MAX_GRID}): \
+                narrow this range or coarsen its q, or use method: random, bayes or tpe"
+                ),
+            ));
+        }
+        let values = d.grid_values().unwrap_or_default();
         combos = combos
             .into_iter()
             .flat_map(|c| {
