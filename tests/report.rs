@@ -368,3 +368,26 @@ fn a_tensorboard_folder_that_cannot_be_written_warns_and_the_run_goes_on() {
     );
     assert_eq!(records(&run, "step").len(), 2);
 }
+
+/// A diverged run: losses at the edge of f64 (and past it: inf is not JSON) still draw, as
+/// PNG and HTML, within the test's time (the axis overflowed and the drawing never ended).
+#[test]
+fn a_diverged_runs_extreme_losses_still_draw() {
+    let dir = tempfile::tempdir().unwrap();
+    let losses = ["5.0", "-1e308", "1e308", "1.7976931348623157e308", "3.0"];
+    let text: String = losses
+        .iter()
+        .enumerate()
+        .map(|(s, l)| {
+            STEP.replace("STEP", &s.to_string())
+                .replace(r#""loss":5.0"#, &format!(r#""loss":{l}"#))
+                + "\n"
+        })
+        .collect();
+    std::fs::write(dir.path().join("metrics.jsonl"), text).unwrap();
+    for out in ["r.png", "r.html"] {
+        let o = report(&[dir.path().to_str().unwrap(), "--out", out], dir.path());
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(dir.path().join(out).metadata().unwrap().len() > 1000);
+    }
+}

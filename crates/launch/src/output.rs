@@ -191,11 +191,10 @@ mod tests {
         );
     }
 
-    /// Bytes that are not UTF-8 neither stop the pump nor the worker writing after them.
-    #[test]
-    fn a_line_that_is_not_utf8_does_not_stop_the_stream() {
+    /// `sh -c script`, its stdout pumped into a tail (not shown).
+    fn pumped(script: &str) -> (std::process::Child, Tail, JoinHandle<()>) {
         let mut child = Command::new("sh")
-            .args(["-c", "printf 'caf\\351\\n'; echo after"])
+            .args(["-c", script])
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
@@ -207,6 +206,13 @@ mod tests {
             file: None,
         };
         let pumping = pump(child.stdout.take().unwrap(), sink, tail.clone());
+        (child, tail, pumping)
+    }
+
+    /// Bytes that are not UTF-8 neither stop the pump nor the worker writing after them.
+    #[test]
+    fn a_line_that_is_not_utf8_does_not_stop_the_stream() {
+        let (mut child, tail, pumping) = pumped("printf 'caf\\351\\n'; echo after");
         assert!(child.wait().unwrap().success());
         pumping.join().unwrap();
         assert_eq!(tail.lines(), ["caf\u{fffd}", "after"]);
@@ -216,19 +222,7 @@ mod tests {
     /// (and the Infeasible line that makes exit 3) waits for the stream to close.
     #[test]
     fn a_settled_tail_has_the_streams_last_line() {
-        let mut child = Command::new("sh")
-            .args(["-c", "echo first; sleep 0.3; echo last"])
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let tail = Tail::default();
-        let sink = Sink {
-            prefix: String::new(),
-            console: false,
-            is_stderr: false,
-            file: None,
-        };
-        let pumping = pump(child.stdout.take().unwrap(), sink, tail.clone());
+        let (mut child, tail, pumping) = pumped("echo first; sleep 0.3; echo last");
         assert!(!tail.lines().contains(&"last".to_string()));
         assert_eq!(tail.settled(Duration::from_secs(10)).lines(), ["first", "last"]);
         child.wait().unwrap();
