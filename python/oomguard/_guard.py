@@ -220,6 +220,7 @@ class Guard:
             )
         self.global_batch_size = global_batch_size
         self._model = _uncompiled(model) if isinstance(model, torch.nn.Module) else None
+        _ranks.reshard(_ranks.fsdp_modules(self._model))
         params = model.parameters() if isinstance(model, torch.nn.Module) else model
         self._params: List[torch.nn.Parameter] = [p for p in params if p.requires_grad]
         if not self._params:
@@ -342,6 +343,7 @@ class Guard:
         unfreezing): the guard follows them, as the optimizer's step does."""
         if self._model is None:
             return
+        _ranks.reshard(self._fsdp)
         now = [p for p in self._model.parameters() if p.requires_grad]
         if len(now) == len(self._params) and all(a is b for a, b in zip(now, self._params)):
             return

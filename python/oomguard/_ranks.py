@@ -319,6 +319,15 @@ def fsdp_modules(model: Optional[torch.nn.Module]) -> List[torch.nn.Module]:
     return [] if kind is None else [m for m in model.modules() if isinstance(m, kind)]
 
 
+def reshard(fsdp: List[torch.nn.Module]) -> None:
+    """FSDP2's modules put back to their sharded parameters. After a forward without a
+    backward (an evaluation, a sanity check under no_grad) the root stays unsharded, and
+    `parameters()` then gives its unsharded tensors, not the ones that train: a guard that
+    took those would drop and divide gradients that are not the model's. Local, no collective."""
+    for m in fsdp:
+        m.reshard()
+
+
 def _fsdp2_type():
     try:
         from torch.distributed.fsdp import FSDPModule

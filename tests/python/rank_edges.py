@@ -108,6 +108,55 @@ def rows(short: bool) -> None:
     print(f"diff rows-eval {abs(evaluated - F.mse_loss(plain(x), y).item()):.3e}", flush=True)
 
 
+def nograd() -> None:
+    """FSDP2 over blocks and a root, with forwards under no_grad (a sanity check before the
+    guard is made, an evaluation after each step), which leave the root unsharded: an OOM in
+    backward on rank 1, then a step with loss units counted apart, equal plain FSDP2's."""
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def make():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(
+            torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)
+        )
+        fully_shard(net[2])
+        return fully_shard(net)
+
+    net, plain = make(), make()
+    torch.manual_seed(10 + rank)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    keep = torch.rand(8) < (0.4 if rank == 0 else 0.9)
+    for m in (net, plain):
+        with torch.no_grad():
+            m(x)
+    os.environ["OOMGUARD_TEST_OOM_AT"] = "1:0:backward"
+    g = guard(net, 8, 8)
+    for step in range(2):
+        for m in (net, plain):
+            m.zero_grad(set_to_none=True)
+        if step == 0:
+            g.backward((x, y), lambda b: F.cross_entropy(net(b[0]), b[1]))
+            F.cross_entropy(plain(x), y).backward()
+        else:
+
+            def loss_fn(b):
+                n = b[2].sum()
+                return F.cross_entropy(net(b[0])[b[2]], b[1][b[2]], reduction="sum") / n.clamp(min=1), n
+
+            g.backward((x, y, keep), loss_fn)
+            total = keep.sum().double()
+            dist.all_reduce(total)
+            (F.cross_entropy(plain(x)[keep], y[keep], reduction="sum") / (total / world)).backward()
+        got = torch.cat([full(p.grad).flatten() for p in net.parameters()])
+        want = torch.cat([full(p.grad).flatten() for p in plain.parameters()])
+        print(f"diff nograd {(got - want).abs().max().item():.3e}", flush=True)
+        for m in (net, plain):
+            with torch.no_grad():
+                m(x)
+
+
 def buffers() -> None:
     """DDP syncing buffers at each forward (BatchNorm's running statistics): three guarded
     steps leave them where three plain DDP steps do, on every rank."""
@@ -168,6 +217,7 @@ def main() -> None:
         "rows": lambda: rows(False),
         "rows-short": lambda: rows(True),
         "buffers": buffers,
+        "nograd": nograd,
         "bad-first": bad_first,
     }[case]()
     dist.barrier()

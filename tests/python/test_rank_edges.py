@@ -48,6 +48,11 @@ def test_fsdp2_ranks_that_cannot_run_as_many_are_all_refused(tmp_path):
     assert all("a rank has only 2" in line and "runs 3" in line for line in refused), refused
 
 
+def test_fsdp2_forwards_under_no_grad_leave_an_oom_and_units_exact(tmp_path):
+    d = diffs(tmp_path, "nograd")
+    assert len(d["nograd"]) == 4 and max(d["nograd"]) < EXACT, d
+
+
 def test_ddp_syncing_buffers_at_each_forward_matches_plain_ddp(tmp_path):
     d = diffs(tmp_path, "buffers")
     assert len(d["buffers"]) == 2 and max(d["buffers"]) < EXACT, d
