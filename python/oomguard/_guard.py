@@ -361,18 +361,20 @@ class Guard:
 
     @property
     def oom_count(self) -> int:
-        """The OOMs this guard has met (and recovered from, or raised) in this process."""
+        """The OOMs this guard has met (and recovered from, or raised) in this run, those
+        before a `load_state_dict` counted."""
         return self._oom_count
 
     def state_dict(self) -> dict:
         """The step and the policy's state (its serde form, as `oomguard train` checkpoints it)."""
-        return {"step": self.step, "policy": self.policy.to_json()}
+        return {"step": self.step, "policy": self.policy.to_json(), "oom_count": self._oom_count}
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from `state_dict()`: the step and the policy. The restored size is
         announced (`micro_batch_size=N`, what the launcher halves on a relaunch), and rank 0's
         metrics.jsonl sets aside the records of the steps this run redoes."""
         self.step = int(state["step"])
+        self._oom_count = int(state.get("oom_count", self._oom_count))  # snapshots number on from it
         before = self.policy.current
         self.policy.load_json(state["policy"])
         start = _env_int(MICRO_BATCH_VAR)

@@ -77,25 +77,48 @@ class Trainer(transformers.Trainer):
         why = _refusal(args, micro_batch_size)
         if why:
             raise ValueError(f"oomguard.hf.Trainer: {why}")
-        per_device = args.per_device_train_batch_size
-        rows = per_device * args.gradient_accumulation_steps
-        start = micro_batch_size or args.per_device_train_batch_size
-        if not 1 <= start <= rows:
-            raise ValueError(f"oomguard.hf.Trainer: micro_batch_size={start} must be in [1, {rows}] (the step's rows)")
-        # The Trainer loads a step's rows as one batch; the guard accumulates instead of it.
-        args = dataclasses.replace(args, per_device_train_batch_size=rows, gradient_accumulation_steps=1)
+        args = dataclasses.replace(args)
+        self._oomguard_micro = micro_batch_size
+        self._fold(args)
         if positional:
             a = (a[0], args, *a[2:])
         else:
             kw["args"] = args
         super().__init__(*a, **kw)
-        self.oomguard_rows = rows
-        self._oomguard_per_device = per_device
         self._oomguard_honours: Optional[bool] = None
-        self._oomguard_start = start
         self._oomguard_options = dict(oomguard or {})
         self._oomguard_resume: Optional[str] = None
         self.guard: Optional[Guard] = None
+
+    def _fold(self, args: Any) -> None:
+        """The Trainer loads a step's rows as one batch (`per_device_train_batch_size x
+        gradient_accumulation_steps`, accumulation 1 in `args` from here); the guard
+        accumulates instead of it, starting at `micro_batch_size` or a device's batch."""
+        per_device, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
+        rows = per_device * accum
+        start = self._oomguard_micro or per_device
+        if not 1 <= start <= rows:
+            raise ValueError(f"oomguard.hf.Trainer: micro_batch_size={start} must be in [1, {rows}] (the step's rows)")
+        args.per_device_train_batch_size, args.gradient_accumulation_steps = rows, 1
+        self.oomguard_rows, self._oomguard_start = rows, start
+        self._oomguard_per_device, self._oomguard_accum = per_device, accum
+
+    def _hp_search_setup(self, trial: Any) -> None:
+        """A hyperparameter trial's values are the user's (a device's batch, the
+        accumulation), as the plain Trainer reads them: they are set on those, then folded into
+        a step's rows again before the accelerator is made for the trial."""
+        args = self.args
+        args.per_device_train_batch_size = self._oomguard_per_device
+        args.gradient_accumulation_steps = self._oomguard_accum
+        self.create_accelerator_and_postprocess = lambda: None  # made below, once folded
+        try:
+            super()._hp_search_setup(trial)
+        finally:
+            del self.create_accelerator_and_postprocess
+            self._fold(args)
+        if self.hp_search_backend is not None and trial is not None:
+            self._train_batch_size = args.train_batch_size
+            self.create_accelerator_and_postprocess()
 
     # --- the step --------------------------------------------------------------------------
 
@@ -148,6 +171,11 @@ class Trainer(transformers.Trainer):
 
         guard_rows = Rows(inputs).rows
         loss = guard.backward(inputs, loss_fn, as_tensor=True)
+        every = self.args.torch_empty_cache_steps
+        if every is not None and self.state.global_step % every == 0:
+            from accelerate.utils.memory import clear_device_cache
+
+            clear_device_cache()
         return loss.detach().to(self.args.device)
 
     def _honours_count(self, model: Any, inputs: Any, count: Any) -> bool:

@@ -213,3 +213,36 @@ def test_each_train_call_guards_the_model_it_trains(monkeypatch, tmp_path):
     assert {id(p) for p in t.guard._params} == params
     assert t.guard.step == t.state.global_step == 4
     assert max_diff(got, want) < 1e-12
+
+
+def test_a_hyperparameter_trial_over_the_batch_size_trains_as_the_plain_trainers(monkeypatch, tmp_path):
+    # hyperparameter_search sets a trial's values on the Trainer's args in train(): a device's
+    # batch and the accumulation as the user means them, which the guard folds into a step's
+    # rows again (a larger batch than the constructor's raised before).
+    from transformers.trainer_utils import HPSearchBackend
+
+    import oomguard.hf
+
+    def trial_run(cls, oom=None):
+        if oom:
+            monkeypatch.setenv("OOMGUARD_TEST_OOM_AT", oom)
+        else:
+            monkeypatch.delenv("OOMGUARD_TEST_OOM_AT", raising=False)
+        out = str(tmp_path / f"{cls.__module__}-trial")
+        args = transformers.TrainingArguments(
+            output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=3,
+            learning_rate=0.1, optim="sgd", max_grad_norm=0.0, save_strategy="no", report_to=[], seed=0,
+            use_cpu=True, disable_tqdm=True,
+        )
+        extra = {"oomguard": {"verbose": False, "cache": False}} if cls is oomguard.hf.Trainer else {}
+        t = cls(args=args, train_dataset=Rows64("lm"), model_init=lambda trial=None: tiny("lm"), **extra)
+        t.hp_search_backend = HPSearchBackend.WANDB
+        t._report_to_hp_search = lambda *a, **k: None  # W&B's sweep, without a W&B run
+        t._get_output_dir = lambda trial=None: out
+        t.train(trial={"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2})
+        return t, [p.detach().clone() for p in t.model.parameters()]
+
+    _, want = trial_run(transformers.Trainer)
+    t, got = trial_run(oomguard.hf.Trainer, oom="0:1:forward")
+    assert t.oomguard_rows == 16 and t.guard.oom_count == 1 and t.guard.micro_batch_size == 4
+    assert max_diff(got, want) < 1e-12

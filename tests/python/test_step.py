@@ -536,25 +536,30 @@ def test_evaluation_halves_its_own_micro_batch_and_leaves_training_alone(hook):
 # --- state, records, the cache ------------------------------------------------------------------
 
 
-def test_a_restored_state_is_announced_and_the_redone_steps_records_set_aside(tmp_path, capsys):
+def steps_in(path: Path) -> list:
+    return [r["step"] for r in map(json.loads, path.read_text().splitlines()) if r.get("event") == "step"]
+
+
+def test_a_restored_state_is_announced_and_the_redone_steps_records_set_aside(tmp_path, capsys, hook):
     m = mlp()
     x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
     loss_fn = lambda b: torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
-    guard = oomguard.Guard(m, global_batch_size=8, micro_batch_size=8, run_dir=str(tmp_path))
+    hook("0:0:forward")  # step 0 settles at 4
+    guard = oomguard.Guard(m, global_batch_size=8, micro_batch_size=8, run_dir=str(tmp_path), cache=False)
     saved = None
     for step in range(3):
         guard.backward((x, y), loss_fn)
         if step == 0:
-            guard.policy.on_oom(0, False, 1)  # as if step 0 had settled at 4
             saved = guard.state_dict()
-    again = oomguard.Guard(m, global_batch_size=8, micro_batch_size=8, run_dir=str(tmp_path))
+    again = oomguard.Guard(m, global_batch_size=8, micro_batch_size=8, run_dir=str(tmp_path), cache=False)
     again.load_state_dict(saved)
+    assert again.oom_count == 1  # the OOM count goes on from the checkpoint's (logs, oom/NNN/)
     assert "restored at step 1; micro_batch_size=4" in capsys.readouterr().out
-    steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    moved = [json.loads(l)["step"] for l in (tmp_path / "metrics.replaced.jsonl").read_text().splitlines()]
+    steps = steps_in(tmp_path / "metrics.jsonl")
+    moved = steps_in(tmp_path / "metrics.replaced.jsonl")
     assert steps == [0] and moved == [1, 2]
     again.backward((x, y), loss_fn)
-    steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = steps_in(tmp_path / "metrics.jsonl")
     assert steps == [0, 1]
 
 
