@@ -9,6 +9,7 @@ use crate::memory::clear_grad;
 mod clip;
 mod config;
 mod sharding;
+mod slices;
 mod state;
 mod update;
 pub mod zero;
