@@ -124,6 +124,15 @@ mod tests {
         }
     }
 
+    /// One view as all five of a piece's tensors.
+    fn five(t: Tensor, group: usize) -> PieceViews {
+        let c = || t.shallow_clone();
+        PieceViews {
+            group,
+            tensors: [c(), c(), c(), c(), c()],
+        }
+    }
+
     /// Each piece's elements, by slice: (piece, from, len).
     fn cut(pieces: &[Piece], shard: i64, chunk: i64) -> Vec<Vec<(usize, i64, i64)>> {
         let chunks: Vec<_> = (0..shard)
@@ -132,17 +141,7 @@ mod tests {
             .collect();
         let data = Tensor::zeros([shard], (tch::Kind::Float, tch::Device::Cpu));
         let s = slices(pieces, &chunks, chunk, |k, from, len| {
-            let t = data.narrow(0, pieces[k].in_shard + from, len);
-            Ok(PieceViews {
-                group: k % 2,
-                tensors: [
-                    t.shallow_clone(),
-                    t.shallow_clone(),
-                    t.shallow_clone(),
-                    t.shallow_clone(),
-                    t,
-                ],
-            })
+            Ok(five(data.narrow(0, pieces[k].in_shard + from, len), k % 2))
         })
         .unwrap();
         s.iter()
@@ -194,17 +193,7 @@ mod tests {
         let chunks: Vec<_> = (0..1000).step_by(100).map(|s| (s, 100)).collect();
         let data = Tensor::zeros([1000], (tch::Kind::Float, tch::Device::Cpu));
         let s = slices(&pieces, &chunks, 100, |_, from, len| {
-            let t = data.narrow(0, from, len);
-            Ok(PieceViews {
-                group: 0,
-                tensors: [
-                    t.shallow_clone(),
-                    t.shallow_clone(),
-                    t.shallow_clone(),
-                    t.shallow_clone(),
-                    t,
-                ],
-            })
+            Ok(five(data.narrow(0, from, len), 0))
         })
         .unwrap();
         // Cuts at 64, 192, 256, 384, ...: chunk 1 ([100, 200)) lies in slices 1 and 2.
