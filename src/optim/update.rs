@@ -255,6 +255,18 @@ impl AdamW {
         };
         let chunks = l.chunks();
         let slices = self.slices(z, &chunks, l.chunk).map_err(|e| partial(step, e))?;
+        // The spaces this rank's update does not read first (stage 1: the gradients of the
+        // other ranks' shards): a chunk landing there waits for no slice but its own. Each
+        // rank places its chunks in its own memory; the collectives stay the same.
+        let mut spaces = spaces
+            .into_iter()
+            .map(|s| {
+                let bytes = slices::span(&s)?;
+                Ok((slices.iter().any(|x| x.reads_in(&bytes)), s))
+            })
+            .collect::<Result<Vec<_>, TchError>>()?;
+        spaces.sort_by_key(|(read, _)| *read);
+        let spaces: Vec<Tensor> = spaces.into_iter().map(|(_, s)| s).collect();
         let mut done = vec![false; slices.len()];
         let mut update = |js: &mut dyn Iterator<Item = usize>| -> OgResult<()> {
             for j in js {
