@@ -335,6 +335,38 @@ fn launcher_deaths_and_worker_crashes_leave_no_process_behind() {
     }
 }
 
+/// torchrun's default `--signals-to-handle` (SIGINT, SIGTERM, SIGHUP, SIGQUIT): each reaches
+/// every worker, which can act on it (a trap here), and the launcher exits with 128 + it.
+#[test]
+fn each_forwarded_signal_reaches_every_worker() {
+    for (sig, name) in [(libc::SIGHUP, "HUP"), (libc::SIGQUIT, "QUIT"), (libc::SIGTERM, "TERM")] {
+        let dir = tempfile::tempdir().unwrap();
+        // The trap runs once the shell's foreground `sleep` ends (the group's signal ends it).
+        let body = format!(
+            "trap 'echo {name} > got-$LOCAL_RANK; exit 0' {name}; touch up-$LOCAL_RANK; while :; do sleep 0.05; done"
+        );
+        let mut child = launcher(&["--nproc-per-node", "2", "--no-python", "sh", "-c", &body])
+            .current_dir(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let up = |r: u32| dir.path().join(format!("up-{r}")).exists();
+        wait_until("both workers' traps", || up(0) && up(1));
+        unsafe { libc::kill(child.id() as i32, sig) };
+        let status = child.wait().unwrap();
+        assert_eq!(status.code(), Some(128 + sig), "SIG{name}");
+        for r in 0..2 {
+            let got = std::fs::read_to_string(dir.path().join(format!("got-{r}")));
+            assert_eq!(
+                got.ok().as_deref(),
+                Some(format!("{name}\n").as_str()),
+                "SIG{name}, rank {r}"
+            );
+        }
+    }
+}
+
 #[test]
 fn python_script_and_module_modes() {
     let dir = tempfile::tempdir().unwrap();

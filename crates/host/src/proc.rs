@@ -24,8 +24,12 @@ pub fn signal_group(child: &Child, sig: i32) {
     unsafe { libc::killpg(child.id() as i32, sig) };
 }
 
-/// Signals to this process (the launcher, the sweep): the last one's number, and how many
-/// arrived. A clone shares them.
+/// The signals a parent (the launcher, the sweep) catches and passes on to its workers'
+/// process groups: torchrun's `--signals-to-handle` default.
+pub const FORWARDED: [i32; 4] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT];
+
+/// Signals to this process (the launcher, the sweep), of `FORWARDED`: the last one's number,
+/// and how many arrived. A clone shares them.
 #[derive(Clone)]
 pub struct Signals {
     pub last: Arc<AtomicUsize>,
@@ -38,7 +42,7 @@ impl Signals {
             last: Arc::default(),
             count: Arc::default(),
         };
-        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        for sig in FORWARDED {
             let (last, count) = (Arc::clone(&s.last), Arc::clone(&s.count));
             // SAFETY: the handler only stores to atomics, which is async-signal-safe.
             unsafe {
@@ -74,7 +78,9 @@ fn shim(parent: i32) -> std::io::Result<()> {
         let mut waited: libc::sigset_t = std::mem::zeroed();
         let mut old: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut waited);
-        for sig in [libc::SIGCHLD, libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+        // The parent's signals to the group reach the worker; the shim waits them out.
+        libc::sigaddset(&mut waited, libc::SIGCHLD);
+        for sig in FORWARDED {
             libc::sigaddset(&mut waited, sig);
         }
         libc::sigprocmask(libc::SIG_BLOCK, &waited, &mut old);

@@ -212,7 +212,7 @@ impl Ignored {
             some(
                 &self.signals_to_handle,
                 "signals-to-handle",
-                "SIGINT, SIGTERM and SIGHUP are forwarded",
+                "SIGINT, SIGTERM, SIGHUP and SIGQUIT are forwarded",
             ),
             some(
                 &self.duplicate_stdout_filters,

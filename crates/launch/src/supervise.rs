@@ -461,6 +461,8 @@ fn summary(f: &Failure, spec: &LaunchSpec) -> String {
             9 => "SIGKILL",
             15 => "SIGTERM",
             2 => "SIGINT",
+            1 => "SIGHUP",
+            3 => "SIGQUIT",
             6 => "SIGABRT",
             11 => "SIGSEGV",
             _ => "signal",
