@@ -227,6 +227,7 @@ class Guard:
             raise ValueError("the model has no parameters that require grad")
         _ranks.refuse_unsafe(self._model, self._params)
         self._fsdp = _ranks.fsdp_modules(self._model)
+        self._fsdp_waiting: list = []
         ddp = torch.nn.parallel.DistributedDataParallel
         self._ddp = isinstance(self._model, ddp)
         self._device = self._params[0].device
@@ -415,6 +416,10 @@ class Guard:
         dropped, the micro-batch halved and the same samples redone; `Infeasible` when even
         micro-batch 1 does not fit. `.grad` is as before the call when anything raises.
         """
+        with self._keeping_waiting_grads():
+            return self._backward_call(batch, loss_fn, scaler, as_tensor)
+
+    def _backward_call(self, batch: Any, loss_fn, scaler, as_tensor: bool) -> Union[float, torch.Tensor]:
         self._flush_pending()
         self._handed = []
         # Under ranks the cache's vote is the first call's on every rank, whatever its batch: a
@@ -567,6 +572,10 @@ class Guard:
         on an OOM and never grown back; `Infeasible` (phase `eval`) when even 1 does not fit.
         Training's state, `.grad` and the policy are untouched. Every rank of a distributed
         job calls it (FSDP2's all-gathers run in it)."""
+        with self._keeping_waiting_grads():
+            return self._evaluate_call(batch, fn, micro_batch_size, as_tensor)
+
+    def _evaluate_call(self, batch: Any, fn, micro_batch_size: Optional[int], as_tensor: bool) -> Union[float, torch.Tensor]:
         try:
             rows = Rows(batch)
             n = rows.rows
@@ -959,6 +968,17 @@ class Guard:
     def _reset_sharding(self) -> None:
         if self._fsdp:
             _ranks.reset_fsdp(self._fsdp)
+            _ranks.restore_grads(self._fsdp_waiting)
+
+    @contextlib.contextmanager
+    def _keeping_waiting_grads(self):
+        """FSDP2's gradients from the user's earlier no-sync calls, kept for this call's
+        failed attempts to put back (`_ranks.pending_grads`), and let go at its end."""
+        self._fsdp_waiting = _ranks.pending_grads(self._fsdp) if self._fsdp else []
+        try:
+            yield
+        finally:
+            self._fsdp_waiting = []
 
     def _kept_aside(self, base: Optional[int]) -> Optional[int]:
         """Live bytes after the cleanup, less the gradients kept from the attempt (expected

@@ -431,6 +431,34 @@ def reset_fsdp(modules: List[torch.nn.Module]) -> None:
                     fp.unsharded_accumulated_grad = None
 
 
+def pending_grads(modules: List[torch.nn.Module]) -> list:
+    """FSDP2's unsharded gradients that a user's earlier backward left waiting for the syncing
+    one (`set_requires_gradient_sync(False)`: accumulation across calls), copied: an attempt
+    accumulates into them in place, and `reset_fsdp` drops them, so a failed attempt puts
+    the copies back (`restore_grads`). Nothing, at no cost, when none wait."""
+    kept = []
+    for m in modules:
+        for group in param_groups(m._get_fsdp_state()):
+            for fp in group.fsdp_params:
+                unsharded = getattr(fp, "_unsharded_param", None)
+                grad = None if unsharded is None else unsharded.grad
+                acc = getattr(fp, "unsharded_accumulated_grad", None)
+                if grad is not None or acc is not None:
+                    copy = [None if t is None else t.detach().clone() for t in (grad, acc)]
+                    kept.append((fp, *copy))
+    return kept
+
+
+def restore_grads(kept: list) -> None:
+    """`pending_grads`' copies back in place of what a failed attempt left (copied again: a
+    later failure restores them too)."""
+    for fp, grad, acc in kept:
+        if grad is not None:
+            fp._unsharded_param.grad = grad.clone()
+        if acc is not None:
+            fp.unsharded_accumulated_grad = acc.clone()
+
+
 def _reset_by_hand(state: Any) -> None:
     """What torch 2.13's FSDPState._reset_iter_state does, for older versions."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState

@@ -68,6 +68,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--compile", action="store_true", help="each block compiled (inductor) before it is sharded")
     ap.add_argument("--guard-step", action="store_true", help="the optimizer's step through guard.optimizer_step")
+    ap.add_argument(
+        "--calls", type=int, default=1, help="guard.backward calls a step, FSDP2's gradient sync off on all but the last"
+    )
     ap.add_argument("--run-dir", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -120,7 +123,13 @@ def main() -> None:
             ids = torch.randint(0, 64, (args.global_batch, seq), generator=gen)
             mine = ids[rank * rows : (rank + 1) * rows]
             batch = {"input_ids": mine, "labels": mine.clone()}
-        if guard is not None:
+        if guard is not None and args.calls > 1:  # the user's own accumulation across calls
+            per, loss = rows // args.calls, 0.0
+            for i in range(args.calls):
+                net.set_requires_gradient_sync(i == args.calls - 1)
+                part = {k: v[i * per : (i + 1) * per] for k, v in batch.items()}
+                loss += guard.backward(part, lambda b: loss_fn(b) / args.calls)
+        elif guard is not None:
             loss = guard.backward(batch, loss_fn)
         else:  # the plain loop: accumulation over micro-batches of `micro`, FSDP2 reducing each
             loss = 0.0

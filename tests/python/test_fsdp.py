@@ -95,6 +95,19 @@ def test_three_ranks(spec, tmp_path, clean):
     assert max_diff(clean[(3, 32)].params, r.params) < EXACT
 
 
+@pytest.mark.parametrize("spec", ["1:3:backward", "0:3:gather:2", "1:2:forward"])
+def test_accumulation_across_calls_with_the_sync_off(spec, tmp_path, clean):
+    """The user's own accumulation: two `guard.backward` calls a step, FSDP2's gradient sync
+    off for the first. Its gradients wait unsharded, outside `.grad`; an OOM in the second
+    call (calls 1 and 3) keeps them, as one in the first (call 2) keeps nothing."""
+    r = fsdp(
+        tmp_path, "calls", "--guard", "--micro-batch", "32", "--calls", "2",
+        env={"OOMGUARD_TEST_OOM_AT": spec},
+    )
+    assert "out of memory" in r.out.lower(), r.out
+    assert max_diff(clean[(2, 32)].params, r.params) < EXACT
+
+
 def test_an_oom_in_the_optimizers_sharded_step_is_retried(tmp_path, clean):
     # AdamW's state exists from step 0; the hook raises before step 1's update changed
     # anything: guard.optimizer_step hands the memory back and retries, on every rank together.
