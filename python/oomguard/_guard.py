@@ -230,6 +230,9 @@ class Guard:
         self._fsdp_waiting: list = []
         ddp = torch.nn.parallel.DistributedDataParallel
         self._ddp = isinstance(self._model, ddp)
+        left_out = _ranks.ddp_left_out(self._model) if self._ddp else None
+        if left_out and int(os.environ.get("RANK", "0")) == 0:
+            warn(left_out)
         self._device = self._params[0].device
         self._cuda = self._device.type == "cuda"
         self.policy = Policy(configured, **policy)

@@ -352,6 +352,23 @@ def param_groups(state: Any) -> list:
     return [] if one is None else [one]
 
 
+def ddp_left_out(ddp: torch.nn.Module) -> Optional[str]:
+    """What of a DDP module's own reduction the guard's average does not run: a communication
+    hook (fp16 or bf16 compression, PowerSGD, or DDP's mixed precision, which works through
+    one). The guard's sync is a plain all-reduce of every gradient, once a step: exact, the
+    average the hook approximates, but without the bandwidth it would save."""
+    hooks = [getattr(h, "__qualname__", None) or repr(h) for h, _ in getattr(ddp, "_comm_hooks", None) or []]
+    if getattr(ddp, "mixed_precision", None) is not None:
+        hooks.append("mixed_precision")
+    if not hooks:
+        return None
+    return (
+        f"DDP's communication hook ({', '.join(hooks)}) is not run: the guard averages the gradients itself, "
+        "once a step, with an exact all-reduce in their own dtype (the average the hook approximates, without "
+        "the bandwidth it saves)"
+    )
+
+
 def refuse_unsafe(model: Optional[torch.nn.Module], params: List[torch.nn.Parameter]) -> None:
     """Raises at construction for a model whose steps the guard cannot make safe."""
     if model is None:

@@ -27,7 +27,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
 import torch
 
 from ._batch import Rows
-from ._guard import Guard
+from ._guard import RUN_DIR_VAR, Guard
 
 __all__ = ["Trainer", "STATE_FILE"]
 
@@ -125,7 +125,8 @@ class Trainer(transformers.Trainer):
     def _guard_for(self, model: Any) -> Guard:
         if self.guard is None:
             options = {
-                "run_dir": self.args.output_dir,
+                # The launcher's or sweep's run directory (`--run-dir`) first, where it reads metrics.
+                "run_dir": os.environ.get(RUN_DIR_VAR) or self.args.output_dir,
                 "verbose": self.args.should_log,
                 "trackers": (),  # report_to's integrations log this Trainer's metrics
                 # fp16: the Trainer's own GradScaler, which its step unscales and steps with.

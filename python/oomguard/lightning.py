@@ -9,6 +9,7 @@ Trainer's `log_dir`. Nothing is decided here: the guard (its Rust policy) decide
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Optional
 
 try:
@@ -19,7 +20,7 @@ except ImportError:  # pragma: no cover - the message is the point
     except ImportError as e:
         raise ImportError("oomguard.lightning needs Lightning: pip install lightning", name=e.name) from e
 
-from ._guard import Guard
+from ._guard import RUN_DIR_VAR, Guard
 
 __all__ = ["GuardedModule"]
 
@@ -52,6 +53,7 @@ class GuardedModule(pl.LightningModule):
         self.automatic_optimization = False
         self.guard: Optional[Guard] = None
         self._oomguard_state: Optional[dict] = None
+        self._oomguard_made_for: Any = None
 
     def guarded_backward(self, batch: Any, loss_fn: Callable[[Any], Any], **kw: Any) -> Any:
         """`Guard.backward(batch, loss_fn)`: the gradients of the batch's mean loss, in
@@ -63,13 +65,21 @@ class GuardedModule(pl.LightningModule):
                 "oomguard.lightning: guarded_backward needs automatic_optimization = False (manual optimization: "
                 "Lightning's automatic step runs the backward in a closure that cannot be redone on the same rows)"
             )
+        trainer = self.trainer
+        # A guard serves one Trainer at one loader batch size: another fit, or the
+        # BatchSizeFinder's next trial, gets a fresh one (from a checkpoint's state if one
+        # was loaded since).
+        made_for = (id(trainer), self.oomguard_global_batch_size or _loader_batch_size(trainer))
+        if self.guard is not None and self._oomguard_made_for != made_for:
+            self.guard.close()
+            self.guard = None
         if self.guard is None:
             rows = Rows(batch).rows
-            trainer = self.trainer
             # Under DDP the strategy's wrapper: the guard drives it (agreement, its own sync).
             model = trainer.strategy.model if trainer.world_size > 1 else self
             options = {
-                "run_dir": trainer.log_dir,
+                # The launcher's or sweep's run directory (`--run-dir`) first, where it reads metrics.
+                "run_dir": os.environ.get(RUN_DIR_VAR) or trainer.log_dir,
                 "verbose": trainer.is_global_zero,
                 "trackers": (),  # the Trainer's loggers log; the guard's state goes through them below
                 # precision="16-mixed": the precision plugin's GradScaler, which opt.step() steps with.
@@ -78,8 +88,10 @@ class GuardedModule(pl.LightningModule):
             }
             most = self.oomguard_global_batch_size or max(rows, _loader_batch_size(trainer))
             self.guard = Guard(model, global_batch_size=most, micro_batch_size=self.oomguard_micro_batch_size, **options)
+            self._oomguard_made_for = made_for
             if self._oomguard_state is not None:
                 self.guard.load_state_dict(self._oomguard_state)
+                self._oomguard_state = None  # loaded once: a later fit without a checkpoint starts clean
         loss = self.guard.backward(batch, loss_fn, as_tensor=True, **kw)
         # As manual_backward's precision plugin does once the gradients are there.
         call = _trainer_call()
@@ -98,7 +110,8 @@ class GuardedModule(pl.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self._oomguard_state = checkpoint.get(CHECKPOINT_KEY)
         if self.guard is not None and self._oomguard_state is not None:
-            self.guard.load_state_dict(self._oomguard_state)  # a module fit again
+            self.guard.close()  # a module fit again: the next step's guard starts from the checkpoint
+            self.guard = None
 
 
 def _loader_batch_size(trainer: Any) -> int:

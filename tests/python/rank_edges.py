@@ -205,6 +205,30 @@ def bad_first() -> None:
     print(f"diff bad-first {(both[: grads.numel()] - both[grads.numel():]).abs().max().item():.3e}", flush=True)
 
 
+def comm_hook() -> None:
+    """A DDP communication hook (fp16 compression) is named as not run, and the guarded step
+    gives the plain, uncompressed average."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 1).double()
+    plain = copy.deepcopy(net)
+    ddp = torch.nn.parallel.DistributedDataParallel(net)
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    g = guard(ddp, 8, 4)
+    torch.manual_seed(10 + rank)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    g.backward((x, y), lambda b: F.mse_loss(ddp(b[0]), b[1]))
+    F.mse_loss(plain(x), y).backward()
+    for p in plain.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+    got = torch.cat([p.grad.flatten() for p in net.parameters()])
+    want = torch.cat([p.grad.flatten() for p in plain.parameters()])
+    print(f"diff comm-hook {(got - want).abs().max().item():.3e}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", required=True)
@@ -219,6 +243,7 @@ def main() -> None:
         "buffers": buffers,
         "nograd": nograd,
         "bad-first": bad_first,
+        "comm-hook": comm_hook,
     }[case]()
     dist.barrier()
     dist.destroy_process_group()

@@ -141,3 +141,54 @@ def test_batches_that_vary_in_rows_fit_under_the_loaders_or_the_declared_batch_s
     plain = Guarded()
     fit(plain, torch.utils.data.DataLoader(data, batch_size=16))
     assert plain.guard.global_batch_size == 16
+
+
+def test_each_fit_and_batch_size_trial_gets_its_guard_writing_where_the_launcher_says(tmp_path, monkeypatch):
+    """The BatchSizeFinder's trials and a later fit with a larger loader each get a guard at
+    their loader's batch size (a guard kept from the first refused the larger batches); under
+    the launcher or a sweep (`OOMGUARD_RUN_DIR`) the metrics go to its run directory, where the
+    sweep reads them, not to the Trainer's log_dir."""
+    import json
+
+    import lightning as L
+    import torch.nn.functional as F
+    from lightning.pytorch.tuner import Tuner
+
+    from oomguard.lightning import GuardedModule
+
+    x = torch.randn(256, 16, dtype=torch.float64)
+    data = torch.utils.data.TensorDataset(x, x[:, :1].sin())
+
+    class Guarded(GuardedModule):
+        oomguard_options = {"verbose": False, "cache": False}
+
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(16, 1).double()
+            self.batch_size = 4
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+        def training_step(self, b, i):
+            self.guarded_backward(b, lambda mb: F.mse_loss(self.net(mb[0]), mb[1]))
+            self.optimizers().step()
+            self.optimizers().zero_grad()
+
+    def trainer(steps):
+        return L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                         default_root_dir=str(tmp_path), enable_progress_bar=False, enable_model_summary=False)
+
+    m = Guarded()
+    found = Tuner(trainer(2)).scale_batch_size(m, mode="power", steps_per_trial=1, max_trials=3)
+    assert m.batch_size == found >= 8  # past the first trial's size: each trial had its guard
+    launched = tmp_path / "launched"
+    monkeypatch.setenv("OOMGUARD_RUN_DIR", str(launched))
+    m.batch_size = 64
+    trainer(2).fit(m)
+    assert m.guard.global_batch_size == 64
+    steps = [r for r in map(json.loads, (launched / "metrics.jsonl").read_text().splitlines()) if r["event"] == "step"]
+    assert [s["num_samples"] for s in steps] == [64, 64], steps

@@ -58,6 +58,14 @@ def test_ddp_syncing_buffers_at_each_forward_matches_plain_ddp(tmp_path):
     assert len(d["buffers"]) == 2 and max(d["buffers"]) < EXACT, d
 
 
+def test_a_ddp_communication_hook_is_named_and_the_average_is_exact(tmp_path):
+    r = run_ranks(tmp_path, "comm-hook", "--case", "comm-hook", script=EDGES, out_flag=False, timeout=120)
+    assert r.code == 0, r.out
+    assert r.out.count("DDP's communication hook (fp16_compress_hook) is not run") == 1, r.out
+    d = [float(v) for v in re.findall(r"^diff comm-hook (\S+)$", r.out, re.M)]
+    assert len(d) == 2 and max(d) < EXACT, r.out
+
+
 def test_bad_input_on_one_rank_at_the_first_step_stops_both_and_the_next_step_runs(tmp_path):
     r = run_ranks(tmp_path, "bad-first", "--case", "bad-first", script=EDGES, out_flag=False, timeout=120)
     assert r.code == 0, r.out
