@@ -1314,7 +1314,8 @@ def _split(first: int, n: int, mb: int, equal: Optional[Tuple[int, int]] = None,
     if fewest < k:
         raise ValueError(
             f"under FSDP2 every rank runs as many micro-batches (each one's forward and backward are collectives): at "
-            f"{min(cap, most)} rows a micro-batch the rank with the most rows ({most}) runs {k}, and a rank has only "
+            f"{min(cap, most)} rows a micro-batch (the guard's size now; an OOM halves it, so rows that ran before "
+            f"may not after one) the rank with the most rows ({most}) runs {k}, and a rank has only "
             f"{fewest}: give every rank the same number of rows (as DistributedSampler does)"
         )
     if len(plain) == k:
