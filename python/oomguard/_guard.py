@@ -230,9 +230,6 @@ class Guard:
         self._fsdp_waiting: list = []
         ddp = torch.nn.parallel.DistributedDataParallel
         self._ddp = isinstance(self._model, ddp)
-        left_out = _ranks.ddp_left_out(self._model) if self._ddp else None
-        if left_out and int(os.environ.get("RANK", "0")) == 0:
-            warn(left_out)
         self._device = self._params[0].device
         self._cuda = self._device.type == "cuda"
         self.policy = Policy(configured, **policy)
@@ -254,6 +251,9 @@ class Guard:
             self.rank, self.world_size = self._ranks.rank, self._ranks.world
         else:
             self.rank, self.world_size = 0, 1
+        left_out = _ranks.ddp_left_out(self._model) if self._ddp else None
+        if left_out and self.rank == 0:
+            warn(left_out)
         if self._ddp and getattr(self._model, "broadcast_buffers", False):
             # DDP broadcasts rank 0's buffers at each forward: a collective inside the
             # attempt, checkpointed like the others (torch.distributed._broadcast_coalesced).

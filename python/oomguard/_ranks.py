@@ -19,7 +19,7 @@ import functools
 import os
 import secrets
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -438,14 +438,19 @@ def reset_fsdp(modules: List[torch.nn.Module]) -> None:
                 m.reset_iter_state()
             else:
                 _reset_by_hand(state)
+    for fp in _fsdp_params(modules):
+        unsharded = getattr(fp, "_unsharded_param", None)
+        if unsharded is not None:
+            unsharded.grad = None
+        if hasattr(fp, "unsharded_accumulated_grad"):
+            fp.unsharded_accumulated_grad = None
+
+
+def _fsdp_params(modules: List[torch.nn.Module]) -> Iterator[Any]:
+    """Every FSDPParam of FSDP2's modules."""
     for m in modules:
         for group in param_groups(m._get_fsdp_state()):
-            for fp in group.fsdp_params:
-                unsharded = getattr(fp, "_unsharded_param", None)
-                if unsharded is not None:
-                    unsharded.grad = None
-                if hasattr(fp, "unsharded_accumulated_grad"):
-                    fp.unsharded_accumulated_grad = None
+            yield from group.fsdp_params
 
 
 def pending_grads(modules: List[torch.nn.Module]) -> list:
@@ -454,15 +459,12 @@ def pending_grads(modules: List[torch.nn.Module]) -> list:
     accumulates into them in place, and `reset_fsdp` drops them, so a failed attempt puts
     the copies back (`restore_grads`). Nothing, at no cost, when none wait."""
     kept = []
-    for m in modules:
-        for group in param_groups(m._get_fsdp_state()):
-            for fp in group.fsdp_params:
-                unsharded = getattr(fp, "_unsharded_param", None)
-                grad = None if unsharded is None else unsharded.grad
-                acc = getattr(fp, "unsharded_accumulated_grad", None)
-                if grad is not None or acc is not None:
-                    copy = [None if t is None else t.detach().clone() for t in (grad, acc)]
-                    kept.append((fp, *copy))
+    for fp in _fsdp_params(modules):
+        unsharded = getattr(fp, "_unsharded_param", None)
+        grad = None if unsharded is None else unsharded.grad
+        acc = getattr(fp, "unsharded_accumulated_grad", None)
+        if grad is not None or acc is not None:
+            kept.append((fp, *[None if t is None else t.detach().clone() for t in (grad, acc)]))
     return kept
 
 

@@ -86,7 +86,7 @@ class GuardedModule(pl.LightningModule):
                 "scaler": getattr(trainer.precision_plugin, "scaler", None),
                 **self.oomguard_options,
             }
-            most = self.oomguard_global_batch_size or max(rows, _loader_batch_size(trainer))
+            most = self.oomguard_global_batch_size or max(rows, made_for[1])
             self.guard = Guard(model, global_batch_size=most, micro_batch_size=self.oomguard_micro_batch_size, **options)
             self._oomguard_made_for = made_for
             if self._oomguard_state is not None:
