@@ -373,10 +373,12 @@ class Guard:
         """The step and the policy's state (its serde form, as `oomguard train` checkpoints it)."""
         return {"step": self.step, "policy": self.policy.to_json(), "oom_count": self._oom_count}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, checkpoint: Optional[str] = None) -> None:
         """Continues from `state_dict()`: the step and the policy. The restored size is
         announced (`micro_batch_size=N`, what the launcher halves on a relaunch), and rank 0's
-        metrics.jsonl sets aside the records of the steps this run redoes."""
+        metrics.jsonl sets aside the records of the steps this run redoes and records the
+        resume (`{"event": "resumed", "step", "checkpoint"}`; `checkpoint`: where the state
+        came from, if given)."""
         self.step = int(state["step"])
         self._oom_count = int(state.get("oom_count", self._oom_count))  # snapshots number on from it
         before = self.policy.current
@@ -387,6 +389,7 @@ class Guard:
             # wins over the one saved before that OOM.
             self.policy.relaunched(_env_int(FAILED_MICRO_BATCH_VAR), max(start, 1), self.step)
         self._records.resumed(self.step)
+        self._records.write({"event": "resumed", "step": self.step, "checkpoint": checkpoint})
         if self.policy.current != before:
             self._say(f"oomguard: restored at step {self.step}; micro_batch_size={self.policy.current}")
 

@@ -3,8 +3,10 @@ metrics.md) and the lines it prints.
 
 This module owns the records' fields. Invariant: each record is one JSON line, flushed as
 written; a run resumed at step k first moves the records of steps >= k aside
-(`oomguard._native.metrics_resume`, the runtime's own rule), so metrics.jsonl reads as one
-uninterrupted run; a write that fails warns once and never stops training.
+(`oomguard._native.metrics_resume`, the runtime's own rule), and so does a run started afresh
+in a directory an earlier run wrote (its first record's step, 0: a trial a sweep reruns from
+scratch), so metrics.jsonl reads as one uninterrupted run and nothing written is lost; a
+write that fails warns once and never stops training.
 """
 
 from __future__ import annotations
@@ -13,11 +15,16 @@ import json
 import math
 import os
 import time
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 from . import _trackers
 from ._memory import warn
 from ._native import metrics_resume
+
+
+# metrics.jsonl files this process writes, and how many writers each has open: a second guard
+# writing beside one still open (two models in one loop) sets nothing aside.
+_WRITERS: Dict[str, int] = {}
 
 
 def finite(x: float) -> Optional[float]:
@@ -34,11 +41,17 @@ class Records:
         self._file = None
         self._failed = False
         self.trackers = None
+        # Until a resume or the first record says where this run starts.
+        self._settled = True
+        self._key: Optional[str] = None
         if trackers and not run_dir:
             raise ValueError(f"{where} names trackers, which log a run's records: give the guard a run_dir (or set OOMGUARD_RUN_DIR)")
         if run_dir:
             os.makedirs(run_dir, exist_ok=True)
             if rank == 0:
+                self._key = os.path.realpath(self.path)
+                self._settled = _WRITERS.get(self._key, 0) > 0
+                _WRITERS[self._key] = _WRITERS.get(self._key, 0) + 1
                 self._open()
                 if trackers:
                     self.trackers = _trackers.Trackers(trackers, run_dir, None, where)
@@ -59,6 +72,12 @@ class Records:
         """One record; its None fields are left out unless `keep_none`."""
         if self._file is None:
             return
+        if not self._settled and isinstance(record.get("step"), int):
+            # The first record of a run not resumed: an earlier run's records of this step
+            # and later (all of them, at step 0) go to metrics.replaced.jsonl.
+            self.resumed(record["step"])
+            if self._file is None:
+                return
         if not keep_none:
             record = {k: v for k, v in record.items() if v is not None}
         try:
@@ -73,9 +92,13 @@ class Records:
         """Ends the trackers' runs (metrics.jsonl needs nothing: every line is flushed)."""
         if self.trackers is not None:
             self.trackers.close()
+        if self._key is not None:
+            _WRITERS[self._key] -= 1
+            self._key = None
 
     def resumed(self, next_step: int) -> int:
         """The run goes on at `next_step`: later records move to metrics.replaced.jsonl."""
+        self._settled = True
         if self._file is None:
             return 0
         try:

@@ -137,7 +137,7 @@ class Trainer(transformers.Trainer):
             state = self._oomguard_resume and os.path.join(self._oomguard_resume, STATE_FILE)
             if state and os.path.exists(state):
                 with open(state) as f:
-                    self.guard.load_state_dict(json.load(f))
+                    self.guard.load_state_dict(json.load(f), checkpoint=self._oomguard_resume)
         return self.guard
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
@@ -204,9 +204,13 @@ class Trainer(transformers.Trainer):
 
     def log(self, logs: dict, *a: Any, **kw: Any) -> None:
         """The Trainer's logs, a training log with the guard's micro-batch and OOM count
-        (report_to's W&B shows them as train/micro_batch_size and train/oom_count)."""
+        (report_to's W&B shows them as train/micro_batch_size and train/oom_count); an
+        evaluation's `eval_loss` also goes into metrics.jsonl as an `eval` record, what
+        `oomguard report` draws and a sweep's `val_loss` metric reads."""
         if self.guard is not None and "loss" in logs:
             logs = {**logs, "micro_batch_size": self.guard.micro_batch_size, "oom_count": self.guard.oom_count}
+        if self.guard is not None and isinstance(logs.get("eval_loss"), (int, float)):
+            self.guard.log_eval(logs["eval_loss"])
         super().log(logs, *a, **kw)
 
     # --- checkpoints: the guard's state beside the Trainer's ---------------------------------
@@ -219,6 +223,8 @@ class Trainer(transformers.Trainer):
             )
         # Each train() builds its guard afresh: model_init may make a new model, and a resume
         # loads the guard's state from its checkpoint.
+        if self.guard is not None:
+            self.guard.close()
         self.guard, self._oomguard_honours = None, None
         self._oomguard_resume = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
         return super().train(resume_from_checkpoint, *a, **kw)

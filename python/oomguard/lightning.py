@@ -47,6 +47,9 @@ class GuardedModule(pl.LightningModule):
     #: first batch's rows, whichever is larger): set it for samplers whose batches vary.
     oomguard_global_batch_size: Optional[int] = None
     oomguard_options: dict = {}
+    #: The validation metric (as `self.log`ged) written into metrics.jsonl as an `eval`
+    #: record after each validation: what `oomguard report` draws and a sweep's `val_loss` reads.
+    oomguard_eval_metric: str = "val_loss"
 
     def __init__(self, *a: Any, **kw: Any):
         super().__init__(*a, **kw)
@@ -90,7 +93,7 @@ class GuardedModule(pl.LightningModule):
             self.guard = Guard(model, global_batch_size=most, micro_batch_size=self.oomguard_micro_batch_size, **options)
             self._oomguard_made_for = made_for
             if self._oomguard_state is not None:
-                self.guard.load_state_dict(self._oomguard_state)
+                self.guard.load_state_dict(self._oomguard_state, checkpoint=getattr(trainer, "ckpt_path", None))
                 self._oomguard_state = None  # loaded once: a later fit without a checkpoint starts clean
         loss = self.guard.backward(batch, loss_fn, as_tensor=True, **kw)
         # As manual_backward's precision plugin does once the gradients are there.
@@ -102,6 +105,15 @@ class GuardedModule(pl.LightningModule):
         state = {"oomguard/micro_batch_size": float(self.guard.micro_batch_size), "oomguard/oom_count": float(self.guard.oom_count)}
         self.log_dict(state, on_step=True, on_epoch=False, rank_zero_only=True)
         return loss
+
+    def on_validation_end(self) -> None:
+        """The validation's `oomguard_eval_metric` (from the Trainer's callback metrics) as an
+        `eval` record; nothing during the sanity check or before the guard's first step.
+        An override calls `super().on_validation_end()`."""
+        trainer = self.trainer
+        value = trainer.callback_metrics.get(self.oomguard_eval_metric)
+        if self.guard is not None and value is not None and not trainer.sanity_checking:
+            self.guard.log_eval(float(value))
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.guard is not None:

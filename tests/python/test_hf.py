@@ -7,6 +7,8 @@ settled at; its checkpoints carry the guard's state, and a resumed run ends wher
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -246,3 +248,63 @@ def test_a_hyperparameter_trial_over_the_batch_size_trains_as_the_plain_trainers
     t, got = trial_run(oomguard.hf.Trainer, oom="0:1:forward")
     assert t.oomguard_rows == 16 and t.guard.oom_count == 1 and t.guard.micro_batch_size == 4
     assert max_diff(got, want) < 1e-12
+
+
+# --- a sweep whose trials are Trainer scripts ---------------------------------------------------
+
+TRIAL = '''
+import argparse, os, torch, transformers
+import oomguard.hf
+
+p = argparse.ArgumentParser()
+p.add_argument("--lr", type=float)
+args = p.parse_args()
+torch.manual_seed(0)
+model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n, seed):
+        self.x = torch.randint(0, 64, (n, 16), generator=torch.Generator().manual_seed(seed))
+    def __len__(self):
+        return len(self.x)
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+targs = transformers.TrainingArguments(
+    output_dir=os.path.join(os.environ["OOMGUARD_RUN_DIR"], "hf"), per_device_train_batch_size=8, max_steps=4,
+    learning_rate=args.lr, eval_strategy="steps", eval_steps=2, save_strategy="no", report_to=[], use_cpu=True,
+    disable_tqdm=True, seed=0)
+oomguard.hf.Trainer(model=model, args=targs, train_dataset=Tokens(64, 1), eval_dataset=Tokens(16, 2)).train()
+'''
+
+
+def test_a_sweep_of_trainer_scripts_ranks_them_by_their_evaluations(tmp_path):
+    """`oomguard sweep` over a user's Trainer script (under `oomguard launch`) with W&B's
+    `val_loss` metric: each trial's evaluations reach its metrics.jsonl (an OOM in each
+    recovered), the sweep ranks the trials by them, and the report names the same best."""
+    import subprocess
+    import sys
+
+    from conftest import launcher
+
+    (tmp_path / "train.py").write_text(TRIAL)
+    (tmp_path / "sweep.yaml").write_text(
+        "program: train.py\n"
+        "command: ['${env}', '${interpreter}', oomguard, launch, --nproc-per-node, 1, '${program}', '${args}']\n"
+        "method: grid\nmetric: {name: val_loss, goal: minimize}\nparameters:\n  lr: {values: [1.0e-4, 3.0e-2]}\n"
+    )
+    child = env({"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OOMGUARD_TEST_OOM_AT": "0:1:backward"})
+    run = lambda *a: subprocess.run([str(launcher()), *a], cwd=tmp_path, env=child, capture_output=True, text=True, timeout=600)  # noqa: E731
+    p = run("sweep", "sweep.yaml", "--out", "sw")
+    assert p.returncode == 0, p.stdout + p.stderr
+    results = [json.loads(l) for l in (tmp_path / "sw" / "results.jsonl").read_text().splitlines()]
+    assert [r["status"] for r in results] == ["ok", "ok"] and {r["metric"] for r in results} == {"final_eval_loss"}
+    for r in results:
+        written = records(tmp_path / "sw" / r["run_dir"])
+        evals = [x for x in written if x["event"] == "eval"]
+        assert [e["step"] for e in evals] == [1, 3] and r["final_eval_loss"] == evals[-1]["val_loss"], written
+        assert r["ooms"] == 1, written
+    best = min(results, key=lambda r: r["final_eval_loss"])
+    assert f"best by final_eval_loss: {best['trial']}" in p.stdout, p.stdout
+    report = run("report", "sw")
+    assert report.returncode == 0 and re.search(rf"^best\s+{best['trial']}", report.stdout, re.M), report.stdout

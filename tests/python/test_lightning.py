@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import max_diff, records, run_ranks
@@ -147,7 +148,8 @@ def test_each_fit_and_batch_size_trial_gets_its_guard_writing_where_the_launcher
     """The BatchSizeFinder's trials and a later fit with a larger loader each get a guard at
     their loader's batch size (a guard kept from the first refused the larger batches); under
     the launcher or a sweep (`OOMGUARD_RUN_DIR`) the metrics go to its run directory, where the
-    sweep reads them, not to the Trainer's log_dir."""
+    sweep reads them, not to the Trainer's log_dir, validations' `val_loss` with them (the
+    sanity check's left out)."""
     import json
 
     import lightning as L
@@ -178,9 +180,16 @@ def test_each_fit_and_batch_size_trial_gets_its_guard_writing_where_the_launcher
             self.optimizers().step()
             self.optimizers().zero_grad()
 
-    def trainer(steps):
+        def val_dataloader(self):
+            return torch.utils.data.DataLoader(data, batch_size=32)
+
+        def validation_step(self, b, i):
+            self.log("val_loss", F.mse_loss(self.net(b[0]), b[1]))
+
+    def trainer(steps, **kw):
         return L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                         default_root_dir=str(tmp_path), enable_progress_bar=False, enable_model_summary=False)
+                         default_root_dir=str(tmp_path), enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=2, **kw)
 
     m = Guarded()
     found = Tuner(trainer(2)).scale_batch_size(m, mode="power", steps_per_trial=1, max_trials=3)
@@ -188,7 +197,11 @@ def test_each_fit_and_batch_size_trial_gets_its_guard_writing_where_the_launcher
     launched = tmp_path / "launched"
     monkeypatch.setenv("OOMGUARD_RUN_DIR", str(launched))
     m.batch_size = 64
-    trainer(2).fit(m)
+    fit = trainer(2, val_check_interval=1)
+    fit.fit(m)
     assert m.guard.global_batch_size == 64
-    steps = [r for r in map(json.loads, (launched / "metrics.jsonl").read_text().splitlines()) if r["event"] == "step"]
+    written = [json.loads(l) for l in (launched / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in written if r["event"] == "step"]
     assert [s["num_samples"] for s in steps] == [64, 64], steps
+    evals = [(r["step"], r["val_loss"]) for r in written if r["event"] == "eval"]
+    assert [s for s, _ in evals] == [0, 1] and evals[-1][1] == pytest.approx(float(fit.callback_metrics["val_loss"])), written

@@ -295,6 +295,10 @@ def test_a_round_after_a_membership_change_records_it(tmp_path, monkeypatch):
     assert (r["step"], r["old_world"], r["new_world"], r["steps_recomputed"]) == (8, 3, 2, 2), r
     assert r["cause"] == change["cause"] and r["source"] == "checkpoint"
     assert 1.0 < r["seconds"] < 60.0, r
+    # The resume itself, as `oomguard train` records it (what `oomguard report` counts), and
+    # the records the resumed run redoes set aside.
+    kept = [(r["event"], r["step"]) for r in records if r["event"] in ("step", "resumed")]
+    assert kept == [("step", s) for s in range(8)] + [("resumed", 8), ("step", 8), ("step", 9)], records
 
 
 def test_bad_input_names_both_numbers_and_leaves_grads_alone():
@@ -355,18 +359,23 @@ def test_the_example_runs(tmp_path):
     from conftest import ROOT, env
 
     run_dir = tmp_path / "own"
-    p = subprocess.run(
-        [sys.executable, str(ROOT / "examples/python/own_loop.py")],
-        env=env({"OOMGUARD_RUN_DIR": str(run_dir)}),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert p.returncode == 0, p.stderr
-    losses = [float(l.split()[3]) for l in p.stdout.splitlines() if l.startswith("step ")]
-    steps = [x for x in records(run_dir) if x["event"] == "step"]
-    assert [s["step"] for s in steps] == list(range(20))
-    assert [round(s["loss"], 4) for s in steps] == losses
+    # Twice into one directory, as a sweep reruns an interrupted trial that saved nothing:
+    # the second run's metrics.jsonl reads as its own, the first's records set aside.
+    for again in (False, True):
+        p = subprocess.run(
+            [sys.executable, str(ROOT / "examples/python/own_loop.py")],
+            env=env({"OOMGUARD_RUN_DIR": str(run_dir)}),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert p.returncode == 0, p.stderr
+        losses = [float(l.split()[3]) for l in p.stdout.splitlines() if l.startswith("step ")]
+        steps = [x for x in records(run_dir) if x["event"] == "step"]
+        assert [s["step"] for s in steps] == list(range(20))
+        assert [round(s["loss"], 4) for s in steps] == losses
+    replaced = [json.loads(l) for l in (run_dir / "metrics.replaced.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in replaced if r["event"] == "step"] == list(range(20))
 
 
 def test_the_pages_ten_lines_run():

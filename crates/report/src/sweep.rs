@@ -18,13 +18,19 @@ pub struct TrialRecord {
     pub exit_code: Option<i64>,
     pub final_eval_loss: Option<f64>,
     pub best_eval_loss: Option<f64>,
+    pub final_loss: Option<f64>,
     pub tokens_per_s: Option<f64>,
     pub final_micro_batch_size: Option<u64>,
     pub ooms: Option<u64>,
     pub duration_s: Option<f64>,
     pub run_dir: Option<String>,
     pub message: Option<String>,
+    /// The sweep's metric, by its field's name (sweeps since 2026-11-29 write it).
+    pub metric: Option<String>,
 }
+
+/// The metric a sweep ranks by when its records name none (older sweeps' default).
+pub const DEFAULT_METRIC: &str = "best_eval_loss";
 
 /// A trial and the eval losses its run directory recorded.
 #[derive(Debug, Clone)]
@@ -61,6 +67,18 @@ impl Trial {
             .join(" ")
     }
 
+    /// The trial's value of the sweep's `metric` (a results.jsonl field's name): its record's,
+    /// else, for the eval losses, its run's.
+    pub fn value(&self, metric: &str) -> Option<f64> {
+        let r = &self.record;
+        match metric {
+            "final_eval_loss" => r.final_eval_loss.or_else(|| self.eval_loss.last().map(|p| p.1)),
+            "final_loss" => r.final_loss,
+            "tokens_per_s" => r.tokens_per_s,
+            _ => self.best_eval_loss(),
+        }
+    }
+
     /// The trial's best eval loss: its record's, else its run's.
     pub fn best_eval_loss(&self) -> Option<f64> {
         self.record
@@ -72,8 +90,11 @@ impl Trial {
 #[derive(Debug, Clone, Default)]
 pub struct Sweep {
     pub trials: Vec<Trial>,
-    /// Index into `trials` of the completed trial with the lowest best eval loss.
+    /// Index into `trials` of the completed trial with the best value of `metric`.
     pub best: Option<usize>,
+    /// What the sweep ranked its trials by (its records' `metric`; `best_eval_loss` for
+    /// sweeps that wrote none).
+    pub metric: String,
     pub warnings: Vec<String>,
 }
 
@@ -108,14 +129,26 @@ impl Sweep {
                 eval_loss,
             });
         }
-        let best = trials
+        let metric = trials
             .iter()
-            .enumerate()
-            .filter(|(_, t)| t.is_ok())
-            .filter_map(|(i, t)| Some((i, t.best_eval_loss()?)))
-            .min_by(|a, b| a.1.total_cmp(&b.1))
-            .map(|(i, _)| i);
-        Ok(Sweep { trials, best, warnings })
+            .rev()
+            .find_map(|t| t.record.metric.clone())
+            .unwrap_or_else(|| DEFAULT_METRIC.into());
+        let mut sweep = Sweep {
+            trials,
+            best: None,
+            metric,
+            warnings,
+        };
+        sweep.best = sweep.ranked().first().copied().filter(|&i| sweep.score(i).is_some());
+        Ok(sweep)
+    }
+
+    /// A completed trial's value of the metric, larger the worse (tokens/s negated).
+    fn score(&self, i: usize) -> Option<f64> {
+        let t = &self.trials[i];
+        let v = t.value(&self.metric).filter(|v| v.is_finite() && t.is_ok())?;
+        Some(if self.metric == "tokens_per_s" { -v } else { v })
     }
 
     /// `12 trials: 9 ok, 2 infeasible, 1 failed`
@@ -132,16 +165,10 @@ impl Sweep {
         format!("{} trials: {}", self.trials.len(), parts.join(", "))
     }
 
-    /// Trials best first: completed ones by best eval loss, then the rest in file order.
+    /// Trials best first: completed ones by the sweep's metric, then the rest in file order.
     pub fn ranked(&self) -> Vec<usize> {
-        let loss = |i: usize| {
-            self.trials[i]
-                .is_ok()
-                .then(|| self.trials[i].best_eval_loss())
-                .flatten()
-        };
         let mut order: Vec<usize> = (0..self.trials.len()).collect();
-        order.sort_by(|&a, &b| match (loss(a), loss(b)) {
+        order.sort_by(|&a, &b| match (self.score(a), self.score(b)) {
             (Some(x), Some(y)) => x.total_cmp(&y),
             (Some(_), None) => std::cmp::Ordering::Less,
             (None, Some(_)) => std::cmp::Ordering::Greater,
@@ -152,12 +179,18 @@ impl Sweep {
 
     /// The table's header and rows, best first, each with its trial's index (text, picture
     /// and HTML share them).
+    /// The loss column is the sweep's metric where that is a loss.
     pub fn table(&self) -> (Vec<&'static str>, Vec<(usize, Vec<String>)>) {
+        let (loss_header, loss_metric) = match self.metric.as_str() {
+            "final_eval_loss" => ("final eval loss", "final_eval_loss"),
+            "final_loss" => ("final loss", "final_loss"),
+            _ => ("best eval loss", DEFAULT_METRIC),
+        };
         let header = vec![
             "",
             "trial",
             "status",
-            "best eval loss",
+            loss_header,
             "tokens/s",
             "final micro-batch",
             "OOMs",
@@ -178,7 +211,7 @@ impl Sweep {
                     },
                     t.name.clone(),
                     t.status(),
-                    f(t.best_eval_loss(), 4),
+                    f(t.value(loss_metric), 4),
                     f(r.tokens_per_s, 0),
                     r.final_micro_batch_size.map_or("-".into(), |v| v.to_string()),
                     r.ooms.map_or("-".into(), |v| v.to_string()),
@@ -217,6 +250,29 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_best_is_by_the_metric_the_sweep_ranked_by() {
+        let dir = tempfile::tempdir().unwrap();
+        let lines = [
+            r#"{"trial":"000-a","status":"ok","best_eval_loss":1.0,"final_eval_loss":3.0,"final_loss":2.5,"tokens_per_s":900,"metric":"final_eval_loss"}"#,
+            r#"{"trial":"001-b","status":"ok","best_eval_loss":2.0,"final_eval_loss":2.0,"final_loss":2.9,"tokens_per_s":800,"metric":"final_eval_loss"}"#,
+            r#"{"trial":"002-c","status":"failed","best_eval_loss":0.1,"final_eval_loss":0.1,"metric":"final_eval_loss"}"#,
+        ];
+        let read = |metric: &str| {
+            let text = lines.join("\n").replace("\"metric\":\"final_eval_loss\"", &format!("\"metric\":\"{metric}\""));
+            std::fs::write(dir.path().join("results.jsonl"), text).unwrap();
+            Sweep::read(dir.path()).unwrap()
+        };
+        let s = read("final_eval_loss");
+        assert_eq!((s.best, s.ranked()), (Some(1), vec![1, 0, 2]));
+        let (header, rows) = s.table();
+        assert_eq!((header[3], rows[0].1[3].as_str()), ("final eval loss", "2.0000"));
+        let by = |metric: &str| read(metric).best;
+        assert_eq!(by("final_loss"), Some(0));
+        assert_eq!(by("tokens_per_s"), Some(0), "tokens/s: the most");
+        assert_eq!(by("best_eval_loss"), Some(0));
+    }
+
+    #[test]
     fn the_best_is_the_lowest_completed_trial_and_statuses_say_who_decided() {
         let dir = tempfile::tempdir().unwrap();
         let lines = [
@@ -237,6 +293,7 @@ mod tests {
         assert_eq!(s.trials[3].params(), "data.source=text model.n_embd=64");
         assert_eq!(s.counts(), "5 trials: 2 ok, 1 infeasible, 1 timeout, 1 failed");
         assert_eq!(s.ranked(), [3, 0, 1, 2, 4]);
+        assert_eq!(s.metric, "best_eval_loss", "a sweep whose records name no metric");
         let text = s.text_table();
         assert!(text.lines().nth(1).unwrap().starts_with("best  003-d"), "{text}");
         assert!(

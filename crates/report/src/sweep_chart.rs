@@ -44,9 +44,10 @@ pub fn draw<DB: DrawingBackend>(
     let best = s.best.map_or("no completed trial".into(), |i| {
         let t = &s.trials[i];
         format!(
-            "best: {} (eval loss {:.4})",
+            "best: {} ({} {:.4})",
             t.name,
-            t.best_eval_loss().unwrap_or(f64::NAN)
+            s.metric,
+            t.value(&s.metric).unwrap_or(f64::NAN)
         )
     });
     header

@@ -37,6 +37,12 @@ impl Status {
             Status::Proposed => "proposed",
         }
     }
+    /// Its metric is a value the sweep's schedule asked for: at the end (ok) or at an
+    /// early-stopping rung. A failed, timed-out or interrupted trial's is not (W&B's
+    /// `metric.target` counts these).
+    pub fn reached_on_schedule(self) -> bool {
+        matches!(self, Status::Ok | Status::StoppedEarly | Status::Promoted)
+    }
     /// Finished (a stopped_early trial unless promoted later): a restarted sweep skips it.
     pub fn is_final(self) -> bool {
         !matches!(self, Status::Interrupted | Status::Promoted | Status::Proposed)
@@ -64,6 +70,10 @@ pub struct Record {
     /// `I/N`: the shard that ran it.
     pub shard: String,
     pub finished_at: String,
+    /// The sweep's metric (its record field's name, e.g. `final_eval_loss`), which `oomguard
+    /// report` ranks the trials by.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metric: Option<String>,
     /// Early stopping: the rung (its step) where a `stopped_early` trial stopped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rung: Option<u64>,
@@ -90,6 +100,7 @@ impl Record {
             message: None,
             shard: "0/1".into(),
             finished_at: String::new(),
+            metric: None,
             rung: None,
             rungs: vec![],
         }

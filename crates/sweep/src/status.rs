@@ -111,12 +111,12 @@ pub fn eta(pace: &Pace, running: &[f64], left: usize, slots: usize) -> Option<f6
     Some(work / slots.min(left + running.len()).max(1) as f64)
 }
 
-/// W&B's `metric.target`: whether a trial's metric (any record's, finished or evaluated at
-/// a rung) reached it (<= when minimized, >= when maximized), as the sentence the log and
+/// W&B's `metric.target`: whether a trial's metric (a finished trial's, or one evaluated at
+/// a rung; not a failed, timed-out or interrupted one's) reached it (<= when minimized, >= when maximized), as the sentence the log and
 /// `--status` print; None when none did or there is no target.
 pub fn target_reached(records: &BTreeMap<String, Record>, metric: Metric, target: Option<f64>) -> Option<String> {
     let target = target?;
-    let best = table::best(records.values(), metric)?;
+    let best = table::best_of(records.values().filter(|r| r.status.reached_on_schedule()), metric)?;
     let v = table::value(best, metric)?;
     let (reached, cmp) = if metric.maximize() {
         (v >= target, ">=")
@@ -125,7 +125,7 @@ pub fn target_reached(records: &BTreeMap<String, Record>, metric: Metric, target
     };
     reached.then(|| {
         format!(
-            "metric.target reached: trial {} has {} {v:.4} {cmp} {target}: no new trial starts, running trials finish",
+            "metric.target reached: trial {} has {} {v:.4} {cmp} {target}: no new trial starts; running and interrupted trials finish",
             best.trial,
             metric.name()
         )
@@ -230,26 +230,28 @@ mod tests {
             (1, Status::Infeasible, None, 10.0),
             (2, Status::Failed, None, 10.0),
             (3, Status::Interrupted, Some(1.0), 10.0),
+            (5, Status::Failed, Some(0.5), 10.0),
         ] {
             records.insert(ts[t].id.clone(), record(&ts[t], st, loss, secs));
         }
-        // Trial 3 was interrupted: not done, it runs again (4s so far).
+        // Trial 3 was interrupted: not done, it runs again (4s so far). Trial 5 evaluated
+        // at 0.5 and then failed: not the best.
         let s = Snapshot::new(&mine, 6, &records, &[4.0], 2, Metric::BestEvalLoss);
         assert_eq!(
             (s.done, s.running, s.left(), s.ok, s.infeasible, s.failed),
-            (3, 1, 2, 1, 1, 1)
+            (4, 1, 1, 1, 1, 2)
         );
         assert_eq!(s.best, Some(("000-x".into(), 2.0)));
-        // Two left at 10s each and 6s of the running one, over 2 slots.
-        assert_eq!(s.eta_s, Some((2.0 * 10.0 + 6.0) / 2.0));
+        // One left at 10s and 6s of the running one, over 2 slots.
+        assert_eq!(s.eta_s, Some((10.0 + 6.0) / 2.0));
         assert_eq!(
             s.line(31.0),
-            "sweep: 3/6 done, 1 running, 2 left | ok 1, infeasible 1, failed 1 | best 000-x 2.0000 | 31s, ETA 13s"
+            "sweep: 4/6 done, 1 running, 1 left | ok 1, infeasible 1, failed 2 | best 000-x 2.0000 | 31s, ETA 8.0s"
         );
         records.insert(ts[4].id.clone(), record(&ts[4], Status::Timeout, None, 10.0));
         assert!(Snapshot::new(&mine, 6, &records, &[], 1, Metric::BestEvalLoss)
             .line(0.0)
-            .contains("failed 1, timeout 1 |"));
+            .contains("failed 2, timeout 1 |"));
     }
 
     #[test]
@@ -258,14 +260,19 @@ mod tests {
         let mut records = BTreeMap::new();
         let at = |r: &BTreeMap<String, Record>, m, t| target_reached(r, m, t);
         records.insert(ts[0].id.clone(), record(&ts[0], Status::Ok, Some(2.0), 1.0));
-        records.insert(ts[1].id.clone(), record(&ts[1], Status::Failed, None, 1.0));
+        records.insert(ts[1].id.clone(), record(&ts[1], Status::Failed, Some(0.5), 1.0));
+        // A failed trial's value (evaluated, then it crashed) is not a result.
         assert_eq!(at(&records, Metric::BestEvalLoss, Some(1.5)), None);
+        for st in [Status::Interrupted, Status::Timeout] {
+            records.insert(ts[2].id.clone(), record(&ts[2], st, Some(0.5), 1.0));
+            assert_eq!(at(&records, Metric::BestEvalLoss, Some(1.5)), None, "{st:?}");
+        }
         assert_eq!(at(&records, Metric::BestEvalLoss, None), None);
         // A trial evaluated at a rung (promoted, not finished) counts: it reached the value.
         records.insert(ts[2].id.clone(), record(&ts[2], Status::Promoted, Some(1.5), 1.0));
         assert_eq!(
             at(&records, Metric::BestEvalLoss, Some(1.5)).as_deref(),
-            Some("metric.target reached: trial 002-x has best_eval_loss 1.5000 <= 1.5: no new trial starts, running trials finish")
+            Some("metric.target reached: trial 002-x has best_eval_loss 1.5000 <= 1.5: no new trial starts; running and interrupted trials finish")
         );
         // Maximized (tokens_per_s): reached from above.
         let mut fast = record(&ts[0], Status::Ok, None, 1.0);

@@ -156,14 +156,16 @@ impl<'a> Sweeper<'a> {
                     .chain(held.iter().cloned())
                     .collect();
                 let records = self.store.read()?;
-                if let Some(why) = status::target_reached(&records, self.sweep.metric, self.sweep.target) {
+                // Past the target only an interrupted trial starts again: it was running.
+                let reached = status::target_reached(&records, self.sweep.metric, self.sweep.target);
+                if let Some(why) = &reached {
                     if !target_said {
                         tracing::info!("{why} ({} running)", running.len());
                         target_said = true;
                     }
-                    break;
                 }
-                let Some((t, target)) = self.next_job(&records, &busy) else {
+                let job = self.next_job(&records, &busy, reached.is_some());
+                let Some((t, target)) = job else {
                     break;
                 };
                 let slot = (0..parallel)
@@ -196,9 +198,17 @@ impl<'a> Sweeper<'a> {
 
     /// The next trial to run (and, with early stopping, the rung its segment ends at): a
     /// pure function of the records, so a restart picks what was running. None: nothing left.
-    fn next_job(&self, records: &BTreeMap<String, Record>, busy: &BTreeSet<String>) -> Option<(Trial, Option<u64>)> {
+    /// The next trial to start (and its early-stopping target); `only_resume`: an
+    /// interrupted one only.
+    fn next_job(
+        &self,
+        records: &BTreeMap<String, Record>,
+        busy: &BTreeSet<String>,
+        only_resume: bool,
+    ) -> Option<(Trial, Option<u64>)> {
+        let resumes = |t: &Trial| !only_resume || records.get(&t.id).is_some_and(|r| r.status == Status::Interrupted);
         let mut mine = known(self.sweep, records, self.shard);
-        if self.sweep.model_based() {
+        if self.sweep.model_based() && !only_resume {
             let (index, count) = self.shard;
             if let Some(i) = (0..self.sweep.count)
                 .filter(|i| i % count == index)
@@ -213,11 +223,12 @@ impl<'a> Sweeper<'a> {
                 let job = asha::next(es, &refs, records, busy, self.sweep.metric.maximize())?;
                 mine.into_iter()
                     .find(|t| t.index == job.index)
+                    .filter(resumes)
                     .map(|t| (t, Some(job.target)))
             }
             None => mine
                 .into_iter()
-                .find(|t| !busy.contains(&t.id) && !records.get(&t.id).is_some_and(|r| r.status.is_final()))
+                .find(|t| !busy.contains(&t.id) && !records.get(&t.id).is_some_and(|r| r.status.is_final()) && resumes(t))
                 .map(|t| (t, None)),
         }
     }
@@ -459,6 +470,17 @@ impl<'a> Sweeper<'a> {
             }
         }
         let record = self.put(&r.trial, ending, r.started.elapsed().as_secs_f64())?;
+        let metric = self.sweep.metric;
+        if record.status == Status::Ok && crate::table::value(&record, metric).is_none() {
+            tracing::warn!(
+                "[{}] finished without the sweep's metric {}: its {}/metrics.jsonl has no such value, so it cannot be \
+                 ranked (a script logs an evaluation with guard.log_eval(val_loss); oomguard.hf.Trainer and \
+                 oomguard.lightning log theirs when they evaluate)",
+                r.trial.id,
+                metric.name(),
+                record.run_dir
+            );
+        }
         tracing::info!(
             "[{}] {} (exit {code}) in {:.0}s: best eval {}, {} tok/s, micro-batch {}, {} OOMs",
             r.trial.id,
@@ -499,6 +521,7 @@ impl<'a> Sweeper<'a> {
                 message: e.message.clone(),
                 shard: format!("{}/{}", self.shard.0, self.shard.1),
                 finished_at: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
+                metric: Some(self.sweep.metric.name().into()),
                 rung: (e.status == Status::StoppedEarly)
                     .then(|| rungs.last().map(|g| g.step))
                     .flatten(),

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 
 use super::spec::{Metric, Trial};
-use crate::record::Record;
+use crate::record::{Record, Status};
 
 /// A trial's state where it has no record yet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,8 +23,14 @@ pub fn value(r: &Record, metric: Metric) -> Option<f64> {
     }
 }
 
-/// The best finished trial by `metric` (only trials that have it).
+/// The best completed (`ok`) trial by `metric`, among those that have it: a failed,
+/// timed-out or interrupted trial's loss is not a result.
 pub fn best<'a>(records: impl IntoIterator<Item = &'a Record>, metric: Metric) -> Option<&'a Record> {
+    best_of(records.into_iter().filter(|r| r.status == Status::Ok), metric)
+}
+
+/// The best of `records` by `metric` (only those that have it), whatever their status.
+pub fn best_of<'a>(records: impl IntoIterator<Item = &'a Record>, metric: Metric) -> Option<&'a Record> {
     let mut scored: Vec<(&Record, f64)> = records
         .into_iter()
         .filter_map(|r| value(r, metric).filter(|v| v.is_finite()).map(|v| (r, v)))
@@ -146,7 +152,6 @@ pub fn render(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::record::Status;
 
     #[test]
     fn best_skips_trials_without_the_metric() {

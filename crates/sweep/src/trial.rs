@@ -44,8 +44,9 @@ pub fn status_of(code: i32, stopping: Option<Stop>) -> Status {
         (0, _) => Status::Ok,
         (3, _) => Status::Infeasible,
         (_, Some(Stop::Timeout)) => Status::Timeout,
-        // Stopped by a signal (the sweep's, or anyone's): resumable.
-        (130 | 143, _) | (_, Some(Stop::Sweep)) => Status::Interrupted,
+        // Stopped by a signal (the sweep's, or anyone's: SIGINT, SIGTERM, and SIGHUP and
+        // SIGQUIT, which the launcher forwards alike): resumable.
+        (129 | 130 | 131 | 143, _) | (_, Some(Stop::Sweep)) => Status::Interrupted,
         _ => Status::Failed,
     }
 }
@@ -187,7 +188,12 @@ pub fn last_error_line(text: &str) -> String {
         .or(lines.last())
         .copied()
         .unwrap_or("");
-    line.split_once("ERROR").map_or(line, |(_, m)| m).trim().to_string()
+    // A log line's timestamp and level go; the message stays.
+    let message = ["ERROR", " WARN "]
+        .iter()
+        .find_map(|level| line.split_once(level))
+        .map_or(line, |(_, m)| m);
+    message.trim().to_string()
 }
 
 #[cfg(test)]
@@ -202,6 +208,8 @@ mod tests {
         assert_eq!(status_of(137, Some(Stop::Timeout)), Status::Timeout);
         assert_eq!(status_of(143, Some(Stop::Sweep)), Status::Interrupted);
         assert_eq!(status_of(143, None), Status::Interrupted);
+        assert_eq!(status_of(129, None), Status::Interrupted, "SIGHUP, forwarded by the launcher");
+        assert_eq!(status_of(131, None), Status::Interrupted, "SIGQUIT, forwarded by the launcher");
         assert_eq!(status_of(1, None), Status::Failed);
         assert_eq!(status_of(2, None), Status::Failed);
         assert_eq!(status_of(3, Some(Stop::Sweep)), Status::Infeasible);
@@ -244,6 +252,10 @@ mod tests {
             "x.yaml: model.n_embd: bad"
         );
         assert_eq!(last_error_line("only\n"), "only");
+        assert_eq!(
+            last_error_line("2026-11-29T22:52:02Z  WARN received signal 3: stopped the workers\n"),
+            "received signal 3: stopped the workers"
+        );
         // A script trial: the launcher's give-up line carries the worker's own last error.
         let log = "[default0]:Traceback (most recent call last):\n[default0]:ValueError: lr 7 is too big\n\
                    2026 ERROR worker rank 0 on node 0 failed (exit code 1); no restarts left (--max-restarts 0); \
