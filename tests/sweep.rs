@@ -130,6 +130,33 @@ fn metric_target_reached_starts_no_new_trial_and_says_why() {
     let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(results(&out).len(), 1);
+    // The second trial was running when the sweep stopped (a signal): it resumes past the
+    // target and finishes, its value never counted while interrupted; the third never starts.
+    let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out", "--status"]);
+    let table = String::from_utf8_lossy(&o.stdout).into_owned();
+    let second = table
+        .split_whitespace()
+        .find(|w| w.starts_with("001-"))
+        .unwrap_or_else(|| panic!("{table}"));
+    let mut stopped = r[0].clone();
+    stopped["trial"] = json!(second);
+    stopped["index"] = json!(1);
+    stopped["params"] = json!({"optim.lr": 2.0e-3});
+    stopped["status"] = json!("interrupted");
+    stopped["exit_code"] = json!(143);
+    stopped["final_loss"] = json!(0.0);
+    stopped["run_dir"] = json!(format!("trials/{second}"));
+    let lines = format!("{}\n{}\n", r[0], stopped);
+    std::fs::write(out.join("results.jsonl"), lines).unwrap();
+    let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let r = results(&out);
+    assert_eq!(
+        r.iter().map(|t| (t["trial"].as_str().unwrap(), t["status"].as_str().unwrap())).collect::<Vec<_>>(),
+        [(r[0]["trial"].as_str().unwrap(), "ok"), (second, "ok")],
+        "{r:?}"
+    );
+    assert!(r[1]["final_loss"].as_f64().unwrap() > 0.0, "its own run's value: {r:?}");
 }
 
 #[test]
