@@ -886,6 +886,8 @@ class Guard:
                 loss, units = _loss_and_units(loss_fn(rows.take(start, stop, mark_dynamic=True)))
                 if self._units_mode is None:
                     self._units_mode = units is not None
+                    if self._units_mode and self._fsdp and (self._fsdp_waiting or _ranks.sync_off(self._fsdp)):
+                        raise ValueError(_UNITS_UNSYNCED)
                 elif self._units_mode != (units is not None):
                     raise TypeError("loss_fn returned (loss, units) for some micro-batches and a bare loss for others")
                 if inject is not None:
@@ -1353,6 +1355,15 @@ def _power_of_two(x: Any) -> Any:
         x = x.float()
         return torch.where(x > 0, torch.exp2(torch.ceil(torch.log2(x))), torch.ones_like(x))
     return 2.0 ** math.ceil(math.log2(x)) if x > 0 else 1.0
+
+
+_UNITS_UNSYNCED = (
+    "loss_fn returns (loss, units) while FSDP2's gradient sync is off (set_requires_gradient_sync(False)) or "
+    "gradients from such a call wait unreduced: the guard divides a call's gradients by its units once they are "
+    "reduced, and FSDP2 reduces the waiting ones together with the syncing call's, so they cannot be divided apart. "
+    "Give the step's rows to one guard.backward call with the sync on (the guard splits them into micro-batches "
+    "and accumulates), or return a mean loss"
+)
 
 
 def _divide_grads(params: List[torch.Tensor], divisor: Any) -> None:

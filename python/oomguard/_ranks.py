@@ -453,6 +453,16 @@ def _fsdp_params(modules: List[torch.nn.Module]) -> Iterator[Any]:
             yield from group.fsdp_params
 
 
+def sync_off(modules: List[torch.nn.Module]) -> bool:
+    """Whether a user turned FSDP2's gradient reduction off on any of its modules
+    (`set_requires_gradient_sync(False)`: this backward's gradients wait unreduced)."""
+    for m in modules:
+        for group in param_groups(m._get_fsdp_state()):
+            if not getattr(group, "reduce_grads", True):
+                return True
+    return False
+
+
 def pending_grads(modules: List[torch.nn.Module]) -> list:
     """FSDP2's unsharded gradients that a user's earlier backward left waiting for the syncing
     one (`set_requires_gradient_sync(False)`: accumulation across calls), copied: an attempt

@@ -79,6 +79,29 @@ def units(wrap: str) -> None:
     print(f"diff units-{wrap}-ranks {(gathered(got)[: got.numel()] - gathered(got)[got.numel():]).abs().max().item():.3e}")
 
 
+def units_nosync() -> None:
+    """FSDP2 with loss units and the user's own accumulation across calls (the sync off
+    for the first): the waiting gradients cannot be divided by their call's units, so every
+    rank refuses, naming the way that works, none left waiting."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    model = fully_shard(net)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+
+    def loss_fn(b):
+        per = F.cross_entropy(model(b[0]), b[1], reduction="none")
+        return (per.sum() / len(per), len(per))
+
+    g = guard(model, 8, 2)
+    model.set_requires_gradient_sync(False)
+    try:
+        g.backward((x, y), loss_fn)
+    except ValueError as e:
+        print(f"refused {e}", flush=True)
+
+
 def rows(short: bool) -> None:
     """FSDP2, rank 0 with 6 rows and rank 1 with 4 (or 2): at micro-batches of 2 every rank
     runs 3, and the step equals plain FSDP2's (each rank's mean, averaged); with 2 rows a rank
@@ -238,6 +261,7 @@ def main() -> None:
         "units-ddp": lambda: units("ddp"),
         "units-fsdp": lambda: units("fsdp"),
         "units-compiled-ddp": lambda: units("compiled-ddp"),
+        "units-fsdp-nosync": units_nosync,
         "rows": lambda: rows(False),
         "rows-short": lambda: rows(True),
         "buffers": buffers,

@@ -34,6 +34,15 @@ def test_units_counted_apart_give_the_mean_over_every_ranks_units(wrap, tmp_path
     assert max(d[f"units-{wrap}-ranks"]) < EXACT, d
 
 
+def test_fsdp2_units_with_the_sync_off_are_refused_on_every_rank(tmp_path):
+    # The waiting gradients were weighed by units they could not be divided by: 7% off,
+    # silently, before this refusal.
+    r = run_ranks(tmp_path, "nosync", "--case", "units-fsdp-nosync", script=EDGES, out_flag=False, timeout=120)
+    assert r.code == 0, r.out
+    refused = re.findall(r"^refused (.*)$", r.out, re.M)
+    assert len(refused) == 2 and all("set_requires_gradient_sync(False)" in line for line in refused), r.out
+
+
 def test_fsdp2_ranks_with_other_row_counts_run_as_many_micro_batches(tmp_path):
     d = diffs(tmp_path, "rows")
     for key in ("rows", "rows-loss", "rows-eval"):
