@@ -152,7 +152,9 @@ fn metric_target_reached_starts_no_new_trial_and_says_why() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let r = results(&out);
     assert_eq!(
-        r.iter().map(|t| (t["trial"].as_str().unwrap(), t["status"].as_str().unwrap())).collect::<Vec<_>>(),
+        r.iter()
+            .map(|t| (t["trial"].as_str().unwrap(), t["status"].as_str().unwrap()))
+            .collect::<Vec<_>>(),
         [(r[0]["trial"].as_str().unwrap(), "ok"), (second, "ok")],
         "{r:?}"
     );

@@ -258,7 +258,9 @@ mod tests {
             r#"{"trial":"002-c","status":"failed","best_eval_loss":0.1,"final_eval_loss":0.1,"metric":"final_eval_loss"}"#,
         ];
         let read = |metric: &str| {
-            let text = lines.join("\n").replace("\"metric\":\"final_eval_loss\"", &format!("\"metric\":\"{metric}\""));
+            let text = lines
+                .join("\n")
+                .replace("\"metric\":\"final_eval_loss\"", &format!("\"metric\":\"{metric}\""));
             std::fs::write(dir.path().join("results.jsonl"), text).unwrap();
             Sweep::read(dir.path()).unwrap()
         };

@@ -228,7 +228,9 @@ impl<'a> Sweeper<'a> {
             }
             None => mine
                 .into_iter()
-                .find(|t| !busy.contains(&t.id) && !records.get(&t.id).is_some_and(|r| r.status.is_final()) && resumes(t))
+                .find(|t| {
+                    !busy.contains(&t.id) && !records.get(&t.id).is_some_and(|r| r.status.is_final()) && resumes(t)
+                })
                 .map(|t| (t, None)),
         }
     }

@@ -208,8 +208,16 @@ mod tests {
         assert_eq!(status_of(137, Some(Stop::Timeout)), Status::Timeout);
         assert_eq!(status_of(143, Some(Stop::Sweep)), Status::Interrupted);
         assert_eq!(status_of(143, None), Status::Interrupted);
-        assert_eq!(status_of(129, None), Status::Interrupted, "SIGHUP, forwarded by the launcher");
-        assert_eq!(status_of(131, None), Status::Interrupted, "SIGQUIT, forwarded by the launcher");
+        assert_eq!(
+            status_of(129, None),
+            Status::Interrupted,
+            "SIGHUP, forwarded by the launcher"
+        );
+        assert_eq!(
+            status_of(131, None),
+            Status::Interrupted,
+            "SIGQUIT, forwarded by the launcher"
+        );
         assert_eq!(status_of(1, None), Status::Failed);
         assert_eq!(status_of(2, None), Status::Failed);
         assert_eq!(status_of(3, Some(Stop::Sweep)), Status::Infeasible);
