@@ -145,7 +145,11 @@ pub struct MembershipRecord {
 pub struct EvalRecord {
     pub step: u64,
     pub val_loss: f64,
+    /// The configured evaluation batch (`train.eval_batch_size`).
     pub eval_batch_size: usize,
+    /// The micro-batch it ran in (smaller after an OOM in evaluation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_micro_batch_size: Option<usize>,
 }
 
 /// Every line of metrics.jsonl, tagged by `event`.

@@ -486,3 +486,102 @@ fn changed_model_shape_is_refused() {
     assert!(err.contains("the model's shape changed since this checkpoint: model.n_layer: 2 in the checkpoint, 3 in the config; model.n_embd: 32 in \
         the checkpoint, 64 in the config"), "{err}");
 }
+
+/// What a run directory holds that a resume could change: its checkpoints' names, its records
+/// and its config files.
+fn run_files(run: &Path) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = std::fs::read_dir(run.join("checkpoints"))
+        .unwrap()
+        .map(|e| (e.unwrap().file_name().to_string_lossy().into_owned(), String::new()))
+        .collect();
+    for e in std::fs::read_dir(run).unwrap() {
+        let name = e.unwrap().file_name().to_string_lossy().into_owned();
+        if name.starts_with("config") || name.starts_with("metrics") {
+            out.push((name.clone(), std::fs::read_to_string(run.join(&name)).unwrap()));
+        }
+    }
+    out.sort();
+    out
+}
+
+/// A resume refused or failing before its first step leaves the run as it was: no checkpoint
+/// pruned, no record set aside, its config files untouched (a refused `--resume-from` of an
+/// older checkpoint deleted the newer ones and rewrote config.yaml, so no resume worked after
+/// it). A copied or renamed checkpoint (its name's step not its state's) is skipped by
+/// `--resume`; another run's checkpoint into a run with checkpoints of its own is refused.
+#[test]
+fn a_refused_or_failed_resume_leaves_the_run_as_it_was() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "tiny.yaml", TINY);
+    // Checkpoints at steps 2 and 4 of a schedule 6 steps long.
+    let ckpt = ["--set", "checkpoint.every_steps=2", "--set", "optim.decay_steps=6"];
+    let run = train_ok(dir.path(), &cfg, &[&["--max-steps", "4"], &ckpt[..]].concat());
+    let before = run_files(&run);
+    assert!(before.iter().any(|(n, _)| n == "step-00000004"), "{before:?}");
+    let older = run.join("checkpoints/step-00000002");
+    let (r, o) = (run.to_str().unwrap(), older.to_str().unwrap());
+    // The model's shape changed: refused, after --allow-change accepted the config change.
+    let shape = ["--set", "model.n_layer=3", "--allow-change"];
+    let out = oomguard(
+        &[&["train", "--run-dir", r, "--resume-from", o], &shape[..]].concat(),
+        dir.path(),
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("the model's shape changed"), "{}", stderr(&out));
+    assert_eq!(run_files(&run), before);
+    // A free config change, and every checkpoint corrupt: exit 2, and the config unchanged.
+    let broken = dir.path().join("broken");
+    copy_dir(&run, &broken);
+    for s in ["step-00000002", "step-00000004"] {
+        std::fs::write(broken.join("checkpoints").join(s).join("model.safetensors"), b"garbage").unwrap();
+    }
+    let was = run_files(&broken);
+    let free = [&["--max-steps", "4", "--set", "log.every=3"], &ckpt[..]].concat();
+    let out = resume(dir.path(), &cfg, &broken, &free);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("no valid checkpoint"), "{}", stderr(&out));
+    assert_eq!(run_files(&broken), was, "{}", stderr(&out));
+    // Another run's checkpoint into this run: refused, naming both.
+    let other = train_into(
+        dir.path(),
+        &cfg,
+        "other",
+        &[&["--max-steps", "2", "--set", "train.seed=99"], &ckpt[..]].concat(),
+    );
+    let theirs = other.join("checkpoints/step-00000002");
+    let out = oomguard(
+        &["train", "--run-dir", r, "--resume-from", theirs.to_str().unwrap()],
+        dir.path(),
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("is a checkpoint of another run"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(run_files(&run), before);
+    // A copy of step 2 named step 8: skipped; the run goes on from step 4, bitwise as before.
+    copy_dir(&older, &run.join("checkpoints/step-00000008"));
+    let out = resume(dir.path(), &cfg, &run, &[&["--max-steps", "6"], &ckpt[..]].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("holds step 2, not the 8 its name says"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(records(&run, "resumed")[0]["step"], 4);
+    assert!(run.join("checkpoints/step-00000006").is_dir());
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let target = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &target);
+        } else {
+            std::fs::copy(e.path(), target).unwrap();
+        }
+    }
+}

@@ -248,4 +248,16 @@ fn a_resume_or_run_dir_that_is_not_a_run_writes_nothing() {
     std::fs::write(here.join("afile"), "").unwrap();
     let run = ["train", cfg, "--run-dir", "afile"];
     refused(&run, here, "--run-dir: afile: is a file, not a directory");
+    // What the run writes into it, checked before the first step (it trained every step,
+    // then exited 1 at the last checkpoint).
+    let odd = here.join("odd");
+    std::fs::create_dir_all(&odd).unwrap();
+    std::fs::write(odd.join("checkpoints"), "").unwrap();
+    let run = ["train", cfg, "--run-dir", odd.to_str().unwrap()];
+    refused(
+        &run,
+        here,
+        "checkpoints: is a file, where the run writes its checkpoints",
+    );
+    assert!(!odd.join("metrics.jsonl").exists());
 }

@@ -87,8 +87,16 @@ fn equivalence_no_leak_and_eval_guard() {
         // No leak: cleanup returns live memory exactly to the step's starting level.
         assert_eq!(e["memory_before"], e["memory_after_cleanup"], "{e}");
     }
-    // The evaluation shrank under its own guard without touching training's size.
-    assert!(ooms.iter().any(|e| e["phase"] == "eval"), "{ooms:?}");
+    // The evaluation shrank under its own guard without touching training's size; its
+    // record says the batch asked for and the micro-batch it ran in.
+    let shrunk = ooms.iter().rfind(|e| e["phase"] == "eval");
+    let shrunk = shrunk.unwrap_or_else(|| panic!("{ooms:?}"))["new_micro_batch_size"].as_u64();
+    let eval = &records(&guarded, "eval")[0];
+    assert_eq!(
+        (eval["eval_batch_size"].as_u64(), eval["eval_micro_batch_size"].as_u64()),
+        (Some(16), shrunk),
+        "{eval}"
+    );
 
     let steps = records(&guarded, "step");
     assert_eq!(steps.len(), 6);

@@ -417,12 +417,23 @@ pub fn list(run_dir: &Path) -> Vec<(u64, PathBuf)> {
     out
 }
 
-/// The newest checkpoint that verifies; a corrupt newer one is skipped, saying so.
+/// The newest checkpoint that verifies; a corrupt newer one is skipped, saying so, and so
+/// is one whose name's step is not its state's (a copy or a rename: resumed, it would prune
+/// the checkpoints after the step it holds, valid ones among them).
 pub fn newest_valid(run_dir: &Path) -> Result<(PathBuf, TrainState)> {
     let all = list(run_dir);
     let mut newest_error = None;
-    for (_, dir) in all.iter().rev() {
-        match verify(dir) {
+    for (step, dir) in all.iter().rev() {
+        let named = |state: TrainState| match state.next_step == *step {
+            true => Ok(state),
+            false => Err(Error::Checkpoint(format!(
+                "{}: its state.json holds step {}, not the {step} its name says (copied or renamed); \
+                 resume from it by name (--resume-from) if it is the one",
+                dir.display(),
+                state.next_step
+            ))),
+        };
+        match verify(dir).and_then(named) {
             Ok(state) => return Ok((dir.clone(), state)),
             Err(e) => {
                 tracing::warn!("skipping checkpoint: {e}; trying an older one");
@@ -503,9 +514,12 @@ pub fn prune(
 }
 
 /// Deletes the checkpoints after `step`: a run resumed from an older one forks, and the
-/// later ones belong to the future it left (the next `--resume` would load them).
-pub fn prune_after(run_dir: &Path, step: u64) {
-    for (s, dir) in list(run_dir).into_iter().filter(|(s, _)| *s > step) {
+/// later ones belong to the future it left (the next `--resume` would load them); never
+/// `resumed_from`.
+pub fn prune_after(run_dir: &Path, step: u64, resumed_from: &Path) {
+    let from = std::fs::canonicalize(resumed_from).ok();
+    let others = |dir: &PathBuf| from.is_none() || std::fs::canonicalize(dir).ok() != from;
+    for (s, dir) in list(run_dir).into_iter().filter(|(s, dir)| *s > step && others(dir)) {
         tracing::warn!(
             "removing checkpoint {} (step {s}): this run continues from step {step} and forks from it",
             dir.display()

@@ -141,9 +141,22 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
         println!("{}: valid", config_path.display());
         return Ok(());
     }
-    let config_changed = match resume {
-        train::Resume::Fresh => None,
-        _ => identity(&cfg, &run_dir, args.allow_change, lead)?,
+    let config_changed = match (&resume, &args.resume_from) {
+        (train::Resume::Fresh, _) => None,
+        (_, Some(p)) => match foreign_source(p, &run_dir)? {
+            // Another run's checkpoint, branched into a run directory of its own: the config
+            // must be that run's (its earlier config stays in its own directory).
+            Some(source) => identity(&cfg, &source, args.allow_change)?.map(|c| Changed {
+                kept: source.join("config.yaml").display().to_string(),
+                ..c
+            }),
+            None => identity(&cfg, &run_dir, args.allow_change)?,
+        },
+        _ => identity(&cfg, &run_dir, args.allow_change)?,
+    };
+    let keep_as = match &args.resume_from {
+        Some(p) if foreign_source(p, &run_dir)?.is_some() => None,
+        _ => config_changed.as_ref().map(|c| c.kept.clone()),
     };
     if lead && matches!(resume, train::Resume::Fresh) {
         prepare_run_dir(&run_dir)?;
@@ -164,11 +177,17 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
                 message: e,
             })
         })?;
+    let files = train::ConfigFiles {
+        run_dir: run_dir.clone(),
+        resolved: serde_yaml::to_string(&cfg.stored()).context("encoding the resolved config")?,
+        keep_as,
+    };
+    // A fresh run's config now; a resumed run's once its checkpoint has loaded (the run goes on).
+    let fresh = matches!(resume, train::Resume::Fresh);
     if lead {
-        let resolved = serde_yaml::to_string(&cfg.stored()).context("encoding the resolved config")?;
-        // A resumed run rewrites it: whole or not at all.
-        oomguard_report::atomic::write(&run_dir.join("config.yaml"), resolved.as_bytes())
-            .with_context(|| format!("writing {}/config.yaml", run_dir.display()))?;
+        if fresh {
+            files.write()?;
+        }
         metrics::set_log_file(&run_dir.join("train.log"))?;
     }
     tracing::info!("run directory {}", run_dir.display());
@@ -186,6 +205,7 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
             inject_oom,
             precision_set,
             config_changed,
+            config_files: (!fresh).then_some(files),
         },
         build,
     )?;
@@ -311,9 +331,11 @@ fn check_builds(cfg: &config::Config, build: Builder) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// unless `allow`; an accepted change keeps the earlier config as `config.NNN.yaml`. A run
-/// with no checkpoint yet has nothing to keep: any config goes.
-fn identity(cfg: &config::Config, run_dir: &Path, allow: bool, lead: bool) -> anyhow::Result<Option<Changed>> {
+/// A resume's config against the run's stored one: a change that alters the run is refused
+/// unless `allow`; an accepted change keeps the earlier config as `config.NNN.yaml` (written
+/// once the checkpoint has loaded: `train::ConfigFiles`). A run with no checkpoint yet has
+/// nothing to keep: any config goes.
+fn identity(cfg: &config::Config, run_dir: &Path, allow: bool) -> anyhow::Result<Option<Changed>> {
     let path = run_dir.join("config.yaml");
     if crate::checkpoint::list(run_dir).is_empty() || !path.exists() {
         return Ok(None);
@@ -338,15 +360,11 @@ fn identity(cfg: &config::Config, run_dir: &Path, allow: bool, lead: bool) -> an
         let how = if c.alters { "--allow-change: " } else { "" };
         tracing::info!("{how}resuming with {}: {} in the run, {} now", c.key, c.stored, c.new);
     }
+    // Kept under this name once the checkpoint has loaded (`train::ConfigFiles`).
     let kept = (1..1000)
         .map(|i| format!("config.{i:03}.yaml"))
         .find(|n| !run_dir.join(n).exists())
         .context("no free config.NNN.yaml name in the run directory")?;
-    if lead {
-        let text = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
-        oomguard_report::atomic::write(&run_dir.join(&kept), &text)
-            .with_context(|| format!("keeping the earlier config as {}/{kept}", run_dir.display()))?;
-    }
     Ok(Some(Changed {
         changes,
         allowed: alters,
@@ -397,7 +415,55 @@ fn create_run_dir(dir: &Path) -> anyhow::Result<()> {
         })
         .into());
     }
+    // What the run writes into it, checked before the first step, not at the end.
+    for (name, want_dir) in [("checkpoints", true), ("metrics.jsonl", false), ("config.yaml", false)] {
+        let p = dir.join(name);
+        if p.exists() && p.is_dir() != want_dir {
+            return Err(crate::Error::Config(ConfigError {
+                origin: "--run-dir".into(),
+                line_col: None,
+                key: p.display().to_string(),
+                message: format!(
+                    "is a {}, where the run writes its {name}; move it away or choose another --run-dir",
+                    if want_dir { "file" } else { "directory" }
+                ),
+            })
+            .into());
+        }
+    }
     std::fs::create_dir_all(dir).with_context(|| format!("creating run directory {}", dir.display()))
+}
+
+/// The run `--resume-from`'s checkpoint belongs to, when that is not `run_dir` (a branch
+/// into a run directory of its own); refused when `run_dir` holds checkpoints of its own
+/// (resuming would mix two runs: the other's state, this one's checkpoints pruned after it).
+fn foreign_source(checkpoint: &Path, run_dir: &Path) -> anyhow::Result<Option<PathBuf>> {
+    let Ok(source) = resumed_run_dir(checkpoint) else {
+        return Ok(None); // a folder outside any run's checkpoints/: nothing to compare
+    };
+    let same = |a: &Path, b: &Path| match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    };
+    if same(&source, run_dir) {
+        return Ok(None);
+    }
+    if !crate::checkpoint::list(run_dir).is_empty() {
+        return Err(crate::Error::Config(ConfigError {
+            origin: "--resume-from".into(),
+            line_col: None,
+            key: checkpoint.display().to_string(),
+            message: format!(
+                "is a checkpoint of another run ({}), and --run-dir {} holds checkpoints of its own: resuming \
+                 would mix the two runs; continue that run (--run-dir {}), or branch it into a new --run-dir",
+                source.display(),
+                run_dir.display(),
+                source.display()
+            ),
+        })
+        .into());
+    }
+    Ok(Some(source))
 }
 
 /// The run a `--resume-from RUN_DIR/checkpoints/step-N` continues; anything else is refused

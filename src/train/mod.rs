@@ -12,7 +12,7 @@ pub use step::{
     accumulate, commit_update, dist_step, micro_batches, prepare_update, split_range, step_with, train_step, update,
     Outcome, StepStats, Update,
 };
-pub use trainer::{train, train_with, Options, Resume, Summary};
+pub use trainer::{train, train_with, ConfigFiles, Options, Resume, Summary};
 
 use serde::{Deserialize, Serialize};
 use tch::Device;

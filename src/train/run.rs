@@ -345,6 +345,7 @@ impl<'a> Run<'a> {
             step,
             val_loss: v,
             eval_batch_size: c.train.eval_batch_size,
+            eval_micro_batch_size: Some(self.eval_guard.micro_batch_size()),
         }))?;
         self.eval_history.insert(step + 1, v);
         self.summary.val_loss = Some(v);

@@ -34,6 +34,33 @@ pub struct Options {
     pub precision_set: bool,
     /// A resume whose config differs from the stored one (recorded once resumed).
     pub config_changed: Option<crate::config::resume::Changed>,
+    /// A resume's config files, which rank 0 writes once the checkpoint has loaded.
+    pub config_files: Option<ConfigFiles>,
+}
+
+/// The run directory's config files: `config.yaml` (the resolved config) and, where a
+/// resume changed it, the earlier one kept as `config.NNN.yaml`. A resume writes them once
+/// its checkpoint has loaded, so a refused or failed resume leaves them as they were.
+#[derive(Debug, Clone, Default)]
+pub struct ConfigFiles {
+    pub run_dir: PathBuf,
+    pub resolved: String,
+    /// `config.NNN.yaml`: the name the earlier config is kept under.
+    pub keep_as: Option<String>,
+}
+
+impl ConfigFiles {
+    pub fn write(&self) -> Result<()> {
+        use oomguard_report::atomic;
+        let path = self.run_dir.join("config.yaml");
+        if let Some(kept) = &self.keep_as {
+            let to = self.run_dir.join(kept);
+            let text = std::fs::read(&path).map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+            atomic::write(&to, &text)
+                .map_err(|e| Error::io(format!("keeping the earlier config as {}", to.display()), e))?;
+        }
+        atomic::write(&path, self.resolved.as_bytes()).map_err(|e| Error::io(format!("writing {}", path.display()), e))
+    }
 }
 
 /// What a finished run reports.

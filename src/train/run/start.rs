@@ -125,6 +125,46 @@ impl<'a> Run<'a> {
             };
             (record, seen)
         });
+        // The checkpoint loads before anything in the run directory changes (its records set
+        // aside, later checkpoints pruned): a refusal or a failure leaves the run as it was.
+        if let Some((dir, state)) = &from {
+            let changes = task::shape_changes(&state.model, &task.fingerprint());
+            if !changes.is_empty() {
+                return Err(Error::Checkpoint(format!(
+                    "{}: the model's shape changed since this checkpoint: {}",
+                    dir.display(),
+                    changes.join("; ")
+                )));
+            }
+            // A sharding rung climbed before the checkpoint stays climbed (it may come
+            // back down); any checkpoint loads into any sharding and world size.
+            let saved_shard: Option<Shard> = state
+                .extra
+                .get("shard")
+                .and_then(|v| serde_json::from_value(v.clone()).ok());
+            if let (Some(s), Some(pg)) = (saved_shard, &pg) {
+                if s > opt.shard() {
+                    opt.set_shard(s, Some(pg.clone() as Rc<dyn Comm>), &agree)?;
+                }
+            }
+            if lead {
+                checkpoint::restore(dir, task.as_ref(), &mut opt, device)
+                    .map_err(|e| init_failure(e, cfg, device, "restoring the checkpoint"))?;
+            }
+            if let Some(rng) = state.extra.get("host_rng") {
+                task.set_host_rng_state(rng)?;
+            }
+            // Rungs climbed before the checkpoint stay climbed.
+            if state.extra.get("activation_checkpointing").and_then(|v| v.as_bool()) == Some(true) {
+                task.set_activation_checkpointing(true);
+            }
+            if state.extra.get("loss").and_then(|v| v.as_str()) == Some(LossKind::Fused.name()) {
+                task.set_loss_kind(LossKind::Fused);
+            }
+        }
+        if let (true, Some(files)) = (lead, &options.config_files) {
+            files.write()?;
+        }
         let metrics = lead
             .then(|| MetricsWriter::resume(run_dir, from.as_ref().map_or(0, |(_, s)| s.next_step)))
             .transpose()?;
@@ -133,10 +173,11 @@ impl<'a> Run<'a> {
         let mut metrics = metrics
             .map(|m| m.with_trackers(&c.log.trackers, run_dir, &config_json, &cfg.path.display().to_string()))
             .transpose()?;
-        if let (true, Some((_, s))) = (lead, &from) {
+        if let (true, Some((dir, s))) = (lead, &from) {
             // Resumed from an older checkpoint, the run forks: the later ones are another
-            // future, which the next --resume must not load.
-            checkpoint::prune_after(run_dir, s.next_step);
+            // future, which the next --resume must not load (the one it came from, even
+            // misnamed, stays).
+            checkpoint::prune_after(run_dir, s.next_step, dir);
         }
         // A sharded checkpoint: every rank of a sharded run reads its own part of it.
         let own_shards = from.as_ref().and_then(|(dir, s)| Some((dir.clone(), s.shards?)));
@@ -178,39 +219,6 @@ impl<'a> Run<'a> {
                 (guard, 0, BTreeMap::new())
             }
             Some((dir, state)) => {
-                let changes = task::shape_changes(&state.model, &task.fingerprint());
-                if !changes.is_empty() {
-                    return Err(Error::Checkpoint(format!(
-                        "{}: the model's shape changed since this checkpoint: {}",
-                        dir.display(),
-                        changes.join("; ")
-                    )));
-                }
-                // A sharding rung climbed before the checkpoint stays climbed (it may come
-                // back down); any checkpoint loads into any sharding and world size.
-                let saved_shard: Option<Shard> = state
-                    .extra
-                    .get("shard")
-                    .and_then(|v| serde_json::from_value(v.clone()).ok());
-                if let (Some(s), Some(pg)) = (saved_shard, &pg) {
-                    if s > opt.shard() {
-                        opt.set_shard(s, Some(pg.clone() as Rc<dyn Comm>), &agree)?;
-                    }
-                }
-                if lead {
-                    checkpoint::restore(&dir, task.as_ref(), &mut opt, device)
-                        .map_err(|e| init_failure(e, cfg, device, "restoring the checkpoint"))?;
-                }
-                if let Some(rng) = state.extra.get("host_rng") {
-                    task.set_host_rng_state(rng)?;
-                }
-                // Rungs climbed before the checkpoint stay climbed.
-                if state.extra.get("activation_checkpointing").and_then(|v| v.as_bool()) == Some(true) {
-                    task.set_activation_checkpointing(true);
-                }
-                if state.extra.get("loss").and_then(|v| v.as_str()) == Some(LossKind::Fused.name()) {
-                    task.set_loss_kind(LossKind::Fused);
-                }
                 let saved: Option<Precision> = state
                     .extra
                     .get("precision")
