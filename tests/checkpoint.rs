@@ -560,6 +560,26 @@ fn a_refused_or_failed_resume_leaves_the_run_as_it_was() {
         stderr(&out)
     );
     assert_eq!(run_files(&run), before);
+    // Branched into a new directory, with that run's config; the same command started again
+    // by the launcher once the branch saved continues the branch, not the fork again.
+    let branch = dir.path().join("branch");
+    let mut cmd = vec!["train", cfg.to_str().unwrap(), "--run-dir", branch.to_str().unwrap()];
+    cmd.extend(["--resume-from", theirs.to_str().unwrap(), "--set", "train.seed=99"]);
+    cmd.extend(ckpt);
+    let again = |max: &str, restart: &str| {
+        let o = isolated(&mut Command::new(bin()), dir.path())
+            .args(&cmd)
+            .args(["--max-steps", max])
+            .env("OMP_NUM_THREADS", "1")
+            .env("TORCHELASTIC_RESTART_COUNT", restart)
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        records(&branch, "resumed").last().unwrap()["step"].clone()
+    };
+    assert_eq!(again("4", "0"), 2);
+    assert_eq!(again("6", "1"), 4, "the branch's own newest");
     // A copy of step 2 named step 8: skipped; the run goes on from step 4, bitwise as before.
     copy_dir(&older, &run.join("checkpoints/step-00000008"));
     let out = resume(dir.path(), &cfg, &run, &[&["--max-steps", "6"], &ckpt[..]].concat());

@@ -389,7 +389,8 @@ class Guard:
             # wins over the one saved before that OOM.
             self.policy.relaunched(_env_int(FAILED_MICRO_BATCH_VAR), max(start, 1), self.step)
         self._records.resumed(self.step)
-        self._records.write({"event": "resumed", "step": self.step, "checkpoint": checkpoint})
+        where = None if checkpoint is None else os.fspath(checkpoint)
+        self._records.write({"event": "resumed", "step": self.step, "checkpoint": where})
         if self.policy.current != before:
             self._say(f"oomguard: restored at step {self.step}; micro_batch_size={self.policy.current}")
 

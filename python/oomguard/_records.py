@@ -22,9 +22,11 @@ from ._memory import warn
 from ._native import metrics_resume
 
 
-# metrics.jsonl files this process writes, and how many writers each has open: a second guard
-# writing beside one still open (two models in one loop) sets nothing aside.
+# metrics.jsonl files this process writes: how many writers each has open (a second guard
+# writing beside one still open, two models in one loop, sets nothing aside at its start),
+# and how often it was rewritten whole (a writer whose handle is older reopens it).
 _WRITERS: Dict[str, int] = {}
+_REWRITES: Dict[str, int] = {}
 
 
 def finite(x: float) -> Optional[float]:
@@ -44,6 +46,7 @@ class Records:
         # Until a resume or the first record says where this run starts.
         self._settled = True
         self._key: Optional[str] = None
+        self._rewrites = 0
         if trackers and not run_dir:
             raise ValueError(f"{where} names trackers, which log a run's records: give the guard a run_dir (or set OOMGUARD_RUN_DIR)")
         if run_dir:
@@ -59,6 +62,7 @@ class Records:
     def _open(self) -> None:
         try:
             self._file = open(self.path, "a", buffering=1)
+            self._rewrites = _REWRITES.get(self._key, 0)
         except OSError as e:
             self._fail(e)
 
@@ -76,13 +80,21 @@ class Records:
             # The first record of a run not resumed: an earlier run's records of this step
             # and later (all of them, at step 0) go to metrics.replaced.jsonl.
             self.resumed(record["step"])
-            if self._file is None:
-                return
+        if self._file is not None and self._rewrites != _REWRITES.get(self._key, 0):
+            # Another writer in this process rewrote the file (a resume): this handle's is gone.
+            self._file.close()
+            self._open()
+        if self._file is None:
+            return
         if not keep_none:
             record = {k: v for k, v in record.items() if v is not None}
         try:
-            self._file.write(json.dumps(record) + "\n")
-        except OSError as e:
+            # A path-like value (a checkpoint's Path) as its text.
+            self._file.write(json.dumps(record, default=os.fspath) + "\n")
+        except (OSError, TypeError, ValueError) as e:
+            if not isinstance(e, OSError):
+                warn(f"a record for {self.path} is not JSON ({e}); left out: {record!r}")
+                return
             self._fail(e)
             return
         if self.trackers is not None:
@@ -107,6 +119,8 @@ class Records:
         except OSError as e:
             self._fail(e)
             return 0
+        if moved:
+            _REWRITES[self._key] = _REWRITES.get(self._key, 0) + 1
         self._open()
         return moved
 

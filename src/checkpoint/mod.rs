@@ -206,6 +206,14 @@ pub fn begin(run_dir: &Path, next_step: u64, tmp_name: &str) -> Result<Begun> {
     let parent = checkpoints_dir(run_dir);
     let final_dir = parent.join(format!("step-{next_step:08}"));
     let replaces = match final_dir.exists().then(|| verify(&final_dir)) {
+        Some(Ok(s)) if s.next_step != next_step => {
+            tracing::warn!(
+                "replacing {}: it held step {} (copied or renamed), not this step's state",
+                final_dir.display(),
+                s.next_step
+            );
+            true
+        }
         Some(Ok(_)) => {
             let tmp = parent.join(tmp_name);
             return Ok(Begun {
@@ -445,7 +453,7 @@ pub fn newest_valid(run_dir: &Path) -> Result<(PathBuf, TrainState)> {
     Err(Error::Checkpoint(format!(
         "{}: no valid checkpoint to resume from{}",
         checkpoints_dir(run_dir).display(),
-        newest_error.map_or(String::new(), |e| format!(" (all are corrupt; the newest: {e})"))
+        newest_error.map_or(String::new(), |e| format!(" (none is valid; the newest: {e})"))
     )))
 }
 

@@ -78,7 +78,31 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
     }
     // Data parallel: rank 0 writes the run's files; every rank trains.
     let lead = std::env::var("RANK").map_or(true, |r| r.trim() == "0");
+    // The launcher started this command again (an OOM relaunch, a restart): a run that
+    // saved since continues from its newest checkpoint, not from --resume-from's again.
+    let relaunched = std::env::var("TORCHELASTIC_RESTART_COUNT")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .is_some_and(|n| n > 0);
+    let saved_since = |p: &Path| {
+        let dir = args.run_dir.clone().or_else(|| resumed_run_dir(p).ok());
+        let named = p
+            .file_name()
+            .and_then(|n| n.to_str()?.strip_prefix("step-")?.parse::<u64>().ok());
+        dir.is_some_and(|d| {
+            crate::checkpoint::list(&d)
+                .last()
+                .is_some_and(|(s, _)| Some(*s) > named)
+        })
+    };
     let resume = match (&args.resume_from, args.resume) {
+        (Some(p), _) if relaunched && saved_since(p) => {
+            tracing::info!(
+                "started again by the launcher: continuing from the newest checkpoint (as --resume), not {}",
+                p.display()
+            );
+            train::Resume::Newest
+        }
         (Some(p), _) => train::Resume::From(p.clone()),
         (None, true) => train::Resume::Newest,
         // A later round of an elastic job continues the run, as --resume would: a fresh
@@ -141,9 +165,9 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
         println!("{}: valid", config_path.display());
         return Ok(());
     }
-    let config_changed = match (&resume, &args.resume_from) {
-        (train::Resume::Fresh, _) => None,
-        (_, Some(p)) => match foreign_source(p, &run_dir)? {
+    let config_changed = match &resume {
+        train::Resume::Fresh => None,
+        train::Resume::From(p) => match foreign_source(p, &run_dir)? {
             // Another run's checkpoint, branched into a run directory of its own: the config
             // must be that run's (its earlier config stays in its own directory).
             Some(source) => identity(&cfg, &source, args.allow_change)?.map(|c| Changed {
@@ -154,8 +178,8 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
         },
         _ => identity(&cfg, &run_dir, args.allow_change)?,
     };
-    let keep_as = match &args.resume_from {
-        Some(p) if foreign_source(p, &run_dir)?.is_some() => None,
+    let keep_as = match &resume {
+        train::Resume::From(p) if foreign_source(p, &run_dir)?.is_some() => None,
         _ => config_changed.as_ref().map(|c| c.kept.clone()),
     };
     if lead && matches!(resume, train::Resume::Fresh) {
@@ -182,10 +206,11 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
         resolved: serde_yaml::to_string(&cfg.stored()).context("encoding the resolved config")?,
         keep_as,
     };
-    // A fresh run's config now; a resumed run's once its checkpoint has loaded (the run goes on).
-    let fresh = matches!(resume, train::Resume::Fresh);
+    // A fresh run's config now, and a resume's with none stored yet (a sweep trial's first
+    // start); otherwise once its checkpoint has loaded (the run goes on).
+    let now = matches!(resume, train::Resume::Fresh) || !run_dir.join("config.yaml").exists();
     if lead {
-        if fresh {
+        if now {
             files.write()?;
         }
         metrics::set_log_file(&run_dir.join("train.log"))?;
@@ -205,7 +230,7 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
             inject_oom,
             precision_set,
             config_changed,
-            config_files: (!fresh).then_some(files),
+            config_files: (!now).then_some(files),
         },
         build,
     )?;

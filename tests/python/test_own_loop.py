@@ -301,6 +301,28 @@ def test_a_round_after_a_membership_change_records_it(tmp_path, monkeypatch):
     assert kept == [("step", s) for s in range(8)] + [("resumed", 8), ("step", 8), ("step", 9)], records
 
 
+def test_two_guards_writing_one_directory_lose_no_record(tmp_path):
+    """Two models in one loop, one run directory that an earlier run wrote: the first guard's
+    first record sets the earlier run's aside (the file rewritten whole), and the second
+    guard's records still land; a resume's checkpoint given as a Path is recorded as text."""
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"event":"step","step":{s}}}\n' for s in range(3)))
+    x, y = _data()
+    guards = []
+    for _ in range(2):
+        m = _model()
+        g = oomguard.Guard(m, global_batch_size=32, run_dir=str(tmp_path), verbose=False, cache=False)
+        guards.append((g, lambda b, m=m: torch.nn.functional.mse_loss(m(b[0]), b[1])))
+    for g, loss_fn in guards:
+        g.backward((x, y), loss_fn)
+    guards[0][0].load_state_dict(guards[0][0].state_dict(), checkpoint=tmp_path / "ckpt")
+    guards[1][0].backward((x, y), guards[1][1])
+    records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["step"]) for r in records] == [("step", 0), ("step", 0), ("resumed", 1), ("step", 1)], records
+    assert records[2]["checkpoint"] == str(tmp_path / "ckpt")
+    replaced = (tmp_path / "metrics.replaced.jsonl").read_text().splitlines()
+    assert len(replaced) == 3, replaced
+
+
 def test_bad_input_names_both_numbers_and_leaves_grads_alone():
     m = _model()
     x, y = _data()

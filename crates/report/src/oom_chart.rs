@@ -45,32 +45,13 @@ pub struct Oom {
     pub timeline: Timeline,
 }
 
-/// The folders (`oom/001`) that `oom` records in `file` name.
-fn named_in(file: &Path) -> std::collections::BTreeSet<String> {
-    std::fs::read_to_string(file)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|r| r["event"] == "oom")
-        .filter_map(|r| r["snapshot"].as_str().map(str::to_string))
-        .collect()
-}
-
-/// The run's OOM summaries in order (`oom/001`, ...); unreadable ones become warnings. An
-/// OOM of a future a resume left (its record in metrics.replaced.jsonl only) is not this
-/// run's.
+/// The run's OOM summaries in order (`oom/001`, ...); unreadable ones become warnings.
 pub fn read(run_dir: &Path, warnings: &mut Vec<String>) -> Vec<Oom> {
-    let kept = named_in(&run_dir.join("metrics.jsonl"));
-    let left: Vec<String> = named_in(&run_dir.join("metrics.replaced.jsonl"))
-        .difference(&kept)
-        .cloned()
-        .collect();
     let mut dirs: Vec<_> = std::fs::read_dir(run_dir.join("oom"))
         .into_iter()
         .flatten()
         .flatten()
         .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
-        .filter(|e| !left.contains(&format!("oom/{}", e.file_name().to_string_lossy())))
         .map(|e| e.path())
         .collect();
     dirs.sort();
@@ -283,11 +264,5 @@ mod tests {
             [("oom/001", 3), ("oom/002", 5)]
         );
         assert_eq!(warnings.len(), 1, "{warnings:?}");
-        // Resumed before OOM 2: its record set aside, its folder is another future's.
-        let oom = |n: &str| format!("{{\"event\":\"oom\",\"step\":1,\"snapshot\":\"oom/{n}\"}}\n");
-        std::fs::write(dir.path().join("metrics.jsonl"), oom("001")).unwrap();
-        std::fs::write(dir.path().join("metrics.replaced.jsonl"), oom("002")).unwrap();
-        let o = read(dir.path(), &mut warnings);
-        assert_eq!(o.iter().map(|o| o.folder.as_str()).collect::<Vec<_>>(), ["oom/001"]);
     }
 }

@@ -1,6 +1,6 @@
 //! Owns how far along a sweep is: trials done, running and left, the best so far, an ETA, and
 //! whether W&B's `metric.target` was reached.
-//! Keeps: once the target is reached, nothing more is started.
+//! Keeps: once the target is reached, nothing new starts (an interrupted trial resumes).
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 

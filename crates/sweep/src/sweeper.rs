@@ -198,8 +198,7 @@ impl<'a> Sweeper<'a> {
 
     /// The next trial to run (and, with early stopping, the rung its segment ends at): a
     /// pure function of the records, so a restart picks what was running. None: nothing left.
-    /// The next trial to start (and its early-stopping target); `only_resume`: an
-    /// interrupted one only.
+    /// `only_resume` (past `metric.target`): an interrupted one only.
     fn next_job(
         &self,
         records: &BTreeMap<String, Record>,
@@ -220,11 +219,18 @@ impl<'a> Sweeper<'a> {
         let refs: Vec<&Trial> = mine.iter().collect();
         match &self.sweep.early_stop {
             Some(es) => {
-                let job = asha::next(es, &refs, records, busy, self.sweep.metric.maximize())?;
-                mine.into_iter()
-                    .find(|t| t.index == job.index)
-                    .filter(resumes)
-                    .map(|t| (t, Some(job.target)))
+                // Past the target, ASHA's picks that are not interrupted are passed over.
+                let mut passed = busy.clone();
+                loop {
+                    let job = asha::next(es, &refs, records, &passed, self.sweep.metric.maximize())?;
+                    let t = mine.iter().find(|t| t.index == job.index)?;
+                    if resumes(t) {
+                        return Some((t.clone(), Some(job.target)));
+                    }
+                    if !passed.insert(t.id.clone()) {
+                        return None;
+                    }
+                }
             }
             None => mine
                 .into_iter()

@@ -23,10 +23,13 @@ pub fn value(r: &Record, metric: Metric) -> Option<f64> {
     }
 }
 
-/// The best completed (`ok`) trial by `metric`, among those that have it: a failed,
-/// timed-out or interrupted trial's loss is not a result.
+/// The best completed (`ok`) trial by `metric`, among those that have it; with none, the
+/// best value an early-stopping rung asked for. A failed, timed-out or interrupted trial's
+/// loss is not a result.
 pub fn best<'a>(records: impl IntoIterator<Item = &'a Record>, metric: Metric) -> Option<&'a Record> {
-    best_of(records.into_iter().filter(|r| r.status == Status::Ok), metric)
+    let records: Vec<&Record> = records.into_iter().collect();
+    best_of(records.iter().copied().filter(|r| r.status == Status::Ok), metric)
+        .or_else(|| best_of(records.into_iter().filter(|r| r.status.reached_on_schedule()), metric))
 }
 
 /// The best of `records` by `metric` (only those that have it), whatever their status.
@@ -174,5 +177,13 @@ mod tests {
         assert_eq!(best(&rs, Metric::BestEvalLoss).unwrap().trial, "c");
         assert_eq!(best(&rs, Metric::TokensPerS).unwrap().trial, "c");
         assert!(best(&rs[1..2], Metric::BestEvalLoss).is_none());
+        // No trial finished (ASHA stopped at the target): the best rung value, never a
+        // failed trial's.
+        let rungs = [
+            r("d", Some(0.5), Status::Failed),
+            r("e", Some(1.8), Status::StoppedEarly),
+            r("f", Some(1.2), Status::Promoted),
+        ];
+        assert_eq!(best(&rungs, Metric::BestEvalLoss).unwrap().trial, "f");
     }
 }

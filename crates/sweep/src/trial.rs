@@ -188,10 +188,11 @@ pub fn last_error_line(text: &str) -> String {
         .or(lines.last())
         .copied()
         .unwrap_or("");
-    // A log line's timestamp and level go; the message stays.
-    let message = ["ERROR", " WARN "]
+    // A log line's timestamp and level go (a level word later in the message stays).
+    let message = ["ERROR", "WARN"]
         .iter()
-        .find_map(|level| line.split_once(level))
+        .filter_map(|level| line.split_once(level))
+        .find(|(stamp, _)| !stamp.trim().contains(char::is_whitespace))
         .map_or(line, |(_, m)| m);
     message.trim().to_string()
 }
@@ -263,6 +264,11 @@ mod tests {
         assert_eq!(
             last_error_line("2026-11-29T22:52:02Z  WARN received signal 3: stopped the workers\n"),
             "received signal 3: stopped the workers"
+        );
+        assert_eq!(
+            last_error_line("RuntimeError: NCCL WARN x\n"),
+            "RuntimeError: NCCL WARN x",
+            "a level word inside the message"
         );
         // A script trial: the launcher's give-up line carries the worker's own last error.
         let log = "[default0]:Traceback (most recent call last):\n[default0]:ValueError: lr 7 is too big\n\
