@@ -416,13 +416,15 @@ pub fn list(run_dir: &Path) -> Vec<(u64, PathBuf)> {
         .into_iter()
         .flatten()
         .flatten()
-        .filter_map(|e| {
-            let name = e.file_name().to_str()?.to_string();
-            Some((name.strip_prefix("step-")?.parse().ok()?, e.path()))
-        })
+        .filter_map(|e| Some((step_named(&e.path())?, e.path())))
         .collect();
     out.sort();
     out
+}
+
+/// The step a checkpoint folder's name (`step-N`) says.
+pub fn step_named(dir: &Path) -> Option<u64> {
+    dir.file_name()?.to_str()?.strip_prefix("step-")?.parse().ok()
 }
 
 /// The newest checkpoint that verifies; a corrupt newer one is skipped, saying so, and so

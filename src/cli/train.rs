@@ -86,9 +86,7 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
         .is_some_and(|n| n > 0);
     let saved_since = |p: &Path| {
         let dir = args.run_dir.clone().or_else(|| resumed_run_dir(p).ok());
-        let named = p
-            .file_name()
-            .and_then(|n| n.to_str()?.strip_prefix("step-")?.parse::<u64>().ok());
+        let named = crate::checkpoint::step_named(p);
         dir.is_some_and(|d| {
             crate::checkpoint::list(&d)
                 .last()
@@ -165,22 +163,23 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
         println!("{}: valid", config_path.display());
         return Ok(());
     }
-    let config_changed = match &resume {
-        train::Resume::Fresh => None,
-        train::Resume::From(p) => match foreign_source(p, &run_dir)? {
-            // Another run's checkpoint, branched into a run directory of its own: the config
-            // must be that run's (its earlier config stays in its own directory).
-            Some(source) => identity(&cfg, &source, args.allow_change)?.map(|c| Changed {
-                kept: source.join("config.yaml").display().to_string(),
-                ..c
-            }),
-            None => identity(&cfg, &run_dir, args.allow_change)?,
-        },
+    // Another run's checkpoint, branched into a run directory of its own.
+    let source = match &resume {
+        train::Resume::From(p) => foreign_source(p, &run_dir)?,
+        _ => None,
+    };
+    let config_changed = match (&resume, &source) {
+        (train::Resume::Fresh, _) => None,
+        // The config must be that run's (its earlier config stays in its own directory).
+        (_, Some(source)) => identity(&cfg, source, args.allow_change)?.map(|c| Changed {
+            kept: source.join("config.yaml").display().to_string(),
+            ..c
+        }),
         _ => identity(&cfg, &run_dir, args.allow_change)?,
     };
-    let keep_as = match &resume {
-        train::Resume::From(p) if foreign_source(p, &run_dir)?.is_some() => None,
-        _ => config_changed.as_ref().map(|c| c.kept.clone()),
+    let keep_as = match source {
+        Some(_) => None,
+        None => config_changed.as_ref().map(|c| c.kept.clone()),
     };
     if lead && matches!(resume, train::Resume::Fresh) {
         prepare_run_dir(&run_dir)?;
