@@ -591,6 +591,13 @@ fn a_refused_or_failed_resume_leaves_the_run_as_it_was() {
     );
     assert_eq!(records(&run, "resumed")[0]["step"], 4);
     assert!(run.join("checkpoints/step-00000006").is_dir());
+    // On to step 8 (the copy went with the future the resume from 4 dropped): the next
+    // resume starts at the run's own step 8.
+    let out = resume(dir.path(), &cfg, &run, &[&["--max-steps", "8"], &ckpt[..]].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = resume(dir.path(), &cfg, &run, &[&["--max-steps", "9"], &ckpt[..]].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(records(&run, "resumed").last().unwrap()["step"], 8);
 }
 
 fn copy_dir(from: &Path, to: &Path) {

@@ -261,3 +261,29 @@ fn a_resume_or_run_dir_that_is_not_a_run_writes_nothing() {
     );
     assert!(!odd.join("metrics.jsonl").exists());
 }
+
+/// A text file whose validation split is too short for the block: the fix names both keys
+/// (data.val_fraction moves the split's border), exit 2, and no run is started.
+#[test]
+fn a_split_too_short_for_the_block_names_the_fraction_that_moves_it() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("tiny.txt"),
+        "the quick brown fox jumps over the lazy dog. ".repeat(8),
+    )
+    .unwrap();
+    let cfg = write_config(
+        dir.path(),
+        "short.yaml",
+        "data: {source: text, path: tiny.txt}\nmodel: {block_size: 64}\ntrain: {max_steps: 1}\n",
+    );
+    let o = oomguard(&["train", cfg.to_str().unwrap()], dir.path());
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    for w in [
+        "tiny.txt (validation split): 36 tokens is too short for model.block_size 64",
+        "a larger data.val_fraction (now 0.1)",
+    ] {
+        assert!(err.contains(w), "expected {w:?} in:\n{err}");
+    }
+}

@@ -134,13 +134,18 @@ pub(super) fn open(cfg: &DataConfig, path: &Path, shape: TokenShape) -> Result<D
         }
         DataSource::Tensors | DataSource::Python => unreachable!("opened by data::tensors and task::python"),
     };
-    for split in [&train, &val] {
+    // A split of one file can also move its border.
+    let one_file = !matches!(cfg.source, DataSource::Tokens);
+    for (split, border) in [(&train, "a smaller"), (&val, "a larger")] {
         if split.num_tokens() < shape.block_size + 2 {
+            let fraction = one_file.then(|| format!(", or {border} data.val_fraction (now {})", cfg.val_fraction));
             return Err(Error::Data(format!(
-                "{}: {} tokens is too short for model.block_size {}; use more data or a smaller block_size",
+                "{}: {} tokens is too short for model.block_size {} (at least {} needed); use more data, a smaller block_size{}",
                 split.name,
                 split.num_tokens(),
-                shape.block_size
+                shape.block_size,
+                shape.block_size + 2,
+                fraction.unwrap_or_default()
             )));
         }
     }

@@ -63,7 +63,8 @@ pub enum Command {
 /// `oomguard report`
 #[derive(Debug, Args)]
 pub struct ReportArgs {
-    /// A run directory (with metrics.jsonl) or a sweep directory (with results.jsonl).
+    /// A run directory (with metrics.jsonl) or a sweep directory (with results.jsonl), or that
+    /// file itself.
     #[arg(value_name = "RUN_DIR|SWEEP_DIR")]
     pub dir: PathBuf,
     /// The picture: FILE.png, FILE.svg or FILE.html (a self-contained page) [default: DIR/report.png].

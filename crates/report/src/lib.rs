@@ -145,8 +145,28 @@ pub fn read(dir: &Path) -> Result<Source, Error> {
     Ok(Source::Run(Box::new(series)))
 }
 
-/// `oomguard report DIR [--out FILE]`: writes the picture (default DIR/report.png).
+/// The directory a report reads: DIR, or the folder of a metrics.jsonl or results.jsonl
+/// given instead (what a user who just opened that file types); another file is refused.
+pub fn directory_of(path: &Path) -> Result<PathBuf, Error> {
+    if !path.is_file() {
+        return Ok(path.to_path_buf());
+    }
+    let named = |n: &str| path.file_name().is_some_and(|f| f == n);
+    match path.parent() {
+        Some(parent) if named("metrics.jsonl") || named("results.jsonl") => {
+            Ok(if parent.as_os_str().is_empty() { PathBuf::from(".") } else { parent.to_path_buf() })
+        }
+        _ => Err(Error::BadInput(format!(
+            "{}: a file, not a directory; give a run directory (holding metrics.jsonl) or a sweep directory (holding results.jsonl)",
+            path.display()
+        ))),
+    }
+}
+
+/// `oomguard report DIR [--out FILE]`: writes the picture (default DIR/report.png). DIR may
+/// also name the run's metrics.jsonl or the sweep's results.jsonl.
 pub fn report(dir: &Path, out: Option<&Path>) -> Result<Outcome, Error> {
+    let dir = &directory_of(dir)?;
     let out = out.map_or_else(|| dir.join("report.png"), Path::to_path_buf);
     let format = Format::of(&out)?;
     let source = read(dir)?;
@@ -318,6 +338,20 @@ mod tests {
         assert_eq!(ink(&rgb, size.0, (400, 8, 1300, 36)), 0);
         // The y-axis description of the loss panel, written upwards left of its axis.
         assert!(ink(&rgb, size.0, (0, 110, 30, 380)) > 50);
+    }
+
+    #[test]
+    fn a_runs_metrics_file_names_its_directory_and_another_file_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let metrics = d.path().join("metrics.jsonl");
+        std::fs::write(&metrics, "").unwrap();
+        assert_eq!(directory_of(&metrics).unwrap(), d.path());
+        assert_eq!(directory_of(d.path()).unwrap(), d.path());
+        let other = d.path().join("config.yaml");
+        std::fs::write(&other, "").unwrap();
+        let e = directory_of(&other).unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        assert!(e.to_string().contains("a file, not a directory"), "{e}");
     }
 
     #[test]
