@@ -149,6 +149,21 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
             ..e
         })
     })?;
+    // A --resume-from that names no checkpoint: refused before a file is written.
+    if let train::Resume::From(p) = &resume {
+        if !p.join("state.json").is_file() {
+            return Err(crate::Error::Config(ConfigError {
+                origin: "--resume-from".into(),
+                line_col: None,
+                key: p.display().to_string(),
+                message:
+                    "is not a checkpoint (no state.json in it); give a run's checkpoint: RUN_DIR/checkpoints/step-N, \
+                          or --resume for the run's newest"
+                        .into(),
+            })
+            .into());
+        }
+    }
     if args.check {
         // Data parallel: the world `--nproc-per-node` or the launcher's WORLD_SIZE gives.
         let world = args
@@ -207,7 +222,13 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
     };
     // A fresh run's config now, and a resume's with none stored yet (a sweep trial's first
     // start); otherwise once its checkpoint has loaded (the run goes on).
-    let now = matches!(resume, train::Resume::Fresh) || !run_dir.join("config.yaml").exists();
+    // A --resume-from's only after its checkpoint loads: a refused one leaves no config behind
+    // for a later --resume to start afresh with.
+    let now = match resume {
+        train::Resume::Fresh => true,
+        train::Resume::Newest => !run_dir.join("config.yaml").exists(),
+        train::Resume::From(_) => false,
+    };
     if lead {
         if now {
             files.write()?;

@@ -74,10 +74,22 @@ pub fn load(path: &Path, overrides: &[String]) -> Result<Config, ConfigError> {
     }
     let raw: RawConfig = serde_yaml::from_value(value).map_err(|e| yaml_error(&origin, e))?;
     raw.validate().map_err(|e| {
-        // The line of the key, unless a --set gave the value.
-        let set = overrides.iter().any(|o| o.split('=').next() == Some(e.key.as_str()));
-        let line_col = e.line_col.or_else(|| (!set).then(|| locate(&text, &e.key)).flatten());
-        ConfigError { origin, line_col, ..e }
+        // The line of the key, unless a --set gave the value: then that --set (the last).
+        let set = overrides
+            .iter()
+            .rev()
+            .find(|o| o.split('=').next().map(str::trim) == Some(e.key.as_str()));
+        match set {
+            Some(o) => ConfigError {
+                origin: format!("--set {o}"),
+                line_col: None,
+                ..e
+            },
+            None => {
+                let line_col = e.line_col.or_else(|| locate(&text, &e.key));
+                ConfigError { origin, line_col, ..e }
+            }
+        }
     })?;
     Ok(Config {
         raw,
@@ -353,6 +365,16 @@ mod tests {
     }
 
     #[test]
+    fn a_list_or_a_scalar_where_a_mapping_goes_says_so_in_the_readers_words() {
+        for (yaml, at) in [("- a\n- b\n", ""), ("model: 3\n", "model")] {
+            let e = load_str(yaml, &[]).unwrap_err();
+            assert!(e.message.contains("expected a mapping (key: value lines)"), "{e}");
+            assert!(!e.to_string().contains("struct"), "{e}");
+            assert_eq!(e.key, at);
+        }
+    }
+
+    #[test]
     fn overrides_are_typed_and_validated() {
         let c = load_str("train:\n  max_steps: 5\n", &["train.max_steps=7", "model.bias=false"]).unwrap();
         assert_eq!(c.raw.train.max_steps, 7);
@@ -362,6 +384,11 @@ mod tests {
         assert!(e.message.contains("unknown key `n_layerz`"), "{e}");
         let e = load_str("", &["train.micro_batch_size=0"]).unwrap_err();
         assert_eq!(e.key, "train.micro_batch_size");
+        // A value check fails on the --set that gave it, not the file (which has no such line).
+        let e = load_str("train:\n  max_steps: 5\n", &["train.max_steps=0"]).unwrap_err();
+        assert_eq!((e.origin.as_str(), e.line_col), ("--set train.max_steps=0", None));
+        let e = load_str("train:\n  max_steps: 0\n", &[]).unwrap_err();
+        assert_eq!(e.line_col.map(|l| l.0), Some(2), "{e}");
         // A bucket from a byte to 1 TiB; past that the planner's sums would overflow.
         for (mb, ok) in [
             ("0", false),

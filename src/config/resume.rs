@@ -102,7 +102,7 @@ pub fn compare(stored: &RawConfig, new: &RawConfig) -> Vec<Change> {
             None => format!("{} (train.max_steps)", c.train.max_steps),
         };
         out.push(Change {
-            key: "the schedule's length (optim.decay_steps)".into(),
+            key: format!("{SCHEDULE} (optim.decay_steps)"),
             stored: say(stored),
             new: say(new),
             alters: true,
@@ -110,6 +110,8 @@ pub fn compare(stored: &RawConfig, new: &RawConfig) -> Vec<Change> {
     }
     out
 }
+
+const SCHEDULE: &str = "the schedule's length";
 
 /// The exit-2 message for changes that alter the run, naming each and the ways on.
 pub fn refusal(changes: &[Change], run_dir: &Path) -> String {
@@ -120,14 +122,11 @@ pub fn refusal(changes: &[Change], run_dir: &Path) -> String {
     for c in changes.iter().filter(|c| c.alters) {
         m.push_str(&format!("\n  {}: {} in the run, {} now", c.key, c.stored, c.new));
     }
-    if changes.iter().any(|c| c.key.contains("decay_steps")) {
-        let d = changes
-            .iter()
-            .find(|c| c.key.contains("decay_steps"))
-            .map(|c| &c.stored);
+    // The schedule's length as a number (the raw key's own entry may say `unset`).
+    if let Some(c) = changes.iter().find(|c| c.key.starts_with(SCHEDULE)) {
         m.push_str(&format!(
             "\n  (to run longer on the same schedule, pin it: --set optim.decay_steps={})",
-            d.map_or("", |s| s.split(' ').next().unwrap_or(""))
+            c.stored.split(' ').next().unwrap_or("")
         ));
     }
     m.push_str(&format!(
@@ -259,5 +258,13 @@ mod tests {
         assert!(m.contains("--set optim.decay_steps=50"), "{m}");
         assert!(m.contains("--allow-change"), "{m}");
         assert!(!m.contains("train.max_steps: "), "a free key is not refused: {m}");
+        // The run's schedule was max_steps long: the pin is that number, not the raw key's
+        // `unset` (which --set refuses).
+        let c = compare(
+            &raw("train: {max_steps: 6}"),
+            &raw("train: {max_steps: 10}\noptim: {decay_steps: 8}"),
+        );
+        let m = refusal(&c, Path::new("runs/x"));
+        assert!(m.contains("--set optim.decay_steps=6)"), "{m}");
     }
 }

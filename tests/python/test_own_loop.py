@@ -834,3 +834,25 @@ def test_an_oom_in_the_users_own_optimizer_step_is_not_relaunched(tmp_path):
     assert p.returncode == 3, p.stdout
     assert "oomguard.Infeasible: out of memory in the optimizer's step (optim/adam" in p.stdout, p.stdout
     assert "relaunching" not in p.stdout and p.stdout.count("micro_batch_size=4") == 2, p.stdout
+
+
+def test_a_ddp_rank_where_nothing_fits_ends_the_launch_infeasible(tmp_path):
+    """tests/python/infeasible_ddp.py: rank 1 cannot fit micro-batch 1. Its traceback comes
+    behind torch's `[rank1]: ` (a process group exists), and the launcher still reads
+    oomguard.Infeasible in it: exit 3 and no relaunch, with restarts left (it was exit 1
+    after spending every restart)."""
+    binary = launcher()
+    if binary is None:
+        pytest.skip("no oomguard binary (OOMGUARD_BIN, or target/release/oomguard: `cargo build --release`)")
+    from conftest import env
+
+    p = subprocess.run(
+        [str(binary), "launch", "--nproc-per-node", "2", "--standalone", "--max-restarts", "2",
+         str(Path(__file__).with_name("infeasible_ddp.py"))],
+        env=env({"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180,
+    )
+    assert p.returncode == 3, p.stdout
+    assert "[rank1]: oomguard.Infeasible" in p.stdout, p.stdout
+    assert "no restart can help" in p.stdout and "relaunching" not in p.stdout, p.stdout
+

@@ -44,6 +44,14 @@ impl ConfigError {
         if let Some(i) = message.rfind(" at line ") {
             message.truncate(i);
         }
+        // `expected struct RawConfig`: our type's name means nothing to the reader.
+        if let Some(i) = message.find("expected struct ") {
+            let rest = &message[i + "expected struct ".len()..];
+            let end = rest
+                .find(|c: char| !c.is_alphanumeric() && c != '_')
+                .unwrap_or(rest.len());
+            message = format!("{}expected a mapping (key: value lines){}", &message[..i], &rest[end..]);
+        }
         // serde_yaml prefixes the path (`model: ...`); keep it as the key.
         let (key, message) = match message.split_once(": ") {
             Some((k, m)) if !k.contains(' ') => (k.to_string(), m.to_string()),

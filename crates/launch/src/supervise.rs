@@ -46,7 +46,7 @@ impl Failure {
     /// A script's own exit 3 is not that.
     fn infeasible(&self) -> bool {
         let e = self.final_error();
-        matches!(self.exitcode, 1 | 3) && e.lines().any(|l| l.trim_start().starts_with(crate::INFEASIBLE))
+        matches!(self.exitcode, 1 | 3) && e.lines().any(|l| unranked(l).starts_with(crate::INFEASIBLE))
     }
 
     /// The launcher's exit code for it: 3 where it is `infeasible`, else the worker's own.
@@ -98,7 +98,7 @@ impl Failure {
 pub fn last_error(lines: &[String]) -> String {
     let start = lines
         .iter()
-        .rposition(|l| l.contains("ERROR") || l.starts_with("Traceback (most recent call last)"));
+        .rposition(|l| l.contains("ERROR") || unranked(l).starts_with("Traceback (most recent call last)"));
     let tail: Vec<&String> = match start {
         Some(i) => lines[i..].iter().collect(),
         None => {
@@ -112,6 +112,16 @@ pub fn last_error(lines: &[String]) -> String {
         }
     };
     tail.iter().map(|l| l.as_str()).collect::<Vec<_>>().join("\n")
+}
+
+/// A line without the `[rankN]: ` that torch.distributed's excepthook puts before each
+/// line of a traceback once a process group exists (DDP, FSDP, Accelerate), trimmed.
+fn unranked(line: &str) -> &str {
+    let l = line.trim_start();
+    l.strip_prefix("[rank")
+        .and_then(|r| r.split_once("]: "))
+        .filter(|(n, _)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        .map_or(l, |(_, rest)| rest.trim_start())
 }
 
 enum Outcome {
@@ -552,5 +562,36 @@ mod tests {
         .is_some());
         // No error line at all (a segfault): the last lines that are not logs of recoveries.
         assert_eq!(last_error(&lines(&format!("step 3\n{recovered}"))), "step 3");
+    }
+
+    /// Under a process group torch prefixes each traceback line with `[rankN]: `: the
+    /// worker's `oomguard.Infeasible` is still exit 3, and its traceback still the error.
+    #[test]
+    fn an_infeasible_traceback_behind_a_rank_prefix_is_still_infeasible() {
+        let stderr: Vec<String> = "step 1\n[rank1]: Traceback (most recent call last):\n[rank1]:   File \"t.py\"\n\
+            [rank1]: oomguard.Infeasible: micro-batch 1 does not fit\n"
+            .lines()
+            .map(String::from)
+            .collect();
+        let f = |exitcode, stderr: Vec<String>| Failure {
+            local_rank: 1,
+            rank: 1,
+            pid: 1,
+            exitcode,
+            time: SystemTime::now(),
+            error_file: PathBuf::new(),
+            error_message: None,
+            stdout: vec![],
+            stderr,
+        };
+        assert!(last_error(&stderr).starts_with("[rank1]: Traceback"));
+        assert_eq!(f(1, stderr.clone()).exit_code(), 3);
+        let other = stderr
+            .iter()
+            .map(|l| l.replace("oomguard.Infeasible", "ValueError"))
+            .collect();
+        assert_eq!(f(1, other).exit_code(), 1);
+        assert_eq!(unranked("[rank12]: x"), "x");
+        assert_eq!(unranked("[rankx]: x"), "[rankx]: x");
     }
 }
