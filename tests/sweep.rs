@@ -370,6 +370,7 @@ fn a_bad_sweep_file_exits_2_naming_the_key() {
         ("base: base.yaml\nmetric: {name: accuracy, goal: maximize}\nparameters:\n  optim.lr: {value: 1}\n", "these exist: val_loss, loss, tokens_per_s"),
         ("base: base.yaml\nearly_terminate: {type: hyperband, min_iter: 3, strict: false}\nparameters:\n  optim.lr: {value: 1}\n", "early_terminate.strict"),
         ("base: base.yaml\ncommand: [python, train.py, '${args}']\nparameters:\n  optim.lr: {value: 1}\n", "command"),
+        ("base: base.yaml\ndevice_memory: banana\nparameters:\n  optim.lr: {value: 1}\n", "device_memory: `banana` is neither a size"),
         // A key the config does not have: every trial is checked before the first runs.
         ("base: base.yaml\nparameters:\n  model.n_embdd: {values: [32]}\n", "n_embdd"),
         // Nested (W&B's) the same: the error names the dotted path.
@@ -385,6 +386,10 @@ fn a_bad_sweep_file_exits_2_naming_the_key() {
             "{yaml}: the error names the file and {key}: {err}"
         );
         assert!(!dir.path().join("out/results.jsonl").exists(), "nothing ran");
+        assert!(
+            !dir.path().join("out/sweep.yaml").exists(),
+            "a refused file is not kept as what ran"
+        );
     }
 }
 

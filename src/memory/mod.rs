@@ -337,14 +337,7 @@ pub fn reset_peak(device: Device) {
     }
 }
 
-/// Parses a size such as `2GiB`, `512 MiB`, `1.5G` or `1048576`.
-pub fn parse_size(text: &str) -> Option<u64> {
-    let t = text.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
-    let value: f64 = t[..split].parse().ok()?;
-    let bytes = value * unit_multiplier(t[split..].trim())? as f64;
-    (bytes.is_finite() && bytes >= 0.0).then_some(bytes.round() as u64)
-}
+pub use oomguard_host::memory::parse_size;
 
 pub use oomguard_console::units::human_bytes;
 

@@ -476,21 +476,7 @@ fn chunk_row_bytes(m: &GptConfig, loss: LossKind, precision: Precision) -> u64 {
 }
 
 /// Common cards' memory (`--device-memory T4`), else a size like `24GiB`.
-pub fn device_memory(text: &str) -> Option<u64> {
-    const GIB: u64 = 1 << 30;
-    let card = match text.to_ascii_uppercase().replace(['-', '_', ' '], "").as_str() {
-        "T4" => Some(16),
-        "L4" => Some(24),
-        "A10" | "A10G" => Some(24),
-        "A10040GB" | "A10040G" => Some(40),
-        "A100" | "A10080GB" | "A10080G" => Some(80),
-        "H100" | "H10080GB" => Some(80),
-        // CUDA reports 143,771 MiB on an H200 (2026-11-28).
-        "H200" | "H200141GB" => Some(140),
-        _ => None,
-    };
-    card.map(|g| g * GIB).or_else(|| crate::memory::parse_size(text))
-}
+pub use oomguard_host::memory::device_memory;
 
 /// When nothing fits: the changes that would, each computed (shorter sequence, fewer
 /// layers, a smaller vocabulary, lower precision).

@@ -91,6 +91,8 @@ pub(super) struct Run<'a> {
     /// Elastic: the checkpoint being written hands the run to the next round (a survivor's
     /// save, or the stop a membership change asked for): marked SAVED_BY_SURVIVOR.
     handover: bool,
+    /// The first step whose loss was not a number (said once).
+    diverged_at: Option<u64>,
 }
 
 /// What the ranks agreed at a step's boundary, before it runs.
@@ -242,6 +244,14 @@ impl<'a> Run<'a> {
             tracing::warn!(
                 "step {step}: fp16 gradients overflowed: update skipped, loss scale now {}",
                 rec.loss_scale.unwrap_or(f64::NAN)
+            );
+        }
+        if !rec.loss.is_finite() && !stats.skipped && self.diverged_at.is_none() {
+            self.diverged_at = Some(step);
+            tracing::warn!(
+                "step {step}: the loss is {} (metrics.jsonl records it as null): the run is diverging; lower optim.lr \
+                 or set optim.grad_clip, and resume from a checkpoint before step {step} (--resume-from)",
+                rec.loss
             );
         }
         if self.lead && (step.is_multiple_of(c.log.every) || step + 1 == c.train.max_steps) {

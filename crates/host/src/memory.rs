@@ -11,6 +11,32 @@ use oomguard_console::units::human_bytes;
 pub const SHARE_VAR: &str = "OOMGUARD_HOST_MEMORY";
 pub const SHARE_FROM_VAR: &str = "OOMGUARD_HOST_MEMORY_FROM";
 
+/// Parses a size such as `2GiB`, `512 MiB`, `1.5G` or `1048576`.
+pub fn parse_size(text: &str) -> Option<u64> {
+    let t = text.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let value: f64 = t[..split].parse().ok()?;
+    let bytes = value * crate::oom::unit_multiplier(t[split..].trim())? as f64;
+    (bytes.is_finite() && bytes >= 0.0).then_some(bytes.round() as u64)
+}
+
+/// `--device-memory` (plan) and a sweep's `device_memory`: a size, or a card by name.
+pub fn device_memory(text: &str) -> Option<u64> {
+    const GIB: u64 = 1 << 30;
+    let card = match text.to_ascii_uppercase().replace(['-', '_', ' '], "").as_str() {
+        "T4" => Some(16),
+        "L4" => Some(24),
+        "A10" | "A10G" => Some(24),
+        "A10040GB" | "A10040G" => Some(40),
+        "A100" | "A10080GB" | "A10080G" => Some(80),
+        "H100" | "H10080GB" => Some(80),
+        // CUDA reports 143,771 MiB on an H200 (2026-11-28).
+        "H200" | "H200141GB" => Some(140),
+        _ => None,
+    };
+    card.map(|g| g * GIB).or_else(|| parse_size(text))
+}
+
 /// One cgroup between the process and the top: its limit (if any) and what it uses.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Level {

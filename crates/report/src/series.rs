@@ -88,6 +88,9 @@ pub struct RunSeries {
     pub markers: Vec<Marker>,
     /// Step records read.
     pub steps: usize,
+    /// The steps whose loss was not a number (nan or inf: `"loss": null`), the first and
+    /// whether the last step's was one (the run diverged and has not come back).
+    pub nonfinite: Option<(u64, bool)>,
     /// The largest data-parallel world seen (1: a single process).
     pub world_size: u64,
     /// Lines skipped, naming file and line.
@@ -145,6 +148,12 @@ impl RunSeries {
         match event {
             "step" => {
                 self.steps += 1;
+                let finite = l.loss.is_some_and(f64::is_finite);
+                self.nonfinite = match (self.nonfinite, finite) {
+                    (None, true) => None,
+                    (None, false) => Some((step, true)),
+                    (Some((first, _)), last) => Some((first, !last)),
+                };
                 push(&mut self.loss, step, l.loss);
                 push(&mut self.tokens_per_s, step, l.tokens_per_s);
                 push(&mut self.micro_batch_size, step, l.micro_batch_size.map(|v| v as f64));
@@ -191,7 +200,11 @@ impl RunSeries {
             last_step: self.loss.last().map(|p| p.0),
             final_eval_loss: self.eval_loss.last().map(|p| p.1),
             best_eval_loss: evals.reduce(f64::min),
-            final_loss: self.loss.last().map(|p| p.1),
+            final_loss: match self.nonfinite {
+                Some((_, true)) => Some(f64::NAN),
+                _ => self.loss.last().map(|p| p.1),
+            },
+            nonfinite_from: self.nonfinite.map(|n| n.0),
             mean_tokens_per_s: mean(self.tokens_per_s.iter().map(|p| p.1)),
             peak_bytes: self.peak_bytes.iter().map(|p| p.1).reduce(f64::max),
             final_micro_batch: self.micro_batch_size.last().map(|p| p.1 as u64),
@@ -217,6 +230,8 @@ pub struct Summary {
     pub final_eval_loss: Option<f64>,
     pub best_eval_loss: Option<f64>,
     pub final_loss: Option<f64>,
+    /// The first step whose loss was not a number.
+    pub nonfinite_from: Option<u64>,
     pub mean_tokens_per_s: Option<f64>,
     pub peak_bytes: Option<f64>,
     pub final_micro_batch: Option<u64>,
@@ -233,7 +248,13 @@ impl Summary {
         let f = |v: Option<f64>, d: usize| v.map_or("-".into(), |v| format!("{v:.d$}"));
         let mut rows = vec![
             ("steps", self.steps.to_string()),
-            ("final loss", f(self.final_loss, 4)),
+            (
+                "final loss",
+                match self.nonfinite_from {
+                    Some(at) => format!("{} (not a number from step {at})", f(self.final_loss, 4)),
+                    None => f(self.final_loss, 4),
+                },
+            ),
             ("final eval loss", f(self.final_eval_loss, 4)),
             ("best eval loss", f(self.best_eval_loss, 4)),
             ("mean tokens/s", f(self.mean_tokens_per_s, 0)),
@@ -303,5 +324,13 @@ mod tests {
         assert_eq!((sum.ooms, sum.grows, sum.resumes, sum.world_size), (1, 1, 1, 2));
         assert_eq!(sum.mean_tokens_per_s, Some(200.0));
         assert_eq!(sum.best_eval_loss, Some(4.0));
+        // The last step's loss was not a number: the run's final loss says so, not step 0's.
+        assert_eq!(
+            (sum.final_loss.map(f64::is_nan), sum.nonfinite_from),
+            (Some(true), Some(1))
+        );
+        let rows = sum.rows();
+        let final_loss = &rows.iter().find(|r| r.0 == "final loss").unwrap().1;
+        assert_eq!(final_loss, "NaN (not a number from step 1)");
     }
 }

@@ -204,8 +204,6 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
         tracing::info!("{n}");
     }
     let spec_text = std::fs::read(&args.sweep).with_context(|| format!("reading {}", args.sweep.display()))?;
-    oomguard_report::atomic::write(&out.join("sweep.yaml"), &spec_text)
-        .with_context(|| format!("copying {} into {}", args.sweep.display(), out.display()))?;
     // Slots share this host: each gets its part of the CPU threads and of the memory.
     let host_threads = Threads::of_self();
     let host_memory = (args.parallel > 1).then(HostMemory::of_self).flatten();
@@ -304,6 +302,9 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
             .into());
         }
     }
+    // The copy of what ran, once every check passed: a refused file leaves the last one.
+    oomguard_report::atomic::write(&out.join("sweep.yaml"), &spec_text)
+        .with_context(|| format!("copying {} into {}", args.sweep.display(), out.display()))?;
     let signals = Signals::install().context("installing signal handlers")?;
     let mut reporter = status::Reporter::new(sweeper::total(&sweep, (index, count)), args.parallel, sweep.metric);
     let stopped = s.schedule(args.parallel, &signals, &mut reporter)?;

@@ -7,7 +7,7 @@ use std::process::Child;
 use std::time::{Duration, Instant, SystemTime};
 
 use super::asha;
-use super::spec::{self, Sweep, Trial};
+use super::spec::{self, Metric, Sweep, Trial};
 use super::status;
 use super::store::{Store, TrialLock};
 use super::tpe::{self, Observation, Outcome};
@@ -480,10 +480,20 @@ impl<'a> Sweeper<'a> {
         let record = self.put(&r.trial, ending, r.started.elapsed().as_secs_f64())?;
         let metric = self.sweep.metric;
         if record.status == Status::Ok && crate::table::value(&record, metric).is_none() {
+            let how = match metric {
+                Metric::TokensPerS => {
+                    "a script's guard records tokens/s when given the sample's length: \
+                     oomguard.Guard(model, ..., tokens_per_sample=N)"
+                }
+                Metric::FinalLoss => "its step records carry no loss",
+                Metric::BestEvalLoss | Metric::FinalEvalLoss => {
+                    "a script logs an evaluation with guard.log_eval(val_loss); \
+                     oomguard.hf.Trainer and oomguard.lightning log theirs when they evaluate"
+                }
+            };
             tracing::warn!(
                 "[{}] finished without the sweep's metric {}: its {}/metrics.jsonl has no such value, so it cannot be \
-                 ranked (a script logs an evaluation with guard.log_eval(val_loss); oomguard.hf.Trainer and \
-                 oomguard.lightning log theirs when they evaluate)",
+                 ranked ({how})",
                 r.trial.id,
                 metric.name(),
                 record.run_dir

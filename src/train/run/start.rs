@@ -392,6 +392,7 @@ impl<'a> Run<'a> {
             clock: checkpoint::Clock::new(c.checkpoint.every_minutes),
             membership,
             handover: false,
+            diverged_at: None,
         })
     }
 }

@@ -219,6 +219,16 @@ pub fn load(path: &Path) -> Result<Sweep, ConfigError> {
         ..e
     };
     let method = method(raw.method.as_deref()).map_err(at)?;
+    if let Some(m) = raw
+        .device_memory
+        .as_deref()
+        .filter(|m| oomguard_host::memory::device_memory(m).is_none())
+    {
+        return Err(at(ConfigError::invalid(
+            "device_memory",
+            format!("`{m}` is neither a size (24GiB, 80 GB) nor a card the planner knows (T4, L4, A10G, A100, A100-40GB, H100, H200)"),
+        )));
+    }
     let (runner, command_notice) = match (&raw.command, &raw.base) {
         (Some(c), base) => {
             let (r, notice) = command::read(c, raw.program.as_ref(), base.as_deref()).map_err(at)?;
