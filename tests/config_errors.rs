@@ -277,13 +277,16 @@ fn a_split_too_short_for_the_block_names_the_fraction_that_moves_it() {
         "short.yaml",
         "data: {source: text, path: tiny.txt}\nmodel: {block_size: 64}\ntrain: {max_steps: 1}\n",
     );
-    let o = oomguard(&["train", cfg.to_str().unwrap()], dir.path());
-    let err = stderr(&o);
-    assert_eq!(o.status.code(), Some(2), "{err}");
-    for w in [
-        "tiny.txt (validation split): 36 tokens is too short for model.block_size 64",
-        "a larger data.val_fraction (now 0.1)",
-    ] {
-        assert!(err.contains(w), "expected {w:?} in:\n{err}");
+    // `--check` opens the data as the run does (it said "valid" before).
+    for check in [&[][..], &["--check"]] {
+        let o = oomguard(&[&["train", cfg.to_str().unwrap()], check].concat(), dir.path());
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        for w in [
+            "tiny.txt (validation split): 36 tokens is too short for model.block_size 64",
+            "a larger data.val_fraction (now 0.1)",
+        ] {
+            assert!(err.contains(w), "expected {w:?} in:\n{err}");
+        }
     }
 }

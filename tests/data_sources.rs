@@ -64,13 +64,24 @@ fn nanogpt_token_files_are_memory_mapped_u16() {
     let y: Vec<i64> = y.get(0).try_into().unwrap();
     assert_eq!(x, train[982..990].iter().map(|&t| t as i64).collect::<Vec<_>>());
     assert_eq!(y, train[983..991].iter().map(|&t| t as i64).collect::<Vec<_>>());
-    // A token outside the vocabulary is an error naming the file, not a crash.
-    let small = Dataset::open(&cfg, Path::new("/"), shape(8, 100)).unwrap();
-    let err = small.train.batch(&[0], Device::Cpu).unwrap_err().to_string();
+    // A token outside the vocabulary is an error naming the file and the token's place, at
+    // open (it was at the batch that held it, after the steps before were lost).
+    let err = Dataset::open(&cfg, Path::new("/"), shape(8, 100))
+        .err()
+        .unwrap()
+        .to_string();
     assert!(
-        err.contains("train.bin") && err.contains("model.vocab_size 100"),
+        err.contains("train.bin: token id 111 (token 3 of the file)") && err.contains("model.vocab_size 100"),
         "{err}"
     );
+    let mut late = train.iter().map(|t| t % 100).collect::<Vec<_>>();
+    late[997] = 100;
+    write_tokens(&dir.path().join("train.bin"), &late);
+    let err = Dataset::open(&cfg, Path::new("/"), shape(8, 100))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("token id 100 (token 997 of the file)"), "{err}");
 }
 
 #[test]
@@ -156,4 +167,39 @@ fn tensor_files_hold_samples_along_dim_0() {
     Tensor::write_safetensors(&[("inputs", &inputs), ("targets", &targets.narrow(0, 0, 7))], &path).unwrap();
     let err = Dataset::open(&cfg, dir.path(), None).err().unwrap().to_string();
     assert!(err.contains("same number of samples along dim 0"), "{err}");
+    // For a GPT (its vocabulary known): integer ids within it, and something to learn from;
+    // refused at open, so `--check` and the run's start say it (not a step that meets it).
+    let gpt = Some(TokenShape {
+        block_size: 3,
+        vocab_size: Some(64),
+    });
+    let ids = Tensor::arange(40 * 3, (Kind::Int64, Device::Cpu))
+        .view([40, 3])
+        .remainder(64);
+    let outside = targets.remainder(64);
+    let _ = outside.get(5).fill_(100);
+    let cases = [
+        (
+            &inputs,
+            &targets,
+            "`inputs` holds Float; a GPT (model.kind gpt) takes integer token ids",
+        ),
+        (&ids, &outside, "`targets` holds token id 100 (element 5, flattened)"),
+        (
+            &ids,
+            &targets.full_like(-100),
+            "every one of `targets` is -100 (ignored)",
+        ),
+    ];
+    for (i, t, wants) in cases {
+        Tensor::write_safetensors(&[("inputs", i), ("targets", t)], &path).unwrap();
+        let err = Dataset::open(&cfg, dir.path(), gpt).err().unwrap().to_string();
+        assert!(err.contains("d.safetensors") && err.contains(wants), "{err}");
+    }
+    let masked = targets.remainder(64).where_scalarother(&targets.fmod(2).ne(0), -100);
+    Tensor::write_safetensors(&[("inputs", &ids), ("targets", &masked)], &path).unwrap();
+    assert!(
+        Dataset::open(&cfg, dir.path(), gpt).is_ok(),
+        "ids in range, some masked"
+    );
 }

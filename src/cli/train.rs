@@ -352,19 +352,21 @@ fn config_arg(args: &TrainArgs) -> anyhow::Result<&Path> {
         .context("a config file is needed (only a resume can leave it out)")
 }
 
-/// Resuming: the config against the one the run directory stores (`config::resume`). A
-/// change that alters the run exits 2, before anything in the run directory is touched,
-/// `--check` of a Python model (or Python data): the model and data built for real, on the
-/// CPU, as the run would build them, so that `build(settings)` raising (a typo in
-/// `model.settings`, which a sweep over `model.settings.*` would hit in every trial) is found
-/// here, naming the file. The built-in GPT and TorchScript need no build to be checked.
+/// `--check`: the data opened as the run opens it (too short for the block, a token outside
+/// the vocabulary, a tensors file that does not fit); and a Python model (or Python data)
+/// built for real, on the CPU, as the run would build them, so that `build(settings)`
+/// raising (a typo in `model.settings`, which a sweep over `model.settings.*` would hit in
+/// every trial) is found here, naming the file. The built-in GPT and TorchScript need no
+/// build to be checked.
 fn check_builds(cfg: &config::Config, build: Builder) -> anyhow::Result<()> {
     let c = &cfg.raw;
     let python = c.model.kind == crate::model::ModelKind::Python || c.data.source == crate::data::DataSource::Python;
+    let base = cfg.base_dir();
     if !python {
+        // The data as the run opens it (sizes, the split, token ids against the vocabulary).
+        crate::task::data_for(&c.model, &c.data, &base, None)?;
         return Ok(());
     }
-    let base = cfg.base_dir();
     let built = build(&crate::task::BuildContext {
         device: tch::Device::Cpu,
         model: &c.model,

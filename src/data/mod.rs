@@ -212,7 +212,7 @@ impl Dataset {
     pub fn open(cfg: &DataConfig, base: &Path, shape: Option<TokenShape>) -> Result<Dataset> {
         let path = cfg.resolved_path(base).unwrap_or_default();
         if cfg.source == DataSource::Tensors {
-            return tensors::open(&path, cfg.val_fraction);
+            return tensors::open(&path, cfg.val_fraction, shape.and_then(|s| s.vocab_size));
         }
         if cfg.source == DataSource::Python {
             return Err(

@@ -44,7 +44,9 @@ impl Samples for Rows {
     }
 }
 
-pub(super) fn open(path: &Path, val_fraction: f64) -> Result<Dataset> {
+/// `vocab`: the GPT's vocabulary, which token ids (inputs, and targets other than the
+/// ignored -100) must fall in.
+pub(super) fn open(path: &Path, val_fraction: f64, vocab: Option<i64>) -> Result<Dataset> {
     let bad = |why: String| Error::Data(format!("{}: {why}", path.display()));
     let named = Tensor::read_safetensors(path).map_err(|e| match Error::from(e) {
         Error::Oom(o) => Error::Oom(o), // too big for the memory: the caller says so (exit 3)
@@ -82,6 +84,15 @@ pub(super) fn open(path: &Path, val_fraction: f64) -> Result<Dataset> {
         let ignore = crate::ops::scalar(IGNORE_INDEX as f64, targets.kind(), targets.device())?;
         targets.f_eq_tensor(&ignore)?.f_any()?.f_int64_value(&[])? != 0
     };
+    if integer && targets.f_ne(IGNORE_INDEX)?.f_any()?.f_int64_value(&[])? == 0 {
+        return Err(bad(format!(
+            "every one of `targets` is {IGNORE_INDEX} (ignored): there is nothing to learn from; is the mask inverted?"
+        )));
+    }
+    if let Some(v) = vocab {
+        check_ids(&inputs, "inputs", v, false).map_err(bad)?;
+        check_ids(&targets, "targets", v, true).map_err(bad)?;
+    }
     let split = |start: i64, len: i64, which: &str| -> Result<Rows> {
         Ok(Rows {
             inputs: part(&inputs, start, len)?,
@@ -94,4 +105,37 @@ pub(super) fn open(path: &Path, val_fraction: f64) -> Result<Dataset> {
         train: Box::new(split(0, n - n_val, "train")?),
         val: Box::new(split(n - n_val, n_val, "validation")?),
     })
+}
+
+/// Token ids for a GPT: integers in [0, vocab) (`masked`: or the ignored -100). The why, or
+/// a libtorch error as text.
+fn check_ids(t: &Tensor, name: &str, vocab: i64, masked: bool) -> std::result::Result<(), String> {
+    use tch::Kind::*;
+    if !matches!(t.kind(), Int64 | Int | Int16 | Int8 | Uint8) {
+        return Err(format!(
+            "`{name}` holds {:?}; a GPT (model.kind gpt) takes integer token ids: save them as int64",
+            t.kind()
+        ));
+    }
+    let outside = (|| -> std::result::Result<Option<(i64, i64)>, tch::TchError> {
+        let t = t.f_flatten(0, -1)?;
+        let mut bad = t.f_lt(0)?.f_logical_or(&t.f_ge(vocab)?)?;
+        if masked {
+            bad = bad.f_logical_and(&t.f_ne(IGNORE_INDEX)?)?;
+        }
+        let at = bad.f_nonzero()?;
+        if at.size()[0] == 0 {
+            return Ok(None);
+        }
+        let i = at.f_int64_value(&[0, 0])?;
+        Ok(Some((i, t.f_int64_value(&[i])?)))
+    })()
+    .map_err(|e| e.to_string())?;
+    match outside {
+        None => Ok(()),
+        Some((i, id)) => Err(format!(
+            "`{name}` holds token id {id} (element {i}, flattened), not in [0, model.vocab_size {vocab}){}; raise model.vocab_size or re-tokenize",
+            if masked { " nor the ignored -100" } else { "" }
+        )),
+    }
 }

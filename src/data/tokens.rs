@@ -57,6 +57,21 @@ impl Split {
         }
     }
 
+    /// The first token at or above `vocab` (its index in the file, and its id): a scan at
+    /// open, so a bad id is refused before the first step, not at the batch that holds it.
+    fn first_outside(&self, vocab: i64) -> Option<(usize, i64)> {
+        let b = &self.storage.bytes()[self.start * self.width..(self.start + self.len) * self.width];
+        let found = match self.width {
+            1 => b.iter().position(|&t| t as i64 >= vocab).map(|i| (i, b[i] as i64)),
+            _ => b
+                .chunks_exact(2)
+                .map(|c| u16::from_le_bytes([c[0], c[1]]) as i64)
+                .enumerate()
+                .find(|&(_, t)| t >= vocab),
+        };
+        found.map(|(i, t)| (self.start + i, t))
+    }
+
     /// Inputs and next-token targets `[n, block]` for the windows starting at `offsets`.
     pub fn batch(
         &self,
@@ -146,6 +161,16 @@ pub(super) fn open(cfg: &DataConfig, path: &Path, shape: TokenShape) -> Result<D
                 shape.block_size,
                 shape.block_size + 2,
                 fraction.unwrap_or_default()
+            )));
+        }
+    }
+    for split in [&train, &val] {
+        if let Some((at, t)) = shape.vocab_size.and_then(|v| split.first_outside(v)) {
+            return Err(Error::Data(format!(
+                "{}: token id {t} (token {at} of the file) is not below model.vocab_size {}; raise model.vocab_size \
+                 or re-tokenize",
+                split.name,
+                shape.vocab_size.unwrap_or_default()
             )));
         }
     }
