@@ -49,6 +49,21 @@ fn planner_peak_within_20_percent_of_measured() {
             err * 100.0
         );
     }
+    // Accumulation: the second micro-batch's forward runs beside the first's gradients (a
+    // large tied vocabulary, so that they weigh). Planned without them, 21% short.
+    let yaml = shape_yaml(1, 2, 16, 16, 60_000, 2).replace("grad_accum_steps: 1", "grad_accum_steps: 2");
+    let cfg = write_config(dir.path(), "accum.yaml", &yaml);
+    let run = dir.path().join("accum");
+    let o = train_at(dir.path(), &cfg, &run, &["--memory-budget", "none"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let measured = records(&run, "step")[1]["memory"]["peak_bytes"].as_u64().unwrap() as f64;
+    let planned = planned_peak(dir.path(), &cfg) as f64;
+    let err = (planned - measured).abs() / measured;
+    assert!(
+        err < 0.1,
+        "accumulating: planned {planned} measured {measured} ({:.1}% off)",
+        err * 100.0
+    );
 }
 
 /// bf16 under autocast: what a layer adds (6 layers less 2, so that everything else

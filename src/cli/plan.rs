@@ -75,9 +75,9 @@ pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
         let report = serde_json::json!({
             "memory_bytes": memory, "precision": precision, "global_batch_size": global,
             "largest_micro_batch_size": fit, "grad_accum_steps": if fit > 0 { Some(global.div_ceil(fit)) } else { None },
-            "peak_bytes_at": shown, "peak_bytes": estimate.peak(shown), "estimate": estimate,
-            "configured_peak_bytes": configured.map(|m| estimate.peak(m)),
-            "suggestions": if fit == 0 { suggestions(&model, precision, cuda, memory, estimate.bucket_cap) } else { vec![] },
+            "peak_bytes_at": shown, "peak_bytes": estimate.peak_of(shown, global), "estimate": estimate,
+            "configured_peak_bytes": configured.map(|m| estimate.peak_of(m, global)),
+            "suggestions": if fit == 0 { suggestions(&model, precision, cuda, memory, estimate.bucket_cap, global) } else { vec![] },
         });
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
@@ -86,21 +86,18 @@ pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
             args.config.display(),
             human_bytes(memory)
         );
-        for (k, v) in estimate.table(shown) {
+        for (k, v) in estimate.table(shown, global) {
             println!("  {k:<34} {v}");
         }
         if fit > 0 {
-            println!(
-                "largest micro-batch that fits: {fit} -> micro_batch_size: {fit}, grad_accum_steps: {} (global batch {global})",
-                global.div_ceil(fit)
-            );
+            println!("largest micro-batch that fits: {fit} -> {}", batch_setting(fit, global));
         } else {
             println!(
                 "nothing fits: even micro-batch 1 needs {} of {}. What would fit:",
-                human_bytes(estimate.peak(1)),
+                human_bytes(estimate.peak_of(1, global)),
                 human_bytes(memory)
             );
-            for s in suggestions(&model, precision, cuda, memory, estimate.bucket_cap) {
+            for s in suggestions(&model, precision, cuda, memory, estimate.bucket_cap, global) {
                 println!("  - {s}");
             }
         }
@@ -111,11 +108,28 @@ pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The config lines for micro-batches of `fit` in a step of `global` samples: accumulation
+/// where `fit` divides it, else the global batch (the last micro-batch smaller), which is
+/// what the run does with them.
+fn batch_setting(fit: usize, global: usize) -> String {
+    let n = global.div_ceil(fit);
+    if global % fit == 0 {
+        format!("micro_batch_size: {fit}, grad_accum_steps: {n} (global batch {global})")
+    } else {
+        format!(
+            "micro_batch_size: {fit}, global_batch_size: {global} ({n} micro-batches, the last of {})",
+            global - fit * (n - 1)
+        )
+    }
+}
+
 /// `--nproc-per-node N`: each `train.shard` stage per rank, which fits at what micro-batch,
 /// and when none does, how many ranks would.
 fn per_rank(args: &PlanArgs, estimate: &Estimate, memory: u64, global: usize, what: &str) -> anyhow::Result<()> {
     use crate::optim::Shard;
     let n = args.nproc_per_node;
+    // As `oomguard train` refuses it: every rank needs a sample of each step.
+    crate::train::check_world(global, n as usize, &args.config.display().to_string())?;
     let samples = global.div_ceil(n as usize); // the largest rank's share of a step
     let stages: Vec<(Shard, Estimate, usize)> = [Shard::None, Shard::Optimizer, Shard::Gradients]
         .into_iter()
@@ -131,7 +145,7 @@ fn per_rank(args: &PlanArgs, estimate: &Estimate, memory: u64, global: usize, wh
     let ranks = estimate.ranks_to_fit(memory);
     if args.json {
         let rows: Vec<_> = stages.iter().map(|(s, e, fit)| serde_json::json!({
-            "shard": s, "optimizer_bytes": e.optimizer_bytes, "peak_bytes_at_1": e.peak(1), "largest_micro_batch_size": fit,
+            "shard": s, "optimizer_bytes": e.optimizer_bytes, "peak_bytes_at_1": e.peak_of(1, samples), "largest_micro_batch_size": fit,
         })).collect();
         println!(
             "{}",
@@ -150,7 +164,7 @@ fn per_rank(args: &PlanArgs, estimate: &Estimate, memory: u64, global: usize, wh
         for (s, e, fit) in &stages {
             println!(
                 "  train.shard: {:<10} AdamW's state {:>10}, micro-batch 1 peaks near {:>10}, largest micro-batch {fit}",
-                s.name(), human_bytes(e.optimizer_bytes), human_bytes(e.peak(1))
+                s.name(), human_bytes(e.optimizer_bytes), human_bytes(e.peak_of(1, samples))
             );
         }
         println!("  (gradients: each bucket's sums become this rank's part of the shard during backward, the rest dropped, so the shard grows as the \
@@ -249,7 +263,7 @@ fn measured(cfg: &Config, args: &PlanArgs, memory: u64, cuda: bool, what: &str) 
             profile.allocator_overhead * 100.0
         );
         if fit > 0 {
-            println!("largest micro-batch that fits: {fit} -> micro_batch_size: {fit}, grad_accum_steps: {} (global batch {global})", global.div_ceil(fit));
+            println!("largest micro-batch that fits: {fit} -> {}", batch_setting(fit, global));
         } else {
             println!(
                 "nothing fits: even micro-batch 1 needs {} of {}. What would fit: more memory, a shorter model.block_size, or a smaller model",

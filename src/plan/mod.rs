@@ -356,8 +356,17 @@ impl Estimate {
     /// gradients at their peak. ZeRO-2 overlapped: backward frees the activations as its
     /// shard grows, so the larger of the two, with the whole gradients in flight beside.
     pub fn peak(&self, micro: usize) -> u64 {
-        let forward =
-            self.per_sample_bytes().saturating_mul(micro as u64) + self.logits_fixed(micro) + self.cast_weights_bytes;
+        self.peak_of(micro, micro)
+    }
+
+    /// `peak` at `micro` samples of `global` a step (a rank's): where it takes several
+    /// micro-batches, the later ones' forwards run beside the gradients summed so far.
+    pub fn peak_of(&self, micro: usize, global: usize) -> u64 {
+        let summed = if micro < global { self.grads_bytes } else { 0 };
+        let forward = self.per_sample_bytes().saturating_mul(micro as u64)
+            + self.logits_fixed(micro)
+            + self.cast_weights_bytes
+            + summed;
         let forward = if self.grads_beside_activations() {
             forward.max(self.grads_shard()) + self.grads_in_flight()
         } else {
@@ -367,15 +376,22 @@ impl Estimate {
         ((self.fixed_bytes() + step) as f64 * (1.0 + self.allocator_overhead)) as u64
     }
 
-    /// The largest micro-batch (at most `max`) whose peak fits `memory`; 0 if none (`peak`
-    /// grows with the micro-batch: a bisection).
+    /// The largest micro-batch (at most `max`, the step's samples) whose peak fits `memory`;
+    /// 0 if none (`peak_of` grows with the micro-batch, but for the gradients summed across
+    /// micro-batches, which `max` itself does without: a bisection below it).
     pub fn largest_fitting(&self, memory: u64, max: usize) -> usize {
         // Every sample adds its bytes: no more than the memory holds of them.
         let most = memory / self.per_sample_bytes().max(1);
         let (mut lo, mut hi) = (0usize, max.min(usize::try_from(most).unwrap_or(usize::MAX)));
+        // The whole step in one micro-batch sums nothing: checked first, as the curve
+        // drops there.
+        if hi == max && max > 0 && self.peak_of(max, max) <= memory {
+            return max;
+        }
+        hi = hi.min(max.saturating_sub(1));
         while lo < hi {
             let mid = lo + (hi - lo).div_ceil(2);
-            if self.peak(mid) <= memory {
+            if self.peak_of(mid, max) <= memory {
                 lo = mid
             } else {
                 hi = mid - 1
@@ -385,7 +401,7 @@ impl Estimate {
     }
 
     /// The table `oomguard plan` prints.
-    pub fn table(&self, micro: usize) -> Vec<(String, String)> {
+    pub fn table(&self, micro: usize, global: usize) -> Vec<(String, String)> {
         let b = micro as u64;
         let row = |k: &str, v: u64| (k.to_string(), human_bytes(v));
         let mut rows = vec![
@@ -422,7 +438,7 @@ impl Estimate {
                 "allocator overhead".into(),
                 format!("{:.0}%", self.allocator_overhead * 100.0),
             ),
-            row("peak", self.peak(micro)),
+            row("peak", self.peak_of(micro, global)),
         ];
         if self.cast_weights_bytes > 0 {
             let at = rows.iter().position(|(k, _)| k.starts_with("attention")).unwrap_or(0);
@@ -481,9 +497,16 @@ pub use oomguard_host::memory::device_memory;
 /// When nothing fits: the changes that would, each computed (shorter sequence, fewer
 /// layers, a smaller vocabulary, lower precision).
 /// `bucket_cap`: the run's gradient buckets (`TrainConfig::bucket_bytes`), for the ranks that
-/// would fit.
-pub fn suggestions(m: &GptConfig, precision: Precision, cuda: bool, memory: u64, bucket_cap: u64) -> Vec<String> {
-    let fits = |m: &GptConfig, p: Precision| Estimate::new(m, p, cuda).largest_fitting(memory, usize::MAX) >= 1;
+/// would fit. `global`: a step's samples (above 1, micro-batch 1 sums gradients across them).
+pub fn suggestions(
+    m: &GptConfig,
+    precision: Precision,
+    cuda: bool,
+    memory: u64,
+    bucket_cap: u64,
+    global: usize,
+) -> Vec<String> {
+    let fits = |m: &GptConfig, p: Precision| Estimate::new(m, p, cuda).largest_fitting(memory, global) >= 1;
     let mut out = Vec::new();
     let mut t = m.block_size;
     while t > 1
@@ -561,7 +584,7 @@ pub fn suggestions(m: &GptConfig, precision: Precision, cuda: bool, memory: u64,
     let ckpt = |m: &GptConfig, p: Precision| {
         Estimate::new(m, p, cuda)
             .with_checkpointing(true)
-            .largest_fitting(memory, usize::MAX)
+            .largest_fitting(memory, global)
             >= 1
     };
     if ckpt(m, precision) {
@@ -595,13 +618,13 @@ pub fn suggestions(m: &GptConfig, precision: Precision, cuda: bool, memory: u64,
 
 /// For an infeasible GPT: what its state needs against `memory`, and what would fit (with
 /// gradient buckets of `bucket_cap`).
-pub fn advice(m: &GptConfig, memory: u64, cuda: bool, bucket_cap: u64) -> String {
+pub fn advice(m: &GptConfig, memory: u64, cuda: bool, bucket_cap: u64, global: usize) -> String {
     let e = Estimate::new(m, Precision::Fp32, cuda);
     format!(
         "The planner: the parameters need {}, their gradients {} and AdamW's state {} ({:.2}M parameters); a step at micro-batch 1 peaks near {} \
             against {}. What would fit: {}.",
         human_bytes(e.params_bytes), human_bytes(e.grads_bytes), human_bytes(e.optimizer_bytes), e.num_params as f64 / 1e6,
-        human_bytes(e.peak(1)), human_bytes(memory), suggestions(m, Precision::Fp32, cuda, memory, bucket_cap).join("; ")
+        human_bytes(e.peak_of(1, global)), human_bytes(memory), suggestions(m, Precision::Fp32, cuda, memory, bucket_cap, global).join("; ")
     )
 }
 
@@ -712,7 +735,11 @@ mod tests {
         let m = device_memory("A100-40GB").unwrap();
         let b = e.largest_fitting(m, 512);
         assert!(b >= 1);
-        assert!(e.peak(b) <= m && e.peak(b + 1) > m);
+        assert!(e.peak_of(b, 512) <= m && e.peak_of(b + 1, 512) > m);
+        // The whole step at once sums no gradients: it may fit where one sample less does not.
+        let whole = e.peak(b + 1);
+        assert_eq!(e.largest_fitting(whole, b + 1), b + 1);
+        assert!(e.largest_fitting(whole, b + 2) < b + 1);
         assert!(e.largest_fitting(device_memory("H100").unwrap(), 512) > b);
         assert_eq!(e.largest_fitting(1 << 30, 512), 0);
     }
@@ -749,6 +776,7 @@ mod tests {
             true,
             2 << 30,
             crate::dist::DEFAULT_BUCKET_BYTES,
+            1,
         );
         assert_eq!(
             Estimate::new(&gpt2(), Precision::Fp32, true).largest_fitting(2 << 30, 512),
@@ -764,7 +792,14 @@ mod tests {
             block_size: 8192,
             ..gpt2()
         };
-        let s = suggestions(&long, Precision::Fp32, true, 4 << 30, crate::dist::DEFAULT_BUCKET_BYTES);
+        let s = suggestions(
+            &long,
+            Precision::Fp32,
+            true,
+            4 << 30,
+            crate::dist::DEFAULT_BUCKET_BYTES,
+            1,
+        );
         assert!(
             s.iter()
                 .any(|x| x.starts_with("a shorter sequence: model.block_size 1024")),

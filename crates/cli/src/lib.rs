@@ -145,7 +145,8 @@ pub struct TrainArgs {
     pub check: bool,
     /// Testing and chaos tool: make COUNT allocations fail with a real out-of-memory error,
     /// at seeded random allocations from the first training step on (CPU runs). The run must
-    /// still finish with the parameters of a clean run.
+    /// still finish with the parameters of a clean run (with model.dropout 0: a step retried
+    /// at a smaller micro-batch draws its masks over other shapes).
     #[arg(long, value_name = "COUNT[:SEED]")]
     pub inject_oom: Option<String>,
 }

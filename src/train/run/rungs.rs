@@ -184,7 +184,13 @@ impl Run<'_> {
         let mut out = match (c.model.kind, memory::stats(self.device).limit_bytes) {
             (ModelKind::Gpt, Some(limit)) => format!(
                 " {}",
-                plan::advice(&c.model.gpt(), limit, self.device.is_cuda(), self.bucket_bytes as u64)
+                plan::advice(
+                    &c.model.gpt(),
+                    limit,
+                    self.device.is_cuda(),
+                    self.bucket_bytes as u64,
+                    c.train.global_batch_size()
+                )
             ),
             _ => String::new(),
         };

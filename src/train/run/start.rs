@@ -548,7 +548,8 @@ fn init_failure(e: Error, cfg: &Config, device: Device, doing: &str) -> Error {
                 &c.model.gpt(),
                 l,
                 device.is_cuda(),
-                c.train.bucket_bytes(&c.memory) as u64
+                c.train.bucket_bytes(&c.memory) as u64,
+                c.train.global_batch_size()
             )
         ),
         _ => " To fit: raise memory.budget or use a device with more memory, or a smaller model.".into(),
@@ -585,7 +586,7 @@ fn refuse_what_cannot_fit(cfg: &Config, device: Device, world: usize) -> Result<
     }
     Err(Error::Infeasible(format!(
         "the model does not fit in memory: its weights, gradients and AdamW state alone need {} and {} is in use, of {} (nothing was allocated). {}",
-        human_bytes(state), human_bytes(stats.live_bytes), human_bytes(limit), plan::advice(&c.model.gpt(), limit, device.is_cuda(), c.train.bucket_bytes(&c.memory) as u64)
+        human_bytes(state), human_bytes(stats.live_bytes), human_bytes(limit), plan::advice(&c.model.gpt(), limit, device.is_cuda(), c.train.bucket_bytes(&c.memory) as u64, c.train.global_batch_size())
     )))
 }
 
