@@ -371,6 +371,10 @@ fn a_bad_sweep_file_exits_2_naming_the_key() {
         ("base: base.yaml\nearly_terminate: {type: hyperband, min_iter: 3, strict: false}\nparameters:\n  optim.lr: {value: 1}\n", "early_terminate.strict"),
         ("base: base.yaml\ncommand: [python, train.py, '${args}']\nparameters:\n  optim.lr: {value: 1}\n", "command"),
         ("base: base.yaml\ndevice_memory: banana\nparameters:\n  optim.lr: {value: 1}\n", "device_memory: `banana` is neither a size"),
+        // A script's command: the launcher's options are checked before any trial runs (every
+        // trial ran and failed, and the sweep exited 0).
+        ("program: base.yaml\ncommand: [oomguard, launch, --nproc-per-nod, 2, '${program}', '${args}']\nparameters:\n  lr: {value: 1}\n", "command: trial \
+            000-"),
         // A key the config does not have: every trial is checked before the first runs.
         ("base: base.yaml\nparameters:\n  model.n_embdd: {values: [32]}\n", "n_embdd"),
         // Nested (W&B's) the same: the error names the dotted path.

@@ -154,10 +154,43 @@ pub struct TrainArgs {
 /// Runs `oomguard launch`.
 pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
     let spec = LaunchSpec::from_args(&args)?;
+    if args.check {
+        return check_launch(&spec);
+    }
     match launch::run(&spec)? {
         0 => Ok(()),
         code => Err(ExitCode(code).into()),
     }
+}
+
+/// `oomguard launch --check`: a script that is not a file is bad input (exit 2); else the
+/// command each worker runs.
+fn check_launch(spec: &LaunchSpec) -> anyhow::Result<()> {
+    let runs_a_file = spec.python && !spec.program.iter().any(|w| w == "-m");
+    if let Some(script) = spec
+        .program
+        .iter()
+        .skip(1)
+        .find(|w| w.ends_with(".py"))
+        .filter(|_| runs_a_file)
+    {
+        if !std::path::Path::new(script).is_file() {
+            return Err(ConfigError {
+                origin: "oomguard launch".into(),
+                line_col: None,
+                key: String::new(),
+                message: format!("{script}: no such script"),
+            }
+            .into());
+        }
+    }
+    println!(
+        "valid: {} worker(s) a node, {} node(s), each running: {}",
+        spec.nproc_per_node,
+        spec.nnodes,
+        spec.program.join(" ")
+    );
+    Ok(())
 }
 
 /// Runs `oomguard report`: warnings (lines skipped) on stderr, the figures or the sweep's

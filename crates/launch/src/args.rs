@@ -123,6 +123,10 @@ pub struct LaunchArgs {
     /// torchrun's, accepted: the workers are always fresh processes (as spawn).
     #[arg(long = "start-method", alias = "start_method", env = "PET_START_METHOD", value_parser = ["spawn", "fork", "forkserver"], hide = true)]
     pub start_method: Option<String>,
+    /// Check the options and the command (the script's file included), print what each
+    /// worker would run, and start nothing (what `oomguard sweep` asks before its trials).
+    #[arg(long)]
+    pub check: bool,
     /// torchrun's options that do nothing here; each one given is named in a warning.
     #[command(flatten)]
     pub ignored: Ignored,

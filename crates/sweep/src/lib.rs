@@ -292,11 +292,15 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     };
     for t in checks {
         if let Err(why) = s.launch(t, None).check().context("running oomguard train --check")? {
-            let message = format!("trial {} ({}) is not a valid config: {why}", t.id, t.describe());
+            let (key, what) = match sweep.runner {
+                spec::Runner::Launch { .. } => ("command", "oomguard launch refuses its command"),
+                spec::Runner::Train { .. } => ("parameters", "is not a valid config"),
+            };
+            let message = format!("trial {} ({}) {what}: {why}", t.id, t.describe());
             return Err(ConfigError {
                 origin: sweep.path.display().to_string(),
                 line_col: None,
-                key: "parameters".into(),
+                key: key.into(),
                 message,
             }
             .into());

@@ -98,12 +98,17 @@ impl Launch<'_> {
     }
 
     /// `oomguard train --check`: the trial's config is valid (else the child's message). A
-    /// script's arguments are its own to check: Ok.
+    /// script's: `oomguard launch --check` of its command (the launcher's options; the
+    /// script's own arguments are its to check), run where no trial's files are.
     pub fn check(&self) -> std::io::Result<Result<(), String>> {
-        if let Runner::Launch { .. } = self.runner {
-            return Ok(Ok(()));
-        }
-        let o = self.command(&["train", "--check"]).output()?;
+        let o = match self.runner {
+            Runner::Launch { words, .. } => {
+                let scratch = tempfile::tempdir()?;
+                let args = Runner::launch_args(words, self.trial, scratch.path())?;
+                self.command(&["launch", "--check"]).args(args).output()?
+            }
+            Runner::Train { .. } => self.command(&["train", "--check"]).output()?,
+        };
         Ok(if o.status.success() {
             Ok(())
         } else {
