@@ -113,7 +113,7 @@ pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
 /// what the run does with them.
 fn batch_setting(fit: usize, global: usize) -> String {
     let n = global.div_ceil(fit);
-    if global % fit == 0 {
+    if global.is_multiple_of(fit) {
         format!("micro_batch_size: {fit}, grad_accum_steps: {n} (global batch {global})")
     } else {
         format!(
