@@ -681,7 +681,7 @@ fn a_tpe_sweep_runs_count_trials_and_a_restart_runs_none() {
 fn a_script_of_ones_own_is_swept_through_oomguard_launch() {
     let root = common::root();
     let dir = tempfile::tempdir().unwrap();
-    let run = |file: &Path, out: &Path| {
+    let run_with = |file: &Path, out: &Path, extra: &[&str]| {
         let mut cmd = Command::new(common::bin());
         isolated(&mut cmd, dir.path())
             .args([
@@ -690,11 +690,13 @@ fn a_script_of_ones_own_is_swept_through_oomguard_launch() {
                 "--out",
                 &out.display().to_string(),
             ])
+            .args(extra)
             .current_dir(&root)
             .env("PATH", common::path_with_venv())
             .env("OMP_NUM_THREADS", "1");
         dies_with_test(&mut cmd).output().unwrap()
     };
+    let run = |file: &Path, out: &Path| run_with(file, out, &[]);
     // The example as it ships.
     let out = dir.path().join("example");
     let o = run(&root.join("examples/sweep/script/sweep.yaml"), &out);
@@ -754,6 +756,13 @@ fn a_script_of_ones_own_is_swept_through_oomguard_launch() {
         "{rs:?}\n{}",
         common::stderr(&o)
     );
+    // The script mended: a rerun keeps the record; --retry-failed runs the trial again.
+    std::fs::write(&failing, "print('fine')\n").unwrap();
+    run(&file, &out);
+    assert_eq!(results(&out)[0]["status"], "failed");
+    let o = run_with(&file, &out, &["--retry-failed"]);
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    assert_eq!(results(&out)[0]["status"], "ok", "{}", common::stderr(&o));
     // Two trials that write the same relative file in the working directory they share: the
     // second is named, with the fix (each trial's own OOMGUARD_RUN_DIR).
     let work = dir.path().join("work");

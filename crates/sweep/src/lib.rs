@@ -80,6 +80,10 @@ pub struct SweepArgs {
     /// creates nothing.
     #[arg(long)]
     pub status: bool,
+    /// Run again this shard's trials recorded `failed` (after a fix to the script or the
+    /// environment), each as an interrupted one: from its newest checkpoint, a script's whole.
+    #[arg(long)]
+    pub retry_failed: bool,
 }
 
 /// Which share of the trials this process runs: `(index, count)`. A pure function of the
@@ -159,7 +163,7 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     let out = args.out.clone().unwrap_or_else(|| Path::new("runs").join(stem));
     let (index, count) = shard(args.shard.as_deref(), args.shards, &|v| std::env::var(v).ok())?;
     let store = Store::new(&out);
-    let records = store
+    let mut records = store
         .read()
         .with_context(|| format!("reading {}", store.path().display()))?;
     if args.status {
@@ -174,6 +178,16 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
         }
         return Ok(());
     }
+    // --retry-failed: this shard's failed trials count as interrupted (recorded so once the
+    // checks below pass; a refused sweep file changes nothing).
+    let retried: Vec<String> = records
+        .values_mut()
+        .filter(|r| args.retry_failed && r.status == record::Status::Failed && r.index % count == index)
+        .map(|r| {
+            r.status = record::Status::Interrupted;
+            r.trial.clone()
+        })
+        .collect();
     if args.parallel == 0 {
         return Err(ConfigError {
             origin: "--parallel".into(),
@@ -309,6 +323,20 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     // The copy of what ran, once every check passed: a refused file leaves the last one.
     oomguard_report::atomic::write(&out.join("sweep.yaml"), &spec_text)
         .with_context(|| format!("copying {} into {}", args.sweep.display(), out.display()))?;
+    if !retried.is_empty() {
+        s.store.update(|all| {
+            for (id, r) in all.iter_mut() {
+                if retried.contains(id) && r.status == record::Status::Failed {
+                    r.status = record::Status::Interrupted;
+                }
+            }
+        })?;
+        tracing::info!(
+            "--retry-failed: running {} failed trial(s) again: {}",
+            retried.len(),
+            retried.join(", ")
+        );
+    }
     let signals = Signals::install().context("installing signal handlers")?;
     let mut reporter = status::Reporter::new(sweeper::total(&sweep, (index, count)), args.parallel, sweep.metric);
     let stopped = s.schedule(args.parallel, &signals, &mut reporter)?;
