@@ -452,12 +452,19 @@ fn sigterm_stops_the_trials_with_checkpoints_and_records_them_interrupted() {
 #[test]
 fn status_lines_count_through_infeasible_and_failed_trials() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("empty.txt"), "").unwrap();
-    // embedded: runs; text from an empty file: fails (exit 2); a 10M vocabulary: infeasible.
+    // Samples longer than the model's block: they pass `train --check` (an empty file no
+    // longer does) and fail at the first forward.
+    let long = tch::Tensor::randint(256, [16, 48], (tch::Kind::Int64, tch::Device::Cpu));
+    tch::Tensor::write_safetensors(
+        &[("inputs", &long), ("targets", &long)],
+        dir.path().join("long.safetensors"),
+    )
+    .unwrap();
+    // embedded: runs; those samples: fail; a 10M vocabulary: infeasible.
     let file = setup(
         dir.path(),
-        "base: base.yaml\nparameters:\n  data.source: {values: [embedded, text]}\n  model.vocab_size: {values: [256, 10000000]}\n  data.path: {value: \
-            empty.txt}\n",
+        "base: base.yaml\nparameters:\n  data.source: {values: [embedded, tensors]}\n  model.vocab_size: {values: [256, 10000000]}\n  data.path: {value: \
+            long.safetensors}\n",
     );
     let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out"]);
     let err = String::from_utf8_lossy(&o.stderr);

@@ -558,6 +558,9 @@ class Guard:
                     f"oomguard WARNING: OOM in the optimizer's step (rank {self.rank}): {oom[1]}; "
                     "retrying once with the memory handed back"
                 )
+            mb = self.micro_batch_size
+            line = oom[1] if oom is not None else f"rank {outcome.get('oom_rank')} ran out of memory in the optimizer's step"
+            self._on_side_oom("optimizer", 0, oom, line, outcome.get("oom_rank"), mb, mb)
         skipped = _found_inf(scaler, optimizer) if scale_before is not None else False
         if scaler is not None and update:
             scaler.update()
@@ -643,6 +646,7 @@ class Guard:
             new = policy.on_oom(self.step, False, outcome["oom"][1])
             line = oom[1] if oom else f"rank {outcome['oom_rank']} ran out of memory"
             self._say(f"oomguard WARNING: OOM in evaluation (micro-batch {mb}): {line}; eval micro-batch {mb} -> {new or 'none left'}")
+            self._on_side_oom("eval", index if oom else 0, oom, line, outcome["oom_rank"], mb, new)
             if new == 0:
                 raise Infeasible(
                     f"step {self.step}: evaluation does not fit in memory even at micro-batch 1 (rank "
@@ -1040,6 +1044,10 @@ class Guard:
         step's units over the ranks, 1 at the first."""
         if self._fsdp and self._ranks is not None:
             return self._units_scale or 1.0
+        if size == n:
+            # One micro-batch for the step: its own units, a weight of exactly 1, so the
+            # gradients are the plain loop's (under autocast a weight of 111/128 rounded them).
+            return torch.clamp(units, min=1) if isinstance(units, torch.Tensor) else max(units, 1)
         return _power_of_two(units * (n / size))
 
     def _units_divisor(self, units: Any) -> Any:
@@ -1275,6 +1283,26 @@ class Guard:
             }
         )
 
+    def _on_side_oom(self, phase: str, index: int, oom: Any, line: str, rank: Any, old: int, new: int) -> None:
+        """An OOM outside the step's micro-batches (evaluation, the optimizer's step): counted
+        in `oom_count` and recorded in metrics.jsonl as the step's are, without a snapshot."""
+        self._oom_count += 1
+        self._records.write(
+            {
+                "event": "oom",
+                "step": self.step,
+                "phase": phase,
+                "micro_batch_index": index,
+                "source": oom[0] if oom is not None else None,
+                "requested_bytes": oom[2] if oom is not None else None,
+                "limit_bytes": self._limit,
+                "old_micro_batch_size": old,
+                "new_micro_batch_size": new,
+                "message": line,
+                "rank": rank,
+            }
+        )
+
     def _on_resize(self, kind: str, old: int, new: int) -> None:
         reason = "headroom" if kind == "grow" else "alloc_retries"
         self._say(f"oomguard: micro-batch {old} -> {new} ({reason}) from step {self.step + 1}; micro_batch_size={new}")
@@ -1408,6 +1436,9 @@ def _loss_and_units(out: Any) -> Tuple[torch.Tensor, Any]:
             if units.numel() != 1:
                 raise TypeError(f"loss_fn's units must be a number or a 1-element tensor, not shape {tuple(units.shape)}")
             units = units.detach().reshape(())
+            # On the CPU the sign is read for free (a device's would cost a sync).
+            if units.device.type == "cpu" and not bool(units >= 0):
+                raise ValueError(f"loss_fn's units are {units.item()}: the count its mean is over (tokens, rows), 0 or more")
         elif not isinstance(units, (int, float)) or isinstance(units, bool):
             raise TypeError(f"loss_fn's units must be a number or a 1-element tensor, not {type(units).__name__}")
         elif not units >= 0:

@@ -339,6 +339,7 @@ def test_an_oom_in_adamws_first_step_is_retried_and_changes_nothing(hook):
             o.zero_grad(set_to_none=True)
     assert max_diff(list(m.parameters()), list(ref.parameters())) < 1e-14
     assert [s["step"].item() for s in opt.state.values()] == [2.0] * 4
+    assert guard.oom_count == 1, "an optimizer OOM counts as the step's do"
 
 
 def test_an_oom_inside_a_scaled_optimizer_step_is_retried_from_the_same_gradients():
@@ -520,17 +521,23 @@ def test_a_loss_fn_that_changes_its_batch_in_place_is_named_at_a_retry(hook, cap
     assert "loss_fn changed its batch in place (batch['pixels'])" in err
 
 
-def test_evaluation_halves_its_own_micro_batch_and_leaves_training_alone(hook):
+def test_evaluation_halves_its_own_micro_batch_and_leaves_training_alone(hook, tmp_path):
     m = mlp()
     x, y = torch.randn(40, 8, dtype=torch.float64), torch.randn(40, 1, dtype=torch.float64)
     with torch.no_grad():
         want = torch.nn.functional.mse_loss(m(x), y).item()
     hook("0:0:eval:2")
-    guard = oomguard.Guard(m, global_batch_size=8, verbose=False)
+    guard = oomguard.Guard(m, global_batch_size=8, verbose=False, run_dir=str(tmp_path))
     got = guard.evaluate((x, y), lambda b: torch.nn.functional.mse_loss(m(b[0]), b[1]), micro_batch_size=16)
     assert got == pytest.approx(want, rel=1e-12)
     assert guard._eval_policy.current == 8 and guard.micro_batch_size == 8 and guard.step == 0
     assert all(p.grad is None for p in m.parameters())
+    # Counted and recorded as the step's are (they were only printed).
+    guard.close()
+    ooms = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if r["event"] == "oom"]
+    assert guard.oom_count == 1 and [(r["phase"], r["old_micro_batch_size"], r["new_micro_batch_size"]) for r in ooms] == [
+        ("eval", 16, 8)
+    ], ooms
 
 
 # --- state, records, the cache ------------------------------------------------------------------
@@ -648,3 +655,36 @@ def test_an_oom_in_the_guards_bookkeeping_leaves_the_step_standing(tmp_path, mon
     assert guard.step == 1 and loss == pytest.approx(torch.nn.functional.mse_loss(m(x), y).item())
     assert max_diff(grads(m), want) < 1e-12
     assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_one_micro_batch_under_bf16_autocast_has_the_plain_loops_gradients():
+    """A `(mean, units)` loss whose step is one micro-batch weighs it by exactly 1: under bf16
+    autocast a weight of units over the next power of two (111/128) rounded the gradients
+    1.8% away from the plain loop's, with no OOM at all."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    x, y = torch.randn(8, 16), torch.randint(0, 16, (8,))
+
+    def loss_fn(b):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = m(b[0])
+        target = b[1].clone()
+        target[:1] = -100
+        loss = torch.nn.functional.cross_entropy(logits.float(), target, ignore_index=-100)
+        return loss, (target != -100).sum()
+
+    loss_fn((x, y))[0].backward()
+    want = grads(m)
+    m.zero_grad(set_to_none=True)
+    guard = oomguard.Guard(m, global_batch_size=8, verbose=False, cache=False)
+    guard.backward((x, y), loss_fn)
+    assert max_diff(grads(m), want) == 0.0
+
+
+def test_negative_units_in_a_cpu_tensor_are_refused_as_a_number_is():
+    m = mlp()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    guard = oomguard.Guard(m, global_batch_size=4, verbose=False, cache=False)
+    with pytest.raises(ValueError, match="units are -3"):
+        guard.backward(x, lambda b: (m(b).mean(), torch.tensor(-3.0)))
+
