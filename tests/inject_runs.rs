@@ -77,3 +77,23 @@ fn a_thousand_injected_ooms_change_nothing() {
         );
     }
 }
+
+/// An evaluation after every step: no step without one is ever measured. The last step's
+/// failures were all armed at its first allocation then (half of an unmeasured window of
+/// 1), repeated exactly at every retry, and the guard climbed to bf16 (2.6e-5 off the clean
+/// run) or exited 3.
+#[test]
+fn injected_ooms_with_an_evaluation_after_every_step_change_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = TINY.replace("max_steps: 6, eval_every: 0", "max_steps: 12, eval_every: 1");
+    let cfg = write_config(dir.path(), "tiny.yaml", &yaml);
+    let clean = train_ok(dir.path(), &cfg, &[]);
+    for count in [24, 40] {
+        let run = dir.path().join(format!("run{count}"));
+        let o = train_at(dir.path(), &cfg, &run, &["--inject-oom", &format!("{count}:9")]);
+        assert!(o.status.success(), "{count}: {}", stderr(&o));
+        assert!(records(&run, "rung").is_empty(), "{count}: a rung climbed: {}", stderr(&o));
+        let d = max_abs_diff(&weights(&clean), &weights(&run));
+        assert!(d < 1e-5, "{count}: parameters differ from the clean run by {d}");
+    }
+}

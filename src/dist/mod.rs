@@ -428,22 +428,23 @@ impl ProcessGroup {
             Err(Error::Oom(o)) if r == self.rank => (Some(o.message.clone()), o.capacity_bytes),
             _ => (None, None),
         };
+        let source = [
+            OomSource::Cuda,
+            OomSource::CudaRuntime,
+            OomSource::Cpu,
+            OomSource::Budget,
+        ]
+        .get(d[4] as usize)
+        .copied()
+        .unwrap_or(OomSource::Budget);
         Err(Error::Oom(OomError {
-            source: [
-                OomSource::Cuda,
-                OomSource::CudaRuntime,
-                OomSource::Cpu,
-                OomSource::Budget,
-            ]
-            .get(d[4] as usize)
-            .copied()
-            .unwrap_or(OomSource::Budget),
+            source,
             requested_bytes: n(d[2]),
             capacity_bytes: capacity,
             free_bytes: n(d[3]),
             phase: n(d[0]).and_then(|p| Phase::ALL.get(p as usize).copied()),
             micro_batch: n(d[1]).map(|m| m as usize),
-            message: own_message.unwrap_or_else(|| format!("rank {r} ran out of memory")),
+            message: own_message.unwrap_or_else(|| source.said_by_peer(r)),
         }))
     }
 }

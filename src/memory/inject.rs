@@ -159,7 +159,7 @@ impl Injection {
             share: Vec::new(),
             step_start: 0,
             evaluates: false,
-            window: [1, 0],
+            window: [0, 0],
             smallest: u64::MAX,
             pending: 0,
             fired_at_arming: fired(),
@@ -184,10 +184,15 @@ impl Injection {
             self.share = shares(self.spec, max_steps.saturating_sub(step + 1));
             return;
         };
-        let window = match self.window[evaluates as usize] {
-            _ if step + 1 == max_steps => (self.smallest.min(self.window[0]) / 2).max(1),
-            0 => self.window[0],
-            w => w,
+        // Unmeasured windows are 0 (with an evaluation after every step, a step without one
+        // never comes): the last step takes half the smallest measured, any other its kind's,
+        // else a plain step's, else the smallest.
+        let smallest = (self.smallest != u64::MAX).then_some(self.smallest);
+        let known = |w: u64| (w > 0).then_some(w);
+        let window = match known(self.window[evaluates as usize]) {
+            _ if step + 1 == max_steps => (smallest.unwrap_or(1) / 2).max(1),
+            Some(w) => w,
+            None => known(self.window[0]).or(smallest).unwrap_or(1),
         };
         let mut due = self.share.get((step - first - 1) as usize).copied().unwrap_or(0) as u64;
         // Of two or more, one waits for the evaluation: the windows cannot reach it reliably

@@ -48,6 +48,21 @@ pub enum OomSource {
     Budget,
 }
 
+impl OomSource {
+    /// Another rank's OOM of this source, as that rank's peers say it: with this source's
+    /// words, so that whoever reads the peer's error (the launcher, deciding on a relaunch at
+    /// a smaller micro-batch) reads an OOM whichever rank's error it reads first.
+    pub fn said_by_peer(self, rank: usize) -> String {
+        let words = match self {
+            OomSource::Cuda => "CUDA out of memory",
+            OomSource::CudaRuntime => "CUDA error: out of memory",
+            OomSource::Cpu => "can't allocate memory",
+            OomSource::Budget => "oomguard memory budget exceeded",
+        };
+        format!("rank {rank} ran out of memory ({words} there)")
+    }
+}
+
 /// An out-of-memory error with what could be parsed from libtorch's message.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OomError {
@@ -186,6 +201,17 @@ mod tests {
 
     const MIB: u64 = 1 << 20;
     const GIB: u64 = 1 << 30;
+
+    /// A peer's words for another rank's OOM read as that OOM, of its source: the launcher
+    /// relaunches at half whichever rank's error it reads first (it read rank 1's "rank 0 ran
+    /// out of memory" as no OOM, and relaunched at the same size, in half the runs).
+    #[test]
+    fn a_peers_account_of_an_oom_reads_as_that_oom() {
+        for s in [OomSource::Cuda, OomSource::CudaRuntime, OomSource::Cpu, OomSource::Budget] {
+            let said = format!("out of memory ({s:?}): {}", s.said_by_peer(0));
+            assert_eq!(classify_oom(&said).map(|o| o.source), Some(s), "{said}");
+        }
+    }
 
     #[test]
     fn onednn_and_python_memory_errors_are_the_cpu_running_out() {
