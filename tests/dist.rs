@@ -124,8 +124,9 @@ fn an_oom_on_one_rank_shrinks_both() {
     assert!(err.contains("[default1]") && err.contains("OOM at step 0"), "{err}");
     let ooms = records(&run, "oom");
     assert!(
-        ooms.iter()
-            .any(|o| o["message"].as_str().is_some_and(|m| m.starts_with("rank 1 ran out of memory ("))),
+        ooms.iter().any(|o| o["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("rank 1 ran out of memory ("))),
         "rank 0 records the shared OOM: {ooms:?}"
     );
     // Both ranks run at the size rank 1 could afford (the step records are rank 0's).

@@ -399,3 +399,29 @@ fn a_rank_that_dies_inside_a_shared_memory_collective_fails_the_other_at_once() 
     );
     assert_eq!(r1.wait().unwrap().code(), Some(137));
 }
+
+/// Data parallel under a budget where ZeRO-1 (the first rung offered there) runs out of
+/// memory while re-sharding: the rungs after it are still climbed, and it is said (the
+/// ladder ended there silently, exit 3 with no rung tried).
+#[test]
+fn a_sharding_rung_that_runs_out_re_sharding_leaves_the_rungs_after_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "tiny.yaml", TINY);
+    let o = two_ranks(dir.path(), &cfg, &["--memory-budget", "450KiB", "--run-dir", "r"])
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert!(
+        err.contains("ran out of memory while re-sharding (") && err.contains("trying the rungs after it"),
+        "{err}"
+    );
+    let rungs: Vec<String> = records(&dir.path().join("r"), "rung")
+        .iter()
+        .map(|r| r["rung"].as_str().unwrap().to_string())
+        .collect();
+    assert!(
+        rungs.contains(&"activation_checkpointing".to_string()),
+        "{rungs:?}\n{err}"
+    );
+}

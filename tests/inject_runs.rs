@@ -92,7 +92,11 @@ fn injected_ooms_with_an_evaluation_after_every_step_change_nothing() {
         let run = dir.path().join(format!("run{count}"));
         let o = train_at(dir.path(), &cfg, &run, &["--inject-oom", &format!("{count}:9")]);
         assert!(o.status.success(), "{count}: {}", stderr(&o));
-        assert!(records(&run, "rung").is_empty(), "{count}: a rung climbed: {}", stderr(&o));
+        assert!(
+            records(&run, "rung").is_empty(),
+            "{count}: a rung climbed: {}",
+            stderr(&o)
+        );
         let d = max_abs_diff(&weights(&clean), &weights(&run));
         assert!(d < 1e-5, "{count}: parameters differ from the clean run by {d}");
     }

@@ -93,6 +93,9 @@ pub(super) struct Run<'a> {
     handover: bool,
     /// The first step whose loss was not a number (said once).
     diverged_at: Option<u64>,
+    /// The step at which a sharding rung ran out of memory re-sharding (not offered again
+    /// in it).
+    shard_oom_at: Option<u64>,
 }
 
 /// What the ranks agreed at a step's boundary, before it runs.

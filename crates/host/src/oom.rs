@@ -207,7 +207,12 @@ mod tests {
     /// out of memory" as no OOM, and relaunched at the same size, in half the runs).
     #[test]
     fn a_peers_account_of_an_oom_reads_as_that_oom() {
-        for s in [OomSource::Cuda, OomSource::CudaRuntime, OomSource::Cpu, OomSource::Budget] {
+        for s in [
+            OomSource::Cuda,
+            OomSource::CudaRuntime,
+            OomSource::Cpu,
+            OomSource::Budget,
+        ] {
             let said = format!("out of memory ({s:?}): {}", s.said_by_peer(0));
             assert_eq!(classify_oom(&said).map(|o| o.source), Some(s), "{said}");
         }

@@ -17,7 +17,9 @@ impl Run<'_> {
             checkpointing: m.allow_activation_checkpointing,
             precision_fallback: m.allow_precision_fallback,
             bf16_fast: bf16_is_fast(self.device),
-            sharding: m.allow_sharding,
+            // A sharding rung that ran out of memory re-sharding is not offered again in this
+            // step: the rungs after it are.
+            sharding: m.allow_sharding && self.shard_oom_at != Some(step),
         };
         let Some(rung) = ladder::next_rung(at, allowed, &self.savings()) else {
             return Ok(false);
@@ -36,10 +38,15 @@ impl Run<'_> {
                     Some(pg.clone() as Rc<dyn Comm>),
                     &agree,
                 ) {
-                    Err(Error::Oom(_)) => {
+                    Err(Error::Oom(o)) => {
                         // Undone half-way: the first moment was gathered back into new tensors.
                         self.snapshot_follows_state();
-                        return Ok(false);
+                        tracing::warn!(
+                            "step {step}: sharding ({rung:?}) ran out of memory while re-sharding ({}); trying the rungs after it",
+                            o.message
+                        );
+                        self.shard_oom_at = Some(step);
+                        return self.climb(step);
                     }
                     other => other?,
                 }

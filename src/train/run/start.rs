@@ -393,6 +393,7 @@ impl<'a> Run<'a> {
             membership,
             handover: false,
             diverged_at: None,
+            shard_oom_at: None,
         })
     }
 }
