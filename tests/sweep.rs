@@ -793,3 +793,28 @@ fn a_script_of_ones_own_is_swept_through_oomguard_launch() {
     assert_eq!(err.matches("ckpt.pt, as trial 000-").count(), 1, "{err}");
     assert!(err.contains("write under $OOMGUARD_RUN_DIR"), "{err}");
 }
+
+/// The planner finds micro-batch 1 too big, but a rung the guard climbs to by itself (here
+/// the fused loss) would fit: the trial is left to the run, which climbs and finishes (the
+/// planner recorded it infeasible without running it).
+#[test]
+fn a_trial_a_rung_would_fit_is_left_to_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = setup(
+        dir.path(),
+        "base: base.yaml\nparameters:\n  model.vocab_size: {value: 50000}\n  model.loss: {value: full}\n  memory.budget: {value: 40MiB}\n  \
+            train.max_steps: {value: 2}\n",
+    );
+    let o = sweep(dir.path(), &[file.to_str().unwrap(), "--out", "out"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let r = results(&dir.path().join("out"));
+    assert_eq!(
+        (r[0]["status"].as_str(), r[0]["steps"].as_u64()),
+        (Some("ok"), Some(2)),
+        "{r:?}\n{err}"
+    );
+    let run = dir.path().join("out").join(r[0]["run_dir"].as_str().unwrap());
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    assert!(metrics.contains(r#""rung":"fused_loss""#), "{metrics}");
+}
