@@ -36,13 +36,8 @@ fn planner_peak_within_20_percent_of_measured() {
     .into_iter()
     .enumerate()
     {
-        let cfg = write_config(dir.path(), &format!("s{i}.yaml"), &shape_yaml(l, h, c, t, v, b));
-        let run = dir.path().join(format!("run{i}"));
-        let o = train_at(dir.path(), &cfg, &run, &["--memory-budget", "none"]);
-        assert!(o.status.success(), "{}", stderr(&o));
-        let measured = records(&run, "step")[1]["memory"]["peak_bytes"].as_u64().unwrap() as f64;
-        let planned = planned_peak(dir.path(), &cfg) as f64;
-        let err = (planned - measured).abs() / measured;
+        let (planned, measured, err) =
+            planned_against_measured(dir.path(), &format!("s{i}"), &shape_yaml(l, h, c, t, v, b));
         assert!(
             err < 0.2,
             "shape {i}: planned {planned} measured {measured} ({:.1}% off)",
@@ -52,18 +47,24 @@ fn planner_peak_within_20_percent_of_measured() {
     // Accumulation: the second micro-batch's forward runs beside the first's gradients (a
     // large tied vocabulary, so that they weigh). Planned without them, 21% short.
     let yaml = shape_yaml(1, 2, 16, 16, 60_000, 2).replace("grad_accum_steps: 1", "grad_accum_steps: 2");
-    let cfg = write_config(dir.path(), "accum.yaml", &yaml);
-    let run = dir.path().join("accum");
-    let o = train_at(dir.path(), &cfg, &run, &["--memory-budget", "none"]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let measured = records(&run, "step")[1]["memory"]["peak_bytes"].as_u64().unwrap() as f64;
-    let planned = planned_peak(dir.path(), &cfg) as f64;
-    let err = (planned - measured).abs() / measured;
+    let (planned, measured, err) = planned_against_measured(dir.path(), "accum", &yaml);
     assert!(
         err < 0.1,
         "accumulating: planned {planned} measured {measured} ({:.1}% off)",
         err * 100.0
     );
+}
+
+/// A config's planned peak, its measured one (step 1 of a run without a budget) and how far
+/// apart they are, as a share of the measured.
+fn planned_against_measured(dir: &Path, name: &str, yaml: &str) -> (f64, f64, f64) {
+    let cfg = write_config(dir, &format!("{name}.yaml"), yaml);
+    let run = dir.join(name);
+    let o = train_at(dir, &cfg, &run, &["--memory-budget", "none"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let measured = records(&run, "step")[1]["memory"]["peak_bytes"].as_u64().unwrap() as f64;
+    let planned = planned_peak(dir, &cfg) as f64;
+    (planned, measured, (planned - measured).abs() / measured)
 }
 
 /// bf16 under autocast: what a layer adds (6 layers less 2, so that everything else

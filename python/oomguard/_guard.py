@@ -560,7 +560,7 @@ class Guard:
                 )
             mb = self.micro_batch_size
             line = oom[1] if oom is not None else f"rank {outcome.get('oom_rank')} ran out of memory in the optimizer's step"
-            self._on_side_oom("optimizer", 0, oom, line, outcome.get("oom_rank"), mb, mb)
+            self._record_oom("optimizer", 0, oom, line, outcome.get("oom_rank"), mb, mb)
         skipped = _found_inf(scaler, optimizer) if scale_before is not None else False
         if scaler is not None and update:
             scaler.update()
@@ -646,7 +646,7 @@ class Guard:
             new = policy.on_oom(self.step, False, outcome["oom"][1])
             line = oom[1] if oom else f"rank {outcome['oom_rank']} ran out of memory"
             self._say(f"oomguard WARNING: OOM in evaluation (micro-batch {mb}): {line}; eval micro-batch {mb} -> {new or 'none left'}")
-            self._on_side_oom("eval", index if oom else 0, oom, line, outcome["oom_rank"], mb, new)
+            self._record_oom("eval", index if oom else 0, oom, line, outcome["oom_rank"], mb, new)
             if new == 0:
                 raise Infeasible(
                     f"step {self.step}: evaluation does not fit in memory even at micro-batch 1 (rank "
@@ -1257,35 +1257,20 @@ class Guard:
             return None
 
     def _on_oom_event(self, phase, index, oom, line, base, after, mb, new, lost, rank, snap) -> None:
-        self._oom_count += 1
         shown = "none left" if new == 0 else str(new)
         self._say(
             f"oomguard WARNING: OOM at step {self.step} ({phase}, micro-batch {index}, rank {rank}): {line}; "
             f"micro-batch {mb} -> {shown}" + ("" if new == 0 else f"; micro_batch_size={new}")
         )
-        self._records.write(
-            {
-                "event": "oom",
-                "step": self.step,
-                "phase": phase,
-                "micro_batch_index": index,
-                "source": oom[0] if oom is not None else None,
-                "requested_bytes": oom[2] if oom is not None else None,
-                "memory_before": base,
-                "memory_after_cleanup": after,
-                "limit_bytes": self._limit,
-                "old_micro_batch_size": mb,
-                "new_micro_batch_size": new,
-                "time_lost_s": lost,
-                "message": line,
-                "rank": rank,
-                "snapshot": snap,
-            }
+        self._record_oom(
+            phase, index, oom, line, rank, mb, new,
+            memory_before=base, memory_after_cleanup=after, time_lost_s=lost, snapshot=snap,
         )
 
-    def _on_side_oom(self, phase: str, index: int, oom: Any, line: str, rank: Any, old: int, new: int) -> None:
-        """An OOM outside the step's micro-batches (evaluation, the optimizer's step): counted
-        in `oom_count` and recorded in metrics.jsonl as the step's are, without a snapshot."""
+    def _record_oom(self, phase, index, oom, line, rank, old, new, **more) -> None:
+        """An OOM counted in `oom_count` and recorded in metrics.jsonl: the step's
+        (`_on_oom_event`, with its memory and snapshot in `more`), or one outside its
+        micro-batches (evaluation, the optimizer's step)."""
         self._oom_count += 1
         self._records.write(
             {
@@ -1300,6 +1285,7 @@ class Guard:
                 "new_micro_batch_size": new,
                 "message": line,
                 "rank": rank,
+                **more,
             }
         )
 

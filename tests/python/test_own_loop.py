@@ -816,21 +816,26 @@ def test_what_the_guard_cannot_make_safe_is_refused_by_name(tmp_path):
     assert got["all_reduce in loss_fn"]["error"] is None
 
 
-def test_an_oom_in_the_users_own_optimizer_step_is_not_relaunched(tmp_path):
-    """tests/python/optim_oom.py: AdamW's first step runs out of memory in the user's own
-    `opt.step()`. A relaunch at half the micro-batch cannot help there: the guard's line
-    tells the launcher so, and it exits 3 at once, with restarts left."""
+def launched(script: str, nproc: int, restarts: int) -> subprocess.CompletedProcess:
+    """tests/python/SCRIPT under `oomguard launch --standalone` (skipped without the binary)."""
     binary = launcher()
     if binary is None:
         pytest.skip("no oomguard binary (OOMGUARD_BIN, or target/release/oomguard: `cargo build --release`)")
     from conftest import env
 
-    p = subprocess.run(
-        [str(binary), "launch", "--nproc-per-node", "1", "--standalone", "--max-restarts", "3",
-         str(Path(__file__).with_name("optim_oom.py"))],
-        env=env({"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120,
+    return subprocess.run(
+        [str(binary), "launch", "--nproc-per-node", str(nproc), "--standalone", "--max-restarts", str(restarts),
+         str(Path(__file__).with_name(script))],
+        env=env({"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180,
     )
+
+
+def test_an_oom_in_the_users_own_optimizer_step_is_not_relaunched(tmp_path):
+    """tests/python/optim_oom.py: AdamW's first step runs out of memory in the user's own
+    `opt.step()`. A relaunch at half the micro-batch cannot help there: the guard's line
+    tells the launcher so, and it exits 3 at once, with restarts left."""
+    p = launched("optim_oom.py", nproc=1, restarts=3)
     assert p.returncode == 3, p.stdout
     assert "oomguard.Infeasible: out of memory in the optimizer's step (optim/adam" in p.stdout, p.stdout
     assert "relaunching" not in p.stdout and p.stdout.count("micro_batch_size=4") == 2, p.stdout
@@ -841,17 +846,7 @@ def test_a_ddp_rank_where_nothing_fits_ends_the_launch_infeasible(tmp_path):
     behind torch's `[rank1]: ` (a process group exists), and the launcher still reads
     oomguard.Infeasible in it: exit 3 and no relaunch, with restarts left (it was exit 1
     after spending every restart)."""
-    binary = launcher()
-    if binary is None:
-        pytest.skip("no oomguard binary (OOMGUARD_BIN, or target/release/oomguard: `cargo build --release`)")
-    from conftest import env
-
-    p = subprocess.run(
-        [str(binary), "launch", "--nproc-per-node", "2", "--standalone", "--max-restarts", "2",
-         str(Path(__file__).with_name("infeasible_ddp.py"))],
-        env=env({"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180,
-    )
+    p = launched("infeasible_ddp.py", nproc=2, restarts=2)
     assert p.returncode == 3, p.stdout
     assert "[rank1]: oomguard.Infeasible" in p.stdout, p.stdout
     assert "no restart can help" in p.stdout and "relaunching" not in p.stdout, p.stdout
