@@ -118,6 +118,11 @@ fn check_ids(t: &Tensor, name: &str, vocab: i64, masked: bool) -> std::result::R
         ));
     }
     let outside = (|| -> std::result::Result<Option<(i64, i64)>, tch::TchError> {
+        // Two reductions first (no temporary the tensor's size): in range, nothing to find.
+        let (lo, hi) = (t.f_min()?.f_int64_value(&[])?, t.f_max()?.f_int64_value(&[])?);
+        if lo >= 0 && hi < vocab {
+            return Ok(None);
+        }
         let t = t.f_flatten(0, -1)?;
         let mut bad = t.f_lt(0)?.f_logical_or(&t.f_ge(vocab)?)?;
         if masked {
