@@ -78,6 +78,8 @@ pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
             "peak_bytes_at": shown, "peak_bytes": estimate.peak_of(shown, global), "estimate": estimate,
             "configured_peak_bytes": configured.map(|m| estimate.peak_of(m, global)),
             "suggestions": if fit == 0 { suggestions(&model, precision, cuda, memory, estimate.bucket_cap, global) } else { vec![] },
+            "a_rung_fits": fit == 0 && crate::plan::a_rung_fits(&model, precision, cuda, memory, global,
+                c.memory.allow_activation_checkpointing, c.memory.allow_precision_fallback),
         });
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

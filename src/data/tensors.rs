@@ -80,11 +80,16 @@ pub(super) fn open(path: &Path, val_fraction: f64, vocab: Option<i64>) -> Result
         targets.kind(),
         tch::Kind::Int64 | tch::Kind::Int | tch::Kind::Int16 | tch::Kind::Int8
     );
-    let masked = integer && {
-        let ignore = crate::ops::scalar(IGNORE_INDEX as f64, targets.kind(), targets.device())?;
-        targets.f_eq_tensor(&ignore)?.f_any()?.f_int64_value(&[])? != 0
+    // How many targets are ignored: some (the loss averages over fewer units), or all.
+    let ignored = match integer {
+        true => targets
+            .f_eq(IGNORE_INDEX)?
+            .f_sum(tch::Kind::Int64)?
+            .f_int64_value(&[])?,
+        false => 0,
     };
-    if integer && targets.f_ne(IGNORE_INDEX)?.f_any()?.f_int64_value(&[])? == 0 {
+    let masked = ignored > 0;
+    if integer && ignored == targets.numel() as i64 {
         return Err(bad(format!(
             "every one of `targets` is {IGNORE_INDEX} (ignored): there is nothing to learn from; is the mask inverted?"
         )));

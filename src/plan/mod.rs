@@ -616,6 +616,35 @@ pub fn suggestions(
     out
 }
 
+/// Whether a rung the guard climbs to by itself below micro-batch 1 lets micro-batch 1 fit
+/// `memory` (of a step of `global` samples): the fused loss, activation checkpointing
+/// (`checkpointing`: allowed) or bf16 (`bf16`: allowed), alone or together. A sweep leaves
+/// such a trial to the run, which climbs.
+pub fn a_rung_fits(
+    m: &GptConfig,
+    precision: Precision,
+    cuda: bool,
+    memory: u64,
+    global: usize,
+    checkpointing: bool,
+    bf16: bool,
+) -> bool {
+    let fused = GptConfig {
+        loss: LossKind::Fused,
+        ..m.clone()
+    };
+    let fits = |ckpt: bool, p: Precision| {
+        Estimate::new(&fused, p, cuda)
+            .with_checkpointing(ckpt)
+            .largest_fitting(memory, global)
+            >= 1
+    };
+    let lower = bf16 && precision == Precision::Fp32;
+    fits(false, precision)
+        || (checkpointing && fits(true, precision))
+        || (lower && fits(checkpointing, Precision::Bf16))
+}
+
 /// For an infeasible GPT: what its state needs against `memory`, and what would fit (with
 /// gradient buckets of `bucket_cap`).
 pub fn advice(m: &GptConfig, memory: u64, cuda: bool, bucket_cap: u64, global: usize) -> String {
@@ -781,6 +810,10 @@ mod tests {
         assert_eq!(
             Estimate::new(&gpt2(), Precision::Fp32, true).largest_fitting(2 << 30, 512),
             0
+        );
+        assert!(
+            !a_rung_fits(&gpt2(), Precision::Fp32, true, 2 << 30, 1, true, true),
+            "no rung sheds the state"
         );
         assert!(
             s.iter().any(|x| x.starts_with("fewer layers")) && s.iter().any(|x| x.starts_with("a smaller vocabulary")),
