@@ -71,7 +71,10 @@ fn results(stdout: &str) -> BTreeSet<String> {
 #[test]
 fn ddp_script_runs_exactly_as_under_torchrun() {
     let args = ["--nproc-per-node", "2", "--rdzv-id", "job1", &script("ddp.py")];
-    let ours = launcher(&["--master-port", "29533"]).args(args).output().unwrap();
+    let ours = launcher(&["--master-port", &port_pair().to_string()])
+        .args(args)
+        .output()
+        .unwrap();
     let (out, err) = text(&ours);
     assert!(ours.status.success(), "{out}\n{err}");
     assert!(
@@ -81,7 +84,7 @@ fn ddp_script_runs_exactly_as_under_torchrun() {
     assert!(err.contains("OMP_NUM_THREADS is unset: setting it to 1"), "{err}");
 
     let torchrun = Command::new(root().join(".venv/bin/python3"))
-        .args(["-m", "torch.distributed.run", "--master-port", "29534"])
+        .args(["-m", "torch.distributed.run", "--master-port", &port_pair().to_string()])
         .args(args)
         .env("PATH", path_with_venv())
         .env_remove("OMP_NUM_THREADS")
@@ -108,6 +111,44 @@ fn a_job_while_29500_is_taken_rendezvous_at_a_free_port() {
     assert!(o.status.success(), "{out}\n{err}");
     assert_eq!(results(&out).len(), 2, "{out}");
     assert!(!err.contains("master 127.0.0.1:29500"), "{err}");
+}
+
+/// The port the launcher chose is taken by another process before rank 0's store listens
+/// (a process here binds it at the first attempt's start): the attempt starts again on another
+/// port, with no restart spent (--max-restarts 0), where it failed with EADDRINUSE.
+#[test]
+fn a_port_taken_before_the_store_listens_is_drawn_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let hold = "import os, socket, time\n\
+        s = socket.socket(); s.bind(('0.0.0.0', int(os.environ['MASTER_PORT']))); s.listen()\n\
+        open('held', 'w').close(); time.sleep(120)\n";
+    std::fs::write(dir.path().join("hold.py"), hold).unwrap();
+    let worker = format!(
+        "if [ \"$RANK\" = 0 ] && [ ! -e taken ]; then touch taken; python3 hold.py & \
+            while [ ! -e held ]; do sleep 0.05; done; fi; exec python3 {}",
+        script("ddp.py")
+    );
+    let o = launcher(&[
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "0",
+        "--no-python",
+        "sh",
+        "-c",
+        &worker,
+    ])
+    .current_dir(dir.path())
+    .output()
+    .unwrap();
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(dir.path().join("held").exists(), "the port was taken: {err}");
+    assert!(
+        err.contains("another process took it after the launcher chose it"),
+        "{err}"
+    );
+    assert_eq!(results(&out).len(), 2, "{out}");
 }
 
 /// $OOMGUARD_PYTHON is the workers' interpreter (the wheel's `oomguard` sets it to its own);

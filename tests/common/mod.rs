@@ -391,27 +391,26 @@ pub fn wait_for_steps(run: &Path, n: usize) {
 
 /// A port nothing listens on now (a store's, which rank 0 binds).
 pub fn loopback_port() -> String {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string()
+    drawn_ports(1).to_string()
 }
 
 /// A free port on loopback whose next port is free too (node 0's launcher coordinates the
 /// nodes at --master-port + 1).
 pub fn port_pair() -> u16 {
-    loop {
-        let p = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
-            return p;
-        }
-    }
+    drawn_ports(2)
+}
+
+/// The first of `n` ports free now, drawn at random in 10000..20000: below the kernel's
+/// ephemeral range, where any process's next outgoing connection could take a port the kernel
+/// handed out (binding port 0) before the store listens on it (a CI flake), and below the
+/// launcher's own draws (`free_port` there draws from 20000).
+pub fn drawn_ports(n: u16) -> u16 {
+    use std::hash::BuildHasher;
+    let random = std::collections::hash_map::RandomState::new();
+    (0u32..)
+        .map(|i| 10000 + (random.hash_one((i, std::process::id())) % 10000) as u16)
+        .find(|p| (*p..p + n).all(|q| std::net::TcpListener::bind(("0.0.0.0", q)).is_ok()))
+        .unwrap()
 }
 
 /// Sockets listening on `port` (IPv4 and IPv6), as /proc/net shows them: the local address

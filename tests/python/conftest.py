@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -64,9 +65,18 @@ def run_loop(tmp: Path, name: str, *args: str, extra_env: Optional[Dict[str, str
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, drawn in 10000..20000: below the kernel's ephemeral range, where any
+    process's next outgoing connection could take a port the kernel handed out (binding port 0)
+    before rank 0's store listens on it, and below the launcher's own draws (from 20000)."""
+    rng = random.SystemRandom()
+    while True:
+        port = rng.randrange(10000, 20000)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
 
 
 def run_ranks(

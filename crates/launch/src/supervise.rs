@@ -15,6 +15,10 @@ use super::{worker_env, LaunchSpec, Micro, Streams};
 use oomguard_host::oom::classify_oom;
 use oomguard_host::proc::Signals;
 
+/// How often an attempt is started again on another port when the one the launcher chose was
+/// taken before its store listened (`free_port` makes that rare: this is for the rest).
+const PORT_REDRAWS: u32 = 3;
+
 struct Worker {
     local_rank: usize,
     rank: usize,
@@ -70,6 +74,11 @@ impl Failure {
                 last
             }
         })
+    }
+    /// Its store could not listen on `port`: another process holds it.
+    fn lost_port(&self, port: u16) -> bool {
+        let e = self.final_error().to_lowercase();
+        e.contains("address already in use") && e.contains(&port.to_string())
     }
     fn is_oom(&self) -> bool {
         let text = self.final_error();
@@ -171,6 +180,7 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
     // Every node's token is its own: on several nodes, the same secret on each.
     let whole = spec;
     let (mut attempt, mut micro, mut layout) = (start.round, start.micro, start.layout);
+    let mut redraws = 0;
     loop {
         // Elastic: this round's place (node rank, nodes, rank 0's store) replaces the flags'.
         let placed = layout.as_ref().map(|l| whole.in_round(l));
@@ -243,6 +253,17 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
             }
             Outcome::Group(ToNode::Stop { code, why }) => Err((code, why)),
             Outcome::Group(_) => Err((1, "unexpected message from node 0's launcher".into())),
+            Outcome::Failed(f) if spec.master_port == 0 && f.lost_port(port) && redraws < PORT_REDRAWS => {
+                // The port was free when drawn, and another process took it before rank 0's
+                // store listened: not the workers' failure, so no restart is spent on it.
+                redraws += 1;
+                tracing::warn!(
+                    "rank {} could not listen on port {port}: another process took it after the launcher chose it; \
+                    starting the attempt again on another port ({redraws}/{PORT_REDRAWS})",
+                    f.rank
+                );
+                continue;
+            }
             Outcome::Failed(f) => {
                 let oom = f.is_oom();
                 let known = micro.size.or(f.reported_micro_batch());

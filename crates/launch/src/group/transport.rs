@@ -47,10 +47,30 @@ pub(super) fn offer_port(spec: &LaunchSpec) -> u16 {
     spec.elastic.and_then(|_| free_port("0.0.0.0").ok()).unwrap_or(0)
 }
 
-/// A port free on `host` now (0.0.0.0: on every interface, for a store another node reaches).
+/// A port free on `host` now (0.0.0.0: on every interface, for a store another node reaches),
+/// drawn at random below the kernel's ephemeral range where it can: a port the kernel hands
+/// out (bind to port 0) is the next outgoing connection's, so that between this check and the
+/// store's listen, any process's connect could take it (a flake seen with parallel launches).
 pub(crate) fn free_port(host: &str) -> std::io::Result<u16> {
+    use std::hash::BuildHasher;
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok();
+    let low = ephemeral
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    if let Some(span) = low.checked_sub(FIRST_DRAWN).filter(|s| *s >= 1000) {
+        let random = std::collections::hash_map::RandomState::new();
+        for draw in 0..64u32 {
+            let port = FIRST_DRAWN + (random.hash_one((draw, std::process::id())) % u64::from(span)) as u16;
+            if TcpListener::bind((host, port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
     TcpListener::bind((host, 0))?.local_addr().map(|a| a.port())
 }
+
+/// The lowest port `free_port` draws: above the well-known services' usual ports.
+const FIRST_DRAWN: u16 = 20000;
 
 /// Node 0 starts the coordinator; every node (node 0 too) connects to it and is admitted
 /// (`introduce`). Elastic, the coordinator is at the rendezvous endpoint (--rdzv-endpoint),
@@ -740,6 +760,23 @@ mod tests {
     use super::super::protocol::MAX_LINE;
     use super::*;
     use std::io::Read;
+
+    /// Drawn below the ephemeral range (32768 here), where no outgoing connection takes it,
+    /// free, and not the same each time.
+    #[test]
+    fn a_free_port_is_drawn_below_the_ephemeral_range() {
+        let ports: Vec<u16> = (0..8).map(|_| free_port("127.0.0.1").unwrap()).collect();
+        let low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(ports.iter().all(|p| (FIRST_DRAWN..low).contains(p)), "{ports:?}");
+        assert!(ports.iter().any(|p| *p != ports[0]), "{ports:?}");
+        assert!(TcpListener::bind(("127.0.0.1", ports[0])).is_ok());
+    }
 
     const SECRET: &str = "the-secret-0123456789";
     /// A connection's deadline in the tests that wait for it (HELLO_WAIT's part, shorter).
