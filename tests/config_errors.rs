@@ -183,6 +183,11 @@ fn sizes_past_any_run_are_refused_by_key() {
             "`-3` is not a micro-batch size; use a whole number of samples from 1, or auto",
         ),
         ("memory.budget=-1", "memory.budget: `-1` is not a size"),
+        (
+            "train.dist_timeout_s=10000000000000000000",
+            "train.dist_timeout_s: is 10000000000000000000; it must be 1 to 1000000000 seconds",
+        ),
+        ("train.dist_timeout_s=0", "train.dist_timeout_s: is 0"),
     ] {
         fails_with("", &["--set", set], &[wants]);
     }

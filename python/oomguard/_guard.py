@@ -341,6 +341,7 @@ class Guard:
         self._has = (
             torch.zeros(len(params), dtype=torch.float64, device=self._ranks.device) if self._ranks is not None else None
         )
+        self._zeroed: List[int] = []  # the gradients `_prepare_sync` filled with zeros
 
     def _retrack(self) -> None:
         """A model's parameters frozen or unfrozen since the last call (progressive
@@ -725,7 +726,10 @@ class Guard:
                 outcome = self._vote(vote(self.rank, oom=(severe, sig, phase, index), limit_bytes=self._limit))
             elif outcome is None:
                 peak, retries = self._peak.end() if self._peak is not None else (None, None)
-                missing = self._ranks is not None and any(p.grad is None for p in self._params)
+                if prepared is not None:
+                    missing = bool(self._zeroed)
+                else:
+                    missing = self._ranks is not None and any(p.grad is None for p in self._params)
                 outcome = self._vote(
                     vote(
                         self.rank,
@@ -987,7 +991,12 @@ class Guard:
     def _keeping_waiting_grads(self):
         """FSDP2's gradients from the user's earlier no-sync calls, kept for this call's
         failed attempts to put back (`_ranks.pending_grads`), and let go at its end."""
-        self._fsdp_waiting = _ranks.pending_grads(self._fsdp) if self._fsdp else []
+        try:
+            self._fsdp_waiting = _ranks.pending_grads(self._fsdp) if self._fsdp else []
+        except BaseException as exc:
+            # Before any vote of this call: the other ranks are told, not left waiting.
+            self._stop_everywhere(exc, undo=False)
+            raise
         try:
             yield
         finally:
@@ -1013,6 +1022,11 @@ class Guard:
         all-reduce (a share of the gradients, not a second copy of them), so that an OOM
         allocating it happens before any rank enters the collective."""
         self._where = ("sync", 0)
+        # Zeros for the gradients this rank has none of, allocated before the vote (another
+        # rank may have them: then they enter the average); `_sync` drops those no rank has.
+        self._zeroed = [i for i, p in enumerate(self._params) if p.grad is None]
+        for i in self._zeroed:
+            self._params[i].grad = torch.zeros_like(self._params[i])
         buckets = []
         for (dtype, device), ps in self._groups:
             total = sum(p.numel() for p in ps)
@@ -1078,12 +1092,13 @@ class Guard:
         pg, world = self._ranks.pg, self.world_size
         if missing:
             has = self._has
-            for i, p in enumerate(self._params):
-                has[i] = 0.0 if p.grad is None else 1.0
+            has.fill_(1.0)
+            for i in self._zeroed:
+                has[i] = 0.0
             all_reduce(has, group=self._ranks.group)
             for p, h in zip(self._params, has.tolist()):
-                if p.grad is None and h > 0:
-                    p.grad = torch.zeros_like(p)
+                if h == 0:
+                    p.grad = None  # no rank computed one: None, as under DDP
         for ps, buf in buckets:
             grads = [p.grad for p in ps if p.grad is not None]
             chunk: List[torch.Tensor] = []

@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
+from ._memory import forget, oom_of
 from ._native import Exchange, agreed, vote
 
 # How long a rank waits for its neighbours when the exchange connects (at `Guard(...)`).
@@ -474,18 +475,32 @@ def pending_grads(modules: List[torch.nn.Module]) -> list:
         grad = None if unsharded is None else unsharded.grad
         acc = getattr(fp, "unsharded_accumulated_grad", None)
         if grad is not None or acc is not None:
-            kept.append((fp, *[None if t is None else t.detach().clone() for t in (grad, acc)]))
+            kept.append((fp, *[None if t is None else _kept_copy(t) for t in (grad, acc)]))
     return kept
+
+
+def _kept_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` on its device, else, where that runs out of memory, in host memory (a
+    copy the size of the model's waiting gradients: a smaller micro-batch cannot make room)."""
+    try:
+        return t.detach().clone()
+    except BaseException as exc:  # noqa: BLE001 - only an OOM is handled
+        if oom_of(exc) is None or t.device.type == "cpu":
+            raise
+        forget(exc)
+        del exc
+    return t.detach().to("cpu", copy=True)
 
 
 def restore_grads(kept: list) -> None:
     """`pending_grads`' copies back in place of what a failed attempt left (copied again: a
     later failure restores them too)."""
     for fp, grad, acc in kept:
+        device = fp._unsharded_param.device
         if grad is not None:
-            fp._unsharded_param.grad = grad.clone()
+            fp._unsharded_param.grad = grad.to(device, copy=True)
         if acc is not None:
-            fp.unsharded_accumulated_grad = acc.clone()
+            fp.unsharded_accumulated_grad = acc.to(device, copy=True)
 
 
 def _reset_by_hand(state: Any) -> None:

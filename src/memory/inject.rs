@@ -136,7 +136,8 @@ pub struct Injection {
     spec: InjectOom,
     /// The first step of this process, and the failures assigned to each later step.
     first: Option<u64>,
-    share: Vec<u32>,
+    /// Failures due at each step after the first (by its offset), where any are.
+    share: std::collections::BTreeMap<u64, u32>,
     /// The allocation clock when the current step started, whether an evaluation ends it,
     /// and the allocations of the last step without and with one (checkpoint included) in
     /// which no failure fired.
@@ -156,7 +157,7 @@ impl Injection {
         Injection {
             spec,
             first: None,
-            share: Vec::new(),
+            share: Default::default(),
             step_start: 0,
             evaluates: false,
             window: [0, 0],
@@ -194,7 +195,7 @@ impl Injection {
             Some(w) => w,
             None => known(self.window[0]).or(smallest).unwrap_or(1),
         };
-        let mut due = self.share.get((step - first - 1) as usize).copied().unwrap_or(0) as u64;
+        let mut due = self.share.get(&(step - first - 1)).copied().unwrap_or(0) as u64;
         // Of two or more, one waits for the evaluation: the windows cannot reach it reliably
         // (a step's window is measured on steps whose failures all missed).
         self.eval_due = (evaluates && due >= 2) as u32;
@@ -234,12 +235,16 @@ impl Injection {
     }
 }
 
-/// COUNT failures assigned to `steps` steps, uniformly at random from the seed.
-fn shares(spec: InjectOom, steps: u64) -> Vec<u32> {
-    let mut share = vec![0u32; steps as usize];
+/// COUNT failures assigned to `steps` steps, uniformly at random from the seed: each step's
+/// offset that gets any, with how many (as many entries as failures at most, whatever
+/// `train.max_steps`).
+fn shares(spec: InjectOom, steps: u64) -> std::collections::BTreeMap<u64, u32> {
+    let mut share = std::collections::BTreeMap::new();
     if steps > 0 {
         for i in 0..spec.count as u64 {
-            share[(splitmix64(spec.seed ^ splitmix64(i + 1)) % steps) as usize] += 1;
+            *share
+                .entry(splitmix64(spec.seed ^ splitmix64(i + 1)) % steps)
+                .or_insert(0) += 1;
         }
     }
     share
@@ -269,8 +274,14 @@ mod tests {
         // More failures than allocations to spread them over: still distinct.
         assert_eq!(positions(5, 3, 0, 2).len(), 5);
         let s = shares(InjectOom { count: 100, seed: 4 }, 10);
-        assert_eq!(s.iter().sum::<u32>(), 100);
-        assert!(s.iter().all(|&n| n > 0), "{s:?}");
+        assert_eq!(s.values().sum::<u32>(), 100);
+        assert_eq!(
+            s.keys().copied().collect::<Vec<_>>(),
+            (0..10).collect::<Vec<_>>(),
+            "{s:?}"
+        );
+        // A run of 10^15 steps: 3 entries, not a vector of them.
+        assert!(shares(InjectOom { count: 3, seed: 4 }, 1_000_000_000_000_000).len() <= 3);
         assert!(shares(InjectOom { count: 3, seed: 4 }, 0).is_empty());
     }
 }

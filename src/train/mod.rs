@@ -127,6 +127,8 @@ pub const MAX_ROWS: usize = 1 << 24;
 
 impl TrainConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
+        /// About 31 years: past it, a deadline of `Instant::now()` plus it can overflow.
+        const MAX_TIMEOUT_S: u64 = 1_000_000_000;
         for (k, v) in [
             (
                 "train.micro_batch_size",
@@ -188,6 +190,15 @@ impl TrainConfig {
             return Err(ConfigError::invalid(
                 "train.num_threads",
                 "is 0; leave it unset for this process's CPU share (affinity, cgroup quota, Slurm)",
+            ));
+        }
+        if !(1..=MAX_TIMEOUT_S).contains(&self.dist_timeout_s) {
+            return Err(ConfigError::invalid(
+                "train.dist_timeout_s",
+                format!(
+                    "is {}; it must be 1 to {MAX_TIMEOUT_S} seconds (default 1800)",
+                    self.dist_timeout_s
+                ),
             ));
         }
         let most = crate::dist::overlap::MAX_BUCKET_MB;

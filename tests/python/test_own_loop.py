@@ -546,6 +546,73 @@ def test_ddp_averages_in_place_and_leaves_unused_parameters_without_grad(tmp_pat
     assert unused.strip() == "[None, None]", p.stdout
 
 
+_DDP_RANK_BRANCH = """
+import sys, torch, torch.distributed as dist, oomguard
+
+rank = int(sys.argv[2])
+
+class Branch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Linear(8, 4, dtype=torch.float64)
+        self.rank1 = torch.nn.Linear(8, 4, dtype=torch.float64)
+        self.nobody = torch.nn.Linear(8, 4, dtype=torch.float64)
+
+    def forward(self, x):
+        y = self.used(x)
+        return y + self.rank1(x) if rank == 1 else y
+
+torch.manual_seed(0)
+m = Branch()
+xs = [torch.randn(12, 8, generator=torch.Generator().manual_seed(3 + r), dtype=torch.float64) for r in range(2)]
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=rank, world_size=2)
+try:
+    ddp = torch.nn.parallel.DistributedDataParallel(m, find_unused_parameters=True)
+    guard = oomguard.Guard(ddp, global_batch_size=12, micro_batch_size=4, verbose=False, cache=False)
+    guard.backward(xs[rank], lambda b: ddp(b).pow(2).mean())
+    got = {n: p.grad for n, p in m.named_parameters()}
+    mb = guard.micro_batch_size
+finally:
+    dist.destroy_process_group()
+# Each rank's own gradients, averaged: rank 1's branch over 2 (rank 0 adds zeros).
+want = {}
+for r in range(2):
+    params = [(n, p) for n, p in m.named_parameters() if n.startswith("used") or (r == 1 and n.startswith("rank1"))]
+    out = m.used(xs[r]) + (m.rank1(xs[r]) if r == 1 else 0)
+    grads = torch.autograd.grad(out.pow(2).mean(), [p for _, p in params])
+    for (n, _), g in zip(params, grads):
+        want[n] = want.get(n, 0) + g / 2
+diff = max((got[n] - w).abs().max().item() for n, w in want.items())
+print("RESULT", diff, got["nobody.weight"] is None, mb)
+"""
+
+
+def test_a_parameter_one_ddp_rank_lacks_averages_with_zeros_after_an_oom_there(tmp_path):
+    """Rank 1 uses a branch rank 0 does not: rank 0's zeros for it are allocated before the
+    ranks agree (an OOM there, injected, is voted and recovered, where one met after the vote
+    left the other rank waiting in the all-reduce), the branch's gradient is rank 1's over 2,
+    and a parameter no rank used keeps `.grad` None."""
+    from conftest import env
+
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _DDP_RANK_BRANCH, str(tmp_path / "store"), str(r)],
+            env=env({"OOMGUARD_TEST_OOM_AT": "0:0:sync"}),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out
+        diff, nobody, mb = out.split("RESULT ")[1].split()
+        assert float(diff) < 1e-12, out
+        assert nobody == "True", out
+        assert mb == "2", f"the OOM in sync halved the micro-batch on both ranks: {out}"
+
+
 # --- two Gloo ranks with DDP: an OOM on one rank shrinks both -------------------------------
 
 

@@ -75,10 +75,17 @@ impl Failure {
             }
         })
     }
-    /// Its store could not listen on `port`: another process holds it.
+    /// Rank 0's store could not listen on `port`: another process holds it (torch's "failed
+    /// to listen ... port: P ... address already in use", `oomguard train`'s "cannot listen
+    /// on HOST:P (Address already in use)"); the port a whole number in the error.
     fn lost_port(&self, port: u16) -> bool {
         let e = self.final_error().to_lowercase();
-        e.contains("address already in use") && e.contains(&port.to_string())
+        let p = port.to_string();
+        let whole = e.match_indices(&p).any(|(i, _)| {
+            let digit = |b: Option<&u8>| b.is_some_and(u8::is_ascii_digit);
+            !digit(i.checked_sub(1).and_then(|j| e.as_bytes().get(j))) && !digit(e.as_bytes().get(i + p.len()))
+        });
+        self.rank == 0 && e.contains("listen") && e.contains("address already in use") && whole
     }
     fn is_oom(&self) -> bool {
         let text = self.final_error();
@@ -200,7 +207,7 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
             );
         }
         let port = if spec.master_port == 0 {
-            super::group::free_port("127.0.0.1").map_err(|source| Error::Io {
+            super::group::free_port("0.0.0.0").map_err(|source| Error::Io {
                 context: "finding a free port".into(),
                 source,
             })?
@@ -613,6 +620,30 @@ mod tests {
             .collect();
         assert_eq!(f(1, other).exit_code(), 1);
         assert_eq!(unranked("[rank12]: x"), "x");
+    }
+
+    /// The redraw is for rank 0's store meeting its port taken, nothing else.
+    #[test]
+    fn a_lost_port_is_rank_0s_store_failing_to_listen_on_it() {
+        let f = |rank, line: &str| Failure {
+            local_rank: rank,
+            rank,
+            pid: 1,
+            exitcode: 1,
+            time: SystemTime::now(),
+            error_file: PathBuf::new(),
+            error_message: Some(line.to_string()),
+            stdout: vec![],
+            stderr: vec![],
+        };
+        let torch = "torch.distributed.DistNetworkError: The server socket has failed to listen on any local network \
+            address. port: 21024, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use";
+        let ours = "data parallel: rank 0 of 2 joining the group at 127.0.0.1:21024: Internal torch error: cannot \
+            listen on 127.0.0.1:21024 (Address already in use)";
+        assert!(f(0, torch).lost_port(21024) && f(0, ours).lost_port(21024));
+        assert!(!f(1, torch).lost_port(21024), "only rank 0 listens");
+        assert!(!f(0, torch).lost_port(2102), "a number within another");
+        assert!(!f(0, "OSError: [Errno 98] Address already in use (pid 210245)").lost_port(21024));
         assert_eq!(unranked("[rankx]: x"), "[rankx]: x");
     }
 }

@@ -48,29 +48,61 @@ pub(super) fn offer_port(spec: &LaunchSpec) -> u16 {
 }
 
 /// A port free on `host` now (0.0.0.0: on every interface, for a store another node reaches),
-/// drawn at random below the kernel's ephemeral range where it can: a port the kernel hands
-/// out (bind to port 0) is the next outgoing connection's, so that between this check and the
-/// store's listen, any process's connect could take it (a flake seen with parallel launches).
+/// drawn at random outside the kernel's ephemeral range where it can (from 20000 up to it, and
+/// above it): a port the kernel hands out (bind to port 0) is the next outgoing connection's,
+/// so that between this check and the store's listen, any process's connect could take it
+/// (a flake seen with parallel launches).
 pub(crate) fn free_port(host: &str) -> std::io::Result<u16> {
     use std::hash::BuildHasher;
-    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok();
-    let low = ephemeral
-        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
-        .unwrap_or(32768);
-    if let Some(span) = low.checked_sub(FIRST_DRAWN).filter(|s| *s >= 1000) {
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok();
+    let bounds: Vec<u16> = range
+        .iter()
+        .flat_map(|r| r.split_whitespace().filter_map(|n| n.parse().ok()))
+        .collect();
+    let (low, high) = match bounds[..] {
+        [low, high] => (low, high),
+        _ => (32768, 60999),
+    };
+    let spans = outside(low, high);
+    let total: u32 = spans.iter().map(|(a, b)| u32::from(b - a)).sum();
+    if total >= 1000 {
         let random = std::collections::hash_map::RandomState::new();
         for draw in 0..64u32 {
-            let port = FIRST_DRAWN + (random.hash_one((draw, std::process::id())) % u64::from(span)) as u16;
-            if TcpListener::bind((host, port)).is_ok() {
-                return Ok(port);
+            let mut at = (random.hash_one((draw, std::process::id())) % u64::from(total)) as u32;
+            let port = spans.iter().find_map(|&(a, b)| {
+                let len = u32::from(b - a);
+                let here = (at < len).then(|| a + at as u16);
+                at = at.saturating_sub(len);
+                here
+            });
+            if let Some(p) = port.filter(|p| TcpListener::bind((host, *p)).is_ok()) {
+                return Ok(p);
             }
         }
+    } else {
+        tracing::warn!(
+            "the kernel's ephemeral ports ({low}-{high}) leave fewer than 1000 outside them from {FIRST_DRAWN}: \
+            the store's port is the kernel's pick, which another process's connection could take"
+        );
     }
     TcpListener::bind((host, 0))?.local_addr().map(|a| a.port())
 }
 
 /// The lowest port `free_port` draws: above the well-known services' usual ports.
 const FIRST_DRAWN: u16 = 20000;
+
+/// The ports from FIRST_DRAWN outside the ephemeral range `low..=high`, as half-open spans.
+fn outside(low: u16, high: u16) -> Vec<(u16, u16)> {
+    let mut spans = vec![];
+    if low > FIRST_DRAWN {
+        spans.push((FIRST_DRAWN, low));
+    }
+    let above = high.max(FIRST_DRAWN - 1).saturating_add(1);
+    if above < u16::MAX {
+        spans.push((above, u16::MAX));
+    }
+    spans
+}
 
 /// Node 0 starts the coordinator; every node (node 0 too) connects to it and is admitted
 /// (`introduce`). Elastic, the coordinator is at the rendezvous endpoint (--rdzv-endpoint),
@@ -773,7 +805,20 @@ mod tests {
             .unwrap()
             .parse()
             .unwrap();
-        assert!(ports.iter().all(|p| (FIRST_DRAWN..low).contains(p)), "{ports:?}");
+        let high: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .unwrap()
+            .split_whitespace()
+            .nth(1)
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(
+            ports.iter().all(|p| !(low..=high).contains(p) && *p >= FIRST_DRAWN),
+            "{ports:?}"
+        );
+        assert_eq!(outside(32768, 60999), [(20000, 32768), (61000, 65535)]);
+        assert_eq!(outside(1024, 65535), [], "nothing outside: the kernel's pick");
+        assert_eq!(outside(10000, 50000), [(50001, 65535)]);
         assert!(ports.iter().any(|p| *p != ports[0]), "{ports:?}");
         assert!(TcpListener::bind(("127.0.0.1", ports[0])).is_ok());
     }

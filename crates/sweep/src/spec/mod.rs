@@ -19,7 +19,7 @@ pub use early_stop::{EarlyStop, RungMetric};
 use metric::metric;
 pub use metric::Metric;
 pub use params::{corners, grid, random, trial_of, Trial};
-use params::{domain, flatten};
+use params::{domain, flatten, MAX_GRID};
 
 /// The sweep file as written: ours, or W&B's (whose keys are read as W&B defines them).
 #[derive(Debug, Deserialize)]
@@ -311,6 +311,12 @@ pub fn load(path: &Path) -> Result<Sweep, ConfigError> {
             return Err(at(ConfigError::invalid(
                 if raw.count.is_some() { "count" } else { "run_cap" },
                 "is 0; give at least 1",
+            )))
+        }
+        (Some(n), _) | (_, Some(n)) if n as u128 > MAX_GRID => {
+            return Err(at(ConfigError::invalid(
+                if raw.count.is_some() { "count" } else { "run_cap" },
+                format!("is {n}: at most {MAX_GRID} trials a sweep (each is a training run)"),
             )))
         }
         (c, r) => c.or(r),
@@ -787,6 +793,14 @@ mod tests {
             (
                 "parameters:\n  optim.lr: {distribution: uniform, min: 0.1, max: 0.2}\n",
                 "a grid takes",
+            ),
+            (
+                "method: random\ncount: 200000000000000000\nparameters:\n  optim.lr: {min: 0.1, max: 0.2}\n",
+                "at most 1000000 trials",
+            ),
+            (
+                "method: bayes\nrun_cap: 20000000\nparameters:\n  optim.lr: {min: 0.1, max: 0.2}\n",
+                "run_cap",
             ),
         ] {
             let text = if yaml.contains("parameters") {
