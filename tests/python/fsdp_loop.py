@@ -71,6 +71,7 @@ def main() -> None:
     ap.add_argument(
         "--calls", type=int, default=1, help="guard.backward calls a step, FSDP2's gradient sync off on all but the last"
     )
+    ap.add_argument("--scaler", action="store_true", help="a GradScaler scales the loss and steps the optimizer")
     ap.add_argument("--run-dir", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -97,6 +98,7 @@ def main() -> None:
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.01)
     rows = args.global_batch // world
     gen = torch.Generator().manual_seed(1)
+    scaler = torch.amp.GradScaler("cpu") if args.scaler else None
 
     def loss_fn(batch):
         if args.model == "mlp":
@@ -128,18 +130,21 @@ def main() -> None:
             for i in range(args.calls):
                 net.set_requires_gradient_sync(i == args.calls - 1)
                 part = {k: v[i * per : (i + 1) * per] for k, v in batch.items()}
-                loss += guard.backward(part, lambda b: loss_fn(b) / args.calls)
+                loss += guard.backward(part, lambda b: loss_fn(b) / args.calls, scaler)
         elif guard is not None:
-            loss = guard.backward(batch, loss_fn)
+            loss = guard.backward(batch, loss_fn, scaler)
         else:  # the plain loop: accumulation over micro-batches of `micro`, FSDP2 reducing each
             loss = 0.0
             for s in range(0, rows, micro):
                 part = {k: v[s : s + micro] for k, v in batch.items()}
                 t = loss_fn(part) * (len(part["labels" if "labels" in part else "y"]) / rows)
-                t.backward()
+                (scaler.scale(t) if scaler else t).backward()
                 loss += t.item()
         if guard is not None and args.guard_step:
-            guard.optimizer_step(opt)
+            guard.optimizer_step(opt, scaler)
+        elif scaler is not None:
+            scaler.step(opt)
+            scaler.update()
         else:
             opt.step()
         opt.zero_grad(set_to_none=True)

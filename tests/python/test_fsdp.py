@@ -108,6 +108,18 @@ def test_accumulation_across_calls_with_the_sync_off(spec, tmp_path, clean):
     assert max_diff(clean[(2, 32)].params, r.params) < EXACT
 
 
+@pytest.mark.parametrize("spec", ["1:1:reduce:3", "0:1:optimizer"])
+def test_a_grad_scaler_under_fsdp2_recovers_exactly(spec, tmp_path):
+    """A user's GradScaler scales every micro-batch's loss and steps the sharded optimizer
+    (its found-inf check reduced over the ranks through DTensor): an OOM on one rank in a
+    reduce-scatter, or in the optimizer's step, is recovered on both, with the parameters of
+    a clean scaled FSDP2 run (the scale a power of two: exact in float64)."""
+    plain = fsdp(tmp_path, "plain", "--micro-batch", "32", "--scaler")
+    r = fsdp(tmp_path, "scaled", "--guard", "--guard-step", "--micro-batch", "64", "--scaler", env={"OOMGUARD_TEST_OOM_AT": spec})
+    assert "out of memory" in r.out.lower() or "OOM in the optimizer's step" in r.out, r.out
+    assert max_diff(plain.params, r.params) < EXACT, r.out
+
+
 def test_an_oom_in_the_optimizers_sharded_step_is_retried(tmp_path, clean):
     # AdamW's state exists from step 0; the hook raises before step 1's update changed
     # anything: guard.optimizer_step hands the memory back and retries, on every rank together.
