@@ -69,6 +69,8 @@ mkdir -p "$KIT/examples" && cp -r "$ROOT/examples/python" "$KIT/examples/"
 # `import oomguard`'s wheel (abi3, no libtorch linked: it works with the host's own torch),
 # built with the set-up's maturin (TEST_PYTHON_PACKAGES) from the same copy of the tree.
 "$ROOT/scripts/setup.sh" >&2
+# The wheel's `oomguard` command is the kit's libtorch-free binary, as `make wheel` bundles it.
+mkdir -p "$SRC/python/oomguard/_bin" && cp "$KIT/bin/oomguard" "$SRC/python/oomguard/_bin/oomguard"
 (cd "$SRC/python" && CARGO_TARGET_DIR="$WORK/python-target" "$CACHE/torch-$TORCH_VERSION/bin/maturin" build --release --quiet \
   -i "$CACHE/torch-$TORCH_VERSION/bin/python" -o "$KIT/python" >&2)
 printf 'oomguard %s, built %s for torch %s with tch %s; Python models for Python %s\n' "$(cd "$ROOT" && git describe --always --dirty)" "$(date -u +%Y-%m-%dT%H:%MZ)" "$VERSION" "$TCH" "$PYVER" > "$KIT/KIT.txt"

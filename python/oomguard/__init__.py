@@ -22,6 +22,16 @@ _TORCH_PART = ("Guard", "Infeasible", "Unsupported", "is_oom")
 def __getattr__(name: str) -> Any:
     # The guard imports torch when first used, so that the policy alone works without it.
     if name in _TORCH_PART:
+        try:
+            import torch  # noqa: F401 - the guard's, the user's own
+        except ImportError as e:
+            if e.name != "torch":
+                raise  # torch is there, and failed to import: its own error says why
+            raise ImportError(
+                f"oomguard.{name} needs PyTorch (2.1 or later) in this environment: pip install torch "
+                "(oomguard installs none of its own, so that your torch and its CUDA build stay as they are)",
+                name="torch",
+            ) from e
         from . import _guard
 
         return getattr(_guard, name)

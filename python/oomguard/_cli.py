@@ -14,11 +14,16 @@ BINARY = Path(__file__).with_name("_bin") / "oomguard"
 
 
 def main() -> None:
-    if not os.access(BINARY, os.X_OK):
+    if BINARY.exists() and not os.access(BINARY, os.X_OK):
+        sys.stderr.write(
+            f"oomguard: {BINARY} is not executable (the installer dropped its mode): chmod +x {BINARY}\n"
+        )
+        sys.exit(2)
+    if not BINARY.exists():
         sys.stderr.write(
             f"oomguard: this install has no command-line binary ({BINARY} is missing): it is a development "
             "build of the Python package; run ./target/release/oomguard from the repository, or install a wheel "
-            "built by `make wheel` (docs/getting-started.md)\n"
+            "built by `make wheel` or `make gpu-kit` (docs/getting-started.md)\n"
         )
         sys.exit(2)
     os.environ.setdefault("OOMGUARD_PYTHON", sys.executable)

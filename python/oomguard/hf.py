@@ -18,6 +18,8 @@ from typing import Any, Optional
 try:
     import transformers
 except ImportError as e:  # pragma: no cover - the message is the point
+    if e.name is None or e.name.split(".")[0] != "transformers":
+        raise  # transformers is there and failed to import (a torch it needs, say): its own error
     raise ImportError(
         "oomguard.hf needs Hugging Face transformers (and accelerate, which its Trainer uses): "
         "pip install transformers accelerate",

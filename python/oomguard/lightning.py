@@ -14,10 +14,14 @@ from typing import Any, Callable, Optional
 
 try:
     import lightning.pytorch as pl
-except ImportError:  # pragma: no cover - the message is the point
+except ImportError as first:  # pragma: no cover - the message is the point
+    if first.name is None or first.name.split(".")[0] != "lightning":
+        raise  # Lightning is there and failed to import: its own error says why
     try:
         import pytorch_lightning as pl  # type: ignore[no-redef]
     except ImportError as e:
+        if e.name is None or e.name.split(".")[0] != "pytorch_lightning":
+            raise
         raise ImportError("oomguard.lightning needs Lightning: pip install lightning", name=e.name) from e
 
 from ._guard import RUN_DIR_VAR, Guard

@@ -455,6 +455,14 @@ def test_pip_install_gives_import_oomguard_and_the_command(tmp_path):
     )
     assert built.returncode == 0, built.stderr
     wheel = built.stdout.split()[-1]
+    # Its tag's glibc covers the bundled command's (which maturin does not audit).
+    import re, zipfile
+    with zipfile.ZipFile(wheel) as z:
+        (member,) = [n for n in z.namelist() if n.endswith("_bin/oomguard")]
+        (tmp_path / "bundled").write_bytes(z.read(member))
+    needs = subprocess.run(["objdump", "-T", str(tmp_path / "bundled")], capture_output=True, text=True).stdout
+    most = max(int(m) for m in re.findall(r"GLIBC_2\.(\d+)", needs))
+    assert int(re.search(r"manylinux_2_(\d+)", wheel).group(1)) >= most, wheel
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"

@@ -269,7 +269,8 @@ pub fn exec_torch_binary() -> anyhow::Error {
         .exec();
     let why = format!(
         "cannot run {} (install it beside oomguard): `train` and `plan` need oomguard-torch, the build that links \
-         libtorch; `make build` in a clone of the repository puts both in target/release/ (docs/getting-started.md)",
+         libtorch; in a clone of the repository, `make build` puts both in target/release/ (torch 2.13), `make gpu-kit \
+         TORCH=VERSION` in gpu-kit/bin/ against another torch, a GPU host's (docs/getting-started.md, docs/gpu-and-docker.md)",
         exe.display()
     );
     anyhow::Error::new(err).context(why)
