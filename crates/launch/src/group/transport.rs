@@ -54,15 +54,7 @@ pub(super) fn offer_port(spec: &LaunchSpec) -> u16 {
 /// (a flake seen with parallel launches).
 pub(crate) fn free_port(host: &str) -> std::io::Result<u16> {
     use std::hash::BuildHasher;
-    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok();
-    let bounds: Vec<u16> = range
-        .iter()
-        .flat_map(|r| r.split_whitespace().filter_map(|n| n.parse().ok()))
-        .collect();
-    let (low, high) = match bounds[..] {
-        [low, high] => (low, high),
-        _ => (32768, 60999),
-    };
+    let (low, high) = ephemeral_range();
     let spans = outside(low, high);
     let total: u32 = spans.iter().map(|(a, b)| u32::from(b - a)).sum();
     if total >= 1000 {
@@ -86,6 +78,19 @@ pub(crate) fn free_port(host: &str) -> std::io::Result<u16> {
         );
     }
     TcpListener::bind((host, 0))?.local_addr().map(|a| a.port())
+}
+
+/// The kernel's ephemeral ports, `low..=high` (Linux's default where it cannot be read).
+fn ephemeral_range() -> (u16, u16) {
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
+    match range
+        .split_whitespace()
+        .filter_map(|n| n.parse().ok())
+        .collect::<Vec<u16>>()[..]
+    {
+        [low, high] => (low, high),
+        _ => (32768, 60999),
+    }
 }
 
 /// The lowest port `free_port` draws: above the well-known services' usual ports.
@@ -798,20 +803,7 @@ mod tests {
     #[test]
     fn a_free_port_is_drawn_below_the_ephemeral_range() {
         let ports: Vec<u16> = (0..8).map(|_| free_port("127.0.0.1").unwrap()).collect();
-        let low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-            .unwrap()
-            .split_whitespace()
-            .next()
-            .unwrap()
-            .parse()
-            .unwrap();
-        let high: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-            .unwrap()
-            .split_whitespace()
-            .nth(1)
-            .unwrap()
-            .parse()
-            .unwrap();
+        let (low, high) = ephemeral_range();
         assert!(
             ports.iter().all(|p| !(low..=high).contains(p) && *p >= FIRST_DRAWN),
             "{ports:?}"
