@@ -47,6 +47,13 @@ py = r["checks"]["python model: an OOM inside a Python forward recovered"]
 assert py["ok"] is True and py["device"] == "cpu", py
 print("gpu-kit-test: gpu-check.sh ran", ", ".join(tests), "on the CPU:", r["note"], file=sys.stderr)
 PY
+# The kit's wheel bundles its command, and its tag covers that command's glibc floor.
+WHEEL="$(ls "$KIT"/python/oomguard-*.whl)"
+"$VENV/bin/python" -c 'import sys, zipfile; sys.stdout.buffer.write(zipfile.ZipFile(sys.argv[1]).read("oomguard/_bin/oomguard"))' "$WHEEL" > "$TMP/bundled" || fail "$WHEEL bundles no oomguard/_bin/oomguard"
+cmp -s "$TMP/bundled" "$KIT/bin/oomguard" || fail "$WHEEL's oomguard/_bin/oomguard is not the kit's bin/oomguard"
+NEED="$("$ROOT/scripts/manylinux-tag.sh" "$TMP/bundled")"
+case "$(basename "$WHEEL")" in *"-$NEED"_*) ;; *) fail "$WHEEL is not tagged $NEED, its command's glibc floor";; esac
+echo "gpu-kit-test: $(basename "$WHEEL") bundles the kit's command ($NEED)" >&2
 # The MFU table tells apart cards that share a name's prefix, and leaves out what it lacks.
 for want in "H100 SXM:NVIDIA H100 80GB HBM3:85031714816" "H100 PCIe:NVIDIA H100 PCIe:85031714816" "H100 NVL:NVIDIA H100 NVL:99857989632" \
             "A100 40GB:NVIDIA A100-SXM4-40GB:42298834944" "L40S:NVIDIA L40S:47697362944" "L4:NVIDIA L4:23580639232" "none:NVIDIA A10G:23609475072"; do

@@ -70,8 +70,11 @@ mkdir -p "$KIT/examples" && cp -r "$ROOT/examples/python" "$KIT/examples/"
 # built with the set-up's maturin (TEST_PYTHON_PACKAGES) from the same copy of the tree.
 "$ROOT/scripts/setup.sh" >&2
 # The wheel's `oomguard` command is the kit's libtorch-free binary, as `make wheel` bundles it.
+# Its tag carries that binary's glibc floor (scripts/manylinux-tag.sh), as `make wheel`'s does.
 mkdir -p "$SRC/python/oomguard/_bin" && cp "$KIT/bin/oomguard" "$SRC/python/oomguard/_bin/oomguard"
+TAG="$("$ROOT/scripts/manylinux-tag.sh" "$KIT/bin/oomguard")"
 (cd "$SRC/python" && CARGO_TARGET_DIR="$WORK/python-target" "$CACHE/torch-$TORCH_VERSION/bin/maturin" build --release --quiet \
+  --compatibility "$TAG" \
   -i "$CACHE/torch-$TORCH_VERSION/bin/python" -o "$KIT/python" >&2)
 printf 'oomguard %s, built %s for torch %s with tch %s; Python models for Python %s\n' "$(cd "$ROOT" && git describe --always --dirty)" "$(date -u +%Y-%m-%dT%H:%MZ)" "$VERSION" "$TCH" "$PYVER" > "$KIT/KIT.txt"
 echo "gpu-kit: $(du -sh "$KIT" | cut -f1) in $KIT: $(cat "$KIT/KIT.txt")" >&2

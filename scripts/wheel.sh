@@ -19,11 +19,8 @@ rm -rf "$STAGE"
 mkdir -p "$STAGE" "$OUT"
 strip -o "$STAGE/oomguard" "$BIN"
 rm -f "$OUT"/oomguard-*.whl
-# The wheel's glibc floor is the bundled binary's too (maturin audits only the extension): a
-# host whose glibc is older refuses the wheel at `pip install`, not the command at its first run.
-GLIBC="$(objdump -T "$STAGE/oomguard" | grep -o 'GLIBC_2\.[0-9]*' | sort -Vu | tail -n 1)"
-[ -n "$GLIBC" ] || { echo "wheel: cannot read the glibc versions $STAGE/oomguard needs (objdump -T)" >&2; exit 2; }
-MINOR="${GLIBC#GLIBC_2.}"
+# The wheel's glibc floor is the bundled binary's too (scripts/manylinux-tag.sh).
+TAG="$("$ROOT/scripts/manylinux-tag.sh" "$STAGE/oomguard")"
 (cd "$ROOT/python" && CARGO_TARGET_DIR="$ROOT/python/target" "$VENV/bin/maturin" build --release --quiet \
-  --compatibility "manylinux_2_$(( MINOR > 17 ? MINOR : 17 ))" -i "$VENV/bin/python" -o "$OUT" >&2)
+  --compatibility "$TAG" -i "$VENV/bin/python" -o "$OUT" >&2)
 ls "$OUT"/oomguard-*.whl

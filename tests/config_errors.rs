@@ -188,6 +188,10 @@ fn sizes_past_any_run_are_refused_by_key() {
             "train.dist_timeout_s: is 10000000000000000000; it must be 1 to 1000000000 seconds",
         ),
         ("train.dist_timeout_s=0", "train.dist_timeout_s: is 0"),
+        (
+            "train.num_threads=4294967296",
+            "train.num_threads: is 4294967296; it must be 1 to 4096",
+        ),
     ] {
         fails_with("", &["--set", set], &[wants]);
     }
@@ -198,6 +202,19 @@ fn sizes_past_any_run_are_refused_by_key() {
         dir.path(),
         "--nproc-per-node: is 100000; give 1 to 4096 workers",
     );
+}
+
+/// A check past loading (starting weights that are not there) names the config file, the key
+/// and the file, with --check as in a run.
+#[test]
+fn missing_starting_weights_name_the_config() {
+    for extra in [&["--check"][..], &[]] {
+        fails_with(
+            "model:\n  init_from: nowhere.safetensors\n",
+            extra,
+            &["bad.yaml: model.init_from: ", "nowhere.safetensors"],
+        );
+    }
 }
 
 /// `train.device: cuda` where PyTorch sees no GPU: the key and the fix, not libtorch's trace.

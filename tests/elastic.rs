@@ -351,6 +351,31 @@ fn a_node_that_comes_back_grows_the_world_again() {
     assert!(diff < 1e-5, "the elastic run is {diff} from one process");
 }
 
+/// torchrun's usual multi-node command: `--nnodes 2 --rdzv-backend c10d --rdzv-endpoint`
+/// with no `--node-rank` on either node. The rendezvous ranks the nodes, and the run ends
+/// where one process ends.
+#[test]
+fn two_nodes_without_node_ranks_are_ranked_by_the_rendezvous() {
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 6;
+    let cfg = config(dir.path(), steps);
+    let single = train_into(dir.path(), &cfg, "single", &[]);
+    let run = dir.path().join("fixed");
+    let port = free_port();
+    let host = node(dir.path(), &cfg, &run, "2", port, None, &[]);
+    let other = node(dir.path(), &cfg, &run, "2", port, None, &[]);
+    ok(host);
+    ok(other);
+    assert_every_step_once(&run, steps);
+    let worlds: Vec<u64> = steps_of(&run)
+        .iter()
+        .map(|s| s["world_size"].as_u64().unwrap_or(0))
+        .collect();
+    assert_eq!(worlds, vec![2; steps as usize]);
+    let diff = max_abs_diff(&weights(&single), &weights(&run));
+    assert!(diff < 1e-5, "the two-node run is {diff} from one process");
+}
+
 /// MIN 2 of 3, two nodes: losing one is below MIN. The survivor stops with exit 1 naming the
 /// cause, and leaves a checkpoint of the last step it finished, from which a resume goes on.
 #[test]

@@ -16,6 +16,13 @@ fn own_model_trains_under_the_guard_and_resumes_exactly() {
     std::env::set_var("OOMGUARD_CACHE", dir.path().join("cache")); // this test's alone
     let cfg = common::root().join("examples/mlp.yaml");
     let cfg = cfg.to_str().unwrap();
+    // --check builds the program's own model and takes the data it brings.
+    assert_eq!(train(&[cfg, "--check"]), 0);
+    // ... with its model.init_from loaded into it: a file that is not there is bad input.
+    assert_eq!(
+        train(&[cfg, "--check", "--set", "model.init_from=nowhere.safetensors"]),
+        2
+    );
     let full = dir.path().join("full");
     assert_eq!(train(&[cfg, "--run-dir", full.to_str().unwrap()]), 0);
     let ooms = records(&full, "oom");

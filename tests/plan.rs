@@ -53,6 +53,14 @@ fn planner_peak_within_20_percent_of_measured() {
         "accumulating: planned {planned} measured {measured} ({:.1}% off)",
         err * 100.0
     );
+    // Activation checkpointing set in the config: planned with it (without, 2x too high).
+    let yaml = shape_yaml(6, 2, 48, 96, 256, 6).replace("model: {", "model: {activation_checkpointing: blocks, ");
+    let (planned, measured, err) = planned_against_measured(dir.path(), "ckpt", &yaml);
+    assert!(
+        err < 0.2,
+        "checkpointing: planned {planned} measured {measured} ({:.1}% off)",
+        err * 100.0
+    );
 }
 
 /// A config's planned peak, its measured one (step 1 of a run without a budget) and how far

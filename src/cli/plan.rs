@@ -3,7 +3,7 @@
 use crate::config::{self, Config};
 use crate::data::StepSamples;
 use crate::memory::{self, budget, human_bytes};
-use crate::model::ModelKind;
+use crate::model::{ActivationCheckpointing, ModelKind};
 use crate::optim::AdamW;
 use crate::plan::{device_memory, measure, suggestions, Estimate, Precision, CUDA_OVERHEAD};
 use crate::task::{self, BuildContext};
@@ -17,6 +17,11 @@ pub use oomguard_cli::PlanArgs;
 pub struct NothingFits(pub String);
 
 pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
+    let path = args.config.clone();
+    config::in_file(plan(args), Some(&path))
+}
+
+fn plan(args: PlanArgs) -> anyhow::Result<()> {
     let cfg = config::load(&args.config, &args.set).map_err(Error::from)?;
     let c = &cfg.raw;
     // What `train` would run: the device `train.device` resolves to (auto: a GPU where there
@@ -60,7 +65,10 @@ pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
     }
     let model = c.model.gpt();
     // The buckets a run of this config would make (data parallel).
-    let estimate = Estimate::new(&model, precision, cuda).with_bucket_cap(c.train.bucket_bytes(&c.memory) as u64);
+    let ckpt = c.model.activation_checkpointing == Some(ActivationCheckpointing::Blocks);
+    let estimate = Estimate::new(&model, precision, cuda)
+        .with_checkpointing(ckpt)
+        .with_bucket_cap(c.train.bucket_bytes(&c.memory) as u64);
     let global = c.train.global_batch_size();
     if args.nproc_per_node > 1 {
         return per_rank(&args, &estimate, memory, global, &what);
@@ -77,7 +85,7 @@ pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
             "largest_micro_batch_size": fit, "grad_accum_steps": if fit > 0 { Some(global.div_ceil(fit)) } else { None },
             "peak_bytes_at": shown, "peak_bytes": estimate.peak_of(shown, global), "estimate": estimate,
             "configured_peak_bytes": configured.map(|m| estimate.peak_of(m, global)),
-            "suggestions": if fit == 0 { suggestions(&model, precision, cuda, memory, estimate.bucket_cap, global) } else { vec![] },
+            "suggestions": if fit == 0 { suggestions(&model, precision, cuda, memory, estimate.bucket_cap, global, ckpt) } else { vec![] },
             "a_rung_fits": fit == 0 && crate::plan::a_rung_fits(&model, precision, cuda, memory, global,
                 c.memory.allow_activation_checkpointing, c.memory.allow_precision_fallback),
         });
@@ -99,7 +107,7 @@ pub fn exec(args: PlanArgs) -> anyhow::Result<()> {
                 human_bytes(estimate.peak_of(1, global)),
                 human_bytes(memory)
             );
-            for s in suggestions(&model, precision, cuda, memory, estimate.bucket_cap, global) {
+            for s in suggestions(&model, precision, cuda, memory, estimate.bucket_cap, global, ckpt) {
                 println!("  - {s}");
             }
         }

@@ -68,6 +68,11 @@ pub fn run_with(args: impl IntoIterator<Item = impl Into<OsString> + Clone>, bui
 }
 
 pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
+    let path = args.config.clone();
+    config::in_file(train(args, build), path.as_deref())
+}
+
+fn train(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
     if let (Some(n), None, false) = (&args.nproc_per_node, std::env::var_os("RANK"), args.check) {
         // One run directory for every rank, chosen here (each rank would pick its own).
         let run_dir = match (&args.run_dir, &args.resume_from) {
@@ -196,6 +201,7 @@ pub fn exec_with(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
         Some(_) => None,
         None => config_changed.as_ref().map(|c| c.kept.clone()),
     };
+    weights_readable(&cfg)?;
     if lead && matches!(resume, train::Resume::Fresh) {
         prepare_run_dir(&run_dir)?;
     } else {
@@ -353,29 +359,48 @@ fn config_arg(args: &TrainArgs) -> anyhow::Result<&Path> {
 }
 
 /// `--check`: the data opened as the run opens it (too short for the block, a token outside
-/// the vocabulary, a tensors file that does not fit); and a Python model (or Python data)
-/// built for real, on the CPU, as the run would build them, so that `build(settings)`
-/// raising (a typo in `model.settings`, which a sweep over `model.settings.*` would hit in
-/// every trial) is found here, naming the file. The built-in GPT and TorchScript need no
-/// build to be checked.
+/// the vocabulary, a tensors file that does not fit); and a model other than the built-in
+/// GPT (Python, TorchScript, a Rust program's own), or Python data, built for real, on the
+/// CPU, as the run would build them (its `model.init_from` loaded into it), so that
+/// `build(settings)` raising (a typo in `model.settings`, which a sweep over
+/// `model.settings.*` would hit in every trial) or a missing file is found here, naming the
+/// config. The GPT is not built (a large one would take the host's memory): its
+/// `model.init_from` is opened.
 fn check_builds(cfg: &config::Config, build: Builder) -> anyhow::Result<()> {
     let c = &cfg.raw;
-    let python = c.model.kind == crate::model::ModelKind::Python || c.data.source == crate::data::DataSource::Python;
+    let python = c.data.source == crate::data::DataSource::Python;
     let base = cfg.base_dir();
-    if !python {
+    if c.model.kind == crate::model::ModelKind::Gpt && !python {
+        weights_readable(cfg)?;
         // The data as the run opens it (sizes, the split, token ids against the vocabulary).
         crate::task::data_for(&c.model, &c.data, &base, None)?;
         return Ok(());
     }
-    let built = build(&crate::task::BuildContext {
+    let ctx = crate::task::BuildContext {
         device: tch::Device::Cpu,
         model: &c.model,
         data: &c.data,
         base_dir: &base,
         config_path: &cfg.path,
-    })?;
+    };
+    let built = crate::task::build_with_weights(&ctx, build)?;
     crate::task::data_for(&c.model, &c.data, &base, built.data)?;
     Ok(())
+}
+
+/// `model.init_from`, when set, opens: checked before a run directory is made for it.
+fn weights_readable(cfg: &config::Config) -> Result<(), crate::Error> {
+    let Some(from) = &cfg.raw.model.init_from else {
+        return Ok(());
+    };
+    let path = cfg.base_dir().join(from);
+    match std::fs::File::open(&path) {
+        Ok(_) => Ok(()),
+        Err(e) => Err(crate::Error::Config(ConfigError::invalid(
+            "model.init_from",
+            format!("{}: cannot read it: {e}", path.display()),
+        ))),
+    }
 }
 
 /// A resume's config against the run's stored one: a change that alters the run is refused

@@ -36,6 +36,19 @@ pub struct Config {
     pub path: PathBuf,
 }
 
+/// A config error raised past loading (a model's or a data file's check, which knows the key
+/// but not the file) names `path`, the config it came from.
+pub fn in_file<T>(r: anyhow::Result<T>, path: Option<&Path>) -> anyhow::Result<T> {
+    r.map_err(|mut e| {
+        if let (Some(crate::Error::Config(c)), Some(p)) = (e.downcast_mut::<crate::Error>(), path) {
+            if c.origin.is_empty() {
+                c.origin = p.display().to_string();
+            }
+        }
+        e
+    })
+}
+
 /// Reads, overrides (`key.path=value`) and validates a config file.
 pub fn load(path: &Path, overrides: &[String]) -> Result<Config, ConfigError> {
     let origin = path.display().to_string();

@@ -82,8 +82,9 @@ pub(super) fn open(path: &Path, val_fraction: f64, vocab: Option<i64>) -> Result
     );
     // How many targets are ignored: some (the loss averages over fewer units), or all.
     let ignored = match integer {
+        // Tensor against tensor: tch's scalar forms panic on an allocation failure.
         true => targets
-            .f_eq(IGNORE_INDEX)?
+            .f_eq_tensor(&like(&targets, IGNORE_INDEX)?)?
             .f_sum(tch::Kind::Int64)?
             .f_int64_value(&[])?,
         false => 0,
@@ -112,6 +113,11 @@ pub(super) fn open(path: &Path, val_fraction: f64, vocab: Option<i64>) -> Result
     })
 }
 
+/// `v` as a 0-d tensor of `t`'s kind and device, to compare `t` with.
+fn like(t: &Tensor, v: i64) -> std::result::Result<Tensor, tch::TchError> {
+    crate::ops::scalar(v as f64, t.kind(), t.device())
+}
+
 /// Token ids for a GPT: integers in [0, vocab) (`masked`: or the ignored -100). The why, or
 /// a libtorch error as text.
 fn check_ids(t: &Tensor, name: &str, vocab: i64, masked: bool) -> std::result::Result<(), String> {
@@ -128,10 +134,13 @@ fn check_ids(t: &Tensor, name: &str, vocab: i64, masked: bool) -> std::result::R
         if lo >= 0 && hi < vocab {
             return Ok(None);
         }
-        let t = t.f_flatten(0, -1)?;
-        let mut bad = t.f_lt(0)?.f_logical_or(&t.f_ge(vocab)?)?;
+        // As int64, where vocab and -100 are exact (uint8 ids would wrap them).
+        let t = t.f_flatten(0, -1)?.f_to_kind(Int64)?;
+        let mut bad = t
+            .f_lt_tensor(&like(&t, 0)?)?
+            .f_logical_or(&t.f_ge_tensor(&like(&t, vocab)?)?)?;
         if masked {
-            bad = bad.f_logical_and(&t.f_ne(IGNORE_INDEX)?)?;
+            bad = bad.f_logical_and(&t.f_ne_tensor(&like(&t, IGNORE_INDEX)?)?)?;
         }
         let at = bad.f_nonzero()?;
         if at.size()[0] == 0 {

@@ -321,7 +321,8 @@ impl Estimate {
             workspace_bytes: if cuda { CUDA_WORKSPACES } else { 0 },
             activation_checkpointing: false,
             layer_input_per_sample: (t * c * 4.0) as u64,
-            largest_grad_bytes: 4 * (m.vocab_size * m.n_embd).max(4 * m.n_embd * m.n_embd) as u64,
+            // The tied embedding, the position embedding (long contexts) or an MLP matrix.
+            largest_grad_bytes: 4 * (m.vocab_size.max(m.block_size) * m.n_embd).max(4 * m.n_embd * m.n_embd) as u64,
             grads_shard_world: 1,
             tied_grad_bytes: 4 * (m.vocab_size * m.n_embd) as u64,
             cuda,
@@ -498,6 +499,7 @@ pub use oomguard_host::memory::device_memory;
 /// layers, a smaller vocabulary, lower precision).
 /// `bucket_cap`: the run's gradient buckets (`TrainConfig::bucket_bytes`), for the ranks that
 /// would fit. `global`: a step's samples (above 1, micro-batch 1 sums gradients across them).
+/// `checkpointing`: the config already checkpoints activations (each change keeps it).
 pub fn suggestions(
     m: &GptConfig,
     precision: Precision,
@@ -505,8 +507,14 @@ pub fn suggestions(
     memory: u64,
     bucket_cap: u64,
     global: usize,
+    checkpointing: bool,
 ) -> Vec<String> {
-    let fits = |m: &GptConfig, p: Precision| Estimate::new(m, p, cuda).largest_fitting(memory, global) >= 1;
+    let fits = |m: &GptConfig, p: Precision| {
+        Estimate::new(m, p, cuda)
+            .with_checkpointing(checkpointing)
+            .largest_fitting(memory, global)
+            >= 1
+    };
     let mut out = Vec::new();
     let mut t = m.block_size;
     while t > 1
@@ -587,7 +595,7 @@ pub fn suggestions(
             .largest_fitting(memory, global)
             >= 1
     };
-    if ckpt(m, precision) {
+    if !checkpointing && ckpt(m, precision) {
         out.push(
             "activation checkpointing: model.activation_checkpointing: blocks (the guard turns it on by itself unless \
             memory.allow_activation_checkpointing is false)"
@@ -600,6 +608,7 @@ pub fn suggestions(
         out.push("activation checkpointing and bf16 together (the guard climbs to both by itself)".into());
     }
     if let Some(w) = Estimate::new(m, precision, cuda)
+        .with_checkpointing(checkpointing)
         .with_bucket_cap(bucket_cap)
         .ranks_to_fit(memory)
         .filter(|&w| w > 1)
@@ -653,7 +662,7 @@ pub fn advice(m: &GptConfig, memory: u64, cuda: bool, bucket_cap: u64, global: u
         "The planner: the parameters need {}, their gradients {} and AdamW's state {} ({:.2}M parameters); a step at micro-batch 1 peaks near {} \
             against {}. What would fit: {}.",
         human_bytes(e.params_bytes), human_bytes(e.grads_bytes), human_bytes(e.optimizer_bytes), e.num_params as f64 / 1e6,
-        human_bytes(e.peak_of(1, global)), human_bytes(memory), suggestions(m, Precision::Fp32, cuda, memory, bucket_cap, global).join("; ")
+        human_bytes(e.peak_of(1, global)), human_bytes(memory), suggestions(m, Precision::Fp32, cuda, memory, bucket_cap, global, false).join("; ")
     )
 }
 
@@ -806,6 +815,7 @@ mod tests {
             2 << 30,
             crate::dist::DEFAULT_BUCKET_BYTES,
             1,
+            false,
         );
         assert_eq!(
             Estimate::new(&gpt2(), Precision::Fp32, true).largest_fitting(2 << 30, 512),
@@ -832,12 +842,38 @@ mod tests {
             4 << 30,
             crate::dist::DEFAULT_BUCKET_BYTES,
             1,
+            false,
         );
         assert!(
             s.iter()
                 .any(|x| x.starts_with("a shorter sequence: model.block_size 1024")),
             "{s:?}"
         );
+        // Already checkpointing: the changes keep it, and it is not suggested again.
+        let kept = suggestions(
+            &long,
+            Precision::Fp32,
+            true,
+            4 << 30,
+            crate::dist::DEFAULT_BUCKET_BYTES,
+            1,
+            true,
+        );
+        assert!(
+            !kept.iter().any(|x| x.starts_with("activation checkpointing")),
+            "{kept:?}"
+        );
+        let block = |s: &[String]| {
+            s.iter().find_map(|x| {
+                x.strip_prefix("a shorter sequence: model.block_size ")?
+                    .split(' ')
+                    .next()?
+                    .parse::<i64>()
+                    .ok()
+            })
+        };
+        let (kept_block, block) = (block(&kept), block(&s).unwrap());
+        assert!(kept_block.is_none_or(|k| k > block), "{kept:?} against {s:?}");
         assert_eq!(device_memory("t4"), Some(16 << 30));
         assert_eq!(device_memory("H200"), Some(140 << 30));
         assert_eq!(device_memory("24GiB"), Some(24 << 30));

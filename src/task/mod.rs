@@ -340,11 +340,7 @@ pub fn build_from_config(ctx: &BuildContext) -> Result<Built> {
         ModelKind::Gpt => Box::new(gpt::GptTask::new(&ctx.model.gpt(), ctx.device)?),
         ModelKind::Torchscript => Box::new(torchscript::TorchScriptTask::load(ctx)?),
         #[cfg(feature = "python")]
-        ModelKind::Python => {
-            let built = python::build(ctx)?;
-            init_from(ctx, built.task.as_ref())?;
-            return Ok(built);
-        }
+        ModelKind::Python => return python::build(ctx),
         #[cfg(not(feature = "python"))]
         ModelKind::Python => {
             return Err(Error::Config(crate::error::ConfigError {
@@ -365,8 +361,15 @@ pub fn build_from_config(ctx: &BuildContext) -> Result<Built> {
             }))
         }
     };
-    init_from(ctx, task.as_ref())?;
     Ok(Built { task, data: None })
+}
+
+/// `build` (any model's builder: the config's, or a Rust program's own), then the starting
+/// weights `model.init_from` names loaded into it.
+pub fn build_with_weights(ctx: &BuildContext, build: &dyn Fn(&BuildContext) -> Result<Built>) -> Result<Built> {
+    let built = build(ctx)?;
+    init_from(ctx, built.task.as_ref())?;
+    Ok(built)
 }
 
 /// `model.init_from`, when set: the starting weights.

@@ -186,10 +186,17 @@ impl TrainConfig {
         if self.max_steps == 0 {
             return Err(ConfigError::invalid("train.max_steps", "is 0; it must be at least 1"));
         }
-        if self.num_threads == Some(0) {
+        if let Some(n) = self
+            .num_threads
+            .filter(|n| !(1..=oomguard_host::threads::MAX_THREADS).contains(n))
+        {
             return Err(ConfigError::invalid(
                 "train.num_threads",
-                "is 0; leave it unset for this process's CPU share (affinity, cgroup quota, Slurm)",
+                format!(
+                    "is {n}; it must be 1 to {}, or left unset for this process's CPU share (affinity, cgroup \
+                     quota, Slurm)",
+                    oomguard_host::threads::MAX_THREADS
+                ),
             ));
         }
         if !(1..=MAX_TIMEOUT_S).contains(&self.dist_timeout_s) {

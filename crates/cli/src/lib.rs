@@ -139,8 +139,8 @@ pub struct TrainArgs {
     #[arg(long = "nproc-per-node", alias = "nproc_per_node", value_name = "N")]
     pub nproc_per_node: Option<String>,
     /// Validate the config (with every --set), its data files and allocator settings, and build
-    /// a Python model and data as the run would, then exit: 0 valid, 2 not. Nothing is trained or
-    /// written.
+    /// a model other than the built-in GPT (Python, TorchScript) and Python data as the run
+    /// would, with model.init_from, then exit: 0 valid, 2 not. Nothing is trained or written.
     #[arg(long)]
     pub check: bool,
     /// Testing and chaos tool: make COUNT allocations fail with a real out-of-memory error,

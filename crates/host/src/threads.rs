@@ -35,9 +35,19 @@ impl std::fmt::Display for Threads {
     }
 }
 
-/// `4` or OpenMP's nested list `4,2` (the first level counts); 0 or text is not a count.
+/// The most threads a process is given: libtorch takes an i32, and past a few thousand
+/// OpenMP fails creating them.
+pub const MAX_THREADS: usize = 4096;
+
+/// `4` or OpenMP's nested list `4,2` (the first level counts); 0, more than `MAX_THREADS`
+/// or text is not a count.
 fn count(v: &str) -> Option<usize> {
-    v.split(',').next()?.trim().parse().ok().filter(|&n| n > 0)
+    v.split(',')
+        .next()?
+        .trim()
+        .parse()
+        .ok()
+        .filter(|&n| (1..=MAX_THREADS).contains(&n))
 }
 
 pub fn decide(f: &CpuFacts) -> Threads {
@@ -219,7 +229,7 @@ mod tests {
             .n,
             3
         );
-        for bad in ["0", "lots", ""] {
+        for bad in ["0", "lots", "", "4294967296", "4097"] {
             assert_eq!(
                 decide(&CpuFacts {
                     omp_num_threads: Some(bad.into()),

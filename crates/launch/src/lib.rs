@@ -156,7 +156,14 @@ impl LaunchSpec {
             tracing::warn!("ignored, as it has no effect here: {what}");
         }
         let (min, nnodes) = parse_nnodes(if a.standalone { "1" } else { &a.nnodes })?;
-        let elastic = (min < nnodes)
+        // torchrun's c10d rendezvous over N nodes with no --node-rank (its usual multi-node
+        // form): the rendezvous assigns the node ranks, as an elastic N:N job here.
+        let assigned = !a.standalone
+            && nnodes > 1
+            && a.rdzv_backend == "c10d"
+            && a.node_rank.is_none()
+            && !a.rdzv_endpoint.is_empty();
+        let elastic = (min < nnodes || assigned)
             .then(|| Elastic::new(min, nnodes, &a.rdzv_conf).map_err(|e| bad("--rdzv-conf", e)))
             .transpose()?;
         if elastic.is_some() && (a.rdzv_backend != "c10d" || a.rdzv_endpoint.is_empty()) {
@@ -832,6 +839,12 @@ mod tests {
             2
         );
         assert!(spec(&["--nnodes", "2", "--rdzv-backend", "c10d", "x.py"]).is_err());
+        // torchrun's usual multi-node form, no --node-rank: the rendezvous ranks the nodes.
+        let c10d = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:5", "x.py"];
+        let fixed = spec(&[&["--nnodes", "2"][..], &c10d].concat()).unwrap();
+        assert_eq!(fixed.elastic.map(|e| (e.min, e.max)), Some((2, 2)));
+        let ranked = spec(&[&["--nnodes", "2", "--node-rank", "1"][..], &c10d].concat()).unwrap();
+        assert_eq!((ranked.elastic, ranked.node_rank), (None, 1));
         assert!(spec(&["--rdzv-backend", "etcd", "x.py"]).is_err());
         let s = spec(&[
             "--standalone",

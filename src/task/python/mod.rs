@@ -6,7 +6,7 @@ use pyo3::types::{PyList, PyModule, PyTuple};
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use tch::{Device, Kind, TchError, Tensor};
+use tch::{Device, TchError, Tensor};
 
 use super::{BuildContext, Built, Task};
 use crate::data::{DataSource, Dataset, Samples};
@@ -418,7 +418,8 @@ impl Samples for PythonSamples {
     fn batch(&self, positions: &[usize], _device: Device) -> Result<(Tensor, Tensor)> {
         let idx: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
         let x = Tensor::f_from_slice(&idx)?;
-        let y = Tensor::f_full([idx.len() as i64], self.split, (Kind::Int64, Device::Cpu))?;
+        // Not f_full: tch's scalar forms panic on an allocation failure.
+        let y = Tensor::f_from_slice(&vec![self.split; idx.len()])?;
         Ok((x, y))
     }
     /// With `loss_units` in the data file, its loss is a mean over those units (masked

@@ -64,7 +64,8 @@ impl<'a> Run<'a> {
             base_dir: &base,
             config_path: &cfg.path,
         };
-        let Built { mut task, data } = build(&ctx).map_err(|e| init_failure(e, cfg, device, "creating the model"))?;
+        let Built { mut task, data } =
+            task::build_with_weights(&ctx, build).map_err(|e| init_failure(e, cfg, device, "creating the model"))?;
         if c.model.activation_checkpointing == Some(ActivationCheckpointing::Blocks) {
             task.set_activation_checkpointing(true);
         }
