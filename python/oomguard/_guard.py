@@ -110,11 +110,12 @@ def _install_excepthook() -> None:
 
 def _optimizer_frame(tb) -> Optional[str]:
     """`file:line` of the innermost frame in torch.optim when the traceback passes through
-    an optimizer's step (and not through the guard)."""
+    an optimizer's step (and not through the guard's own, which says it itself; an
+    integration's frames, `oomguard.hf.Trainer.train`'s, do not count)."""
     found = None
     while tb is not None:
         path = tb.tb_frame.f_code.co_filename.replace(os.sep, "/")
-        if "/oomguard/" in path:
+        if path.endswith("/oomguard/_guard.py"):
             return None
         if "/torch/optim/" in path:
             found = f"{path.split('/torch/', 1)[1]}:{tb.tb_lineno}"

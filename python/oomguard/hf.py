@@ -51,6 +51,12 @@ def _refusal(args: Any, micro_batch_size: Optional[int]) -> Optional[str]:
             "the Trainer's FSDP (fsdp=...) is not served: its own step cannot be split; shard with FSDP2 "
             "(fully_shard) in your own loop, which the guard serves (docs/own-loop.md), or train without fsdp="
         )
+    if getattr(args, "n_gpu", 1) > 1:
+        return (
+            f"this process sees {args.n_gpu} GPUs, which the Trainer would drive with torch.nn.DataParallel (one "
+            "batch of per_device_train_batch_size x n_gpu rows); the guard serves one device a process: launch "
+            "one process a GPU (oomguard launch --nproc-per-node gpu train.py, or torchrun), or set CUDA_VISIBLE_DEVICES"
+        )
     if micro_batch_size is not None and args.gradient_accumulation_steps > 1:
         return (
             f"gradient accumulation set on both sides: gradient_accumulation_steps={args.gradient_accumulation_steps} "
@@ -87,8 +93,22 @@ class Trainer(transformers.Trainer):
         else:
             kw["args"] = args
         super().__init__(*a, **kw)
+        # DeepSpeed or FSDP from Accelerate's config (accelerate launch --config_file),
+        # which TrainingArguments' own fields do not show.
+        if getattr(self, "is_deepspeed_enabled", False):
+            raise ValueError(
+                "oomguard.hf.Trainer: DeepSpeed is on (accelerate's config or ACCELERATE_USE_DEEPSPEED): its engine runs "
+                "its own backward and step, which the guard cannot split; launch without DeepSpeed"
+            )
+        if getattr(self, "is_fsdp_enabled", False):
+            raise ValueError(
+                "oomguard.hf.Trainer: the Trainer's FSDP is on (accelerate's config or ACCELERATE_USE_FSDP): its own step "
+                "cannot be split; shard with FSDP2 (fully_shard) in your own loop, which the guard serves (docs/own-loop.md)"
+            )
         self._oomguard_honours: Optional[bool] = None
         self._oomguard_options = dict(oomguard or {})
+        # The user's word on compute_loss's normalisation (else probed: `_honours_count`).
+        self._oomguard_normalised: Optional[bool] = self._oomguard_options.pop("loss_normalised", None)
         self._oomguard_resume: Optional[str] = None
         self.guard: Optional[Guard] = None
 
@@ -184,24 +204,44 @@ class Trainer(transformers.Trainer):
     def _honours_count(self, model: Any, inputs: Any, count: Any) -> bool:
         """Whether `compute_loss` divides by `num_items_in_batch` (else it is a mean of its
         own, which the Trainer still sums unscaled): one row's loss at the count and at twice
-        it, once a run, in eval mode with the RNG put back. Unsure (a row with no labels, an
-        error): yes, the models' own causal-LM losses do."""
+        it, once a run, in eval mode with the RNG put back, each call on its own copy of the
+        row (`compute_loss` pops `labels` when a `compute_loss_func` or label smoother is set).
+        The share of the loss that halves with a doubled count decides: about a half, a count
+        divides it (an auxiliary term on top, a router's loss, leaves less); about none, a
+        mean. `oomguard=dict(loss_normalised=True/False)` says it instead. Unsure (a row with
+        no labels, an error): yes, the models' own causal-LM losses do, with a warning."""
+        if self._oomguard_normalised is not None:
+            return bool(self._oomguard_normalised)
         if self._oomguard_honours is None:
             self._oomguard_honours = True
             was = model.training
             devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+            why = None
             try:
                 with torch.random.fork_rng(devices=devices), torch.no_grad(), self.compute_loss_context_manager():
                     model.eval()
-                    row = Rows(inputs).take(0, 1)
-                    a = self.compute_loss(model, row, num_items_in_batch=count).float()
-                    b = self.compute_loss(model, row, num_items_in_batch=count * 2).float()
+                    a = self.compute_loss(model, Rows(inputs).take(0, 1), num_items_in_batch=count).float()
+                    b = self.compute_loss(model, Rows(inputs).take(0, 1), num_items_in_batch=count * 2).float()
                 if torch.isfinite(a) and torch.isfinite(b) and a != 0:
-                    self._oomguard_honours = bool(torch.isclose(a, 2 * b, rtol=1e-3))
-            except Exception:  # noqa: BLE001 - the probe only informs; the step itself reports errors
-                pass
+                    share = float((a - b) / a)
+                    self._oomguard_honours = share > 0.25
+                    if 0.05 < share < 0.45 or share > 0.55 or share < -0.05:
+                        why = f"the loss at twice num_items_in_batch is {float(b):.6g} against {float(a):.6g}, neither a half nor the same"
+                else:
+                    why = f"the loss of one row was {float(a):.6g} (at twice the count {float(b):.6g})"
+            except Exception as e:  # noqa: BLE001 - the probe only informs; the step itself reports errors
+                why = f"{type(e).__name__}: {e}"
             finally:
                 model.train(was)
+            if why is not None:
+                import warnings
+
+                warnings.warn(
+                    "oomguard.hf.Trainer: cannot tell whether compute_loss divides by num_items_in_batch "
+                    f"({why}); taken as {'yes' if self._oomguard_honours else 'no'}. Say which with "
+                    "oomguard=dict(loss_normalised=True) (a sum over the step's count) or False (a mean of its own)",
+                    stacklevel=2,
+                )
         return self._oomguard_honours
 
     def log(self, logs: dict, *a: Any, **kw: Any) -> None:
@@ -229,7 +269,12 @@ class Trainer(transformers.Trainer):
             self.guard.close()
         self.guard, self._oomguard_honours = None, None
         self._oomguard_resume = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
-        return super().train(resume_from_checkpoint, *a, **kw)
+        try:
+            return super().train(resume_from_checkpoint, *a, **kw)
+        finally:
+            # The last step's record, held while its loss stayed on the device (CUDA).
+            if self.guard is not None:
+                self.guard._flush_pending()
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         super()._save_checkpoint(model, trial)

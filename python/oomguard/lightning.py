@@ -119,6 +119,21 @@ class GuardedModule(pl.LightningModule):
         if self.guard is not None and value is not None and not trainer.sanity_checking:
             self.guard.log_eval(float(value))
 
+    def on_train_end(self) -> None:
+        """The last step's record, held while its loss stayed on the device (CUDA), is
+        written. An override calls `super().on_train_end()`."""
+        if self.guard is not None:
+            self.guard._flush_pending()
+
+    def __getstate__(self) -> dict:
+        """A copy or a pickle (`copy.deepcopy`, `torch.save(module)`, StochasticWeightAveraging)
+        leaves the guard behind (its policy and open metrics file are this run's); the copy
+        makes its own at its first step."""
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        state = dict(state)
+        state["guard"], state["_oomguard_made_for"] = None, None
+        return state
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.guard is not None:
             checkpoint[CHECKPOINT_KEY] = self.guard.state_dict()

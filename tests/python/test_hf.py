@@ -143,7 +143,7 @@ def tiny(kind: str):
     return transformers.GPT2ForSequenceClassification(cfg).double()
 
 
-def in_process(monkeypatch, tmp_path, trainer_cls, kind: str, oom=None, model_init=False, trains=1):
+def in_process(monkeypatch, tmp_path, trainer_cls, kind: str, oom=None, model_init=False, trains=1, **trainer_kw):
     import oomguard.hf
 
     guarded = issubclass(trainer_cls, oomguard.hf.Trainer)
@@ -158,7 +158,7 @@ def in_process(monkeypatch, tmp_path, trainer_cls, kind: str, oom=None, model_in
     )
     model = dict(model_init=lambda: tiny(kind)) if model_init else dict(model=tiny(kind))
     extra = {"oomguard": {"verbose": False, "cache": False}} if guarded else {}
-    t = trainer_cls(args=args, train_dataset=Rows64(kind), **model, **extra)
+    t = trainer_cls(args=args, train_dataset=Rows64(kind), **model, **extra, **trainer_kw)
     for _ in range(trains):
         t.train()
     return t, [p.detach().clone() for p in t.model.parameters()], losses(t.state.log_history)
@@ -202,6 +202,34 @@ def test_a_compute_loss_declared_unscaled_is_divided_as_the_plain_trainer_divide
     assert t.guard.oom_count == 1
     assert max_diff(got, want) < 1e-12
     assert max(abs(a - b) for a, b in zip(got_losses, want_losses)) < 1e-5, (got_losses, want_losses)
+
+
+def test_a_compute_loss_func_that_ignores_the_count_is_weighed_as_the_plain_trainer_weighs_it(monkeypatch, tmp_path):
+    # Trainer(compute_loss_func=...) pops `labels` from the batch it is given: the guard's
+    # probe of the loss's normalisation must give each call its own row, or the second sees
+    # no labels, fails, and a per-batch mean is taken for a sum (gradients x2 after the OOM).
+    import torch.nn.functional as F
+
+    import oomguard.hf
+
+    def mean_of_the_batch(out, labels, num_items_in_batch=None):
+        return F.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+
+    # ... and a sum over the step's count with a small term of its own on top (a router's
+    # loss): still a sum, not a mean.
+    def summed_with_a_term(out, labels, num_items_in_batch=None):
+        ce = F.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), reduction="sum")
+        return ce / num_items_in_batch + 1e-4 * out.logits.square().mean()
+
+    for fn, normalised in ((mean_of_the_batch, False), (summed_with_a_term, True)):
+        _, want, want_losses = in_process(monkeypatch, tmp_path, transformers.Trainer, "lm", compute_loss_func=fn)
+        t, got, got_losses = in_process(
+            monkeypatch, tmp_path, oomguard.hf.Trainer, "lm", oom="0:1:forward", compute_loss_func=fn
+        )
+        assert t.guard.oom_count == 1 and t._oomguard_honours is normalised, fn.__name__
+        if not normalised:
+            assert max_diff(got, want) < 1e-12
+            assert max(abs(a - b) for a, b in zip(got_losses, want_losses)) < 1e-5, (got_losses, want_losses)
 
 
 def test_each_train_call_guards_the_model_it_trains(monkeypatch, tmp_path):

@@ -100,6 +100,15 @@ def test_one_process_hooks_after_backward_and_a_module_fit_again_from_a_checkpoi
     fit(again, 1)  # its guard made, at 32
     fit(again, 4, ckpt=str(tmp_path / "last.ckpt"))
     assert again.guard.micro_batch_size == 16 and again.guard.step == 4
+    # A module fit once copies (StochasticWeightAveraging deepcopies it); the copy makes its
+    # own guard at its first step, the original keeps its.
+    import copy
+
+    twin = copy.deepcopy(again)
+    assert twin.guard is None and again.guard.step == 4
+    assert max_diff(list(twin.parameters()), list(again.parameters())) == 0
+    fit(twin, 1)
+    assert twin.guard is not again.guard and twin.guard.step == 1
 
 
 def test_batches_that_vary_in_rows_fit_under_the_loaders_or_the_declared_batch_size(tmp_path):
