@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import secrets
+import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
@@ -26,7 +27,8 @@ import torch
 from ._memory import forget, oom_of
 from ._native import Exchange, agreed, vote
 
-# How long a rank waits for its neighbours when the exchange connects (at `Guard(...)`).
+# How long a rank waits for its neighbours when the exchange connects (at `Guard(...)`);
+# each vote then waits as long as the process group's collectives (`_group_timeout`).
 EXCHANGE_TIMEOUT_S = 300.0
 _GUARDS = 0  # guards made with an exchange in this process: each rendezvous has its own keys
 
@@ -85,6 +87,15 @@ class Unsupported(RuntimeError):
 # The guard whose attempt is running in this process (one at a time: its thread is inside
 # `backward`, `step` or `evaluate`; autograd's threads run its hooks meanwhile).
 _ACTIVE: Optional["Ranks"] = None
+
+
+def _attempts(ranks: "Ranks") -> bool:
+    """Whether a collective called now belongs to the running attempt: called on the thread
+    that runs it, or on one of libtorch's own threads (autograd's engine, running FSDP2's
+    and DDP's backward hooks), which Python sees as dummy threads. A thread of Python's
+    own (a checkpoint saved in the background, `dcp.async_save`) is not the attempt's: its
+    collectives pass as they are, neither voted on nor refused."""
+    return threading.get_ident() == ranks.thread or isinstance(threading.current_thread(), threading._DummyThread)
 _ORIGINAL: Dict[str, Callable] = {}
 
 
@@ -115,7 +126,7 @@ def _checkpointed(name: str, fn: Callable) -> Callable:
     @functools.wraps(fn)
     def collective(*args: Any, **kwargs: Any) -> Any:
         ranks = _ACTIVE
-        if ranks is None or ranks.voting or ranks.inside:
+        if ranks is None or ranks.voting or ranks.inside or not _attempts(ranks):
             return fn(*args, **kwargs)
         if ranks.probe:
             _probe(args, kwargs)
@@ -150,7 +161,7 @@ def _probe(args: tuple, kwargs: dict) -> None:
 def _refused(name: str, fn: Callable) -> Callable:
     @functools.wraps(fn)
     def p2p(*args: Any, **kwargs: Any) -> Any:
-        if _ACTIVE is not None:
+        if _ACTIVE is not None and _attempts(_ACTIVE):
             raise Unsupported(
                 f"torch.distributed.{name} ran inside the guarded step: point-to-point messages (pipeline "
                 "stages) are not supported, since a rank that ran out of memory could leave its peer waiting. "
@@ -160,6 +171,21 @@ def _refused(name: str, fn: Callable) -> Callable:
 
     p2p.__oomguard_original__ = fn  # type: ignore[attr-defined]
     return p2p
+
+
+def _group_timeout(dist: Any, pg: Any) -> float:
+    """The seconds `pg`'s collectives wait (`init_process_group(timeout=...)`, else torch's
+    default for its backend), read from its backend's options; torch's default for Gloo
+    (30 minutes) where they do not say."""
+    group = pg if pg is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            seconds = group._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except Exception:  # noqa: BLE001 - no backend for that device, or no options to read
+            continue
+        if seconds > 0:
+            return float(seconds)
+    return float(dist.distributed_c10d.default_pg_timeout.total_seconds())
 
 
 class Ranks:
@@ -186,6 +212,7 @@ class Ranks:
         self.voting = False
         self.inside = False
         self.solo = False
+        self.thread = threading.get_ident()  # the running attempt's (`_Attempt`)
         self.probe = False  # set while the process runs under an address-space limit
         self.checkpoints = 0
         self.checkpoint_s = 0.0
@@ -216,7 +243,11 @@ class Ranks:
         token = os.environ.get("OOMGUARD_RUN_TOKEN")
         if not token:
             token = share("token", secrets.token_hex(16).encode() if self.rank == 0 else None).decode()
-        return Exchange(self.rank, self.world, addr, token, EXCHANGE_TIMEOUT_S, share)
+        exchange = Exchange(self.rank, self.world, addr, token, EXCHANGE_TIMEOUT_S, share)
+        # A vote waits as long as the group's own collectives would (init_process_group's
+        # timeout): a rank saving or evaluating alone between steps is waited for.
+        exchange.set_timeout(_group_timeout(dist, self.pg))
+        return exchange
 
     def _agreement_group(self, pg: Any, device: torch.device):
         """Where votes go: a Gloo group and a CPU tensor when the job has one (no device
@@ -299,12 +330,14 @@ class _Attempt:
         global _ACTIVE
         self.previous = _ACTIVE
         _ACTIVE = self.ranks
+        self.previous_thread, self.ranks.thread = self.ranks.thread, threading.get_ident()
         self.ranks._inject = self.injector
         self.ranks.solo = self.solo
 
     def __exit__(self, *exc: Any) -> None:
         global _ACTIVE
         _ACTIVE = self.previous
+        self.ranks.thread = self.previous_thread
         self.ranks._inject = None
         self.ranks.solo = False
 

@@ -162,6 +162,18 @@ impl Exchange {
         })
     }
 
+    /// How long each exchange from here on waits for a neighbour, in seconds (the connecting
+    /// had `timeout_s`).
+    fn set_timeout(&self, timeout_s: f64) -> PyResult<()> {
+        let x = self
+            .inner
+            .lock()
+            .map_err(|_| pyo3::exceptions::PyRuntimeError::new_err("the exchange's lock is poisoned"))?;
+        let t = std::time::Duration::try_from_secs_f64(timeout_s)
+            .map_err(|_| pyo3::exceptions::PyValueError::new_err(format!("{timeout_s} is not a number of seconds")))?;
+        x.set_timeout(t).map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.0))
+    }
+
     /// Every rank's `values`, maximised element-wise (the GIL released meanwhile). Raises
     /// when a rank is gone or the ranks are at different exchanges (named).
     fn max(&self, py: Python<'_>, values: Vec<f64>) -> PyResult<Vec<f64>> {

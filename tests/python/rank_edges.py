@@ -9,6 +9,7 @@ import argparse
 import copy
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -252,11 +253,90 @@ def comm_hook() -> None:
     print(f"diff comm-hook {(got - want).abs().max().item():.3e}", flush=True)
 
 
+CHATTER = 400
+
+
+def background() -> None:
+    """A thread of the user's own runs collectives on a group of its own (as `dcp.async_save`
+    does) all through three guarded DDP steps, one of them redone after an OOM on rank 1: its
+    collectives are not the attempt's, so they pass unvoted, and the steps equal plain DDP's."""
+    import threading
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    plain = copy.deepcopy(net)
+    ddp, plain_ddp = torch.nn.parallel.DistributedDataParallel(net), torch.nn.parallel.DistributedDataParallel(plain)
+    g = guard(ddp, 8, 8)
+    side = dist.new_group(backend="gloo")
+    sums: list = []
+
+    def chatter() -> None:
+        # As many on each rank, so that every one is matched, spanning the steps.
+        for _ in range(CHATTER):
+            t = torch.ones(1)
+            HELD.append(t)
+            dist.all_reduce(t, group=side)
+            sums.append(t.item())
+            time.sleep(0.001)
+
+    def slow(b):
+        time.sleep(0.03)  # an attempt long enough for the thread's collectives to land in it
+        return F.mse_loss(ddp(b[0]), b[1])
+
+    th = threading.Thread(target=chatter)
+    th.start()
+    opt, plain_opt = torch.optim.SGD(net.parameters(), lr=0.1), torch.optim.SGD(plain.parameters(), lr=0.1)
+    for step in range(3):
+        torch.manual_seed(10 * step + rank)
+        x, y = torch.randn(8, 4), torch.randn(8, 1)
+        g.backward((x, y), slow)
+        F.mse_loss(plain_ddp(x), y).backward()
+        for o in (opt, plain_opt):
+            o.step()
+            o.zero_grad()
+    overlapped = len(sums) < CHATTER  # the steps ended while the thread still ran
+    th.join()
+    got = torch.cat([p.detach().flatten() for p in net.parameters()])
+    want = torch.cat([p.detach().flatten() for p in plain.parameters()])
+    assert set(sums) == {float(dist.get_world_size())}, set(sums)
+    print(f"diff background {(got - want).abs().max().item():.3e} ooms {g.oom_count} overlapped {overlapped}", flush=True)
+
+
+def slow_rank() -> None:
+    """Rank 0 spends SLOW_S seconds alone between two steps (a save or an evaluation of its
+    own), while rank 1 waits in the next step's first vote: as long as the process group's
+    timeout, as a collective would. Prints `done` or `stopped TYPE: MESSAGE`, then exits
+    (a timed-out group cannot meet at a barrier)."""
+    import time
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 1)
+    ddp = torch.nn.parallel.DistributedDataParallel(net)
+    g = oomguard.Guard(ddp, global_batch_size=8, micro_batch_size=4, verbose=False, snapshot=False, cache=False)
+    step = lambda b: F.mse_loss(ddp(b[0]), b[1])  # noqa: E731
+    try:
+        g.backward((torch.randn(8, 4), torch.randn(8, 1)), step)
+        if rank == 0:
+            time.sleep(float(os.environ["SLOW_S"]))
+        g.backward((torch.randn(8, 4), torch.randn(8, 1)), step)
+        print(f"done {rank}", flush=True)
+    except Exception as e:  # noqa: BLE001 - what stopped it is the output
+        print(f"stopped {type(e).__name__}: {e}", flush=True)
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", required=True)
     case = ap.parse_args().case
-    dist.init_process_group("gloo")
+    import datetime
+
+    # The group's timeout, when the test sets one (else torch's default).
+    given = os.environ.get("PG_TIMEOUT_S")
+    dist.init_process_group("gloo", **({"timeout": datetime.timedelta(seconds=float(given))} if given else {}))
     {
         "units-ddp": lambda: units("ddp"),
         "units-fsdp": lambda: units("fsdp"),
@@ -268,6 +348,8 @@ def main() -> None:
         "nograd": nograd,
         "bad-first": bad_first,
         "comm-hook": comm_hook,
+        "slow-rank": slow_rank,
+        "background": background,
     }[case]()
     dist.barrier()
     dist.destroy_process_group()

@@ -83,6 +83,35 @@ def test_bad_input_on_one_rank_at_the_first_step_stops_both_and_the_next_step_ru
     assert len(d) == 2 and max(d) == 0.0, r.out
 
 
+def test_a_background_threads_collectives_pass_unvoted_through_an_oom(tmp_path):
+    r = run_ranks(tmp_path, "background", "--case", "background", script=EDGES, out_flag=False, timeout=120,
+                  extra_env={"OOMGUARD_TEST_OOM_AT": "1:1:backward"})
+    assert r.code == 0, r.out
+    found = re.findall(r"^diff background (\S+) ooms (\d+) overlapped (\w+)$", r.out, re.M)
+    assert len(found) == 2, r.out
+    assert all(float(d) < EXACT and ooms == "1" and over == "True" for d, ooms, over in found), found
+
+
+def test_a_rank_alone_between_steps_is_waited_for_as_long_as_the_groups_timeout(tmp_path):
+    """A vote waits what the process group's collectives wait (init_process_group's timeout),
+    not a fixed time of the guard's: a rank 6 s alone between steps is waited for under a
+    30 s timeout, and under a 2 s one the waiting rank stops, saying it timed out."""
+    import time
+
+    for timeout, ok in (("30", True), ("2", False)):
+        t0 = time.perf_counter()
+        r = run_ranks(tmp_path, f"slow-{timeout}", "--case", "slow-rank", script=EDGES, out_flag=False, timeout=120,
+                      extra_env={"PG_TIMEOUT_S": timeout, "SLOW_S": "6"})
+        took = time.perf_counter() - t0
+        assert r.code == 0, r.out
+        if ok:
+            assert sorted(re.findall(r"^done (\d)$", r.out, re.M)) == ["0", "1"], r.out
+        else:
+            stops = re.findall(r"^stopped (.*)$", r.out, re.M)
+            assert len(stops) == 2 and any("timed out" in s for s in stops), r.out
+            assert took < 30, took
+
+
 def test_optimizer_step_steps_with_the_guards_scaler():
     """Guard(scaler=s): `backward` scales by s, so `optimizer_step` must unscale by it too."""
     ends = []

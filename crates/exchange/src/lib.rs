@@ -176,6 +176,11 @@ impl Exchange {
         Ok(())
     }
 
+    /// How long each exchange waits for a neighbour from here on (`Channel::set_timeout`).
+    pub fn set_timeout(&self, timeout: Duration) -> Result<()> {
+        self.channel.set_timeout(timeout)
+    }
+
     /// Bytes this rank has sent and received on the channel so far.
     pub fn bytes_moved(&self) -> u64 {
         self.channel.moved.get()
@@ -229,7 +234,7 @@ fn io_error(what: String) -> impl Fn(std::io::Error) -> ExchangeError {
             | std::io::ErrorKind::ConnectionReset
             | std::io::ErrorKind::BrokenPipe => "the connection closed (that rank failed or exited)".to_string(),
             std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
-                "timed out (train.dist_timeout_s)".to_string()
+                "timed out (train.dist_timeout_s; under import oomguard, the process group's timeout)".to_string()
             }
             _ => e.to_string(),
         };
@@ -320,6 +325,18 @@ impl Channel {
             s.set_write_timeout(Some(timeout)).map_err(&setup)?;
         }
         Ok(ch)
+    }
+
+    /// How long an exchange waits for a neighbour from here on (`open`'s `timeout` was the
+    /// connecting's): at least a millisecond.
+    pub fn set_timeout(&self, timeout: Duration) -> Result<()> {
+        let timeout = timeout.max(Duration::from_millis(1));
+        let setup = io_error("the exchange's connection".into());
+        for s in self.streams() {
+            s.set_read_timeout(Some(timeout)).map_err(&setup)?;
+            s.set_write_timeout(Some(timeout)).map_err(&setup)?;
+        }
+        Ok(())
     }
 
     fn streams(&self) -> impl Iterator<Item = &TcpStream> {
