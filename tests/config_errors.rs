@@ -195,6 +195,19 @@ fn sizes_past_any_run_are_refused_by_key() {
     ] {
         fails_with("", &["--set", set], &[wants]);
     }
+    // Each within its bound, but together past any machine (the planner's sums would wrap).
+    fails_with(
+        "",
+        &[
+            "--set",
+            "model.n_layer=65536",
+            "--set",
+            "model.n_embd=1048576",
+            "--set",
+            "model.n_head=1",
+        ],
+        &["bad.yaml: model: n_layer x n_embd x block_size is 8796093022208, past any machine"],
+    );
     let dir = tempfile::tempdir().unwrap();
     let launch = ["launch", "--nproc-per-node", "100000", "--no-python", "/bin/true"];
     refused(

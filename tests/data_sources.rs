@@ -196,6 +196,16 @@ fn tensor_files_hold_samples_along_dim_0() {
         let err = Dataset::open(&cfg, dir.path(), gpt).err().unwrap().to_string();
         assert!(err.contains("d.safetensors") && err.contains(wants), "{err}");
     }
+    // Rows longer than the GPT's context: named at open, not libtorch's index error at a step.
+    let long = Tensor::arange(40 * 4, (Kind::Int64, Device::Cpu))
+        .view([40, 4])
+        .remainder(64);
+    Tensor::write_safetensors(&[("inputs", &long), ("targets", &long)], &path).unwrap();
+    let err = Dataset::open(&cfg, dir.path(), gpt).err().unwrap().to_string();
+    assert!(
+        err.contains("rows of `inputs` hold 4 tokens, past the GPT's context model.block_size 3"),
+        "{err}"
+    );
     let masked = targets.remainder(64).where_scalarother(&targets.fmod(2).ne(0), -100);
     Tensor::write_safetensors(&[("inputs", &ids), ("targets", &masked)], &path).unwrap();
     assert!(

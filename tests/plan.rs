@@ -53,6 +53,17 @@ fn planner_peak_within_20_percent_of_measured() {
         "accumulating: planned {planned} measured {measured} ({:.1}% off)",
         err * 100.0
     );
+    // Dropout on the CPU: attention runs unfused and keeps its scores (planned without
+    // them, 2.2x short at this shape), and each dropout keeps its mask.
+    for (i, (l, h, c, t, b)) in [(2, 4, 64, 128, 8), (3, 2, 48, 64, 6)].into_iter().enumerate() {
+        let yaml = shape_yaml(l, h, c, t, 256, b).replace("model: {", "model: {dropout: 0.1, ");
+        let (planned, measured, err) = planned_against_measured(dir.path(), &format!("dropout{i}"), &yaml);
+        assert!(
+            err < 0.2,
+            "dropout {i}: planned {planned} measured {measured} ({:.1}% off)",
+            err * 100.0
+        );
+    }
     // Activation checkpointing set in the config: planned with it (without, 2x too high).
     let yaml = shape_yaml(6, 2, 48, 96, 256, 6).replace("model: {", "model: {activation_checkpointing: blocks, ");
     let (planned, measured, err) = planned_against_measured(dir.path(), "ckpt", &yaml);
@@ -260,4 +271,14 @@ fn device_memory_by_size_or_by_card_is_the_same_plan() {
     };
     assert_eq!(plan("24GiB"), plan("L4"));
     assert_eq!(plan("24GiB").2, 0.1);
+    // A T4 has no native bf16: auto plans fp32 there, as train runs it; 16GiB by size, bf16.
+    let precision = |memory: &str| {
+        let o = oomguard(
+            &["plan", gpt2.to_str().unwrap(), "--device-memory", memory, "--json"],
+            dir.path(),
+        );
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["precision"].as_str().unwrap_or_default().to_string()
+    };
+    assert_eq!((precision("T4"), precision("16GiB")), ("fp32".into(), "bf16".into()));
 }

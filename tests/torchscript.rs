@@ -413,6 +413,14 @@ fn measured_planner_and_auto_micro_batch() {
     let plan: Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(plan["method"], "measured");
     let planned = plan["configured_peak_bytes"].as_f64().unwrap();
+    // Planned per rank for the built-in GPT only: said, not ignored.
+    let o = oomguard(&["plan", cfg.to_str().unwrap(), "--nproc-per-node", "2"], dir.path());
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("--nproc-per-node: plans each rank's share for the built-in GPT only; a torchscript model"),
+        "{}",
+        stderr(&o)
+    );
     let r = run(
         dir.path(),
         &cfg,

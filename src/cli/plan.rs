@@ -8,6 +8,7 @@ use crate::optim::AdamW;
 use crate::plan::{device_memory, measure, suggestions, Estimate, Precision, CUDA_OVERHEAD};
 use crate::task::{self, BuildContext};
 use crate::Error;
+use oomguard_host::memory::card_has_native_bf16;
 
 pub use oomguard_cli::PlanArgs;
 
@@ -33,7 +34,11 @@ fn plan(args: PlanArgs) -> anyhow::Result<()> {
         Some("fp32") => Precision::Fp32,
         Some("fp16") => Precision::Fp16,
         Some(_) => Precision::Bf16,
-        None if auto_on_a_card => Precision::Bf16,
+        // A card by name: bf16 where it runs natively (not a T4's); a bare size, bf16 assumed.
+        None if auto_on_a_card => match args.device_memory.as_deref().and_then(card_has_native_bf16) {
+            Some(false) => Precision::Fp32,
+            _ => Precision::Bf16,
+        },
         None => c.train.precision.resolve(device),
     };
     let (memory, cuda, what) = match &args.device_memory {
@@ -61,7 +66,20 @@ fn plan(args: PlanArgs) -> anyhow::Result<()> {
         None => return Err(plan_needs_memory(&cfg, "train.device", &format!("is {}", c.train.device)).into()),
     };
     if c.model.kind != ModelKind::Gpt {
-        return measured(&cfg, &args, memory, cuda, &what);
+        if args.nproc_per_node > 1 {
+            return Err(Error::Config(config::ConfigError {
+                origin: "--nproc-per-node".into(),
+                line_col: None,
+                key: String::new(),
+                message: format!(
+                    "plans each rank's share for the built-in GPT only; a {} model is measured in one process: leave \
+                     --nproc-per-node out (a rank of data parallel holds what one process does, with ZeRO sharding less)",
+                    format!("{:?}", c.model.kind).to_lowercase()
+                ),
+            })
+            .into());
+        }
+        return measured(&cfg, &args, memory, cuda, &what, precision);
     }
     let model = c.model.gpt();
     // The buckets a run of this config would make (data parallel).
@@ -204,7 +222,14 @@ fn per_rank(args: &PlanArgs, estimate: &Estimate, memory: u64, global: usize, wh
 
 /// A model without a formula: measured by trial steps (on the CPU, or the config's GPU
 /// where there is one), a line fitted, extrapolated to `memory`.
-fn measured(cfg: &Config, args: &PlanArgs, memory: u64, cuda: bool, what: &str) -> anyhow::Result<()> {
+fn measured(
+    cfg: &Config,
+    args: &PlanArgs,
+    memory: u64,
+    cuda: bool,
+    what: &str,
+    precision: Precision,
+) -> anyhow::Result<()> {
     let c = &cfg.raw;
     let device = if c.train.device().is_cuda() {
         c.train.device()
@@ -227,7 +252,7 @@ fn measured(cfg: &Config, args: &PlanArgs, memory: u64, cuda: bool, what: &str) 
     let global = c.train.global_batch_size();
     let batches = StepSamples::new(data.train.as_ref(), c.train.seed, global, device);
     let amp = crate::precision::Amp {
-        precision: c.train.precision.resolve(device),
+        precision,
         device,
         loss_scale: None,
     };
@@ -238,6 +263,10 @@ fn measured(cfg: &Config, args: &PlanArgs, memory: u64, cuda: bool, what: &str) 
         );
     };
     profile.allocator_overhead = if cuda { CUDA_OVERHEAD } else { 0.0 };
+    if cuda && !device.is_cuda() {
+        // Measured on the CPU for a card: cuBLAS's workspaces there, which the CPU has none of.
+        profile.fixed_bytes += crate::plan::CUDA_WORKSPACES;
+    }
     let fit = profile.largest_fitting(memory, global);
     let configured = match c.train.micro_batch_size {
         crate::train::MicroBatch::Size(m) => Some(m),
@@ -245,7 +274,7 @@ fn measured(cfg: &Config, args: &PlanArgs, memory: u64, cuda: bool, what: &str) 
     };
     if args.json {
         let report = serde_json::json!({
-            "method": "measured", "memory_bytes": memory, "global_batch_size": global,
+            "method": "measured", "memory_bytes": memory, "precision": precision, "global_batch_size": global,
             "largest_micro_batch_size": fit, "grad_accum_steps": if fit > 0 { Some(global.div_ceil(fit)) } else { None },
             "peak_bytes_at": fit.max(1), "peak_bytes": profile.peak(fit.max(1)),
             "configured_peak_bytes": configured.map(|m| profile.peak(m)), "profile": profile,
@@ -253,7 +282,7 @@ fn measured(cfg: &Config, args: &PlanArgs, memory: u64, cuda: bool, what: &str) 
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         println!(
-            "{} ({}), measured on {device:?}, against {} ({what}):",
+            "{} ({}), measured on {device:?} in {precision:?}, against {} ({what}):",
             args.config.display(),
             t.describe(),
             human_bytes(memory)

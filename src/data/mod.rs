@@ -212,7 +212,8 @@ impl Dataset {
     pub fn open(cfg: &DataConfig, base: &Path, shape: Option<TokenShape>) -> Result<Dataset> {
         let path = cfg.resolved_path(base).unwrap_or_default();
         if cfg.source == DataSource::Tensors {
-            return tensors::open(&path, cfg.val_fraction, shape.and_then(|s| s.vocab_size));
+            let gpt = shape.and_then(|s| Some((s.vocab_size?, s.block_size as i64)));
+            return tensors::open(&path, cfg.val_fraction, gpt);
         }
         if cfg.source == DataSource::Python {
             return Err(

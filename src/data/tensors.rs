@@ -44,9 +44,10 @@ impl Samples for Rows {
     }
 }
 
-/// `vocab`: the GPT's vocabulary, which token ids (inputs, and targets other than the
-/// ignored -100) must fall in.
-pub(super) fn open(path: &Path, val_fraction: f64, vocab: Option<i64>) -> Result<Dataset> {
+/// `gpt`: the GPT's vocabulary, which token ids (inputs, and targets other than the ignored
+/// -100) must fall in, and its context, which a row of `inputs` must fit.
+pub(super) fn open(path: &Path, val_fraction: f64, gpt: Option<(i64, i64)>) -> Result<Dataset> {
+    let vocab = gpt.map(|(v, _)| v);
     let bad = |why: String| Error::Data(format!("{}: {why}", path.display()));
     let named = Tensor::read_safetensors(path).map_err(|e| match Error::from(e) {
         Error::Oom(o) => Error::Oom(o), // too big for the memory: the caller says so (exit 3)
@@ -66,6 +67,15 @@ pub(super) fn open(path: &Path, val_fraction: f64, vocab: Option<i64>) -> Result
             inputs.size(),
             targets.size()
         )));
+    }
+    if let Some((_, block)) = gpt {
+        let len = inputs.size().get(1).copied().unwrap_or(1);
+        if len > block {
+            return Err(bad(format!(
+                "rows of `inputs` hold {len} tokens, past the GPT's context model.block_size {block}: cut them to \
+                 {block} or fewer, or raise model.block_size"
+            )));
+        }
     }
     let n = rows(&inputs);
     let n_val = ((n as f64) * val_fraction).round() as i64;

@@ -63,6 +63,26 @@ impl GptConfig {
                 return Err(ConfigError::invalid(key, format!("is {v}; it must be at most {most}")));
             }
         }
+        // Together, too: each within its bound, their products could still wrap the planner's
+        // byte counts. Far past any machine (GPT-3's are near 2^31 and 2^38).
+        let volume = self.n_layer as i128 * self.n_embd as i128 * self.block_size as i128;
+        if volume > 1 << 40 {
+            return Err(ConfigError::invalid(
+                "model",
+                format!(
+                    "n_layer x n_embd x block_size is {volume}, past any machine (at most 2^40): a smaller model, or a shorter block_size"
+                ),
+            ));
+        }
+        if self.num_params() > 1 << 44 {
+            return Err(ConfigError::invalid(
+                "model",
+                format!(
+                    "has {} parameters, past any machine (at most 2^44): a smaller model",
+                    self.num_params()
+                ),
+            ));
+        }
         if self.n_embd % self.n_head != 0 {
             return Err(ConfigError::invalid(
                 "model.n_embd",

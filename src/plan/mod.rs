@@ -37,6 +37,11 @@ pub struct Estimate {
     /// Fused attention (flash / memory-efficient, as oomguard uses) keeps no B*H*T*T
     /// scores; this is what materialised scores would take, per sample and layer.
     pub attention_scores_if_materialized_per_sample: u64,
+    /// What attention keeps of the scores, per sample and layer (in the activations'
+    /// term): none when fused; with `model.dropout` on the CPU, whose fused kernel takes no
+    /// dropout, the math path keeps three (softmax's output, the dropout mask, the dropped
+    /// weights: measured 2.9-3.1 on four shapes).
+    pub attention_scores_kept_per_sample: u64,
     /// `model.loss`, and its logits term: per sample, and what does not scale with the
     /// micro-batch (the fused head's weight gradient and smallest chunk).
     pub loss: LossKind,
@@ -296,13 +301,27 @@ impl Estimate {
             LossKind::Fused => LossKind::Full,
             LossKind::Full => LossKind::Fused,
         };
+        // Dropout in training: the math path's scores on the CPU (above), and each of a
+        // block's two residual dropouts and the embeddings' keeps its mask (the CPU's in the
+        // activations' type, measured: 8 bytes a token per n_embd per layer in fp32; CUDA's
+        // as bytes).
+        let dropout = m.dropout > 0.0;
+        let scores_kept = if dropout && !cuda { 3.0 * h * t * t * a } else { 0.0 };
+        let mask = match (dropout, cuda) {
+            (false, _) => 0.0,
+            (true, false) => a,
+            (true, true) => 1.0,
+        };
         Estimate {
             num_params: p,
             params_bytes: 4 * p,
             grads_bytes: 4 * p,
             optimizer_bytes: 8 * p,
-            activations_per_layer_per_sample: (((ACT_PER_LAYER - F32_PER_LAYER) * a + F32_PER_LAYER * 4.0) * t * c)
-                as u64,
+            activations_per_layer_per_sample: (((ACT_PER_LAYER - F32_PER_LAYER) * a + F32_PER_LAYER * 4.0 + 2.0 * mask)
+                * t
+                * c
+                + scores_kept) as u64,
+            attention_scores_kept_per_sample: scores_kept as u64,
             n_layer: m.n_layer as u64,
             cast_weights_bytes: if precision == Precision::Fp32 {
                 0
@@ -316,7 +335,7 @@ impl Estimate {
             other_loss: other,
             other_logits_per_sample: terms(other).0,
             other_logits_fixed_bytes: terms(other).1,
-            embeddings_per_sample: (EMBED * t * c * a) as u64,
+            embeddings_per_sample: ((EMBED * a + mask) * t * c) as u64,
             allocator_overhead: if cuda { CUDA_OVERHEAD } else { 0.0 },
             workspace_bytes: if cuda { CUDA_WORKSPACES } else { 0 },
             activation_checkpointing: false,
@@ -423,10 +442,16 @@ impl Estimate {
             ),
             (
                 "attention scores".into(),
-                format!(
-                    "0 (fused attention; {} per layer if materialised)",
-                    human_bytes(self.attention_scores_if_materialized_per_sample * b)
-                ),
+                match self.attention_scores_kept_per_sample {
+                    0 => format!(
+                        "0 (fused attention; {} per layer if materialised)",
+                        human_bytes(self.attention_scores_if_materialized_per_sample * b)
+                    ),
+                    kept => format!(
+                        "{} per layer, in the activations (dropout on the CPU: not fused)",
+                        human_bytes(kept * b)
+                    ),
+                },
             ),
             (logits_label(self.loss), human_bytes(self.logits_at(micro))),
             (

@@ -85,8 +85,9 @@ pub struct PlanArgs {
     #[arg(long, value_name = "SIZE|CARD")]
     pub device_memory: Option<String>,
     /// Precision to plan for: fp32, or bf16/fp16 (activations at half size but the residual stream). Default: what
-    /// train would run, train.precision on the planned device (auto: bf16 on a GPU given by
-    /// --device-memory or an Ampere or newer one here, else fp32).
+    /// train would run, train.precision on the planned device (auto: bf16 on a card
+    /// --device-memory names that runs it natively, not a T4, or given by size, or on an
+    /// Ampere or newer GPU here; else fp32).
     #[arg(long, value_parser = ["fp32", "bf16", "fp16"])]
     pub precision: Option<String>,
     /// Data-parallel ranks: also plan each `train.shard` stage per rank (none, optimizer,

@@ -37,6 +37,17 @@ pub fn device_memory(text: &str) -> Option<u64> {
     card.map(|g| g * GIB).or_else(|| parse_size(text))
 }
 
+/// Whether the card `text` names runs bf16 natively (Ampere or newer: not a T4); None for a
+/// bare size, which names no card.
+pub fn card_has_native_bf16(text: &str) -> Option<bool> {
+    let name = text.to_ascii_uppercase().replace(['-', '_', ' '], "");
+    match name.as_str() {
+        "T4" => Some(false),
+        _ if parse_size(text).is_none() && device_memory(text).is_some() => Some(true),
+        _ => None,
+    }
+}
+
 /// One cgroup between the process and the top: its limit (if any) and what it uses.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Level {
