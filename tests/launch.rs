@@ -297,6 +297,95 @@ fn micro_batch_printed_on_stdout_is_halved_after_an_oom() {
     assert!(out.contains("micro_batch_size=64"), "{out}");
 }
 
+/// A worker that grew back past the launcher's micro-batch and then died of an OOM there is
+/// relaunched at half the size it last reported, not half the one the launcher set.
+#[test]
+fn an_oom_after_growing_back_halves_the_size_reported_last() {
+    let o = launcher(&[
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.05",
+        &script("oom_grew.py"),
+    ])
+    .env("OOMGUARD_MICRO_BATCH_SIZE", "8")
+    .output()
+    .unwrap();
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(err.contains("relaunching with OOMGUARD_MICRO_BATCH_SIZE=16"), "{err}");
+    assert!(out.contains("oomguard: micro_batch_size=16\n"), "{out}");
+}
+
+/// A memory cgroup of `limit` bytes under this process's own, as (its folder, the file a
+/// process joins it through); None where this process cannot make one (not root, no memory
+/// controller).
+fn memory_cgroup(limit: u64) -> Option<(std::path::PathBuf, std::path::PathBuf)> {
+    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let name = format!("oomguard-test-{}", std::process::id());
+    // cgroup v1's memory controller, else v2's (where memory is delegated to children).
+    if let Some(path) = own
+        .lines()
+        .find_map(|l| l.split_once(":memory:").map(|(_, p)| p.to_string()))
+    {
+        let dir = std::path::Path::new("/sys/fs/cgroup/memory")
+            .join(path.trim_start_matches('/'))
+            .join(name);
+        std::fs::create_dir(&dir).ok()?;
+        if std::fs::write(dir.join("memory.limit_in_bytes"), limit.to_string()).is_err() {
+            let _ = std::fs::remove_dir(&dir);
+            return None;
+        }
+        return Some((dir.clone(), dir.join("tasks")));
+    }
+    let path = own.lines().find_map(|l| l.strip_prefix("0::"))?;
+    let parent = std::path::Path::new("/sys/fs/cgroup").join(path.trim_start_matches('/'));
+    if !std::fs::read_to_string(parent.join("cgroup.subtree_control"))
+        .ok()?
+        .contains("memory")
+    {
+        return None;
+    }
+    let dir = parent.join(name);
+    std::fs::create_dir(&dir).ok()?;
+    if std::fs::write(dir.join("memory.max"), limit.to_string()).is_err() {
+        let _ = std::fs::remove_dir(&dir);
+        return None;
+    }
+    Some((dir.clone(), dir.join("cgroup.procs")))
+}
+
+/// A worker the kernel's OOM killer kills (its cgroup's limit: no message, only SIGKILL) is
+/// an out-of-memory death: relaunched at half its micro-batch, not as a crash at the same
+/// size. Needs a memory cgroup this test can make (root, as CI runs).
+#[test]
+fn a_worker_the_kernels_oom_killer_kills_is_relaunched_at_half_the_micro_batch() {
+    let Some((dir, tasks)) = memory_cgroup(64 << 20) else {
+        eprintln!("skipped: no memory cgroup can be made here (not root, or no memory controller)");
+        return;
+    };
+    let o = launcher(&[
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.05",
+        &script("oom_killed.py"),
+    ])
+    .env("OOMGUARD_MICRO_BATCH_SIZE", "16")
+    .env("OOMTEST_TASKS", &tasks)
+    .output()
+    .unwrap();
+    let _ = std::fs::remove_dir(&dir);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(err.contains("was killed by the kernel's OOM killer"), "{err}");
+    assert!(err.contains("relaunching with OOMGUARD_MICRO_BATCH_SIZE=8"), "{err}");
+    assert!(
+        out.contains("oomguard: micro_batch_size=8\n") && out.contains("fits"),
+        "{out}"
+    );
+}
+
 /// Processes whose environment holds OOMGUARD_TEST_MARKER=`marker` (inherited by the
 /// launcher, its workers and theirs).
 fn processes_with(marker: &str) -> Vec<u32> {
@@ -475,8 +564,9 @@ memory: {guard: false, budget: 1275000}
         .all(|s| s["micro_batch_size"].as_u64().unwrap() <= 4 && s["num_samples"] == 16));
 }
 
-/// A worker that recovered from an OOM (its traceback printed) and later failed for another
-/// reason is relaunched at the same micro-batch: only the error that ended it counts.
+/// A worker that recovered from an OOM (its traceback printed, 16 -> 8) and later failed
+/// for another reason is relaunched at the micro-batch it was running at, not half of it:
+/// only the error that ended it counts.
 #[test]
 fn a_recovered_oom_then_another_crash_restarts_at_the_same_micro_batch() {
     let o = launcher(&[
@@ -491,11 +581,12 @@ fn a_recovered_oom_then_another_crash_restarts_at_the_same_micro_batch() {
     .unwrap();
     let (out, err) = text(&o);
     assert!(o.status.success(), "{out}\n{err}");
-    assert!(out.contains("attempt 1 micro_batch_size=16"), "{out}\n{err}");
+    assert!(out.contains("attempt 1 micro_batch_size=8"), "{out}\n{err}");
     assert!(
         err.contains("restarting the group (1/2)")
             && !err.contains("out of memory; restarting")
-            && !err.contains("relaunching with"),
+            && err.contains("relaunching with OOMGUARD_MICRO_BATCH_SIZE=8")
+            && !err.contains("OOMGUARD_MICRO_BATCH_SIZE=4"),
         "{err}"
     );
 }

@@ -18,6 +18,19 @@ pub fn spawn_shimmed(cmd: &mut Command) -> std::io::Result<Child> {
     cmd.spawn()
 }
 
+/// The kernel's OOM kills so far, on this host (`/proc/vmstat`'s `oom_kill`: a cgroup's
+/// limit or the machine's memory run out; Linux 4.13 and later). None where it cannot tell.
+pub fn kernel_oom_kills() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/vmstat").ok()?;
+    parse_oom_kills(&text)
+}
+
+fn parse_oom_kills(vmstat: &str) -> Option<u64> {
+    vmstat
+        .lines()
+        .find_map(|l| l.strip_prefix("oom_kill ")?.trim().parse().ok())
+}
+
 /// Sends `sig` to the process group `child` leads.
 pub fn signal_group(child: &Child, sig: i32) {
     // SAFETY: a plain syscall.
@@ -129,5 +142,17 @@ fn shim(parent: i32) -> std::io::Result<()> {
             }
             // A signal from the parent to the whole group reached the worker too: wait on.
         }
+    }
+}
+
+#[cfg(test)]
+mod oom_kill_tests {
+    use super::parse_oom_kills;
+
+    #[test]
+    fn the_kernels_oom_kills_are_read_from_vmstat() {
+        assert_eq!(parse_oom_kills("pgfault 12\noom_kill 3\nnr_free_pages 9\n"), Some(3));
+        assert_eq!(parse_oom_kills("oom_kill_disable 0\n"), None);
+        assert_eq!(parse_oom_kills(""), None);
     }
 }

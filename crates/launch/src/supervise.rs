@@ -13,7 +13,7 @@ use super::output::{pump, Sink, Tail};
 use super::LaunchError as Error;
 use super::{worker_env, LaunchSpec, Micro, Streams};
 use oomguard_host::oom::classify_oom;
-use oomguard_host::proc::Signals;
+use oomguard_host::proc::{kernel_oom_kills as oom_kills, Signals};
 
 /// How often an attempt is started again on another port when the one the launcher chose was
 /// taken before its store listened (`free_port` makes that rare: this is for the rest).
@@ -37,6 +37,9 @@ struct Failure {
     pid: u32,
     /// Exit code, or the negated signal number (as torchrun prints it).
     exitcode: i32,
+    /// The kernel's OOM killer killed a process of this host while the attempt ran
+    /// (`kernel_oom_kills` rose), set once the attempt has ended.
+    oom_killed: bool,
     time: SystemTime,
     error_file: PathBuf,
     error_message: Option<String>,
@@ -89,7 +92,14 @@ impl Failure {
     }
     fn is_oom(&self) -> bool {
         let text = self.final_error();
-        classify_oom(&text).is_some() || text.contains("MemoryError")
+        classify_oom(&text).is_some() || text.contains("MemoryError") || self.killed_for_memory()
+    }
+    /// Killed by the kernel's OOM killer (a cgroup's limit, the host's memory), which leaves
+    /// no message: SIGKILL, or a DataLoader worker killed so, while the kernel's count of
+    /// OOM kills rose.
+    fn killed_for_memory(&self) -> bool {
+        self.oom_killed
+            && (self.exitcode == -libc::SIGKILL || self.final_error().contains("is killed by signal: Killed"))
     }
     /// The micro-batch the worker reported (`micro_batch_size=N`, the last mention on
     /// stderr, else on stdout: Python's print writes to stdout).
@@ -234,6 +244,7 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
             spec.master_addr,
             micro.size.map(|m| format!(", micro-batch {m}")).unwrap_or_default()
         );
+        let kills = oom_kills();
         let next = match watch(
             &mut workers,
             spec.monitor_interval,
@@ -271,9 +282,19 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
                 );
                 continue;
             }
-            Outcome::Failed(f) => {
+            Outcome::Failed(mut f) => {
+                f.oom_killed = kills.is_some() && oom_kills() > kills;
+                if f.killed_for_memory() {
+                    tracing::warn!(
+                        "worker rank {} was killed by the kernel's OOM killer (/proc/vmstat oom_kill rose): out of host \
+                         or cgroup memory",
+                        f.rank
+                    );
+                }
                 let oom = f.is_oom();
-                let known = micro.size.or(f.reported_micro_batch());
+                // The size the worker said last (it may have grown back since it started),
+                // else the one this attempt was started at.
+                let known = f.reported_micro_batch().or(micro.size);
                 match group.failed(
                     attempt,
                     Report {
@@ -440,6 +461,7 @@ fn watch(workers: &mut [Worker], interval: Duration, grace: Duration, signals: &
                 pid: w.child.id(),
                 exitcode,
                 time,
+                oom_killed: false,
                 error_message: read_error_file(&w.error_file),
                 error_file: w.error_file.clone(),
                 // Its last lines may still be in the pipe when its exit is seen.
@@ -606,6 +628,7 @@ mod tests {
             rank: 1,
             pid: 1,
             exitcode,
+            oom_killed: false,
             time: SystemTime::now(),
             error_file: PathBuf::new(),
             error_message: None,
@@ -630,6 +653,7 @@ mod tests {
             rank,
             pid: 1,
             exitcode: 1,
+            oom_killed: false,
             time: SystemTime::now(),
             error_file: PathBuf::new(),
             error_message: Some(line.to_string()),
@@ -645,5 +669,27 @@ mod tests {
         assert!(!f(0, torch).lost_port(2102), "a number within another");
         assert!(!f(0, "OSError: [Errno 98] Address already in use (pid 210245)").lost_port(21024));
         assert_eq!(unranked("[rankx]: x"), "[rankx]: x");
+    }
+
+    /// SIGKILL, or a DataLoader's worker killed, is an OOM when the kernel's OOM kills rose
+    /// meanwhile; else it is not (a kill -9 of the user's, a crash).
+    #[test]
+    fn a_kill_is_an_oom_only_when_the_kernel_counted_one() {
+        let f = |exitcode, oom_killed, line: &str| Failure {
+            local_rank: 0,
+            rank: 0,
+            pid: 1,
+            exitcode,
+            oom_killed,
+            time: SystemTime::now(),
+            error_file: PathBuf::new(),
+            error_message: None,
+            stdout: vec![],
+            stderr: vec![line.to_string()],
+        };
+        let loader = "RuntimeError: DataLoader worker (pid 4242) is killed by signal: Killed.";
+        assert!(f(-9, true, "").is_oom() && f(1, true, loader).is_oom());
+        assert!(!f(-9, false, "").is_oom() && !f(1, false, loader).is_oom());
+        assert!(!f(-15, true, "").is_oom() && !f(1, true, "ValueError: bad").is_oom());
     }
 }
