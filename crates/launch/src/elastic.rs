@@ -216,6 +216,7 @@ mod tests {
             node: named,
             micro: Some(8),
             port: 4000 + named as u16,
+            nproc: 1,
             nonce: String::new(),
             proof: String::new(),
         })

@@ -57,6 +57,8 @@ pub struct Coordinator {
     last_call_at: Option<Instant>,
     /// Nodes in the round now running (elastic: for the next change's record).
     nodes_in_round: usize,
+    /// The workers a node runs, as the first node to say it said (every node's the same).
+    nproc: Option<usize>,
 }
 
 /// Who a reply goes to.
@@ -85,6 +87,7 @@ impl Coordinator {
             last_seen: BTreeMap::new(),
             last_call_at: None,
             nodes_in_round: nnodes,
+            nproc: None,
         }
     }
 
@@ -262,6 +265,16 @@ impl Coordinator {
                 "node rank {node} has already joined, or is not below --nnodes {}",
                 self.nnodes
             ));
+        }
+        match (self.nproc, h.nproc) {
+            (_, 0) => {}
+            (Some(n), m) if n != m => {
+                return refuse(format!(
+                    "this node runs {m} workers a node (--nproc-per-node) and the job's others {n}: ranks go in blocks \
+                     of one size, so give every node's launcher the same --nproc-per-node"
+                ))
+            }
+            _ => self.nproc = Some(h.nproc),
         }
         self.joined.insert(node);
         if matches!(self.phase, Phase::Joining) {
@@ -640,6 +653,7 @@ mod tests {
             node,
             micro,
             port: 0,
+            nproc: 1,
             nonce: String::new(),
             proof: String::new(),
         }
@@ -688,6 +702,14 @@ mod tests {
         assert!(
             matches!(c.on(0, hello(0, None))[0].1, ToNode::Refused { .. }),
             "a node rank joins once"
+        );
+        let wider = ToCoordinator::Hello(Hello {
+            nproc: 2,
+            ..hello_of(1, Some(4))
+        });
+        assert!(
+            matches!(&c.on(1, wider)[..], [(To::Node(1), ToNode::Refused { why })] if why.contains("runs 2 workers a node (--nproc-per-node) and the job's others 1")),
+            "another --nproc-per-node"
         );
         assert_eq!(c.on(1, hello(1, Some(4))), vec![welcome(1), go(0, Some(4), None)]);
     }

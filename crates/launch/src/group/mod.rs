@@ -119,6 +119,7 @@ impl Group {
             },
             micro: spec.micro_batch_size,
             port: offer_port(spec),
+            nproc: spec.nproc_per_node,
             nonce: String::new(),
             proof: String::new(),
         };

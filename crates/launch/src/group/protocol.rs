@@ -32,6 +32,10 @@ pub struct Hello {
     /// elastic round.
     #[serde(default)]
     pub port: u16,
+    /// Its workers (`--nproc-per-node`): every node's must be the same, as ranks are laid
+    /// out in blocks of it (0: not said).
+    #[serde(default)]
+    pub nproc: usize,
     /// Random, this launcher's: the coordinator's welcome proves itself over it.
     #[serde(default)]
     pub nonce: String,
@@ -162,6 +166,7 @@ fn mac(secret: &str, side: Side, challenge: &str, hello: &Hello) -> Option<Hmac<
         hello.node,
         hello.micro,
         hello.port,
+        hello.nproc,
     ))
     .ok()?;
     let mut m = Hmac::<Sha256>::new_from_slice(secret.as_bytes()).ok()?;
@@ -194,6 +199,7 @@ mod tests {
             node: 1,
             micro: Some(8),
             port: 4000,
+            nproc: 1,
             nonce: "a1".repeat(NONCE_BYTES),
             proof: String::new(),
         }
@@ -229,6 +235,7 @@ mod tests {
                 port: 4001,
                 ..h.clone()
             },
+            Hello { nproc: 2, ..h.clone() },
             Hello {
                 nonce: "a2".repeat(NONCE_BYTES),
                 ..h.clone()

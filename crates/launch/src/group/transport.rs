@@ -828,6 +828,7 @@ mod tests {
             node,
             micro,
             port: 0,
+            nproc: 1,
             nonce: String::new(),
             proof: String::new(),
         }
