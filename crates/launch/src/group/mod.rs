@@ -37,6 +37,8 @@ const JOIN_TIMEOUT: Duration = Duration::from_secs(600);
 /// How often a wait for the group looks for a signal to the launcher.
 const SIGNAL_CHECK: Duration = Duration::from_millis(100);
 const EXIT_BARRIER: Duration = Duration::from_secs(300);
+/// How long node 0's launcher, stopping the job, waits for the coordinator to end it.
+const ABORT_FLUSH: Duration = Duration::from_secs(2);
 
 /// One launcher's end of the group: node 0's coordinator in-process on a single node, or a
 /// connection to it.
@@ -287,8 +289,19 @@ impl Group {
         }
     }
 
+    /// Stops the job with `code` (a signal's, a start that failed). Node 0's launcher hosts
+    /// the coordinator: it stays until the coordinator has ended the job and its writers had
+    /// a moment to send the others their stop (at most ABORT_FLUSH), or they would find it
+    /// gone and leave their workers to fail on lost peers instead of stopping with `code`.
     pub fn abort(&mut self, code: i32) {
         self.send(ToCoordinator::Abort { code });
+        if let Link::Remote { server: Some(c), .. } = &self.link {
+            let t = Instant::now();
+            while t.elapsed() < ABORT_FLUSH && !c.lock().is_ok_and(|c| c.settled()) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// This node's workers all succeeded. Node 0's launcher hosts the coordinator, so it stays
