@@ -270,11 +270,19 @@ class Trainer(transformers.Trainer):
         self.guard, self._oomguard_honours = None, None
         self._oomguard_resume = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
         try:
-            return super().train(resume_from_checkpoint, *a, **kw)
-        finally:
-            # The last step's record, held while its loss stayed on the device (CUDA).
+            out = super().train(resume_from_checkpoint, *a, **kw)
+        except BaseException:
+            # The last step's record too, unless the device itself failed: the error is the point.
             if self.guard is not None:
-                self.guard._flush_pending()
+                try:
+                    self.guard._flush_pending()
+                except Exception:  # noqa: BLE001 - the training's own error is re-raised
+                    pass
+            raise
+        # The last step's record, held while its loss stayed on the device (CUDA).
+        if self.guard is not None:
+            self.guard._flush_pending()
+        return out
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         super()._save_checkpoint(model, trial)

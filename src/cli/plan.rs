@@ -105,7 +105,7 @@ fn plan(args: PlanArgs) -> anyhow::Result<()> {
             "configured_peak_bytes": configured.map(|m| estimate.peak_of(m, global)),
             "suggestions": if fit == 0 { suggestions(&model, precision, cuda, memory, estimate.bucket_cap, global, ckpt) } else { vec![] },
             "a_rung_fits": fit == 0 && crate::plan::a_rung_fits(&model, precision, cuda, memory, global,
-                c.memory.allow_activation_checkpointing, c.memory.allow_precision_fallback),
+                c.memory.allow_activation_checkpointing || ckpt, c.memory.allow_precision_fallback),
         });
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

@@ -41,7 +41,8 @@ pub struct Config {
 pub fn in_file<T>(r: anyhow::Result<T>, path: Option<&Path>) -> anyhow::Result<T> {
     r.map_err(|mut e| {
         if let (Some(crate::Error::Config(c)), Some(p)) = (e.downcast_mut::<crate::Error>(), path) {
-            if c.origin.is_empty() {
+            // A flag's error (`--inject-oom`) is not the file's.
+            if c.origin.is_empty() && !c.key.starts_with('-') {
                 c.origin = p.display().to_string();
             }
         }

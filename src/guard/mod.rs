@@ -239,7 +239,7 @@ impl Guard {
             };
             let mut event = self.oom_event(step, &oom, baseline, after, mb, new, t0.elapsed().as_secs_f64());
             tracing::warn!(
-                "OOM at step {step} ({} phase): {}; micro-batch {mb} -> {}",
+                "OOM at step {step} ({} phase): {}; micro-batch {mb} -> {}{}",
                 event
                     .phase
                     .map_or("unknown".into(), |p| format!("{p:?}").to_lowercase()),
@@ -248,7 +248,13 @@ impl Guard {
                     "none left".to_string()
                 } else {
                     new.to_string()
-                }
+                },
+                // What `oomguard launch` reads to relaunch at half, should the process die later.
+                if new == 0 {
+                    String::new()
+                } else {
+                    format!("; micro_batch_size={new}")
+                },
             );
             if let Some(d) = &dumped {
                 tracing::warn!("{} ({}/)", d.text, d.folder);
@@ -337,7 +343,7 @@ impl Guard {
             Adjust::Keep => {}
             Adjust::Grow { micro_batch_size } => {
                 tracing::info!(
-                    "memory allows: micro-batch {old} -> {micro_batch_size} from step {}",
+                    "memory allows: micro-batch {old} -> {micro_batch_size} from step {}; micro_batch_size={micro_batch_size}",
                     step + 1
                 );
                 self.events.push(GuardEvent::Grow(ResizeEvent {
@@ -348,7 +354,10 @@ impl Guard {
                 }));
             }
             Adjust::Shrink { micro_batch_size } => {
-                tracing::warn!("allocator retries rising: micro-batch {old} -> {micro_batch_size} before a hard OOM");
+                tracing::warn!(
+                    "allocator retries rising: micro-batch {old} -> {micro_batch_size} before a hard OOM; \
+                     micro_batch_size={micro_batch_size}"
+                );
                 self.events.push(GuardEvent::Shrink(ResizeEvent {
                     step,
                     old_micro_batch_size: old,

@@ -362,13 +362,18 @@ impl Estimate {
     }
 
     pub fn per_sample_bytes(&self) -> u64 {
+        // Saturating: the dropout's unfused scores (H x T x T) can pass u64 for a model no
+        // machine holds; such a plan says it does not fit rather than wrap.
         let layers = if self.activation_checkpointing {
             // Each layer's input (the fp32 residual stream), plus one block recomputed.
-            self.n_layer * self.layer_input_per_sample + self.activations_per_layer_per_sample
+            (self.n_layer.saturating_mul(self.layer_input_per_sample))
+                .saturating_add(self.activations_per_layer_per_sample)
         } else {
-            self.activations_per_layer_per_sample * self.n_layer
+            self.activations_per_layer_per_sample.saturating_mul(self.n_layer)
         };
-        layers + self.logits_per_sample + self.embeddings_per_sample
+        layers
+            .saturating_add(self.logits_per_sample)
+            .saturating_add(self.embeddings_per_sample)
     }
 
     /// Peak bytes of one step at `micro` samples per micro-batch, over the fixed part: the
@@ -383,17 +388,17 @@ impl Estimate {
     /// micro-batches, the later ones' forwards run beside the gradients summed so far.
     pub fn peak_of(&self, micro: usize, global: usize) -> u64 {
         let summed = if micro < global { self.grads_bytes } else { 0 };
-        let forward = self.per_sample_bytes().saturating_mul(micro as u64)
-            + self.logits_fixed(micro)
-            + self.cast_weights_bytes
-            + summed;
+        let forward = self
+            .per_sample_bytes()
+            .saturating_mul(micro as u64)
+            .saturating_add(self.logits_fixed(micro) + self.cast_weights_bytes + summed);
         let forward = if self.grads_beside_activations() {
             forward.max(self.grads_shard()) + self.grads_in_flight()
         } else {
             forward
         };
         let step = forward.max(self.grads_at_peak());
-        ((self.fixed_bytes() + step) as f64 * (1.0 + self.allocator_overhead)) as u64
+        (self.fixed_bytes().saturating_add(step) as f64 * (1.0 + self.allocator_overhead)) as u64
     }
 
     /// The largest micro-batch (at most `max`, the step's samples) whose peak fits `memory`;
@@ -438,18 +443,18 @@ impl Estimate {
             row("optimizer state (AdamW)", self.optimizer_bytes),
             (
                 format!("activations per layer (x{})", self.n_layer),
-                human_bytes(self.activations_per_layer_per_sample * b),
+                human_bytes(self.activations_per_layer_per_sample.saturating_mul(b)),
             ),
             (
                 "attention scores".into(),
                 match self.attention_scores_kept_per_sample {
                     0 => format!(
                         "0 (fused attention; {} per layer if materialised)",
-                        human_bytes(self.attention_scores_if_materialized_per_sample * b)
+                        human_bytes(self.attention_scores_if_materialized_per_sample.saturating_mul(b))
                     ),
                     kept => format!(
                         "{} per layer, in the activations (dropout on the CPU: not fused)",
-                        human_bytes(kept * b)
+                        human_bytes(kept.saturating_mul(b))
                     ),
                 },
             ),
@@ -828,6 +833,30 @@ mod tests {
         assert!(e.clone().with_shard(Shard::Optimizer, w - 1).largest_fitting(m, 1) == 0);
         // The parameters and gradients alone do not fit: no number of ranks helps.
         assert_eq!(e.ranks_to_fit(e.params_bytes), None);
+    }
+
+    /// Dropout on the CPU at a context no machine holds: the unfused scores pass u64, and
+    /// the plan says nothing fits rather than wrap (or panic, in a debug build).
+    #[test]
+    fn a_plan_past_u64_saturates() {
+        let huge = GptConfig {
+            n_layer: 1,
+            n_head: 16384,
+            n_embd: 65536,
+            block_size: 1 << 24,
+            dropout: 0.1,
+            ..gpt2()
+        };
+        let e = Estimate::new(&huge, Precision::Fp32, false);
+        assert_eq!(e.per_sample_bytes(), u64::MAX);
+        assert_eq!(e.largest_fitting(1 << 50, 8), 0);
+        let table = e.table(2, 8);
+        let row = |k: &str| table.iter().find(|(key, _)| key.starts_with(k)).map(|(_, v)| v.clone());
+        assert_eq!(row("activations per layer"), Some(human_bytes(u64::MAX)));
+        assert_eq!(
+            row("attention scores").map(|v| v.starts_with(&human_bytes(u64::MAX))),
+            Some(true)
+        );
     }
 
     #[test]

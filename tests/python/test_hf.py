@@ -215,11 +215,13 @@ def test_a_compute_loss_func_that_ignores_the_count_is_weighed_as_the_plain_trai
     def mean_of_the_batch(out, labels, num_items_in_batch=None):
         return F.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
 
-    # ... and a sum over the step's count with a small term of its own on top (a router's
-    # loss): still a sum, not a mean.
+    # ... and a sum over the step's count with a term of its own on top (a router's loss),
+    # 6% of the probe's loss: still a sum, not a mean (a loss at twice the count is not half).
     def summed_with_a_term(out, labels, num_items_in_batch=None):
-        ce = F.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), reduction="sum")
-        return ce / num_items_in_batch + 1e-4 * out.logits.square().mean()
+        logits, targets = out.logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1)
+        ce = F.cross_entropy(logits, targets, reduction="sum")
+        # The step's count is 8 rows x 11 targets: the term is 0.064 of a row's sum over it.
+        return ce / num_items_in_batch + (0.064 * 11 / 88) * F.cross_entropy(logits, targets)
 
     for fn, normalised in ((mean_of_the_batch, False), (summed_with_a_term, True)):
         _, want, want_losses = in_process(monkeypatch, tmp_path, transformers.Trainer, "lm", compute_loss_func=fn)

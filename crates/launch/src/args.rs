@@ -18,7 +18,8 @@ pub struct LaunchArgs {
         default_value = "1"
     )]
     pub nproc_per_node: String,
-    /// This node's rank among the nodes [default: 0]; elastic: a preference for its place.
+    /// This node's rank among the nodes [default: 0; over several nodes with --rdzv-backend c10d
+    /// and --rdzv-endpoint, the rendezvous's]; elastic: a preference for its place.
     #[arg(long = "node-rank", alias = "node_rank", env = "PET_NODE_RANK")]
     pub node_rank: Option<usize>,
     /// Address of the rank-0 node (static rendezvous).

@@ -207,7 +207,9 @@ impl LaunchSpec {
             "c10d" => {
                 return Err(bad(
                     "--rdzv-backend",
-                    "c10d over several nodes needs --node-rank here: oomguard assigns ranks statically".into(),
+                    "c10d over several nodes needs --rdzv-endpoint HOST:PORT (the rendezvous then ranks the nodes), or \
+                     --node-rank on each node"
+                        .into(),
                 ));
             }
             other => {

@@ -98,16 +98,20 @@ impl Failure {
     /// no message: SIGKILL, or a DataLoader worker killed so, while the kernel's count of
     /// OOM kills rose.
     fn killed_for_memory(&self) -> bool {
-        self.oom_killed
-            && (self.exitcode == -libc::SIGKILL || self.final_error().contains("is killed by signal: Killed"))
+        let sigkill = self.exitcode == -libc::SIGKILL || self.exitcode == 128 + libc::SIGKILL; // a shell's 137
+        self.oom_killed && (sigkill || self.final_error().contains("is killed by signal: Killed"))
     }
     /// The micro-batch the worker reported (`micro_batch_size=N`, the last mention on
-    /// stderr, else on stdout: Python's print writes to stdout).
-    fn reported_micro_batch(&self) -> Option<usize> {
+    /// stderr, else on stdout: Python's print writes to stdout). `guards`: only as oomguard's
+    /// runtimes say it at each change (`oomguard: micro_batch_size=N`, `...; micro_batch_size=N`,
+    /// `at micro_batch_size=N`), not as a script's own print of its arguments would.
+    fn reported_micro_batch(&self, guards: bool) -> Option<usize> {
+        const KEY: &str = "micro_batch_size=";
+        let ours = |before: &str| ["; ", "at ", "oomguard: "].iter().any(|p| before.ends_with(p));
         let last = |lines: &[String]| {
             lines.iter().rev().find_map(|l| {
-                let at = l.find("micro_batch_size=")? + "micro_batch_size=".len();
-                l[at..]
+                let (at, _) = l.rmatch_indices(KEY).find(|(i, _)| !guards || ours(&l[..*i]))?;
+                l[at + KEY.len()..]
                     .chars()
                     .take_while(char::is_ascii_digit)
                     .collect::<String>()
@@ -225,6 +229,7 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
             spec.master_port
         };
         let dir = base.join(format!("attempt_{attempt}"));
+        let kills = oom_kills();
         let mut workers = (0..spec.nproc_per_node)
             .map(|r| spawn(spec, r, port, attempt, &dir, micro))
             .collect::<Vec<_>>();
@@ -244,7 +249,6 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
             spec.master_addr,
             micro.size.map(|m| format!(", micro-batch {m}")).unwrap_or_default()
         );
-        let kills = oom_kills();
         let next = match watch(
             &mut workers,
             spec.monitor_interval,
@@ -292,9 +296,12 @@ pub fn run(spec: &LaunchSpec) -> Result<i32, Error> {
                     );
                 }
                 let oom = f.is_oom();
-                // The size the worker said last (it may have grown back since it started),
-                // else the one this attempt was started at.
-                let known = f.reported_micro_batch().or(micro.size);
+                // The size the worker's guard said last (it may have grown back since it
+                // started), else the one this attempt was started at, else a size it printed.
+                let known = f
+                    .reported_micro_batch(true)
+                    .or(micro.size)
+                    .or(f.reported_micro_batch(false));
                 match group.failed(
                     attempt,
                     Report {
@@ -671,6 +678,32 @@ mod tests {
         assert_eq!(unranked("[rankx]: x"), "[rankx]: x");
     }
 
+    /// The size a relaunch halves: the guards' own lines first; a script's print of its
+    /// arguments only where nothing else says.
+    #[test]
+    fn the_guards_own_lines_say_the_micro_batch() {
+        let f = |stdout: &[&str]| Failure {
+            local_rank: 0,
+            rank: 0,
+            pid: 1,
+            exitcode: 1,
+            oom_killed: false,
+            time: SystemTime::now(),
+            error_file: PathBuf::new(),
+            error_message: None,
+            stdout: stdout.iter().map(|l| l.to_string()).collect(),
+            stderr: vec![],
+        };
+        let args = "Namespace(lr=0.1, micro_batch_size=64)";
+        let grew = "oomguard: micro-batch 8 -> 16 (headroom) from step 9; micro_batch_size=16";
+        assert_eq!(f(&[grew, args]).reported_micro_batch(true), Some(16));
+        assert_eq!(f(&[args]).reported_micro_batch(true), None);
+        assert_eq!(f(&[args]).reported_micro_batch(false), Some(64));
+        let rust = "ERROR step 3 ran out of memory at micro_batch_size=4";
+        assert_eq!(f(&[rust]).reported_micro_batch(true), Some(4));
+        assert_eq!(f(&["micro_batch_size=256"]).reported_micro_batch(false), Some(256));
+    }
+
     /// SIGKILL, or a DataLoader's worker killed, is an OOM when the kernel's OOM kills rose
     /// meanwhile; else it is not (a kill -9 of the user's, a crash).
     #[test]
@@ -688,7 +721,7 @@ mod tests {
             stderr: vec![line.to_string()],
         };
         let loader = "RuntimeError: DataLoader worker (pid 4242) is killed by signal: Killed.";
-        assert!(f(-9, true, "").is_oom() && f(1, true, loader).is_oom());
+        assert!(f(-9, true, "").is_oom() && f(137, true, "").is_oom() && f(1, true, loader).is_oom());
         assert!(!f(-9, false, "").is_oom() && !f(1, false, loader).is_oom());
         assert!(!f(-15, true, "").is_oom() && !f(1, true, "ValueError: bad").is_oom());
     }
