@@ -177,3 +177,28 @@ fn asha_stops_the_hopeless_trials_early_and_replays_its_decisions_after_kill_9()
     let again = run(d, &wandb, "again");
     assert_eq!(decisions(&again), decisions(&asha));
 }
+
+/// A sweep ranked by a metric it maximizes (tokens_per_s) still stops by loss: a rung's value
+/// is a loss, lower better, so the diverging trials stop at the first rung and the sane one
+/// goes on (they were kept, the sane one stopped, when the rung took the sweep's direction).
+#[test]
+fn early_stopping_keeps_the_lowest_losses_when_the_sweep_maximizes_another_metric() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    write_config(d, "base.yaml", BASE);
+    let spec = write_config(
+        d,
+        "fast.yaml",
+        "program: train.py\nbase: base.yaml\nmethod: grid\nplanner: false\nmetric: {name: tokens_per_s, goal: maximize}\n\
+         early_terminate: {type: hyperband, min_iter: 3, eta: 3}\nparameters:\n  optim.lr: {values: [1.0e-2, 30.0, 100.0]}\n",
+    );
+    let r = run(d, &spec, "fast");
+    let by_lr: Vec<(f64, Option<&str>, Option<u64>)> = r
+        .values()
+        .map(|x| (lr(x), x["status"].as_str(), x["steps"].as_u64()))
+        .collect();
+    for (l, status, steps) in &by_lr {
+        let want = if *l >= 30.0 { (Some("stopped_early"), Some(3)) } else { (Some("ok"), Some(27)) };
+        assert_eq!((*status, *steps), want, "lr {l}: {by_lr:?}");
+    }
+}

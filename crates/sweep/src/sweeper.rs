@@ -222,7 +222,8 @@ impl<'a> Sweeper<'a> {
                 // Past the target, ASHA's picks that are not interrupted are passed over.
                 let mut passed = busy.clone();
                 loop {
-                    let job = asha::next(es, &refs, records, &passed, self.sweep.metric.maximize())?;
+                    // A rung's value is a loss (`es.metric`), lower better, whatever the sweep ranks by.
+                    let job = asha::next(es, &refs, records, &passed, false)?;
                     let t = mine.iter().find(|t| t.index == job.index)?;
                     if resumes(t) {
                         return Some((t.clone(), Some(job.target)));
@@ -451,7 +452,7 @@ impl<'a> Sweeper<'a> {
                 step,
                 value,
                 &asha::reported_at(records.values(), step, &r.trial.id),
-                self.sweep.metric.maximize(),
+                false, // a loss at every rung (`es.metric`), whatever the sweep ranks by
             );
             let previous = records.get(&r.trial.id).map(|p| p.rungs.clone()).unwrap_or_default();
             ending.rungs = Some(asha::after_segment(&previous, step, value, decision));
