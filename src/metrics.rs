@@ -346,6 +346,15 @@ impl MetricsWriter {
         self
     }
 
+    /// metrics.jsonl on disk (fsync): before a checkpoint names a step, the records up to it
+    /// are kept through a power loss too, so a resume finds the evaluations it will not redo.
+    pub fn sync(&mut self) -> Result<()> {
+        self.out
+            .flush()
+            .and_then(|_| self.out.get_ref().sync_data())
+            .map_err(|e| Error::io(format!("cannot write {}", self.path), e))
+    }
+
     pub fn write(&mut self, record: &Record) -> Result<()> {
         let line =
             serde_json::to_string(record).map_err(|e| Error::Data(format!("cannot encode a metrics record: {e}")))?;

@@ -324,6 +324,23 @@ fn base_is_found_beside_the_sweep_file_from_another_directory() {
         ],
         "{r:?}"
     );
+    // The same parameters over the other base (the decoy's 3 steps), into the same folder:
+    // the same trial ids, so refused rather than reported as the first sweep's results.
+    let other = write_config(
+        dir.path(),
+        "other.yaml",
+        "base: base.yaml\nparameters:\n  model.vocab_size: {values: [256, 10000000]}\n",
+    );
+    let o = sweep(dir.path(), &[other.to_str().unwrap(), "--out", "grid"]);
+    assert_eq!(o.status.code(), Some(2), "{}", common::stderr(&o));
+    assert!(
+        common::stderr(&o).contains("holds the trials of a sweep whose base config (or command) differs"),
+        "{}",
+        common::stderr(&o)
+    );
+    assert_eq!(results(&dir.path().join("grid")).len(), 2);
+    let again = sweep(dir.path(), &["sweeps/sweep.yaml", "--out", "grid"]);
+    assert!(again.status.success(), "{}", common::stderr(&again));
 
     // W&B's format, one trial per shard: shard 0 as a Kubernetes indexed Job's pod, shard 1
     // as a Slurm array task (examples/sweep/k8s-job.yaml and slurm.sbatch run `oomguard

@@ -198,7 +198,11 @@ fn early_stopping_keeps_the_lowest_losses_when_the_sweep_maximizes_another_metri
         .map(|x| (lr(x), x["status"].as_str(), x["steps"].as_u64()))
         .collect();
     for (l, status, steps) in &by_lr {
-        let want = if *l >= 30.0 { (Some("stopped_early"), Some(3)) } else { (Some("ok"), Some(27)) };
+        let want = if *l >= 30.0 {
+            (Some("stopped_early"), Some(3))
+        } else {
+            (Some("ok"), Some(27))
+        };
         assert_eq!((*status, *steps), want, "lr {l}: {by_lr:?}");
     }
 }

@@ -96,11 +96,10 @@ pub fn next(
     let free = |t: &&&Trial| !busy.contains(&t.id);
     for t in trials.iter().filter(free) {
         let (reached, open) = position(records.get(&t.id));
-        if open && records.contains_key(&t.id) {
-            return Some(Job {
-                index: t.index,
-                target: next_rung(es, reached),
-            });
+        // A trial past this sweep's max_steps (lowered since it ran) has nothing left.
+        let target = next_rung(es, reached);
+        if open && records.contains_key(&t.id) && target > reached {
+            return Some(Job { index: t.index, target });
         }
     }
     if let Some(job) = promotion(es, trials, records, busy, maximize, false) {
@@ -262,6 +261,25 @@ mod tests {
         );
         assert_eq!(decide(&es(), 27, Some(9.0), &[Some(1.0)], false), Decision::Done);
         assert!(in_top(1, 6, 3) && !in_top(2, 6, 3) && !in_top(0, 2, 3));
+    }
+
+    /// A trial promoted past a max_steps lowered since (rungs 3, 9, 27 then max_steps 8) has
+    /// nothing left: no job for it, so the scheduler cannot pick it again and again.
+    #[test]
+    fn a_trial_past_a_lowered_max_steps_gets_no_job() {
+        let ts: Vec<Trial> = (0..1).map(trial).collect();
+        let mine: Vec<&Trial> = ts.iter().collect();
+        let mut records = BTreeMap::new();
+        records.insert(
+            "000-x".into(),
+            record(0, Status::Promoted, vec![rung(9, 1.0, Decision::Continue)]),
+        );
+        let lowered = EarlyStop { max_steps: 8, ..es() };
+        assert_eq!(next(&lowered, &mine, &records, &BTreeSet::new(), false), None);
+        assert_eq!(
+            next(&es(), &mine, &records, &BTreeSet::new(), false),
+            Some(Job { index: 0, target: 27 })
+        );
     }
 
     #[test]

@@ -320,6 +320,9 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
             .into());
         }
     }
+    // A trial's id hashes its parameters only: the trials here must train what this sweep
+    // trains (another sweep file of the same name, or an edited base, would mix results in).
+    same_runner(&sweep, &out)?;
     // The copy of what ran, once every check passed: a refused file leaves the last one.
     oomguard_report::atomic::write(&out.join("sweep.yaml"), &spec_text)
         .with_context(|| format!("copying {} into {}", args.sweep.display(), out.display()))?;
@@ -397,5 +400,49 @@ mod tests {
         );
         assert!(shard(None, None, &env(&[("JOB_COMPLETION_INDEX", "2")])).is_err());
         assert!(shard(None, Some(2), &env(&[("JOB_COMPLETION_INDEX", "2")])).is_err());
+    }
+}
+
+/// What every trial of `sweep` runs, as a hash: its base config's text (or the launch
+/// command's words), the part of a trial its id does not name.
+fn runner_hash(sweep: &spec::Sweep) -> String {
+    let text = match &sweep.runner {
+        spec::Runner::Train { base } => {
+            format!(
+                "train\n{}",
+                std::fs::read_to_string(base).unwrap_or_else(|_| base.display().to_string())
+            )
+        }
+        spec::Runner::Launch { words, .. } => format!("launch\n{}", words.join("\n")),
+    };
+    let hash = text
+        .bytes()
+        .fold(0x811c9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x01000193));
+    format!("{hash:08x}")
+}
+
+/// `out/sweep.runs` names what its trials run (`runner_hash`): written by the first sweep
+/// there, refused (exit 2) when another runs something else into it. A directory from before
+/// the file takes it.
+fn same_runner(sweep: &spec::Sweep, out: &Path) -> anyhow::Result<()> {
+    let file = out.join("sweep.runs");
+    let now = runner_hash(sweep);
+    match std::fs::read_to_string(&file) {
+        Ok(was) if was.trim() != now => Err(ConfigError {
+            origin: sweep.path.display().to_string(),
+            line_col: None,
+            key: "base".into(),
+            message: format!(
+                "{} holds the trials of a sweep whose base config (or command) differs from this one's: a trial's id \
+                 names its parameters only, so their results would mix. Give another --out; or, to go on there with \
+                 this base (its finished trials kept as they are), remove {}",
+                out.display(),
+                file.display()
+            ),
+        }
+        .into()),
+        Ok(_) => Ok(()),
+        Err(_) => oomguard_report::atomic::write(&file, format!("{now}\n").as_bytes())
+            .with_context(|| format!("writing {}", file.display())),
     }
 }

@@ -124,6 +124,8 @@ impl<'a> Sweeper<'a> {
     }
 
     /// Runs trials in `parallel` slots until none is left or a signal; returns the signal.
+    /// A failure of the sweep's own (results.jsonl unwritable, a fork refused) stops the
+    /// running trials as a signal would, with their checkpoints, before it is returned.
     pub fn schedule(
         &self,
         parallel: usize,
@@ -131,25 +133,45 @@ impl<'a> Sweeper<'a> {
         reporter: &mut status::Reporter,
     ) -> anyhow::Result<Option<i32>> {
         let mut running: Vec<Running> = vec![];
+        let out = self.schedule_into(parallel, signals, reporter, &mut running);
+        if out.is_err() && !running.is_empty() {
+            tracing::error!(
+                "the sweep failed: stopping its {} running trials, which save checkpoints first",
+                running.len()
+            );
+            self.stop_after_error(&mut running);
+        }
+        out
+    }
+
+    /// `schedule`, with the running trials in `running`.
+    fn schedule_into(
+        &self,
+        parallel: usize,
+        signals: &Signals,
+        reporter: &mut status::Reporter,
+        running: &mut Vec<Running>,
+    ) -> anyhow::Result<Option<i32>> {
         let mut waiting = BTreeSet::new();
         // W&B's metric.target: once reached, said once; nothing new starts.
         let mut target_said = false;
-        self.report(reporter, &running, false);
+        self.report(reporter, running, false);
         loop {
             if let Some(sig) = signals.received() {
-                self.stop_all(&mut running, signals)?;
+                self.stop_all(running, signals)?;
                 tracing::warn!(
                     "received signal {sig}: trials stopped with checkpoints; run the same command to resume"
                 );
                 return Ok(Some(sig));
             }
-            if self.reap(&mut running)? > 0 {
-                self.report(reporter, &running, true);
+            if self.reap(running)? > 0 {
+                self.report(reporter, running, true);
             }
             running.iter_mut().for_each(|r| self.enforce_timeout(r));
             // Held by another process this round: asked again after a pause, not dropped.
             let mut held = BTreeSet::new();
-            while running.len() < parallel {
+            // A signal ends the filling at once; the loop above stops what runs.
+            while running.len() < parallel && signals.received().is_none() {
                 let busy: BTreeSet<String> = running
                     .iter()
                     .map(|r| r.trial.id.clone())
@@ -174,9 +196,9 @@ impl<'a> Sweeper<'a> {
                 match self.start(t, target, slot)? {
                     Started::Running(r) => {
                         running.push(r);
-                        self.report(reporter, &running, false);
+                        self.report(reporter, running, false);
                     }
-                    Started::Settled => self.report(reporter, &running, true),
+                    Started::Settled => self.report(reporter, running, true),
                     Started::Held(id) => {
                         if waiting.insert(id.clone()) {
                             tracing::info!("[{id}] is being run by another sweep process: requeued");
@@ -186,7 +208,7 @@ impl<'a> Sweeper<'a> {
                 }
             }
             if reporter.due() {
-                self.report(reporter, &running, false);
+                self.report(reporter, running, false);
             }
             // Nothing running, nothing held elsewhere, and no job left to start: done.
             if running.is_empty() && held.is_empty() {
@@ -400,6 +422,23 @@ impl<'a> Sweeper<'a> {
             }
             (_, Some((_, since))) if since.elapsed() > self.sweep.grace => signal_group(&r.child, libc::SIGKILL),
             _ => {}
+        }
+    }
+
+    /// After the sweep's own failure: each trial is asked to stop (SIGTERM: it checkpoints),
+    /// given the grace period, then killed; their records as far as they can be written.
+    fn stop_after_error(&self, running: &mut Vec<Running>) {
+        for r in running.iter_mut() {
+            signal_group(&r.child, libc::SIGTERM);
+            r.stopping = Some((Stop::Sweep, Instant::now()));
+        }
+        let t = Instant::now();
+        while running.iter_mut().any(|r| matches!(r.child.try_wait(), Ok(None))) && t.elapsed() < self.sweep.grace {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        running.iter().for_each(|r| signal_group(&r.child, libc::SIGKILL));
+        if let Err(e) = self.reap(running) {
+            tracing::warn!("the stopped trials' records could not be written either ({e:#}): a rerun resumes them");
         }
     }
 

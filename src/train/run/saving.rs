@@ -25,6 +25,11 @@ impl Run<'_> {
         // Freed heap pages go back first, so that what the save touches shows as a rise.
         oomguard_host::memory::return_freed_memory();
         let resident = oomguard_host::memory::reset_peak_resident();
+        // The records the checkpoint's step follows, on disk before it is (a failure warns:
+        // the ranks must reach the agreement below alike; the checkpoint's own write decides).
+        if let Some(Err(e)) = self.metrics.as_mut().map(MetricsWriter::sync) {
+            tracing::warn!("{e}");
+        }
         // Elastic: a stop on a signal is the launcher's, for a membership change; the next
         // round's state comes from this checkpoint, at the step boundary.
         self.handover = reason == checkpoint::Reason::Signal && crate::dist::elastic::enabled();

@@ -675,6 +675,15 @@ mod tests {
         let capped =
             load_yaml("base: base.yaml\nrun_cap: 4\nparameters:\n  optim.lr: {values: [1, 2, 3, 4, 5]}\n").unwrap();
         assert_eq!(capped.trials.len(), 4);
+        // A range that holds no grid value (max excluded) is refused by name, not an empty sweep.
+        let e = load_yaml(
+            "base: base.yaml\nparameters:\n  optim.weight_decay: {distribution: q_uniform, min: 0.1, max: 0.1, q: 0.05}\n",
+        )
+        .unwrap_err();
+        assert!(
+            format!("{e}").contains("parameters.optim.weight_decay: gives the grid no value"),
+            "{e}"
+        );
     }
 
     #[test]

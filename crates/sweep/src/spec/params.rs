@@ -382,6 +382,13 @@ pub fn grid(domains: &[(String, Domain)]) -> Result<Vec<Trial>, ConfigError> {
                 distributions need method: random, bayes or tpe",
             )
         })?;
+        if n == 0 {
+            return Err(ConfigError::invalid(
+                &at,
+                "gives the grid no value (q_uniform's range takes numpy's arange(min, max, q): max excluded, so min \
+                 equal to max holds none); widen the range, or give it as value: X",
+            ));
+        }
         size = size.saturating_mul(n);
         if size > MAX_GRID {
             return Err(ConfigError::invalid(
