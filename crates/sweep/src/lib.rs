@@ -371,38 +371,6 @@ fn open_state(out: &Path, t: &Trial) -> table::Open {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
-        move |k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
-    }
-
-    #[test]
-    fn shards_from_flags_slurm_and_kubernetes() {
-        assert_eq!(shard(None, None, &env(&[])).unwrap(), (0, 1));
-        assert_eq!(
-            shard(Some("1/4"), None, &env(&[("SLURM_ARRAY_TASK_ID", "3")])).unwrap(),
-            (1, 4)
-        );
-        assert!(shard(Some("4/4"), None, &env(&[])).is_err());
-        assert!(shard(Some("x"), None, &env(&[])).is_err());
-        let slurm = [
-            ("SLURM_ARRAY_TASK_ID", "3"),
-            ("SLURM_ARRAY_TASK_COUNT", "4"),
-            ("SLURM_ARRAY_TASK_MIN", "1"),
-        ];
-        assert_eq!(shard(None, None, &env(&slurm)).unwrap(), (2, 4));
-        assert_eq!(
-            shard(None, Some(3), &env(&[("JOB_COMPLETION_INDEX", "2")])).unwrap(),
-            (2, 3)
-        );
-        assert!(shard(None, None, &env(&[("JOB_COMPLETION_INDEX", "2")])).is_err());
-        assert!(shard(None, Some(2), &env(&[("JOB_COMPLETION_INDEX", "2")])).is_err());
-    }
-}
-
 /// What every trial of `sweep` runs, as a hash: its base config's text (or the launch
 /// command's words), the part of a trial its id does not name.
 fn runner_hash(sweep: &spec::Sweep) -> String {
@@ -444,5 +412,37 @@ fn same_runner(sweep: &spec::Sweep, out: &Path) -> anyhow::Result<()> {
         Ok(_) => Ok(()),
         Err(_) => oomguard_report::atomic::write(&file, format!("{now}\n").as_bytes())
             .with_context(|| format!("writing {}", file.display())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+    }
+
+    #[test]
+    fn shards_from_flags_slurm_and_kubernetes() {
+        assert_eq!(shard(None, None, &env(&[])).unwrap(), (0, 1));
+        assert_eq!(
+            shard(Some("1/4"), None, &env(&[("SLURM_ARRAY_TASK_ID", "3")])).unwrap(),
+            (1, 4)
+        );
+        assert!(shard(Some("4/4"), None, &env(&[])).is_err());
+        assert!(shard(Some("x"), None, &env(&[])).is_err());
+        let slurm = [
+            ("SLURM_ARRAY_TASK_ID", "3"),
+            ("SLURM_ARRAY_TASK_COUNT", "4"),
+            ("SLURM_ARRAY_TASK_MIN", "1"),
+        ];
+        assert_eq!(shard(None, None, &env(&slurm)).unwrap(), (2, 4));
+        assert_eq!(
+            shard(None, Some(3), &env(&[("JOB_COMPLETION_INDEX", "2")])).unwrap(),
+            (2, 3)
+        );
+        assert!(shard(None, None, &env(&[("JOB_COMPLETION_INDEX", "2")])).is_err());
+        assert!(shard(None, Some(2), &env(&[("JOB_COMPLETION_INDEX", "2")])).is_err());
     }
 }
