@@ -717,7 +717,14 @@ class Guard:
                 keep = self._keep(phase)
                 if not keep:
                     self._done, self._pending = (0, None, None), []
-                self._drop_attempt(mb, keep_grads=keep)
+                try:
+                    self._drop_attempt(mb, keep_grads=keep)
+                except BaseException as failed:
+                    # Putting the attempt back failed (FSDP2's waiting gradients copied back
+                    # into a device that is still short): the others wait in this attempt's
+                    # vote, so they are told there, and every rank stops.
+                    self._stop_everywhere(failed, undo=False)
+                    raise
                 if self._heap is not None and oom[0] == "cpu" and not (self._inject and self._inject.fired):
                     self._heap.bound("the process ran out of host memory")
                 self.last_cleanup_s = time.perf_counter() - t_drop
