@@ -469,11 +469,11 @@ fn sigterm_stops_the_trials_with_checkpoints_and_records_them_interrupted() {
 #[test]
 fn status_lines_count_through_infeasible_and_failed_trials() {
     let dir = tempfile::tempdir().unwrap();
-    // Samples longer than the model's block: they pass `train --check` (an empty file no
-    // longer does) and fail at the first forward.
-    let long = tch::Tensor::randint(256, [16, 48], (tch::Kind::Int64, tch::Device::Cpu));
+    // Targets of another length than the inputs' rows: they pass `train --check` (an empty
+    // file, or rows longer than the block, no longer do) and fail once the model runs.
+    let ids = |len: i64| tch::Tensor::randint(256, [16, len], (tch::Kind::Int64, tch::Device::Cpu));
     tch::Tensor::write_safetensors(
-        &[("inputs", &long), ("targets", &long)],
+        &[("inputs", &ids(32)), ("targets", &ids(16))],
         dir.path().join("long.safetensors"),
     )
     .unwrap();
