@@ -383,10 +383,7 @@ fn runner_hash(sweep: &spec::Sweep) -> String {
         }
         spec::Runner::Launch { words, .. } => format!("launch\n{}", words.join("\n")),
     };
-    let hash = text
-        .bytes()
-        .fold(0x811c9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x01000193));
-    format!("{hash:08x}")
+    format!("{:08x}", spec::fnv1a(&text))
 }
 
 /// `out/sweep.runs` names what its trials run (`runner_hash`): written by the first sweep

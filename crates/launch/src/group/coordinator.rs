@@ -620,7 +620,7 @@ impl Throttle {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     /// The default --max-restarts 0 and a worker dead of an OOM: the message says that a
@@ -647,7 +647,7 @@ mod tests {
         );
     }
 
-    fn hello_of(node: usize, micro: Option<usize>) -> Hello {
+    pub(in super::super) fn hello_of(node: usize, micro: Option<usize>) -> Hello {
         Hello {
             id: "job".into(),
             node,
@@ -658,7 +658,7 @@ mod tests {
             proof: String::new(),
         }
     }
-    fn hello(node: usize, micro: Option<usize>) -> ToCoordinator {
+    pub(in super::super) fn hello(node: usize, micro: Option<usize>) -> ToCoordinator {
         ToCoordinator::Hello(hello_of(node, micro))
     }
     /// A static round's go, to every node.
@@ -677,7 +677,7 @@ mod tests {
     fn welcome(node: usize) -> (To, ToNode) {
         (To::Node(node), ToNode::Welcome { proof: String::new() })
     }
-    fn report(rank: usize, oom: bool, micro: Option<usize>) -> Report {
+    pub(in super::super) fn report(rank: usize, oom: bool, micro: Option<usize>) -> Report {
         Report {
             rank,
             oom,

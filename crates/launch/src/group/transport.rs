@@ -793,7 +793,6 @@ fn deliver(c: &mut Coordinator, writers: &mut BTreeMap<usize, Outbox>, out: Vec<
 
 #[cfg(test)]
 mod tests {
-    use super::super::super::outcome::Report;
     use super::super::protocol::MAX_LINE;
     use super::*;
     use std::io::Read;
@@ -819,29 +818,8 @@ mod tests {
     /// A connection's deadline in the tests that wait for it (HELLO_WAIT's part, shorter).
     const WAIT: Duration = Duration::from_secs(4);
 
-    fn hello(node: usize, micro: Option<usize>) -> ToCoordinator {
-        ToCoordinator::Hello(hello_of(node, micro))
-    }
-    fn hello_of(node: usize, micro: Option<usize>) -> Hello {
-        Hello {
-            id: "job".into(),
-            node,
-            micro,
-            port: 0,
-            nproc: 1,
-            nonce: String::new(),
-            proof: String::new(),
-        }
-    }
-    fn report(rank: usize, oom: bool, micro: Option<usize>) -> Report {
-        Report {
-            rank,
-            oom,
-            micro,
-            code: 1,
-            infeasible: false,
-        }
-    }
+    // The hellos and reports the coordinator's tests make.
+    use super::super::coordinator::tests::{hello, hello_of, report};
 
     /// A node's side of an admission, as `introduce` does it: reads the challenge on `s`, and
     /// sends `h` with a nonce and its proof under `secret`. Returns the reader (past the

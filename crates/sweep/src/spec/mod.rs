@@ -18,6 +18,7 @@ use early_stop::{base_has, early_stop};
 pub use early_stop::{EarlyStop, RungMetric};
 use metric::metric;
 pub use metric::Metric;
+pub use params::fnv1a;
 pub use params::{corners, grid, random, trial_of, Trial};
 use params::{domain, flatten, MAX_GRID};
 

@@ -347,12 +347,15 @@ pub(super) fn domain(
     }
 }
 
+/// FNV-1a (32 bits) of `text`: stable across versions and machines.
+pub fn fnv1a(text: &str) -> u32 {
+    text.bytes()
+        .fold(0x811c9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x01000193))
+}
+
 pub(super) fn trial(index: usize, params: BTreeMap<String, Value>) -> Trial {
-    // FNV-1a over the parameters' JSON: stable across versions and machines.
-    let text = serde_json::to_string(&params).unwrap_or_default();
-    let hash = text
-        .bytes()
-        .fold(0x811c9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x01000193));
+    // Over the parameters' JSON.
+    let hash = fnv1a(&serde_json::to_string(&params).unwrap_or_default());
     Trial {
         index,
         id: format!("{index:03}-{hash:08x}"),
