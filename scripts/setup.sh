@@ -24,13 +24,29 @@ die() { echo "setup: $*" >&2; exit 1; }
 check_prerequisites() {
   command -v g++ >/dev/null || die "g++ is missing: install it (Debian: apt-get install g++), then run this again"
   command -v python3 >/dev/null || die "python3 is missing: install it (Debian: apt-get install python3 python3-venv)"
-  command -v rustc >/dev/null || die "rustc is missing: install Rust with rustup (https://rustup.rs), then run this again"
+  command -v rustc >/dev/null || die "rustc is missing: install Rust with rustup (https://rustup.rs, the default profile: make test needs rustfmt and clippy), then run this again"
   local need have
   need="$(sed -n 's/^rust-version = "\(.*\)"/\1/p' "$ROOT/Cargo.toml")"
   have="$(rustc --version | awk '{print $2}')"
   if [ -n "$need" ] && [ "$(printf '%s\n%s\n' "$need" "$have" | sort -V | head -n 1)" != "$need" ]; then
-    die "rustc $have is older than $need (Cargo.toml's rust-version): run 'rustup update stable'"
+    if command -v rustup >/dev/null; then
+      die "rustc $have is older than $need (Cargo.toml's rust-version): run 'rustup update stable'"
+    fi
+    die "rustc $have is older than $need (Cargo.toml's rust-version), and Debian's packaged Rust is too old: install Rust with rustup (https://rustup.rs), then run this again"
   fi
+}
+
+# torch-sys's Python extension and pyo3 compile against python3's Python.h and link its
+# libpython: Debian's python3 has them in python3-dev; another Python must bring its own.
+check_python_dev() {
+  local inc py
+  py="$(command -v python3)"
+  inc="$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("INCLUDEPY") or "")')"
+  [ -n "$inc" ] && [ -e "$inc/Python.h" ] && return 0
+  case "$(readlink -f "$py")" in
+    /usr/bin/python3*) apt_install python3-dev "$inc/Python.h" ;;
+    *) die "$py has no development headers ($inc/Python.h is missing): install them for that Python, or put Debian's python3 (with apt-get install python3-dev) first on PATH, then run this again" ;;
+  esac
 }
 
 apt_install() {  # apt_install PACKAGE CHECK_PATH
@@ -110,6 +126,7 @@ install_python_package() {
 }
 
 check_prerequisites
+check_python_dev
 apt_install "$GLOO_PACKAGE" "$GLOO_HEADER"
 install_torch
 install_python_packages
