@@ -1,9 +1,25 @@
-//! Owns SIGINT and SIGTERM: the first stops at the next safe point, a second exits at once.
+//! Owns SIGINT and SIGTERM: the first stops at the next safe point, a second exits at once;
+//! the same one delivered twice is one request (Slurm signals every process of a job step,
+//! workers too, and the launcher forwards what it got to them as well).
 //! Keeps: checkpoints are atomic, so exiting at any instant corrupts nothing.
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use signal_hook::consts::{SIGINT, SIGTERM};
+
+/// A signal this soon after the first is the first delivered again, not a second request.
+const SAME_REQUEST_MS: u64 = 500;
+
+/// When the first signal came (ms on the monotonic clock; 0: none yet).
+static FIRST_MS: AtomicU64 = AtomicU64::new(0);
+
+/// The monotonic clock in ms (clock_gettime is async-signal-safe).
+fn monotonic_ms() -> u64 {
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes the timespec it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) };
+    (t.tv_sec as u64) * 1000 + (t.tv_nsec as u64) / 1_000_000
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Signal {
@@ -48,15 +64,45 @@ pub fn install() -> std::io::Result<()> {
         int: Arc::default(),
         term: Arc::default(),
     };
+    // Under a launcher (ours or torchrun), its signals only ever forward one request: a user's
+    // second goes to the launcher, which then kills the workers itself. The launcher is the
+    // parent (torchrun) or, past `oomguard launch`'s shim, the parent's parent.
+    let launcher = match std::env::var_os("TORCHELASTIC_RUN_ID") {
+        Some(_) => {
+            let parent = std::os::unix::process::parent_id() as i32;
+            [parent, parent_of(parent).unwrap_or(parent)]
+        }
+        None => [-1, -1],
+    };
     for (sig, which, code) in [(SIGINT, &flags.int, 130), (SIGTERM, &flags.term, 143)] {
-        signal_hook::flag::register_conditional_shutdown(sig, code, Arc::clone(&flags.starting))?;
-        // Registered first, so it sees `any` as it was before this signal set it.
-        signal_hook::flag::register_conditional_shutdown(sig, code, Arc::clone(&flags.any))?;
-        signal_hook::flag::register(sig, Arc::clone(&flags.any))?;
-        signal_hook::flag::register(sig, Arc::clone(which))?;
+        let (starting, any, which) = (Arc::clone(&flags.starting), Arc::clone(&flags.any), Arc::clone(which));
+        let handler = move |info: &libc::siginfo_t| {
+            if starting.load(Ordering::SeqCst) {
+                signal_hook::low_level::exit(code);
+            }
+            let now = monotonic_ms().max(1);
+            which.store(true, Ordering::SeqCst);
+            let Err(first) = FIRST_MS.compare_exchange(0, now, Ordering::SeqCst, Ordering::SeqCst) else {
+                any.store(true, Ordering::SeqCst);
+                return;
+            };
+            // SAFETY: si_pid reads the siginfo the kernel filled in.
+            let forwarded = launcher.contains(&unsafe { info.si_pid() });
+            if !forwarded && now.saturating_sub(first) >= SAME_REQUEST_MS {
+                signal_hook::low_level::exit(code);
+            }
+        };
+        // SAFETY: the handler only touches atomics and async-signal-safe calls.
+        unsafe { signal_hook_registry::register_sigaction(sig, handler) }?;
     }
     let _ = FLAGS.set(flags);
     Ok(())
+}
+
+/// The parent of process `pid` (`/proc/PID/stat`'s fourth field, after the name's `)`).
+fn parent_of(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
 }
 
 /// The first step is about to run: from now on a first signal stops at a safe point.

@@ -98,7 +98,42 @@ fn exact_resume() {
     assert_eq!(
         records(&full, "eval").last().unwrap()["val_loss"],
         records(&half, "eval").last().unwrap()["val_loss"]
-    );
+    );    // Resumed with max_steps lowered below the step it stands at: nothing trains, and no
+    // checkpoint claims a step its state is past (step-2 holding step 8's weights).
+    let before = checkpoints(&half);
+    let o = resume(dir.path(), &cfg, &half, &["--max-steps", "2", "--set", "checkpoint.keep=20"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(checkpoints(&half), before, "{}", stderr(&o));
+}
+
+/// An evaluation that fits at no size (after step 1's update) ends the run with exit 3 and a
+/// checkpoint of the state it holds, step 2's: resumed, the run ends bitwise where an
+/// uninterrupted one does (a checkpoint named step 1 would apply step 1 twice).
+#[test]
+fn an_evaluation_that_fits_nowhere_checkpoints_the_updated_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = TINY.replace("eval_every: 0", "eval_every: 2");
+    let cfg = write_config(dir.path(), "tiny.yaml", &yaml);
+    let full = train_into(dir.path(), &cfg, "full", &[]);
+    let run = dir.path().join("run");
+    // Every evaluation attempt at step 1 fails: 8, 4, 2, 1 and on.
+    let o = isolated(&mut Command::new(bin()), dir.path())
+        .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()])
+        .env("OMP_NUM_THREADS", "1")
+        .env("OOMGUARD_TEST_OOM_IN", vec!["eval:0:1"; 8].join(","))
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    let names: Vec<String> = checkpoints(&run)
+        .iter()
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["step-00000002"], "{}", stderr(&o));
+    let o = resume(dir.path(), &cfg, &run, &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(records(&run, "resumed")[0]["step"], 2);
+    assert_same_weights(&full, &run);
 }
 
 /// SIGTERM mid-run: a checkpoint at the next step boundary, metrics flushed, exit 143;
@@ -131,22 +166,27 @@ fn sigterm_then_resume() {
     assert_eq!(step_fields(&whole), step_fields(&run));
 }
 
-/// A second signal exits at once (no checkpoint, no "stopped" record), and what was on disk
-/// is intact: the run resumes from its last periodic checkpoint.
-#[test]
-fn second_signal_exits_at_once() {
-    let dir = tempfile::tempdir().unwrap();
-    // Steps of about a second, so the second signal lands inside one.
+/// Steps of about two seconds on this machine, a checkpoint after each.
+fn slow_steps(dir: &Path) -> PathBuf {
     let yaml = TINY
         .replace("n_embd: 32, block_size: 32", "n_embd: 256, block_size: 256")
         .replace("embedded_bytes: 65536", "embedded_bytes: 262144")
         .replace("max_steps: 6", "max_steps: 100")
         .replace(
             "micro_batch_size: 8, grad_accum_steps: 2",
-            "micro_batch_size: 16, grad_accum_steps: 4",
+            "micro_batch_size: 16, grad_accum_steps: 8",
         )
         + "checkpoint: {every_steps: 1}\n";
-    let cfg = write_config(dir.path(), "slow.yaml", &yaml);
+    write_config(dir, "slow.yaml", &yaml)
+}
+
+/// A second signal exits at once (no checkpoint, no "stopped" record), and what was on disk
+/// is intact: the run resumes from its last periodic checkpoint.
+#[test]
+fn second_signal_exits_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    // The second signal lands inside the step the first came in.
+    let cfg = slow_steps(dir.path());
     let run = dir.path().join("run");
     let mut child = spawn(dir.path(), &cfg, &run, &[]);
     wait_for_steps(&run, 2, &mut child);
@@ -160,7 +200,8 @@ fn second_signal_exits_at_once() {
     }
     std::thread::sleep(Duration::from_millis(100));
     signal(&child, "-INT");
-    std::thread::sleep(Duration::from_millis(50));
+    // Past the 0.5 s in which a repeat is the same signal delivered twice.
+    std::thread::sleep(Duration::from_millis(700));
     signal(&child, "-INT");
     let out = child.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(130), "{}", String::from_utf8_lossy(&out.stderr));
@@ -181,6 +222,51 @@ fn second_signal_exits_at_once() {
 /// "resumed" records ever written. Counted in both files (a resume from the same
 /// checkpoint moves the previous one to metrics.replaced.jsonl), line by line: a kill can
 /// leave a torn last line.
+/// Slurm's `--signal=TERM@120` reaches every process of the job step: the launcher, which
+/// forwards it to its worker, and the worker itself. The worker takes the two as one request:
+/// it finishes the step, checkpoints and records the stop; the launcher exits 143.
+#[test]
+fn a_signal_to_the_launcher_and_its_worker_alike_stops_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = slow_steps(dir.path());
+    let run = dir.path().join("run");
+    let mut launcher = isolated(dies_with_test(&mut Command::new(common::bin())), dir.path())
+        .args(["launch", "--nproc-per-node", "1", "--no-python"])
+        .arg(common::bin())
+        .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()])
+        .current_dir(dir.path())
+        .env("OMP_NUM_THREADS", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_steps(&run, 1, &mut launcher);
+    // The launcher's child is the worker's shim; the worker is the shim's child.
+    let child_of = |pid: &str| {
+        let o = Command::new("pgrep").args(["-P", pid]).output().unwrap();
+        let c = String::from_utf8_lossy(&o.stdout).trim().to_string();
+        assert!(!c.is_empty() && !c.contains('\n'), "one child of {pid}: {c:?}");
+        c
+    };
+    let shim = child_of(&launcher.id().to_string());
+    let worker = child_of(&shim);
+    // Inside step 1 (past step 0's checkpoint), so the launcher's forward comes mid-step.
+    std::thread::sleep(Duration::from_millis(500));
+    // The worker (and its shim) first, as Slurm's signal reaches them before the launcher's
+    // forward does.
+    assert!(Command::new("kill").args(["-TERM", &worker, &shim]).status().unwrap().success());
+    signal(&launcher, "-TERM");
+    let out = launcher.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(143), "{err}");
+    assert_eq!(records(&run, "stopped").len(), 1, "{err}");
+    let stopped = records(&run, "stopped")[0]["step"].as_u64().unwrap();
+    assert!(
+        run.join(format!("checkpoints/step-{:08}", stopped + 1)).is_dir(),
+        "{err}"
+    );
+}
+
 fn resumes(run: &Path) -> usize {
     ["metrics.jsonl", "metrics.replaced.jsonl"]
         .iter()
@@ -564,12 +650,12 @@ fn a_refused_or_failed_resume_leaves_the_run_as_it_was() {
     // by the launcher once the branch saved continues the branch, not the fork again.
     let branch = dir.path().join("branch");
     let mut cmd = vec!["train", cfg.to_str().unwrap(), "--run-dir", branch.to_str().unwrap()];
-    cmd.extend(["--resume-from", theirs.to_str().unwrap(), "--set", "train.seed=99"]);
+    cmd.extend(["--set", "train.seed=99"]);
     cmd.extend(ckpt);
-    let again = |max: &str, restart: &str| {
+    let again_from = |from: &Path, max: &str, restart: &str| {
         let o = isolated(&mut Command::new(bin()), dir.path())
             .args(&cmd)
-            .args(["--max-steps", max])
+            .args(["--resume-from", from.to_str().unwrap(), "--max-steps", max])
             .env("OMP_NUM_THREADS", "1")
             .env("TORCHELASTIC_RESTART_COUNT", restart)
             .current_dir(dir.path())
@@ -578,8 +664,14 @@ fn a_refused_or_failed_resume_leaves_the_run_as_it_was() {
         assert!(o.status.success(), "{}", stderr(&o));
         records(&branch, "resumed").last().unwrap()["step"].clone()
     };
+    let again = |max: &str, restart: &str| again_from(&theirs, max, restart);
     assert_eq!(again("4", "0"), 2);
     assert_eq!(again("6", "1"), 4, "the branch's own newest");
+    // The branch forked again at step 4, its first attempt dead before it pruned step 6 (the
+    // future it leaves): that attempt cleared the fork's mark, so the launcher's restart forks
+    // from step 4 again instead of going on from that future.
+    std::fs::remove_file(branch.join("checkpoints/.forked")).unwrap();
+    assert_eq!(again_from(&branch.join("checkpoints/step-00000004"), "6", "1"), 4);
     // A copy of step 2 named step 8: skipped; the run goes on from step 4, bitwise as before.
     copy_dir(&older, &run.join("checkpoints/step-00000008"));
     let out = resume(dir.path(), &cfg, &run, &[&["--max-steps", "6"], &ckpt[..]].concat());

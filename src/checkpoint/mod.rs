@@ -523,9 +523,27 @@ pub fn prune(
     }
 }
 
+/// `checkpoints/.forked`: the step the run last forked from, written once `prune_after` has
+/// removed the later checkpoints. A launcher's restart of a `--resume-from` run continues from
+/// a newer checkpoint only when its first attempt got that far (`forked_at`); a first attempt
+/// that died sooner left the old future's checkpoints, which are not the fork's.
+fn fork_marker(run_dir: &Path) -> PathBuf {
+    checkpoints_dir(run_dir).join(".forked")
+}
+
+/// The step `prune_after` last forked this run's folder at, if it got that far since
+/// `clear_fork` (a run started with `--resume-from` clears it first).
+pub fn forked_at(run_dir: &Path) -> Option<u64> {
+    std::fs::read_to_string(fork_marker(run_dir)).ok()?.trim().parse().ok()
+}
+
+pub fn clear_fork(run_dir: &Path) {
+    let _ = std::fs::remove_file(fork_marker(run_dir));
+}
+
 /// Deletes the checkpoints after `step`: a run resumed from an older one forks, and the
 /// later ones belong to the future it left (the next `--resume` would load them); never
-/// `resumed_from`.
+/// `resumed_from`. Then marks the fork done (`forked_at`).
 pub fn prune_after(run_dir: &Path, step: u64, resumed_from: &Path) {
     let from = std::fs::canonicalize(resumed_from).ok();
     let others = |dir: &PathBuf| from.is_none() || std::fs::canonicalize(dir).ok() != from;
@@ -537,6 +555,11 @@ pub fn prune_after(run_dir: &Path, step: u64, resumed_from: &Path) {
         if let Err(e) = std::fs::remove_dir_all(&dir) {
             tracing::warn!("cannot remove {}: {e}", dir.display());
         }
+    }
+    let marked = std::fs::create_dir_all(checkpoints_dir(run_dir))
+        .and_then(|()| std::fs::write(fork_marker(run_dir), step.to_string()));
+    if let Err(e) = marked {
+        tracing::warn!("cannot write {}: {e}", fork_marker(run_dir).display());
     }
 }
 

@@ -1,25 +1,87 @@
 //! Owns named tensors to and from safetensors files, with fallible calls only.
 //! Keeps: every copy that can allocate happens first, as a `Result`; nothing here panics on OOM.
 use std::collections::HashMap;
+use std::io::Write;
 use std::path::Path;
-use tch::{Device, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use super::Task;
 use crate::error::{ConfigError, Error, Result};
 
 /// Writes `named` to `path` (safetensors), whole or not at all (a temporary file renamed
-/// over it): a kill or an OOM mid-write never leaves a torn file.
+/// over it): a kill or an OOM mid-write never leaves a torn file. One tensor at a time: the
+/// header first (from the shapes alone), then each tensor's bytes, so a device's tensors take
+/// one host copy of the largest, never the whole state at once (a contiguous CPU tensor is
+/// written from its own memory). The metadata says `format: pt`, as PyTorch's writers do.
 pub fn save(named: &[(String, Tensor)], path: &Path) -> Result<()> {
-    let mut host = Vec::with_capacity(named.len());
-    for (name, t) in named {
-        // A no-op for CPU tensors that are already contiguous; an `Err` (not a panic) if the
-        // copy cannot be allocated.
-        let t = t.f_detach()?.f_to_device(Device::Cpu)?.f_contiguous()?;
-        host.push((name.as_str(), t));
+    let head = header(named)?;
+    // The first failure of a copy (an OOM on the host, as a `Result`), kept whole for the
+    // caller (the checkpoint's retries tell an OOM from the rest).
+    let mut failed: Option<tch::TchError> = None;
+    let write = |tmp: &Path| -> std::io::Result<()> {
+        let mut f = std::io::BufWriter::new(std::fs::File::create(tmp)?);
+        f.write_all(&(head.len() as u64).to_le_bytes())?;
+        f.write_all(&head)?;
+        let _no_grad = tch::no_grad_guard();
+        for (_, t) in named {
+            let host = match t.f_detach().and_then(|t| t.f_to_device(Device::Cpu)).and_then(|t| t.f_contiguous()) {
+                Ok(h) => h,
+                Err(e) => {
+                    let msg = e.to_string();
+                    failed = Some(e);
+                    return Err(std::io::Error::other(msg));
+                }
+            };
+            let len = host.numel() * host.kind().elt_size_in_bytes();
+            if len > 0 {
+                // SAFETY: `host` is a contiguous CPU tensor of `len` bytes, alive here.
+                let bytes = unsafe { std::slice::from_raw_parts(host.data_ptr() as *const u8, len) };
+                f.write_all(bytes)?;
+            }
+        }
+        f.into_inner().map_err(|e| e.into_error())?.sync_all()
+    };
+    let written = oomguard_report::atomic::replace_with(path, write);
+    if let Some(e) = failed {
+        return Err(e.into());
     }
-    let write = |tmp: &Path| Tensor::write_safetensors(&host, tmp).map_err(|e| std::io::Error::other(e.to_string()));
-    oomguard_report::atomic::replace_with(path, write)
-        .map_err(|e| Error::io(format!("cannot write {}", path.display()), e))
+    written.map_err(|e| Error::io(format!("cannot write {}", path.display()), e))
+}
+
+/// safetensors' header for `named`, in order, padded to 8 bytes as the format asks.
+fn header(named: &[(String, Tensor)]) -> Result<Vec<u8>> {
+    let mut map = serde_json::Map::new();
+    map.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
+    let mut offset = 0usize;
+    for (name, t) in named {
+        let dtype = safetensors_dtype(t.kind())
+            .ok_or_else(|| Error::Data(format!("`{name}`: safetensors has no dtype for {:?}", t.kind())))?;
+        let bytes = t.numel() * t.kind().elt_size_in_bytes();
+        let info = serde_json::json!({"dtype": dtype, "shape": t.size(), "data_offsets": [offset, offset + bytes]});
+        if map.insert(name.clone(), info).is_some() {
+            return Err(Error::Data(format!("`{name}` is named twice in one safetensors file")));
+        }
+        offset += bytes;
+    }
+    let mut head = serde_json::to_vec(&map).map_err(|e| Error::Data(format!("encoding a safetensors header: {e}")))?;
+    head.resize(head.len().div_ceil(8) * 8, b' ');
+    Ok(head)
+}
+
+fn safetensors_dtype(k: Kind) -> Option<&'static str> {
+    Some(match k {
+        Kind::Float => "F32",
+        Kind::Double => "F64",
+        Kind::Half => "F16",
+        Kind::BFloat16 => "BF16",
+        Kind::Int64 => "I64",
+        Kind::Int => "I32",
+        Kind::Int16 => "I16",
+        Kind::Int8 => "I8",
+        Kind::Uint8 => "U8",
+        Kind::Bool => "BOOL",
+        _ => return None,
+    })
 }
 
 /// Reads a safetensors file.

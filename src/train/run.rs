@@ -316,7 +316,9 @@ impl<'a> Run<'a> {
                 Err(Error::Oom(oom))
             }
             Err(Error::Infeasible(msg)) => {
-                self.checkpoint(step, checkpoint::Reason::Infeasible)?;
+                // The state's own step: `step` in a training step, `step + 1` in the evaluation
+                // after one (its update applied; a checkpoint at `step` would apply it twice).
+                self.checkpoint(self.next_step, checkpoint::Reason::Infeasible)?;
                 self.save_weights()?;
                 let advice = self.advice();
                 Err(Error::Infeasible(format!("{msg}{advice}")))

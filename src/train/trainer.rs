@@ -173,5 +173,7 @@ fn steps(run: &mut Run<'_>, inject: &mut Option<Injection>, eval_s: &mut f64) ->
             run.checkpoint(step + 1, Reason::EverySteps)?;
         }
     }
-    run.checkpoint(c.train.max_steps, Reason::End)
+    // A run resumed past a lowered max_steps ran no step: its state is still next_step's (whose
+    // checkpoint, on disk, is kept), never max_steps'.
+    run.checkpoint(run.next_step.max(c.train.max_steps), Reason::End)
 }
