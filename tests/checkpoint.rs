@@ -98,10 +98,15 @@ fn exact_resume() {
     assert_eq!(
         records(&full, "eval").last().unwrap()["val_loss"],
         records(&half, "eval").last().unwrap()["val_loss"]
-    );    // Resumed with max_steps lowered below the step it stands at: nothing trains, and no
-    // checkpoint claims a step its state is past (step-2 holding step 8's weights).
+    ); // Resumed with max_steps lowered below the step it stands at: nothing trains, and no
+       // checkpoint claims a step its state is past (step-2 holding step 8's weights).
     let before = checkpoints(&half);
-    let o = resume(dir.path(), &cfg, &half, &["--max-steps", "2", "--set", "checkpoint.keep=20"]);
+    let o = resume(
+        dir.path(),
+        &cfg,
+        &half,
+        &["--max-steps", "2", "--set", "checkpoint.keep=20"],
+    );
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(checkpoints(&half), before, "{}", stderr(&o));
 }
@@ -120,7 +125,7 @@ fn an_evaluation_that_fits_nowhere_checkpoints_the_updated_state() {
     let o = isolated(&mut Command::new(bin()), dir.path())
         .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()])
         .env("OMP_NUM_THREADS", "1")
-        .env("OOMGUARD_TEST_OOM_IN", vec!["eval:0:1"; 8].join(","))
+        .env("OOMGUARD_TEST_OOM_IN", ["eval:0:1"; 8].join(","))
         .current_dir(dir.path())
         .output()
         .unwrap();
@@ -254,7 +259,11 @@ fn a_signal_to_the_launcher_and_its_worker_alike_stops_once() {
     std::thread::sleep(Duration::from_millis(500));
     // The worker (and its shim) first, as Slurm's signal reaches them before the launcher's
     // forward does.
-    assert!(Command::new("kill").args(["-TERM", &worker, &shim]).status().unwrap().success());
+    assert!(Command::new("kill")
+        .args(["-TERM", &worker, &shim])
+        .status()
+        .unwrap()
+        .success());
     signal(&launcher, "-TERM");
     let out = launcher.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);

@@ -36,11 +36,13 @@ class Rows:
         # Lists or arrays without tensors, one entry a row by their length (`lengths` for
         # pack_padded_sequence): passed whole to every micro-batch, so a split says so.
         self._per_row = [p for p, n in seqs if n == self.rows > 1]
-        self._versions = [t._version for t in self.leaves]
+        # An inference tensor (a batch made under torch.inference_mode(), as evaluation loops
+        # and Lightning's make them) has no version counter: nothing to compare, None.
+        self._versions = [None if t.is_inference() else t._version for t in self.leaves]
 
     def changed(self) -> List[str]:
         """The leaves changed in place since the batch was taken (by `loss_fn`, say)."""
-        return [p for t, p, v in zip(self.leaves, self.paths, self._versions) if t._version != v]
+        return [p for t, p, v in zip(self.leaves, self.paths, self._versions) if v is not None and t._version != v]
 
     def take(self, start: int, stop: int, mark_dynamic: bool = False) -> Any:
         """Rows `start..stop` of every leaf (views, no copy), in the batch's structure. With

@@ -230,6 +230,13 @@ class Guard:
         self._fsdp = _ranks.fsdp_modules(self._model)
         self._fsdp_waiting: list = []
         ddp = torch.nn.parallel.DistributedDataParallel
+        import torch.distributed as dist
+
+        adopted = None
+        if not isinstance(self._model, ddp) and not self._fsdp and dist.is_available() and dist.is_initialized():
+            adopted = _ranks.ddp_wrapping(self._params)
+            if adopted is not None:
+                self._model = adopted
         self._ddp = isinstance(self._model, ddp)
         self._device = self._params[0].device
         self._cuda = self._device.type == "cuda"
@@ -241,8 +248,6 @@ class Guard:
         self._units_scale: Optional[float] = None  # see `_units_weight`
         self._last_scaler: Any = self._scaler  # the last `backward`'s: `optimizer_step`'s default
         self._said_changed = False
-
-        import torch.distributed as dist
 
         self._ranks: Optional[_ranks.Ranks] = None
         if dist.is_available() and dist.is_initialized():
@@ -278,6 +283,21 @@ class Guard:
         # need the GIL, which at interpreter exit (right after a last step) aborts the
         # process ("terminate called without an active exception", seen with Gloo).
         self._handed: List[torch.Tensor] = []
+        # ...but no longer than the optimizer's step after it (long past the collectives): by
+        # then `.grad` holds the gradients itself, and a `zero_grad(set_to_none=True)` before an
+        # evaluation or a save frees them, as under plain DDP.
+        self._step_hook = None
+        if self._ddp:
+            this = weakref.ref(self)
+
+            def drop_handed(*_: Any) -> None:
+                guard = this()
+                if guard is not None:
+                    guard._handed = []
+
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            self._step_hook = register_optimizer_step_post_hook(drop_handed)
 
         start = _env_int(MICRO_BATCH_VAR)
         self.cache_key: Optional[str] = None
@@ -308,10 +328,17 @@ class Guard:
         self._eval_policy: Optional[Policy] = None
         self._t0 = time.perf_counter()
         _install_excepthook()
+        if adopted is not None and self.rank == 0:
+            self._say("oomguard: the model is a DistributedDataParallel's module: the guard runs it through that wrapper")
         self._say(f"oomguard: micro_batch_size={self.policy.current}")
 
     def __del__(self) -> None:
         self._unhook()
+        if getattr(self, "_step_hook", None) is not None:
+            try:
+                self._step_hook.remove()
+            except Exception:  # noqa: BLE001 - at interpreter exit torch may be gone
+                pass
 
     def _unhook(self) -> None:
         for h in getattr(self, "_hooks", ()):
@@ -454,6 +481,9 @@ class Guard:
                 self._heap.check()
                 if self._ranks is not None:
                     self._ranks.probe = self._heap.rlimit
+            # Copies of the watched buffers: an OOM here (a large queue buffer) stops every
+            # rank alike, `.grad` not yet touched.
+            self._buffers.begin()
         except BaseException as exc:
             self._stop_everywhere(exc, undo=False)
             raise
@@ -463,7 +493,6 @@ class Guard:
         stashed = [p.grad for p in self._params]
         for p in self._params:
             p.grad = None
-        self._buffers.begin()
         committed = False
         try:
             loss_t, mb, failures, outcome = self._backward(rows, n, loss_fn, scaler, stashed)
@@ -528,8 +557,10 @@ class Guard:
                             optimizer.step()
                     done = True
                 except _ranks.PeerFailed as pf:
-                    # Stopped at a collective inside the optimizer: its update may be partial.
-                    outcome, partial = pf.outcome, True
+                    # Stopped at a collective inside the optimizer: its update may be partial,
+                    # so it is not run again (that would apply its local part twice): the next
+                    # round votes the error, and every rank stops.
+                    outcome, partial, done = pf.outcome, True, True
                 except BaseException as exc:  # noqa: BLE001 - OOMs are handled, the rest re-raised
                     oom = oom_of(exc)
                     if oom is None:
@@ -588,6 +619,7 @@ class Guard:
             return self._evaluate_call(batch, fn, micro_batch_size, as_tensor)
 
     def _evaluate_call(self, batch: Any, fn, micro_batch_size: Optional[int], as_tensor: bool) -> Union[float, torch.Tensor]:
+        self._handed = []  # the last step's collectives are done (`_handed`)
         try:
             rows = Rows(batch)
             n = rows.rows
@@ -610,7 +642,7 @@ class Guard:
             total = units_total = None
             try:
                 with self._attempt_context(), torch.no_grad():
-                    for index, (start, stop) in enumerate(_split(0, n, mb, equal, policy.current)):
+                    for index, (start, stop) in enumerate(_split(0, n, mb, equal, policy.current, self._strict())):
                         self._where = ("eval", index)
                         loss, units = _loss_and_units(fn(rows.take(start, stop, mark_dynamic=True)))
                         if self._inject is not None:
@@ -892,7 +924,7 @@ class Guard:
         for end, ids in self._pending:
             spans += [(s, e, ids) for s, e in _split(at, end, mb)]
             at = end
-        spans += [(s, e, None) for s, e in _split(at, n, mb, self._equal, self.policy.current)]
+        spans += [(s, e, None) for s, e in _split(at, n, mb, self._equal, self.policy.current, self._strict())]
         with ctx:
             for index, (start, stop, ids) in enumerate(spans):
                 self._where = ("forward", index)
@@ -1049,14 +1081,23 @@ class Guard:
         return buckets
 
     def _rows_everywhere(self, n: int) -> Optional[Tuple[int, int]]:
-        """FSDP2 over several ranks: the most and the fewest rows any rank splits, in a vote
-        (a rank stopped by bad input meanwhile is seen here too); else None."""
-        if not self._fsdp or self._ranks is None:
+        """Over several ranks: the most and the fewest rows any rank splits, in a vote (a rank
+        stopped by bad input meanwhile is seen here too); else None. With it every rank runs
+        as many micro-batches (`_split`), so a collective inside them (FSDP2's, SyncBatchNorm's,
+        the user's own in `loss_fn`) meets the same one on every rank, checkpoints included."""
+        if self._ranks is None:
             return None
         outcome = self._vote(vote(self.rank, peak_bytes=n, baseline_bytes=_BIG - n))
         if outcome["error_rank"] is not None:
             raise _ranks.PeerStopped(f"oomguard: rank {outcome['error_rank']} stopped (see its output); this rank stops with it")
         return int(outcome["peak_bytes"]), int(_BIG - outcome["baseline_bytes"])
+
+    def _strict(self) -> bool:
+        """Whether every rank must run as many micro-batches even where a rank has too few rows
+        for that (`_split` raises then): under FSDP2 (its forward and backward are
+        collectives), or once a collective ran inside an attempt (SyncBatchNorm, the user's
+        own); else a rank short of rows runs its own split (no collective meets it)."""
+        return self._fsdp or (self._ranks is not None and self._ranks.checkpoints > 0)
 
     def _units_weight(self, units: Any, size: int, n: int) -> Any:
         """What this step's units are divided by as each micro-batch's loss is weighed: the
@@ -1123,7 +1164,9 @@ class Guard:
                         flat = buf[:used]
                         off = 0
                         for c in chunk:
-                            flat[off : off + c.numel()].copy_(c.reshape(-1))
+                            # Into a view of c's shape: a non-contiguous gradient (channels_last)
+                            # is copied with no temporary, which could fail past the agreement.
+                            flat[off : off + c.numel()].view(c.shape).copy_(c)
                             off += c.numel()
                         self._handed.append(flat)
                         flat.div_(world)
@@ -1343,20 +1386,25 @@ class _Reentrant(Exception):
     """A redo through `backward(inputs=...)` refused by reentrant activation checkpointing."""
 
 
-def _split(first: int, n: int, mb: int, equal: Optional[Tuple[int, int]] = None, cap: int = 0) -> List[Tuple[int, int]]:
+def _split(
+    first: int, n: int, mb: int, equal: Optional[Tuple[int, int]] = None, cap: int = 0, strict: bool = True
+) -> List[Tuple[int, int]]:
     """Rows `first..n` in micro-batches of at most `mb`. `equal`: the most and the fewest rows
-    over the ranks (FSDP2, whose forward and backward are collectives, and `first` is 0): every
-    rank then runs as many micro-batches as the one with the most at `cap` rows: its own rows
-    in micro-batches of `mb` where that makes as many, else split evenly among them; a rank
-    with fewer rows than that raises on every rank alike."""
+    over the ranks (`first` is 0): every rank then runs as many micro-batches as the one with
+    the most at `cap` rows: its own rows in micro-batches of `mb` where that makes as many,
+    else split evenly among them. A rank with fewer rows than that raises on every rank alike
+    when `strict` (collectives run inside the micro-batches), else every rank splits its own."""
     plain = [(s, min(s + mb, n)) for s in range(first, n, mb)]
     if equal is None:
         return plain
     most, fewest = equal
     k = -(-most // max(1, min(cap, most)))
+    if fewest < k and not strict:
+        return plain
     if fewest < k:
         raise ValueError(
-            f"under FSDP2 every rank runs as many micro-batches (each one's forward and backward are collectives): at "
+            f"over several ranks with collectives inside the step (FSDP2's forward and backward, SyncBatchNorm, "
+            f"your own in loss_fn) every rank runs as many micro-batches: at "
             f"{min(cap, most)} rows a micro-batch (the guard's size now; an OOM halves it, so rows that ran before "
             f"may not after one) the rank with the most rows ({most}) runs {k}, and a rank has only "
             f"{fewest}: give every rank the same number of rows (as DistributedSampler does)"
@@ -1444,6 +1492,13 @@ def _loss_and_units(out: Any) -> Tuple[torch.Tensor, Any]:
         if isinstance(units, torch.Tensor):
             if units.numel() != 1:
                 raise TypeError(f"loss_fn's units must be a number or a 1-element tensor, not shape {tuple(units.shape)}")
+            if units.requires_grad:
+                # A count never needs a gradient: this is a model output (logits, an auxiliary
+                # loss), which taken as units would divide the loss by it.
+                raise TypeError(
+                    "loss_fn returned (loss, x) with x requiring grad: the second item of a pair is the units the loss "
+                    "is a mean over (tokens, rows), a count; return the loss alone (an auxiliary loss added into it)"
+                )
             units = units.detach().reshape(())
             # On the CPU the sign is read for free (a device's would cost a sync).
             if units.device.type == "cpu" and not bool(units >= 0):

@@ -403,6 +403,35 @@ def ddp_left_out(ddp: torch.nn.Module) -> Optional[str]:
     )
 
 
+def ddp_wrapping(params: List[torch.nn.Parameter]) -> Optional[torch.nn.Module]:
+    """The DistributedDataParallel whose module trains exactly `params`: a Guard given
+    `ddp.module` (nanoGPT's `raw_model`) or its parameters, while `loss_fn` calls the wrapper.
+    The guard takes it as its model (its `no_sync()`, its own average): left unseen, every
+    micro-batch's backward ran DDP's all-reduces outside any vote. Raises `Unsupported` for a
+    DDP over only some of them, or over more. One scan of the live objects, at `Guard()`."""
+    import gc
+
+    ddp = torch.nn.parallel.DistributedDataParallel
+    ours = {id(p) for p in params}
+    for o in gc.get_objects():
+        try:
+            if not isinstance(o, ddp):
+                continue
+            theirs = {id(p) for p in o.module.parameters() if p.requires_grad}
+        except Exception:  # noqa: BLE001 - an object that refuses isinstance or a half-built one
+            continue
+        if not theirs & ours:
+            continue
+        if theirs == ours:
+            return o
+        raise Unsupported(
+            "the guard's parameters are part of a DistributedDataParallel's (or it trains others besides): its "
+            "all-reduces would run in every micro-batch's backward, outside the ranks' votes. Give the guard the "
+            "DDP model itself: Guard(ddp_model, ...)"
+        )
+    return None
+
+
 def refuse_unsafe(model: Optional[torch.nn.Module], params: List[torch.nn.Parameter]) -> None:
     """Raises at construction for a model whose steps the guard cannot make safe."""
     if model is None:

@@ -24,7 +24,11 @@ pub fn save(named: &[(String, Tensor)], path: &Path) -> Result<()> {
         f.write_all(&head)?;
         let _no_grad = tch::no_grad_guard();
         for (_, t) in named {
-            let host = match t.f_detach().and_then(|t| t.f_to_device(Device::Cpu)).and_then(|t| t.f_contiguous()) {
+            let host = match t
+                .f_detach()
+                .and_then(|t| t.f_to_device(Device::Cpu))
+                .and_then(|t| t.f_contiguous())
+            {
                 Ok(h) => h,
                 Err(e) => {
                     let msg = e.to_string();

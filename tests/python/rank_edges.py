@@ -132,6 +132,82 @@ def rows(short: bool) -> None:
     print(f"diff rows-eval {abs(evaluated - F.mse_loss(plain(x), y).item()):.3e}", flush=True)
 
 
+def rows_ddp() -> None:
+    """DDP, rank 0 with 6 rows and rank 1 with 4, and a collective of the user's own in
+    `loss_fn` (a count all-reduced, as a token count is): at micro-batches of 2 every rank runs
+    3, so each rank's all_reduce meets its peer's (with 3 against 2 they met the other rank's
+    vote or gradient sum instead); the step equals plain DDP's, each rank's mean averaged."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    plain_net = copy.deepcopy(net)
+    plain = torch.nn.parallel.DistributedDataParallel(plain_net)
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    n = 6 if rank == 0 else 4
+    torch.manual_seed(10 + rank)
+    x, y = torch.randn(n, 4), torch.randn(n, 1)
+    counts = []
+
+    def loss_fn(b):
+        count = torch.tensor([float(len(b[0]))])
+        HELD.append(count)
+        dist.all_reduce(count)
+        counts.append(count.item())
+        return F.mse_loss(model(b[0]), b[1])
+
+    g = guard(model, 8, 2)
+    g.backward((x, y), loss_fn)
+    F.mse_loss(plain(x), y).backward()
+    got = torch.cat([p.grad.flatten() for p in net.parameters()])
+    want = torch.cat([p.grad.flatten() for p in plain_net.parameters()])
+    print(f"diff rows-ddp {(got - want).abs().max().item():.3e}", flush=True)
+    print(f"counts {counts}", flush=True)
+
+
+def freed() -> None:
+    """DDP, a weight larger than a gradient bucket (summed in place, in `.grad` itself): after
+    the optimizer's step, `zero_grad(set_to_none=True)` frees it, as under plain DDP, before
+    an evaluation or a save (the guard held it to the next step)."""
+    import gc
+    import weakref
+
+    net = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1))
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    g = guard(model, 8, 4)
+    x, y = torch.randn(8, 1024), torch.randn(8, 1)
+    g.backward((x, y), lambda b: F.mse_loss(model(b[0]), b[1]))
+    opt.step()
+    grad = weakref.ref(net[0].weight.grad)
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    print(f"freed {grad() is None}", flush=True)
+
+
+def raw_ddp() -> None:
+    """nanoGPT's pattern: `model = DDP(net); raw_model = model.module`, the guard given
+    `raw_model` and `loss_fn` calling `model`. An OOM in rank 1's backward: the guard runs the
+    wrapper under `no_sync()` (its all-reduces in every backward once met the failed rank's
+    vote), and the step equals plain DDP's."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    plain_net = copy.deepcopy(net)
+    plain = torch.nn.parallel.DistributedDataParallel(plain_net)
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    raw_model = model.module
+    torch.manual_seed(10 + rank)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    os.environ["OOMGUARD_TEST_OOM_AT"] = "1:0:backward"
+    g = guard(raw_model, 8, 4)
+    g.backward((x, y), lambda b: F.mse_loss(model(b[0]), b[1]))
+    F.mse_loss(plain(x), y).backward()
+    got = torch.cat([p.grad.flatten() for p in net.parameters()])
+    want = torch.cat([p.grad.flatten() for p in plain_net.parameters()])
+    print(f"diff raw-ddp {(got - want).abs().max().item():.3e}", flush=True)
+    print(f"micro-batch {g.policy.current}", flush=True)
+
+
 def nograd() -> None:
     """FSDP2 over blocks and a root, with forwards under no_grad (a sanity check before the
     guard is made, an evaluation after each step), which leave the root unsharded: an OOM in
@@ -344,6 +420,9 @@ def main() -> None:
         "units-fsdp-nosync": units_nosync,
         "rows": lambda: rows(False),
         "rows-short": lambda: rows(True),
+        "rows-ddp": rows_ddp,
+        "freed": freed,
+        "raw-ddp": raw_ddp,
         "buffers": buffers,
         "nograd": nograd,
         "bad-first": bad_first,

@@ -49,6 +49,29 @@ def test_fsdp2_ranks_with_other_row_counts_run_as_many_micro_batches(tmp_path):
         assert len(d[key]) == 2 and max(d[key]) < EXACT, d
 
 
+def test_ddp_ranks_with_other_row_counts_and_a_collective_in_loss_fn_run_as_many(tmp_path):
+    # Rank 0 ran 3 micro-batches and rank 1 2: rank 1's last vote met rank 0's checkpoint
+    # before its third all_reduce, and the collectives that followed did not match.
+    r = run_ranks(tmp_path, "rows-ddp", "--case", "rows-ddp", script=EDGES, out_flag=False, timeout=120)
+    assert r.code == 0, r.out
+    d = {name: float(v) for name, v in re.findall(r"^diff (\S+) (\S+)$", r.out, re.M)}
+    assert d.get("rows-ddp", 1.0) < EXACT, r.out
+    # Three all_reduces a rank, each summing the two ranks' micro-batches: the 10 rows once.
+    counts = re.findall(r"^counts (.*)$", r.out, re.M)
+    assert len(counts) == 2 and counts[0] == counts[1] and sum(eval(counts[0])) == 10.0, r.out
+
+
+def test_ddp_gradients_summed_in_place_are_freed_by_zero_grad_after_the_step(tmp_path):
+    r = run_ranks(tmp_path, "freed", "--case", "freed", script=EDGES, out_flag=False, timeout=120)
+    assert r.code == 0, r.out
+    assert re.findall(r"^freed (\S+)$", r.out, re.M) == ["True", "True"], r.out
+
+
+def test_a_guard_given_ddps_module_recovers_an_oom_through_the_wrapper(tmp_path):
+    d = diffs(tmp_path, "raw-ddp")
+    assert len(d["raw-ddp"]) == 2 and max(d["raw-ddp"]) < EXACT, d
+
+
 def test_fsdp2_ranks_that_cannot_run_as_many_are_all_refused(tmp_path):
     r = run_ranks(tmp_path, "short", "--case", "rows-short", script=EDGES, out_flag=False, timeout=120)
     assert r.code == 0, r.out

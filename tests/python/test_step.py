@@ -540,6 +540,34 @@ def test_evaluation_halves_its_own_micro_batch_and_leaves_training_alone(hook, t
     ], ooms
 
 
+def test_evaluation_of_a_batch_made_under_inference_mode(hook):
+    # As evaluation loops (and Lightning's) make them: inference tensors have no version
+    # counter, which the batch's in-place check read.
+    m = mlp()
+    with torch.inference_mode():
+        x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+        want = torch.nn.functional.mse_loss(m(x), y).item()
+        hook("0:0:eval:1")
+        guard = oomguard.Guard(m, global_batch_size=8, verbose=False, cache=False)
+        got = guard.evaluate((x, y), lambda b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+    assert got == pytest.approx(want, rel=1e-12) and guard._eval_policy.current == 4
+
+
+def test_a_pair_whose_second_item_needs_grad_is_not_taken_as_units():
+    # A model's (loss, logits) at one output a row: the logits divided the loss, silently.
+    m = mlp()
+    x, y = torch.randn(1, 8, dtype=torch.float64), torch.randn(1, 1, dtype=torch.float64)
+    guard = oomguard.Guard(m, global_batch_size=1, verbose=False, cache=False)
+
+    def loss_fn(b):
+        out = m(b[0])
+        return torch.nn.functional.mse_loss(out, b[1]), out
+
+    with pytest.raises(TypeError, match="second item of a pair is the units"):
+        guard.backward((x, y), loss_fn)
+    assert all(p.grad is None for p in m.parameters())
+
+
 # --- state, records, the cache ------------------------------------------------------------------
 
 
