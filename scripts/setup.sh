@@ -41,7 +41,7 @@ check_prerequisites() {
 check_python_dev() {
   local inc py
   py="$(command -v python3)"
-  inc="$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("INCLUDEPY") or "")')"
+  inc="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
   [ -n "$inc" ] && [ -e "$inc/Python.h" ] && return 0
   case "$(readlink -f "$py")" in
     /usr/bin/python3*) apt_install python3-dev "$inc/Python.h" ;;
