@@ -130,6 +130,38 @@ fn trains_on_a_text_file_through_the_binary() {
     );
     let run = train_ok(dir.path(), &cfg, &["--max-steps", "2"]);
     assert_eq!(records(&run, "step").len(), 2);
+    // The config named by its bare file name, from its folder: the run stores the data's path
+    // absolute, so a resume from another folder with no config finds it (it looked in the
+    // run directory).
+    let o = oomguard(
+        &[
+            "train",
+            "t.yaml",
+            "--run-dir",
+            "bare",
+            "--max-steps",
+            "1",
+            "--set",
+            "optim.decay_steps=2",
+        ],
+        dir.path(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let elsewhere = tempfile::tempdir().unwrap();
+    let bare = dir.path().join("bare");
+    let o = oomguard(
+        &[
+            "train",
+            "--run-dir",
+            bare.to_str().unwrap(),
+            "--resume",
+            "--max-steps",
+            "2",
+        ],
+        elsewhere.path(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(records(&bare, "step").len(), 2);
 }
 
 /// `data.source: tensors`: rows of `inputs` and `targets`, the last val_fraction held out,
@@ -212,4 +244,45 @@ fn tensor_files_hold_samples_along_dim_0() {
         Dataset::open(&cfg, dir.path(), gpt).is_ok(),
         "ids in range, some masked"
     );
+    // The held-out rows (the last 10 of 40) all masked: their loss would read 0, kept as the best.
+    let tail_masked = masked.copy();
+    let _ = tail_masked.narrow(0, 30, 10).fill_(-100);
+    Tensor::write_safetensors(&[("inputs", &ids), ("targets", &tail_masked)], &path).unwrap();
+    let err = Dataset::open(&cfg, dir.path(), gpt).err().unwrap().to_string();
+    assert!(
+        err.contains("every target of the validation split") && err.contains("data.val_fraction"),
+        "{err}"
+    );
+}
+
+/// Token ids written as uint32 (every second u16 a zero) or llm.c's files (a header first)
+/// are refused, naming the format oomguard reads: read as u16 they trained on garbage.
+#[test]
+fn token_files_of_another_format_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let ids: Vec<u32> = (0..1000).map(|i| (i * 37 % 50_000) as u32).collect();
+    let wide: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
+    std::fs::write(dir.path().join("train.bin"), &wide).unwrap();
+    write_tokens(&dir.path().join("val.bin"), &[1; 100]);
+    let cfg = DataConfig {
+        source: DataSource::Tokens,
+        path: Some(dir.path().to_path_buf()),
+        ..Default::default()
+    };
+    let err = Dataset::open(&cfg, Path::new("/"), shape(8, 50_304))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("train.bin") && err.contains("32-bit token ids") && err.contains("np.uint16"),
+        "{err}"
+    );
+    let mut llmc = 20240520u32.to_le_bytes().to_vec();
+    llmc.extend(std::iter::repeat_n(1u8, 2046));
+    std::fs::write(dir.path().join("train.bin"), &llmc).unwrap();
+    let err = Dataset::open(&cfg, Path::new("/"), shape(8, 50_304))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("llm.c's header"), "{err}");
 }

@@ -327,7 +327,8 @@ fn bad_python_files_exit_2_naming_the_file_and_the_fix() {
     let dir = tempfile::tempdir().unwrap();
     let ok_model = "import torch\nfrom torch import nn\nclass M(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.w = \
         nn.Linear(4, 1)\n    def forward(self, x, y):\n        return ((self.w(x.float()) - y.float()) ** 2).mean()\ndef build(s):\n    return M()\n";
-    let cases: Vec<(&str, String, &str, Vec<&str>)> = vec![
+    let cases: Vec<(&str, String, &str, Vec<&str>)> =
+        vec![
         (
             "missing file",
             String::new(),
@@ -388,6 +389,23 @@ fn bad_python_files_exit_2_naming_the_file_and_the_fix() {
             "",
             vec!["model.loss", "returned str"],
         ),
+        (
+            // AdamW's moments are sized at build: the weight would grow under them.
+            "lazy parameters",
+            ok_model.replace("nn.Linear(4, 1)", "nn.LazyLinear(1)"),
+            "",
+            vec!["model.build", "lazy parameters (w.weight", "nn.Linear, not nn.LazyLinear"],
+        ),
+        (
+            // A checkpoint (safetensors) cannot hold it: refused before the first step.
+            "complex buffer",
+            ok_model.replace(
+                "nn.Linear(4, 1)\n",
+                "nn.Linear(4, 1)\n        self.register_buffer('freqs', torch.polar(torch.ones(4), torch.zeros(4)))\n",
+            ),
+            "",
+            vec!["model.build", "freqs (torch.complex64)", "persistent=False"],
+        ),
     ];
     let rows = "import torch\nfrom safetensors.torch import save_file\nsave_file({'inputs': torch.randn(64, 4), 'targets': torch.randn(64, 1)}, \
         'rows.safetensors')\n";
@@ -440,6 +458,8 @@ train: {{micro_batch_size: 4, grad_accum_steps: 1, max_steps: 2, eval_every: 0, 
             "missing package",
             "build raises",
             "not a module",
+            "lazy parameters",
+            "complex buffer",
         ];
         if at_build.contains(&name) {
             let o = oomguard(&["train", cfg.to_str().unwrap(), "--check"], dir.path());
@@ -450,6 +470,45 @@ train: {{micro_batch_size: 4, grad_accum_steps: 1, max_steps: 2, eval_every: 0, 
             }
         }
     }
+}
+
+/// A module that replaces a buffer with a new tensor in forward (an EMA written
+/// `self.ema = self.ema * d + ...`) would train, save and restore the one it dropped: the run
+/// stops at its first step, naming the buffer and the in-place fix, and saves nothing.
+#[test]
+fn a_buffer_replaced_in_forward_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = "import torch\nfrom torch import nn\nclass M(nn.Module):\n    def __init__(self):\n        super().__init__()\n        \
+        self.w = nn.Linear(4, 1)\n        self.register_buffer('ema', torch.zeros(1))\n    def forward(self, x, y):\n        out = \
+        self.w(x.float())\n        if self.training:\n            self.ema = self.ema * 0.9 + 0.1 * out.detach().mean()\n        return \
+        ((out - y.float()) ** 2).mean()\ndef build(s):\n    return M()\n";
+    std::fs::write(dir.path().join("ema.py"), source).unwrap();
+    let here = dir.path().to_str().unwrap().to_string();
+    python(&[
+        "-c",
+        &format!(
+            "import os, torch; os.chdir({here:?})\nfrom safetensors.torch import save_file\n\
+        save_file({{'inputs': torch.randn(64, 4), 'targets': torch.randn(64, 1)}}, 'rows.safetensors')\n"
+        ),
+    ]);
+    let cfg = write_config(
+        dir.path(),
+        "ema.yaml",
+        "
+model: {kind: python, path: ema.py}
+data: {source: tensors, path: rows.safetensors}
+train: {micro_batch_size: 4, grad_accum_steps: 1, max_steps: 2, eval_every: 0, device: cpu, num_threads: 1}
+",
+    );
+    let run = dir.path().join("run");
+    let o = train_at(dir.path(), &cfg, &run, &[]);
+    let err = stderr(&o);
+    assert!(!o.status.success() && !err.contains("panicked"), "{err}");
+    assert!(
+        err.contains("replaced `ema` with a new tensor") && err.contains("self.ema.copy_(new)"),
+        "{err}"
+    );
+    assert!(!run.join("checkpoints").exists(), "{err}");
 }
 
 /// An exception in the module mid-training (not an OOM) exits 1; the Python traceback, with

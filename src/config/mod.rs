@@ -156,11 +156,13 @@ fn locate(text: &str, key: &str) -> Option<(usize, usize)> {
 
 impl Config {
     /// The config file's folder: relative paths in it (data, model files) start there.
+    /// A bare file name's folder is `.` (its parent is the empty path, which
+    /// `std::path::absolute` refuses: the stored paths stayed relative).
     pub fn base_dir(&self) -> PathBuf {
         self.path
             .parent()
-            .map(Path::to_path_buf)
-            .unwrap_or_else(|| PathBuf::from("."))
+            .filter(|p| !p.as_os_str().is_empty())
+            .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
     }
 
     /// The config as it takes effect, every default written out (the run's config.yaml).
@@ -189,8 +191,7 @@ impl Config {
 
     /// Checks that the data files exist (training needs them; planning does not).
     pub fn check_data_files(&self) -> Result<(), ConfigError> {
-        let base = self.path.parent().unwrap_or(Path::new("."));
-        self.raw.data.check_files(base).map_err(|e| ConfigError {
+        self.raw.data.check_files(&self.base_dir()).map_err(|e| ConfigError {
             origin: self.path.display().to_string(),
             ..e
         })

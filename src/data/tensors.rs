@@ -105,6 +105,24 @@ pub(super) fn open(path: &Path, val_fraction: f64, gpt: Option<(i64, i64)>) -> R
             "every one of `targets` is {IGNORE_INDEX} (ignored): there is nothing to learn from; is the mask inverted?"
         )));
     }
+    // A split whose every target is ignored scores nothing: its loss would read 0 (the
+    // validation's, kept as the best) or train on weight decay alone.
+    if masked {
+        for (which, start, len) in [("training", 0, n - n_val), ("validation", n - n_val, n_val)] {
+            let kept = part(&targets, start, len)?
+                .f_ne_tensor(&like(&targets, IGNORE_INDEX)?)?
+                .f_sum(tch::Kind::Int64)?
+                .f_int64_value(&[])?;
+            if kept == 0 {
+                return Err(bad(format!(
+                    "every target of the {which} split (the {} rows from row {start}; data.val_fraction \
+                     {val_fraction} holds out the last rows) is {IGNORE_INDEX} (ignored): there is nothing to \
+                     score; shuffle the rows, or change data.val_fraction",
+                    len
+                )));
+            }
+        }
+    }
     if let Some(v) = vocab {
         check_ids(&inputs, "inputs", v, false).map_err(bad)?;
         check_ids(&targets, "targets", v, true).map_err(bad)?;

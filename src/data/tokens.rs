@@ -148,6 +148,28 @@ impl Samples for TokenSamples {
     }
 }
 
+/// Why `bytes` are not nanoGPT's uint16 tokens, where that shows in their first MiB:
+/// llm.c's header (its magic number), or 32-bit ids (every second u16 of many a zero: read
+/// as u16 they train on every other token 0, all below any vocabulary).
+fn not_u16(bytes: &[u8]) -> Option<String> {
+    let first = |i: usize| {
+        bytes
+            .get(4 * i..4 * i + 4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    };
+    if matches!(first(0), Some(20240520 | 20240801)) {
+        return Some("it starts with llm.c's header (magic number), not tokens".into());
+    }
+    let head: Vec<u16> = bytes[..bytes.len().min(1 << 20)]
+        .chunks_exact(2)
+        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+        .collect();
+    let odd_zero = head.iter().skip(1).step_by(2).all(|&t| t == 0);
+    let even_set = head.iter().step_by(2).any(|&t| t != 0);
+    (head.len() >= 256 && odd_zero && even_set)
+        .then(|| "every second uint16 of its start is 0: these look like 32-bit token ids".into())
+}
+
 pub(super) fn open(cfg: &DataConfig, path: &Path, shape: TokenShape) -> Result<Dataset> {
     let (train, val) = match cfg.source {
         DataSource::Embedded => split_one(
@@ -163,7 +185,15 @@ pub(super) fn open(cfg: &DataConfig, path: &Path, shape: TokenShape) -> Result<D
                 let n = s.bytes().len();
                 if n % 2 != 0 {
                     return Err(Error::Data(format!(
-                        "{}: {n} bytes is not a whole number of u16 tokens",
+                        "{}: {n} bytes is not a whole number of u16 tokens: oomguard reads nanoGPT's token files \
+                         (little-endian uint16, no header: np.array(ids, np.uint16).tofile(...))",
+                        path.display()
+                    )));
+                }
+                if let Some(why) = not_u16(s.bytes()) {
+                    return Err(Error::Data(format!(
+                        "{}: {why}; oomguard reads nanoGPT's token files (little-endian uint16, no header: \
+                         np.array(ids, np.uint16).tofile(...)): write them so",
                         path.display()
                     )));
                 }
@@ -178,8 +208,12 @@ pub(super) fn open(cfg: &DataConfig, path: &Path, shape: TokenShape) -> Result<D
     for (split, border) in [(&train, "a smaller"), (&val, "a larger")] {
         if split.num_tokens() < shape.block_size + 2 {
             let fraction = one_file.then(|| format!(", or {border} data.val_fraction (now {})", cfg.val_fraction));
+            let more = match cfg.source {
+                DataSource::Embedded => format!("a larger data.embedded_bytes (now {})", cfg.embedded_bytes),
+                _ => "more data".into(),
+            };
             return Err(Error::Data(format!(
-                "{}: {} tokens is too short for model.block_size {} (at least {} needed); use more data, a smaller block_size{}",
+                "{}: {} tokens is too short for model.block_size {} (at least {} needed); use {more}, a smaller block_size{}",
                 split.name,
                 split.num_tokens(),
                 shape.block_size,

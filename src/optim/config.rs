@@ -11,7 +11,8 @@ pub struct OptimConfig {
     pub lr: f64,
     pub min_lr: f64,
     pub warmup_steps: u64,
-    /// Steps of cosine decay from `lr` to `min_lr`; defaults to `train.max_steps`.
+    /// The step at which the cosine decay from `lr` reaches `min_lr`, warmup included (nanoGPT's
+    /// `lr_decay_iters`); defaults to `train.max_steps`.
     pub decay_steps: Option<u64>,
     pub weight_decay: f64,
     pub beta1: f64,

@@ -141,13 +141,23 @@ pub fn evaluate(
         Some(pg) => pg.sum_f64(Topic::EvalLosses, total)?,
         None => total,
     };
+    // No target scored anywhere (every one ignored, or no unit counted): no mean, NaN (null in
+    // metrics.jsonl), never a 0 that retention and sweeps would keep as the best.
+    let unscored = || {
+        tracing::warn!(
+            "evaluation after step {step}: its batches hold no target to score (every one ignored): val loss NaN"
+        );
+        Ok(f64::NAN)
+    };
     if counted {
         let units = match pg {
             Some(pg) => pg.sum_f64(Topic::EvalUnits, units as f64)?,
             None => units as f64,
         };
-        // No unit counted anywhere: nothing to average (0, as training's loss then is).
-        return Ok(if units > 0.0 { total / units } else { 0.0 });
+        return if units > 0.0 { Ok(total / units) } else { unscored() };
+    }
+    if valid_in_all == Some(Some(0)) {
+        return unscored();
     }
     Ok(total / spec.num_batches as f64)
 }

@@ -8,6 +8,7 @@ an OOM's traceback (and its frames' activations) is dropped before the guard ret
 import importlib.util
 import os
 import random
+import warnings
 import sys
 import traceback
 from collections.abc import Mapping
@@ -106,6 +107,48 @@ def build_model(path, build, loss, settings, device):
             "model.build",
             f"{path}: {build}(settings) returned {type(module).__name__}; it must return a torch.nn.Module",
         )
+    # The optimizer's state is sized from the parameters as built: a lazy one (LazyLinear)
+    # would grow under its moments at the first forward.
+    from torch.nn.parameter import is_lazy
+
+    lazy = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if is_lazy(t)]
+    if lazy:
+        raise UserError(
+            "model.build",
+            f"{path}: {build}(settings) returned a module with uninitialized lazy parameters ({', '.join(lazy[:3])}): "
+            "give their sizes (nn.Linear, not nn.LazyLinear), or run one forward on a dummy batch inside build()",
+        )
+    # What checkpoints hold: safetensors has no complex or float8 dtype.
+    odd = [
+        f"{n} ({t.dtype})"
+        for n, t in module.state_dict(keep_vars=True).items()
+        if isinstance(t, torch.Tensor) and (t.is_complex() or "float8" in str(t.dtype))
+    ]
+    if odd:
+        raise UserError(
+            "model.build",
+            f"{path}: {build}(settings) returned a module whose state holds {', '.join(odd[:3])}, which a checkpoint "
+            "(safetensors) cannot store: register such a buffer with persistent=False (rebuilt by build), or keep "
+            "it as torch.view_as_real(...)",
+        )
+    # AdamW keeps each trainable parameter's moments in its own dtype: no fp32 master weights
+    # for a module cast to bf16 or fp16, and CUDA's fused update takes one dtype for all.
+    kinds = sorted({str(p.dtype) for p in module.parameters() if p.requires_grad})
+    low = [k for k in kinds if k in ("torch.bfloat16", "torch.float16")]
+    if len(kinds) > 1 and torch.device(device).type == "cuda":
+        raise UserError(
+            "model.build",
+            f"{path}: {build}(settings) returned trainable parameters of several dtypes ({', '.join(kinds)}), which "
+            "CUDA's fused AdamW update cannot take together: keep the module in fp32 and set train.precision: bf16 "
+            "(autocast, fp32 master weights)",
+        )
+    if low:
+        warnings.warn(
+            f"oomguard: {build}(settings) returned trainable parameters in {', '.join(low)}: their AdamW moments and "
+            "updates are in that dtype too (no fp32 master weights); for those, keep the module in fp32 and set "
+            "train.precision: bf16",
+            stacklevel=1,
+        )
     return Model(module.to(device), loss_fn, device)
 
 
@@ -141,13 +184,43 @@ class Model:
         self.device = device
         self.training = None
         self.blocks = []
+        # The tensors the runtime holds (read once, at build): a module that replaces one (a
+        # buffer assigned anew, `self.ema = self.ema * d + ...`) or unfreezes a parameter would
+        # train, save and restore what it no longer uses. Checked after the first forwards,
+        # then every CHECK_EVERY-th.
+        self._held = None
+        self._trainable = None
+        self._calls = 0
 
     def parameters(self):
-        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        self._trainable = {id(p) for _, p in params}
+        return params
 
     def state(self):
         # keep_vars: the parameters themselves; tied weights appear under each name.
-        return [(n, t) for n, t in self.module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)]
+        state = [(n, t) for n, t in self.module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)]
+        self._held = dict(state)
+        return state
+
+    def _check_held(self):
+        for n, t in self.module.state_dict(keep_vars=True).items():
+            held = self._held.get(n)
+            if held is not None and t is not held:
+                leaf = n.rsplit(".", 1)[-1]
+                raise UserError(
+                    "model.path",
+                    f"the module replaced `{n}` with a new tensor during training: oomguard trains, saves and restores "
+                    f"the tensors the module held when build() returned; update it in place (self.{leaf}.mul_(d).add_(x), "
+                    f"or self.{leaf}.copy_(new))",
+                )
+        for n, p in self.module.named_parameters():
+            if p.requires_grad and id(p) not in self._trainable:
+                raise UserError(
+                    "model.path",
+                    f"parameter `{n}` requires grad now but did not when build() returned: oomguard's optimizer trains "
+                    "the parameters that required grad then; unfreeze it inside build(), or train it in another run",
+                )
 
     def buffers(self):
         # The persistent buffers (BatchNorm's statistics): what a step changes besides the
@@ -168,6 +241,10 @@ class Model:
             out = self.module(*batch)
         else:
             out = self.module(batch)
+        if train and self._held is not None and self._trainable is not None:
+            self._calls += 1
+            if self._calls <= 3 or self._calls % CHECK_EVERY == 0:
+                self._check_held()
         return _loss_of(out)
 
     # Activation checkpointing: each block's forward recomputed in backward.
@@ -197,6 +274,13 @@ class Model:
                 def forward(*args, _inner=inner, **kwargs):
                     if not torch.is_grad_enabled():
                         return _inner(*args, **kwargs)
+                    # A KV cache handed to the block would be updated again when backward
+                    # recomputes it: none, as transformers' own GradientCheckpointingLayer does.
+                    if kwargs.get("use_cache"):
+                        kwargs["use_cache"] = False
+                    for name in _CACHE_KWARGS:
+                        if kwargs.get(name) is not None:
+                            kwargs[name] = None
                     return ckpt.checkpoint(_inner, *args, use_reentrant=False, **kwargs)
 
                 object.__setattr__(block, _CKPT_ATTR, before)
@@ -210,6 +294,12 @@ class Model:
                     block.forward = before
         return len(self.blocks)
 
+
+# Training forwards between checks that the module still holds the tensors it was built with.
+CHECK_EVERY = 64
+
+# A block's keyword arguments that carry a KV cache (transformers' names across versions).
+_CACHE_KWARGS = ("cache", "past_key_value", "past_key_values", "layer_past")
 
 # Activation checkpointing's mark on a block: what its instance's `forward` was before.
 _CKPT_ATTR = "_oomguard_checkpointed_forward"

@@ -67,6 +67,13 @@ fn start(py: Python<'_>) -> std::result::Result<Py<PyModule>, String> {
             .getattr("environ")?
             .set_item("OOMGUARD_PYTHON_SITE_PACKAGES", &dir)?;
         sys.setattr("argv", vec!["oomguard-torch"])?;
+        // A model's print() reaches a file or a pipe (Slurm's log, a launcher's) line by line:
+        // the embedded interpreter is never finalised, so nothing flushes its buffers at exit.
+        py.run(
+            c"import sys\nfor s in (sys.stdout, sys.stderr):\n    try:\n        s.reconfigure(line_buffering=True)\n    except Exception:\n        pass\n",
+            None,
+            None,
+        )?;
         // site-packages -> lib/pythonX.Y -> lib -> the prefix holding bin/python3.
         let prefix = site.ancestors().nth(3).unwrap_or(&site);
         sys.setattr("executable", prefix.join("bin/python3").display().to_string())?;
