@@ -9,7 +9,13 @@ use std::time::{Duration, Instant};
 
 /// `oomguard train CFG --run-dir RUN [extra]` in the background, its stderr piped.
 fn spawn(cwd: &Path, cfg: &Path, run: &Path, extra: &[&str]) -> Child {
+    spawn_with(cwd, &[], cfg, run, extra)
+}
+
+/// `spawn`, the command after `before` (`launch ... oomguard`: the same run under a launcher).
+fn spawn_with(cwd: &Path, before: &[&str], cfg: &Path, run: &Path, extra: &[&str]) -> Child {
     isolated(dies_with_test(&mut Command::new(common::bin())), cwd)
+        .args(before)
         .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()])
         .args(extra)
         .current_dir(cwd)
@@ -235,16 +241,9 @@ fn a_signal_to_the_launcher_and_its_worker_alike_stops_once() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = slow_steps(dir.path());
     let run = dir.path().join("run");
-    let mut launcher = isolated(dies_with_test(&mut Command::new(common::bin())), dir.path())
-        .args(["launch", "--nproc-per-node", "1", "--no-python"])
-        .arg(common::bin())
-        .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()])
-        .current_dir(dir.path())
-        .env("OMP_NUM_THREADS", "1")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let bin = common::bin();
+    let launch = ["launch", "--nproc-per-node", "1", "--no-python", bin.to_str().unwrap()];
+    let mut launcher = spawn_with(dir.path(), &launch, &cfg, &run, &[]);
     wait_for_steps(&run, 1, &mut launcher);
     // The launcher's child is the worker's shim; the worker is the shim's child.
     let child_of = |pid: &str| {

@@ -483,14 +483,7 @@ fn a_buffer_replaced_in_forward_is_named() {
         self.w(x.float())\n        if self.training:\n            self.ema = self.ema * 0.9 + 0.1 * out.detach().mean()\n        return \
         ((out - y.float()) ** 2).mean()\ndef build(s):\n    return M()\n";
     std::fs::write(dir.path().join("ema.py"), source).unwrap();
-    let here = dir.path().to_str().unwrap().to_string();
-    python(&[
-        "-c",
-        &format!(
-            "import os, torch; os.chdir({here:?})\nfrom safetensors.torch import save_file\n\
-        save_file({{'inputs': torch.randn(64, 4), 'targets': torch.randn(64, 1)}}, 'rows.safetensors')\n"
-        ),
-    ]);
+    rows_file(dir.path(), 64, 4);
     let cfg = write_config(
         dir.path(),
         "ema.yaml",

@@ -132,17 +132,29 @@ def rows(short: bool) -> None:
     print(f"diff rows-eval {abs(evaluated - F.mse_loss(plain(x), y).item()):.3e}", flush=True)
 
 
+def ddp_pair():
+    """The same small net twice, each under DDP: (net, plain_net, ddp(net), ddp(plain_net))."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    plain_net = copy.deepcopy(net)
+    ddp = torch.nn.parallel.DistributedDataParallel
+    return net, plain_net, ddp(net), ddp(plain_net)
+
+
+def print_diff(name: str, net, plain_net) -> None:
+    """`diff NAME X`: the largest difference between the two nets' gradients."""
+    got = torch.cat([p.grad.flatten() for p in net.parameters()])
+    want = torch.cat([p.grad.flatten() for p in plain_net.parameters()])
+    print(f"diff {name} {(got - want).abs().max().item():.3e}", flush=True)
+
+
 def rows_ddp() -> None:
     """DDP, rank 0 with 6 rows and rank 1 with 4, and a collective of the user's own in
     `loss_fn` (a count all-reduced, as a token count is): at micro-batches of 2 every rank runs
     3, so each rank's all_reduce meets its peer's (with 3 against 2 they met the other rank's
     vote or gradient sum instead); the step equals plain DDP's, each rank's mean averaged."""
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    plain_net = copy.deepcopy(net)
-    plain = torch.nn.parallel.DistributedDataParallel(plain_net)
-    model = torch.nn.parallel.DistributedDataParallel(net)
+    net, plain_net, model, plain = ddp_pair()
     n = 6 if rank == 0 else 4
     torch.manual_seed(10 + rank)
     x, y = torch.randn(n, 4), torch.randn(n, 1)
@@ -155,12 +167,9 @@ def rows_ddp() -> None:
         counts.append(count.item())
         return F.mse_loss(model(b[0]), b[1])
 
-    g = guard(model, 8, 2)
-    g.backward((x, y), loss_fn)
+    guard(model, 8, 2).backward((x, y), loss_fn)
     F.mse_loss(plain(x), y).backward()
-    got = torch.cat([p.grad.flatten() for p in net.parameters()])
-    want = torch.cat([p.grad.flatten() for p in plain_net.parameters()])
-    print(f"diff rows-ddp {(got - want).abs().max().item():.3e}", flush=True)
+    print_diff("rows-ddp", net, plain_net)
     print(f"counts {counts}", flush=True)
 
 
@@ -190,22 +199,14 @@ def raw_ddp() -> None:
     wrapper under `no_sync()` (its all-reduces in every backward once met the failed rank's
     vote), and the step equals plain DDP's."""
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    plain_net = copy.deepcopy(net)
-    plain = torch.nn.parallel.DistributedDataParallel(plain_net)
-    model = torch.nn.parallel.DistributedDataParallel(net)
+    net, plain_net, model, plain = ddp_pair()
     raw_model = model.module
     torch.manual_seed(10 + rank)
     x, y = torch.randn(8, 4), torch.randn(8, 1)
     os.environ["OOMGUARD_TEST_OOM_AT"] = "1:0:backward"
-    g = guard(raw_model, 8, 4)
-    g.backward((x, y), lambda b: F.mse_loss(model(b[0]), b[1]))
+    guard(raw_model, 8, 4).backward((x, y), lambda b: F.mse_loss(model(b[0]), b[1]))
     F.mse_loss(plain(x), y).backward()
-    got = torch.cat([p.grad.flatten() for p in net.parameters()])
-    want = torch.cat([p.grad.flatten() for p in plain_net.parameters()])
-    print(f"diff raw-ddp {(got - want).abs().max().item():.3e}", flush=True)
-    print(f"micro-batch {g.policy.current}", flush=True)
+    print_diff("raw-ddp", net, plain_net)
 
 
 def nograd() -> None:
