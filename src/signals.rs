@@ -64,14 +64,17 @@ pub fn install() -> std::io::Result<()> {
         int: Arc::default(),
         term: Arc::default(),
     };
-    // Under a launcher (ours or torchrun), its signals only ever forward one request: a user's
-    // second goes to the launcher, which then kills the workers itself. The launcher is the
-    // parent (torchrun) or, past `oomguard launch`'s shim, the parent's parent.
+    // Under a launcher its signals only ever forward one request (a user's second goes to the
+    // launcher, which then kills the workers itself): `oomguard launch`'s pid is in the
+    // environment (past its shim), torchrun is the parent.
     let launcher = match std::env::var_os("TORCHELASTIC_RUN_ID") {
-        Some(_) => {
-            let parent = std::os::unix::process::parent_id() as i32;
-            [parent, parent_of(parent).unwrap_or(parent)]
-        }
+        Some(_) => [
+            std::os::unix::process::parent_id() as i32,
+            std::env::var(oomguard_launch::LAUNCHER_PID_VAR)
+                .ok()
+                .and_then(|p| p.trim().parse().ok())
+                .unwrap_or(-1),
+        ],
         None => [-1, -1],
     };
     for (sig, which, code) in [(SIGINT, &flags.int, 130), (SIGTERM, &flags.term, 143)] {
@@ -97,12 +100,6 @@ pub fn install() -> std::io::Result<()> {
     }
     let _ = FLAGS.set(flags);
     Ok(())
-}
-
-/// The parent of process `pid` (`/proc/PID/stat`'s fourth field, after the name's `)`).
-fn parent_of(pid: i32) -> Option<i32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
 }
 
 /// The first step is about to run: from now on a first signal stops at a safe point.

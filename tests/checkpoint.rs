@@ -675,6 +675,11 @@ fn a_refused_or_failed_resume_leaves_the_run_as_it_was() {
     let again = |max: &str, restart: &str| again_from(&theirs, max, restart);
     assert_eq!(again("4", "0"), 2);
     assert_eq!(again("6", "1"), 4, "the branch's own newest");
+    assert_eq!(
+        again("8", "2"),
+        6,
+        "a later restart: the branch's newest again, not the fork"
+    );
     // The branch forked again at step 4, its first attempt dead before it pruned step 6 (the
     // future it leaves): that attempt cleared the fork's mark, so the launcher's restart forks
     // from step 4 again instead of going on from that future.

@@ -472,6 +472,42 @@ train: {{micro_batch_size: 4, grad_accum_steps: 1, max_steps: 2, eval_every: 0, 
     }
 }
 
+/// The guard's activation-checkpointing rung on transformers models, whose configs keep a KV
+/// cache in training (`use_cache`): a block recomputed in backward would update it twice. Off
+/// while checkpointing: the losses are the run's without it, and the model's memory less.
+#[test]
+fn transformers_models_checkpoint_their_blocks_as_they_train_without() {
+    let dir = tempfile::tempdir().unwrap();
+    for arch in ["llama", "gpt2"] {
+        let cfg = hf_config(dir.path(), arch, 3, "");
+        let plain = train_into(dir.path(), &cfg, &format!("{arch}-plain"), &[]);
+        let ckpt = train_into(
+            dir.path(),
+            &cfg,
+            &format!("{arch}-ckpt"),
+            &["--set", "model.activation_checkpointing=blocks"],
+        );
+        let losses = |run: &Path| -> Vec<f64> {
+            records(run, "step")
+                .iter()
+                .map(|r| r["loss"].as_f64().unwrap())
+                .collect()
+        };
+        assert!(
+            close(&losses(&plain), &losses(&ckpt), 1e-6),
+            "{arch}: {:?} {:?}",
+            losses(&plain),
+            losses(&ckpt)
+        );
+        assert!(
+            records(&ckpt, "step")
+                .iter()
+                .all(|r| r["activation_checkpointing"] == true),
+            "{arch}"
+        );
+    }
+}
+
 /// A module that replaces a buffer with a new tensor in forward (an EMA written
 /// `self.ema = self.ema * d + ...`) would train, save and restore the one it dropped: the run
 /// stops at its first step, naming the buffer and the in-place fix, and saves nothing.

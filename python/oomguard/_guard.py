@@ -1097,7 +1097,7 @@ class Guard:
         for that (`_split` raises then): under FSDP2 (its forward and backward are
         collectives), or once a collective ran inside an attempt (SyncBatchNorm, the user's
         own); else a rank short of rows runs its own split (no collective meets it)."""
-        return self._fsdp or (self._ranks is not None and self._ranks.checkpoints > 0)
+        return self._fsdp or (self._ranks is not None and self._ranks.collectives_seen)
 
     def _units_weight(self, units: Any, size: int, n: int) -> Any:
         """What this step's units are divided by as each micro-batch's loss is weighed: the

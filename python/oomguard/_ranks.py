@@ -216,6 +216,8 @@ class Ranks:
         self.probe = False  # set while the process runs under an address-space limit
         self.checkpoints = 0
         self.checkpoint_s = 0.0
+        # Whether any collective ever ran inside an attempt (`checkpoints` counts a step's).
+        self.collectives_seen = False
         self._inject: Optional[Callable[[str], None]] = None
         install()
 
@@ -312,6 +314,7 @@ class Ranks:
         t0 = time.perf_counter()
         outcome = self.vote(vote(self.rank))
         self.checkpoints += 1
+        self.collectives_seen = True
         self.checkpoint_s += time.perf_counter() - t0
         if outcome["error_rank"] is not None or outcome["oom_rank"] is not None:
             raise PeerFailed(outcome)
@@ -413,6 +416,8 @@ def ddp_wrapping(params: List[torch.nn.Parameter]) -> Optional[torch.nn.Module]:
 
     ddp = torch.nn.parallel.DistributedDataParallel
     ours = {id(p) for p in params}
+    gc.collect()  # a wrapper dropped before (DDP holds reference cycles) is not the one
+    found = []
     for o in gc.get_objects():
         try:
             if not isinstance(o, ddp):
@@ -423,13 +428,19 @@ def ddp_wrapping(params: List[torch.nn.Parameter]) -> Optional[torch.nn.Module]:
         if not theirs & ours:
             continue
         if theirs == ours:
-            return o
+            found.append(o)
+            continue
         raise Unsupported(
             "the guard's parameters are part of a DistributedDataParallel's (or it trains others besides): its "
             "all-reduces would run in every micro-batch's backward, outside the ranks' votes. Give the guard the "
             "DDP model itself: Guard(ddp_model, ...)"
         )
-    return None
+    if len(found) > 1:
+        raise Unsupported(
+            f"{len(found)} DistributedDataParallel wrappers train the guard's parameters: give the guard the one "
+            "loss_fn calls, Guard(ddp_model, ...)"
+        )
+    return found[0] if found else None
 
 
 def refuse_unsafe(model: Optional[torch.nn.Module], params: List[torch.nn.Parameter]) -> None:

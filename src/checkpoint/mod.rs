@@ -523,27 +523,45 @@ pub fn prune(
     }
 }
 
-/// `checkpoints/.forked`: the step the run last forked from, written once `prune_after` has
-/// removed the later checkpoints. A launcher's restart of a `--resume-from` run continues from
-/// a newer checkpoint only when its first attempt got that far (`forked_at`); a first attempt
-/// that died sooner left the old future's checkpoints, which are not the fork's.
+/// `checkpoints/.forked`: where a `--resume-from` run forked (the step, then the folder it
+/// resumed from), written once its first attempt has pruned the old future (`mark_fork`). A
+/// launcher's restart continues from a newer checkpoint only when the mark names the same
+/// folder (`forked_at`): a first attempt that died sooner left the old future's checkpoints,
+/// which are not the fork's.
 fn fork_marker(run_dir: &Path) -> PathBuf {
     checkpoints_dir(run_dir).join(".forked")
 }
 
-/// The step `prune_after` last forked this run's folder at, if it got that far since
+/// The step this run's folder forked at, if the fork from `from` got that far since
 /// `clear_fork` (a run started with `--resume-from` clears it first).
-pub fn forked_at(run_dir: &Path) -> Option<u64> {
-    std::fs::read_to_string(fork_marker(run_dir)).ok()?.trim().parse().ok()
+pub fn forked_at(run_dir: &Path, from: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(fork_marker(run_dir)).ok()?;
+    let (step, dir) = text.split_once('\n')?;
+    let same = std::fs::canonicalize(from).ok()? == Path::new(dir.trim_end_matches('\n'));
+    same.then(|| step.trim().parse().ok()).flatten()
 }
 
 pub fn clear_fork(run_dir: &Path) {
     let _ = std::fs::remove_file(fork_marker(run_dir));
 }
 
+/// Marks the fork from `from` at `step` done (the later checkpoints pruned), unless a mark is
+/// there already: a restart that went on from a newer checkpoint keeps the fork's own.
+pub fn mark_fork(run_dir: &Path, step: u64, from: &Path) {
+    if fork_marker(run_dir).exists() {
+        return;
+    }
+    let Ok(dir) = std::fs::canonicalize(from) else { return };
+    let marked = std::fs::create_dir_all(checkpoints_dir(run_dir))
+        .and_then(|()| std::fs::write(fork_marker(run_dir), format!("{step}\n{}", dir.display())));
+    if let Err(e) = marked {
+        tracing::warn!("cannot write {}: {e}", fork_marker(run_dir).display());
+    }
+}
+
 /// Deletes the checkpoints after `step`: a run resumed from an older one forks, and the
 /// later ones belong to the future it left (the next `--resume` would load them); never
-/// `resumed_from`. Then marks the fork done (`forked_at`).
+/// `resumed_from`.
 pub fn prune_after(run_dir: &Path, step: u64, resumed_from: &Path) {
     let from = std::fs::canonicalize(resumed_from).ok();
     let others = |dir: &PathBuf| from.is_none() || std::fs::canonicalize(dir).ok() != from;
@@ -555,11 +573,6 @@ pub fn prune_after(run_dir: &Path, step: u64, resumed_from: &Path) {
         if let Err(e) = std::fs::remove_dir_all(&dir) {
             tracing::warn!("cannot remove {}: {e}", dir.display());
         }
-    }
-    let marked = std::fs::create_dir_all(checkpoints_dir(run_dir))
-        .and_then(|()| std::fs::write(fork_marker(run_dir), step.to_string()));
-    if let Err(e) = marked {
-        tracing::warn!("cannot write {}: {e}", fork_marker(run_dir).display());
     }
 }
 

@@ -91,18 +91,20 @@ fn train(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
         .is_some_and(|n| n > 0);
     let forked_dir = |p: &Path| args.run_dir.clone().or_else(|| resumed_run_dir(p).ok());
     // The first start of a fork: its folder is not forked until this run prunes it.
-    if let (Some(d), true, false) = (args.resume_from.as_deref().and_then(forked_dir), lead, relaunched) {
+    if let (Some(d), true, false, false) = (
+        args.resume_from.as_deref().and_then(forked_dir),
+        lead,
+        relaunched,
+        args.check,
+    ) {
         crate::checkpoint::clear_fork(&d);
     }
     // Saved since the fork: the first attempt pruned the old future (else a later checkpoint
     // is that future's, not this run's) and wrote one after it.
     let saved_since = |p: &Path| {
-        let named = crate::checkpoint::step_named(p);
         forked_dir(p).is_some_and(|d| {
-            crate::checkpoint::forked_at(&d) == named
-                && crate::checkpoint::list(&d)
-                    .last()
-                    .is_some_and(|(s, _)| Some(*s) > named)
+            crate::checkpoint::forked_at(&d, p)
+                .is_some_and(|at| crate::checkpoint::list(&d).last().is_some_and(|(s, _)| *s > at))
         })
     };
     let resume = match (&args.resume_from, args.resume) {

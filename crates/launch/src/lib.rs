@@ -333,6 +333,8 @@ impl std::fmt::Debug for Token {
 
 /// The run's token, as the workers read it; in the launcher's own environment, the user's.
 pub const TOKEN_VAR: &str = "OOMGUARD_RUN_TOKEN";
+/// The launcher's pid, in every worker's environment.
+pub const LAUNCHER_PID_VAR: &str = "OOMGUARD_LAUNCHER_PID";
 /// Bounds on a token the user gives: long enough to be a secret, short enough for a hello.
 const TOKEN_LEN: std::ops::RangeInclusive<usize> = 16..=1024;
 
@@ -550,6 +552,8 @@ pub fn worker_env(
         ("TORCHELASTIC_RUN_ID", spec.run_id.clone()),
         ("TORCHELASTIC_ERROR_FILE", error_file.display().to_string()),
         (TOKEN_VAR, spec.token.reveal().to_string()),
+        // A worker tells this launcher's forward of a signal from a new one (`oomguard train`).
+        (LAUNCHER_PID_VAR, std::process::id().to_string()),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))

@@ -204,7 +204,9 @@ class Model:
         return state
 
     def _check_held(self):
-        for n, t in self.module.state_dict(keep_vars=True).items():
+        # Parameters and buffers only: a state_dict's extras (bitsandbytes' quant_state, an
+        # `_extra_state`) are made anew at each call, by design.
+        for n, t in [*self.module.named_parameters(), *self.module.named_buffers()]:
             held = self._held.get(n)
             if held is not None and t is not held:
                 leaf = n.rsplit(".", 1)[-1]
@@ -263,6 +265,16 @@ class Model:
 
         if not self.blocks:
             self.blocks = self.find_blocks(class_name)
+        # A transformers model keeps a KV cache in training when its config says use_cache: the
+        # blocks' recomputation in backward would update it a second time. Off while
+        # checkpointing, as its own gradient_checkpointing_enable() has it, and back after.
+        config = getattr(self.module, "config", None)
+        if on and getattr(config, "use_cache", None) is True:
+            config.use_cache = False
+            self._use_cache = True
+        elif not on and getattr(self, "_use_cache", False):
+            config.use_cache = True
+            self._use_cache = False
         for block in self.blocks:
             # What the block's instance had as `forward` before (a PEFT or accelerate hook is
             # one), kept under a private attribute: turning it off restores exactly that.
@@ -274,13 +286,6 @@ class Model:
                 def forward(*args, _inner=inner, **kwargs):
                     if not torch.is_grad_enabled():
                         return _inner(*args, **kwargs)
-                    # A KV cache handed to the block would be updated again when backward
-                    # recomputes it: none, as transformers' own GradientCheckpointingLayer does.
-                    if kwargs.get("use_cache"):
-                        kwargs["use_cache"] = False
-                    for name in _CACHE_KWARGS:
-                        if kwargs.get(name) is not None:
-                            kwargs[name] = None
                     return ckpt.checkpoint(_inner, *args, use_reentrant=False, **kwargs)
 
                 object.__setattr__(block, _CKPT_ATTR, before)
@@ -297,9 +302,6 @@ class Model:
 
 # Training forwards between checks that the module still holds the tensors it was built with.
 CHECK_EVERY = 64
-
-# A block's keyword arguments that carry a KV cache (transformers' names across versions).
-_CACHE_KWARGS = ("cache", "past_key_value", "past_key_values", "layer_past")
 
 # Activation checkpointing's mark on a block: what its instance's `forward` was before.
 _CKPT_ATTR = "_oomguard_checkpointed_forward"

@@ -179,6 +179,9 @@ impl<'a> Run<'a> {
             // future, which the next --resume must not load (the one it came from, even
             // misnamed, stays).
             checkpoint::prune_after(run_dir, s.next_step, dir);
+            if matches!(options.resume, Resume::From(_)) {
+                checkpoint::mark_fork(run_dir, s.next_step, dir);
+            }
         }
         // A sharded checkpoint: every rank of a sharded run reads its own part of it.
         let own_shards = from.as_ref().and_then(|(dir, s)| Some((dir.clone(), s.shards?)));
