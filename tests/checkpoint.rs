@@ -680,11 +680,15 @@ fn a_refused_or_failed_resume_leaves_the_run_as_it_was() {
         6,
         "a later restart: the branch's newest again, not the fork"
     );
-    // The branch forked again at step 4, its first attempt dead before it pruned step 6 (the
-    // future it leaves): that attempt cleared the fork's mark, so the launcher's restart forks
-    // from step 4 again instead of going on from that future.
-    std::fs::remove_file(branch.join("checkpoints/.forked")).unwrap();
+    // The branch forked again at step 4 by a restart whose first attempt died before it pruned
+    // steps 6 and 8 (the future it leaves, whose checkpoints say they forked from `theirs`):
+    // the restart forks from step 4 again instead of going on from that future.
     assert_eq!(again_from(&branch.join("checkpoints/step-00000004"), "6", "1"), 4);
+    assert_eq!(
+        again_from(&branch.join("checkpoints/step-00000004"), "8", "2"),
+        6,
+        "and then the new fork's own"
+    );
     // A copy of step 2 named step 8: skipped; the run goes on from step 4, bitwise as before.
     copy_dir(&older, &run.join("checkpoints/step-00000008"));
     let out = resume(dir.path(), &cfg, &run, &[&["--max-steps", "6"], &ckpt[..]].concat());

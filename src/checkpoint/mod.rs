@@ -523,40 +523,31 @@ pub fn prune(
     }
 }
 
-/// `checkpoints/.forked`: where a `--resume-from` run forked (the step, then the folder it
-/// resumed from), written once its first attempt has pruned the old future (`mark_fork`). A
-/// launcher's restart continues from a newer checkpoint only when the mark names the same
-/// folder (`forked_at`): a first attempt that died sooner left the old future's checkpoints,
-/// which are not the fork's.
-fn fork_marker(run_dir: &Path) -> PathBuf {
-    checkpoints_dir(run_dir).join(".forked")
+/// A checkpoint's `extra` key: where the run that wrote it forked (`--resume-from`): the step
+/// and the folder it resumed from, carried on by every later start that resumes the fork.
+pub const FORKED_FROM: &str = "forked_from";
+
+/// `FORKED_FROM`'s value for a fork from `from` at `step`.
+pub fn fork_record(step: u64, from: &Path) -> Option<serde_json::Value> {
+    let dir = std::fs::canonicalize(from).ok()?;
+    Some(serde_json::json!({"step": step, "dir": dir.display().to_string()}))
 }
 
-/// The step this run's folder forked at, if the fork from `from` got that far since
-/// `clear_fork` (a run started with `--resume-from` clears it first).
-pub fn forked_at(run_dir: &Path, from: &Path) -> Option<u64> {
-    let text = std::fs::read_to_string(fork_marker(run_dir)).ok()?;
-    let (step, dir) = text.split_once('\n')?;
-    let same = std::fs::canonicalize(from).ok()? == Path::new(dir.trim_end_matches('\n'));
-    same.then(|| step.trim().parse().ok()).flatten()
-}
-
-pub fn clear_fork(run_dir: &Path) {
-    let _ = std::fs::remove_file(fork_marker(run_dir));
-}
-
-/// Marks the fork from `from` at `step` done (the later checkpoints pruned), unless a mark is
-/// there already: a restart that went on from a newer checkpoint keeps the fork's own.
-pub fn mark_fork(run_dir: &Path, step: u64, from: &Path) {
-    if fork_marker(run_dir).exists() {
-        return;
-    }
-    let Ok(dir) = std::fs::canonicalize(from) else { return };
-    let marked = std::fs::create_dir_all(checkpoints_dir(run_dir))
-        .and_then(|()| std::fs::write(fork_marker(run_dir), format!("{step}\n{}", dir.display())));
-    if let Err(e) = marked {
-        tracing::warn!("cannot write {}: {e}", fork_marker(run_dir).display());
-    }
+/// Whether the fork from `from` has written a checkpoint of its own in `run_dir`: its newest
+/// checkpoint says it forked from that folder, at an earlier step. A launcher's restart then
+/// continues the fork; a first attempt that died before it saved left the old future's
+/// checkpoints, which are not the fork's.
+pub fn fork_saved(run_dir: &Path, from: &Path) -> bool {
+    let Some((step, newest)) = list(run_dir).pop() else {
+        return false;
+    };
+    let Some(theirs) = manifest(&newest).ok().and_then(|s| s.extra.get(FORKED_FROM).cloned()) else {
+        return false;
+    };
+    let ours = fork_record(0, from).and_then(|r| r.get("dir").cloned());
+    theirs.get("dir").is_some()
+        && theirs.get("dir") == ours.as_ref()
+        && theirs["step"].as_u64().is_some_and(|at| step > at)
 }
 
 /// Deletes the checkpoints after `step`: a run resumed from an older one forks, and the

@@ -89,23 +89,11 @@ fn train(args: TrainArgs, build: Builder) -> anyhow::Result<()> {
         .ok()
         .and_then(|v| v.trim().parse::<u64>().ok())
         .is_some_and(|n| n > 0);
-    let forked_dir = |p: &Path| args.run_dir.clone().or_else(|| resumed_run_dir(p).ok());
-    // The first start of a fork: its folder is not forked until this run prunes it.
-    if let (Some(d), true, false, false) = (
-        args.resume_from.as_deref().and_then(forked_dir),
-        lead,
-        relaunched,
-        args.check,
-    ) {
-        crate::checkpoint::clear_fork(&d);
-    }
-    // Saved since the fork: the first attempt pruned the old future (else a later checkpoint
-    // is that future's, not this run's) and wrote one after it.
+    // Saved since the fork: the newest checkpoint is the fork's own (else it is the future
+    // the fork leaves, which its first attempt had not pruned yet).
     let saved_since = |p: &Path| {
-        forked_dir(p).is_some_and(|d| {
-            crate::checkpoint::forked_at(&d, p)
-                .is_some_and(|at| crate::checkpoint::list(&d).last().is_some_and(|(s, _)| *s > at))
-        })
+        let dir = args.run_dir.clone().or_else(|| resumed_run_dir(p).ok());
+        dir.is_some_and(|d| crate::checkpoint::fork_saved(&d, p))
     };
     let resume = match (&args.resume_from, args.resume) {
         (Some(p), _) if relaunched && saved_since(p) => {

@@ -96,6 +96,8 @@ pub(super) struct Run<'a> {
     /// The step at which a sharding rung ran out of memory re-sharding (not offered again
     /// in it).
     shard_oom_at: Option<u64>,
+    /// A `--resume-from` fork's record (`checkpoint::FORKED_FROM`), in each checkpoint it writes.
+    forked_from: Option<serde_json::Value>,
 }
 
 /// What the ranks agreed at a step's boundary, before it runs.

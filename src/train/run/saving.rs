@@ -292,6 +292,9 @@ impl Run<'_> {
         if let Some(state) = self.task.host_rng_state() {
             extra.insert("host_rng".into(), state);
         }
+        if let Some(f) = &self.forked_from {
+            extra.insert(checkpoint::FORKED_FROM.into(), f.clone());
+        }
         if let Some((scale, tracker)) = self.scaler.as_ref().map(Scaler::state) {
             extra.insert("loss_scale".into(), serde_json::json!(scale));
             extra.insert("growth_tracker".into(), serde_json::json!(tracker));

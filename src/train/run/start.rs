@@ -179,10 +179,14 @@ impl<'a> Run<'a> {
             // future, which the next --resume must not load (the one it came from, even
             // misnamed, stays).
             checkpoint::prune_after(run_dir, s.next_step, dir);
-            if matches!(options.resume, Resume::From(_)) {
-                checkpoint::mark_fork(run_dir, s.next_step, dir);
-            }
         }
+        // A fork's checkpoints say where it forked, and so do those of the starts that go on
+        // from them (`checkpoint::fork_saved`).
+        let forked_from = match (&options.resume, &from) {
+            (Resume::From(_), Some((dir, s))) => checkpoint::fork_record(s.next_step, dir),
+            (_, Some((_, s))) => s.extra.get(checkpoint::FORKED_FROM).cloned(),
+            _ => None,
+        };
         // A sharded checkpoint: every rank of a sharded run reads its own part of it.
         let own_shards = from.as_ref().and_then(|(dir, s)| Some((dir.clone(), s.shards?)));
         let mut eval_guard = Guard::for_eval(&c.memory, c.train.eval_batch_size, device);
@@ -398,6 +402,7 @@ impl<'a> Run<'a> {
             handover: false,
             diverged_at: None,
             shard_oom_at: None,
+            forked_from,
         })
     }
 }
