@@ -84,21 +84,6 @@ fn missing_file() {
     );
 }
 
-/// A data file named under the default source (embedded, which reads no file) trained on the
-/// synthetic language, silently.
-#[test]
-fn a_data_path_without_its_source() {
-    fails_with(
-        "data: {path: input.txt}\n",
-        &["--check"],
-        &[
-            "bad.yaml",
-            "data.path: is set, but data.source is embedded",
-            "set data.source",
-        ],
-    );
-}
-
 /// A float libtorch cannot hold as a 32-bit float is refused at --check, naming the key (it
 /// used to pass and die later with exit 1).
 #[test]

@@ -62,13 +62,6 @@ impl Default for DataConfig {
 
 impl DataConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.source == DataSource::Embedded && self.path.is_some() {
-            return Err(ConfigError::invalid(
-                "data.path",
-                "is set, but data.source is embedded (the default), which reads no file: set data.source \
-                 (text, tokens, tensors or python) for the file, or remove data.path",
-            ));
-        }
         if self.source != DataSource::Embedded && self.path.is_none() {
             return Err(ConfigError::invalid(
                 "data.path",

@@ -171,6 +171,14 @@ fn not_u16(bytes: &[u8]) -> Option<String> {
 }
 
 pub(super) fn open(cfg: &DataConfig, path: &Path, shape: TokenShape) -> Result<Dataset> {
+    if let (DataSource::Embedded, Some(p)) = (cfg.source, &cfg.path) {
+        // Not refused: a sweep may vary data.source over one base's data.path.
+        tracing::warn!(
+            "data.path {} is not read: data.source is embedded (the default); set data.source (text, tokens, \
+             tensors or python) to train on it",
+            p.display()
+        );
+    }
     let (train, val) = match cfg.source {
         DataSource::Embedded => split_one(
             Storage::Owned(embedded::corpus(cfg.embedded_bytes)),
