@@ -77,20 +77,10 @@ impl ShardLayout {
 /// one host buffer, fsynced; returns its size and CRC32, computed as it is written.
 pub fn write(path: &Path, tensors: &[(&str, &Tensor)], meta: &BTreeMap<String, String>) -> Result<FileSum> {
     let io = |e: std::io::Error| Error::io(format!("cannot write {}", path.display()), e);
-    let mut header = serde_json::Map::new();
-    header.insert("__metadata__".into(), serde_json::json!(meta));
-    let mut offset = 0i64;
-    for (name, t) in tensors {
-        if t.kind() != Kind::Float || t.dim() != 1 {
-            return Err(Error::Data(format!("{name}: a shard file holds 1-D fp32 tensors")));
-        }
-        let bytes = t.numel() as i64 * 4;
-        let info = serde_json::json!({"dtype": "F32", "shape": [t.numel()], "data_offsets": [offset, offset + bytes]});
-        header.insert(name.to_string(), info);
-        offset += bytes;
+    if let Some((name, _)) = tensors.iter().find(|(_, t)| t.kind() != Kind::Float || t.dim() != 1) {
+        return Err(Error::Data(format!("{name}: a shard file holds 1-D fp32 tensors")));
     }
-    let mut head = serde_json::to_vec(&header).map_err(|e| Error::Data(format!("encoding a shard header: {e}")))?;
-    head.resize(head.len().div_ceil(8) * 8, b' ');
+    let head = crate::task::tensors::header(tensors, serde_json::json!(meta))?;
     let mut f = File::create(path).map_err(io)?;
     let mut sum = Summed::default();
     sum.put(&mut f, &(head.len() as u64).to_le_bytes()).map_err(io)?;

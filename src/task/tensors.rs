@@ -14,7 +14,8 @@ use crate::error::{ConfigError, Error, Result};
 /// one host copy of the largest, never the whole state at once (a contiguous CPU tensor is
 /// written from its own memory). The metadata says `format: pt`, as PyTorch's writers do.
 pub fn save(named: &[(String, Tensor)], path: &Path) -> Result<()> {
-    let head = header(named)?;
+    let refs: Vec<(&str, &Tensor)> = named.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let head = header(&refs, serde_json::json!({"format": "pt"}))?;
     // The first failure of a copy (an OOM on the host, as a `Result`), kept whole for the
     // caller (the checkpoint's retries tell an OOM from the rest).
     let mut failed: Option<tch::TchError> = None;
@@ -52,17 +53,18 @@ pub fn save(named: &[(String, Tensor)], path: &Path) -> Result<()> {
     written.map_err(|e| Error::io(format!("cannot write {}", path.display()), e))
 }
 
-/// safetensors' header for `named`, in order, padded to 8 bytes as the format asks.
-fn header(named: &[(String, Tensor)]) -> Result<Vec<u8>> {
+/// safetensors' header for `named` (their bytes in that order, after it), with `meta` as its
+/// `__metadata__`, padded to 8 bytes as the format asks; the shard files' writer uses it too.
+pub fn header(named: &[(&str, &Tensor)], meta: serde_json::Value) -> Result<Vec<u8>> {
     let mut map = serde_json::Map::new();
-    map.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
+    map.insert("__metadata__".into(), meta);
     let mut offset = 0usize;
     for (name, t) in named {
         let dtype = safetensors_dtype(t.kind())
             .ok_or_else(|| Error::Data(format!("`{name}`: safetensors has no dtype for {:?}", t.kind())))?;
         let bytes = t.numel() * t.kind().elt_size_in_bytes();
         let info = serde_json::json!({"dtype": dtype, "shape": t.size(), "data_offsets": [offset, offset + bytes]});
-        if map.insert(name.clone(), info).is_some() {
+        if map.insert(name.to_string(), info).is_some() {
             return Err(Error::Data(format!("`{name}` is named twice in one safetensors file")));
         }
         offset += bytes;
