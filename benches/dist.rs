@@ -9,7 +9,11 @@
 //! ceiling: two independent one-rank runs at once against one alone (no communication at
 //! all), so the efficiency can be read against what two busy cores give here, the ranks
 //! left unbound to cores (OOMGUARD_CPU_BIND=0), and the ranks' collectives over Gloo's
-//! loopback TCP instead of shared memory (OOMGUARD_DIST_SHM=0).
+//! loopback TCP instead of shared memory (OOMGUARD_DIST_SHM=0). And the lock-step ceiling:
+//! two independent runs of one rank's share (half the global batch, the same optimizer) at
+//! once, each step counted at the slower run's time: what a synchronous step with free
+//! communication gives on this machine, so that what data parallel's own code costs is read
+//! apart from what the VM's per-step noise costs any lock-step schedule.
 mod common;
 use common::{events, median};
 use std::path::Path;
@@ -66,6 +70,27 @@ fn launch_with(bin: &str, nproc: &str, cfg: &Path, run: &Path, cache: &Path, env
     assert!(ok.success());
 }
 
+/// Each step's (tokens, seconds), steps 5.. of a run.
+fn step_times(run: &Path) -> Vec<(f64, f64)> {
+    let steps = events(run, "step").into_iter().skip(5);
+    steps
+        .map(|s| {
+            let t = s["step_time_s"].as_f64().unwrap();
+            (s["tokens_per_s"].as_f64().unwrap() * t, t)
+        })
+        .collect()
+}
+
+/// Two runs' steps in lock-step: the median over steps of both runs' tokens over the slower
+/// run's time (steps of the same index ran at about the same moment: both started together).
+fn lock_step(a: &Path, b: &Path) -> f64 {
+    let tps = step_times(a)
+        .into_iter()
+        .zip(step_times(b))
+        .map(|((na, ta), (nb, tb))| (na + nb) / ta.max(tb));
+    median(tps.collect())
+}
+
 /// The largest difference between two runs' final parameters.
 fn max_diff(a: &Path, b: &Path) -> f64 {
     let read = |p: &Path| {
@@ -86,10 +111,16 @@ fn main() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("ddp.yaml");
     std::fs::write(&cfg, CONFIG).unwrap();
+    // One rank's share: half the global batch, one micro-batch and one update a step.
+    let share_cfg = dir.path().join("share.yaml");
+    let share = CONFIG.replace("global_batch_size: 32", "global_batch_size: 16");
+    assert_ne!(share, CONFIG, "the share's config must halve the global batch");
+    std::fs::write(&share_cfg, share).unwrap();
     let bin = env!("CARGO_BIN_EXE_oomguard");
     let (mut one, mut two, mut comm, mut agree, mut pair, mut unbound) =
         (vec![], vec![], vec![], vec![], vec![], vec![]);
     let (mut tcp, mut tcp_comm) = (vec![], vec![]);
+    let (mut locked, mut loose) = (vec![], vec![]);
     for round in 0..ROUNDS {
         let run1 = dir.path().join(format!("one{round}"));
         let ok = Command::new(bin)
@@ -101,7 +132,7 @@ fn main() {
         assert!(ok.success());
         one.push(measure(&run1).0);
         // Two independent single-rank runs at once: what two busy cores give, no collective.
-        let solo = |name: String| {
+        let solo = |name: String, cfg: &Path| {
             let run = dir.path().join(name);
             let child = Command::new(bin)
                 .args(["train", cfg.to_str().unwrap(), "--run-dir", run.to_str().unwrap()])
@@ -113,9 +144,16 @@ fn main() {
                 .unwrap();
             (run, child)
         };
-        let (mut a, mut b) = (solo(format!("pa{round}")), solo(format!("pb{round}")));
+        let (mut a, mut b) = (solo(format!("pa{round}"), &cfg), solo(format!("pb{round}"), &cfg));
         assert!(a.1.wait().unwrap().success() && b.1.wait().unwrap().success());
         pair.push(measure(&a.0).0 + measure(&b.0).0);
+        let (mut a, mut b) = (
+            solo(format!("sa{round}"), &share_cfg),
+            solo(format!("sb{round}"), &share_cfg),
+        );
+        assert!(a.1.wait().unwrap().success() && b.1.wait().unwrap().success());
+        locked.push(lock_step(&a.0, &b.0));
+        loose.push(measure(&a.0).0 + measure(&b.0).0);
         let run2 = dir.path().join(format!("two{round}"));
         launch(bin, "2", &cfg, &run2, dir.path());
         let (t, c, a) = measure(&run2);
@@ -131,12 +169,15 @@ fn main() {
         tcp.push(t);
         tcp_comm.push(c);
         println!(
-            "round {round}: 1 rank {:.0} tok/s, 2 ranks {:.0} tok/s, efficiency {:.2}, ceiling {:.2}, against it {:.2}",
+            "round {round}: 1 rank {:.0} tok/s, 2 ranks {:.0} tok/s, efficiency {:.2}, ceiling {:.2}, against it {:.2}; \
+            lock-step ceiling {:.2}, against it {:.2}",
             one[round],
             two[round],
             two[round] / (2.0 * one[round]),
             pair[round] / (2.0 * one[round]),
-            two[round] / pair[round]
+            two[round] / pair[round],
+            locked[round] / (2.0 * one[round]),
+            two[round] / locked[round]
         );
     }
     // Each round's ratio over its own one-rank run.
@@ -167,6 +208,16 @@ fn main() {
     println!(
         "the machine's ceiling (two independent 1-thread runs at once over 2 x one alone): {ceiling:.2}; the efficiency against it: {:.2} \
         (each round's 2 ranks over its pair; rounds {alo:.2}..{ahi:.2})",
+        median(against)
+    );
+    let against: Vec<f64> = two.iter().zip(&locked).map(|(t, l)| t / l).collect();
+    let (llo, lhi) = range(&against);
+    println!(
+        "the lock-step ceiling (two independent runs of one rank's share at once, 16 rows and one update a step, each step at the \
+        slower run's time: a synchronous step with free communication): {:.2} of 2 x one alone, the same two runs unsynchronized \
+        {:.2}; the efficiency against it: {:.2} (rounds {llo:.2}..{lhi:.2})",
+        median(ratio(&locked)),
+        median(ratio(&loose)),
         median(against)
     );
     println!("all-reduce and agreements: {:.1}% of a data-parallel step, of which the agreements (waiting for the slower rank included) \
