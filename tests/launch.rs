@@ -1318,6 +1318,66 @@ fn a_signal_ends_a_wait_for_the_group_at_once() {
     }
 }
 
+/// Node 1 joined and waits with node 0 for a third node; node 1's launcher is stopped by
+/// SIGTERM: node 0's stops at once with the same code (143: a requeue keyed on it works), not
+/// 2 (bad input) nor after the join timeout, and neither starts a worker.
+#[test]
+fn a_signal_to_one_waiting_node_stops_the_others_with_its_code() {
+    use std::io::BufRead;
+    let port = port_pair().to_string();
+    let spawn = |rank: &str| {
+        launcher(&[
+            "--nnodes",
+            "3",
+            "--node-rank",
+            rank,
+            "--master-port",
+            &port,
+            "--nproc-per-node",
+            "1",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo started",
+        ])
+        .env("OOMGUARD_RUN_TOKEN", SECRET)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+    };
+    let mut node0 = spawn("0");
+    let mut node1 = spawn("1");
+    let err1 = std::io::BufReader::new(node1.stderr.take().unwrap());
+    let mut said = String::new();
+    for line in err1.lines().map_while(Result::ok) {
+        said.push_str(&line);
+        said.push('\n');
+        if line.contains("node 1 of 3: joined") {
+            break;
+        }
+    }
+    assert!(said.contains("node 1 of 3: joined"), "{said}");
+    // SAFETY: a plain syscall.
+    unsafe { libc::kill(node1.id() as i32, libc::SIGTERM) };
+    let t = Instant::now();
+    assert_eq!(node1.wait().unwrap().code(), Some(143));
+    while node0.try_wait().unwrap().is_none() && t.elapsed() < Duration::from_secs(15) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = node0.kill(); // still waiting: the assertion below says how long
+    let o = node0.wait_with_output().unwrap();
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(143), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(10), "took {:?}", t.elapsed());
+    assert!(
+        err.contains("the group stopped before it started")
+            && err.contains("stopped by a signal")
+            && !out.contains("started"),
+        "{err}"
+    );
+}
+
 /// Whether process `pid` has a handler for `sig` (its SigCgt mask in /proc).
 fn catches(pid: u32, sig: i32) -> bool {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();

@@ -218,6 +218,7 @@ pub fn exit_code(err: &anyhow::Error) -> Option<i32> {
         Some(launch::LaunchError::Config(_) | launch::LaunchError::Start(_)) => Some(2),
         Some(launch::LaunchError::Io { .. }) => Some(1),
         Some(launch::LaunchError::Signaled(sig)) => Some(128 + sig),
+        Some(launch::LaunchError::Stopped { code, .. }) => Some(*code),
         None => err.downcast_ref::<ConfigError>().map(|_| 2),
     }
 }

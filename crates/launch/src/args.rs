@@ -44,7 +44,7 @@ pub struct LaunchArgs {
     pub rdzv_backend: String,
     // `help =`, not a doc comment: rustdoc would read `[:PORT]` as a link.
     #[arg(
-        help = "Rendezvous endpoint HOST[:PORT] (c10d; overrides --master-addr/--master-port)",
+        help = "Rendezvous endpoint HOST[:PORT], an IPv6 address in brackets ([::1]:29400) (c10d; overrides --master-addr/--master-port)",
         long = "rdzv-endpoint",
         alias = "rdzv_endpoint",
         env = "PET_RDZV_ENDPOINT",

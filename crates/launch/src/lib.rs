@@ -48,6 +48,10 @@ pub enum LaunchError {
     /// A signal (its number) while this node waited for the group: the launcher exits 128+it.
     #[error("received signal {0} while waiting for the group")]
     Signaled(i32),
+    /// The group ended before its first round (another node's launcher was stopped by a
+    /// signal, or is gone): this launcher exits with the group's code.
+    #[error("the group stopped before it started: {why}")]
+    Stopped { code: i32, why: String },
 }
 
 type Error = LaunchError;
@@ -191,15 +195,7 @@ impl LaunchSpec {
         if a.standalone {
             (master_addr, master_port) = ("127.0.0.1".into(), 0);
         } else if !a.rdzv_endpoint.is_empty() {
-            let (host, port) = match a.rdzv_endpoint.rsplit_once(':') {
-                Some((h, p)) => (
-                    h.to_string(),
-                    p.parse()
-                        .map_err(|_| bad("--rdzv-endpoint", format!("`{}` is not HOST:PORT", a.rdzv_endpoint)))?,
-                ),
-                None => (a.rdzv_endpoint.clone(), 29400),
-            };
-            (master_addr, master_port) = (host, port);
+            (master_addr, master_port) = endpoint(&a.rdzv_endpoint).map_err(|why| bad("--rdzv-endpoint", why))?;
         }
         match a.rdzv_backend.as_str() {
             "static" => {}
@@ -601,6 +597,26 @@ pub struct Micro {
     pub failed: Option<usize>,
 }
 
+/// `--rdzv-endpoint` as torchrun reads it: HOST[:PORT] (29400 when none), an IPv6 address
+/// in brackets (`[::1]:29400`, `[fe80::1]`), the brackets dropped.
+fn endpoint(s: &str) -> Result<(String, u16), String> {
+    let bad = || format!("`{s}` is not HOST:PORT (an IPv6 address in brackets: [::1]:29400)");
+    let (host, port) = match s.strip_prefix('[').and_then(|r| r.split_once(']')) {
+        Some((h, "")) => (h, None),
+        Some((h, rest)) => (h, Some(rest.strip_prefix(':').ok_or_else(bad)?)),
+        None => match s.rsplit_once(':') {
+            Some((h, p)) => (h, Some(p)),
+            None => (s, None),
+        },
+    };
+    let port = port.map_or(Ok(29400), |p| p.parse::<u16>().map_err(|_| bad()))?;
+    if host.is_empty() {
+        return Err(bad());
+    }
+    Ok((host.to_string(), port))
+}
+
+#[cfg(test)]
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -620,6 +636,32 @@ mod tests {
         let cli =
             Launch::try_parse_from([&["oomguard launch"], args].concat()).map_err(|e| bad("cli", e.to_string()))?;
         LaunchSpec::with_token(&cli.args, token.map(Into::into))
+    }
+
+    /// torchrun's endpoints: a port or 29400, an IPv6 address in brackets with or without a
+    /// port; no host, or a port that is not one, refused.
+    #[test]
+    fn rendezvous_endpoints_read_as_torchrun_reads_them() {
+        let ok = |s: &str, h: &str, p: u16| assert_eq!(endpoint(s), Ok((h.to_string(), p)), "{s}");
+        ok("node0:1234", "node0", 1234);
+        ok("node0", "node0", 29400);
+        ok("[::1]:29500", "::1", 29500);
+        ok("[fe80::1]", "fe80::1", 29400);
+        ok("10.0.0.1:0", "10.0.0.1", 0);
+        for s in [":29400", "[]:5", "[::1]x", "h:port", "h:70000", "[::1]:"] {
+            assert!(endpoint(s).is_err(), "{s}");
+        }
+        let e = spec(&[
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "[::1]:29500",
+            "--nnodes",
+            "1:2",
+            "x",
+        ])
+        .unwrap();
+        assert_eq!((e.master_addr.as_str(), e.master_port), ("::1", 29500));
     }
 
     /// More than one node, static or elastic (its MAX), needs OOMGUARD_RUN_TOKEN: without it the

@@ -506,11 +506,32 @@ fn stop(workers: &mut [Worker], sig: i32, grace: Duration, signals: &Signals) {
         group(w, libc::SIGKILL);
         let _ = w.child.wait();
         w.done = true;
+    }
+    // A worker's output ends when the last process holding its pipes does: one that left
+    // the worker's process group (setsid, a daemon) may hold them on. Its lines are waited
+    // for a while, then left to their thread.
+    let t = Instant::now();
+    for w in workers.iter_mut() {
         for p in w.pumps.drain(..) {
-            let _ = p.join();
+            while !p.is_finished() && t.elapsed() < PUMPS_DRAIN {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if p.is_finished() {
+                let _ = p.join();
+            } else {
+                tracing::warn!(
+                    "local rank {}'s output is still open {} s after it exited (a process it started outside its group holds it): \
+                     not waiting for it",
+                    w.local_rank,
+                    PUMPS_DRAIN.as_secs()
+                );
+            }
         }
     }
 }
+
+/// How long a stopped worker's output may stay open before the launcher goes on without it.
+const PUMPS_DRAIN: Duration = Duration::from_secs(5);
 
 /// torchelastic's error file: `{"message": {"message": "...", "extraInfo": {...}}}` or
 /// `{"message": "..."}`.

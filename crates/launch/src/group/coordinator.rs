@@ -439,15 +439,26 @@ impl Coordinator {
         else {
             return vec![];
         };
-        if !self.joined.is_subset(stopped) {
+        // A node whose workers finished never stops again (its launcher has exited): the
+        // others are all that is waited for, and no round can start without it.
+        if !(self.joined.iter()).all(|n| stopped.contains(n) || self.done.contains(n)) {
             return vec![];
         }
+        let finished = self
+            .joined
+            .iter()
+            .find(|n| self.done.contains(n))
+            .map(|&n| self.rank_of(n));
         let (report, failed_node, change) = (report.clone(), *failed_node, change.clone());
         let ended = report.as_ref().map_or(Ended::Other, Report::ended);
         let micro = report.as_ref().and_then(|r| r.micro);
         let done = if change.is_some() { 0 } else { self.restarts };
         let max = if change.is_some() { u32::MAX } else { self.max_restarts };
-        match after_failure(done, max, ended, micro) {
+        let next = match finished {
+            Some(_) => Next::GiveUp,
+            None => after_failure(done, max, ended, micro),
+        };
+        match next {
             Next::Restart { micro_batch_size } => {
                 let oom = report.as_ref().is_some_and(|r| r.oom);
                 if report.is_some() || micro_batch_size.is_some() {
@@ -483,7 +494,14 @@ impl Coordinator {
                             restart can help", report.rank),
                     );
                 }
-                let why = gave_up(&report, failed_node, self.max_restarts);
+                let why = match finished {
+                    Some(n) => format!(
+                        "worker rank {} on node {failed_node} failed (exit code {}) after node {n}'s workers had finished: \
+                         no restart can bring those back",
+                        report.rank, report.code
+                    ),
+                    None => gave_up(&report, failed_node, self.max_restarts),
+                };
                 self.end(report.code, why)
             }
         }
@@ -828,6 +846,38 @@ pub(super) mod tests {
         assert_eq!(c.gone(1), vec![], "a node that finished may leave");
         assert!(!c.settled());
         assert!(matches!(&c.gone(0)[..], [(To::All, ToNode::Stop { code: 1, why })] if why.contains("node 0")));
+    }
+
+    /// One node's workers finished and its launcher left; then a worker on another node fails
+    /// (its last checkpoint's write, say): the job ends at once with that worker's code, with
+    /// restarts left or not, and waits for no stop from the finished node.
+    #[test]
+    fn a_failure_after_another_node_finished_ends_the_job_with_its_code() {
+        for max_restarts in [0, 3] {
+            let mut c = Coordinator::new(2, max_restarts, "job");
+            c.on(0, hello(0, None));
+            c.on(1, hello(1, None));
+            c.on(1, ToCoordinator::Done);
+            assert_eq!(c.gone(1), vec![]);
+            let failure = Report {
+                code: 7,
+                ..report(0, false, None)
+            };
+            let out = c.on(
+                0,
+                ToCoordinator::Failed {
+                    round: 0,
+                    report: failure,
+                },
+            );
+            assert!(matches!(&out[..], [(To::All, ToNode::Restart { round: 1, .. })]));
+            let out = c.on(0, ToCoordinator::Stopped { round: 1, port: 0 });
+            assert!(
+                matches!(&out[..], [(To::All, ToNode::Stop { code: 7, why })] if why.contains("after node 1's workers had finished")),
+                "{out:?}"
+            );
+            assert!(c.settled());
+        }
     }
 
     /// At most `cap` places; one more crowds out the oldest of the address holding the most, so

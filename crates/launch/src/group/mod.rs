@@ -165,9 +165,7 @@ impl Group {
                 Some(ToNode::Refused { why }) => {
                     return Err(Error::Start(format!("node 0's launcher refused this node: {why}")))
                 }
-                Some(ToNode::Stop { why, .. }) => {
-                    return Err(Error::Start(format!("the group stopped before it started: {why}")))
-                }
+                Some(ToNode::Stop { code, why }) => return Err(Error::Stopped { code, why }),
                 _ if matches!(group.link, Link::Remote { gone: true, .. }) => {
                     interrupted(signals)?;
                     return Err(Error::Start(
@@ -175,7 +173,13 @@ impl Group {
                     ));
                 }
                 _ => {
-                    interrupted(signals)?;
+                    if let Err(e) = interrupted(signals) {
+                        // The others stop with this node's code rather than wait for it.
+                        if let Error::Signaled(sig) = e {
+                            group.abort(128 + sig);
+                        }
+                        return Err(e);
+                    }
                     return Err(Error::Start(format!(
                         "not every node's launcher joined within {} s (--nnodes {})",
                         join_timeout.as_secs(),
