@@ -41,7 +41,8 @@ impl MarkerKind {
             "shrink" => MarkerKind::Shrink,
             "grow" => MarkerKind::Grow,
             "resumed" => MarkerKind::Resumed,
-            "rung" => MarkerKind::Rung,
+            // A rung climbed, or a sharding rung left when memory allowed: a rung change.
+            "rung" | "rung_down" => MarkerKind::Rung,
             "stopped" => MarkerKind::Stopped,
             "leak_warning" => MarkerKind::Leak,
             "membership" => MarkerKind::Membership,
@@ -95,6 +96,9 @@ pub struct RunSeries {
     pub world_size: u64,
     /// Lines skipped, naming file and line.
     pub warnings: Vec<String>,
+    /// The first and last step of any record read (a step whose loss is not a number, a step
+    /// with no loss, an event), so the axes cover every series drawn.
+    pub span: Option<(u64, u64)>,
 }
 
 #[derive(Deserialize)]
@@ -145,6 +149,9 @@ impl RunSeries {
         let (Some(event), Some(step)) = (l.event.as_deref(), l.step) else {
             return;
         };
+        if matches!(event, "step" | "eval") || MarkerKind::from_event(event).is_some() {
+            self.span = Some(self.span.map_or((step, step), |(a, b)| (a.min(step), b.max(step))));
+        }
         match event {
             "step" => {
                 self.steps += 1;
@@ -182,15 +189,7 @@ impl RunSeries {
 
     /// The steps the run covers, events included.
     pub fn step_range(&self) -> Option<(u64, u64)> {
-        let steps = self
-            .loss
-            .iter()
-            .chain(&self.eval_loss)
-            .map(|p| p.0)
-            .chain(self.markers.iter().map(|m| m.step));
-        steps.fold(None, |r, s| {
-            Some(r.map_or((s, s), |(a, b): (u64, u64)| (a.min(s), b.max(s))))
-        })
+        self.span
     }
 
     pub fn summary(&self) -> Summary {
@@ -332,5 +331,23 @@ mod tests {
         let rows = sum.rows();
         let final_loss = &rows.iter().find(|r| r.0 == "final loss").unwrap().1;
         assert_eq!(final_loss, "NaN (not a number from step 1)");
+    }
+
+    /// A run whose loss turned NaN at step 1 and went on to step 9 with no event after: the
+    /// axis covers step 9 (the throughput and memory drawn up to it), and a sharding rung
+    /// left is a rung change.
+    #[test]
+    fn the_steps_covered_include_those_with_no_loss() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("metrics.jsonl");
+        let step = |s: u64, loss: &str| format!(r#"{{"event":"step","step":{s},"loss":{loss},"tokens_per_s":100.0}}"#);
+        let mut lines: Vec<String> = vec![step(0, "5.0")];
+        lines.extend((1..10).map(|s| step(s, "null")));
+        lines.push(r#"{"event":"rung_down","step":4,"rung":"zero1","reason":"memory allowed"}"#.into());
+        std::fs::write(&p, lines.join("\n")).unwrap();
+        let s = RunSeries::read(&p).unwrap();
+        assert_eq!(s.step_range(), Some((0, 9)));
+        assert_eq!(s.tokens_per_s.len(), 10);
+        assert_eq!(s.count(MarkerKind::Rung), 1);
     }
 }
