@@ -307,13 +307,14 @@ impl MetricsWriter {
 
     /// `log.trackers` (and OOMGUARD_TRACKERS): the records written from now on also go to
     /// those trackers. One that cannot start is a config error, before the first step.
-    /// `origin`: the config file, which errors name.
+    /// `origin`: the config file, which errors name; `resumed`: as `Follower::start` takes it.
     pub fn with_trackers(
         mut self,
         configured: &[String],
         dir: &Path,
         config_json: &str,
         origin: &str,
+        resumed: bool,
     ) -> Result<MetricsWriter> {
         let named = |e: ConfigError| match e.origin.is_empty() {
             true => ConfigError {
@@ -325,7 +326,8 @@ impl MetricsWriter {
         let names = crate::trackers::chosen(configured).map_err(named)?;
         if !names.is_empty() {
             let offset = std::fs::metadata(dir.join("metrics.jsonl")).map_or(0, |m| m.len());
-            let follower = crate::trackers::Follower::start(&names, dir, offset, config_json).map_err(named)?;
+            let follower =
+                crate::trackers::Follower::start(&names, dir, offset, config_json, resumed).map_err(named)?;
             self.trackers = Some(follower);
         }
         Ok(self)

@@ -61,8 +61,17 @@ pub struct Follower {
 
 impl Follower {
     /// Starts the follower on `run_dir/metrics.jsonl` from byte `offset` (the records this
-    /// run writes). Returns once the trackers' runs are open; Err says why they are not.
-    pub fn start(names: &[String], run_dir: &Path, offset: u64, config_json: &str) -> Result<Follower, ConfigError> {
+    /// run writes). `resumed`: the run goes on from its newest checkpoint, in the trackers'
+    /// runs that trackers.json names, sending no step they were sent before (the steps redone
+    /// are the same); else new runs (a fresh start, or a fork). Returns once the trackers'
+    /// runs are open; Err says why they are not.
+    pub fn start(
+        names: &[String],
+        run_dir: &Path,
+        offset: u64,
+        config_json: &str,
+        resumed: bool,
+    ) -> Result<Follower, ConfigError> {
         let python = std::env::var_os(oomguard_launch::PYTHON_VAR).unwrap_or_else(|| "python3".into());
         let shown = python.to_string_lossy().into_owned();
         let fail = |why: String| ConfigError::invalid("log.trackers", why);
@@ -75,6 +84,7 @@ impl Follower {
             .arg(offset.to_string())
             .arg(config_json)
             .arg("")
+            .arg(if resumed { "resume" } else { "new" })
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

@@ -22,6 +22,7 @@ from typing import Dict, Iterable, List, Optional, Tuple, Union
 KNOWN = ("wandb", "mlflow")
 ENV = "OOMGUARD_TRACKERS"
 STATE = "trackers.json"  # RUN_DIR/trackers.json: each tracker's run id, so a resumed run goes on in it
+THROUGH = "logged_through"  # ...and the last step they were sent, so a resume's redone steps are not sent twice
 
 # metrics.jsonl's step fields -> HF Trainer's W&B names (its WandbCallback's rewrite_logs).
 _STEP = (
@@ -159,20 +160,44 @@ def _warn(line: str) -> None:
     print(f"oomguard WARNING: {line}", file=sys.stderr, flush=True)
 
 
+def _write_state(path: str, state: dict) -> None:
+    """trackers.json, whole or not at all (a temporary file renamed over it)."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(state, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        _warn(f"cannot write {path}: {e}; a resumed run starts new tracker runs")
+
+
 class Trackers:
     """The named trackers' runs for `run_dir` (rank 0's): opened at once, so that a tracker
-    that is not installed or cannot start is an error before training, not a lost log."""
+    that is not installed or cannot start is an error before training, not a lost log.
+    `mode`: "same" goes on in the runs trackers.json names (the Python guard's);
+    "resume" also sends no step already sent (`oomguard train --resume` redoes the steps
+    after its checkpoint, bit for bit); "new" opens new runs (a fresh start, or a fork)."""
 
-    def __init__(self, chosen: List[str], run_dir: str, config: Optional[dict] = None, where: str = ENV):
+    def __init__(
+        self, chosen: List[str], run_dir: str, config: Optional[dict] = None, where: str = ENV, mode: str = "same"
+    ):
         self.live: Dict[str, object] = {}
-        state_path = os.path.join(run_dir, STATE)
-        try:
-            with open(state_path) as f:
-                ids = json.load(f)
+        self._state_path = state_path = os.path.join(run_dir, STATE)
+        ids: dict = {}
+        if mode != "new" and os.path.exists(state_path):
+            try:
+                with open(state_path) as f:
+                    ids = json.load(f)
+            except (OSError, ValueError) as e:
+                _warn(f"cannot read {state_path} ({e}): new tracker runs are opened")
             ids = ids if isinstance(ids, dict) else {}
-        except (OSError, ValueError):
-            ids = {}
-        run_name = os.path.basename(os.path.abspath(run_dir))
+        through = ids.get(THROUGH)
+        self.through = through if _number(through) else None  # the last step sent
+        self._skip = self.through if mode == "resume" else None
+        # The run directory's last two parts (runs/demo/001 -> demo/001): every config's
+        # first run is 001.
+        parts = os.path.abspath(run_dir).split(os.sep)
+        run_name = "/".join(p for p in parts[-2:] if p)
         for name in chosen:
             try:
                 self.live[name] = _OPEN[name](run_name, run_dir, ids.get(name), config)
@@ -184,19 +209,24 @@ class Trackers:
             except Exception as e:  # noqa: BLE001 - the tracker's own refusal, said as it said it
                 self.close()
                 raise TrackerError(f"{where} names {name}, which could not start a run: {e}".lstrip()) from e
+        self._ids = {n: t.id for n, t in self.live.items()}
         if self.live:
-            ids.update({n: t.id for n, t in self.live.items()})
-            try:
-                with open(state_path, "w") as f:
-                    json.dump(ids, f)
-            except OSError as e:
-                _warn(f"cannot write {state_path}: {e}; a resumed run starts new tracker runs")
+            _write_state(state_path, self._state())
         atexit.register(self.close)
+
+    def _state(self) -> dict:
+        state: dict = dict(self._ids)
+        if self.through is not None:
+            state[THROUGH] = self.through
+        return state
 
     def log(self, record: dict) -> None:
         found = scalars(record) if self.live else None
         if found is None:
             return
+        if self._skip is not None and found[0] <= self._skip:
+            return  # sent before the resume, the same values
+        self.through = found[0] if self.through is None else max(self.through, found[0])
         for name, tracker in list(self.live.items()):
             try:
                 tracker.log(*found)
@@ -205,15 +235,18 @@ class Trackers:
                 del self.live[name]
 
     def close(self) -> None:
+        had = bool(self.live)
         for name, tracker in list(self.live.items()):
             try:
                 tracker.close()
             except Exception as e:  # noqa: BLE001
                 _warn(f"{name} did not close cleanly: {e}")
         self.live.clear()
+        if had:  # last: a resume that finds the step sent knows these runs are closed
+            _write_state(self._state_path, self._state())
 
 
-def follow(run_dir: str, chosen: List[str], offset: int, config: Optional[dict], where: str) -> int:
+def follow(run_dir: str, chosen: List[str], offset: int, config: Optional[dict], where: str, mode: str) -> int:
     """`oomguard train`'s follower: mirrors metrics.jsonl from `offset` until stdin closes (the
     run ended, however it ended), then what is left, then closes the trackers' runs. Prints
     `ready` once they are open; an error line and exit 2 when they cannot be."""
@@ -223,7 +256,7 @@ def follow(run_dir: str, chosen: List[str], offset: int, config: Optional[dict],
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)  # the run's Ctrl-C is the run's: this drains, then ends
     try:
-        trackers = Trackers(chosen, run_dir, config, where)
+        trackers = Trackers(chosen, run_dir, config, where, mode)
     except TrackerError as e:
         print(e, file=sys.stderr, flush=True)
         return 2
@@ -241,9 +274,11 @@ def follow(run_dir: str, chosen: List[str], offset: int, config: Optional[dict],
             *lines, pending = pending.split("\n")
             for line in lines:
                 try:
-                    trackers.log(json.loads(line))
+                    record = json.loads(line)
                 except ValueError:
                     continue
+                if isinstance(record, dict):
+                    trackers.log(record)
             if ended and not chunk:
                 break
     trackers.close()
@@ -251,12 +286,13 @@ def follow(run_dir: str, chosen: List[str], offset: int, config: Optional[dict],
 
 
 def _main(argv: List[str]) -> int:
-    # follow RUN_DIR TRACKERS OFFSET CONFIG_JSON WHERE (WHERE: the key the error lines name, or "")
-    if len(argv) != 6 or argv[0] != "follow":
-        print("usage: follow RUN_DIR TRACKERS OFFSET CONFIG_JSON WHERE", file=sys.stderr)
+    # follow RUN_DIR TRACKERS OFFSET CONFIG_JSON WHERE MODE (WHERE: the key the error lines name,
+    # or ""; MODE: resume or new, as `Trackers` takes it)
+    if len(argv) != 7 or argv[0] != "follow" or argv[6] not in ("resume", "new"):
+        print("usage: follow RUN_DIR TRACKERS OFFSET CONFIG_JSON WHERE resume|new", file=sys.stderr)
         return 2
-    _, run_dir, chosen, offset, config, where = argv
-    return follow(run_dir, names(chosen, where), int(offset), json.loads(config) or None, where)
+    _, run_dir, chosen, offset, config, where, mode = argv
+    return follow(run_dir, names(chosen, where), int(offset), json.loads(config) or None, where, mode)
 
 
 if __name__ == "__main__":

@@ -73,9 +73,9 @@ pub(super) struct Run<'a> {
     /// The step the last checkpoint this run wrote resumes at: the final checkpoint is not
     /// written (nor logged) again when the last periodic one already is it.
     checkpointed: Option<u64>,
-    /// The micro-batch cache's key for this model, memory and device; `None` when this run
-    /// must not teach it (its failures are injected, not facts about memory).
-    cache_key: Option<String>,
+    /// Whether this run teaches the micro-batch cache (`start::micro_key`, as the run stands
+    /// when it learns); not when its failures are injected, not facts about memory.
+    remember_micro: bool,
     pub summary: Summary,
     /// Elapsed time, the ETA and the live bar.
     pub progress: Progress,
@@ -305,8 +305,15 @@ impl<'a> Run<'a> {
             shrank |= matches!(&e, GuardEvent::Oom(o) if o.phase != Some(Phase::Eval) && o.new_micro_batch_size > 0);
             self.write(&Record::from(e))?;
         }
-        if let (true, true, Some(key)) = (shrank, result.is_ok(), &self.cache_key) {
-            plan::remember(key, self.guard.micro_batch_size());
+        if shrank && result.is_ok() && self.remember_micro {
+            let key = start::micro_key(
+                self.task.as_ref(),
+                &self.data,
+                self.precision,
+                self.device,
+                self.opt.shard(),
+            );
+            plan::remember(&key, self.guard.micro_batch_size());
         }
         match result {
             Err(Error::Oom(oom)) => {

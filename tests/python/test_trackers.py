@@ -12,6 +12,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -88,7 +89,7 @@ def test_a_launched_loop_logs_its_records_to_wandb_and_mlflow(tmp_path):
     steps = {r["step"]: r for r in recs if r["event"] == "step"}
     assert len(steps) == 3 and any(r["event"] == "oom" for r in recs), recs
     ids = json.loads((run_dir / "trackers.json").read_text())
-    assert set(ids) == {"wandb", "mlflow"}
+    assert set(ids) == {"wandb", "mlflow", "logged_through"} and ids["logged_through"] == 2, ids
     # MLflow: HF Trainer's names there (loss, learning rate would be learning_rate), each step's value.
     assert mlflow_metric(tmp_path, ids["mlflow"], "loss") == pytest.approx({s: r["loss"] for s, r in steps.items()})
     mb = mlflow_metric(tmp_path, ids["mlflow"], "oomguard/micro_batch_size")
@@ -101,20 +102,54 @@ def test_a_launched_loop_logs_its_records_to_wandb_and_mlflow(tmp_path):
     assert len(glob.glob(str(run_dir / "wandb" / "offline-run-*"))) == 1
 
 
+def last_step(run_dir: Path) -> int:
+    """The last step metrics.jsonl has so far (-1: none; a line being written is skipped)."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return -1
+    found = -1
+    for line in lines:
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if r.get("event") == "step":
+            found = max(found, r["step"])
+    return found
+
+
+def train_cmd(run_dir: Path, *args: str) -> list:
+    return [str(launcher()), "train", str(ROOT / "configs" / "demo.yaml"), "--run-dir", str(run_dir),
+            "--set", "train.eval_every=4", "--set", "train.eval_batches=1", "--set", "checkpoint.every_steps=4",
+            "--set", "log.every=4", "--set", "optim.decay_steps=12", *args]
+
+
 def train(tmp: Path, run_dir: Path, *args: str, **more: str) -> subprocess.CompletedProcess:
-    cmd = [str(launcher()), "train", str(ROOT / "configs" / "demo.yaml"), "--run-dir", str(run_dir),
-           "--set", "train.eval_every=4", "--set", "train.eval_batches=1", "--set", "checkpoint.every_steps=4",
-           "--set", "log.every=4", "--set", "optim.decay_steps=12", *args]
-    return subprocess.run(cmd, env=tracker_env(tmp, **more), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=300)
+    return subprocess.run(train_cmd(run_dir, *args), env=tracker_env(tmp, **more), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
 
 
 def test_oomguard_train_mirrors_metrics_jsonl_to_both_and_a_resume_goes_on_in_the_same_runs(tmp_path):
     if launcher() is None:
         pytest.skip("no oomguard binary (OOMGUARD_BIN, or target/release/oomguard: `cargo build --release`)")
     run_dir = tmp_path / "run"
-    p = train(tmp_path, run_dir, "--set", "train.max_steps=8", "--set", "log.trackers=[wandb, mlflow]")
-    assert p.returncode == 0, p.stdout
+    # The first start dies (kill -9: the host's OOM killer) past its step-4 checkpoint; its
+    # follower sends what was written, then closes the runs.
+    cmd = train_cmd(run_dir, "--set", "train.max_steps=12", "--set", "log.trackers=[wandb, mlflow]")
+    p = subprocess.Popen(cmd, env=tracker_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and p.poll() is None:
+        if last_step(run_dir) >= 6:
+            break
+        time.sleep(0.05)
+    p.kill()
+    assert p.wait() == -9, "the first start ended before it was killed"
+    sent = run_dir / "trackers.json"
+    while time.monotonic() < deadline and "logged_through" not in json.loads(sent.read_text()):
+        time.sleep(0.2)
+    first = json.loads(sent.read_text())
+    assert first["logged_through"] >= 6, first
     p = train(tmp_path, run_dir, "--set", "train.max_steps=12", "--set", "log.trackers=[wandb, mlflow]", "--resume")
     assert p.returncode == 0, p.stdout
     recs = records(run_dir)
@@ -122,7 +157,12 @@ def test_oomguard_train_mirrors_metrics_jsonl_to_both_and_a_resume_goes_on_in_th
     evals = {r["step"]: r["val_loss"] for r in recs if r["event"] == "eval"}
     assert sorted(steps) == list(range(12)) and len(evals) >= 2, recs
     assert any(r["event"] == "oom" for r in recs)  # the demo's pressure
+    assert any(r["event"] == "resumed" and r["step"] <= first["logged_through"] for r in recs), "no step was redone"
     ids = json.loads((run_dir / "trackers.json").read_text())
+    assert (ids["wandb"], ids["mlflow"]) == (first["wandb"], first["mlflow"])
+    # Each step once in MLflow, the redone ones too (the same values: not sent again).
+    client = mlflow.MlflowClient(tracking_uri=f"file:{tmp_path / 'mlruns'}")
+    assert sorted(m.step for m in client.get_metric_history(ids["mlflow"], "loss")) == list(range(12))
     # One MLflow run across the resume, every step's loss and lr, the evaluations as eval_loss.
     assert mlflow_metric(tmp_path, ids["mlflow"], "loss") == pytest.approx({s: r["loss"] for s, r in steps.items()})
     assert mlflow_metric(tmp_path, ids["mlflow"], "learning_rate") == pytest.approx({s: r["lr"] for s, r in steps.items()})
@@ -130,8 +170,16 @@ def test_oomguard_train_mirrors_metrics_jsonl_to_both_and_a_resume_goes_on_in_th
     # W&B: one run id, resumed; its rows over both segments hold every step once.
     assert len(glob.glob(str(run_dir / "wandb" / f"offline-run-*-{ids['wandb']}"))) == 2
     rows = wandb_history(run_dir)
+    assert sorted(r["train/global_step"] for r in rows if "train/loss" in r) == list(range(12))
     assert by_step(rows, "train/loss") == pytest.approx({s: r["loss"] for s, r in steps.items()})
     assert by_step(rows, "eval/loss") == pytest.approx(evals)
+    # A fork (--resume-from an older checkpoint) is another future: new runs, from its step.
+    p = train(tmp_path, run_dir, "--set", "train.max_steps=10", "--set", "log.trackers=[mlflow]",
+              "--resume-from", str(run_dir / "checkpoints" / "step-00000008"))
+    assert p.returncode == 0, p.stdout
+    forked = json.loads(sent.read_text())
+    assert forked["mlflow"] != ids["mlflow"] and forked["logged_through"] == 9, forked
+    assert sorted(m.step for m in client.get_metric_history(forked["mlflow"], "loss")) == [8, 9]
 
 
 def test_a_tracker_that_cannot_start_is_a_clear_error_before_training(tmp_path):

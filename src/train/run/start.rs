@@ -80,21 +80,7 @@ impl<'a> Run<'a> {
 
         let global = c.train.global_batch_size();
         let limit = memory::stats(device).limit_bytes;
-        // What sets a micro-batch's memory: the model, its loss (the full logits or none),
-        // the sample, precision, recomputation, device and limit.
-        let cache_key = format!(
-            "{}{}|u{}|{}{}|{device:?}|{}",
-            fingerprint_key(&task.fingerprint()),
-            task.loss_kind().map_or(String::new(), |l| format!("+{}", l.name())),
-            data.train.units_per_sample(),
-            precision.name(),
-            if task.activation_checkpointing() == Some(true) {
-                "+ckpt"
-            } else {
-                ""
-            },
-            limit.map_or(0, crate::guard::policy::memory_step)
-        );
+        let cache_key = micro_key(task.as_ref(), &data, precision, device, opt.shard());
         // Where to start: rank 0 decides (and reads the checkpoint); the others learn it.
         let agree = |r: Result<()>| match &pg {
             Some(pg) => pg.agree(Topic::StartPoint, r),
@@ -172,7 +158,16 @@ impl<'a> Run<'a> {
         let metrics = metrics.map(|m| m.with_tensorboard(c.log.tensorboard, run_dir));
         let config_json = serde_json::to_string(c).unwrap_or_default();
         let mut metrics = metrics
-            .map(|m| m.with_trackers(&c.log.trackers, run_dir, &config_json, &cfg.path.display().to_string()))
+            .map(|m| {
+                let resumed = matches!(options.resume, Resume::Newest);
+                m.with_trackers(
+                    &c.log.trackers,
+                    run_dir,
+                    &config_json,
+                    &cfg.path.display().to_string(),
+                    resumed,
+                )
+            })
             .transpose()?;
         if let (true, Some((dir, s))) = (lead, &from) {
             // Resumed from an older checkpoint, the run forks: the later ones are another
@@ -383,7 +378,7 @@ impl<'a> Run<'a> {
             eval_history,
             verified: BTreeMap::new(),
             checkpointed: None,
-            cache_key: options.inject_oom.is_none().then_some(cache_key),
+            remember_micro: options.inject_oom.is_none(),
             reducer,
             bucket_bytes,
             pg,
@@ -580,13 +575,7 @@ fn refuse_what_cannot_fit(cfg: &Config, device: Device, world: usize) -> Result<
     let (ModelKind::Gpt, Some(limit)) = (c.model.kind, stats.limit_bytes) else {
         return Ok(());
     };
-    let shard = if world > 1 && c.memory.allow_sharding {
-        Shard::Optimizer // what the guard climbs to
-    } else if world > 1 {
-        c.train.shard
-    } else {
-        Shard::None
-    };
+    let shard = start_shard(world, c.train.shard, c.memory.allow_sharding);
     let est = plan::Estimate::new(&c.model.gpt(), plan::Precision::Fp32, device.is_cuda())
         .with_bucket_cap(c.train.bucket_bytes(&c.memory) as u64)
         .with_shard(shard, world as u64);
@@ -598,6 +587,16 @@ fn refuse_what_cannot_fit(cfg: &Config, device: Device, world: usize) -> Result<
         "the model does not fit in memory: its weights, gradients and AdamW state alone need {} and {} is in use, of {} (nothing was allocated). {}",
         human_bytes(state), human_bytes(stats.live_bytes), human_bytes(limit), plan::advice(&c.model.gpt(), limit, device.is_cuda(), c.train.bucket_bytes(&c.memory) as u64, c.train.global_batch_size())
     )))
+}
+
+/// The most a rank's state can be split at the start's check: the stage configured, or
+/// what the guard climbs to by itself (ZeRO-1) where that is more; nothing in one process.
+fn start_shard(world: usize, configured: Shard, allow_sharding: bool) -> Shard {
+    match world {
+        1 => Shard::None,
+        _ if allow_sharding => configured.max(Shard::Optimizer),
+        _ => configured,
+    }
 }
 
 /// One sample through the loss, before training: a model that cannot take the data (a
@@ -678,6 +677,31 @@ fn resumed_precision(precision: &mut Precision, saved: Option<Precision>, set: b
         }
         None => "config",
     }
+}
+
+/// The micro-batch cache's key: what sets a micro-batch's memory, as the run stands (the
+/// model, its loss (the full logits or none), the sample, precision, recomputation,
+/// sharding, device and limit). A resume or a rung climbed since the start changes it.
+pub(super) fn micro_key(task: &dyn Task, data: &Dataset, precision: Precision, device: Device, shard: Shard) -> String {
+    let limit = memory::stats(device).limit_bytes;
+    format!(
+        "{}{}|u{}|{}{}{}|{device:?}|{}",
+        fingerprint_key(&task.fingerprint()),
+        task.loss_kind().map_or(String::new(), |l| format!("+{}", l.name())),
+        data.train.units_per_sample(),
+        precision.name(),
+        if task.activation_checkpointing() == Some(true) {
+            "+ckpt"
+        } else {
+            ""
+        },
+        match shard {
+            Shard::None => "",
+            Shard::Optimizer => "+zero1",
+            Shard::Gradients => "+zero2",
+        },
+        limit.map_or(0, crate::guard::policy::memory_step)
+    )
 }
 
 /// A fixed micro-batch, lowered to a size the micro-batch cache knows fits (one learned by
@@ -836,4 +860,20 @@ fn snapshot_dumper(
         rank,
     );
     Ok(d.map(|d| Rc::new(std::cell::RefCell::new(d))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A configured ZeRO-2 is what the start's check counts (its gradients a shard), not the
+    /// ZeRO-1 the guard would climb to: a model whose stage-2 state fits is not refused.
+    #[test]
+    fn the_start_check_counts_the_stage_configured_or_the_one_climbed_to() {
+        assert_eq!(start_shard(2, Shard::Gradients, true), Shard::Gradients);
+        assert_eq!(start_shard(2, Shard::None, true), Shard::Optimizer);
+        assert_eq!(start_shard(2, Shard::Optimizer, false), Shard::Optimizer);
+        assert_eq!(start_shard(2, Shard::None, false), Shard::None);
+        assert_eq!(start_shard(1, Shard::Gradients, true), Shard::None);
+    }
 }
