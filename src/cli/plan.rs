@@ -170,7 +170,7 @@ fn per_rank(args: &PlanArgs, estimate: &Estimate, memory: u64, global: usize, wh
         })
         .collect();
     let best = stages.iter().find(|(_, _, fit)| *fit > 0);
-    let ranks = estimate.ranks_to_fit(memory);
+    let ranks = estimate.ranks_to_fit(memory, global);
     if args.json {
         let rows: Vec<_> = stages.iter().map(|(s, e, fit)| serde_json::json!({
             "shard": s, "optimizer_bytes": e.optimizer_bytes, "peak_bytes_at_1": e.peak_of(1, samples), "largest_micro_batch_size": fit,

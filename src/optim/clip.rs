@@ -69,12 +69,13 @@ impl AdamW {
         z.comm.all_reduce_sum(&clip.sq)?;
         let _ = clip.sq.f_sqrt_out(&clip.norm)?;
         if clip.max_norm > 0.0 {
+            // min(max_norm / (norm + 1e-6), 1), by the fallible scalar ops (src/ops.rs).
             let mut coef = clip.coef.shallow_clone();
-            coef.f_copy_(&clip.norm)?;
-            let _ = coef.f_add_scalar_(1e-6)?;
+            coef.f_copy_(&crate::ops::add_scalar(&clip.norm, 1e-6)?)?;
             let _ = coef.f_reciprocal_()?;
-            let _ = coef.f_mul_scalar_(clip.max_norm)?;
-            let _ = coef.f_clamp_max_(1.0)?;
+            crate::ops::mul_scalar_(&coef, clip.max_norm)?;
+            let one = coef.f_ones_like()?; // filled on the device: no copy, no sync
+            let _ = coef.f_clamp_max_tensor_(&one)?;
             for g in &parts {
                 let _ = g.shallow_clone().f_mul_(&coef)?;
             }

@@ -54,7 +54,7 @@ impl Prepared {
     /// nothing to agree on). The ranks take the least of theirs (`agree_gather`).
     pub fn gather_chunk(&self) -> Option<i64> {
         match &self.gather {
-            Some(Gather::Buffers(b)) => Some(b.own.numel() as i64),
+            Some(Gather::Buffers(_, l)) => Some(l.chunk),
             Some(Gather::Grads(spaces, l)) => Some(spaces[0].numel() as i64 / l.world as i64),
             _ => None,
         }
@@ -72,7 +72,9 @@ impl Prepared {
     /// the buffers'): the ranks' all-gathers are then the same collectives, however each
     /// found its memory.
     pub fn agree_gather(&mut self, chunk: i64) {
-        if let Some(Gather::Grads(_, l)) = &mut self.gather {
+        // Buffers hold `world x` their chunk: a smaller one agreed fits them too (stage 2's
+        // segments may take one below the buffers' on another rank).
+        if let Some(Gather::Grads(_, l) | Gather::Buffers(_, l)) = &mut self.gather {
             let chunk = chunk.clamp(1, l.shard.max(1));
             if l.chunk != chunk {
                 *l = l.rechunked(chunk);
@@ -83,8 +85,9 @@ impl Prepared {
 
 /// The memory a sharded step's all-gather goes through, a chunk at a time.
 enum Gather {
-    /// Its own buffers (`world x chunk` and one chunk), by the optimizer's layout.
-    Buffers(Buffers),
+    /// Its own buffers (`world x chunk` and one chunk), by the optimizer's layout, or the
+    /// smaller chunk the ranks agreed on.
+    Buffers(Buffers, Layout),
     /// Stage 2: the gradient shard, whose values the update has used (`Zero::gather_in_grad`).
     Shard,
     /// Stage 1 (and stage 2's segments): the storages only the spent gradients hold (the
@@ -220,7 +223,7 @@ impl AdamW {
                 }
             }
         }
-        Buffers::new(&z.layout, Kind::Float, z.exp_avg.device()).map(Gather::Buffers)
+        Buffers::new(&z.layout, Kind::Float, z.exp_avg.device()).map(|b| Gather::Buffers(b, z.layout.clone()))
     }
 
     /// This rank's update and the all-gather of every rank's updated parameters through
@@ -248,7 +251,7 @@ impl AdamW {
         }
         let flat = self.flat_params()?;
         let (l, spaces) = match (through, &z.grad) {
-            (Gather::Buffers(b), _) => (&z.layout, vec![b.all.shallow_clone()]),
+            (Gather::Buffers(b, l), _) => (l, vec![b.all.shallow_clone()]),
             (Gather::Grads(spaces, l), _) => (l, spaces.iter().map(Tensor::shallow_clone).collect()),
             (Gather::Shard, Some(g)) => (&z.gather_in_grad, g.parts()),
             (Gather::Shard, None) => return Err(Error::Dist("stage 2's all-gather found no gradient shard".into())),

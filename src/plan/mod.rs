@@ -250,13 +250,15 @@ impl Estimate {
     }
 
     /// The fewest data-parallel ranks (up to 4096) over which the optimizer-sharded state
-    /// lets micro-batch 1 fit `memory`; `None` when no number does (the parameters,
-    /// gradients and one sample alone exceed it).
-    pub fn ranks_to_fit(&self, memory: u64) -> Option<u64> {
+    /// lets micro-batch 1 fit `memory`, each rank taking its share of a step of `global`
+    /// samples (more than one: it accumulates, beside the summed gradients); `None` when no
+    /// number does (the parameters, gradients and one sample alone exceed it).
+    pub fn ranks_to_fit(&self, memory: u64, global: usize) -> Option<u64> {
         let fits = |w: u64| {
+            let share = global.max(1).div_ceil(w as usize);
             self.clone()
                 .with_shard(crate::optim::Shard::Optimizer, w)
-                .largest_fitting(memory, 1)
+                .largest_fitting(memory, share)
                 >= 1
         };
         if !fits(4096) {
@@ -640,7 +642,7 @@ pub fn suggestions(
     if let Some(w) = Estimate::new(m, precision, cuda)
         .with_checkpointing(checkpointing)
         .with_bucket_cap(bucket_cap)
-        .ranks_to_fit(memory)
+        .ranks_to_fit(memory, global)
         .filter(|&w| w > 1)
     {
         out.push(format!("data parallel over {w} or more ranks with AdamW's state sharded across them: train.shard: optimizer (ZeRO-1; the guard \
@@ -827,12 +829,23 @@ mod tests {
         );
         // Between the sharded and the whole state's peaks: some number of ranks fits.
         let m = (e.clone().with_shard(Shard::Optimizer, 8).peak(1) + e.peak(1)) / 2;
-        let w = e.ranks_to_fit(m).unwrap();
+        let w = e.ranks_to_fit(m, 1).unwrap();
         assert!(w > 1 && w <= 8, "{w}");
         assert!(e.clone().with_shard(Shard::Optimizer, w).largest_fitting(m, 1) == 1);
         assert!(e.clone().with_shard(Shard::Optimizer, w - 1).largest_fitting(m, 1) == 0);
         // The parameters and gradients alone do not fit: no number of ranks helps.
-        assert_eq!(e.ranks_to_fit(e.params_bytes), None);
+        assert_eq!(e.ranks_to_fit(e.params_bytes, 1), None);
+        // A step of 64 samples: a rank with more than one sample of it accumulates beside
+        // the summed gradients, so the answer is the ranks at which each rank's share fits.
+        let w = e.ranks_to_fit(m, 64).unwrap();
+        let share = |w: u64| 64usize.div_ceil(w as usize);
+        assert!(e.clone().with_shard(Shard::Optimizer, w).largest_fitting(m, share(w)) >= 1);
+        assert!(
+            e.clone()
+                .with_shard(Shard::Optimizer, w - 1)
+                .largest_fitting(m, share(w - 1))
+                == 0
+        );
     }
 
     /// Dropout on the CPU at a context no machine holds: the unfused scores pass u64, and

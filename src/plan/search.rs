@@ -123,7 +123,11 @@ pub fn auto_micro_batch(
     let (found, trials) = search(start, max, |m| {
         let outcome = (|| -> Result<()> {
             let (x, y) = data.micro_batch(0, 0..m)?;
-            let _ = task.forward_backward(&x, &y, 1.0, amp)?;
+            // Below the global batch a step accumulates: its second micro-batch runs beside
+            // the first one's gradients, as `profile`'s trials count them.
+            for _ in 0..if m < max { 2 } else { 1 } {
+                let _ = task.forward_backward(&x, &y, 1.0, amp)?;
+            }
             Ok(())
         })();
         clear_grads();
