@@ -23,6 +23,7 @@ KNOWN = ("wandb", "mlflow")
 ENV = "OOMGUARD_TRACKERS"
 STATE = "trackers.json"  # RUN_DIR/trackers.json: each tracker's run id, so a resumed run goes on in it
 THROUGH = "logged_through"  # ...and the last step they were sent, so a resume's redone steps are not sent twice
+SAVE_EVERY_S = 5.0  # how often the last step sent is written while the run goes on
 
 # metrics.jsonl's step fields -> HF Trainer's W&B names (its WandbCallback's rewrite_logs).
 _STEP = (
@@ -176,7 +177,8 @@ class Trackers:
     that is not installed or cannot start is an error before training, not a lost log.
     `mode`: "same" goes on in the runs trackers.json names (the Python guard's);
     "resume" also sends no step already sent (`oomguard train --resume` redoes the steps
-    after its checkpoint, bit for bit); "new" opens new runs (a fresh start, or a fork)."""
+    after its checkpoint: the trackers keep the values first sent for them); "new" opens
+    new runs (a fresh start, or a fork)."""
 
     def __init__(
         self, chosen: List[str], run_dir: str, config: Optional[dict] = None, where: str = ENV, mode: str = "same"
@@ -194,6 +196,10 @@ class Trackers:
         through = ids.get(THROUGH)
         self.through = through if _number(through) else None  # the last step sent
         self._skip = self.through if mode == "resume" else None
+        # The ids of the trackers named before, kept whether or not named now; written
+        # only once every tracker named now has opened.
+        self._ids = {k: v for k, v in ids.items() if k in KNOWN}
+        self._opened, self._saved = False, time.monotonic()
         # The run directory's last two parts (runs/demo/001 -> demo/001): every config's
         # first run is 001.
         parts = os.path.abspath(run_dir).split(os.sep)
@@ -209,7 +215,8 @@ class Trackers:
             except Exception as e:  # noqa: BLE001 - the tracker's own refusal, said as it said it
                 self.close()
                 raise TrackerError(f"{where} names {name}, which could not start a run: {e}".lstrip()) from e
-        self._ids = {n: t.id for n, t in self.live.items()}
+        self._ids.update({n: t.id for n, t in self.live.items()})
+        self._opened = True
         if self.live:
             _write_state(state_path, self._state())
         atexit.register(self.close)
@@ -225,7 +232,7 @@ class Trackers:
         if found is None:
             return
         if self._skip is not None and found[0] <= self._skip:
-            return  # sent before the resume, the same values
+            return  # sent before the resume: the trackers keep those values
         self.through = found[0] if self.through is None else max(self.through, found[0])
         for name, tracker in list(self.live.items()):
             try:
@@ -233,6 +240,11 @@ class Trackers:
             except Exception as e:  # noqa: BLE001 - a tracker never stops training
                 _warn(f"{name} stopped logging: {e}; metrics.jsonl has every record")
                 del self.live[name]
+        # The step sent, every few seconds: a follower killed before it closes the runs
+        # leaves at most that much for a resume to send again.
+        if self.live and time.monotonic() - self._saved > SAVE_EVERY_S:
+            self._saved = time.monotonic()
+            _write_state(self._state_path, self._state())
 
     def close(self) -> None:
         had = bool(self.live)
@@ -242,7 +254,7 @@ class Trackers:
             except Exception as e:  # noqa: BLE001
                 _warn(f"{name} did not close cleanly: {e}")
         self.live.clear()
-        if had:  # last: a resume that finds the step sent knows these runs are closed
+        if had and self._opened:
             _write_state(self._state_path, self._state())
 
 

@@ -32,9 +32,12 @@ impl AdamW {
             for g in z.grad.as_ref().expect("stage 2 gradients").parts() {
                 let _ = sq.f_add_(&g.f_dot(&g)?)?;
             }
+            let one = sq.f_ones_like()?;
             let clip = zero::Clip {
                 norm: sq.f_zeros_like()?,
                 coef: sq.f_zeros_like()?,
+                eps: crate::ops::mul_scalar(&one, 1e-6)?,
+                one,
                 sq,
                 max_norm,
             };
@@ -69,13 +72,14 @@ impl AdamW {
         z.comm.all_reduce_sum(&clip.sq)?;
         let _ = clip.sq.f_sqrt_out(&clip.norm)?;
         if clip.max_norm > 0.0 {
-            // min(max_norm / (norm + 1e-6), 1), by the fallible scalar ops (src/ops.rs).
+            // min(max_norm / (norm + 1e-6), 1), in place, by the fallible scalar op
+            // (src/ops.rs) and the constants allocated with the rest.
             let mut coef = clip.coef.shallow_clone();
-            coef.f_copy_(&crate::ops::add_scalar(&clip.norm, 1e-6)?)?;
+            coef.f_copy_(&clip.norm)?;
+            let _ = coef.f_add_(&clip.eps)?;
             let _ = coef.f_reciprocal_()?;
             crate::ops::mul_scalar_(&coef, clip.max_norm)?;
-            let one = coef.f_ones_like()?; // filled on the device: no copy, no sync
-            let _ = coef.f_clamp_max_tensor_(&one)?;
+            let _ = coef.f_clamp_max_tensor_(&clip.one)?;
             for g in &parts {
                 let _ = g.shallow_clone().f_mul_(&coef)?;
             }

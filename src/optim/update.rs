@@ -68,9 +68,8 @@ impl Prepared {
         }
     }
 
-    /// The chunk every rank can take (the least `gather_chunk` over the ranks, never below
-    /// the buffers'): the ranks' all-gathers are then the same collectives, however each
-    /// found its memory.
+    /// The chunk every rank can take (the least `gather_chunk` over the ranks): the ranks'
+    /// all-gathers are then the same collectives, however each found its memory.
     pub fn agree_gather(&mut self, chunk: i64) {
         // Buffers hold `world x` their chunk: a smaller one agreed fits them too (stage 2's
         // segments may take one below the buffers' on another rank).

@@ -462,6 +462,10 @@ pub struct Clip {
     pub sq: Tensor,
     pub norm: Tensor,
     pub coef: Tensor,
+    /// 1e-6 and 1 as 0-dim tensors: the clipping's constants, so that it allocates nothing
+    /// once the ranks agreed.
+    pub eps: Tensor,
+    pub one: Tensor,
     pub max_norm: f64,
 }
 

@@ -143,11 +143,20 @@ def test_oomguard_train_mirrors_metrics_jsonl_to_both_and_a_resume_goes_on_in_th
         if last_step(run_dir) >= 6:
             break
         time.sleep(0.05)
+    children = Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()  # the follower
     p.kill()
     assert p.wait() == -9, "the first start ended before it was killed"
-    sent = run_dir / "trackers.json"
-    while time.monotonic() < deadline and "logged_through" not in json.loads(sent.read_text()):
+
+    def running(pid: str) -> bool:
+        try:
+            return "\tZ" not in Path(f"/proc/{pid}/status").read_text().split("State:")[1][:4]
+        except (OSError, IndexError):
+            return False
+
+    while time.monotonic() < deadline and any(running(c) for c in children):
         time.sleep(0.2)
+    assert children and not any(running(c) for c in children), "the follower did not finish"
+    sent = run_dir / "trackers.json"
     first = json.loads(sent.read_text())
     assert first["logged_through"] >= 6, first
     p = train(tmp_path, run_dir, "--set", "train.max_steps=12", "--set", "log.trackers=[wandb, mlflow]", "--resume")
@@ -195,6 +204,12 @@ def test_a_tracker_that_cannot_start_is_a_clear_error_before_training(tmp_path):
     assert p.returncode == 2, p.stdout
     assert "names mlflow, which is not installed for" in p.stdout and "pip install mlflow" in p.stdout, p.stdout
     assert not any(r["event"] == "step" for r in records(tmp_path / "b"))
+    # The second of two refuses its run after the first opened one: that refusal is said, and
+    # no trackers.json names a run the start never used.
+    p = train(tmp_path, tmp_path / "c", "--set", "log.trackers=[wandb, mlflow]", MLFLOW_TRACKING_URI="nosuchscheme://x")
+    assert p.returncode == 2, p.stdout
+    assert "names mlflow, which could not start a run" in p.stdout and "Traceback" not in p.stdout, p.stdout
+    assert not (tmp_path / "c" / "trackers.json").exists()
     # The Python door: the variable is named.
     code = "import oomguard, torch; oomguard.Guard(torch.nn.Linear(2, 2), 4, run_dir='r')"
     p = subprocess.run([sys.executable, "-c", code], env=tracker_env(tmp_path, OOMGUARD_TRACKERS="tensorboard"),

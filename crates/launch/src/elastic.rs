@@ -385,4 +385,22 @@ mod tests {
             "{out:?}"
         );
     }
+
+    /// Elastic 1:3, two nodes: one finished (its launcher left), then the other is stopped
+    /// by SIGTERM: the job ends with 143 (no worker failed), at once, naming the finish.
+    #[test]
+    fn a_member_leaving_after_another_finished_ends_the_job_with_its_code() {
+        let mut c = elastic(1, 3);
+        let (a, _) = join(&mut c, 0);
+        let (b, _) = join(&mut c, 1);
+        c.tick(std::time::Instant::now());
+        c.on(b, ToCoordinator::Done);
+        assert_eq!(c.gone(b), vec![]);
+        let out = c.on(a, ToCoordinator::Abort { code: 143 });
+        assert!(
+            matches!(&out[..], [(To::All, ToNode::Stop { code: 143, why })] if why.contains("workers had finished")),
+            "{out:?}"
+        );
+        assert!(c.settled());
+    }
 }

@@ -617,7 +617,6 @@ fn endpoint(s: &str) -> Result<(String, u16), String> {
 }
 
 #[cfg(test)]
-#[cfg(test)]
 mod tests {
     use super::*;
     use clap::Parser;

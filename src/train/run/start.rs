@@ -208,6 +208,7 @@ impl<'a> Run<'a> {
                             },
                             &cache_key,
                             limit,
+                            pg.as_ref().map_or(1, |p| p.world),
                         )?;
                         if let Some(pg) = &pg {
                             // One micro-batch for all ranks: the smallest any rank found.
@@ -717,7 +718,9 @@ fn known_good(key: &str, configured: usize) -> usize {
     }
 }
 
-/// `micro_batch_size: auto`: the cache, or a search from the planner's estimate.
+/// `micro_batch_size: auto`: the cache, or a search from the planner's estimate, up to a
+/// rank's share of the step (of `world` ranks).
+#[allow(clippy::too_many_arguments)]
 fn auto_search(
     cfg: &Config,
     task: &dyn Task,
@@ -726,22 +729,24 @@ fn auto_search(
     amp: &Amp,
     key: &str,
     limit: Option<u64>,
+    world: usize,
 ) -> Result<AutoResult> {
     let device = amp.device;
     let c = &cfg.raw;
     let global = c.train.global_batch_size();
+    let share = global.div_ceil(world.max(1)); // a rank at its share accumulates nothing
     let batches = StepSamples::new(data.train.as_ref(), c.train.seed, global, device);
     // The planner's estimate: its formula, or a line fitted through a few measured trials.
     let start = match (task.formula(), limit) {
-        (Some(est), Some(l)) => est.largest_fitting(l, global).max(1),
+        (Some(est), Some(l)) => est.largest_fitting(l, share).max(1),
         (None, Some(l)) => plan::measure(task, &batches, &|| opt.clear_grads(), amp, plan::CUDA_OVERHEAD)?
-            .map_or(1, |p| p.largest_fitting(l, global).max(1)),
-        _ => global,
+            .map_or(1, |p| p.largest_fitting(l, share).max(1)),
+        _ => share,
     };
     let spec = AutoSearch {
         key: key.to_string(),
         start,
-        max: global,
+        max: share,
         margin: c.memory.auto_margin,
     };
     let r = plan::auto_micro_batch(task, &batches, || opt.clear_grads(), amp, spec)?;

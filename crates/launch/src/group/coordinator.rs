@@ -200,6 +200,13 @@ impl Coordinator {
         self.joined.remove(&node);
         self.members.remove(&node);
         let now = elastic::unix_ms();
+        // A finished node never starts another round: a member leaving then ends the job,
+        // with the leave's code.
+        let finished = self.joined.iter().find(|n| self.done.contains(n)).copied();
+        if let (Some(n), false) = (finished, matches!(self.phase, Phase::Joining)) {
+            let why = format!("{cause} after node {}'s workers had finished", self.rank_of(n));
+            return self.end(code, why);
+        }
         match &mut self.phase {
             Phase::Joining => {
                 if self.joined.len() < e.min {
