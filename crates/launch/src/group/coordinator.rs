@@ -202,8 +202,7 @@ impl Coordinator {
         let now = elastic::unix_ms();
         // A finished node never starts another round: a member leaving then ends the job,
         // with the leave's code.
-        let finished = self.joined.iter().find(|n| self.done.contains(n)).copied();
-        if let (Some(n), false) = (finished, matches!(self.phase, Phase::Joining)) {
+        if let (Some(n), false) = (self.finished_member(), matches!(self.phase, Phase::Joining)) {
             let why = format!("{cause} after node {}'s workers had finished", self.rank_of(n));
             return self.end(code, why);
         }
@@ -241,6 +240,11 @@ impl Coordinator {
             }
             Phase::Ended => vec![],
         }
+    }
+
+    /// A member whose workers all finished (its launcher has left): no round starts again.
+    fn finished_member(&self) -> Option<usize> {
+        self.joined.iter().find(|n| self.done.contains(n)).copied()
     }
 
     fn end(&mut self, code: i32, why: String) -> Vec<(To, ToNode)> {
@@ -451,11 +455,7 @@ impl Coordinator {
         if !(self.joined.iter()).all(|n| stopped.contains(n) || self.done.contains(n)) {
             return vec![];
         }
-        let finished = self
-            .joined
-            .iter()
-            .find(|n| self.done.contains(n))
-            .map(|&n| self.rank_of(n));
+        let finished = self.finished_member().map(|n| self.rank_of(n));
         let (report, failed_node, change) = (report.clone(), *failed_node, change.clone());
         let ended = report.as_ref().map_or(Ended::Other, Report::ended);
         let micro = report.as_ref().and_then(|r| r.micro);
